@@ -1,0 +1,52 @@
+# One command to set up, one to test, one to run the main job. Everything runs inside .venv.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: install demo test check sync nbs export bench clean-venv
+
+install: $(STAMP)
+
+# uv resolves and installs the pinned stack (torch CUDA build, which also runs on CPU) in about a minute.
+$(STAMP): constraints.txt settings.ini setup.py
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip uv
+	$(BIN)/uv pip install --python $(BIN)/python -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+## The main job on its built-in default.
+demo: install
+	$(BIN)/python -m powerclip.theory
+
+## Everything CI runs: the notebooks/scripts/package agree, every notebook cell runs, pytest passes.
+test: install check
+	$(BIN)/nbdev_test --n_workers 2 --timing
+	$(BIN)/python -m pytest -q tests
+
+## Paired scripts and notebooks in sync, notebooks clean, and `nbdev_export` changes nothing.
+check: install
+	$(BIN)/python .ci/check_notebooks.py
+
+## After editing nbs/scripts/*.py: refresh the paired notebooks, export the package.
+sync: install
+	$(BIN)/jupytext --sync nbs/scripts/*.py
+	$(BIN)/nbdev_clean
+	$(BIN)/nbdev_export
+
+## Re-execute notebooks so that their committed outputs (plots, tables) are current: `make nbs NB=nbs/10_powerset.ipynb`.
+NB ?= nbs/[0-9]*.ipynb
+nbs: sync
+	for nb in $(NB); do $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=1800 $$nb || exit 1; done
+	$(BIN)/nbdev_clean
+	$(BIN)/jupytext --sync nbs/*.ipynb
+
+export: install
+	$(BIN)/nbdev_export
+
+## Cost-scaling benchmark (exact vs NLA powerset loss): writes benchmarks/results/.
+bench: install
+	$(BIN)/python benchmarks/cost_scaling.py
+
+clean-venv:
+	rm -rf $(VENV)
