@@ -1,0 +1,1 @@
+"""Command-line tools that prepare data for powerclip (thin layers over `powerclip.parsing` and `powerclip.regions`)."""
