@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test check sync nbs export bench clean-venv
+.PHONY: install demo theory test check sync nbs export bench clean-venv
 
 install: $(STAMP)
 
@@ -15,8 +15,12 @@ $(STAMP): constraints.txt settings.ini setup.py
 	$(BIN)/uv pip install --python $(BIN)/python -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-## The main job on its built-in default.
+## The main job on its built-in default: CLIP vs PowerCLIP-R vs PowerCLIP-gold on the built-in world.
 demo: install
+	$(BIN)/python -m powerclip.demo
+
+## The float64 theory checks (Lemma A.1, powerset identities, Theorems 1-2), printed as a table.
+theory: install
 	$(BIN)/python -m powerclip.theory
 
 ## Everything CI runs: the notebooks/scripts/package agree, every notebook cell runs, pytest passes.

@@ -1,0 +1,237 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: nbs///ipynb,nbs/scripts///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+#| default_exp methods
+
+# %%
+#| export
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from powerclip.dist import DistContext
+from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
+
+# %%
+#| hide
+import torch.nn.functional as F
+from fastcore.test import test_fail
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# # Methods
+#
+# > A training method is a small object that the trainer asks for by name: what it needs of a batch, what it changes in the forward pass, and its loss terms as a dict of named tensors.
+
+# %% [markdown]
+# The trainer (`50_train`) knows no method by name. Each step it does
+#
+# ```python
+# batch = method.prepare_batch(batch)        # add what the method needs (masks, phrases), on the host
+# out = method.forward(model, batch)         # the model's outputs (inside DDP's forward)
+# terms = method.loss(out, batch, dist)      # {'clip': ..., 'powerset': ..., '_sim_pos': ...}
+# loss = sum(v for k, v in terms.items() if not k.startswith('_'))
+# ```
+#
+# and logs every term. `dist` is a `powerclip.dist.DistContext`: `dist.gather_many([x, y, ...])` (all-gather with
+# gradient, one collective for all tensors: several separate gathers can pair up wrongly in the backward pass,
+# see `51_dist`), `dist.rank`, `dist.world_size`; `powerclip.dist.pad_dim` / `all_max` for ragged K, W. A method that gathers follows
+# the convention of `11_loss`: local rows against gathered columns, positives at `offset = rank * R`.
+#
+# Adding a method (FLIP, FILIP, SPARC, ...) is one class with a `Config` dataclass and `@register('name')`;
+# its config is what the run config's `method_cfg` holds.
+
+# %%
+#| export
+@dataclass
+class NoConfig:
+    "For methods without options."
+
+
+class Method:
+    "Base method: CLIP's forward pass and no extra batch keys. Subclasses set `Config` and override `loss`."
+    name: str = "base"
+    Config: type = NoConfig
+    batch_keys: tuple[str, ...] = ("image", "tokens")  # what `loss` / `forward` read of a batch
+
+    def __init__(self, cfg=None):
+        self.cfg = cfg if cfg is not None else self.Config()
+        if not isinstance(self.cfg, self.Config):
+            raise TypeError(f"method {self.name!r} needs a {self.Config.__name__}, got {type(self.cfg).__name__}")
+
+    def setup_model(self, model) -> None:
+        "Change the model once before training (e.g. FLIP's patch dropout). Default: nothing."
+
+    def prepare_batch(self, batch: dict) -> dict:
+        "Add to / check a host-side batch before it moves to the device. Default: check the keys."
+        missing = [k for k in self.batch_keys if k not in batch]
+        if missing: raise KeyError(f"method {self.name!r} needs batch keys {missing}; the batch has {sorted(batch)}")
+        return batch
+
+    def forward(self, model, batch: dict) -> dict:
+        "The model's outputs for the loss: `powerclip.model.encode` (image, text, patches, tokens, logit_scale)."
+        from powerclip.model import encode  # late: methods stay importable without open_clip loaded
+        return encode(model, batch["image"], batch["tokens"], need_patches=self.needs_patches)
+
+    needs_patches: bool = False
+
+    def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register(name: str):
+    "Class decorator: make a Method subclass available to `get_method(name)`."
+    def deco(cls):
+        if name in METHODS and METHODS[name] is not cls: raise ValueError(f"method {name!r} is already registered")
+        cls.name = name
+        METHODS[name] = cls
+        return cls
+    return deco
+
+
+def method_config(name: str, cfg: dict | None = None):
+    "The method's config dataclass from a plain dict (what YAML holds); unknown keys are a clear error."
+    cls = _method_cls(name)
+    cfg = dict(cfg or {})
+    known = {f.name for f in dataclasses.fields(cls.Config)}
+    unknown = sorted(set(cfg) - known)
+    if unknown: raise ValueError(f"unknown option(s) {unknown} for method {name!r}; known: {sorted(known)}")
+    return cls.Config(**cfg)
+
+
+def get_method(name: str, cfg: dict | object | None = None) -> Method:
+    "A method by name, with its config given as a dict, a config object, or None (defaults)."
+    cls = _method_cls(name)
+    return cls(cfg if isinstance(cfg, cls.Config) else method_config(name, cfg))
+
+
+def _method_cls(name: str) -> type[Method]:
+    if name not in METHODS: _import_baselines()
+    if name not in METHODS: raise KeyError(f"unknown method {name!r}; registered: {sorted(METHODS)}")
+    return METHODS[name]
+
+
+def _import_baselines() -> None:
+    "Methods in `powerclip/baselines/*.py` register themselves when imported: import them all, once, on demand."
+    import importlib, pkgutil
+    try: import powerclip.baselines as pkg
+    except ImportError: return
+    for m in pkgutil.iter_modules(pkg.__path__): importlib.import_module(f"powerclip.baselines.{m.name}")
+
+
+# %% [markdown]
+# ## CLIP
+#
+# The symmetric InfoNCE of `11_loss`, on the local rows against the embeddings gathered from every process.
+
+# %%
+#| export
+@register("clip")
+class CLIP(Method):
+    "CLIP (Radford et al. 2021): global image and text embeddings, contrastive loss."
+
+    def loss(self, out, batch, dist):
+        R = out["image"].shape[0]
+        img_all, txt_all = dist.gather_many([out["image"], out["text"]]) if dist.distributed else (None, None)
+        return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], img_all, txt_all, dist.rank * R),
+                "_logit_scale": out["logit_scale"].detach()}
+
+
+# %% [markdown]
+# ## PowerCLIP
+#
+# CLIP plus $\lambda$ times the powerset triplet loss between the image's region masks and the caption's tree
+# nodes. Where the region masks come from (random boxes for PowerCLIP-R, the world's gold object masks, SAM) is
+# a choice of the *data* config: the method only reads `region_masks`. Phrase embeddings of different
+# processes have different numbers of nodes $K$, so they are padded to the largest $K$ before gathering, and
+# all four float tensors travel in one collective (`gather_many`).
+
+# %%
+#| export
+@register("powerclip")
+class PowerCLIP(Method):
+    "PowerCLIP: CLIP + lam * powerset triplet loss (NLA-T1 + NLA-T2), config `PowerCLIPLossConfig`."
+    Config = PowerCLIPLossConfig
+    batch_keys = ("image", "tokens", "leaf_tokens", "incidence", "node_valid", "region_masks", "region_valid")
+    needs_patches = True
+
+    def loss(self, out, batch, dist):
+        from powerclip.model import powerset_inputs
+        local = powerset_inputs(out, batch)  # (R, M, D), (R, M), (R, K, D), (R, K)
+        args = (out["image"], out["text"], out["logit_scale"], local, self.cfg)
+        if not dist.distributed:
+            terms = powerclip_loss(*args)
+        else:
+            img_all, txt_all, gathered = gather_powerset(out["image"], out["text"], local, dist)
+            terms = powerclip_loss(*args, image_all=img_all, text_all=txt_all,
+                                   gathered=gathered, offset=dist.rank * out["image"].shape[0])
+        terms["_logit_scale"] = out["logit_scale"].detach()
+        return terms
+
+
+def gather_powerset(image, text, local: PowersetInputs, dist: DistContext):
+    """(image_all (C, D), text_all (C, D), PowersetInputs of all C rows): M and K padded to their maximum over the
+    processes, the float tensors gathered with gradient in one collective (see `powerclip.dist.gather_many`)."""
+    from powerclip.dist import all_max, gather_no_grad, pad_dim
+    M, K = all_max(local.regions.shape[1]), all_max(local.phrases.shape[1])
+    img, txt, reg, phr = dist.gather_many([image, text, pad_dim(local.regions, M), pad_dim(local.phrases, K)])
+    rv, nv = gather_no_grad(pad_dim(local.region_valid, M, 1, False)), gather_no_grad(pad_dim(local.node_valid, K, 1, False))
+    return img, txt, PowersetInputs(reg, rv, phr, nv)
+
+
+# %% [markdown]
+# ### Checks
+#
+# The registry, and each method's loss on model outputs built by hand (no model needed): the methods add
+# nothing to the loss functions of `11_loss`, they only route the batch to them.
+
+# %%
+assert {"clip", "powerclip"} <= set(METHODS)
+test_fail(lambda: get_method("nope"), contains="registered")
+test_fail(lambda: get_method("powerclip", {"lambda": 0.2}), contains="unknown option")
+_m = get_method("powerclip", {"lam": 0.2, "tau": 0.01})
+assert isinstance(_m.cfg, PowerCLIPLossConfig) and _m.cfg.lam == 0.2
+test_fail(lambda: _m.prepare_batch({"image": 0, "tokens": 0}), contains="region_masks")
+
+
+# %%
+def _fake(C=4, N=16, L=10, W=5, K=4, M=3, D=8, seed=0):
+    "Model outputs and a batch with the shapes of the batch contract."
+    g = torch.Generator().manual_seed(seed)
+    out = dict(image=F.normalize(torch.randn(C, D, generator=g), dim=-1), text=F.normalize(torch.randn(C, D, generator=g), dim=-1),
+               patches=torch.randn(C, N, D, generator=g), tokens=torch.randn(C, L, D, generator=g), logit_scale=torch.tensor(10.0))
+    leaf = torch.zeros(C, W, L, dtype=torch.bool)
+    for w in range(W): leaf[:, w, 1 + w] = True
+    batch = dict(image=None, tokens=None, leaf_tokens=leaf, leaf_valid=torch.ones(C, W, dtype=torch.bool),
+                 incidence=torch.rand(C, K, W, generator=g) < 0.5, node_valid=torch.ones(C, K, dtype=torch.bool),
+                 region_masks=torch.rand(C, M, N, generator=g) < 0.3, region_valid=torch.ones(C, M, dtype=torch.bool))
+    batch["incidence"][:, :, 0] = True; batch["region_masks"][:, :, 0] = True
+    return out, batch
+
+_out, _b = _fake()
+_one = DistContext()
+_t = get_method("clip").loss(_out, _b, _one)
+assert_close(_t["clip"], clip_loss(_out["image"], _out["text"], _out["logit_scale"]))
+_t = get_method("powerclip").loss(_out, _b, _one)
+print({k: round(float(v), 4) for k, v in _t.items()})
+assert set(_t) >= {"clip", "powerset", "_triplet_i2t", "_logit_scale"} and torch.isfinite(_t["powerset"])

@@ -1,0 +1,307 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: nbs///ipynb,nbs/scripts///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+#| default_exp baselines.filip
+
+# %%
+#| export
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from powerclip.dist import DistContext
+from powerclip.loss import clip_loss
+from powerclip.methods import Method, register
+
+# %%
+#| hide
+from torch.autograd import gradcheck
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# # FILIP
+#
+# > Token-wise late interaction (Yao et al., ICLR 2022): an image and a caption are as similar as their patches are to their best-matching words, and their words to their best-matching patches.
+
+# %% [markdown]
+# FILIP replaces CLIP's one-vector-per-side similarity by a late interaction between the $N$ patch embeddings
+# $x^I_{i,n}$ of image $i$ and the $L_j$ real token embeddings $x^T_{j,l}$ of caption $j$, all L2-normalised:
+#
+# $$s^I_{ij}=\frac1N\sum_{n=1}^{N}\max_{l\le L_j}\langle x^I_{i,n},x^T_{j,l}\rangle,\qquad
+#   s^T_{ij}=\frac1{L_j}\sum_{l=1}^{L_j}\max_{n\le N}\langle x^I_{i,n},x^T_{j,l}\rangle .$$
+#
+# $s^I$ (image-to-text: every patch picks its word) is the logit matrix of the image-to-text InfoNCE, $s^T$
+# (text-to-image: every word picks its patch) that of the text-to-image InfoNCE; the two matrices are *not*
+# transposes of each other. The loss is $\frac12[\mathrm{CE}(s\,s^I, y)+\mathrm{CE}(s\,(s^T)^\top, y)]$ with the
+# model's learnable logit scale $s$, exactly as the CLIP loss of `11_loss` with its similarities swapped.
+#
+# **Which tokens count.** Padding (id 0) never counts. Of the rest we drop, by default, the start token (SOT:
+# under the text tower's causal mask its output is the same for every caption, so it can only add a constant)
+# and the end token (EOT: it is the pooled sentence embedding, which CLIP's loss already uses; FILIP is about
+# words). The EOT is found as open_clip's text pooling finds it, at the argmax of the ids. A caption with no word
+# left (an empty caption) keeps its EOT, so that its scores stay defined. `special_tokens=True` counts SOT and
+# EOT as tokens too.
+#
+# **Patches.** All $N$ patch embeddings of the grid (the class token is not a patch). FILIP's own recipe also
+# reduces the embedding dimension and gathers in half precision to save memory; here memory is bounded instead by
+# computing the score matrices in chunks of captions (`chunk`).
+#
+# **Data parallel.** As in `11_loss`: a process computes its $R$ image rows of $s^I$ against the gathered captions
+# and its $R$ caption rows of $(s^T)^\top$ against the gathered images, positives at `offset = rank * R`.
+
+# %% [markdown]
+# ## Which tokens count
+
+# %%
+#| export
+def text_token_mask(
+    ids: torch.Tensor,            # (C, L) long open_clip token ids: SOT, word pieces, EOT, zero padding
+    special_tokens: bool = False, # True: SOT and EOT count as tokens too
+) -> torch.Tensor:                # (C, L) bool
+    "The caption tokens that take part in token-wise interaction: not padding, and (default) not SOT/EOT."
+    valid = ids != 0
+    if not valid.any(-1).all():
+        raise ValueError(f"captions {(~valid.any(-1)).nonzero().flatten().tolist()} have no token at all (all padding)")
+    if special_tokens: return valid
+    eot = ids.argmax(-1)                                      # (C,) open_clip's EOT position (its text pooling)
+    words = valid.clone()
+    words[:, 0] = False                                       # SOT
+    words[torch.arange(ids.shape[0], device=ids.device), eot] = False
+    empty = ~words.any(-1)                                    # captions with no word piece: keep their EOT
+    words[empty.nonzero().flatten(), eot[empty]] = True
+    return words
+
+
+# %%
+_ids = torch.tensor([[49406, 320, 1929, 49407, 0, 0],       # "a dog"
+                     [49406, 49407, 0, 0, 0, 0],            # empty caption: its EOT stands in
+                     [49406, 1, 2, 3, 4, 49407]])           # truncated: EOT at the last position
+assert text_token_mask(_ids).tolist() == [[False, True, True, False, False, False],
+                                          [False, True, False, False, False, False],
+                                          [False, True, True, True, True, False]]
+assert text_token_mask(_ids, special_tokens=True).tolist() == (_ids != 0).tolist()
+try: text_token_mask(torch.zeros(2, 4, dtype=torch.long)); raise AssertionError
+except ValueError as e: print("all padding:", e)
+
+# %% [markdown]
+# On the batch contract's own tokens (`powerclip.parsing.tree_tokens`), the counted tokens are exactly the BPE
+# pieces of the caption's words, `leaf_tokens.any(0)`:
+
+# %%
+from powerclip.parsing import ParsedCaption, tree_tokens
+
+_pc = ParsedCaption("a red cube left of a blue sphere", "a red cube left of a blue sphere".split(),
+                    [(0, 8), (0, 3), (3, 8)], ["S", "NP", "PP"], "gold", [])
+_tt = tree_tokens(_pc)
+assert torch.equal(text_token_mask(_tt.tokens[None])[0], _tt.leaf_tokens.any(0))
+print(_tt.tokens[:12].tolist())
+
+
+# %% [markdown]
+# ## Scores
+#
+# One einsum gives the $(C_i, C_j, N, L)$ patch-token similarities of a chunk of captions; both scores are
+# reductions of it. `max(...).values` (not `amax`) keeps only the argmax indices for the backward pass, so a
+# chunk's 4-d tensor is freed once reduced. Reductions run in at least float32 (bf16 sums of 196 terms lose digits).
+
+# %%
+#| export
+def filip_scores(
+    patches: torch.Tensor,      # (Ci, N, D) L2-normalised patch embeddings
+    tokens: torch.Tensor,       # (Cj, L, D) L2-normalised token embeddings
+    token_valid: torch.Tensor,  # (Cj, L) bool, see `text_token_mask`; every caption needs one valid token
+    chunk: int | None = None,   # captions per block of the (Ci, chunk, N, L) similarity tensor (None: all)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (s_i2t (Ci, Cj), s_t2i (Ci, Cj)), both indexed [image, caption]
+    "FILIP's image-to-text (mean over patches of the max over words) and text-to-image (mean over words of the max over patches) scores."
+    if not token_valid.any(-1).all(): raise ValueError("every caption needs at least one valid token")
+    L = int(token_valid.any(0).nonzero().max()) + 1                        # slots after the longest caption: padding
+    tokens, token_valid = tokens[:, :L], token_valid[:, :L]                 # (Cj, L', D): exact, and 77 -> ~15 slots
+    dtype = torch.promote_types(torch.promote_types(patches.dtype, tokens.dtype), torch.float32)
+    chunk = chunk or tokens.shape[0]
+    i2t, t2i = [], []
+    for j in range(0, tokens.shape[0], chunk):
+        tok, val = tokens[j:j + chunk], token_valid[j:j + chunk]            # (c, L, D), (c, L)
+        sim = torch.einsum("ind,jld->ijnl", patches, tok).to(dtype)         # (Ci, c, N, L)
+        word_max = sim.masked_fill(~val[None, :, None, :], float("-inf")).max(-1).values  # (Ci, c, N)
+        i2t.append(word_max.mean(-1))                                       # (Ci, c)
+        patch_max = sim.max(2).values                                       # (Ci, c, L)
+        t2i.append((patch_max * val).sum(-1) / val.sum(-1))                 # (Ci, c) masked mean over words
+    return torch.cat(i2t, 1), torch.cat(t2i, 1)
+
+
+# %% [markdown]
+# Checked against the definition written as loops over pairs, patches and tokens, in float64:
+
+# %%
+def _naive_scores(p, t, v):
+    "Per pair, per patch, per token loops: the definition above."
+    Ci, Cj, N = p.shape[0], t.shape[0], p.shape[1]
+    s_i2t, s_t2i = torch.zeros(Ci, Cj, dtype=p.dtype), torch.zeros(Ci, Cj, dtype=p.dtype)
+    for i in range(Ci):
+        for j in range(Cj):
+            ls = [l for l in range(t.shape[1]) if v[j, l]]
+            s_i2t[i, j] = sum(max(p[i, n] @ t[j, l] for l in ls) for n in range(N)) / N
+            s_t2i[i, j] = sum(max(p[i, n] @ t[j, l] for n in range(N)) for l in ls) / len(ls)
+    return s_i2t, s_t2i
+
+def _inputs(C=4, N=5, L=6, D=3, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    p = F.normalize(torch.randn(C, N, D, generator=g, dtype=dtype), dim=-1)
+    t = F.normalize(torch.randn(C, L, D, generator=g, dtype=dtype), dim=-1)
+    ids = torch.zeros(C, L, dtype=torch.long)
+    for c in range(C):                                   # captions of 0..L-2 words, SOT/EOT around them
+        n = int(torch.randint(0, L - 1, (1,), generator=g)); ids[c, 0] = 49406
+        ids[c, 1:1 + n] = torch.randint(1, 49000, (n,), generator=g); ids[c, 1 + n] = 49407
+    return p, t, ids
+
+_p, _t, _ids = _inputs()
+_v = text_token_mask(_ids)
+for got, ref in zip(filip_scores(_p, _t, _v), _naive_scores(_p, _t, _v)): assert_close(got, ref)
+for got, ref in zip(filip_scores(_p, _t, _v, chunk=3), filip_scores(_p, _t, _v)): assert_close(got, ref)
+print(_ids.tolist())
+
+
+# %% [markdown]
+# ## Loss
+
+# %%
+#| export
+def filip_loss(
+    patches: torch.Tensor,           # (R, N, D) L2-normalised local patch embeddings
+    tokens: torch.Tensor,            # (R, L, D) L2-normalised local token embeddings
+    token_valid: torch.Tensor,       # (R, L) bool
+    logit_scale: torch.Tensor,       # () exp of the learnable log-temperature
+    patches_all: torch.Tensor | None = None,     # (C, N, D) gathered (None: the local ones)
+    tokens_all: torch.Tensor | None = None,      # (C, L, D) gathered
+    token_valid_all: torch.Tensor | None = None, # (C, L) gathered
+    offset: int = 0,                 # rank * R
+    chunk: int | None = None,        # see `filip_scores`
+) -> torch.Tensor:                   # scalar
+    "Symmetric InfoNCE on FILIP's token-wise scores: local image rows of s_i2t, local caption rows of s_t2i^T."
+    labels = torch.arange(patches.shape[0], device=patches.device) + offset  # (R,)
+    if patches_all is None:
+        s_i2t, s_t2i = filip_scores(patches, tokens, token_valid, chunk)    # (R, R) each
+        logits_i, logits_t = s_i2t, s_t2i.T
+    else:
+        logits_i = filip_scores(patches, tokens_all, token_valid_all, chunk)[0]    # (R, C) local images
+        logits_t = filip_scores(patches_all, tokens, token_valid, chunk)[1].T      # (R, C) local captions
+    return (F.cross_entropy(logit_scale * logits_i, labels) + F.cross_entropy(logit_scale * logits_t, labels)) / 2
+
+
+# %% [markdown]
+# Against a per-sample loop over the naive scores (forward and gradient, float64); two simulated processes of
+# two rows each, averaged, give the full-batch loss; `gradcheck` on tiny shapes.
+
+# %%
+def _naive_loss(p, t, v, s):
+    s_i2t, s_t2i = _naive_scores(p, t, v)
+    C = p.shape[0]
+    return sum(-torch.log_softmax(s * s_i2t[i], 0)[i] - torch.log_softmax(s * s_t2i[:, i], 0)[i] for i in range(C)) / (2 * C)
+
+_s = torch.tensor(7.0, dtype=torch.float64)
+_pa, _ta = _p.clone().requires_grad_(), _t.clone().requires_grad_()
+_pb, _tb = _p.clone().requires_grad_(), _t.clone().requires_grad_()
+_l, _ref = filip_loss(_pa, _ta, _v, _s), _naive_loss(_pb, _tb, _v, _s)
+assert_close(_l, _ref)
+_l.backward(); _ref.backward()
+assert_close(_pa.grad, _pb.grad); assert_close(_ta.grad, _tb.grad)
+_parts = [filip_loss(_p[sl], _t[sl], _v[sl], _s, _p, _t, _v, off) for sl, off in ((slice(0, 2), 0), (slice(2, 4), 2))]
+assert_close(sum(_parts) / 2, _l.detach())
+assert gradcheck(lambda p, t: filip_loss(p, t, _v, _s), (_pa, _ta), eps=1e-6, atol=1e-5)
+print(f"FILIP loss {float(_l.detach()):.4f} (naive {float(_ref.detach()):.4f})")
+
+# %% [markdown]
+# Finite under bf16 autocast at a ViT-B/16 grid ($N=196$, $L=77$) with a large logit scale:
+
+# %%
+_g = torch.Generator().manual_seed(1)
+_P = torch.randn(4, 196, 32, generator=_g).requires_grad_()
+_T = torch.randn(4, 77, 32, generator=_g).requires_grad_()
+_ids77 = torch.zeros(4, 77, dtype=torch.long); _ids77[:, 0] = 49406; _ids77[:, 1:9] = 5; _ids77[:, 9] = 49407
+_args = (F.normalize(_P, dim=-1), F.normalize(_T, dim=-1), text_token_mask(_ids77), torch.tensor(100.0))
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    _lb = filip_loss(*_args)
+_lb.backward()
+assert torch.isfinite(_lb) and torch.isfinite(_P.grad).all() and torch.isfinite(_T.grad).all()
+_l32 = filip_loss(*(a.detach() for a in _args))
+print(f"bf16 autocast: {float(_lb.detach()):.4f} ({_lb.dtype}), float32: {float(_l32):.4f}")
+# the einsum runs in bf16 (similarities to ~4e-3, times the logit scale); reductions and the loss in float32
+assert _lb.dtype == torch.float32 and abs(float(_lb.detach()) - float(_l32)) < 0.05 * float(_l32) + 0.05
+
+
+# %% [markdown]
+# ## The method
+#
+# Registered as `filip` in the trainer's registry (`powerclip.methods`). It normalises the projected patch and
+# token embeddings of `powerclip.model.encode`, reads the token ids of the batch for the mask, and gathers
+# patches, tokens (one collective, with gradient) and masks (without). `clip_weight > 0` adds CLIP's global
+# loss on top; FILIP as published trains on the token-wise loss alone (`clip_weight = 0`).
+
+# %%
+#| export
+@dataclass
+class FILIPConfig:
+    special_tokens: bool = False  # count SOT and EOT as caption tokens (default: words only, see above)
+    clip_weight: float = 0.0      # weight of an added global CLIP loss (FILIP as published: 0)
+    chunk: int | None = None      # captions per similarity block, to bound memory (None: all at once)
+
+    def __post_init__(self):
+        if self.clip_weight < 0: raise ValueError(f"clip_weight must be >= 0, got {self.clip_weight}")
+        if self.chunk is not None and self.chunk < 1: raise ValueError(f"chunk must be >= 1 or None, got {self.chunk}")
+
+
+@register("filip")
+class FILIP(Method):
+    "FILIP (Yao et al. 2022): symmetric InfoNCE on token-wise late-interaction scores, config `FILIPConfig`."
+    Config = FILIPConfig
+    needs_patches = True
+
+    def loss(self, out, batch, dist: DistContext):
+        from powerclip.dist import gather_no_grad
+        patches, tokens = F.normalize(out["patches"], dim=-1), F.normalize(out["tokens"], dim=-1)  # (R, N, D), (R, L, D)
+        valid = text_token_mask(batch["tokens"].to(tokens.device), self.cfg.special_tokens)    # (R, L)
+        R, s = patches.shape[0], out["logit_scale"]
+        if dist.distributed:
+            p_all, t_all, img_all, txt_all = dist.gather_many([patches, tokens, out["image"], out["text"]])
+            v_all = gather_no_grad(valid)
+        else:
+            p_all = t_all = img_all = txt_all = v_all = None
+        terms = {"filip": filip_loss(patches, tokens, valid, s, p_all, t_all, v_all, dist.rank * R, self.cfg.chunk)}
+        if self.cfg.clip_weight > 0:
+            terms["clip"] = self.cfg.clip_weight * clip_loss(out["image"], out["text"], s, img_all, txt_all, dist.rank * R)
+        terms["_logit_scale"] = s.detach()
+        return terms
+
+
+# %% [markdown]
+# On model outputs built by hand (no model needed):
+
+# %%
+from powerclip.methods import METHODS, get_method
+
+assert METHODS["filip"] is FILIP
+_m = get_method("filip", {"clip_weight": 0.5})
+_out = dict(image=F.normalize(torch.randn(4, 3, dtype=torch.float64), dim=-1),
+            text=F.normalize(torch.randn(4, 3, dtype=torch.float64), dim=-1),
+            patches=3 * _p, tokens=2 * _t, logit_scale=_s)   # encode's patches/tokens are not normalised
+_terms = _m.loss(_out, {"tokens": _ids}, DistContext())
+assert_close(_terms["filip"], _l.detach())
+assert_close(_terms["clip"], 0.5 * clip_loss(_out["image"], _out["text"], _s))
+print({k: round(float(v), 4) for k, v in _terms.items()})

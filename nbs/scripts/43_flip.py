@@ -1,0 +1,130 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: nbs///ipynb,nbs/scripts///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+#| default_exp baselines.flip
+
+# %%
+#| export
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from powerclip.methods import CLIP, register
+
+# %%
+#| hide
+import torch
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# # FLIP
+#
+# > Fast language-image pre-training (Li et al., CVPR 2023): CLIP's loss on images of which a random half of the patches is dropped before the vision transformer, in training only.
+
+# %% [markdown]
+# FLIP changes the forward pass, not the loss: after the patch and position embeddings, each training image keeps
+# a uniformly random subset of $\lfloor N(1-\rho)\rfloor$ of its $N$ patch tokens (the class token always stays),
+# and the transformer runs on those only; at evaluation nothing is dropped. The paper's main setting is
+# $\rho=0.5$. open_clip's `PatchDropout` does exactly this, and `powerclip.model.set_patch_dropout` installs it; the
+# method here only installs it once before training and then trains with CLIP's loss. Not done: FLIP's short
+# unmasked tuning at the end of training (train a few steps more with `ratio=0`, i.e. the `clip` method, from the
+# checkpoint).
+#
+# Under active dropout `encode` refuses patch embeddings (the kept patches are off the grid), so FLIP cannot be
+# combined with a loss that needs patches; the method asks for none.
+
+# %%
+#| export
+@dataclass
+class FLIPConfig:
+    ratio: float = 0.5  # fraction of patch tokens dropped per training image (FLIP: 0.5); 0 gives CLIP
+
+    def __post_init__(self):
+        if not 0 <= self.ratio < 1: raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
+
+
+@register("flip")
+class FLIP(CLIP):
+    "FLIP: CLIP's loss with random patch dropout in the vision tower during training, config `FLIPConfig`."
+    Config = FLIPConfig
+    needs_patches = False
+
+    def setup_model(self, model) -> None:
+        "Install the patch dropout; it acts in `train()` mode only (open_clip's `PatchDropout`)."
+        from powerclip.model import set_patch_dropout  # late: keeps this module importable without open_clip
+        set_patch_dropout(model, self.cfg.ratio)
+
+
+# %% [markdown]
+# ## Checks
+#
+# The dropout module keeps exactly $\lfloor N(1-\rho)\rfloor$ distinct patches per image, each patch equally
+# often, plus the class token; in eval mode it is the identity.
+
+# %%
+from open_clip.transformer import PatchDropout
+from powerclip.methods import METHODS, get_method
+
+assert METHODS["flip"] is FLIP
+try: get_method("flip", {"ratio": 1.0}); raise AssertionError
+except ValueError as e: print(e)
+
+_pd = PatchDropout(0.5).train()
+_B, _N = 4000, 16
+_x = torch.arange(1 + _N, dtype=torch.float32)[None, :, None].expand(_B, -1, 1)  # token t carries the value t
+torch.manual_seed(0)
+_kept = _pd(_x)[..., 0]                                                       # (B, 1 + 8)
+assert _kept.shape == (_B, 1 + 8) and (_kept[:, 0] == 0).all()               # the class token stays first
+assert all(len(set(r.tolist())) == 8 for r in _kept[:200, 1:])              # distinct patches
+_freq = torch.bincount(_kept[:, 1:].long().flatten(), minlength=1 + _N)[1:] / _B
+print("keep frequency per patch:", [round(float(f), 3) for f in _freq])
+assert (_freq - 0.5).abs().max() < 0.04                                      # 4000 draws: std ~ 0.008
+assert torch.equal(_pd.eval()(_x), _x)
+
+# %% [markdown]
+# On a real (micro, random-weight) model: the method installs the dropout, the vision transformer then sees
+# $1+N/2$ tokens in training and $1+N$ in evaluation, and evaluation gives the same embeddings as the model
+# without dropout.
+
+# %%
+from powerclip.dist import DistContext
+from powerclip.model import create_model, encode, register_configs
+
+register_configs()
+torch.manual_seed(0)
+_model = create_model("powerclip-micro")[0]
+_img, _tok = torch.randn(3, 3, 32, 32), torch.zeros(3, 77, dtype=torch.long)
+_tok[:, 0], _tok[:, 1:4], _tok[:, 4] = 49406, 100, 49407
+_model.eval()
+with torch.no_grad(): _ref = encode(_model, _img, _tok, need_patches=False)
+
+_m = get_method("flip")
+_m.setup_model(_model)
+_seen = []
+_h = _model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(y.shape[1]))  # right after the dropout
+_N = _model.visual.grid_size[0] * _model.visual.grid_size[1]
+_model.train()
+_out = _m.forward(_model, {"image": _img, "tokens": _tok})
+_model.eval()
+with torch.no_grad(): _ev = _m.forward(_model, {"image": _img, "tokens": _tok})
+_h.remove()
+assert _seen == [1 + _N // 2, 1 + _N], _seen
+assert_close(_ev["image"], _ref["image"]); assert_close(_ev["text"], _ref["text"])
+_terms = _m.loss(_out, {}, DistContext())
+_terms["clip"].backward()
+assert torch.isfinite(_terms["clip"]) and _model.visual.conv1.weight.grad is not None
+print(f"tokens into the vision transformer: train {_seen[0]}, eval {_seen[1]} (N = {_N}); loss {float(_terms['clip'].detach()):.4f}")

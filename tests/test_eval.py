@@ -1,0 +1,241 @@
+"""What the 60_eval notebook cannot check in a cell: the CLI (in process and as `python -m`), files, checkpoints,
+the feature cache across runs, the real coco_sample, and cross-checks against clip_benchmark and scikit-learn."""
+import importlib.util, json, subprocess, sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from powerclip.eval import (Evaluator, MissingData, chance_recall, classification_metrics, evaluate, fit_logreg,
+                            linear_probe, load_classification, load_model, load_retrieval, load_winoground, main, retrieval_recall,
+                            sha256_file, write_world_eval_set)
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / 'shared' / 'data'
+COCO = DATA / 'coco_sample'
+needs_data = pytest.mark.skipif(not COCO.is_dir(), reason=f'real data absent: {COCO}')
+
+
+@pytest.fixture(scope='module')
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp('world')
+    write_world_eval_set(root, n_images=100)
+    return root
+
+
+def _run(argv, capsys):
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_all_tasks_on_world(world, tmp_path, capsys):
+    out, cache = tmp_path / 'res', tmp_path / 'cache'
+    argv = ['run', '--model', 'powerclip-micro', '--data', str(world), '--out', str(out), '--cache', str(cache), '--no-progress']
+    rc, stdout, _ = _run(argv, capsys)
+    assert rc == 0
+    res = json.loads((out / 'random-init' / f'{world.name}.json').read_text())
+    assert set(res['metrics']) == {'retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground'}
+    assert res['sha256'] == 'random-init' and res['skipped'] == {}
+    assert res['command'].startswith('powerclip-eval run --model powerclip-micro')
+    m = res['metrics']
+    summary = json.loads((world / 'summary.json').read_text())
+    assert m['retrieval']['n_images'] == summary['retrieval_images']
+    assert m['retrieval']['n_texts'] == summary['retrieval_captions']
+    for kind, n in summary['sugarcrepe'].items():
+        if n: assert m['sugarcrepe'][f'{kind}_n'] == n
+    assert m['zeroshot']['n'] == 100 and m['zeroshot']['n_classes'] == 5
+    assert (m['linear_probe']['n_train'], m['linear_probe']['n_val'], m['linear_probe']['n_test']) == (100, 50, 100)
+    for task in m.values():
+        for k, v in task.items():
+            if isinstance(v, float) and not k.startswith(('lambda', 'seconds')): assert 0 <= v <= 100, (k, v)
+    # the rerun reads every feature from the cache and gives the same numbers
+    files = sorted(cache.rglob('*.pt'))
+    assert files
+    mtimes = [f.stat().st_mtime_ns for f in files]
+    rc, _, _ = _run(argv, capsys)
+    assert rc == 0 and sorted(cache.rglob('*.pt')) == files and [f.stat().st_mtime_ns for f in files] == mtimes
+    res2 = json.loads(next((out / 'random-init').glob('*.json')).read_text())
+    strip = lambda m: {t: {k: v for k, v in d.items() if k != 'seconds'} for t, d in m.items()}
+    assert strip(res2['metrics']) == strip(m)
+    # table of two "checkpoints"
+    argv2 = argv + ['--label', 'again']
+    assert _run(argv2, capsys)[0] == 0
+    rc, md, _ = _run(['table', *map(str, sorted(out.rglob('*.json'))), '--out', str(tmp_path / 'table')], capsys)
+    assert rc == 0 and '| dataset | task | metric | again | random-init |' in md
+    assert (tmp_path / 'table.csv').read_text().startswith('dataset,task,metric,again,random-init')
+
+
+def test_cache_hits_in_process(world, tmp_path):
+    ev = Evaluator.build('powerclip-micro', None, cache_dir=tmp_path, progress=False)
+    a, _ = evaluate(ev, world, ['retrieval', 'winoground'])
+    ev2 = Evaluator.build('powerclip-micro', None, cache_dir=tmp_path, progress=False)
+    b, _ = evaluate(ev2, world, ['retrieval', 'winoground'])
+    assert ev.cache.misses > 0 and ev2.cache.misses == 0 and ev2.cache.hits == ev.cache.misses
+    assert a['retrieval']['i2t_R@5'] == b['retrieval']['i2t_R@5']
+    # another seed is another checkpoint: its own cache folder
+    ev3 = Evaluator.build('powerclip-micro', None, cache_dir=tmp_path, seed=1, progress=False)
+    evaluate(ev3, world, ['retrieval'])
+    assert ev3.cache.hits == 0 and ev3.ckpt_id != ev.ckpt_id
+
+
+def test_missing_data_messages(world, tmp_path, capsys):
+    base = ['run', '--model', 'powerclip-micro', '--out', str(tmp_path), '--cache', 'none', '--no-progress']
+    rc, _, err = _run(base + ['--data', str(tmp_path / 'nothing'), '--tasks', 'winoground'], capsys)
+    assert rc == 2 and 'data/examples.jsonl' in err and 'huggingface.co/datasets/facebook/winoground' in err
+    rc, _, err = _run(base + ['--data', str(tmp_path / 'nothing'), '--tasks', 'retrieval'], capsys)
+    assert rc == 2 and 'retrieval.json' in err
+    rc, _, err = _run(base + ['--data', str(tmp_path / 'nothing')], capsys)       # all: nothing found
+    assert rc == 2 and 'no task found its data' in err
+    rc, _, err = _run(base + ['--data', str(world), '--tasks', 'bogus'], capsys)
+    assert rc == 2 and 'unknown tasks' in err
+    with pytest.raises(MissingData, match='checkpoint'):
+        load_model('powerclip-micro', tmp_path / 'no.pt')
+
+
+def test_checkpoint_formats(tmp_path):
+    from powerclip.model import Encoder, create_model
+    torch.manual_seed(5)
+    model = create_model('powerclip-micro')[0]
+    # the trainer's layout: {'model': Encoder.state_dict() ('model.' prefix), optimizer, numpy RNG states, ...}
+    trainer = tmp_path / 'last.pt'
+    torch.save(dict(model=Encoder(model).state_dict(), rng=[dict(numpy=np.random.get_state())], config={'a': 1}), trainer)
+    plain = tmp_path / 'plain.pt'
+    torch.save({'state_dict': {'module.' + k: v for k, v in model.state_dict().items()}}, plain)
+    for f in (trainer, plain):
+        m = load_model('powerclip-micro', f)
+        assert m.ckpt_id == sha256_file(f)
+        for k, v in model.state_dict().items(): torch.testing.assert_close(m.model.state_dict()[k], v)
+    with pytest.raises(ValueError, match='does not fit'):
+        load_model('powerclip-tiny', plain)
+    with pytest.raises(ValueError, match='pass --model'):
+        load_model(None, plain)
+
+
+def test_trainer_checkpoint_with_model_overrides(tmp_path):
+    "A trainer run with `model.kwargs` (fewer layers, context 32) loads from the checkpoint alone."
+    from powerclip.model import create_model
+    kw = dict(vision_cfg=dict(image_size=32, layers=2, width=64, head_width=32, patch_size=8),
+              text_cfg=dict(context_length=32, vocab_size=49408, width=32, heads=2, layers=2))
+    torch.manual_seed(3)
+    model = create_model('powerclip-micro', **kw)[0]
+    f = tmp_path / 'last.pt'
+    torch.save(dict(model=model.state_dict(), config=dict(model=dict(name='powerclip-micro', pretrained=None, kwargs=kw))), f)
+    m = load_model(None, f)
+    assert m.spec == dict(name='powerclip-micro', kwargs=kw) and m.model.context_length == 32
+    assert m.tokenizer(['a red circle']).shape == (1, 32)
+    for k, v in model.state_dict().items(): torch.testing.assert_close(m.model.state_dict()[k], v)
+    with pytest.raises(ValueError, match='does not fit'):
+        load_model('powerclip-micro', f, model_kwargs=dict(vision_cfg=dict(image_size=32, layers=1, width=64, head_width=32, patch_size=8)))
+
+
+def test_python_dash_m(tmp_path):
+    r = subprocess.run([sys.executable, '-m', 'powerclip.eval', 'run', '--help'], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and '--checkpoint' in r.stdout
+
+
+@needs_data
+def test_coco_sample_real(tmp_path, capsys):
+    argv = ['run', '--model', 'powerclip-micro', '--data', str(COCO), '--out', str(tmp_path), '--cache', str(tmp_path / 'c'), '--no-progress']
+    rc, _, _ = _run(argv, capsys)
+    assert rc == 0
+    res = json.loads((tmp_path / 'random-init' / 'coco_sample.json').read_text())
+    r, s = res['metrics']['retrieval'], res['metrics']['sugarcrepe']
+    assert (r['n_images'], r['n_texts'], r['skipped']) == (239, 1195, 0)
+    assert r['chance_t2i_R@1'] == pytest.approx(100 / 239)
+    assert sum(s[f'{c}_n'] for c in ('add_att', 'add_obj', 'replace_att', 'replace_obj', 'replace_rel', 'swap_att', 'swap_obj')) == 211
+    # no classification or Winoground files in coco_sample: skipped with the reason recorded, not silently
+    assert set(res['skipped']) == {'zeroshot', 'linear_probe', 'winoground'}
+    # the complete SugarCrepe text against the sample's photos: only items with a photo are scored, the rest counted
+    rc, _, _ = _run(['run', '--model', 'powerclip-micro', '--data', str(DATA / 'sugarcrepe'), '--images', str(COCO / 'images'),
+                     '--tasks', 'sugarcrepe', '--out', str(tmp_path), '--cache', str(tmp_path / 'c'), '--no-progress'], capsys)
+    assert rc == 0
+    full = json.loads((tmp_path / 'random-init' / 'sugarcrepe.json').read_text())['metrics']['sugarcrepe']
+    assert sum(v for k, v in full.items() if k.endswith('_n')) == 211
+    assert sum(v for k, v in full.items() if k.endswith('_skipped')) == 7511 - 211
+
+
+@pytest.mark.skipif(importlib.util.find_spec('clip_benchmark') is None, reason='clip_benchmark not installed')
+def test_retrieval_matches_clip_benchmark():
+    from clip_benchmark.metrics.zeroshot_retrieval import recall_at_k
+    g = torch.Generator().manual_seed(0)
+    for I, per in ((30, 1), (25, 5), (40, 3)):
+        sim = torch.rand(I, I * per, generator=g)                 # continuous: no ties, where topk and our rule agree
+        ti = torch.arange(I).repeat_interleave(per)
+        pos = torch.zeros(I * per, I, dtype=torch.bool); pos[torch.arange(I * per), ti] = True
+        ours = retrieval_recall(sim, ti, ks=(1, 5, 10))
+        for k in (1, 5, 10):
+            t2i = 100 * (recall_at_k(sim.T, pos, k) > 0).float().mean().item()
+            i2t = 100 * (recall_at_k(sim, pos.T, k) > 0).float().mean().item()
+            assert ours[f't2i_R@{k}'] == pytest.approx(t2i) and ours[f'i2t_R@{k}'] == pytest.approx(i2t)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('sklearn') is None, reason='scikit-learn not installed')
+def test_logreg_matches_sklearn():
+    from sklearn.linear_model import LogisticRegression
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(300, 6, generator=g), torch.randint(0, 4, (300,), generator=g)
+    x = x + F.one_hot(y, 6).float()
+    lam = 1e-2
+    W, b = fit_logreg(x, y, 4, lam)
+    sk = LogisticRegression(C=1 / (len(x) * lam), tol=1e-10, max_iter=5000).fit(x.numpy(), y.numpy())
+    # same objective up to sklearn's softmax over-parametrisation: same probabilities
+    p_ours = torch.softmax(x.double() @ W + b, 1).numpy()
+    np.testing.assert_allclose(p_ours, sk.predict_proba(x.numpy()), atol=2e-3)
+
+
+def test_always_one_class_and_chance():
+    y = torch.tensor([0] * 7 + [1] * 3)
+    m = classification_metrics(F.one_hot(torch.zeros(10, dtype=torch.long), 2).float(), y)
+    assert m['top1'] == pytest.approx(70.0) and m['mean_per_class_recall'] == pytest.approx(50.0)
+    assert chance_recall(239, 5, ks=(1,))['i2t_R@1'] == pytest.approx(100 * 5 / 1195)
+
+
+def test_karpathy_json_and_missing_images(tmp_path, caplog):
+    "Karpathy's dataset_*.json: only the requested split; rows whose photo is absent are counted, not silently lost."
+    from PIL import Image
+    (tmp_path / 'images' / 'val2014').mkdir(parents=True)
+    for n in ('a.jpg', 'b.jpg', 'c.jpg'): Image.new('RGB', (8, 8)).save(tmp_path / 'images' / 'val2014' / n)
+    rows = [dict(filepath='val2014', filename=n, split=sp, sentences=[dict(raw=f'{n} {k}') for k in range(2)])
+            for n, sp in (('a.jpg', 'test'), ('b.jpg', 'train'), ('c.jpg', 'test'), ('gone.jpg', 'test'))]
+    f = tmp_path / 'dataset_coco.json'; f.write_text(json.dumps(dict(images=rows)))
+    r = load_retrieval(f)
+    assert [p.name for p in r.images] == ['a.jpg', 'c.jpg'] and r.captions[1] == ['c.jpg 0', 'c.jpg 1'] and r.skipped == 1
+    assert 'skipped 1 of 3' in caplog.text
+    texts, ti = r.flat()
+    assert texts[2] == 'c.jpg 0' and ti.tolist() == [0, 0, 1, 1]
+
+
+def test_winoground_needs_both_images(tmp_path):
+    from PIL import Image
+    (tmp_path / 'data' / 'images').mkdir(parents=True)
+    for n in ('x0', 'x1', 'y0'): Image.new('RGB', (8, 8)).save(tmp_path / 'data' / 'images' / f'{n}.png')
+    rows = [dict(id=0, image_0='x0', image_1='x1', caption_0='a', caption_1='b'),
+            dict(id=1, image_0='y0', image_1='y1', caption_0='c', caption_1='d')]
+    (tmp_path / 'data' / 'examples.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    items = load_winoground(tmp_path)
+    assert len(items) == 1 and items[0][2:] == ('a', 'b')
+
+
+def test_image_folder_classification(tmp_path, capsys):
+    "root/{train,val,test}/<class>/*.png with templates.txt runs zero-shot and the linear probe."
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split, n in (('train', 6), ('val', 3), ('test', 4)):
+        for c, colour in (('red_thing', (220, 40, 40)), ('blue_thing', (40, 60, 230))):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(np.clip(np.array(colour) + rng.normal(0, 20, (16, 16, 3)), 0, 255).astype(np.uint8)).save(tmp_path / split / c / f'{i}.png')
+    (tmp_path / 'test' / 'red_thing' / 'notes.txt').write_text('not an image')
+    (tmp_path / 'templates.txt').write_text('a photo of a {c}.\na {c}.\n')
+    cls = load_classification(tmp_path)
+    assert cls.classnames == ['blue thing', 'red thing'] and cls.templates == ['a photo of a {c}.', 'a {c}.']
+    assert {k: len(v[0]) for k, v in cls.splits.items()} == dict(train=12, val=6, test=8)
+    assert cls.splits['test'][1].tolist() == [0] * 4 + [1] * 4
+    rc = main(['run', '--model', 'powerclip-micro', '--data', str(tmp_path), '--tasks', 'zeroshot', 'linear_probe',
+               '--out', str(tmp_path / 'res'), '--cache', 'none', '--no-progress'])
+    assert rc == 0
+    m = json.loads(next((tmp_path / 'res').rglob('*.json')).read_text())['metrics']
+    assert m['zeroshot']['n'] == 8 and m['linear_probe']['n_test'] == 8

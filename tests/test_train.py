@@ -1,0 +1,72 @@
+"""The trainer in-process: bad steps are skipped, counted and logged, and too many in a row abort; `main(cfg)`
+works from Python; configs reject unknown keys; the presets load."""
+import math
+
+import pytest
+import torch
+
+from powerclip.methods import CLIP, METHODS, register
+from powerclip.train import TrainConfig, load_config, main, read_metrics, train
+
+
+class _NanAt(CLIP):
+    "CLIP whose loss is NaN on the steps listed in `bad` (1-based), for failure injection."
+    bad: set = set()
+    calls = 0
+
+    def loss(self, out, batch, dist):
+        type(self).calls += 1
+        terms = super().loss(out, batch, dist)
+        if type(self).calls in self.bad: terms["clip"] = terms["clip"] * float("nan")
+        return terms
+
+
+if "_test_nan" not in METHODS: register("_test_nan")(_NanAt)
+
+
+def _cfg(tmp_path, **kw):
+    return load_config("smoke", {"out_dir": str(tmp_path), **kw}, method="_test_nan")
+
+
+def _params(run_dir):
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["model"]
+
+
+def test_nonfinite_steps_are_skipped_and_counted(tmp_path, capsys):
+    _NanAt.calls, _NanAt.bad = 0, {2, 4}
+    s = train(_cfg(tmp_path))
+    assert s["steps"] == 6 and s["bad_total"] == 2
+    rows = read_metrics(tmp_path / "metrics.csv")
+    assert [r["bad_total"] for r in rows] == [0, 1, 1, 2, 2, 2]
+    assert math.isnan(rows[1]["loss"]) and all(math.isfinite(r["loss"]) for i, r in enumerate(rows) if i not in (1, 3))
+    assert "non-finite loss or gradient, update skipped" in capsys.readouterr().err
+    assert all(torch.isfinite(v).all() for v in _params(tmp_path).values())  # no NaN reached the weights
+
+
+def test_too_many_bad_steps_in_a_row_abort(tmp_path):
+    _NanAt.calls, _NanAt.bad = 0, set(range(1, 100))
+    with pytest.raises(RuntimeError, match="3 non-finite steps in a row"):
+        train(_cfg(tmp_path, max_bad_in_row=3))
+
+
+def test_main_from_python_and_config_written(tmp_path):
+    _NanAt.calls, _NanAt.bad = 0, set()
+    cfg = _cfg(tmp_path, max_steps=2)
+    s = main(cfg)
+    assert s["steps"] == 2 and (tmp_path / "config.yaml").is_file() and (tmp_path / "loss.png").is_file()
+    assert load_config(str(tmp_path / "config.yaml")) == cfg  # the written config reads back to the same run
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="unknown key"): load_config("demo", ["optim.learnig_rate=1"])
+    with pytest.raises(ValueError, match="unknown option"): load_config("demo", ["method_cfg.lamda=1"])
+    with pytest.raises(KeyError, match="registered"): load_config("demo", method="no-such-method")
+    with pytest.raises(FileNotFoundError, match="known"): load_config("no-such-preset")
+
+
+def test_presets_load():
+    p = load_config("paper")
+    assert (p.model.name, p.global_batch_size, p.optim.lr, p.optim.weight_decay, p.epochs) == ("ViT-B-16", 4096, 1e-3, 0.2, 32)
+    assert p.method_cfg == {"lam": 0.1, "tau": 1e-3, "alpha": 0.75} and p.data.M == 10
+    d = load_config("demo", method="clip")
+    assert d.method == "clip" and d.method_cfg == {} and d.data.source == "world"
