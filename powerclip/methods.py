@@ -59,7 +59,11 @@ METHODS: dict[str, type[Method]] = {}
 def register(name: str):
     "Class decorator: make a Method subclass available to `get_method(name)`."
     def deco(cls):
-        if name in METHODS and METHODS[name] is not cls: raise ValueError(f"method {name!r} is already registered")
+        old = METHODS.get(name)
+        # Two different classes may not share a name. The same class defined again (a notebook re-running the
+        # cell that its module exports, in a process that already imported the module) replaces the old one.
+        if old is not None and old.__qualname__ != cls.__qualname__:
+            raise ValueError(f"method {name!r} is already registered by {old.__module__}.{old.__qualname__}")
         cls.name = name
         METHODS[name] = cls
         return cls

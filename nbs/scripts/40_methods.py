@@ -102,7 +102,11 @@ METHODS: dict[str, type[Method]] = {}
 def register(name: str):
     "Class decorator: make a Method subclass available to `get_method(name)`."
     def deco(cls):
-        if name in METHODS and METHODS[name] is not cls: raise ValueError(f"method {name!r} is already registered")
+        old = METHODS.get(name)
+        # Two different classes may not share a name. The same class defined again (a notebook re-running the
+        # cell that its module exports, in a process that already imported the module) replaces the old one.
+        if old is not None and old.__qualname__ != cls.__qualname__:
+            raise ValueError(f"method {name!r} is already registered by {old.__module__}.{old.__qualname__}")
         cls.name = name
         METHODS[name] = cls
         return cls
@@ -235,3 +239,18 @@ assert_close(_t["clip"], clip_loss(_out["image"], _out["text"], _out["logit_scal
 _t = get_method("powerclip").loss(_out, _b, _one)
 print({k: round(float(v), 4) for k, v in _t.items()})
 assert set(_t) >= {"clip", "powerset", "_triplet_i2t", "_logit_scale"} and torch.isfinite(_t["powerset"])
+
+# %% [markdown]
+# A name belongs to one class: registering another class under a taken name is an error, while the same
+# class defined again (as when this notebook re-runs its exported cells) simply replaces the entry.
+
+# %%
+try:
+    @register("clip")
+    class NotCLIP(Method): pass
+    raise AssertionError("a second class under 'clip' was accepted")
+except ValueError as e:
+    assert "already registered" in str(e)
+assert register("clip")(type("CLIP", (Method,), {})) is METHODS["clip"]  # same name, same qualname: replaced
+register("clip")(CLIP)  # restore the real one
+assert METHODS["clip"] is CLIP
