@@ -1,8 +1,8 @@
 """Two CPU processes (gloo) against one process on the whole batch.
 
-1. One step of each method through the trainer's own path (MethodForward in DDP, the method's loss with
-   gathering and K/W padding): the mean loss and every parameter gradient equal those of one process on the
-   concatenated batch, in float64 to 1e-9.
+1. One step of every gathering method (CLIP, PowerCLIP and the baselines FILIP, SPARC, SmartCLIP) through the
+   trainer's own path (MethodForward in DDP, the method's loss with gathering and K/W padding): the mean loss
+   and every parameter gradient equal those of one process on the concatenated batch, in float64 to 1e-9.
 2. The whole trainer under torchrun (`python -m torch.distributed.run --nproc_per_node 2 -m powerclip.train`):
    the logged losses of 3 steps equal those of a 1-process run with twice the per-process batch.
 """
@@ -14,7 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("clip", "powerclip")
+# method -> its config for the test (tau large enough that the NLAs are smooth at float64 precision)
+METHODS = {"clip": None, "powerclip": {"tau": 0.05}, "filip": {"clip_weight": 0.5}, "sparc": None, "smartclip": {"heads": 2}}
 B = 4  # rows per process
 
 
@@ -35,8 +36,10 @@ def _step(method_name, batch, ctx):
     from powerclip.model import create_model
     from powerclip.train import MethodForward, loss_terms, to_device
     torch.manual_seed(0)
-    model = create_model("powerclip-micro")[0].double()
-    method = get_method(method_name, {"tau": 0.05} if method_name == "powerclip" else None)
+    model = create_model("powerclip-micro")[0]
+    method = get_method(method_name, METHODS[method_name])
+    method.setup_model(model)  # SmartCLIP's mask network: same seed, same initial weights on every process
+    model = model.double()
     fwd = wrap_ddp(MethodForward(model, method), ctx)
     batch = to_device(method.prepare_batch(batch), ctx.device)
     batch["image"] = batch["image"].double()
