@@ -6,8 +6,7 @@ the powerset triplet loss (pooling of patch/token embeddings into regions/phrase
 cost of the NLA loss and of the exact loss relative to the plain CLIP loss on the same embeddings, measured
 in the same process.
 
-Each configuration runs in a fresh subprocess so that peak memory is its own: CUDA peak allocated memory
-on a GPU, peak resident set size above the pre-compute baseline on a CPU.
+Each configuration runs in a fresh subprocess so that peak memory is its own (`isolated.py`).
 
     python benchmarks/cost_scaling.py                  # CPU defaults: batch 32, exact up to M=12, NLA to M=32
     python benchmarks/cost_scaling.py --device cuda --batch 256 --exact-max 10
@@ -16,25 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
 import platform
-import resource
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from isolated import PeakMemory, run_isolated, sync
 
 from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 from powerclip.powerset import phrase_embeddings, pool_normalize
 
 OUT = Path(__file__).parent / "results"
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def make_inputs(C, M, K, W, N, L, D, device, seed=0):
@@ -69,36 +61,23 @@ def step(x, kind, cfg):
     loss.backward()
 
 
-def measure(kind, C, M, K, W, N, L, D, device, reps, q):
-    "Child process: median time of `reps` steps after one warm-up, and peak memory."
-    try:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
-        x = make_inputs(C, M, K, W, N, L, D, device)
-        cfg = PowerCLIPLossConfig(exact=(kind == "exact"))
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        step(x, kind, cfg); sync()  # warm-up
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
-        else:
-            base = _rss_bytes()
-        times = []
-        for _ in range(reps):
-            for t in ("patches", "tokens", "image", "text"):
-                x[t].grad = None
-            sync(); t0 = time.perf_counter(); step(x, kind, cfg); sync()
-            times.append(time.perf_counter() - t0)
-        peak = (torch.cuda.max_memory_allocated() if device == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - base
-        q.put(dict(ok=True, time_s=sorted(times)[len(times) // 2], peak_mib=max(peak, 0) / 2**20))
-    except (RuntimeError, MemoryError) as e:  # out of memory: report, do not crash the sweep
-        q.put(dict(ok=False, error=str(e).splitlines()[0][:200]))
+def measure(kind, C, M, K, W, N, L, D, device, reps):
+    "In a fresh process: median time of `reps` steps after one warm-up, and peak memory."
+    x = make_inputs(C, M, K, W, N, L, D, device)
+    cfg = PowerCLIPLossConfig(exact=(kind == "exact"))
+    step(x, kind, cfg); sync(device)  # warm-up
+    mem = PeakMemory(device); mem.start()
+    times = []
+    for _ in range(reps):
+        for t in ("patches", "tokens", "image", "text"):
+            x[t].grad = None
+        sync(device); t0 = time.perf_counter(); step(x, kind, cfg); sync(device)
+        times.append(time.perf_counter() - t0)
+    return dict(time_s=sorted(times)[len(times) // 2], peak_mib=mem.mib())
 
 
 def run_one(kind, M, a):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=measure, args=(kind, a.batch, M, a.nodes, a.words, a.patches, 77, a.dim, a.device, a.reps, q))
-    p.start(); p.join()
-    res = q.get() if not q.empty() else dict(ok=False, error=f"child exited with code {p.exitcode} (likely killed for memory)")
+    res = run_isolated(measure, kind, a.batch, M, a.nodes, a.words, a.patches, 77, a.dim, a.device, a.reps)
     return dict(kind=kind, M=M, **res)
 
 

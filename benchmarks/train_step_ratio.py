@@ -2,8 +2,7 @@
 
 Both methods go through the trainer's own `train_step` (forward, loss, backward, AdamW, schedule) with the
 same model config, the same batches and the same seed. Each method runs in its own subprocess so that its
-peak memory is its own (CUDA peak allocated on a GPU; peak RSS above the post-warm-up level on a CPU), and
-the two alternate `--rounds` times so that a drift in machine load hits both alike. The time per step is the
+peak memory is its own (`isolated.py`), and the two alternate `--rounds` times so that a drift in machine load hits both alike. The time per step is the
 median over all timed steps of a method.
 
     python benchmarks/train_step_ratio.py                                   # CPU: the demo preset's tiny model
@@ -13,22 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import resource
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from isolated import PeakMemory, run_isolated, sync
 
 OUT = Path(__file__).parent / "results"
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _world_batches(cfg, n):
@@ -41,56 +34,39 @@ def _world_batches(cfg, n):
     return [next(it) for _ in range(n)]
 
 
-def measure(method, a, q):
-    try:
-        from powerclip import dist as pdist
-        from powerclip.methods import get_method
-        from powerclip.model import create_model
-        from powerclip.train import (MethodForward, TrainState, load_config, make_optimizer, make_scheduler, seed_all,
-                                     to_device, train_step)
-        torch.set_num_threads(os.cpu_count() or 1)
-        over = [f"data.batch_size={a.batch}", f"precision={a.precision}"]
-        if a.preset == "paper":  # same geometry as the paper (224 px, patch 16), world images instead of shards
-            over += ["data.image_size=224", "data.patch_size=16", "data.context_length=77"]
-        cfg = load_config(a.preset, over, method=method)
-        ctx = pdist.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device(a.device), backend=None)
-        seed_all(cfg.seed)
-        model, _, _ = create_model(cfg.model.name, None, **cfg.model.kwargs)
-        model.to(ctx.device).train()
-        if a.grad_checkpointing: model.set_grad_checkpointing(True)
-        m = get_method(cfg.method, cfg.method_cfg)
-        m.setup_model(model)
-        fwd = MethodForward(model, m)
-        opt = make_optimizer(model, cfg.optim)
-        sched = make_scheduler(opt, cfg.optim, a.warmup + a.steps + 10)
-        state = TrainState()
-        batches = [to_device(b, ctx.device) for b in _world_batches(cfg, a.warmup + a.steps)]
-        sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-        for b in batches[:a.warmup]:
-            train_step(fwd, m, b, ctx, opt, sched, state, cfg, model)
-        sync()
-        if a.device == "cuda":
-            torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
-        else:
-            base = _rss()
-        times = []
-        for b in batches[a.warmup:]:
-            sync(); t0 = time.perf_counter()
-            train_step(fwd, m, b, ctx, opt, sched, state, cfg, model)
-            sync(); times.append(time.perf_counter() - t0)
-        peak = (torch.cuda.max_memory_allocated() - base if a.device == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
-        q.put(dict(ok=True, times=times, peak_mib=max(peak, 0) / 2**20, model=cfg.model.name,
-                   params=sum(p.numel() for p in model.parameters())))
-    except Exception as e:  # report (e.g. out of memory) instead of killing the sweep
-        q.put(dict(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
-
-
-def run(method, a):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=measure, args=(method, a, q)); p.start(); p.join()
-    return q.get() if not q.empty() else dict(ok=False, error=f"exit code {p.exitcode}")
+def measure(method, a):
+    "In a fresh process: the time of each timed train_step, and peak memory."
+    from powerclip import dist as pdist
+    from powerclip.methods import get_method
+    from powerclip.model import create_model
+    from powerclip.train import (MethodForward, TrainState, load_config, make_optimizer, make_scheduler, seed_all,
+                                 to_device, train_step)
+    over = [f"data.batch_size={a.batch}", f"precision={a.precision}"]
+    if a.preset == "paper":  # same geometry as the paper (224 px, patch 16), world images instead of shards
+        over += ["data.image_size=224", "data.patch_size=16", "data.context_length=77"]
+    cfg = load_config(a.preset, over, method=method)
+    ctx = pdist.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device(a.device), backend=None)
+    seed_all(cfg.seed)
+    model, _, _ = create_model(cfg.model.name, None, **cfg.model.kwargs)
+    model.to(ctx.device).train()
+    if a.grad_checkpointing: model.set_grad_checkpointing(True)
+    m = get_method(cfg.method, cfg.method_cfg)
+    m.setup_model(model)
+    fwd = MethodForward(model, m)
+    opt = make_optimizer(model, cfg.optim)
+    sched = make_scheduler(opt, cfg.optim, a.warmup + a.steps + 10)
+    state = TrainState()
+    batches = [to_device(b, ctx.device) for b in _world_batches(cfg, a.warmup + a.steps)]
+    for b in batches[:a.warmup]:
+        train_step(fwd, m, b, ctx, opt, sched, state, cfg, model)
+    sync(a.device)
+    mem = PeakMemory(a.device); mem.start()
+    times = []
+    for b in batches[a.warmup:]:
+        sync(a.device); t0 = time.perf_counter()
+        train_step(fwd, m, b, ctx, opt, sched, state, cfg, model)
+        sync(a.device); times.append(time.perf_counter() - t0)
+    return dict(times=times, peak_mib=mem.mib(), model=cfg.model.name, params=sum(p.numel() for p in model.parameters()))
 
 
 def main():
@@ -109,7 +85,7 @@ def main():
     res = {m: [] for m in a.methods}
     for r in range(a.rounds):
         for m in a.methods:
-            out = run(m, a)
+            out = run_isolated(measure, m, a)
             if not out["ok"]:
                 print(f"{m}: {out['error']}"); return 1
             res[m].append(out)
