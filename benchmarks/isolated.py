@@ -8,31 +8,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import resource
 
 import torch
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakMemory:
-    "Call `start()` after warm-up, then `mib()` after the measured steps."
-    def __init__(self, device: str):
-        self.device, self.base = device, 0
-
-    def start(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); self.base = torch.cuda.memory_allocated()
-        else:
-            self.base = _rss_bytes()
-
-    def mib(self) -> float:
-        peak = (torch.cuda.max_memory_allocated() if self.device == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        return max(peak - self.base, 0) / 2**20
+from powerclip.train import PeakMemory  # noqa: F401 (the trainer's own measure, re-exported for the scripts)
 
 
 def sync(device: str) -> None:

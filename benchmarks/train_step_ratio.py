@@ -39,7 +39,7 @@ def measure(method, a):
     from powerclip import dist as pdist
     from powerclip.methods import get_method
     from powerclip.model import create_model
-    from powerclip.train import (MethodForward, TrainState, load_config, make_optimizer, make_scheduler, seed_all,
+    from powerclip.train import (TrainState, load_config, make_optimizer, make_scheduler, method_forward, seed_all,
                                  to_device, train_step)
     over = [f"data.batch_size={a.batch}", f"precision={a.precision}"]
     if a.preset == "paper":  # same geometry as the paper (224 px, patch 16), world images instead of shards
@@ -51,9 +51,8 @@ def measure(method, a):
     model.to(ctx.device).train()
     if a.grad_checkpointing: model.set_grad_checkpointing(True)
     m = get_method(cfg.method, cfg.method_cfg)
-    m.setup_model(model)
-    fwd = MethodForward(model, m)
-    opt = make_optimizer(model, cfg.optim)
+    fwd = method_forward(model, m)
+    opt = make_optimizer(model, cfg.optim, fwd.modules_, m.modules_lr(cfg.optim.lr))
     sched = make_scheduler(opt, cfg.optim, a.warmup + a.steps + 10)
     state = TrainState()
     batches = [to_device(b, ctx.device) for b in _world_batches(cfg, a.warmup + a.steps)]

@@ -34,7 +34,20 @@ class Method:
             raise TypeError(f"method {self.name!r} needs a {self.Config.__name__}, got {type(self.cfg).__name__}")
 
     def setup_model(self, model) -> None:
-        "Change the model once before training (e.g. FLIP's patch dropout). Default: nothing."
+        """Change the model once before training (e.g. FLIP's patch dropout). Default: nothing.
+        Adds no parameter or buffer: the model's state_dict stays plain open_clip."""
+
+    def build_modules(self, model) -> torch.nn.Module | None:
+        """Training-time modules with parameters (SmartCLIP's mask network, C2LIP's sigmoid bias), or None.
+        The trainer trains them at `modules_lr`, wraps them in DDP with the model and saves them beside it."""
+        return None
+
+    def modules_lr(self, lr: float) -> float:
+        "Peak learning rate of `build_modules`' parameters, given the run's peak `lr`. Default: the same."
+        return lr
+
+    def on_step(self, step: int, total: int) -> None:
+        "Called by the trainer before each step (0-based `step` of `total`): for schedules inside a method."
 
     def prepare_batch(self, batch: dict) -> dict:
         "Add to / check a host-side batch before it moves to the device. Default: check the keys."
@@ -42,8 +55,9 @@ class Method:
         if missing: raise KeyError(f"method {self.name!r} needs batch keys {missing}; the batch has {sorted(batch)}")
         return batch
 
-    def forward(self, model, batch: dict) -> dict:
-        "The model's outputs for the loss: `powerclip.model.encode` (image, text, patches, tokens, logit_scale)."
+    def forward(self, model, batch: dict, modules=None) -> dict:
+        """The model's outputs for the loss: `powerclip.model.encode` (image, text, patches, tokens, logit_scale).
+        `modules`: what `build_modules` returned."""
         from powerclip.model import encode  # late: methods stay importable without open_clip loaded
         return encode(model, batch["image"], batch["tokens"], need_patches=self.needs_patches)
 

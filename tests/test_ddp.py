@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 # method -> its config for the test (tau large enough that the NLAs are smooth at float64 precision)
-METHODS = {"clip": None, "powerclip": {"tau": 0.05}, "filip": {"clip_weight": 0.5}, "sparc": None, "smartclip": {"heads": 2}}
+METHODS = {"clip": None, "powerclip": {"tau": 0.05}, "filip": {"clip_weight": 0.5}, "sparc": None, "smartclip": {"heads": 2}, "clip-pgs": None, "c2lip": None}
 B = 4  # rows per process
 
 
@@ -34,18 +34,17 @@ def _step(method_name, batch, ctx):
     from powerclip.dist import wrap_ddp
     from powerclip.methods import get_method
     from powerclip.model import create_model
-    from powerclip.train import MethodForward, loss_terms, to_device
+    from powerclip.train import loss_terms, method_forward, to_device
     torch.manual_seed(0)
     model = create_model("powerclip-micro")[0]
     method = get_method(method_name, METHODS[method_name])
-    method.setup_model(model)  # SmartCLIP's mask network: same seed, same initial weights on every process
-    model = model.double()
-    fwd = wrap_ddp(MethodForward(model, method), ctx)
+    mf = method_forward(model, method).double()  # a method's own modules: same seed, same weights on every process
+    fwd = wrap_ddp(mf, ctx)
     batch = to_device(method.prepare_batch(batch), ctx.device)
     batch["image"] = batch["image"].double()
     loss, terms = loss_terms(fwd, method, batch, ctx, "fp32")
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {n: p.grad.clone() for n, p in mf.named_parameters() if p.grad is not None}
 
 
 def _worker(rank, world, port, out):

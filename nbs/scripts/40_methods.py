@@ -44,8 +44,9 @@ from torch.testing import assert_close
 # The trainer (`50_train`) knows no method by name. Each step it does
 #
 # ```python
+# method.on_step(step, total)                # schedules inside a method (CLIP-PGS's mixing weight)
 # batch = method.prepare_batch(batch)        # add what the method needs (masks, phrases), on the host
-# out = method.forward(model, batch)         # the model's outputs (inside DDP's forward)
+# out = method.forward(model, batch, modules)  # the model's outputs (inside DDP's forward)
 # terms = method.loss(out, batch, dist)      # {'clip': ..., 'powerset': ..., '_sim_pos': ...}
 # loss = sum(v for k, v in terms.items() if not k.startswith('_'))
 # ```
@@ -57,6 +58,12 @@ from torch.testing import assert_close
 #
 # Adding a method (FLIP, FILIP, SPARC, ...) is one class with a `Config` dataclass and `@register('name')`;
 # its config is what the run config's `method_cfg` holds.
+#
+# Parameters that a method trains besides the model (SmartCLIP's mask network, C2LIP's sigmoid temperature and
+# bias) come from `build_modules(model)`. The trainer keeps them apart from the open_clip model on purpose: the
+# model's `state_dict` stays exactly open_clip's, so every method's weights load in plain open_clip
+# (`run_dir/model.pt`) and are evaluated alike; the modules are saved beside it (`run_dir/method_modules.pt`, and
+# under `method_modules` in the resumable checkpoint). They get their own peak learning rate from `modules_lr`.
 
 # %%
 #| export
@@ -77,7 +84,20 @@ class Method:
             raise TypeError(f"method {self.name!r} needs a {self.Config.__name__}, got {type(self.cfg).__name__}")
 
     def setup_model(self, model) -> None:
-        "Change the model once before training (e.g. FLIP's patch dropout). Default: nothing."
+        """Change the model once before training (e.g. FLIP's patch dropout). Default: nothing.
+        Adds no parameter or buffer: the model's state_dict stays plain open_clip."""
+
+    def build_modules(self, model) -> torch.nn.Module | None:
+        """Training-time modules with parameters (SmartCLIP's mask network, C2LIP's sigmoid bias), or None.
+        The trainer trains them at `modules_lr`, wraps them in DDP with the model and saves them beside it."""
+        return None
+
+    def modules_lr(self, lr: float) -> float:
+        "Peak learning rate of `build_modules`' parameters, given the run's peak `lr`. Default: the same."
+        return lr
+
+    def on_step(self, step: int, total: int) -> None:
+        "Called by the trainer before each step (0-based `step` of `total`): for schedules inside a method."
 
     def prepare_batch(self, batch: dict) -> dict:
         "Add to / check a host-side batch before it moves to the device. Default: check the keys."
@@ -85,8 +105,9 @@ class Method:
         if missing: raise KeyError(f"method {self.name!r} needs batch keys {missing}; the batch has {sorted(batch)}")
         return batch
 
-    def forward(self, model, batch: dict) -> dict:
-        "The model's outputs for the loss: `powerclip.model.encode` (image, text, patches, tokens, logit_scale)."
+    def forward(self, model, batch: dict, modules=None) -> dict:
+        """The model's outputs for the loss: `powerclip.model.encode` (image, text, patches, tokens, logit_scale).
+        `modules`: what `build_modules` returned."""
         from powerclip.model import encode  # late: methods stay importable without open_clip loaded
         return encode(model, batch["image"], batch["tokens"], need_patches=self.needs_patches)
 

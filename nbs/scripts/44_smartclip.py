@@ -190,22 +190,29 @@ print("kept fraction:", _hard.mean(-1).tolist())
 # %% [markdown]
 # ## The method
 #
-# Registered as `smartclip`. `setup_model` attaches the mask network to the model as `model.smartclip_mask`, so
-# its parameters are trained, saved and synchronised with the towers'; `forward` runs it (inside DDP's forward)
-# after `encode`. The loss gathers image, text and mask embeddings in one collective.
+# Registered as `smartclip`. The mask network is a training-time module (`build_modules`): the trainer trains it
+# at its own learning rate (`mask_lr`, the paper's 1e-3 while the CLIP towers fine-tune at 1e-6), synchronises
+# it with the towers under DDP, and saves it beside the model (`method_modules.pt`), never inside the open_clip
+# weights, so a SmartCLIP checkpoint loads and evaluates in plain open_clip like every other method's. `forward`
+# runs it (inside DDP's forward) after `encode`. The loss gathers image, text and mask embeddings in one
+# collective.
 
 # %%
 #| export
 @dataclass
 class SmartCLIPConfig:
-    lambda_align: float = 1.0     # weight of the modular contrastive loss (mean of the two directions)
-    lambda_sparsity: float = 0.1  # weight of the L1 penalty on the masks (mean fraction of kept dimensions)
-    heads: int = 4                # attention heads of the mask network
+    lambda_align: float = 1.0     # weight of the modular contrastive loss, Eq. 9 (the paper gives no value; its
+                                  # Fig. 5 finds results flat for 0.1..20)
+    lambda_sparsity: float = 0.1  # weight of the L1 penalty on the masks (mean fraction of kept dimensions), Eq. 8-9;
+                                  # no value in the paper (Fig. 5 only shows that > 0 helps): our choice
+    heads: int = 4                # attention heads of the mask network (not given in the paper)
     special_tokens: bool = True   # the mask network reads SOT and EOT too (EOT carries the sentence)
+    mask_lr: float | None = 1e-3  # peak learning rate of the mask network (Sec. 6: 1e-3, CLIP 1e-6); None: the run's
 
     def __post_init__(self):
         if self.lambda_align <= 0 or self.lambda_sparsity < 0:
             raise ValueError(f"need lambda_align > 0 and lambda_sparsity >= 0, got {self.lambda_align}, {self.lambda_sparsity}")
+        if self.mask_lr is not None and self.mask_lr <= 0: raise ValueError(f"mask_lr must be > 0 or None, got {self.mask_lr}")
 
 
 @register("smartclip")
@@ -213,16 +220,20 @@ class SmartCLIP(Method):
     "SmartCLIP: modular contrastive loss through text-conditioned binary masks + L1 sparsity, config `SmartCLIPConfig`."
     Config = SmartCLIPConfig
 
-    def setup_model(self, model) -> None:
+    def build_modules(self, model) -> MaskNet:
+        "The mask network, sized to the model's embedding width D (trained, saved and synced beside the model)."
         dim = model.text_projection.shape[1] if isinstance(model.text_projection, torch.Tensor) else model.text_projection.out_features
-        model.smartclip_mask = MaskNet(dim, self.cfg.heads).to(next(model.parameters()).device)
+        return MaskNet(dim, self.cfg.heads)
 
-    def forward(self, model, batch):
+    def modules_lr(self, lr: float) -> float:
+        return lr if self.cfg.mask_lr is None else self.cfg.mask_lr
+
+    def forward(self, model, batch, modules=None):
         from powerclip.baselines.filip import text_token_mask
-        if not hasattr(model, "smartclip_mask"): raise RuntimeError("call setup_model(model) first: the model has no mask network")
+        if not isinstance(modules, MaskNet): raise RuntimeError("SmartCLIP needs its mask network: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
         valid = text_token_mask(batch["tokens"], self.cfg.special_tokens)      # (C, L)
-        out["mask"], out["mask_prob"] = model.smartclip_mask(out["tokens"], valid)  # (C, D) each
+        out["mask"], out["mask_prob"] = modules(out["tokens"], valid)         # (C, D) each
         return out
 
     def loss(self, out, batch, dist: DistContext):
@@ -241,7 +252,8 @@ class SmartCLIP(Method):
 
 
 # %% [markdown]
-# On the micro model (random weights): the mask network is attached, trained by the loss, and a step runs.
+# On the micro model (random weights): the mask network is built beside the model, trained by the loss, kept
+# out of the model's state_dict, and gets its own learning rate in the trainer's optimiser.
 
 # %%
 from powerclip.methods import METHODS, get_method
@@ -252,12 +264,16 @@ register_configs()
 torch.manual_seed(0)
 _model = create_model("powerclip-micro")[0]
 _meth = get_method("smartclip", {"heads": 2})
-_meth.setup_model(_model)
+_mask = _meth.build_modules(_model)
 _ids = torch.zeros(3, 77, dtype=torch.long); _ids[:, 0], _ids[:, 1:4], _ids[:, 4] = 49406, 100, 49407
 _batch = {"image": torch.randn(3, 3, 32, 32), "tokens": _ids}
-_out = _meth.forward(_model, _batch)
+_out = _meth.forward(_model, _batch, _mask)
 _terms = _meth.loss(_out, _batch, DistContext())
 sum(v for k, v in _terms.items() if not k.startswith("_")).backward()
-assert _model.smartclip_mask.head.weight.grad is not None and _model.visual.conv1.weight.grad is not None
-assert any(k.startswith("smartclip_mask.") for k in _model.state_dict())
+assert _mask.head.weight.grad is not None and _model.visual.conv1.weight.grad is not None
+assert not any("mask" in k for k in _model.state_dict())       # the open_clip weights stay open_clip's
+from powerclip.train import OptimConfig, make_optimizer
+_opt = make_optimizer(_model, OptimConfig(lr=1e-6), _mask, _meth.modules_lr(1e-6))
+assert {g["lr"] for g in _opt.param_groups} == {1e-6, 1e-3}
+assert all(g["lr"] == 1e-3 for g in _opt.param_groups if any(p is _mask.head.weight for p in g["params"]))
 print({k: round(float(v.detach()), 4) for k, v in _terms.items()})

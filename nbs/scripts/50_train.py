@@ -65,7 +65,9 @@ from torch.testing import assert_close
 @dataclass
 class ModelConfig:
     name: str = "powerclip-tiny"       # open_clip architecture or a powerclip.model preset ('demo', 'paper')
-    pretrained: str | None = None      # a local checkpoint file, or None (random init); nothing is downloaded
+    pretrained: str | None = None      # a local checkpoint file, or None (random init); nothing is downloaded.
+                                       # 'required': the preset fine-tunes (C2LIP, SmartCLIP): the run stops
+                                       # until model.pretrained=PATH is given
     grad_checkpointing: bool = False   # recompute activations in backward (less memory, ~30% more time)
     compile: bool = False              # torch.compile the forward pass
     kwargs: dict = field(default_factory=dict)  # open_clip model_kwargs overriding the architecture's config
@@ -232,12 +234,18 @@ def no_decay(name: str, p: torch.Tensor) -> bool:
     return p.ndim < 2 or "logit_scale" in name or "embedding" in name or ".ln" in name or name.startswith("ln")
 
 
-def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    decay, rest = [], []
-    for n, p in model.named_parameters():
-        if p.requires_grad: (rest if no_decay(n, p) else decay).append(p)
-    groups = [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=rest, weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, modules: torch.nn.Module | None = None,
+                   modules_lr: float | None = None) -> torch.optim.AdamW:
+    """AdamW over the model (and a method's training-time `modules` at their own peak `modules_lr`), with and
+    without weight decay. The schedule scales every group's peak rate by the same factor."""
+    groups = []
+    for mod, lr in ((model, cfg.lr), (modules, cfg.lr if modules_lr is None else modules_lr)):
+        if mod is None: continue
+        decay, rest = [], []
+        for n, p in mod.named_parameters():
+            if p.requires_grad: (rest if no_decay(n, p) else decay).append(p)
+        groups += [dict(params=decay, weight_decay=cfg.weight_decay, lr=lr), dict(params=rest, weight_decay=0.0, lr=lr)]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
@@ -299,16 +307,33 @@ def seed_all(seed: int) -> None:
     random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
 
 
-def save_checkpoint(path, model, opt, sched, state: TrainState, cfg: TrainConfig, rngs: list[dict], scaler=None) -> Path:
-    "Atomic write of everything needed to resume (`rngs`: one RNG state per process)."
+def _atomic_save(obj, path: Path) -> Path:
+    "torch.save to a temporary name, then rename: a kill mid-write leaves the previous file intact."
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    ckpt = dict(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                scaler=None if scaler is None else scaler.state_dict(), state=asdict(state), rng=rngs,
-                config=to_dict(cfg), torch_version=torch.__version__)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(ckpt, tmp)
+    torch.save(obj, tmp)
     os.replace(tmp, path)
     return path
+
+
+def save_checkpoint(path, model, opt, sched, state: TrainState, cfg: TrainConfig, rngs: list[dict], scaler=None,
+                    modules: torch.nn.Module | None = None) -> Path:
+    """Atomic write of everything needed to resume (`rngs`: one RNG state per process). The open_clip weights
+    (`model`) and a method's training-time modules (`method_modules`) are separate entries."""
+    ckpt = dict(model=model.state_dict(), method_modules=None if modules is None else modules.state_dict(),
+                optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                scaler=None if scaler is None else scaler.state_dict(), state=asdict(state), rng=rngs,
+                config=to_dict(cfg), torch_version=torch.__version__)
+    return _atomic_save(ckpt, path)
+
+
+def export_weights(run_dir, model, modules: torch.nn.Module | None = None) -> dict[str, Path]:
+    """`run_dir/model.pt`: the open_clip state dict alone, which plain open_clip loads
+    (`open_clip.create_model_and_transforms(name, pretrained=path)` after `powerclip.model.register_configs()`),
+    whatever the method; `run_dir/method_modules.pt` beside it when the method trained modules of its own."""
+    out = dict(model=_atomic_save(model.state_dict(), Path(run_dir) / "model.pt"))
+    if modules is not None: out["method_modules"] = _atomic_save(modules.state_dict(), Path(run_dir) / "method_modules.pt")
+    return out
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:
@@ -421,13 +446,42 @@ with tempfile.TemporaryDirectory() as d:
 # %%
 #| export
 class MethodForward(torch.nn.Module):
-    "The model's forward pass as the method defines it: `forward(batch) -> method.forward(model, batch)`."
-    def __init__(self, model: torch.nn.Module, method):
+    """The model's forward pass as the method defines it: `forward(batch) -> method.forward(model, batch, modules)`.
+    `modules` (a method's training-time parameters) is a submodule here, so DDP synchronises it with the model."""
+    def __init__(self, model: torch.nn.Module, method, modules: torch.nn.Module | None = None):
         super().__init__()
-        self.model, self.method = model, method
+        self.model, self.method, self.modules_ = model, method, modules
 
     def forward(self, batch: dict) -> dict:
-        return self.method.forward(self.model, batch)
+        return self.method.forward(self.model, batch, self.modules_)
+
+
+def method_forward(model: torch.nn.Module, method) -> MethodForward:
+    "Let the method change the model (`setup_model`) and build its modules (on the model's device), then wrap both."
+    method.setup_model(model)
+    modules = method.build_modules(model)
+    if modules is not None: modules.to(next(model.parameters()).device)
+    return MethodForward(model, method, modules)
+
+
+class PeakMemory:
+    """Peak memory of what runs between `start()` and `mib()`: CUDA peak allocated memory above what was allocated at
+    `start` on a GPU; on a CPU, the process's peak resident set size above its size at `start` (so a run in a fresh
+    process reports what its steps needed, not the interpreter's own size)."""
+    def __init__(self, device: str):
+        self.device, self.base = str(device).split(":")[0], 0
+
+    def start(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/statm") as f: self.base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def mib(self) -> float:
+        import resource
+        peak = (torch.cuda.max_memory_allocated() if self.device == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return max(peak - self.base, 0) / 2**20
 
 
 def to_device(batch: dict, device) -> dict:
@@ -460,7 +514,7 @@ def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: Trai
     gnorm = torch.tensor(float("nan"))
     if ok:
         loss.backward()
-        params = [p for p in model.parameters() if p.grad is not None]
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]  # model + method modules
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
         ok = bool(torch.isfinite(gnorm))  # gradients are all-reduced already: every process agrees
     if ok:
@@ -522,6 +576,9 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     method = get_method(cfg.method, cfg.method_cfg)
+    if cfg.model.pretrained == "required":
+        raise ValueError(f"this preset fine-tunes a pretrained {cfg.model.name}: give its weights with "
+                         "model.pretrained=/path/to/open_clip_state_dict.pt (nothing is downloaded)")
 
     seed_all(cfg.seed)  # the same initial weights on every process (DDP also broadcasts rank 0's)
     model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, **cfg.model.kwargs)
@@ -530,11 +587,12 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
         raise ValueError(f"the text tower reads {L.shape[0]} tokens but data.context_length is {cfg.data.context_length}")
     model.to(ctx.device)
     if cfg.model.grad_checkpointing: model.set_grad_checkpointing(True)
-    method.setup_model(model)
-    model.train()
-    fwd = pdist.wrap_ddp(MethodForward(model, method), ctx, cfg.find_unused_parameters)
+    mf = method_forward(model, method)  # the model as the method changes it, and the method's own modules
+    modules = mf.modules_
+    mf.train()
+    fwd = pdist.wrap_ddp(mf, ctx, cfg.find_unused_parameters)
     if cfg.model.compile: fwd = torch.compile(fwd)
-    opt = make_optimizer(model, cfg.optim)
+    opt = make_optimizer(model, cfg.optim, modules, method.modules_lr(cfg.optim.lr))
     spe = steps_per_epoch(cfg.data, ctx.world_size)
     total = _total_steps(cfg, spe)
     sched = make_scheduler(opt, cfg.optim, total)
@@ -545,6 +603,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
     if ck_path is not None:
         ck = load_checkpoint(ck_path, map_location=ctx.device)
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
+        if modules is not None: modules.load_state_dict(ck["method_modules"])
         state = TrainState(**ck["state"])
         rngs = ck["rng"]
         set_rng_state(rngs[ctx.rank] if len(rngs) == ctx.world_size else rngs[0])
@@ -554,19 +613,21 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
 
     def checkpoint():
         rngs = pdist.all_gather_object(rng_state())
-        if ctx.is_main: save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs)
+        if ctx.is_main: save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs, modules=modules)
         pdist.barrier()
 
     from tqdm.auto import tqdm
     bar = tqdm(total=total, initial=state.step, disable=not (ctx.is_main and cfg.progress), unit="step",
                dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
     t_start = t_last = time.time(); n_since, last_row, skipped = 0, {}, {}
+    mem = PeakMemory(ctx.device.type); mem.start()
     global_batch = cfg.data.batch_size * ctx.world_size
     while state.step < min(total, cfg.stop_at or total):
         loader = make_loader(cfg.data, epoch=state.epoch, start_step=state.step_in_epoch, rank=ctx.rank, world_size=ctx.world_size)
         n_batches = 0
         for batch in loader:
             n_batches += 1
+            method.on_step(state.step, total)
             batch = to_device(method.prepare_batch(batch), ctx.device)
             out = train_step(fwd, method, batch, ctx, opt, sched, state, cfg, model)
             state.step += 1; state.step_in_epoch += 1; n_since += 1
@@ -593,11 +654,13 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
             state.epoch += 1; state.step_in_epoch = 0
     bar.close()
     checkpoint()
+    if ctx.is_main: export_weights(run_dir, model, modules)
     logger.close()
     if ctx.is_main and logger.rows:
         plot_metrics(logger.rows, run_dir / "loss.png", title=f"{cfg.method} ({cfg.model.name})")
     return dict(run_dir=str(run_dir), steps=state.step, last=last_row, bad_total=state.bad_total,
-                seconds=time.time() - t_start, world_size=ctx.world_size, checkpoint=str(run_dir / "checkpoints" / "last.pt"))
+                seconds=time.time() - t_start, world_size=ctx.world_size, checkpoint=str(run_dir / "checkpoints" / "last.pt"),
+                weights=str(run_dir / "model.pt"), peak_mib=mem.mib())
 
 
 # %% [markdown]
@@ -650,6 +713,20 @@ train(_micro(_tmp / "resumed", stop_at=3)); _r = train(_micro(_tmp / "resumed"))
 _b = read_metrics(_tmp / "resumed" / "metrics.csv")
 test_eq([r["step"] for r in _b], list(range(1, 7)))
 assert_close(torch.tensor([r["loss"] for r in _b]), torch.tensor([r["loss"] for r in _a]), rtol=0, atol=1e-6)
+
+# %% [markdown]
+# Whatever the method, the run leaves `model.pt`: the open_clip weights alone, which plain open_clip loads (the
+# project's configs registered), so that evaluation treats every method alike. A preset that fine-tunes says
+# `model.pretrained: required` and stops until it gets a local file.
+
+# %%
+import open_clip
+from powerclip.model import register_configs
+register_configs()
+_oc = open_clip.create_model_and_transforms("powerclip-micro", pretrained=_s["weights"])[0]
+_ck = load_checkpoint(_s["checkpoint"])
+assert all(torch.equal(_ck["model"][n], p) for n, p in _oc.state_dict().items()) and _ck["method_modules"] is None
+test_fail(lambda: train(_micro(_tmp / "ft", **{"model.pretrained": "required"})), contains="model.pretrained=")
 
 # %% [markdown]
 # The paper preset's model (ViT-B/16 at 224 pixels, about 150 M parameters) takes one step on CPU at a batch

@@ -20,25 +20,25 @@
 #| export
 from __future__ import annotations
 
-import argparse, json, math, sys, time
+import argparse, json, math, statistics, sys, time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from powerclip.data import world_config
-from powerclip.train import load_checkpoint, load_config, parse_override, plot_metrics, read_metrics, train
+from powerclip.train import TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, to_dict, train
 from powerclip.world_eval import evaluate_world, world_test_set
 
 # %%
 #| hide
 import tempfile
-from fastcore.test import test_eq
+from fastcore.test import test_eq, test_fail
 
 # %% [markdown]
-# # The demo: CLIP vs PowerCLIP on the world
+# # The demo and the comparison: every method on the world
 #
-# > Three tiny models trained with the same data, steps and seed (CLIP, PowerCLIP with random boxes, PowerCLIP with the world's gold object masks), then compared on held-out hard negatives and retrieval.
+# > Tiny models trained with the same data, steps and seed (CLIP, PowerCLIP with random boxes or the world's gold object masks, and every baseline), compared on held-out hard negatives, retrieval and grounding, over several seeds, with each method's time per step and memory relative to CLIP.
 
 # %% [markdown]
 # `python -m powerclip.demo` trains, one after the other on the `demo` preset (the `powerclip-tiny` model,
@@ -52,51 +52,119 @@ from fastcore.test import test_eq
 #
 # Everything else is equal: the batches (a pure function of the seed, epoch and step), the initial weights,
 # the optimiser and the number of steps. Each run is an ordinary `powerclip.train` run in its own folder, so
-# rerunning the demo resumes unfinished runs and only re-evaluates finished ones. The evaluation
+# rerunning the demo resumes unfinished runs and reuses the evaluation of finished ones. The evaluation
 # (`52_world_eval`) scores every model, and the untrained initial model as the chance line, on the same
 # held-out test scenes.
+#
+# `python -m powerclip.demo --runs all --seeds 0 1 2` is the comparison of every method (the baselines of
+# `41`-`46` next to PowerCLIP) at the same budget, repeated over seeds: one table of means and spreads, plus each
+# method's time per step and peak memory relative to CLIP measured in the same invocation. Each run trains in a
+# fresh process, so its peak memory is its own (CUDA peak allocated on a GPU; on a CPU the growth of the
+# process's resident set during training, a coarser number).
 
 # %%
 #| export
-RUNS = (("CLIP", "clip", {}),
-        ("PowerCLIP-R", "powerclip", {"data.masks": "random"}),
-        ("PowerCLIP-gold", "powerclip", {"data.masks": "gold"}))
+# run name -> (method, overrides of the run). Only PowerCLIP reads region masks; the others get the same batches.
+RUNS = {"CLIP": ("clip", {}),
+        "FLIP": ("flip", {}),
+        "CLIP-PGS": ("clip-pgs", {}),
+        "C2LIP": ("c2lip", {}),
+        "SmartCLIP": ("smartclip", {}),
+        "FILIP": ("filip", {}),
+        "SPARC": ("sparc", {}),
+        "PowerCLIP-R": ("powerclip", {"data.masks": "random"}),
+        "PowerCLIP-gold": ("powerclip", {"data.masks": "gold"})}
+DEMO_RUNS = ("CLIP", "PowerCLIP-R", "PowerCLIP-gold")  # `make demo`: CLIP against PowerCLIP
 
 
-def run_configs(out_dir, seed: int = 0, steps: int | None = None, overrides: dict | None = None, preset: str = "demo"):
-    "[(name, TrainConfig)] of the three runs: the same preset, seed, steps and overrides, each in its own folder."
+def run_configs(out_dir, seed: int = 0, steps: int | None = None, overrides: dict | None = None, preset: str = "demo",
+                runs=DEMO_RUNS):
+    "[(name, TrainConfig)] of the runs: the same preset, seed, steps and overrides, each in its own folder."
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown: raise KeyError(f"unknown run(s) {unknown}; known: {list(RUNS)}")
     out = []
-    for name, method, extra in RUNS:
+    for name in runs:
+        method, extra = RUNS[name]
         ov = {**(overrides or {}), **extra, "seed": seed, "out_dir": str(Path(out_dir) / name)}
         if steps is not None: ov["max_steps"] = steps
         out.append((name, load_config(preset, ov, method)))
     return out
 
 
-def _load_trained(cfg, path=None):
+def _load_trained(cfg, weights=None):
+    "The run's open_clip model: random init from the run's seed, or its exported weights (`model.pt`)."
     from powerclip.model import create_model
     torch.manual_seed(cfg.seed)
     model = create_model(cfg.model.name, **cfg.model.kwargs)[0]
-    if path is not None: model.load_state_dict(load_checkpoint(path)["model"])
+    if weights is not None: model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
     return model.eval()
 
 
+def _train_child(cfg_dict: dict, q) -> None:
+    try: q.put(dict(ok=True, **train(from_dict(TrainConfig, cfg_dict))))
+    except BaseException as e: q.put(dict(ok=False, error=f"{type(e).__name__}: {e}"))
+
+
+def train_isolated(cfg: TrainConfig) -> dict:
+    "`train(cfg)` in a fresh spawned process (its peak memory is its own); returns the trainer's summary."
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_train_child, args=(to_dict(cfg), q))
+    p.start()
+    res = q.get()  # before join: a large result would otherwise block the child's exit
+    p.join()
+    if not res.pop("ok"): raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}")
+    return res
+
+
+def step_seconds(rows: list[dict], batch_size: int) -> float:
+    "Median seconds per step over the logged rows, leaving out the first (start-up and warm-up)."
+    s = [batch_size / r["img_per_s"] for r in rows[1:] if r.get("img_per_s")]
+    return statistics.median(s) if s else float("nan")
+
+
+def _grounding(weights, cfg, n_scenes: int) -> dict:
+    "Pointing game and mean IoU of the run's text-to-patch heatmaps against the world's object masks."
+    from powerclip.heatmaps import grounding_table
+    rows, _ = grounding_table({"run": weights}, n_scenes=n_scenes, cfg=world_config(cfg.data), baselines=False)
+    return {k: v for k, v in rows[0].items() if k != "name"}
+
+
 def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_images: int = 300,
-             overrides: dict | None = None, preset: str = "demo") -> dict:
-    "Train the three runs, evaluate them (and the untrained model) on held-out world scenes; write the table and plots."
+             overrides: dict | None = None, preset: str = "demo", runs=DEMO_RUNS, grounding_scenes: int = 0,
+             isolate: bool = True) -> dict:
+    """Train the runs (each in a fresh process when `isolate`), evaluate them and the untrained model on held-out
+    world scenes (and grounding on `grounding_scenes` scenes); write the table and plots. A finished run is not
+    trained again, and its evaluation (`eval.json` beside its weights) is reused while the weights are unchanged."""
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
-    cfgs = run_configs(out, seed, steps, overrides, preset)
-    test_root = world_test_set(out / "world_test", world_config(cfgs[0][1].data), n_images=eval_images, split="test")
+    cfgs = run_configs(out, seed, steps, overrides, preset, runs)
+    test_root = world_test_set(out.parent / "world_test" if out.name.startswith("seed") else out / "world_test",
+                               world_config(cfgs[0][1].data), n_images=eval_images, split="test")
     results, curves = {}, {}
     results["untrained"] = dict(steps=0, train_s=0.0, **evaluate_world(_load_trained(cfgs[0][1]), test_root))
     for name, cfg in cfgs:
+        run_dir = Path(cfg.out_dir)
+        cached = run_dir / "eval.json"
+        weights = run_dir / "model.pt"
+        key = dict(steps=cfg.max_steps, eval_images=eval_images, grounding_scenes=grounding_scenes,
+                   weights_mtime=weights.stat().st_mtime if weights.is_file() else None)
+        if cached.is_file() and json.loads(cached.read_text()).get("key") == key:
+            results[name] = json.loads(cached.read_text())["result"]
+            curves[name] = read_metrics(run_dir / "metrics.csv")
+            print(f"== {name}: reused {cached}", file=sys.stderr, flush=True)
+            continue
         print(f"== {name}: {cfg.method}, masks={cfg.data.masks}, {cfg.max_steps} steps, seed {cfg.seed}", file=sys.stderr, flush=True)
-        s = train(cfg)
-        rows = read_metrics(Path(cfg.out_dir) / "metrics.csv")
+        s = train_isolated(cfg) if isolate else train(cfg)
+        rows = read_metrics(run_dir / "metrics.csv")
         curves[name] = rows
-        res = evaluate_world(_load_trained(cfg, s["checkpoint"]), test_root)
-        results[name] = dict(steps=s["steps"], train_s=rows[-1]["time"] if rows else float("nan"),
+        res = evaluate_world(_load_trained(cfg, s["weights"]), test_root)
+        if grounding_scenes: res.update(_grounding(s["weights"], cfg, grounding_scenes))
+        results[name] = dict(method=cfg.method, steps=s["steps"], train_s=rows[-1]["time"] if rows else float("nan"),
+                             s_per_step=step_seconds(rows, cfg.data.batch_size), peak_mib=s["peak_mib"],
                              final_clip_loss=rows[-1].get("clip", float("nan")) if rows else float("nan"), **res)
+        key["weights_mtime"] = weights.stat().st_mtime
+        cached.write_text(json.dumps(dict(key=key, result=results[name]), indent=1))
     table = results_table(results)
     (out / "results.json").write_text(json.dumps(dict(seed=seed, steps=cfgs[0][1].max_steps, eval_images=eval_images,
                                                       results=results), indent=1))
@@ -112,19 +180,69 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
 
 # %%
 #| export
+GROUNDING_KEYS = ("pointing", "iou")  # written by `_grounding` when the run was asked for it
+
+
+def _columns(results: dict[str, dict]) -> list[tuple[str, str, str]]:
+    "(key, header, format) of the columns the results have: steps, time, HN kinds, HN mean, R@1/5, grounding."
+    first = next(iter(results.values()))
+    kinds = [k for k in first if k.startswith("hn_") and k != "hn_mean" and not k.endswith("_sd")]
+    have = {k for r in results.values() for k in r}
+    cols = [("steps", "steps", "{:.0f}"), ("train_s", "train s", "{:.0f}")]
+    cols += [("s_per_step", "s/step", "{:.3f}")] if "s_per_step" in have else []
+    cols += [(k, k[3:], "{:.1f}") for k in kinds] + [("hn_mean", "HN mean", "{:.1f}")]
+    cols += [(k, k.replace("_", " "), "{:.1f}") for k in ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5")]
+    cols += [(k, k, "{:.1f}") for k in GROUNDING_KEYS if k in have]
+    return cols
+
+
+def _pct(k: str) -> bool: return k.startswith("hn_") or "R@" in k or k in GROUNDING_KEYS
+
+
+def _cell(v, fmt: str, k: str, spread=None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)): return "-"
+    scale = 100 if _pct(k) else 1
+    return fmt.format(scale * v) + ("" if spread is None or math.isnan(spread) else " ± " + fmt.format(scale * spread))
+
+
 def results_table(results: dict[str, dict]) -> str:
-    "Markdown table: hard-negative accuracy per kind (%), their mean, retrieval R@1/R@5 both ways (%)."
-    kinds = [k for k in next(iter(results.values())) if k.startswith("hn_") and k != "hn_mean"]
-    cols = [("steps", "steps", "{:.0f}"), ("train_s", "train s", "{:.0f}")] \
-        + [(k, k[3:], "{:.1f}") for k in kinds] + [("hn_mean", "HN mean", "{:.1f}")] \
-        + [(k, k.replace("_", " "), "{:.1f}") for k in ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5")]
-    pct = lambda k: k.startswith("hn_") or "R@" in k
+    "Markdown table: hard-negative accuracy per kind (%), their mean, retrieval R@1/R@5 both ways (%), grounding (%)."
+    cols = _columns(results)
     lines = ["| model | " + " | ".join(c[1] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
     for name, r in results.items():
-        cells = []
-        for k, _, fmt in cols:
-            v = r.get(k, float("nan"))
-            cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(100 * v if pct(k) else v))
+        lines.append(f"| {name} | " + " | ".join(_cell(r.get(k, float("nan")), fmt, k) for k, _, fmt in cols) + " |")
+    return "\n".join(lines)
+
+
+def summarize_seeds(per_seed: dict[int, dict[str, dict]], base: str = "CLIP") -> dict[str, dict]:
+    """Mean and sample standard deviation over seeds of every number of every run, plus each run's time per step
+    and peak memory relative to `base` (the ratio taken within each seed's invocation, then averaged)."""
+    names = list(dict.fromkeys(n for res in per_seed.values() for n in res))
+    out = {}
+    for n in names:
+        rows = [res[n] for res in per_seed.values() if n in res]
+        keys = [k for k in rows[0] if isinstance(rows[0][k], (int, float)) and not isinstance(rows[0][k], bool)]
+        agg = dict(seeds=len(rows))
+        for k in keys:
+            v = [float(r[k]) for r in rows if k in r]
+            agg[k] = float(np.mean(v)); agg[k + "_sd"] = float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
+        for k, rk in (("s_per_step", "time_ratio"), ("peak_mib", "mem_ratio")):
+            v = [res[n][k] / res[base][k] for res in per_seed.values()
+                 if n in res and base in res and k in res[n] and res[base].get(k)]
+            if v: agg[rk], agg[rk + "_sd"] = float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
+        out[n] = agg
+    return out
+
+
+def summary_table(summary: dict[str, dict], base: str = "CLIP") -> str:
+    "Markdown: mean ± sd over seeds of each column of `results_table`, then time and memory relative to `base`."
+    cols = [c for c in _columns(summary) if c[0] not in ("train_s",)]
+    head = ["model", "seeds"] + [c[1] for c in cols] + [f"time / {base}", f"memory / {base}"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for name, r in summary.items():
+        cells = [str(r["seeds"])] + [_cell(r.get(k, float("nan")), fmt, k, r.get(k + "_sd")) for k, _, fmt in cols]
+        cells += [_cell(r.get(rk, float("nan")), "{:.2f}", rk, r.get(rk + "_sd")) + ("x" if rk in r else "")
+                  for rk in ("time_ratio", "mem_ratio")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -150,19 +268,50 @@ def plot_results(results: dict[str, dict], path=None):
 
 # %%
 #| export
+def compare(out_dir="runs/compare", seeds=(0, 1, 2), runs=tuple(RUNS), steps: int | None = None,
+            eval_images: int = 300, grounding_scenes: int = 200, overrides: dict | None = None, preset: str = "demo",
+            isolate: bool = True) -> dict:
+    "`run_demo` for each seed (in `out_dir/seed{S}`), then the mean ± sd table over seeds (`summary.md`, `summary.json`)."
+    out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
+    per_seed = {s: run_demo(out / f"seed{s}", s, steps, eval_images, overrides, preset, runs, grounding_scenes, isolate)
+                for s in seeds}
+    summary = summarize_seeds(per_seed)
+    table = summary_table(summary)
+    meta = dict(seeds=list(seeds), runs=list(runs), steps=steps, eval_images=eval_images, grounding_scenes=grounding_scenes,
+                preset=preset, overrides=overrides or {}, torch=torch.__version__,
+                device="cuda" if torch.cuda.is_available() else "cpu", cores=__import__("os").cpu_count())
+    (out / "summary.json").write_text(json.dumps(dict(meta=meta, summary=summary, per_seed=per_seed), indent=1))
+    (out / "summary.md").write_text(f"{len(seeds)} seeds {list(seeds)}, {steps or 'preset'} steps each, preset {preset}; "
+                                    f"mean ± sd over seeds (%)\n\n{table}\n")
+    print(table)
+    return summary
+
+
 def demo_main(argv: list[str] | None = None) -> dict:
-    "`python -m powerclip.demo [--out DIR] [--seed S] [--steps N] [--eval-images N] [key=value ...]`"
+    "`python -m powerclip.demo [--runs NAME ...|all] [--seeds S ...] [--steps N] [--eval-images N] [key=value ...]`"
     ap = argparse.ArgumentParser(prog="python -m powerclip.demo", description=__doc__ or "CLIP vs PowerCLIP on the built-in world")
-    ap.add_argument("--out", default="runs/demo", help="folder of the three runs, the test scenes, the table and plots")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="folder of the runs, the test scenes, the tables and plots "
+                                                "(default runs/demo, or runs/compare with several seeds or --runs all)")
+    ap.add_argument("--runs", nargs="+", default=list(DEMO_RUNS), help=f"runs to train, or 'all': {', '.join(RUNS)}")
+    ap.add_argument("--seeds", "--seed", nargs="+", type=int, default=[0], help="one or more seeds")
     ap.add_argument("--steps", type=int, default=None, help="training steps per model (default: the preset's max_steps)")
     ap.add_argument("--eval-images", type=int, default=300, help="held-out test scenes")
+    ap.add_argument("--grounding", type=int, default=None, help="scenes for the grounding score (default: 0 for the "
+                                                               "demo, 200 for a comparison; 0 = none)")
     ap.add_argument("--preset", default="demo")
-    ap.add_argument("overrides", nargs="*", help="key=value for all three runs, e.g. data.batch_size=32 optim.lr=2e-3")
+    ap.add_argument("--in-process", action="store_true", help="train in this process (no per-run peak memory)")
+    ap.add_argument("overrides", nargs="*", help="key=value for all runs, e.g. data.batch_size=32 optim.lr=2e-3")
     a = ap.parse_intermixed_args(argv)  # options and key=value pairs in any order
+    runs = tuple(RUNS) if a.runs == ["all"] else tuple(a.runs)
+    many = len(a.seeds) > 1 or a.runs == ["all"]
+    out = a.out or ("runs/compare" if many else "runs/demo")
+    ground = a.grounding if a.grounding is not None else (200 if many else 0)
+    ov = dict(map(parse_override, a.overrides))
     t0 = time.time()
-    res = run_demo(a.out, a.seed, a.steps, a.eval_images, dict(map(parse_override, a.overrides)), a.preset)
-    print(f"demo: {time.time() - t0:.0f} s in all; results in {a.out}/results.md, plots in {a.out}/*.png", file=sys.stderr)
+    if many: res = compare(out, a.seeds, runs, a.steps, a.eval_images, ground, ov, a.preset, not a.in_process)
+    else: res = run_demo(out, a.seeds[0], a.steps, a.eval_images, ov, a.preset, runs, ground, not a.in_process)
+    print(f"demo: {time.time() - t0:.0f} s in all; results in {out}/{'summary' if many else 'results'}.md, plots in "
+          f"{out}/{'seed*/' if many else ''}*.png", file=sys.stderr)
     return res
 
 
@@ -176,7 +325,22 @@ if __name__ == "__main__" and "__file__" in globals(): demo_main()
 
 # %%
 with tempfile.TemporaryDirectory() as d:
-    _res = demo_main(["--out", d, "--preset", "smoke", "--steps", "4", "--eval-images", "24"])
+    _res = demo_main(["--out", d, "--preset", "smoke", "--steps", "4", "--eval-images", "24", "--in-process"])
     assert (Path(d) / "results.md").is_file() and (Path(d) / "comparison.png").is_file()
+    _again = run_demo(d, 0, 4, 24, preset="smoke", isolate=False)  # finished runs: evaluations reused, not retrained
 test_eq(list(_res), ["untrained", "CLIP", "PowerCLIP-R", "PowerCLIP-gold"])
 assert all(r["steps"] == 4 for k, r in _res.items() if k != "untrained")
+assert json.dumps(_again, sort_keys=True) == json.dumps(_res, sort_keys=True)
+
+# %% [markdown]
+# The summary over seeds, on hand-made results: means, sample standard deviations, and ratios to CLIP taken
+# within each seed.
+
+# %%
+_ps = {0: {"CLIP": dict(hn_mean=0.6, s_per_step=1.0, peak_mib=100.0), "X": dict(hn_mean=0.7, s_per_step=2.0, peak_mib=150.0)},
+       1: {"CLIP": dict(hn_mean=0.8, s_per_step=2.0, peak_mib=100.0), "X": dict(hn_mean=0.9, s_per_step=3.0, peak_mib=150.0)}}
+_sm = summarize_seeds(_ps)
+assert abs(_sm["X"]["hn_mean"] - 0.8) < 1e-12 and abs(_sm["X"]["hn_mean_sd"] - 0.1 * 2 ** 0.5) < 1e-12
+assert abs(_sm["X"]["time_ratio"] - 1.75) < 1e-12 and abs(_sm["X"]["mem_ratio"] - 1.5) < 1e-12
+print(summary_table(_sm))
+test_fail(lambda: run_configs("/tmp/x", runs=("CLIP", "NoSuch")), contains="unknown run")

@@ -74,14 +74,18 @@ class MaskNet(nn.Module):
 # %% ../../nbs/44_smartclip.ipynb #6550424d
 @dataclass
 class SmartCLIPConfig:
-    lambda_align: float = 1.0     # weight of the modular contrastive loss (mean of the two directions)
-    lambda_sparsity: float = 0.1  # weight of the L1 penalty on the masks (mean fraction of kept dimensions)
-    heads: int = 4                # attention heads of the mask network
+    lambda_align: float = 1.0     # weight of the modular contrastive loss, Eq. 9 (the paper gives no value; its
+                                  # Fig. 5 finds results flat for 0.1..20)
+    lambda_sparsity: float = 0.1  # weight of the L1 penalty on the masks (mean fraction of kept dimensions), Eq. 8-9;
+                                  # no value in the paper (Fig. 5 only shows that > 0 helps): our choice
+    heads: int = 4                # attention heads of the mask network (not given in the paper)
     special_tokens: bool = True   # the mask network reads SOT and EOT too (EOT carries the sentence)
+    mask_lr: float | None = 1e-3  # peak learning rate of the mask network (Sec. 6: 1e-3, CLIP 1e-6); None: the run's
 
     def __post_init__(self):
         if self.lambda_align <= 0 or self.lambda_sparsity < 0:
             raise ValueError(f"need lambda_align > 0 and lambda_sparsity >= 0, got {self.lambda_align}, {self.lambda_sparsity}")
+        if self.mask_lr is not None and self.mask_lr <= 0: raise ValueError(f"mask_lr must be > 0 or None, got {self.mask_lr}")
 
 
 @register("smartclip")
@@ -89,16 +93,20 @@ class SmartCLIP(Method):
     "SmartCLIP: modular contrastive loss through text-conditioned binary masks + L1 sparsity, config `SmartCLIPConfig`."
     Config = SmartCLIPConfig
 
-    def setup_model(self, model) -> None:
+    def build_modules(self, model) -> MaskNet:
+        "The mask network, sized to the model's embedding width D (trained, saved and synced beside the model)."
         dim = model.text_projection.shape[1] if isinstance(model.text_projection, torch.Tensor) else model.text_projection.out_features
-        model.smartclip_mask = MaskNet(dim, self.cfg.heads).to(next(model.parameters()).device)
+        return MaskNet(dim, self.cfg.heads)
 
-    def forward(self, model, batch):
+    def modules_lr(self, lr: float) -> float:
+        return lr if self.cfg.mask_lr is None else self.cfg.mask_lr
+
+    def forward(self, model, batch, modules=None):
         from powerclip.baselines.filip import text_token_mask
-        if not hasattr(model, "smartclip_mask"): raise RuntimeError("call setup_model(model) first: the model has no mask network")
+        if not isinstance(modules, MaskNet): raise RuntimeError("SmartCLIP needs its mask network: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
         valid = text_token_mask(batch["tokens"], self.cfg.special_tokens)      # (C, L)
-        out["mask"], out["mask_prob"] = model.smartclip_mask(out["tokens"], valid)  # (C, D) each
+        out["mask"], out["mask_prob"] = modules(out["tokens"], valid)         # (C, D) each
         return out
 
     def loss(self, out, batch, dist: DistContext):
