@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo theory test check sync nbs export bench clean-venv
+.PHONY: install demo compare theory test check sync nbs export bench clean-venv
 
 install: $(STAMP)
 
@@ -18,6 +18,12 @@ $(STAMP): constraints.txt settings.ini setup.py
 ## The main job on its built-in default: CLIP vs PowerCLIP-R vs PowerCLIP-gold on the built-in world.
 demo: install
 	$(BIN)/python -m powerclip.demo
+
+## Every method (CLIP, FLIP, CLIP-PGS, C2LIP, SmartCLIP, FILIP, SPARC, PowerCLIP-R, PowerCLIP-gold) on the world,
+## the same budget, 3 seeds: one table of means and spreads with time and memory relative to CLIP.
+STEPS ?= 150
+compare: install
+	$(BIN)/python -m powerclip.demo --runs all --seeds 0 1 2 --steps $(STEPS)
 
 ## The float64 theory checks (Lemma A.1, powerset identities, Theorems 1-2), printed as a table.
 theory: install

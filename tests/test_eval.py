@@ -239,3 +239,148 @@ def test_image_folder_classification(tmp_path, capsys):
     assert rc == 0
     m = json.loads(next((tmp_path / 'res').rglob('*.json')).read_text())['metrics']
     assert m['zeroshot']['n'] == 8 and m['linear_probe']['n_test'] == 8
+
+
+# ---- CLIP's benchmarks through clip_benchmark -------------------------------------------------------------------
+
+from powerclip.eval import (BENCHMARKS, PAPER, ROBUSTNESS, SUGARCREPE, TABLE1, _NoDownload, clip_classnames, clip_templates,
+                            load_sugarcrepe, open_benchmark, paper_tables)
+
+FROM_DATA = {'cifar10', 'cifar100', 'food101', 'sun397', 'cars', 'fgvc_aircraft', 'dtd', 'stl10', 'vtab/resisc45'}
+
+
+def test_every_classification_benchmark_has_clip_names_and_templates():
+    "The 17 sets of Table 1 and the 6 of Table 3: CLIP's templates from the package; class names from it or, as in clip_benchmark, from the data."
+    assert len(TABLE1) == 17 and len(ROBUSTNESS) == 6
+    paper_cols = ['Food101', 'CIFAR10', 'CIFAR100', 'SUN397', 'Cars', 'VOC07', 'Aircraft', 'DTD', 'OxfordPets', 'Caltech101',
+                  'Flowers', 'STL10', 'EuroSAT', 'RESISC45', 'GTSRB', 'Country', 'PCam']
+    assert [BENCHMARKS[n].column for n in TABLE1] == paper_cols
+    assert [BENCHMARKS[n].column for n in ROBUSTNESS] == ['ImgNet-1k', 'ImgNet-V2', 'ImgNet-A', 'ImgNet-R', 'ImgNet-O', 'ImgNet-S']
+    for n in TABLE1 + ROBUSTNESS:
+        t = clip_templates(n)
+        assert t and all('{c}' in x for x in t), n
+        names = clip_classnames(n)
+        if n in FROM_DATA: assert names is None, n
+        else: assert names and all(isinstance(x, str) and x for x in names), n   # CLIP's ImageNet list has 2 repeated names (crane, maillot)
+        # every data set names the files a user must provide
+        assert BENCHMARKS[n].files and (BENCHMARKS[n].marker or n == 'vtab/resisc45'), n
+    assert clip_classnames('imagenet-r')[:2] == ['goldfish', 'great white shark']
+    assert len(clip_templates('cifar10')) == 18 and len(clip_templates('imagenet1k')) == 80
+
+
+def test_clip_benchmark_never_downloads(tmp_path):
+    "clip_benchmark's SugarCrepe branch runs wget whatever `download` says: under the guard it raises instead."
+    from clip_benchmark.datasets.builder import build_dataset
+    with _NoDownload('sugar_crepe'):
+        with pytest.raises(MissingData, match='wget'):
+            build_dataset('sugar_crepe/add_att', root=str(tmp_path), transform=None, download=False, task='image_caption_selection')
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(MissingData, match='cifar-10-batches-py'):
+        open_benchmark('cifar10', tmp_path / 'cifar10')
+    (tmp_path / 'imagenet-a').mkdir()                  # present but empty: clip_benchmark's own error, as MissingData
+    with pytest.raises(MissingData, match='imagenet-a'):
+        open_benchmark('imagenet-a', tmp_path / 'imagenet-a')
+
+
+def _bench_root(world, root):
+    "A benchmark root built from the world (a test fixture only): a webdataset export, SugarCrepe in clip_benchmark's "
+    "layout, Winoground and a Flickr8k-format Karpathy file."
+    import shutil
+    shutil.copytree(world / 'wds_shape', root / 'cifar10')
+    sc = root / 'sugar_crepe'; sc.mkdir(parents=True)
+    for c in SUGARCREPE:
+        if (world / 'data' / f'{c}.json').is_file(): shutil.copy(world / 'data' / f'{c}.json', sc / f'{c}.json')
+    shutil.copytree(world / 'images', sc / 'val2017')
+    shutil.copytree(world / 'data', root / 'winoground' / 'data')
+    fk = root / 'flickr8k'; fk.mkdir()
+    rows = json.loads((world / 'retrieval.json').read_text())
+    lines = ['image,caption'] + [f"{r['image'][:-4]}.jpg,{c}" for r in rows for c in r['caption']]
+    for r in rows:
+        from PIL import Image
+        Image.open(world / 'images' / r['image']).convert('RGB').save(fk / (r['image'][:-4] + '.jpg'))
+    (fk / 'flickr8k_test_karpathy.txt').write_text('\n'.join(lines) + '\n')
+    return root
+
+
+def test_suite_and_paper_tables(world, tmp_path, capsys):
+    root = _bench_root(world, tmp_path / 'bench')
+    out = tmp_path / 'res'
+    base = ['--model', 'powerclip-micro', '--out', str(out), '--cache', str(tmp_path / 'cache'), '--no-progress', '--label', 'rand']
+    rc, stdout, _ = _run(['suite', '--root', str(root), *base], capsys)
+    assert rc == 0
+    rep = json.loads(stdout)
+    assert set(rep['results']) == {'cifar10', 'flickr8k', 'sugar_crepe', 'winoground'}
+    assert 'food-101/meta/test.json' in rep['skipped']['food101'] and 'not the Karpathy' not in rep['skipped']['mscoco_captions']
+    res = {p.stem: json.loads(p.read_text()) for p in (out / 'rand').glob('*.json')}
+    # SugarCrepe: the seven runs of clip_benchmark are one data set here, its JSON holds every category
+    sc = res['sugar_crepe']['metrics']['sugarcrepe']
+    cats = [c for c in SUGARCREPE if (root / 'sugar_crepe' / f'{c}.json').is_file()]
+    assert len(cats) >= 5 and all(c in sc for c in cats)
+    direct, _ = load_sugarcrepe(world)
+    assert {c: sc[f'{c}_n'] for c in cats} == {c: len(direct[c]) for c in cats}
+    # the webdataset export read by clip_benchmark gives the numbers our own reader gives on the same images
+    zs = res['cifar10']['metrics']['zeroshot']
+    assert zs['layout'] == 'wds' and zs['n'] == 100 and res['cifar10']['metrics']['linear_probe']['n_test'] == 100
+    rc, _, _ = _run(['run', '--data', str(world), '--tasks', 'zeroshot', *base[:-2], '--label', 'json'], capsys)
+    assert rc == 0
+    assert json.loads((out / 'json' / f'{world.name}.json').read_text())['metrics']['zeroshot']['top1'] == zs['top1']
+    fl = res['flickr8k']['metrics']['retrieval']
+    assert fl['karpathy_size_ok'] is False and fl['n_images'] == json.loads((world / 'summary.json').read_text())['retrieval_images']
+    # naming an absent benchmark stops with what to put where
+    rc, _, err = _run(['suite', '--root', str(root), '--benchmarks', 'food101', *base], capsys)
+    assert rc == 2 and 'food-101/meta/test.json' in err and 'wds_food101_test' in err
+    # tables: the paper's layouts, this checkpoint as a row, the paper's numbers only in 'paper:' columns
+    rc, md, _ = _run(['tables', str(out / 'rand'), '--out', str(tmp_path / 'tables'), '--paper', 'rand=PowerCLIP-S'], capsys)
+    assert rc == 0
+    t1 = (tmp_path / 'tables' / 'table1.csv').read_text().splitlines()
+    head, row = t1[0].split(','), t1[1].split(',')
+    assert head[:3] == ['checkpoint', 'Food101', 'CIFAR10'] and head[18] == 'Avg' and head[19] == 'paper: Food101'
+    assert row[0] == 'rand' and row[1] == '' and float(row[2]) == pytest.approx(zs['top1'], abs=0.051) and row[18] == ''
+    assert float(row[19]) == PAPER['table1']['PowerCLIP-S'][0]
+    for t in ('table2', 'table4', 'table5', 'table9'): assert (tmp_path / 'tables' / f'{t}.md').is_file(), t
+    assert not (tmp_path / 'tables' / 'table3.md').exists()          # no ImageNet result: no Table 3
+    t4 = paper_tables(sorted((out / 'rand').glob('*.json')))['table4']
+    assert t4[0][:4] == ['checkpoint', 'Obj', 'Att', 'Rel']
+    assert t4[1][0][3] == (pytest.approx(sc['replace_rel']) if 'replace_rel' in cats else None)
+    rc, _, err = _run(['tables', str(out / 'rand'), '--paper', 'rand=NoSuch'], capsys)
+    assert rc == 2 and 'unknown paper methods' in err
+
+
+def test_bf16_precision_cached_apart(world, tmp_path):
+    ev = Evaluator.build('powerclip-micro', None, cache_dir=tmp_path, progress=False)
+    ev16 = Evaluator.build('powerclip-micro', None, cache_dir=tmp_path, progress=False, precision='bf16')
+    a, _ = evaluate(ev, world, ['retrieval']); b, _ = evaluate(ev16, world, ['retrieval'])
+    assert ev16.cache.hits == 0 and ev16.cache.misses == ev.cache.misses     # bf16 features are not fp32's
+    assert abs(a['retrieval']['t2i_R@10'] - b['retrieval']['t2i_R@10']) < 15
+
+
+def test_clip_benchmark_cli_sugarcrepe_trap(world, tmp_path, capsys):
+    "clip_benchmark's own CLI on the world's SugarCrepe (its layout), a project config registered with open_clip: one "
+    "file per category when --output is templated; a fixed --output (which would keep one category) is refused."
+    import shutil
+    from powerclip.model import create_model
+    torch.manual_seed(0)
+    model = create_model('powerclip-micro')[0]
+    ck = tmp_path / 'micro.pt'; torch.save(model.state_dict(), ck)
+    root = tmp_path / 'sc'; root.mkdir()
+    cats = [c for c in ('add_att', 'swap_obj', 'replace_att') if json.loads((world / 'data' / f'{c}.json').read_text())][:2]
+    for c in cats: shutil.copy(world / 'data' / f'{c}.json', root / f'{c}.json')
+    shutil.copytree(world / 'images', root / 'val2017')
+    args = ['clip-benchmark', 'eval', '--dataset', *[f'sugar_crepe/{c}' for c in cats], '--dataset_root', str(root),
+            '--model', 'powerclip-micro', '--pretrained', str(ck), '--no_amp', '--batch_size', '16', '--num_workers', '0']
+    rc, _, err = _run(args + ['--output', str(tmp_path / 'one.json')], capsys)
+    assert rc == 2 and '{dataset}' in err and not (tmp_path / 'one.json').exists()
+    absent = next(c for c in SUGARCREPE if not (root / f'{c}.json').exists())
+    rc, _, err = _run(args[:5] + [f'sugar_crepe/{absent}'] + args[5:] + ['--output', str(tmp_path / '{dataset}.json')], capsys)
+    assert rc == 2 and f'{absent}.json' in err                   # a category without its file: named, nothing fetched
+    (tmp_path / 'out').mkdir()
+    rc, _, err = _run(args + ['--output', str(tmp_path / 'out' / '{dataset}.json')], capsys)
+    assert rc == 0, err
+    files = sorted((tmp_path / 'out').glob('*.json'))
+    assert [f.stem for f in files] == sorted(f'sugar_crepe_{c}' for c in cats)
+    # the same checkpoint through our evaluator: the same accuracies (continuous scores, no ties)
+    ev = Evaluator.build('powerclip-micro', ck, progress=False)
+    ours, _ = evaluate(ev, world, ['sugarcrepe'])
+    for c in cats:
+        theirs = json.loads((tmp_path / 'out' / f'sugar_crepe_{c}.json').read_text())['metrics']
+        assert 100 * theirs['acc'] == pytest.approx(ours['sugarcrepe'][c], abs=1e-4), c   # theirs: a float32 mean
