@@ -7,6 +7,9 @@ median over all timed steps of a method.
 
     python benchmarks/train_step_ratio.py                                   # CPU: the demo preset's tiny model
     python benchmarks/train_step_ratio.py --preset paper --device cuda --batch 256 --precision bf16   # ViT-B/16
+    python benchmarks/train_step_ratio.py --methods clip flip clip-pgs c2lip c2lip:base=clip smartclip filip sparc powerclip
+
+A method may carry options after a colon: `c2lip:base=clip,concept_embedding=encode`.
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ def _world_batches(cfg, n):
     return [next(it) for _ in range(n)]
 
 
+def _spec(method: str) -> tuple[str, list[str]]:
+    "'name:key=value,key=value' -> (name, ['method_cfg.key=value', ...])."
+    name, _, opts = method.partition(":")
+    return name, [f"method_cfg.{kv}" for kv in opts.split(",") if kv]
+
+
 def measure(method, a):
     "In a fresh process: the time of each timed train_step, and peak memory."
     from powerclip import dist as pdist
@@ -44,7 +53,8 @@ def measure(method, a):
     over = [f"data.batch_size={a.batch}", f"precision={a.precision}"]
     if a.preset == "paper":  # same geometry as the paper (224 px, patch 16), world images instead of shards
         over += ["data.image_size=224", "data.patch_size=16", "data.context_length=77"]
-    cfg = load_config(a.preset, over, method=method)
+    name, opts = _spec(method)
+    cfg = load_config(a.preset, over + opts, method=name)
     ctx = pdist.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device(a.device), backend=None)
     seed_all(cfg.seed)
     model, _, _ = create_model(cfg.model.name, None, **cfg.model.kwargs)
@@ -55,7 +65,7 @@ def measure(method, a):
     opt = make_optimizer(model, cfg.optim, fwd.modules_, m.modules_lr(cfg.optim.lr))
     sched = make_scheduler(opt, cfg.optim, a.warmup + a.steps + 10)
     state = TrainState()
-    batches = [to_device(b, ctx.device) for b in _world_batches(cfg, a.warmup + a.steps)]
+    batches = [to_device(m.prepare_batch(b), ctx.device) for b in _world_batches(cfg, a.warmup + a.steps)]
     for b in batches[:a.warmup]:
         train_step(fwd, m, b, ctx, opt, sched, state, cfg, model)
     sync(a.device)

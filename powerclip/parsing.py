@@ -345,6 +345,7 @@ class TreeTokens:
     leaf_valid: torch.Tensor    # (W,) bool: False for words cut off by truncation or without pieces
     incidence: torch.Tensor     # (K, W) bool: node k covers valid word w
     node_valid: torch.Tensor    # (K,) bool: node has at least one valid word
+    node_np: torch.Tensor       # (K,) bool: node's label is 'NP' (noun-phrase concepts of C2LIP, `45_c2lip`)
     notes: list[str] = field(default_factory=list)  # parse notes + what tokenisation dropped
 
 @lru_cache(maxsize=1)
@@ -369,7 +370,7 @@ def word_pieces(tok, word: str, max_cache: int = 200_000) -> list[int]:
 
 # %% ../nbs/20_parsing.ipynb #ee40b1b2
 def tree_tokens(parsed: ParsedCaption, tokenizer=None, context_length: int = 77) -> TreeTokens:
-    "Tokens `(L,)`, leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity `(K,)`."
+    "Tokens `(L,)`, leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity and NP label `(K,)`."
     tok = tokenizer or default_tokenizer()
     W, K, L = len(parsed.words), len(parsed.spans), context_length
     first, last, valid = [0] * W, [0] * W, [False] * W               # piece positions [first, last) per word
@@ -391,27 +392,30 @@ def tree_tokens(parsed: ParsedCaption, tokenizer=None, context_length: int = 77)
     cover = (w_idx[None, :] >= se[:, :1]) & (w_idx[None, :] < se[:, 1:])   # (K, W)
     incidence = cover & leaf_valid[None, :]                          # (K, W)
     node_valid = incidence.any(1)                                    # (K,)
+    node_np = torch.tensor([lab == 'NP' for lab in parsed.labels], dtype=torch.bool).reshape(K)  # (K,)
     if no_piece: notes.append(f'{len(no_piece)} word(s) with no BPE pieces: {no_piece}')
     if cut_at is not None:
         notes.append(f'truncated to {L} tokens: dropped {W - cut_at} of {W} words from word {cut_at}; '
                      f'{int((~node_valid).sum())} of {K} nodes lost all words')
     elif not node_valid.all(): notes.append(f'{int((~node_valid).sum())} of {K} nodes have no valid word')
-    return TreeTokens(tokens, leaf_tokens, leaf_valid, incidence, node_valid, notes)
+    return TreeTokens(tokens, leaf_tokens, leaf_valid, incidence, node_valid, node_np, notes)
 
 # %% ../nbs/20_parsing.ipynb #023083f3
 def collate_trees(items: list[TreeTokens]) -> dict[str, torch.Tensor]:
-    "Batch TreeTokens: tokens (C, L), leaf_tokens (C, W, L), leaf_valid (C, W), incidence (C, K, W), node_valid (C, K)."
+    "Batch TreeTokens: tokens (C, L), leaf_tokens (C, W, L), leaf_valid (C, W), incidence (C, K, W), node_valid, node_np (C, K)."
     C, L = len(items), items[0].tokens.shape[0]
     if any(t.tokens.shape[0] != L for t in items): raise ValueError('all items need the same context length')
     W = max(1, max(t.leaf_valid.shape[0] for t in items))
     K = max(1, max(t.node_valid.shape[0] for t in items))
     out = dict(tokens=torch.stack([t.tokens for t in items]),
                leaf_tokens=torch.zeros(C, W, L, dtype=torch.bool), leaf_valid=torch.zeros(C, W, dtype=torch.bool),
-               incidence=torch.zeros(C, K, W, dtype=torch.bool), node_valid=torch.zeros(C, K, dtype=torch.bool))
+               incidence=torch.zeros(C, K, W, dtype=torch.bool), node_valid=torch.zeros(C, K, dtype=torch.bool),
+               node_np=torch.zeros(C, K, dtype=torch.bool))
     for c, t in enumerate(items):
         w, k = t.leaf_valid.shape[0], t.node_valid.shape[0]
         out['leaf_tokens'][c, :w] = t.leaf_tokens
         out['leaf_valid'][c, :w] = t.leaf_valid
         out['incidence'][c, :k, :w] = t.incidence
         out['node_valid'][c, :k] = t.node_valid
+        out['node_np'][c, :k] = t.node_np
     return out

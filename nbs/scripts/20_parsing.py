@@ -611,6 +611,7 @@ class TreeTokens:
     leaf_valid: torch.Tensor    # (W,) bool: False for words cut off by truncation or without pieces
     incidence: torch.Tensor     # (K, W) bool: node k covers valid word w
     node_valid: torch.Tensor    # (K,) bool: node has at least one valid word
+    node_np: torch.Tensor       # (K,) bool: node's label is 'NP' (noun-phrase concepts of C2LIP, `45_c2lip`)
     notes: list[str] = field(default_factory=list)  # parse notes + what tokenisation dropped
 
 @lru_cache(maxsize=1)
@@ -644,7 +645,7 @@ def word_pieces(tok, word: str, max_cache: int = 200_000) -> list[int]:
 # %%
 #| export
 def tree_tokens(parsed: ParsedCaption, tokenizer=None, context_length: int = 77) -> TreeTokens:
-    "Tokens `(L,)`, leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity `(K,)`."
+    "Tokens `(L,)`, leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity and NP label `(K,)`."
     tok = tokenizer or default_tokenizer()
     W, K, L = len(parsed.words), len(parsed.spans), context_length
     first, last, valid = [0] * W, [0] * W, [False] * W               # piece positions [first, last) per word
@@ -666,12 +667,13 @@ def tree_tokens(parsed: ParsedCaption, tokenizer=None, context_length: int = 77)
     cover = (w_idx[None, :] >= se[:, :1]) & (w_idx[None, :] < se[:, 1:])   # (K, W)
     incidence = cover & leaf_valid[None, :]                          # (K, W)
     node_valid = incidence.any(1)                                    # (K,)
+    node_np = torch.tensor([lab == 'NP' for lab in parsed.labels], dtype=torch.bool).reshape(K)  # (K,)
     if no_piece: notes.append(f'{len(no_piece)} word(s) with no BPE pieces: {no_piece}')
     if cut_at is not None:
         notes.append(f'truncated to {L} tokens: dropped {W - cut_at} of {W} words from word {cut_at}; '
                      f'{int((~node_valid).sum())} of {K} nodes lost all words')
     elif not node_valid.all(): notes.append(f'{int((~node_valid).sum())} of {K} nodes have no valid word')
-    return TreeTokens(tokens, leaf_tokens, leaf_valid, incidence, node_valid, notes)
+    return TreeTokens(tokens, leaf_tokens, leaf_valid, incidence, node_valid, node_np, notes)
 
 
 # %%
@@ -683,6 +685,7 @@ assert torch.equal(_tt.tokens, _oc([_p.text])[0])                 # same ids as 
 assert _tt.leaf_tokens.sum(1).tolist() == [1] * 7 and not _tt.leaf_tokens[:, 0].any()
 assert torch.equal(_tt.incidence, torch.tensor([[s <= w < e for w in range(7)] for s, e in _p.spans]))
 assert _tt.node_valid.all() and _tt.notes == []
+assert _tt.node_np.tolist() == [lab == 'NP' for lab in _p.labels] and _tt.node_np.any()
 print(_tt.tokens[:10], _tt.incidence.int(), sep='\n')
 
 # %% [markdown]
@@ -709,25 +712,27 @@ assert _te.tokens[:3].tolist() == [_oc.sot_token_id, _oc.eot_token_id, 0]
 
 # %% [markdown]
 # `collate_trees` pads a batch to the largest $W$ and $K$ (at least 1 each, so no tensor has an empty axis);
-# pads are False everywhere, so padded words and nodes are invalid and cover nothing.
+# pads are False everywhere, so padded words and nodes are invalid, cover nothing and are no noun phrase.
 
 # %%
 #| export
 def collate_trees(items: list[TreeTokens]) -> dict[str, torch.Tensor]:
-    "Batch TreeTokens: tokens (C, L), leaf_tokens (C, W, L), leaf_valid (C, W), incidence (C, K, W), node_valid (C, K)."
+    "Batch TreeTokens: tokens (C, L), leaf_tokens (C, W, L), leaf_valid (C, W), incidence (C, K, W), node_valid, node_np (C, K)."
     C, L = len(items), items[0].tokens.shape[0]
     if any(t.tokens.shape[0] != L for t in items): raise ValueError('all items need the same context length')
     W = max(1, max(t.leaf_valid.shape[0] for t in items))
     K = max(1, max(t.node_valid.shape[0] for t in items))
     out = dict(tokens=torch.stack([t.tokens for t in items]),
                leaf_tokens=torch.zeros(C, W, L, dtype=torch.bool), leaf_valid=torch.zeros(C, W, dtype=torch.bool),
-               incidence=torch.zeros(C, K, W, dtype=torch.bool), node_valid=torch.zeros(C, K, dtype=torch.bool))
+               incidence=torch.zeros(C, K, W, dtype=torch.bool), node_valid=torch.zeros(C, K, dtype=torch.bool),
+               node_np=torch.zeros(C, K, dtype=torch.bool))
     for c, t in enumerate(items):
         w, k = t.leaf_valid.shape[0], t.node_valid.shape[0]
         out['leaf_tokens'][c, :w] = t.leaf_tokens
         out['leaf_valid'][c, :w] = t.leaf_valid
         out['incidence'][c, :k, :w] = t.incidence
         out['node_valid'][c, :k] = t.node_valid
+        out['node_np'][c, :k] = t.node_np
     return out
 
 
@@ -735,9 +740,10 @@ def collate_trees(items: list[TreeTokens]) -> dict[str, torch.Tensor]:
 _items = [tree_tokens(p) for p in parse_captions(['a dog sitting on a red chair', '', 'two cats'])]
 _b = collate_trees(_items)
 assert {k: tuple(v.shape) for k, v in _b.items()} == dict(tokens=(3, 77), leaf_tokens=(3, 7, 77), leaf_valid=(3, 7),
-                                                         incidence=(3, 5, 7), node_valid=(3, 5))
+                                                         incidence=(3, 5, 7), node_valid=(3, 5), node_np=(3, 5))
 assert _b['node_valid'].any(1).tolist() == [True, False, True]   # the empty caption has no valid node
 assert not _b['incidence'][2, :, 2:].any() and not _b['leaf_valid'][2, 2:].any()
+assert _b['node_np'][2].tolist() == [True] + [False] * 4 and not _b['node_np'][1].any()   # 'two cats': one NP, pads False
 
 # %% [markdown]
 # ## Real captions

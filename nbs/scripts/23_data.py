@@ -64,6 +64,7 @@ from fastcore.test import test_eq, test_fail
 # | `tokens` | `(C, L=77)` long | open_clip token ids, built by `parsing.tree_tokens` so each word's BPE positions are known |
 # | `leaf_tokens`, `leaf_valid` | `(C, W, L)`, `(C, W)` bool | token mask $P_{m'}$ of each word (Eq. 4) |
 # | `incidence`, `node_valid` | `(C, K, W)`, `(C, K)` bool | which words each parse node covers (Eq. 3) |
+# | `node_np` | `(C, K)` bool | the node's label is `NP` (the noun-phrase concepts of C2LIP, `45_c2lip`); pads False |
 # | `region_masks`, `region_valid` | `(C, M, N)`, `(C, M)` bool | region masks $R_m$ on the row-major patch grid (Eq. 2) |
 # | `index` | `(C,)` long | sample ids: the world index, or a stable hash of the shard key |
 #
@@ -241,7 +242,7 @@ m, v = region_masks('gold', 8, 4, torch.Generator().manual_seed(0), _pool)
 test_eq(v.tolist(), [True, True, True, False]); assert not m[3].any()   # the empty pool mask is not drawn
 _b = collate([_it, make_item(torch.zeros(3, 64, 64), ParsedCaption('a b', ['a', 'b'], [(0, 2), (1, 2)], ['NP', 'NP'], 'gold', []), 7, _cfg, 0)])
 test_eq({k: tuple(t.shape) for k, t in _b.items()},
-        dict(tokens=(2, 77), leaf_tokens=(2, 3, 77), leaf_valid=(2, 3), incidence=(2, 2, 3), node_valid=(2, 2),
+        dict(tokens=(2, 77), leaf_tokens=(2, 3, 77), leaf_valid=(2, 3), incidence=(2, 2, 3), node_valid=(2, 2), node_np=(2, 2),
              image=(2, 3, 64, 64), region_masks=(2, 4, 64), region_valid=(2, 4), index=(2,)))
 
 
@@ -310,6 +311,19 @@ class WorldItems(Dataset):
         pool = s['masks'][s['mask_valid']] if self.cfg.masks == 'gold' else None   # (R, N) valid gold masks
         return make_item(s['image'], s['parsed'], int(s['index']), self.cfg, self.epoch, pool)
 
+
+# %% [markdown]
+# The world's gold trees carry labels, so its batches say which nodes are noun phrases (`node_np`): the root of
+# a multi-object caption and every object mention are `NP`, the relation is `PP`.
+
+# %%
+_wi = WorldItems(DataConfig(M=4, world_length=8))
+_wb = collate([_wi[i] for i in range(4)])
+for c in range(4):
+    _gold = _wi.world[c]['parsed']
+    test_eq(_wb['node_np'][c, :len(_gold.labels)].tolist(), [lab == 'NP' for lab in _gold.labels])
+    assert not _wb['node_np'][c, len(_gold.labels):].any()
+print(_wi.world[0]['parsed'].labels, _wb['node_np'][0].tolist())
 
 # %% [markdown]
 # ## Webdataset shards
@@ -596,3 +610,6 @@ test_eq(b['image'].shape, (2, 3, 64, 64)); test_eq(b['region_masks'].shape, (2, 
 test_eq(b['region_valid'].sum(1).tolist(), [3, 3])                 # 3 stored masks, 1 padding row
 assert n_good >= 6 + 1                                             # 6 good samples + the intact part of the truncated shard
 assert abs(float(b['image'].mean())) < 3                           # normalised, not raw 0..255
+# the labels of the stored {key}.tree.json (NP, NP, PP) reach the batch as `node_np`
+assert all(x['node_np'].shape == x['node_valid'].shape for x in batches)
+assert any(r[:3].tolist() == [True, True, False] for x in batches for r in x['node_np'])
