@@ -1,8 +1,9 @@
-"""The baseline methods (FILIP, SPARC, FLIP, SmartCLIP) through the trainer's own code paths.
+"""The baseline methods (FILIP, SPARC, FLIP, SmartCLIP, CLIP-PGS, C2LIP) through the trainer's own code paths.
 Their two-process (gloo) parity with one process is tested with every other method in tests/test_ddp.py.
 
 1. They are in the registry once `powerclip.baselines` modules are imported, and their configs reject bad options.
-2. A few trainer steps of each method on the built-in world run and log finite losses.
+2. A few trainer steps of each method on the built-in world run and log finite losses, and every method's
+   exported weights (model.pt) load in plain open_clip, its own modules (if any) saved beside them.
 """
 import math
 
@@ -13,7 +14,8 @@ from powerclip.methods import METHODS, get_method
 
 
 def test_registered_and_configs_checked():
-    assert {"filip", "sparc", "flip", "smartclip"} <= set(METHODS)
+    get_method("c2lip"); get_method("clip-pgs")  # imports every baseline module
+    assert {"filip", "sparc", "flip", "smartclip", "clip-pgs", "clip-pgs-0.3", "c2lip"} <= set(METHODS)
     assert get_method("sparc", {"lambda_fine": 0.5}).cfg.lambda_fine == 0.5
     with pytest.raises(ValueError, match="unknown option"): get_method("filip", {"chunks": 2})
     with pytest.raises(ValueError, match="ratio"): get_method("flip", {"ratio": 1.0})
@@ -23,18 +25,26 @@ def test_registered_and_configs_checked():
 def test_registry_imports_baselines_on_demand():
     "The trainer imports only powerclip.methods: asking for a baseline by name must find it."
     import subprocess, sys
-    code = "from powerclip.methods import get_method; print(sorted(type(get_method(n)).__name__ for n in ('filip', 'sparc', 'flip', 'smartclip')))"
+    code = "from powerclip.methods import get_method; print(sorted(type(get_method(n)).__name__ for n in ('filip', 'sparc', 'flip', 'smartclip', 'c2lip')))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "['FILIP', 'FLIP', 'SPARC', 'SmartCLIP']"
+    assert r.stdout.strip() == "['C2LIP', 'FILIP', 'FLIP', 'SPARC', 'SmartCLIP']"
 
 
 @pytest.mark.parametrize("method,terms", [("filip", ["filip"]), ("sparc", ["clip", "sparc_fine"]), ("flip", ["clip"]),
-                                          ("smartclip", ["modular", "sparsity"])])
+                                          ("smartclip", ["modular", "sparsity"]), ("clip-pgs", ["clip"]),
+                                          ("c2lip", ["siglip", "npc", "xac"])])
 def test_trainer_steps(tmp_path, method, terms):
+    import open_clip, torch
+    from powerclip.model import register_configs
     from powerclip.train import load_config, read_metrics, train
-    train(load_config("smoke", {"out_dir": str(tmp_path), "max_steps": 2, "optim.warmup_steps": 1}, method=method))
+    s = train(load_config("smoke", {"out_dir": str(tmp_path), "max_steps": 2, "optim.warmup_steps": 1}, method=method))
     rows = read_metrics(tmp_path / "metrics.csv")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         for k in ["loss"] + terms: assert math.isfinite(r[k]), (k, r)
+    register_configs()
+    model = open_clip.create_model_and_transforms("powerclip-micro", pretrained=s["weights"])[0]  # plain open_clip
+    own = torch.load(s["checkpoint"], weights_only=False)
+    assert model.state_dict().keys() == own["model"].keys()
+    assert (tmp_path / "method_modules.pt").is_file() == (method in ("smartclip", "c2lip")) == (own["method_modules"] is not None)

@@ -1,0 +1,718 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: nbs///ipynb,nbs/scripts///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+#| default_exp baselines.clip_pgs
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from powerclip.methods import CLIP, register
+
+# %%
+#| hide
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# # CLIP-PGS
+#
+# > Patch generation-to-selection (Pei et al., CVPR 2025): CLIP's loss on images of which 30-50 % of the patches are removed before the vision transformer, chosen from a few random seeds by edge strength and optimal-transport-normalised patch similarity instead of uniformly (FLIP).
+
+# %% [markdown]
+# CLIP-PGS is FLIP with a smarter choice of *which* patches to drop. The loss is CLIP's, the towers are
+# open_clip's, nothing is learned by the selection, and at evaluation nothing is dropped. The paper (Sec. 3.2)
+# describes the selection in words and two formulas; per training image:
+#
+# 1. **Generation.** A few *candidate* (seed) patches are drawn uniformly at random, "the same random masking
+#    strategy as FLIP, but with a reduced masking ratio of 5 %".
+# 2. **Edge detection (ED).** A Sobel filter "applied to the whole image" gives an edge map; "if a patch is
+#    initially marked for removal but exhibits high edge scores, it is retained".
+# 3. **Similarity.** Patch-to-patch cosine similarities of features and of pixels are mixed,
+#    $S = \alpha S_x + (1-\alpha) S_I$ with $S_x = \hat X\hat X^\top$, "$\alpha$ adjusted based on the training epoch".
+# 4. **Optimal transport normalisation (OTN).** Sinkhorn makes $S$ doubly stochastic and $S' = S + \mathrm{Sinkhorn}(S)$ guides the masking.
+# 5. **Selection.** "Progressive masking, starting with a small selection of mask patches and gradually
+#    expanding based on similarity scores", with the masking ratio kept between a lower and an upper limit:
+#    PGS$_{0.5}$ drops exactly 50 %, PGS$_{0.3}$ between 30 % and 50 % (upper limit 0.5 "following FLIP").
+#
+# The dropped patches are **removed from the token sequence** after the positional embedding, exactly where
+# FLIP's `PatchDropout` acts (`43_flip`), so the vision transformer really runs on fewer tokens: that is where
+# the 0.5x-0.6x training time of the paper's Table 1 comes from.
+#
+# ## Choices where the paper is silent or ambiguous
+#
+# | what | paper | here |
+# |---|---|---|
+# | features of $S_x$ | "normalized embedding matrix" | the patch embeddings entering the transformer, **without** the positional embedding (conv output): both similarities are about content, not position |
+# | pixels of $S_I$ | "images" | each patch's $3p^2$ normalised pixel values as a vector |
+# | $\alpha$ schedule | "adjusted based on the training epoch" | linear in training progress $s/T$ from `alpha_start=0` (random features at the start: trust pixels) to `alpha_end=1`; $s, T$ come from the trainer's `Method.on_step(step, total)`, so a resumed run continues it exactly |
+# | "high edge score" | not quantified | the `edge_top=25 %` patches with the largest mean Sobel magnitude of the image (and a non-zero one) are protected: dropped last, only if the lower limit cannot be met otherwise |
+# | Sinkhorn | no $\varepsilon$, no iterations | symmetric log-domain Sinkhorn on $\exp(S/\varepsilon)$, $\varepsilon=0.05$ (SwAV's value), 20 iterations (doubly stochastic within $10^{-3}$, checked below) |
+# | $S' = S + \mathrm{Sinkhorn}(S)$ | literally | $S' = S + N\cdot\mathrm{Sinkhorn}(S)$: a doubly stochastic matrix has entries of order $1/N$, so without the factor $N$ (mean entry 1) the OT term would be invisible next to cosines in $[-1,1]$ |
+# | "gradually expanding" | no algorithm | greedy growth: the seeds are masked first; then, one at a time, the unmasked patch with the highest $S'$ to any masked patch is masked (the most redundant content goes first) |
+# | PGS$_{0.3}$'s ratio | "dynamically adjusts within [0.3, 0.5]" | the growth of an image "wants" to continue while the added patch has plain similarity $S \ge$ `sim_threshold` to the masked set; 0.84 is calibrated on COCO photos (below) to give a mean ratio of 0.4, what the paper's relative training time of 0.6x for PGS$_{0.3}$ (Table 1) implies; that count, clamped to the limits, is averaged over the batch: **one** count per batch, because the patches must really leave the sequence and a batch needs one sequence length (a per-image count would need padding tokens and an attention mask, i.e. no saving). Under DDP the mean is over the global batch (one scalar all-reduce), so every process runs the same sequence length and two processes compute what one computes on the whole batch |
+# | counts | ratios | FLIP's rounding: keep $\max(1,\lfloor N(1-r)\rfloor)$, so at $r=0.5$ PGS and FLIP run on the same number of tokens |
+# | randomness | — | the seeds come from a counter-based hash of (`seed`, step, sample index): the choice for an image does not depend on which process or batch it is in (DDP parity) and is the same after a resume |
+#
+# ## Divergences of the authors' code that we do **not** copy
+#
+# The issue that asked for this baseline lists three places where the authors' public code departs from the
+# paper; we follow the paper:
+#
+# * **Edges on per-patch zero-meaned pixels.** The authors' code computes the Sobel response on pixels from
+#   which each patch's mean was subtracted; the issue reports that this makes the edge ranking almost random.
+#   The paper applies Sobel "to the whole image"; we do so on the real (normalised) pixels and pool the
+#   magnitude per patch (`sobel_patch_edges`).
+# * **Mask as an attention bias.** The authors' code turns the selection into a `+1` added to the attention
+#   logits, which neither removes the patches (no saving) nor hides them. Here they leave the sequence.
+# * **A cosine threshold named as a ratio.** Our threshold is called `sim_threshold` and is compared with a
+#   cosine similarity; the ratios are `lower` and `upper`.
+
+# %% [markdown]
+# ## Pieces
+#
+# Everything below is a pure function of tensors; the grid is row-major (index `row * gw + col`), the order of
+# open_clip's patch tokens. First the per-patch views of an image: the pixel vectors and the Sobel edge strength.
+
+# %%
+#| export
+def patch_pixels(image: torch.Tensor, patch: int) -> torch.Tensor:
+    "image `(C, 3, H, W)` -> `(C, N, 3 * patch**2)`: each patch's pixels, patches row-major."
+    C, ch, H, W = image.shape
+    if H % patch or W % patch: raise ValueError(f"image {H}x{W} is not a multiple of the patch size {patch}")
+    x = image.reshape(C, ch, H // patch, patch, W // patch, patch)       # (C, 3, gh, p, gw, p)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(C, (H // patch) * (W // patch), ch * patch * patch)
+
+
+_SOBEL_X = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]])
+
+
+def sobel_patch_edges(image: torch.Tensor, patch: int) -> torch.Tensor:
+    """image `(C, 3, H, W)` -> `(C, N)`: mean Sobel gradient magnitude inside each patch, the filter run on the
+    whole image (replicate padding: the image border is no edge), per channel, magnitudes averaged over channels."""
+    C, ch, H, W = image.shape
+    if H % patch or W % patch: raise ValueError(f"image {H}x{W} is not a multiple of the patch size {patch}")
+    x = image.to(torch.promote_types(image.dtype, torch.float32))
+    x = F.pad(x, (1, 1, 1, 1), mode="replicate")                        # (C, 3, H+2, W+2)
+    k = torch.stack([_SOBEL_X, _SOBEL_X.T]).to(x)[:, None]              # (2, 1, 3, 3): d/dx, d/dy
+    g = F.conv2d(x.reshape(C * ch, 1, H + 2, W + 2), k)                 # (C*3, 2, H, W)
+    mag = g.square().sum(1).sqrt().reshape(C, ch, H, W).mean(1)         # (C, H, W)
+    return F.avg_pool2d(mag[:, None], patch).flatten(1)                 # (C, N)
+
+
+# %% [markdown]
+# An image of two halves meets at one vertical line: the patches on either side of that line carry the edge,
+# the flat patches none; a constant shift of the pixels (what per-patch mean subtraction does locally) changes nothing
+# inside a flat region, which is why the response must come from the whole image, not from each patch alone.
+
+# %%
+_img = torch.zeros(1, 3, 32, 32); _img[..., 16:] = 1.0                  # 4 x 4 grid of 8-px patches
+_e = sobel_patch_edges(_img, 8).reshape(4, 4)
+print(_e)
+assert (_e[:, 1] > 0).all() and (_e[:, 2] > 0).all() and (_e[:, [0, 3]] == 0).all()
+assert_close(sobel_patch_edges(_img + 5.0, 8), sobel_patch_edges(_img, 8))
+_px = patch_pixels(torch.arange(2 * 3 * 16 * 16.0).reshape(2, 3, 16, 16), 8)
+assert _px.shape == (2, 4, 192) and _px[0, 1, 0] == 8 and _px[0, 2, 0] == 8 * 16  # patch (0,1) starts at column 8
+
+
+# %% [markdown]
+# The similarity of Sec. 3.2: cosine matrices of features and pixels, mixed with the weight $\alpha$ of the
+# training progress, and the Sinkhorn normalisation. Plain Sinkhorn alternately rescales the rows and the columns of
+# $K=\exp(S/\varepsilon)$ to sum to one. Our $S$ is symmetric, and then the doubly stochastic scaling is
+# symmetric too, $P = DKD$ (it is unique for a positive matrix); the symmetric iteration
+# $d \leftarrow \sqrt{d / (Kd)}$ (Knight, 2008) reaches it in about 10 steps where the alternating one crawls
+# (below: after 200 alternating steps the error on a matrix of many near-identical background patches is
+# still 100 times larger). Both run in the log domain, so a small $\varepsilon$ cannot overflow; the alternating one stays
+# here as the oracle.
+
+# %%
+#| export
+def cosine_matrix(x: torch.Tensor) -> torch.Tensor:
+    "x `(C, N, D)` -> `(C, N, N)` cosine similarities (at least float32; a zero vector has similarity 0 to everything)."
+    x = F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1)
+    return x @ x.transpose(1, 2)
+
+
+def mix_weight(progress: float, start: float = 0.0, end: float = 1.0) -> float:
+    "alpha of `S = alpha * S_feat + (1 - alpha) * S_pix`: linear from `start` to `end` over training progress in [0, 1]."
+    p = min(max(float(progress), 0.0), 1.0)
+    return start + (end - start) * p
+
+
+def sinkhorn(S: torch.Tensor, iters: int = 20, eps: float = 0.05) -> torch.Tensor:
+    """S `(C, N, N)` symmetric -> `(C, N, N)` doubly stochastic `D exp(S / eps) D` (symmetric Sinkhorn: the
+    damped update d <- sqrt(d / (K d)), in the log domain)."""
+    logk = S.to(torch.promote_types(S.dtype, torch.float32)) / eps
+    log_d = logk.new_zeros(logk.shape[:2])                # (C, N) log of the diagonal scaling
+    for _ in range(iters):
+        log_d = 0.5 * (log_d - torch.logsumexp(logk + log_d[:, None, :], dim=2))
+    return (logk + log_d[:, :, None] + log_d[:, None, :]).exp()
+
+
+# %%
+def _sinkhorn_alternating(S, iters, eps):
+    "The textbook iteration: rows, then columns, to sum to one (the oracle)."
+    logk = S.float() / eps
+    log_r, log_c = torch.zeros(S.shape[:2]), torch.zeros(S.shape[:2])
+    for _ in range(iters):
+        log_r = -torch.logsumexp(logk + log_c[:, None, :], dim=2)
+        log_c = -torch.logsumexp(logk + log_r[:, :, None], dim=1)
+    return (logk + log_r[:, :, None] + log_c[:, None, :]).exp()
+
+def _ds_err(P): return float(max((P.sum(1) - 1).abs().max(), (P.sum(2) - 1).abs().max()))
+
+_g = torch.Generator().manual_seed(0)
+_S = cosine_matrix(torch.randn(3, 64, 16, generator=_g))
+assert_close(_S.diagonal(dim1=1, dim2=2), torch.ones(3, 64)); assert_close(_S, _S.transpose(1, 2))
+assert mix_weight(0) == 0 and mix_weight(0.25, 0.2, 1.0) == 0.4 and mix_weight(7) == 1
+# many near-identical background patches (cosines close to 1) and a few others: the hard case
+_bg = torch.randn(1, 1, 16, generator=_g).expand(2, 48, 16) + 0.05 * torch.randn(2, 48, 16, generator=_g)
+_Sbg = cosine_matrix(torch.cat([_bg, torch.randn(2, 16, 16, generator=_g)], 1))
+for _name, _SS in [("random features", _S), ("background-heavy", _Sbg)]:
+    _P = sinkhorn(_SS)
+    print(f"{_name:17s} symmetric, 20 it.: max |row/col sum - 1| = {_ds_err(_P):.1e};  alternating, 200 it.: "
+          f"{_ds_err(_sinkhorn_alternating(_SS, 200, 0.05)):.1e}")
+    assert _ds_err(_P) < 1e-3 and (_P >= 0).all() and torch.allclose(_P, _P.transpose(1, 2), atol=1e-6)
+# the same unique scaling as the oracle where the oracle converges (a milder temperature)
+assert_close(sinkhorn(_S, 50, 0.5), _sinkhorn_alternating(_S, 200, 0.5), atol=1e-6, rtol=1e-4)
+
+# %% [markdown]
+# The seeds must be random, but a function of the *sample*, not of the process or the batch it lands in (so two
+# processes compute exactly what one process computes on the whole batch), and of the step (so each epoch
+# draws new seeds, and a resumed run the same ones). `hash_uniform` is a counter-based generator: a 32-bit
+# integer mixing function (the "lowbias32" finaliser) chained over (seed, step, sample index, patch index),
+# in int64 arithmetic that never overflows (the 32-bit products are split in 16-bit halves).
+
+# %%
+#| export
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    "x * c mod 2**32 for x in [0, 2**32) int64, without int64 overflow."
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16); x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15); x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(keys: torch.Tensor, step: int, seed: int, n: int) -> torch.Tensor:
+    """keys `(C,)` non-negative int64 sample ids -> `(C, n)` float32 uniform in [0, 1), a pure function of
+    (seed, step, key, column): the same on every device, process and batch composition."""
+    if (keys < 0).any(): raise ValueError("sample ids must be non-negative")
+    k = keys.long()
+    h = torch.full_like(k, 0)
+    for part in (seed & _M32, seed >> 32, step & _M32, step >> 32):    # fold the scalars in
+        h = _mix32(h ^ part)
+    h = _mix32(h ^ (k & _M32)); h = _mix32(h ^ (k >> 32))                # (C,) one stream per sample
+    col = _mix32(torch.arange(n, device=k.device) + 0x9E3779B9)          # (n,)
+    v = _mix32(h[:, None] ^ col[None, :])                                # (C, n)
+    return (v >> 8).float() / float(1 << 24)                             # 24 bits: exact in float32
+
+
+# %%
+_u = hash_uniform(torch.arange(2000), step=3, seed=0, n=64)
+assert _u.shape == (2000, 64) and (_u >= 0).all() and (_u < 1).all()
+assert torch.equal(_u[5:9], hash_uniform(torch.arange(5, 9), 3, 0, 64))          # batch composition does not matter
+assert not torch.equal(_u, hash_uniform(torch.arange(2000), 4, 0, 64))          # another step, other draws
+assert not torch.equal(_u, hash_uniform(torch.arange(2000), 3, 1, 64))          # another seed, other draws
+_h = torch.histc(_u, 10, 0, 1) / _u.numel()
+print("decile frequencies:", [round(float(f), 4) for f in _h], " mean", round(float(_u.mean()), 4),
+      " corr(neighbour columns)", round(float(torch.corrcoef(torch.stack([_u[:, 0], _u[:, 1]]))[0, 1]), 4))
+assert (_h - 0.1).abs().max() < 0.005                                            # 128 000 draws: std ~ 0.0008
+assert hash_uniform(torch.tensor([2**55 + 1]), 0, 0, 4).shape == (1, 4)         # 56-bit shard keys are fine
+
+
+# %% [markdown]
+# ## Selection
+#
+# `select_patches` takes the mixed similarity $S$ `(C, N, N)`, the edge scores `(C, N)` and uniform noise (or a
+# `torch.Generator` to draw it), and returns which patches stay. The growth is a loop of `n_hi` steps over the
+# whole batch at once; each step is a handful of `(C, N)` operations. Priorities: unmasked seeds first (unless
+# edge-protected), then the highest $S'$ to the masked set, edge-protected patches last.
+
+# %%
+#| export
+def drop_count(n: int, ratio: float) -> int:
+    "Patches dropped out of `n` at `ratio`, with FLIP's rounding (open_clip `PatchDropout` keeps max(1, int(n(1-r))))."
+    return n - max(1, int(n * (1 - ratio)))
+
+
+def edge_protected(edges: torch.Tensor, top: float) -> torch.Tensor:
+    "edges `(C, N)` -> `(C, N)` bool: the `round(top * N)` strongest-edge patches of each image (non-zero only)."
+    C, N = edges.shape
+    k = int(round(top * N))
+    prot = torch.zeros(C, N, dtype=torch.bool, device=edges.device)
+    if k > 0: prot.scatter_(1, edges.topk(k, dim=1).indices, True)
+    return prot & (edges > 0)
+
+
+@dataclass
+class Selection:
+    "What `select_patches` chose."
+    keep: torch.Tensor     # (C, N - n_drop) long, kept patch indices, ascending
+    order: torch.Tensor    # (C, n_hi) long, patches in the order they were masked
+    counts: torch.Tensor   # (C,) long, each image's own count in [n_lo, n_hi] (PGS-0.3's per-image wish)
+    n_drop: int            # patches dropped from every image of the batch
+    seeds: torch.Tensor    # (C, N) bool, the random candidates (before edge protection)
+    protected: torch.Tensor  # (C, N) bool, edge-protected patches
+
+
+def select_patches(sim: torch.Tensor, edges: torch.Tensor | None, n_seed: int, n_lo: int, n_hi: int,
+                   noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                   edge_top: float = 0.25, sim_threshold: float = 0.84,
+                   ot_iters: int = 20, ot_eps: float = 0.05, all_sum=None) -> Selection:
+    """sim `(C, N, N)` mixed cosine similarity, edges `(C, N)` (None: no edge protection), noise `(C, N)` uniform
+    (None: drawn from `generator`) -> `Selection` dropping between `n_lo` and `n_hi` patches per image
+    (`ot_iters=0`: no OT normalisation). `all_sum`: sums a tensor over the processes, so that the batch's count
+    is the rounded mean over the *global* batch (None: this batch only)."""
+    C, N, _ = sim.shape
+    if not 1 <= n_seed <= n_hi or not 0 <= n_lo <= n_hi < N:
+        raise ValueError(f"need 1 <= n_seed <= n_hi, 0 <= n_lo <= n_hi < N; got n_seed={n_seed}, n_lo={n_lo}, n_hi={n_hi}, N={N}")
+    dev, ar = sim.device, torch.arange(C, device=sim.device)
+    if noise is None: noise = torch.rand(C, N, generator=generator).to(dev)
+    sim = sim.to(torch.promote_types(sim.dtype, torch.float32))
+    rank_sim = sim + N * sinkhorn(sim, ot_iters, ot_eps) if ot_iters > 0 else sim   # S' (C, N, N)
+    seeds = torch.zeros(C, N, dtype=torch.bool, device=dev)
+    seeds.scatter_(1, noise.topk(n_seed, dim=1, largest=False).indices, True)
+    prot = edge_protected(edges, edge_top) if edges is not None else torch.zeros_like(seeds)
+    active = seeds & ~prot                                                # protected seeds are retained
+    lonely = ~active.any(1)                                               # every seed protected: keep one seed,
+    active[ar[lonely], (noise + 2.0 * prot)[lonely].argmin(1)] = True     # the first unprotected one by noise
+    big = 4.0 * (N + 2)                                                   # > any |S'| (<= 1 + N)
+    masked = torch.zeros_like(seeds)
+    best_rank = sim.new_full((C, N), -big)                     # max S' to the masked set
+    best_cos = sim.new_full((C, N), -1.0)                      # max S to the masked set
+    order, gains = [], []
+    for _ in range(n_hi):
+        prio = torch.where(active, 2 * big, best_rank) - big * prot.to(sim.dtype)
+        prio = prio.masked_fill(masked, -math.inf)
+        j = prio.argmax(1)                                                # (C,)
+        gains.append(torch.where(active[ar, j], 2.0, best_cos[ar, j]))   # seeds always count
+        order.append(j)
+        masked[ar, j] = True
+        active[ar, j] = False
+        best_rank = torch.maximum(best_rank, rank_sim[ar, j])
+        best_cos = torch.maximum(best_cos, sim[ar, j])
+    order = torch.stack(order, 1)                                         # (C, n_hi)
+    want = (torch.stack(gains, 1) >= sim_threshold).long().cumprod(1).sum(1)   # (C,) prefix above threshold
+    counts = want.clamp(n_lo, n_hi)
+    if n_lo == n_hi: n_drop = n_hi
+    else:                                                                 # round(sum / images), in integers
+        tot = torch.stack([counts.sum(), counts.new_tensor(C)])
+        if all_sum is not None: tot = all_sum(tot)
+        n_drop = int((2 * tot[0] + tot[1]) // (2 * tot[1]))
+    keep_mask = torch.ones(C, N, dtype=torch.bool, device=dev)
+    keep_mask.scatter_(1, order[:, :n_drop], False)
+    keep = keep_mask.nonzero()[:, 1].reshape(C, N - n_drop)              # row-major: ascending per image
+    return Selection(keep, order, counts, n_drop, seeds, prot)
+
+
+# %% [markdown]
+# Checks on random similarities: the same noise gives the same choice; the generator path is deterministic
+# from its seed; the counts respect the limits; the kept indices are distinct and sorted; seeds that are not
+# protected are masked first.
+
+# %%
+def _rand_inputs(C=6, N=64, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return cosine_matrix(torch.randn(C, N, D, generator=g)), torch.rand(C, N, generator=g), g
+
+_S, _E, _g = _rand_inputs()
+_n_lo, _n_hi = drop_count(64, 0.3), drop_count(64, 0.5)
+print("N = 64: drop between", _n_lo, "and", _n_hi)
+_a = select_patches(_S, _E, 3, _n_lo, _n_hi, generator=torch.Generator().manual_seed(1))
+_b = select_patches(_S, _E, 3, _n_lo, _n_hi, generator=torch.Generator().manual_seed(1))
+_c = select_patches(_S, _E, 3, _n_lo, _n_hi, generator=torch.Generator().manual_seed(2))
+assert torch.equal(_a.keep, _b.keep) and torch.equal(_a.order, _b.order) and not torch.equal(_a.order, _c.order)
+for s in (_a, _c, select_patches(_S, _E, 3, 32, 32, noise=torch.rand(6, 64, generator=_g))):
+    N_keep = s.keep.shape[1]
+    assert 0.3 <= s.n_drop / 64 <= 0.5 and N_keep == 64 - s.n_drop
+    assert ((s.counts >= _n_lo) & (s.counts <= _n_hi)).all()
+    assert (s.keep.diff(dim=1) > 0).all()                                          # distinct, ascending
+    assert all(len(set(o.tolist())) == s.order.shape[1] for o in s.order)          # nothing masked twice
+    kept = torch.zeros(6, 64, dtype=torch.bool).scatter_(1, s.keep, True)
+    assert not kept.gather(1, s.order[:, :s.n_drop]).any()                         # the dropped are not kept
+    act = s.seeds & ~s.protected
+    assert act.gather(1, s.order[:, :1])[act.any(1)].all()                          # an unprotected seed goes first
+print("PGS-0.3 per-image counts:", _a.counts.tolist(), "-> batch drops", _a.n_drop)
+
+# %% [markdown]
+# ## The edge test: what the selection keeps
+#
+# An image of a smooth grey gradient with one textured object, a 4 x 4 block of patches of random pixels
+# (strong edges everywhere inside it) in a grid of 8 x 8. The edge-protected patches are the object's. Over
+# many random seeds, PGS$_{0.5}$ keeps the object's patches far more often than FLIP's uniform dropout
+# (open_clip's `PatchDropout`, which keeps each patch with probability 1/2), and drops the redundant
+# background instead. A Monte-Carlo count over 400 draws each; the standard error of a frequency is below 0.025.
+
+# %%
+from open_clip.transformer import PatchDropout
+
+_H, _p = 64, 8
+_gen = torch.Generator().manual_seed(0)
+_img = torch.linspace(-1.0, 0.5, _H)[None, None, None, :].expand(1, 3, _H, _H).clone()   # smooth background
+_img[..., 16:48, 16:48] = torch.randn(1, 3, 32, 32, generator=_gen)                      # textured object
+_obj = torch.zeros(8, 8, dtype=torch.bool); _obj[2:6, 2:6] = True; _obj = _obj.flatten()  # its 16 patches
+_edges = sobel_patch_edges(_img, _p)                                                       # (1, 64)
+_R = 400
+_sim = cosine_matrix(patch_pixels(_img, _p)).expand(_R, -1, -1)                           # pixels only (alpha = 0)
+_sel = select_patches(_sim, _edges.expand(_R, -1), 3, 32, 32, noise=hash_uniform(torch.arange(_R), 0, 0, 64))
+assert torch.equal(_sel.protected[0], _obj)                                                # the object is protected
+_kept_pgs = torch.zeros(_R, 64).scatter_(1, _sel.keep, 1.0)
+torch.manual_seed(0)
+_tok = torch.arange(65.0)[None, :, None].expand(_R, -1, 1)                                 # token t carries t
+_kept_flip = torch.zeros(_R, 65).scatter_(1, PatchDropout(0.5).train()(_tok)[..., 0].long(), 1.0)[:, 1:]
+_f_pgs, _f_flip = float(_kept_pgs[:, _obj].mean()), float(_kept_flip[:, _obj].mean())
+print(f"object patches (16 of 64) kept: PGS-0.5 {_f_pgs:.3f}, FLIP {_f_flip:.3f}; "
+      f"background patches kept: PGS-0.5 {float(_kept_pgs[:, ~_obj].mean()):.3f}, FLIP {float(_kept_flip[:, ~_obj].mean()):.3f}")
+assert _f_pgs > _f_flip + 0.3
+# without edge protection the similarity alone still favours the object: its random patches are dissimilar to
+# each other and to the background, so they are the least redundant
+_sel_ne = select_patches(_sim, None, 3, 32, 32, noise=hash_uniform(torch.arange(_R), 0, 0, 64))
+_f_ne = float(torch.zeros(_R, 64).scatter_(1, _sel_ne.keep, 1.0)[:, _obj].mean())
+print(f"object patches kept without edge protection: {_f_ne:.3f}")
+
+# %%
+import matplotlib.pyplot as plt
+
+def _overlay(ax, img, keep, p, title):
+    "The image (first channel) with dropped patches greyed out."
+    g = img.shape[-1] // p
+    kept = torch.zeros(g * g); kept[keep] = 1
+    ax.imshow(img[0], cmap="gray"); ax.imshow(kept.reshape(g, g).repeat_interleave(p, 0).repeat_interleave(p, 1) == 0,
+                                              cmap="Reds", alpha=0.45, vmin=0, vmax=1)
+    ax.set_title(title, fontsize=9); ax.axis("off")
+
+_fig, _ax = plt.subplots(1, 4, figsize=(11, 3))
+_ax[0].imshow(_edges.reshape(8, 8)); _ax[0].set_title("Sobel per patch", fontsize=9); _ax[0].axis("off")
+_overlay(_ax[1], _img[0], _sel.keep[0], _p, "PGS-0.5, draw 0 (red: dropped)")
+_overlay(_ax[2], _img[0], _sel.keep[1], _p, "PGS-0.5, draw 1")
+_overlay(_ax[3], _img[0], _kept_flip[0].nonzero()[:, 0], _p, "FLIP, draw 0")
+plt.tight_layout()
+
+# %% [markdown]
+# ### On real photos
+#
+# COCO photos (`../shared/data/coco_sample`, the val photos with instance masks), squashed to 224 x 224 as a
+# ViT-B/16 sees them ($N = 196$). Which share of the patches covered by an annotated object (at least half of
+# the patch) does each scheme keep? PGS$_{0.5}$ here runs at the start of training ($\alpha = 0$: pixel
+# similarity only, the feature half needs a trained model); 20 draws per photo. This is a measurement, not a
+# claim: COCO backgrounds are busy, and edge protection favours texture wherever it is. The same photos
+# calibrate PGS$_{0.3}$'s `sim_threshold` (the batch's drop ratio for a few thresholds); with $\alpha > 0$ the
+# feature cosines of the model being trained enter, and the ratio a run actually uses is logged by the trainer
+# as `_pgs_drop_ratio`.
+
+# %%
+from pathlib import Path
+import json
+import numpy as np
+from PIL import Image
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+_DATA = next((p for p in (Path("../shared/data/coco_sample"), Path("../../shared/data/coco_sample")) if p.is_dir()),
+             Path("../shared/data/coco_sample"))                                   # from the repo root or nbs/
+if not (_DATA / "annotations" / "instances_val2017.json").is_file():
+    print("skipped: ../shared/data/coco_sample is absent (real COCO photos)")
+else:
+    from powerclip.regions import coco_mask
+    _inst = json.loads((_DATA / "annotations" / "instances_val2017.json").read_text())
+    _by = {}
+    for a in _inst["annotations"]:
+        if isinstance(a["segmentation"], list): _by.setdefault(a["image_id"], []).append(a)
+    _files = {im["id"]: im for im in _inst["images"]}
+    _ids = sorted(_by)[:40]
+    _mean, _std = torch.tensor(OPENAI_DATASET_MEAN)[:, None, None], torch.tensor(OPENAI_DATASET_STD)[:, None, None]
+    _imgs, _objs = [], []
+    for i in _ids:
+        im = _files[i]
+        pil = Image.open(_DATA / "images" / im["file_name"]).convert("RGB")
+        fg = np.any([coco_mask(a["segmentation"], im["height"], im["width"]) for a in _by[i]], axis=0)
+        x = torch.from_numpy(np.asarray(pil.resize((224, 224), Image.BICUBIC), np.float32) / 255).permute(2, 0, 1)
+        _imgs.append((x - _mean) / _std)
+        m = torch.from_numpy(np.asarray(Image.fromarray(fg).resize((224, 224), Image.NEAREST), np.float32))
+        _objs.append(F.avg_pool2d(m[None, None], 16).flatten() >= 0.5)               # (196,)
+    _imgs, _objs = torch.stack(_imgs), torch.stack(_objs)                              # (P, 3, 224, 224), (P, 196)
+    _P, _D = len(_ids), 20
+    _edges = sobel_patch_edges(_imgs, 16)                                              # (P, 196)
+    _simc = cosine_matrix(patch_pixels(_imgs, 16))                                      # (P, 196, 196)
+    _ns, _hi = round(0.05 * 196), drop_count(196, 0.5)                                 # 10 seeds, 98 dropped
+    _rows = []
+    for _name, _lo_, _edge in [("PGS-0.5", _hi, True), ("PGS-0.5 without ED", _hi, False), ("PGS-0.3", drop_count(196, 0.3), True)]:
+        kept = torch.zeros(_D, _P, 196)
+        drops = []
+        for d in range(_D):
+            s = select_patches(_simc, _edges if _edge else None, _ns, _lo_, _hi, noise=hash_uniform(torch.arange(_P), d, 0, 196))
+            kept[d].scatter_(1, s.keep, 1.0); drops.append(s.n_drop / 196)
+        _rows.append((_name, float(kept[:, _objs].mean()), float(kept[:, ~_objs].mean()), float(np.mean(drops))))
+    torch.manual_seed(0)
+    _kf = torch.zeros(_D * _P, 197).scatter_(1, PatchDropout(0.5).train()(torch.arange(197.0)[None, :, None].expand(_D * _P, -1, 1))[..., 0].long(), 1.0)[:, 1:]
+    _rows.append(("FLIP 0.5", float(_kf.reshape(_D, _P, 196)[:, _objs].mean()), float(_kf.reshape(_D, _P, 196)[:, ~_objs].mean()), 98 / 196))
+    print(f"{_P} COCO photos, {int(_objs.sum())} object patches of {_objs.numel()}, {_D} draws each")
+    # the calibration of PGS-0.3's sim_threshold: the batch's drop ratio against the threshold
+    print("PGS-0.3 drop ratio by sim_threshold:", {t: round(select_patches(_simc, _edges, _ns, drop_count(196, 0.3), _hi,
+          noise=hash_uniform(torch.arange(_P), 0, 0, 196), sim_threshold=t).n_drop / 196, 3) for t in (0.5, 0.8, 0.84, 0.9)})
+    print(f"{'scheme':20s} {'object kept':>12s} {'background kept':>16s} {'drop ratio':>11s}")
+    for r in _rows: print(f"{r[0]:20s} {r[1]:12.3f} {r[2]:16.3f} {r[3]:11.3f}")
+    assert all(0.3 - 1e-9 <= r[3] <= 0.5 + 1e-9 for r in _rows)
+    _fig, _ax = plt.subplots(2, 3, figsize=(7.5, 5), dpi=60)
+    _sel5 = select_patches(_simc[:3], _edges[:3], _ns, _hi, _hi, noise=hash_uniform(torch.arange(3), 0, 0, 196))
+    for k in range(3):
+        rgb = (_imgs[k] * _std + _mean).clamp(0, 1)
+        _ax[0, k].imshow(rgb.permute(1, 2, 0)); _ax[0, k].axis("off"); _ax[0, k].set_title(_files[_ids[k]]["file_name"], fontsize=8)
+        kept = torch.zeros(196); kept[_sel5.keep[k]] = 1
+        _ax[1, k].imshow((rgb * kept.reshape(14, 14).repeat_interleave(16, 0).repeat_interleave(16, 1)).permute(1, 2, 0))
+        _ax[1, k].axis("off"); _ax[1, k].set_title("PGS-0.5 keeps (alpha = 0)", fontsize=8)
+    plt.tight_layout()
+
+
+# %% [markdown]
+# ## The selection as a module of the vision tower
+#
+# open_clip's `VisionTransformer._embeds` ends with `x = self.patch_dropout(x)` on the token sequence
+# `(C, 1 + N, width)` (class token first) right after the positional embedding, in `forward` and in
+# `forward_intermediates` alike. `PGSSelect` takes that place. It has no parameters and no buffers (the
+# checkpoint stays plain open_clip), is the identity in `eval()` mode, and in `train()` mode needs a
+# *context* that the method sets just before the forward pass: the pixels, the noise, $\alpha$, and the
+# positional embedding to subtract from the tokens (without an `index` key in the batch, the row number stands in
+# for the sample id). Called in training mode without a context it raises
+# rather than silently dropping nothing. Its attribute `prob` (the upper ratio) tells `powerclip.model.encode`
+# that patches are off the grid.
+
+# %%
+#| export
+@dataclass
+class PGSConfig:
+    "Options of CLIP-PGS; defaults are PGS_0.5 (paper Sec. 3.2) and our choices where the paper gives none."
+    lower: float = 0.5          # lower limit of the masking ratio: 0.5 for PGS_0.5, 0.3 for PGS_0.3 (Sec. 3.2)
+    upper: float = 0.5          # upper limit, 0.5 in both variants "following FLIP" (Sec. 3.2)
+    seed_ratio: float = 0.05    # initial random (candidate) masking ratio: 5 % (Sec. 3.2; Fig. 6 ablation)
+    edges: bool = True          # Sobel edge protection (ED, Table 6)
+    edge_top: float = 0.25      # fraction of patches with the strongest edges that is protected (ours)
+    ot: bool = True             # optimal-transport normalisation (OTN, Table 6)
+    ot_iters: int = 20          # Sinkhorn iterations (ours: doubly stochastic within 1e-3)
+    ot_eps: float = 0.05        # Sinkhorn temperature (ours: SwAV's value)
+    alpha_start: float = 0.0    # weight of the feature similarity at the start of training (ours)
+    alpha_end: float = 1.0      # ... at the end, linear in step / total in between (ours)
+    sim_threshold: float = 0.84  # PGS_0.3: grow while the added patch has cosine >= this (ours, calibrated below)
+    seed: int = 0               # stream of the random candidates (with the step and the sample index)
+
+    def __post_init__(self):
+        if not 0 <= self.lower <= self.upper < 1: raise ValueError(f"need 0 <= lower <= upper < 1, got {self.lower}, {self.upper}")
+        if not 0 < self.seed_ratio <= self.upper: raise ValueError(f"seed_ratio must be in (0, upper], got {self.seed_ratio}")
+        if not 0 <= self.edge_top < 1: raise ValueError(f"edge_top must be in [0, 1), got {self.edge_top}")
+        if self.ot_iters < 1 or self.ot_eps <= 0: raise ValueError("need ot_iters >= 1 and ot_eps > 0")
+        if not -1 <= self.sim_threshold <= 1: raise ValueError(f"sim_threshold is a cosine, in [-1, 1]; got {self.sim_threshold}")
+
+    def counts(self, n: int) -> tuple[int, int, int]:
+        "(n_seed, n_lo, n_hi) for `n` patches."
+        n_lo, n_hi = drop_count(n, self.lower), drop_count(n, self.upper)
+        if n_hi < 1: raise ValueError(f"{n} patches at ratio {self.upper}: nothing to drop")
+        return min(max(1, round(self.seed_ratio * n)), n_hi), n_lo, n_hi
+
+
+def _all_sum(t: torch.Tensor) -> torch.Tensor:
+    "Sum over the processes of torch.distributed (the tensor itself when not distributed)."
+    import torch.distributed as td
+    if not (td.is_available() and td.is_initialized()) or td.get_world_size() == 1: return t
+    t = t.clone(); td.all_reduce(t)
+    return t
+
+
+class PGSSelect(nn.Module):
+    "Drop-in for open_clip's `patch_dropout`: x `(C, 1 + N, width)` -> `(C, 1 + N_keep, width)` in training."
+    def __init__(self, cfg: PGSConfig, patch: int):
+        super().__init__()
+        self.cfg, self.patch = cfg, patch
+        self.prob = cfg.upper          # read by powerclip.model.encode: patches are off the grid when training
+        self.context: dict | None = None
+        self.last: Selection | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training: return x
+        if self.context is None:
+            raise RuntimeError("CLIP-PGS selection needs the pixels: run the training forward pass through the method")
+        c, cfg = self.context, self.cfg
+        C, T, width = x.shape
+        N = T - 1
+        n_seed, n_lo, n_hi = cfg.counts(N)
+        with torch.no_grad():
+            feat = x[:, 1:] - c["pos"][1:].to(x.dtype)                      # (C, N, width) content, no position
+            pix = patch_pixels(c["image"], self.patch)                      # (C, N, 3 p^2)
+            if pix.shape[1] != N: raise ValueError(f"image has {pix.shape[1]} patches, the token sequence {N}")
+            a = c["alpha"]
+            sim = a * cosine_matrix(feat) + (1 - a) * cosine_matrix(pix)    # (C, N, N)
+            edges = sobel_patch_edges(c["image"], self.patch) if cfg.edges else None
+            sel = select_patches(sim, edges, n_seed, n_lo, n_hi, noise=c["noise"], edge_top=cfg.edge_top,
+                                 sim_threshold=cfg.sim_threshold, ot_iters=cfg.ot_iters if cfg.ot else 0, ot_eps=cfg.ot_eps,
+                                 all_sum=_all_sum)
+        self.last = sel
+        idx = (sel.keep + 1)[..., None].expand(-1, -1, width)               # (C, N_keep, width)
+        return torch.cat([x[:, :1], x.gather(1, idx)], dim=1)               # class token first
+
+
+# %% [markdown]
+# ## The method
+#
+# `CLIPPGS` is CLIP (its loss, its gathering) with the module installed by `setup_model` and a `forward` that
+# hands the module its context. The trainer calls `on_step(step, total)` before every step; that fixes
+# $\alpha$ and the step of the random stream. Outside the trainer (a notebook calling `forward` by hand), the
+# method counts its own training forward calls instead. Two registered names, two presets of the paper:
+# `clip-pgs` is PGS$_{0.5}$ and `clip-pgs-0.3` is PGS$_{0.3}$ (a subclass whose config defaults to
+# `lower=0.3`); any other limits are `method_cfg.lower=...`.
+
+# %%
+#| export
+@register("clip-pgs")
+class CLIPPGS(CLIP):
+    "CLIP-PGS_0.5: CLIP's loss with patch generation-to-selection in the vision tower during training, config `PGSConfig`."
+    Config = PGSConfig
+    needs_patches = False
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.step, self.total, self._hooked = 0, None, False
+
+    def on_step(self, step: int, total: int) -> None:
+        "The trainer's step (0-based) and run length: the schedule of alpha and the step of the seed stream."
+        self.step, self.total, self._hooked = int(step), int(total), True
+
+    @property
+    def alpha(self) -> float:
+        progress = self.step / max(1, self.total - 1) if self.total else 0.0
+        return mix_weight(progress, self.cfg.alpha_start, self.cfg.alpha_end)
+
+    def setup_model(self, model) -> None:
+        "Install `PGSSelect` as the vision tower's `patch_dropout` (no parameters, nothing in the state_dict)."
+        v = model.visual
+        if getattr(v, "class_embedding", None) is None or not hasattr(v, "patch_dropout"):
+            raise NotImplementedError("CLIP-PGS needs open_clip's VisionTransformer with a class token")
+        patch = v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size
+        v.patch_dropout = PGSSelect(self.cfg, int(patch))
+
+    def forward(self, model, batch, modules=None):
+        from powerclip.model import encode  # late: keeps this module importable without open_clip
+        sel = model.visual.patch_dropout
+        if not isinstance(sel, PGSSelect): raise RuntimeError("call setup_model(model) before forward")
+        image = batch["image"]
+        if not model.visual.training:
+            return encode(model, image, batch["tokens"], need_patches=False)
+        C, N = image.shape[0], (image.shape[-2] // sel.patch) * (image.shape[-1] // sel.patch)
+        keys = batch.get("index")
+        keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
+        sel.context = dict(image=image, noise=hash_uniform(keys, self.step, self.cfg.seed, N), alpha=self.alpha,
+                           pos=model.visual.positional_embedding.detach())
+        try:
+            out = encode(model, image, batch["tokens"], need_patches=False)
+        finally:
+            sel.context = None
+        if not self._hooked: self.step += 1
+        out["pgs_drop_ratio"] = torch.tensor(sel.last.n_drop / N, device=image.device)
+        return out
+
+    def loss(self, out, batch, dist):
+        terms = super().loss(out, batch, dist)
+        if "pgs_drop_ratio" in out: terms["_pgs_drop_ratio"] = out["pgs_drop_ratio"]
+        return terms
+
+
+@dataclass
+class PGS03Config(PGSConfig):
+    "PGS_0.3: masking ratio between 0.3 and 0.5 (paper Sec. 3.2)."
+    lower: float = 0.3
+
+
+@register("clip-pgs-0.3")
+class CLIPPGS03(CLIPPGS):
+    "CLIP-PGS_0.3: as `clip-pgs`, with a masking ratio in [0.3, 0.5] per batch, config `PGS03Config`."
+    Config = PGS03Config
+
+
+# %% [markdown]
+# ## Checks on a model
+#
+# The micro model (32 px, 8-px patches, $N=16$) with random weights: the state_dict keys do not change; in
+# training the vision transformer sees $1 + N/2$ tokens (PGS$_{0.5}$) and the dropped patches are really absent
+# (the tokens entering `ln_pre` are exactly the kept ones); in evaluation the embeddings are those of the plain
+# model; the loss back-propagates; the same batch and step give the same loss; bf16 autocast gives no NaN.
+
+# %%
+from powerclip.dist import DistContext
+from powerclip.methods import METHODS, get_method
+from powerclip.model import create_model, encode, register_configs
+
+register_configs()
+assert METHODS["clip-pgs"] is CLIPPGS and METHODS["clip-pgs-0.3"] is CLIPPGS03
+assert get_method("clip-pgs-0.3").cfg.lower == 0.3 and get_method("clip-pgs").cfg.lower == 0.5
+for bad in ({"lower": 0.6}, {"seed_ratio": 0.0}, {"sim_threshold": 2.0}):
+    try: get_method("clip-pgs", bad); raise AssertionError(bad)
+    except ValueError as e: print("refused:", e)
+
+torch.manual_seed(0)
+_model = create_model("powerclip-micro")[0]
+_keys = set(_model.state_dict())
+_img = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+_tok = torch.zeros(4, 77, dtype=torch.long); _tok[:, 0], _tok[:, 1:4], _tok[:, 4] = 49406, 100, 49407
+_batch = {"image": _img, "tokens": _tok, "index": torch.tensor([10, 11, 12, 13])}
+_model.eval()
+with torch.no_grad(): _ref = encode(_model, _img, _tok, need_patches=False)
+
+_m = get_method("clip-pgs")
+_m.setup_model(_model)
+assert set(_model.state_dict()) == _keys                       # nothing added to the checkpoint
+_N = _model.visual.grid_size[0] * _model.visual.grid_size[1]
+_seen = []
+_hk = _model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(args[0].detach().clone()))
+_model.train()
+_m.on_step(0, 10)
+_out = _m.forward(_model, _batch)
+_sel = _model.visual.patch_dropout.last
+_model.eval()
+with torch.no_grad(): _ev = _m.forward(_model, _batch)
+_hk.remove()
+assert _seen[0].shape[1] == 1 + _N // 2 and _seen[1].shape[1] == 1 + _N, [s.shape for s in _seen]
+# the tokens after selection are exactly the kept rows of the full sequence (eval pass: nothing dropped)
+_W = _seen[0].shape[-1]
+assert_close(_seen[0][:, 1:], _seen[1][:, 1:].gather(1, _sel.keep[..., None].expand(-1, -1, _W)))
+assert_close(_seen[0][:, 0], _seen[1][:, 0])
+for k in ("image", "text"): assert torch.equal(_ev[k], _ref[k])  # evaluation = the plain model, bit for bit
+_terms = _m.loss(_out, _batch, DistContext())
+_terms["clip"].backward()
+assert torch.isfinite(_terms["clip"]) and _model.visual.conv1.weight.grad is not None and _terms["_pgs_drop_ratio"] == 0.5
+print(f"tokens into the vision transformer: train {_seen[0].shape[1]}, eval {_seen[1].shape[1]} (N = {_N}); "
+      f"loss {float(_terms['clip'].detach()):.4f}")
+_model.train()
+_m.on_step(0, 10); _l1 = _m.loss(_m.forward(_model, _batch), _batch, DistContext())["clip"]
+_m.on_step(0, 10); _l2 = _m.loss(_m.forward(_model, _batch), _batch, DistContext())["clip"]
+assert torch.equal(_l1, _l2)                                   # deterministic given (seed, step, index)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    _m.on_step(5, 10); _ob = _m.forward(_model, _batch); _lb = _m.loss(_ob, _batch, DistContext())["clip"]
+assert torch.isfinite(_lb) and torch.isfinite(_ob["image"].float()).all()
+print(f"bf16 autocast loss {float(_lb.detach()):.4f}, alpha at step 5 of 10 = {_m.alpha:.3f}")
+try:
+    _model.visual(_img); raise AssertionError("no context accepted")
+except RuntimeError as e: print("refused:", e)
+_model.eval()
