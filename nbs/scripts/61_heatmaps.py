@@ -20,21 +20,27 @@
 #| export
 from __future__ import annotations
 
+import logging
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from powerclip.world import WorldConfig, generate, to_clip_tensor
 
+log = logging.getLogger(__name__)
+
 # %%
 #| hide
-from fastcore.test import test_close, test_eq
+from fastcore.test import test_close, test_eq, test_fail
 
 
 # %% [markdown]
 # # Text-to-patch heatmaps and a grounding score
 #
-# > Where does a text look in an image: the cosine of its embedding with every projected patch embedding, and, on the built-in world where every object's mask is known, the pointing-game accuracy and mean IoU of that map against the object the phrase names.
+# > Where does a text look in an image: the cosine of its embedding with every projected patch embedding, side by side for several checkpoints and for compositional edits of the caption, and, on the built-in world where every object's mask is known, the pointing-game accuracy and mean IoU of that map against the object the phrase names.
 
 # %% [markdown]
 # For a text embedding $t$ (L2-normalised, `encode_text`) and the projected patch embeddings $p_n$
@@ -44,11 +50,19 @@ from fastcore.test import test_close, test_eq
 #
 # The paper shows these maps (Fig. 6, 10, 11) without a number. On the world we know the gold patch mask
 # $G$ of the object each noun phrase names, so we score:
-# - **pointing game**: the argmax patch of $h$ lies in $G$; chance is $|G|/N$ (a random patch);
+# - **pointing game**: the argmax patch of $h$ lies in $G$. Ties (a constant map) count as the expected hit of a
+#   patch drawn uniformly among the tied maxima, so a uniform map scores exactly the chance level $|G|/N$;
 # - **pointing at any object**: the argmax lies on *some* object of the scene. A random network already points
 #   at objects far above chance (bright objects on a dark noisy background move every patch feature), so
-#   `pointing - pointing_any_object` is what tells a model that finds *the named* object from one that finds objects;
-# - **IoU** of $\{n : \hat h_n \ge 0.5\}$ with $G$, where $\hat h$ is $h$ min-max normalised per map.
+#   `named_given_object` = pointing / pointing at any object (the share of the object hits that land on the named
+#   object) is what tells a model that finds *the named* object from one that finds objects; the uniform row gives
+#   its chance level (an object patch drawn at random);
+# - **inverted pointing**: the pointing game played with the *minimum* of $h$. CLIP's patch-text cosines are often
+#   inverted (the background is closer to the text than the object is; Li et al., "CLIP Surgery", 2023), and a model
+#   whose maps are inverted scores low on pointing but high here: it localises, with the wrong sign;
+# - **IoU** of $\{n : \hat h_n \ge 0.5\}$ with $G$, where $\hat h$ is $h$ min-max normalised per map. A constant
+#   map carries no information and is read as "everywhere" ($\hat h \equiv 1$): its IoU is $|G|/N$, the IoU of the
+#   uniform baseline, rather than 0.
 #
 # The heatmap is resampled to the world's grid when the model's grid differs.
 
@@ -59,44 +73,62 @@ def text_patch_heatmaps(model, image: torch.Tensor, texts: list, tokenizer) -> t
     "image `(3, H, W)` (CLIP-normalised, model resolution), texts: T strings -> cosines `(T, gh, gw)`."
     from powerclip.model import encode, grid_size
     tok = tokenizer(texts)                                                      # (T, L)
-    enc = encode(model, image[None].expand(len(texts), -1, -1, -1), tok)        # one image per text: encode pairs rows
-    p = F.normalize(enc['patches'], dim=-1)                                     # (T, N, D)
-    h = (p * enc['text'][:, None]).sum(-1)                                      # (T, N)
-    return h.view(len(texts), *grid_size(model))
+    # patches from one image (the text row of `encode` is not used), texts through the text tower alone
+    p = F.normalize(encode(model, image[None], tok[:1])['patches'][0], dim=-1)  # (N, D)
+    t = F.normalize(model.encode_text(tok), dim=-1)                             # (T, D)
+    return (t @ p.T).view(len(texts), *grid_size(model))
 
 def upsample(heat: torch.Tensor, size: tuple) -> torch.Tensor:
     "`(T, gh, gw)` -> `(T, *size)` bilinear (for overlays and for resampling to another grid)."
     return F.interpolate(heat[:, None].float(), size=size, mode='bilinear', align_corners=False)[:, 0]
 
 def pointing_hit(heat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    "heat `(T, g, g)`, mask `(T, g*g)` bool -> `(T,)` bool: the argmax patch is in the mask."
-    return mask.gather(1, heat.flatten(1).argmax(1, keepdim=True))[:, 0]
+    """heat `(T, g, g)`, mask `(T, g*g)` bool -> `(T,)` float: 1 when the argmax patch is in the mask; with tied
+    maxima, the fraction of them in the mask (the expected hit of a uniformly random tie-break)."""
+    h = heat.flatten(1)
+    top = h == h.max(1, keepdim=True).values                                    # (T, N) the tied maxima
+    return (top & mask).sum(1) / top.sum(1)
+
+def normalise01(heat: torch.Tensor) -> torch.Tensor:
+    "`(T, ...)` min-max normalised per map; a constant map becomes all ones (it does not single out any patch)."
+    h = heat.flatten(1).float()
+    lo, hi = h.min(1, keepdim=True).values, h.max(1, keepdim=True).values
+    flat = (hi - lo) <= 1e-12 * hi.abs().clamp_min(1)
+    return torch.where(flat, torch.ones_like(h), (h - lo) / (hi - lo).clamp_min(1e-30)).view_as(heat)
 
 def heat_iou(heat: torch.Tensor, mask: torch.Tensor, thresh: float = 0.5) -> torch.Tensor:
     "`(T,)` IoU of the min-max normalised map thresholded at `thresh` with the mask `(T, g*g)`."
-    h = heat.flatten(1)
-    lo, hi = h.min(1, keepdim=True).values, h.max(1, keepdim=True).values
-    pred = (h - lo) / (hi - lo).clamp_min(1e-12) >= thresh
+    pred = normalise01(heat).flatten(1) >= thresh
     return (pred & mask).sum(1) / (pred | mask).sum(1).clamp_min(1)
 
 
 # %% [markdown]
 # Hand cases: a map peaked inside the mask hits and, when it is exactly the mask, has IoU 1; a map peaked
-# outside misses.
+# outside misses; a uniform map points at a random patch (expected hit $|G|/N = 2/16$) and claims every patch
+# (IoU $2/16$); a map with its maximum tied between one patch inside and one outside scores a half hit.
 
 # %%
-mask = torch.zeros(2, 16, dtype=torch.bool); mask[:, [5, 6]] = True
-heat = torch.zeros(2, 4, 4); heat[0].view(-1)[[5, 6]] = 1.0; heat[1].view(-1)[0] = 1.0
-test_eq(pointing_hit(heat, mask).tolist(), [True, False])
-test_close(heat_iou(heat, mask), torch.tensor([1.0, 0.0]))
-test_eq(upsample(heat, (8, 8)).shape, (2, 8, 8))
+mask = torch.zeros(4, 16, dtype=torch.bool); mask[:, [5, 6]] = True
+heat = torch.zeros(4, 4, 4); heat[0].view(-1)[[5, 6]] = 1.0; heat[1].view(-1)[0] = 1.0
+heat[3].view(-1)[[6, 15]] = 2.0                                                  # heat[2] stays uniform
+test_close(pointing_hit(heat, mask), torch.tensor([1.0, 0.0, 2 / 16, 0.5]))
+test_close(heat_iou(heat, mask), torch.tensor([1.0, 0.0, 2 / 16, 1 / 3]))
+test_eq(upsample(heat, (8, 8)).shape, (4, 8, 8))
+# a peak inside the mask on a noisy map still hits; IoU grows with the threshold's selectivity
+g = torch.Generator().manual_seed(0)
+noisy = torch.rand(1, 4, 4, generator=g) * 0.1; noisy.view(-1)[5] = 1.0
+test_eq(pointing_hit(noisy, mask[:1]).item(), 1.0)
+test_close(heat_iou(noisy, mask[:1]), torch.tensor([0.5]))                      # predicts {5} of {5, 6}
 
 
 # %% [markdown]
 # ## The grounding score on the world
 #
 # For each test scene, every mentioned object's noun phrase (the NP node `mention_nodes[k]` of the gold tree)
-# is a text; its gold mask is `masks[k]`.
+# is a text; its gold mask is `masks[k]`. The score takes a *heat function* `(image (H, W, 3) uint8, texts) -> (T, gh, gw)`,
+# so that a model and the two baselines that tell the reader where chance lies go through the same code:
+# a **uniform** map (pointing = chance, IoU = $|G|/N$) and a **centre prior** (the negative distance to the image
+# centre: objects are more often near the middle than at the border).
 
 # %%
 #| export
@@ -109,100 +141,437 @@ def np_phrases(sample: dict) -> list[tuple[str, np.ndarray]]:
         out.append((' '.join(parsed.words[a:b]), sample['masks'][k]))
     return out
 
-@torch.no_grad()
-def grounding_score(model, tokenizer, n_scenes: int = 100, cfg: WorldConfig | None = None, split: str = 'test') -> dict:
-    "Pointing-game accuracy, its chance level and mean IoU (%) over the NPs of `n_scenes` world scenes."
-    cfg = cfg or WorldConfig()
+def model_heat_fn(model, tokenizer):
+    "A heat function for an open_clip model: the world image resized to the model's resolution."
     size = model.visual.image_size if isinstance(model.visual.image_size, int) else model.visual.image_size[0]
-    hits, any_hits, ious, chance = [], [], [], []
+    def fn(image: np.ndarray, texts: list) -> torch.Tensor:
+        x = to_clip_tensor(image)
+        if x.shape[-1] != size: x = F.interpolate(x[None], size=(size, size), mode='bilinear', align_corners=False)[0]
+        return text_patch_heatmaps(model, x, texts, tokenizer)
+    return fn
+
+def uniform_heat(image: np.ndarray, texts: list, grid: int = 8) -> torch.Tensor:
+    "The same value everywhere: `(T, grid, grid)`."
+    return torch.zeros(len(texts), grid, grid)
+
+def centre_heat(image: np.ndarray, texts: list, grid: int = 8) -> torch.Tensor:
+    "Minus the distance of each patch centre to the image centre: `(T, grid, grid)`."
+    c = torch.arange(grid) + 0.5 - grid / 2
+    return (-(c[:, None] ** 2 + c[None] ** 2).sqrt())[None].expand(len(texts), -1, -1).clone()
+
+@torch.no_grad()
+def grounding_score(heat_fn, n_scenes: int = 100, cfg: WorldConfig | None = None, split: str = 'test') -> dict:
+    "Pointing-game accuracy, its chance level, pointing at any object, inverted pointing and mean IoU (%) over the NPs of `n_scenes` world scenes."
+    cfg = cfg or WorldConfig()
+    hits, any_hits, inv_hits, ious, chance = [], [], [], [], []
     for i in range(n_scenes):
         s = generate(cfg, i, split)
         phrases = np_phrases(s)
         if not phrases: continue
-        img = to_clip_tensor(s['image'])
-        if img.shape[-1] != size: img = F.interpolate(img[None], size=(size, size), mode='bilinear', align_corners=False)[0]
-        heat = upsample(text_patch_heatmaps(model, img, [p for p, _ in phrases], tokenizer), (cfg.grid, cfg.grid))
+        heat = heat_fn(s['image'], [p for p, _ in phrases])
+        if heat.shape[-2:] != (cfg.grid, cfg.grid): heat = upsample(heat, (cfg.grid, cfg.grid))
         mask = torch.from_numpy(np.stack([m for _, m in phrases]))              # (T, G*G)
         objects = torch.from_numpy(s['masks'][s['mask_valid']].any(0))[None].expand_as(mask)   # any object of the scene
         hits.append(pointing_hit(heat, mask)); any_hits.append(pointing_hit(heat, objects))
+        inv_hits.append(pointing_hit(-heat, mask))
         ious.append(heat_iou(heat, mask)); chance.append(mask.float().mean(1))
+    if not hits: raise ValueError(f'no noun phrase with a mask in {n_scenes} {split} scenes')
     pct = lambda xs: 100 * torch.cat(xs).double().mean().item()
-    return dict(pointing=pct(hits), pointing_chance=pct(chance), pointing_any_object=pct(any_hits),
-                mean_iou=pct(ious), n_phrases=len(torch.cat(hits)))
+    p, a = pct(hits), pct(any_hits)
+    return dict(pointing=p, pointing_chance=pct(chance), pointing_any_object=a,
+                named_given_object=100 * p / a if a > 0 else float('nan'),
+                pointing_inverted=pct(inv_hits), mean_iou=pct(ious), n_phrases=len(torch.cat(hits)))
 
 
 # %% [markdown]
-# A randomly initialised micro model (image 32 px, 4 x 4 grid, resampled to the world's 8 x 8 grid).
+# The baselines, and a randomly initialised micro model (image 32 px, 4 x 4 grid, resampled to the world's 8 x 8 grid).
+# The uniform map's pointing equals the chance level by construction, and its IoU is the mean mask fraction.
 
 # %%
 from powerclip.eval import load_model
 m = load_model('powerclip-micro')
 s = generate(WorldConfig(), 0, 'test')
 test_eq(len(np_phrases(s)), int(s['mask_valid'].sum()))
-g = grounding_score(m.model, m.tokenizer, n_scenes=20)
+u = grounding_score(uniform_heat, n_scenes=20)
+test_close(u['pointing'], u['pointing_chance']); test_close(u['mean_iou'], u['pointing_chance']); test_close(u['pointing_inverted'], u['pointing_chance'])
+g = grounding_score(model_heat_fn(m.model, m.tokenizer), n_scenes=20)
 assert 0 <= g['pointing'] <= g['pointing_any_object'] <= 100 and g['n_phrases'] >= 20
-g
+dict(uniform=u, centre=grounding_score(centre_heat, n_scenes=20), random_micro=g)
+
 
 # %% [markdown]
-# An overlay: the scene, then one heatmap per noun phrase, upsampled over the image.
+# ## Checkpoints
+#
+# `load_checkpoint` takes what a user has: a trainer checkpoint (`runs/NAME/checkpoints/last.pt`, which carries its
+# model config), a plain open_clip state dict (`runs/NAME/model.pt`; the architecture then comes from the
+# `config.yaml` the trainer writes in the run directory), a run directory (its `model.pt`, else
+# `checkpoints/last.pt`), or `random:ARCH` for a randomly initialised model. Loading itself is
+# `powerclip.eval.load_model`.
 
 # %%
+#| export
+def _run_config_model(path: Path) -> dict:
+    "`model` section of the `config.yaml` of the run a checkpoint file belongs to ({} when there is none)."
+    import yaml
+    for d in (path.parent, path.parent.parent):
+        if (d / 'config.yaml').is_file():
+            return (yaml.safe_load((d / 'config.yaml').read_text()) or {}).get('model') or {}
+    return {}
+
+def load_checkpoint(spec, device: str = 'cpu', model_name: str | None = None):
+    "A `powerclip.eval.LoadedModel` from a checkpoint file, a run directory, `random:ARCH`, or a LoadedModel (returned as is)."
+    from powerclip.eval import LoadedModel, load_model
+    if isinstance(spec, LoadedModel): return spec
+    if isinstance(spec, str) and spec.startswith('random:'): return load_model(spec[len('random:'):], device=device)
+    path = Path(spec)
+    if path.is_dir():
+        found = [p for p in (path / 'model.pt', path / 'checkpoints' / 'last.pt') if p.is_file()]
+        if not found: raise FileNotFoundError(f'run directory {path} has neither model.pt nor checkpoints/last.pt')
+        path = found[0]
+    try: return load_model(model_name, path, device=device)
+    except ValueError as e:
+        if 'does not carry' not in str(e): raise
+    run = _run_config_model(path)          # a plain state dict: the run's config.yaml names the architecture
+    if not run.get('name'): raise ValueError(f'{path} is a plain state dict and no config.yaml beside it names the model: pass a model name')
+    return load_model(run['name'], path, device=device, model_kwargs=run.get('kwargs') or {})
+
+
+# %%
+import tempfile
+from powerclip.model import create_model
+d = Path(tempfile.mkdtemp())
+(d / 'run').mkdir()
+(d / 'run' / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\n')
+torch.manual_seed(1); torch.save(create_model('powerclip-micro')[0].state_dict(), d / 'run' / 'model.pt')
+a, b = load_checkpoint(d / 'run'), load_checkpoint(str(d / 'run' / 'model.pt'))
+test_eq(a.ckpt_id, b.ckpt_id); assert not a.ckpt_id.startswith('random')
+test_eq(load_checkpoint('random:powerclip-micro').ckpt_id, m.ckpt_id)
+(d / 'bare').mkdir(); torch.save(create_model('powerclip-micro')[0].state_dict(), d / 'bare' / 'model.pt')
+test_fail(lambda: load_checkpoint(d / 'bare' / 'model.pt'), contains='config.yaml')
+test_fail(lambda: load_checkpoint(d), contains='neither')
+
+# %% [markdown]
+# ## A grounding table for several checkpoints
+#
+# One row per checkpoint, then three rows that say where chance lies: a random initialisation of the first
+# checkpoint's architecture, the uniform map and the centre prior. All rows score the same scenes and phrases.
+
+# %%
+#| export
+_COLS = [('pointing', 'pointing %'), ('pointing_any_object', 'on some object %'),
+         ('named_given_object', 'named, of those on an object %'), ('mean_iou', 'mean IoU %'),
+         ('pointing_inverted', 'inverted pointing %')]
+
+def grounding_markdown(rows: list[dict]) -> str:
+    "Markdown table of `grounding_table` rows, with the chance level under it."
+    head = '| checkpoint | ' + ' | '.join(c for _, c in _COLS) + ' | phrases |'
+    lines = [head, '|' + ' --- |' * (len(_COLS) + 2)]
+    lines += [f"| {r['name']} | " + ' | '.join(f'{r[k]:.1f}' for k, _ in _COLS) + f" | {r['n_phrases']} |" for r in rows]
+    if rows: lines.append(f"\nPointing chance (a random patch): {rows[0]['pointing_chance']:.1f} %; "
+                          f"IoU at threshold 0.5 of the per-map min-max normalised heatmap on the {rows[0]['grid']} x {rows[0]['grid']} world grid.")
+    return '\n'.join(lines)
+
+def grounding_table(checkpoints: dict, n_scenes: int = 200, cfg: WorldConfig | None = None, device: str = 'cpu',
+                    baselines: bool = True, split: str = 'test') -> tuple[list[dict], str]:
+    """`{name: checkpoint (path, run dir, 'random:ARCH' or LoadedModel)}` -> (rows, Markdown): pointing-game accuracy,
+    pointing at any object and mean IoU (%) on `n_scenes` world scenes, plus random-init / uniform / centre-prior rows."""
+    cfg, rows, first = cfg or WorldConfig(), [], None
+    def row(name, ckpt, fn):
+        r = dict(name=name, checkpoint=ckpt, **grounding_score(fn, n_scenes, cfg, split), n_scenes=n_scenes, grid=cfg.grid)
+        log.info('grounding %s: %s', name, r); rows.append(r)
+    for name, spec in checkpoints.items():
+        lm = load_checkpoint(spec, device)
+        first = first or lm
+        row(name, str(spec) if not hasattr(spec, 'ckpt_id') else spec.ckpt_id, model_heat_fn(lm.model, lm.tokenizer))
+    if baselines:
+        if first is not None:
+            from powerclip.eval import load_model
+            r = load_model(first.spec['name'], device=device, model_kwargs=first.spec['kwargs'])
+            row(f"random init ({first.spec['name']})", r.ckpt_id, model_heat_fn(r.model, r.tokenizer))
+        row('uniform map (chance)', None, lambda im, t: uniform_heat(im, t, cfg.grid))
+        row('centre prior', None, lambda im, t: centre_heat(im, t, cfg.grid))
+    return rows, grounding_markdown(rows)
+
+
+# %%
+rows, md = grounding_table({'micro (seed 1)': d / 'run'}, n_scenes=10)
+test_eq([r['name'] for r in rows], ['micro (seed 1)', 'random init (powerclip-micro)', 'uniform map (chance)', 'centre prior'])
+test_eq(len({r['n_phrases'] for r in rows}), 1)
+print(md)
+
+# %% [markdown]
+# ## Compositional edits of a caption
+#
+# Two edits in the style of SugarCrepe's `swap_att` and `swap_obj`, made from the project's parse
+# (`powerclip.parsing`, spaCy path: the edit needs part-of-speech tags, which the tree alone does not carry):
+# - **swap_att**: in the first two *base* noun phrases (NP nodes with no NP inside) that each hold an attribute
+#   (an adjective before the head noun, the NP's last word), and whose attributes differ, exchange the attribute
+#   nearest to the noun: "a small **red** circle left of a
+#   **blue** square" -> "a small **blue** circle left of a **red** square";
+# - **swap_obj**: exchange the first two base noun phrases: "**a red circle** left of **a blue square**" ->
+#   "**a blue square** left of **a red circle**".
+#
+# Base NPs lose trailing conjunctions and punctuation; an article directly before a swapped adjective is fixed
+# ("an orange" -> "a blue"), and so is sentence-initial capitalisation. An edit that does not apply is absent
+# (no second adjective, one noun phrase), never a copy of the caption. Everything is deterministic.
+
+# %%
+#| export
+_NOUNISH = {'NOUN', 'PROPN', 'PRON', 'NUM'}
+
+def _base_nps(doc, parsed, trim: bool = True) -> list[tuple[int, int]]:
+    "Word spans of the NP nodes that contain no other NP node (trimmed to end at a noun when `trim`), in text order."
+    nps = [sp for sp, lab in zip(parsed.spans, parsed.labels) if lab == 'NP']
+    out = []
+    for s, e in nps:
+        if any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in nps): continue
+        while trim and e > s and doc[e - 1].pos_ not in _NOUNISH: e -= 1
+        if e > s: out.append((s, e))
+    return sorted(set(out))
+
+def _article(word: str, following: str) -> str:
+    "'a'/'an' (keeping the case of `word`) for the word that now follows it."
+    new = 'an' if following[:1].lower() in 'aeiou' else 'a'
+    return new.capitalize() if word[:1].isupper() else new
+
+def _render(doc, pieces: list[str]) -> str:
+    "The caption with token i replaced by `pieces[i]`, keeping spaCy's whitespace."
+    return ''.join(p + t.whitespace_ for p, t in zip(pieces, doc)).strip()
+
+def caption_edits(text, parsed=None) -> dict[str, str]:
+    """`{'swap_att': ..., 'swap_obj': ...}` for the edits that apply to `text` (see above); {} when none does.
+    `text` may be a ParsedCaption (e.g. the world's gold tree), or `parsed` given: its NP nodes are used instead of
+    spaCy's (its words must be spaCy's tokens of the text); spaCy still gives the part-of-speech tags."""
+    from powerclip.parsing import ParsedCaption, load_pipeline, normalize_caption, spacy_doc_to_parsed
+    if isinstance(text, ParsedCaption): text, parsed = text.text, text
+    text, _ = normalize_caption(text)
+    if not text: return {}
+    doc = load_pipeline('spacy')(text)
+    words, out = [t.text for t in doc], {}
+    if parsed is not None and list(parsed.words) != words:
+        raise ValueError(f'the given tree\'s words {parsed.words} are not the tokens {words} of {text!r}')
+    nps = _base_nps(doc, parsed or spacy_doc_to_parsed(doc, text), trim=parsed is None)
+    # the last word of a base NP is its head; an attribute is a word before it that spaCy tags as an adjective
+    # (or attaches as `amod`), and, with a given (gold) tree, any word before the head but the determiner:
+    # the tagger calls 'white' or 'purple' a noun in "a small white cross" and would miss a gold attribute
+    attr = (lambda t: t.pos_ != 'DET') if parsed is not None else (lambda t: t.pos_ == 'ADJ' or t.dep_ == 'amod')
+    adj = [(s, e, max(i for i in range(s, e - 1) if attr(doc[i]))) for s, e in nps
+           if any(attr(doc[i]) for i in range(s, e - 1))]
+    pair = next(((x, y) for k, x in enumerate(adj) for y in adj[k + 1:] if words[x[2]].lower() != words[y[2]].lower()), None)
+    if pair:
+        (_, _, i), (_, _, j) = pair
+        p = list(words); p[i], p[j] = words[j], words[i]
+        if i == 0 and words[0][:1].isupper():         # a caption that starts with the adjective: "Red apples and ..."
+            p[0] = p[0][:1].upper() + p[0][1:]
+            if doc[0].pos_ != 'PROPN': p[j] = p[j][:1].lower() + p[j][1:]
+        for k in (i, j):
+            if k > 0 and p[k - 1].lower() in ('a', 'an'): p[k - 1] = _article(p[k - 1], p[k])
+        out['swap_att'] = _render(doc, p)
+    if len(nps) >= 2:
+        (s1, e1), (s2, e2) = nps[:2]
+        order = list(range(s2, e2)) + list(range(e1, s2)) + list(range(s1, e1))   # the tokens from s1 to e2, swapped
+        # each moved phrase keeps its own inner whitespace; the slot's last whitespace stays with the slot
+        seq = [words[k] + doc[k].whitespace_ for k in range(s1)]
+        slots = [(s1, e1, range(s2, e2)), (e1, s2, range(e1, s2)), (s2, e2, range(s1, e1))]
+        for a, b, src in slots:
+            src = list(src)
+            for n, k in enumerate(src):
+                w = words[k]
+                if k == 0 and doc[0].text[:1].isupper() and doc[0].pos_ != 'PROPN' and w != 'I': w = w[0].lower() + w[1:]
+                if a == 0 and n == 0: w = w[:1].upper() + w[1:] if doc[0].text[:1].isupper() else w
+                seq.append(w + (doc[k].whitespace_ if n < len(src) - 1 else doc[b - 1].whitespace_ if b > a else ''))
+        seq += [words[k] + doc[k].whitespace_ for k in range(e2, len(doc))]
+        out['swap_obj'] = ''.join(seq).strip()
+    return out
+
+def with_edits(texts: list, edits: bool = True) -> list[tuple[str, str]]:
+    "`[(label, text)]`: each text ('caption'), followed by its edits when `edits`; a ParsedCaption item uses its own tree."
+    out = []
+    for t in texts:
+        out.append(('caption', getattr(t, 'text', t)))
+        if edits: out += list(caption_edits(t).items())
+    return out
+
+
+# %% [markdown]
+# World captions (the gold grammar) and real COCO captions:
+
+# %%
+cases = {
+    'a small red circle left of a blue square': dict(swap_att='a small blue circle left of a red square',
+                                                     swap_obj='a blue square left of a small red circle'),
+    'an orange triangle above a large green cross and a blue diamond':
+        dict(swap_att='a green triangle above a large orange cross and a blue diamond',
+             swap_obj='a large green cross above an orange triangle and a blue diamond'),
+    'a purple circle': {},
+    'A white dog sitting on a green couch.': dict(swap_att='A green dog sitting on a white couch.',
+                                                  swap_obj='A green couch sitting on a white dog.'),
+    'A man in a red shirt holding a black umbrella.': dict(swap_att='A man in a black shirt holding a red umbrella.',
+                                                           swap_obj='A red shirt in a man holding a black umbrella.'),
+    'Two dogs and a cat.': dict(swap_obj='A cat and two dogs.'),
+}
+for t, want in cases.items(): test_eq(caption_edits(t), want)
+# spaCy tags 'square' as an adjective here and misparses the first NP; the world's gold tree gets it right
+t = 'an orange square right of a blue cross and a small green diamond'
+test_eq(caption_edits(t)['swap_obj'], 'a blue cross of an orange square right and a small green diamond')
+from powerclip.world import caption_tree, spec_from_text
+gold = caption_tree(spec_from_text(t, WorldConfig()))[0]
+test_eq(caption_edits(gold), dict(swap_att='a blue square right of an orange cross and a small green diamond',
+                                  swap_obj='a blue cross right of an orange square and a small green diamond'))
+test_fail(lambda: caption_edits('a red circle', gold), contains='not the tokens')
+test_eq(caption_edits(''), {})
+test_eq(with_edits(['a purple circle', 'a red circle above a blue cross'])[:2], [('caption', 'a purple circle'), ('caption', 'a red circle above a blue cross')])
+
+# %%
+import json
+COCO = next((p for p in (Path('../shared/data/coco_sample'), Path('../../shared/data/coco_sample')) if p.is_dir()), Path('../shared/data/coco_sample'))  # repo root or nbs/
+if not (COCO / 'captions.jsonl').is_file(): print(f'skipped: {COCO} is absent (real COCO captions)')
+else:
+    rows_coco = [json.loads(l) for l in (COCO / 'captions.jsonl').read_text().splitlines()[:40]]
+    caps = [c for r in rows_coco for c in r['captions']]
+    ed = [caption_edits(c) for c in caps]
+    import re
+    bag = lambda t: sorted(w for w in re.findall(r"\w+|[^\w\s]", t.lower()) if w not in ('a', 'an'))
+    for c, e in zip(caps, ed):   # an edit moves words, it never adds or loses one (articles aside), and changes the text
+        for v in e.values(): assert v != c and bag(v) == bag(c), (c, v)
+    print(f"{len(caps)} COCO captions: swap_att applies to {sum('swap_att' in e for e in ed)}, swap_obj to {sum('swap_obj' in e for e in ed)}")
+    for c, e in list(zip(caps, ed))[:6]: print(repr(c), '->', e)
+
+
+# %% [markdown]
+# ## Side by side: texts x checkpoints
+#
+# One figure per image: a row per text (a caption, then its edits), a column per checkpoint. Every model sees the
+# image through its own `preprocess` (resize the short side, centre crop); the overlay is drawn on the same
+# centre square of the photo at display resolution. Each map is min-max normalised on its own (cosine scales
+# differ between checkpoints), so the title gives its cosine range.
+
+# %%
+#| export
+def _as_pil(image):
+    from PIL import Image
+    if isinstance(image, Image.Image): return image.convert('RGB')
+    if isinstance(image, np.ndarray): return Image.fromarray(image).convert('RGB')
+    return Image.open(image).convert('RGB')
+
+def centre_square(image, size: int = 224) -> np.ndarray:
+    "The centre square of an image (what CLIP's resize + centre crop keeps), at `size` x `size`: `(size, size, 3)` uint8."
+    from PIL import Image
+    im = _as_pil(image); w, h = im.size; s = min(w, h)
+    box = ((w - s) // 2, (h - s) // 2, (w - s) // 2 + s, (h - s) // 2 + s)
+    return np.asarray(im.crop(box).resize((size, size), Image.BICUBIC))
+
+def image_heatmaps(lm, image, texts: list) -> torch.Tensor:
+    "Cosine maps `(T, gh, gw)` of `texts` on `image` (path, PIL or uint8 array) through a LoadedModel's preprocess."
+    return text_patch_heatmaps(lm.model, lm.preprocess(_as_pil(image)), texts, lm.tokenizer)
+
+def heatmap_grid(image, texts: list, models: dict, labels: list | None = None, size: int = 224, cell: float = 2.4):
+    "Figure of `len(texts)` rows x `len(models)` columns of overlays; `models`: {name: LoadedModel}; `labels` prefix the texts."
+    import matplotlib.pyplot as plt
+    shown = centre_square(image, size)
+    raw = {n: image_heatmaps(lm, image, texts) for n, lm in models.items()}               # (T, gh, gw) each
+    maps = {n: normalise01(upsample(h, (size, size))) for n, h in raw.items()}
+    fig, axes = plt.subplots(len(texts), len(models), figsize=(cell * len(models), (cell + 0.45) * len(texts)), squeeze=False)
+    for r, t in enumerate(texts):
+        lab = f'[{labels[r]}] ' if labels else ''
+        for c, n in enumerate(models):
+            a = axes[r, c]
+            a.imshow(shown); a.imshow(maps[n][r].numpy(), alpha=0.5, cmap='jet', vmin=0, vmax=1); a.axis('off')
+            h = raw[n][r]
+            a.set_title(f'{n}  cos {h.min():.2f}..{h.max():.2f}\n' + '\n'.join(textwrap.wrap(lab + t, 34)[:3]), fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+# %%
+import io
 import matplotlib.pyplot as plt
-phr = np_phrases(s)
-img = F.interpolate(to_clip_tensor(s['image'])[None], size=(32, 32), mode='bilinear', align_corners=False)[0]
-hm = upsample(text_patch_heatmaps(m.model, img, [p for p, _ in phr], m.tokenizer), s['image'].shape[:2])
-fig, ax = plt.subplots(1, 1 + len(phr), figsize=(2.2 * (1 + len(phr)), 2.4))
-ax = np.atleast_1d(ax); ax[0].imshow(s['image']); ax[0].set_title(s['text'][:28], fontsize=7)
-for a, (p, _), h in zip(ax[1:], phr, hm):
-    a.imshow(s['image']); a.imshow(h, alpha=0.5, cmap='jet'); a.set_title(p, fontsize=7)
-for a in ax: a.axis('off')
-plt.tight_layout()
+from IPython.display import Image as IPImage, display
+
+def show(fig, dpi: int = 72):
+    "Display a figure as a JPEG (heatmap overlays make PNGs of a megabyte each; the notebook keeps its outputs)."
+    buf = io.BytesIO(); fig.savefig(buf, format='jpeg', dpi=dpi, bbox_inches='tight', pil_kwargs=dict(quality=80))
+    plt.close(fig); display(IPImage(buf.getvalue()))
+
+s = generate(WorldConfig(), 1, 'test')
+lab, txt = zip(*with_edits([s['parsed']]))
+fig = heatmap_grid(s['image'], list(txt), {'random micro': m, 'micro (seed 1)': load_checkpoint(d / 'run')}, list(lab))
+test_eq(len(fig.axes), 2 * len(txt)); test_eq(centre_square(np.zeros((40, 60, 3), np.uint8), 32).shape, (32, 32, 3))
+show(fig)
 
 
 # %% [markdown]
 # ## Command line
 #
-# `powerclip-heatmaps --model powerclip-tiny [--checkpoint ckpt.pt] --image photo.jpg --texts "a dog" "a red ball" --out maps/`
-# writes one overlay PNG per text (and `grid.png` with all of them); `--grounding N` prints the world grounding
-# score over N test scenes as JSON.
+# ```
+# python -m powerclip.heatmaps --image photo.jpg [--image other.jpg] --text "a dog on a red couch" [--text ...] \
+#     --checkpoint CLIP=runs/demo/CLIP/checkpoints/last.pt --checkpoint PowerCLIP=runs/demo/PowerCLIP-R \
+#     [--checkpoint random=random:powerclip-tiny] [--edits] --out maps/
+# python -m powerclip.heatmaps --checkpoint ... --grounding 200 [--out maps/] [--threads 1]
+# ```
+# writes one grid PNG per image (`maps/<image stem>.png`, rows = texts and, with `--edits`, their compositional edits;
+# columns = checkpoints). `--grounding N` prints the world grounding table over N test scenes as Markdown
+# (and writes `grounding.json` and `grounding.md` into `--out` when given).
 
 # %%
 #| export
-def save_overlays(image_path, texts: list, model, preprocess, tokenizer, out_dir) -> list:
-    "One PNG per text (heatmap over the image, as the model sees it after `preprocess`) plus `grid.png`; returns the paths."
-    import matplotlib; matplotlib.use('Agg')
+def _parse_checkpoint(arg: str) -> tuple[str, str]:
+    "'NAME=PATH' -> (NAME, PATH); a bare PATH is named after its run directory."
+    if '=' in arg and not arg.startswith('random:'):
+        name, path = arg.split('=', 1)
+        if name and path: return name, path
+        raise ValueError(f'--checkpoint wants NAME=PATH, got {arg!r}')
+    p = Path(arg)
+    return (p.parent.parent.name if p.parent.name == 'checkpoints' else p.stem if p.suffix else p.name) or arg, arg
+
+def save_grids(images: list, texts: list, models: dict, out_dir, edits: bool = False) -> list:
+    "One grid PNG per image into `out_dir`; returns the paths."
     import matplotlib.pyplot as plt
-    from pathlib import Path
-    from PIL import Image
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
-    x = preprocess(Image.open(image_path).convert('RGB'))                      # (3, S, S)
-    shown = (x * torch.tensor((0.26862954, 0.26130258, 0.27577711))[:, None, None]
-             + torch.tensor((0.48145466, 0.4578275, 0.40821073))[:, None, None]).clamp(0, 1).permute(1, 2, 0).numpy()
-    hm = upsample(text_patch_heatmaps(model, x, texts, tokenizer), x.shape[-2:]).numpy()
-    paths, fig_all = [], plt.figure(figsize=(2.6 * (len(texts) + 1), 2.8))
-    ax0 = fig_all.add_subplot(1, len(texts) + 1, 1); ax0.imshow(shown); ax0.axis('off'); ax0.set_title('image', fontsize=8)
-    for j, (t, h) in enumerate(zip(texts, hm)):
-        fig, ax = plt.subplots(figsize=(3, 3.2))
-        for a in (ax, fig_all.add_subplot(1, len(texts) + 1, j + 2)):
-            a.imshow(shown); a.imshow(h, alpha=0.5, cmap='jet'); a.set_title(t[:40], fontsize=8); a.axis('off')
-        p = out / f'{j:02d}.png'; fig.savefig(p, dpi=100, bbox_inches='tight'); plt.close(fig); paths.append(p)
-    p = out / 'grid.png'; fig_all.savefig(p, dpi=100, bbox_inches='tight'); plt.close(fig_all)
-    return paths + [p]
+    labels, rows = zip(*with_edits(texts, edits))
+    paths, seen = [], set()
+    for im in images:
+        stem = Path(im).stem; k = 1
+        while stem in seen: k += 1; stem = f'{Path(im).stem}_{k}'      # two images with the same name
+        seen.add(stem)
+        fig = heatmap_grid(im, list(rows), models, list(labels))
+        p = out / f'{stem}.png'; fig.savefig(p, dpi=110, bbox_inches='tight'); plt.close(fig); paths.append(p)
+    return paths
 
 def main(argv=None) -> int:
-    import argparse, json, sys
-    from powerclip.eval import load_model
-    ap = argparse.ArgumentParser(prog='powerclip-heatmaps', description='Text-to-patch heatmaps and the world grounding score.')
-    ap.add_argument('--model', default=None); ap.add_argument('--checkpoint', default=None)
-    ap.add_argument('--image'); ap.add_argument('--texts', nargs='+'); ap.add_argument('--out', default='heatmaps')
-    ap.add_argument('--grounding', type=int, default=0, help='world test scenes to score (0: none)')
+    import argparse, json
+    import matplotlib; matplotlib.use('Agg')     # files only: no window, whatever the environment's default backend
+    ap = argparse.ArgumentParser(prog='powerclip-heatmaps', description='Text-to-patch heatmaps side by side, and the world grounding table.')
+    ap.add_argument('--image', action='append', default=[], help='image file (repeat for several: one grid each)')
+    ap.add_argument('--text', action='append', default=[], help='a text (repeat for several rows)')
+    ap.add_argument('--checkpoint', action='append', default=[], metavar='NAME=PATH',
+                    help='trainer checkpoint, plain open_clip state dict, run directory, or random:ARCH (repeat: one column each)')
+    ap.add_argument('--edits', action='store_true', help='add compositional edits of each text (swap_att, swap_obj)')
+    ap.add_argument('--out', default=None, help='output folder (default: heatmaps)')
+    ap.add_argument('--grounding', type=int, default=0, help='world test scenes for the grounding table (0: none)')
+    ap.add_argument('--device', default='cpu')
+    ap.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default; 1 is fastest for tiny models on a busy machine)')
     a = ap.parse_args(argv)
-    if not a.grounding and not (a.image and a.texts): ap.error('give --image and --texts, or --grounding N')
-    m = load_model(a.model, a.checkpoint)
-    if a.image and a.texts:
-        for p in save_overlays(a.image, a.texts, m.model, m.preprocess, m.tokenizer, a.out): print(p)
-    if a.grounding: print(json.dumps(dict(checkpoint=a.checkpoint, checkpoint_id=m.ckpt_id, model=m.spec,
-                                          **grounding_score(m.model, m.tokenizer, a.grounding))))
+    if a.threads > 0: torch.set_num_threads(a.threads)
+    if not a.checkpoint: ap.error('give at least one --checkpoint NAME=PATH (random:ARCH for a random init)')
+    if not a.grounding and not (a.image and a.text): ap.error('give --image and --text, or --grounding N')
+    if a.image and not a.text: ap.error('--image needs at least one --text')
+    try:
+        specs = dict(_parse_checkpoint(c) for c in a.checkpoint)
+        missing = [im for im in a.image if not Path(im).is_file()]
+        if missing: raise FileNotFoundError(f'image(s) not found: {missing}')
+        models = {n: load_checkpoint(p, a.device) for n, p in specs.items()}
+    except (FileNotFoundError, ValueError) as e: ap.exit(1, f'powerclip-heatmaps: error: {e}\n')
+    if a.image:
+        for p in save_grids(a.image, a.text, models, a.out or 'heatmaps', a.edits): print(p)
+    if a.grounding:
+        rows, md = grounding_table(models, a.grounding, device=a.device)
+        for r, (n, lm) in zip(rows, models.items()): r['checkpoint'], r['checkpoint_id'] = specs[n], lm.ckpt_id
+        print(md)
+        if a.out:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            (Path(a.out) / 'grounding.json').write_text(json.dumps(rows, indent=1))
+            (Path(a.out) / 'grounding.md').write_text(md + '\n')
     return 0
 
 
@@ -212,10 +581,71 @@ def main(argv=None) -> int:
 if __name__ == '__main__' and '__file__' in globals(): raise SystemExit(main())
 
 # %%
-import tempfile
-from pathlib import Path
 from PIL import Image
-d = Path(tempfile.mkdtemp())
 Image.fromarray(s['image']).save(d / 'scene.png')
-outs = save_overlays(d / 'scene.png', [p for p, _ in phr], m.model, m.preprocess, m.tokenizer, d / 'maps')
-test_eq(len(outs), len(phr) + 1); assert all(p.stat().st_size > 0 for p in outs)
+outs = save_grids([d / 'scene.png'], [s['text']], {'random micro': m}, d / 'maps', edits=True)
+test_eq([p.name for p in outs], ['scene.png']); assert outs[0].stat().st_size > 0
+test_eq(_parse_checkpoint('runs/demo/CLIP/checkpoints/last.pt'), ('CLIP', 'runs/demo/CLIP/checkpoints/last.pt'))
+test_eq(_parse_checkpoint('A=runs/x/model.pt'), ('A', 'runs/x/model.pt'))
+test_eq(_parse_checkpoint('random:powerclip-micro'), ('random:powerclip-micro', 'random:powerclip-micro'))
+
+# %% [markdown]
+# ## The demo checkpoints
+#
+# The three runs of `powerclip-demo` (`runs/demo/{CLIP,PowerCLIP-R,PowerCLIP-gold}`: a tiny ViT, 64 px, 8 x 8 patches,
+# 360 steps on the world) are not in git; these cells skip when they are absent. They were trained on world scenes
+# only, so on COCO photos the maps show what such a model does out of its domain; on world scenes they show whether
+# a phrase lights up the object it names, and whether swapping the colours or the objects moves the map.
+
+# %%
+#| slow
+ROOT = Path('..') if Path('../runs/demo').is_dir() else Path('.')
+DEMO = ROOT / 'runs/demo'
+demo = {n: DEMO / n / 'checkpoints' / 'last.pt' for n in ('CLIP', 'PowerCLIP-R', 'PowerCLIP-gold')}
+have_demo = all(p.is_file() for p in demo.values())
+if not have_demo: print(f'skipped: the demo checkpoints are absent ({DEMO.resolve()}); run `powerclip-demo` to make them')
+else:
+    demo_models = {n: load_checkpoint(p) for n, p in demo.items()}
+    from powerclip.eval import load_model
+    sp = demo_models['CLIP'].spec
+    demo_models['random init'] = load_model(sp['name'], model_kwargs=sp['kwargs'])
+    for i in (1, 4, 9):                          # scenes with two or three objects
+        s = generate(WorldConfig(), i, 'test')
+        lab, txt = zip(*with_edits([s['parsed']]))
+        txt, lab = list(txt) + [p for p, _ in np_phrases(s)], list(lab) + ['phrase'] * len(np_phrases(s))
+        show(heatmap_grid(s['image'], txt, demo_models, lab, size=128, cell=2.0))
+
+# %%
+#| slow
+if not have_demo: print('skipped: the demo checkpoints are absent')
+elif not (COCO / 'captions.jsonl').is_file(): print(f'skipped: {COCO} is absent (real COCO photos)')
+else:
+    picks = [r for r in (json.loads(l) for l in (COCO / 'captions.jsonl').read_text().splitlines())
+             if any('swap_att' in caption_edits(c) for c in r['captions'][:2])][:3]
+    for r in picks:
+        cap = next(c for c in r['captions'][:2] if 'swap_att' in caption_edits(c))
+        lab, txt = zip(*with_edits([cap]))
+        print(r['file_name'], r['license_name'], r['flickr_url'])
+        show(heatmap_grid(COCO / 'images' / r['file_name'], list(txt), demo_models, list(lab), size=160, cell=2.0))
+
+# %% [markdown]
+# The number behind the pictures: pointing game and mean IoU on 200 world test scenes, for the three demo runs and
+# the chance rows. From the command line: `python -m powerclip.heatmaps --grounding 200 --checkpoint CLIP=runs/demo/CLIP
+# --checkpoint PowerCLIP-R=runs/demo/PowerCLIP-R --checkpoint PowerCLIP-gold=runs/demo/PowerCLIP-gold`.
+
+# %%
+#| slow
+if not have_demo: print('skipped: the demo checkpoints are absent')
+else:
+    demo_rows, demo_md = grounding_table(demo, n_scenes=200)
+    from IPython.display import Markdown, display
+    display(Markdown(demo_md))
+
+# %% [markdown]
+# How to read it. The random initialisation already points at *some* object far above the uniform and centre rows
+# (bright shapes on a dark noisy background dominate the patch features): a trained model has to beat that row, not
+# the uniform one. "Named, of those on an object" compares with the uniform row's value, the chance of picking the
+# named object among the scene's objects at random: a model can find objects without telling them apart. The
+# inverted-pointing column exposes maps with the wrong sign (the named object is the coldest place, as in some
+# overlays above). These are 360-step runs of a 3-layer ViT on the world: a measurement of these checkpoints, not
+# of the methods at scale.
