@@ -24,7 +24,8 @@ __all__ = ['RUNS', 'DEMO_RUNS', 'GROUNDING_KEYS', 'run_configs', 'train_isolated
 RUNS = {"CLIP": ("clip", {}),
         "FLIP": ("flip", {}),
         "CLIP-PGS": ("clip-pgs", {}),
-        "C2LIP": ("c2lip", {}),
+        "C2LIP": ("c2lip", {}),                                  # SigLIP base loss, as the paper
+        "C2LIP-CLIP": ("c2lip", {"method_cfg.base": "clip"}),    # CLIP base loss, like the other methods
         "SmartCLIP": ("smartclip", {}),
         "FILIP": ("filip", {}),
         "SPARC": ("sparc", {}),
@@ -68,23 +69,29 @@ def train_isolated(cfg: TrainConfig) -> dict:
     q = ctx.Queue()
     p = ctx.Process(target=_train_child, args=(to_dict(cfg), q))
     p.start()
-    res = q.get()  # before join: a large result would otherwise block the child's exit
+    import queue
+    while True:  # poll: a child killed for memory (or by a signal) never answers
+        try: res = q.get(timeout=5); break  # before join: a large result would otherwise block the child's exit
+        except queue.Empty:
+            if not p.is_alive() and q.empty():
+                raise RuntimeError(f"run {cfg.out_dir}: the training process died (exit code {p.exitcode}); rerun to resume it")
     p.join()
     if not res.pop("ok"): raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}")
     return res
 
 
 def step_seconds(rows: list[dict], batch_size: int) -> float:
-    "Median seconds per step over the logged rows, leaving out the first (start-up and warm-up)."
+    "Median seconds per step over the logged rows, leaving out the first (start-up and warm-up); `batch_size`: global."
     s = [batch_size / r["img_per_s"] for r in rows[1:] if r.get("img_per_s")]
     return statistics.median(s) if s else float("nan")
 
 
 def _grounding(weights, cfg, n_scenes: int) -> dict:
-    "Pointing game and mean IoU of the run's text-to-patch heatmaps against the world's object masks."
+    """Pointing game, pointing at any object, pointing with the map's minimum and mean IoU of the run's text-to-patch
+    heatmaps against the world's object masks (`61_heatmaps`), as fractions like the other numbers here."""
     from powerclip.heatmaps import grounding_table
-    rows, _ = grounding_table({"run": weights}, n_scenes=n_scenes, cfg=world_config(cfg.data), baselines=False)
-    return {k: v for k, v in rows[0].items() if k != "name"}
+    rows, _ = grounding_table({"run": Path(weights).parent}, n_scenes=n_scenes, cfg=world_config(cfg.data), baselines=False)
+    return {k: rows[0][k] / 100 for k in GROUNDING_KEYS}
 
 
 def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_images: int = 300,
@@ -99,28 +106,32 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
                                world_config(cfgs[0][1].data), n_images=eval_images, split="test")
     results, curves = {}, {}
     results["untrained"] = dict(steps=0, train_s=0.0, **evaluate_world(_load_trained(cfgs[0][1]), test_root))
+    eval_key = dict(eval_images=eval_images, grounding_scenes=grounding_scenes)
     for name, cfg in cfgs:
         run_dir = Path(cfg.out_dir)
-        cached = run_dir / "eval.json"
-        weights = run_dir / "model.pt"
-        key = dict(steps=cfg.max_steps, eval_images=eval_images, grounding_scenes=grounding_scenes,
-                   weights_mtime=weights.stat().st_mtime if weights.is_file() else None)
-        if cached.is_file() and json.loads(cached.read_text()).get("key") == key:
-            results[name] = json.loads(cached.read_text())["result"]
-            curves[name] = read_metrics(run_dir / "metrics.csv")
+        cached, weights = run_dir / "eval.json", run_dir / "model.pt"
+        # eval.json: what training measured (kept while model.pt is the file it describes) and the evaluation
+        prev = json.loads(cached.read_text()) if cached.is_file() else {}
+        trained = prev.get("train") if weights.is_file() and prev.get("weights_mtime") == weights.stat().st_mtime \
+            and prev.get("train", {}).get("steps") == cfg.max_steps else None
+        curves[name] = read_metrics(run_dir / "metrics.csv") if trained else []
+        if trained and prev.get("eval_key") == eval_key:
+            results[name] = {**trained, **prev["eval"]}
             print(f"== {name}: reused {cached}", file=sys.stderr, flush=True)
             continue
-        print(f"== {name}: {cfg.method}, masks={cfg.data.masks}, {cfg.max_steps} steps, seed {cfg.seed}", file=sys.stderr, flush=True)
-        s = train_isolated(cfg) if isolate else train(cfg)
-        rows = read_metrics(run_dir / "metrics.csv")
-        curves[name] = rows
-        res = evaluate_world(_load_trained(cfg, s["weights"]), test_root)
-        if grounding_scenes: res.update(_grounding(s["weights"], cfg, grounding_scenes))
-        results[name] = dict(method=cfg.method, steps=s["steps"], train_s=rows[-1]["time"] if rows else float("nan"),
-                             s_per_step=step_seconds(rows, cfg.data.batch_size), peak_mib=s["peak_mib"],
-                             final_clip_loss=rows[-1].get("clip", float("nan")) if rows else float("nan"), **res)
-        key["weights_mtime"] = weights.stat().st_mtime
-        cached.write_text(json.dumps(dict(key=key, result=results[name]), indent=1))
+        if trained is None:
+            print(f"== {name}: {cfg.method}, masks={cfg.data.masks}, {cfg.max_steps} steps, seed {cfg.seed}", file=sys.stderr, flush=True)
+            s = train_isolated(cfg) if isolate else train(cfg)
+            rows = curves[name] = read_metrics(run_dir / "metrics.csv")
+            trained = dict(method=cfg.method, steps=s["steps"], train_s=rows[-1]["time"] if rows else float("nan"),
+                           s_per_step=step_seconds(rows, cfg.data.batch_size * s["world_size"]),
+                           # a process's peak RSS only grows: in-process runs after the first have no peak of their own
+                           peak_mib=s["peak_mib"] if isolate else float("nan"),
+                           final_clip_loss=rows[-1].get("clip", float("nan")) if rows else float("nan"))
+        res = evaluate_world(_load_trained(cfg, weights), test_root)
+        if grounding_scenes: res.update(_grounding(weights, cfg, grounding_scenes))
+        results[name] = {**trained, **res}
+        cached.write_text(json.dumps(dict(weights_mtime=weights.stat().st_mtime, train=trained, eval_key=eval_key, eval=res), indent=1))
     table = results_table(results)
     (out / "results.json").write_text(json.dumps(dict(seed=seed, steps=cfgs[0][1].max_steps, eval_images=eval_images,
                                                       results=results), indent=1))
@@ -131,7 +142,7 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
     return results
 
 # %% ../nbs/53_demo.ipynb #98a7abe8
-GROUNDING_KEYS = ("pointing", "iou")  # written by `_grounding` when the run was asked for it
+GROUNDING_KEYS = ("pointing", "pointing_any_object", "pointing_inverted", "mean_iou")  # from `_grounding`, if asked
 
 
 def _columns(results: dict[str, dict]) -> list[tuple[str, str, str]]:
@@ -143,7 +154,8 @@ def _columns(results: dict[str, dict]) -> list[tuple[str, str, str]]:
     cols += [("s_per_step", "s/step", "{:.3f}")] if "s_per_step" in have else []
     cols += [(k, k[3:], "{:.1f}") for k in kinds] + [("hn_mean", "HN mean", "{:.1f}")]
     cols += [(k, k.replace("_", " "), "{:.1f}") for k in ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5")]
-    cols += [(k, k, "{:.1f}") for k in GROUNDING_KEYS if k in have]
+    heads = dict(pointing="point", pointing_any_object="on object", pointing_inverted="inv. point", mean_iou="IoU")
+    cols += [(k, heads[k], "{:.1f}") for k in GROUNDING_KEYS if k in have]
     return cols
 
 

@@ -459,7 +459,11 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
     if ck_path is not None:
         ck = load_checkpoint(ck_path, map_location=ctx.device)
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
-        if modules is not None: modules.load_state_dict(ck["method_modules"])
+        if modules is not None:
+            if ck.get("method_modules") is None:
+                raise ValueError(f"{ck_path} has no state for {cfg.method}'s own modules (a checkpoint of another method, or from "
+                                 "before methods kept their modules beside the model): resume=never starts afresh")
+            modules.load_state_dict(ck["method_modules"])
         state = TrainState(**ck["state"])
         rngs = ck["rng"]
         set_rng_state(rngs[ctx.rank] if len(rngs) == ctx.world_size else rngs[0])
@@ -477,6 +481,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
     t_start = t_last = time.time(); n_since, last_row, skipped = 0, {}, {}
     mem = PeakMemory(ctx.device.type); mem.start()
+    first_step = state.step
     global_batch = cfg.data.batch_size * ctx.world_size
     while state.step < min(total, cfg.stop_at or total):
         loader = make_loader(cfg.data, epoch=state.epoch, start_step=state.step_in_epoch, rank=ctx.rank, world_size=ctx.world_size)
@@ -516,7 +521,9 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
         plot_metrics(logger.rows, run_dir / "loss.png", title=f"{cfg.method} ({cfg.model.name})")
     return dict(run_dir=str(run_dir), steps=state.step, last=last_row, bad_total=state.bad_total,
                 seconds=time.time() - t_start, world_size=ctx.world_size, checkpoint=str(run_dir / "checkpoints" / "last.pt"),
-                weights=str(run_dir / "model.pt"), peak_mib=mem.mib())
+                weights=str(run_dir / "model.pt"),
+                # the peak of the steps this call took (NaN when it took none: a finished run called again)
+                peak_mib=mem.mib() if state.step > first_step else float("nan"))
 
 # %% ../nbs/50_train.ipynb #80230652
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

@@ -59,8 +59,9 @@ from torch.testing import assert_close
 # of kept dimensions, $\lVert\hat m\rVert_1/D$ (the paper's $\lVert\hat m\rVert_1$ divided by $D$, so $\lambda_{\text{sparsity}}$
 # does not depend on the embedding size); the paper gives no value for $\lambda_{\text{sparsity}}$ here, our default
 # is 0.1. (3) The mask network reads the *projected* token embeddings of `encode` (dimension $D$), with padding
-# masked out. (4) The paper fine-tunes CLIP at lr $10^{-6}$ with the mask network at $10^{-3}$; the one trainer has
-# one learning rate for all parameters. (5) A mask that selects no dimension of an image would make the cosine
+# masked out. (4) The paper fine-tunes CLIP at lr $10^{-6}$ with the mask network at $10^{-3}$: the mask network is a
+# training-time module of the method, with its own peak rate `mask_lr` (default the paper's $10^{-3}$), on the
+# trainer's schedule. (5) A mask that selects no dimension of an image would make the cosine
 # 0/0; the norm is clamped, so such a pair scores 0.
 
 # %% [markdown]

@@ -74,6 +74,20 @@ from torch.testing import assert_close
 # | counts | ratios | FLIP's rounding: keep $\max(1,\lfloor N(1-r)\rfloor)$, so at $r=0.5$ PGS and FLIP run on the same number of tokens |
 # | randomness | — | the seeds come from a counter-based hash of (`seed`, step, sample index): the choice for an image does not depend on which process or batch it is in (DDP parity) and is the same after a resume |
 #
+#
+# **Known limits of these choices** (found in review, left as they are, measured where we could):
+# - The OT term dominates $S'$ where it is large: with $\varepsilon=0.05$ the doubly stochastic matrix spreads its
+#   mass over a group of near-duplicates, so a unique, tight pair of patches gets $N\cdot P\approx 31$ while each
+#   entry of a large, uniform background block gets $\approx 1.3$ ($N=64$). The greedy growth therefore prefers
+#   small tight clusters to large redundant backgrounds, which is not what "the most redundant content goes first"
+#   promises. The paper also scores candidates against *neighbouring* patches; we use all patches. On COCO photos the
+#   edge/OT machinery changes little (object patches kept 0.576 with edges vs 0.565 without, below).
+# - $S_x$ uses the patch embeddings entering the transformer, which are a learned *linear* map of the same pixels
+#   that $S_I$ uses: the $\alpha$ schedule moves from one linear view of the pixels to another, not to semantic
+#   features. Deeper (e.g. last-layer, detached, previous-step) tokens would follow the paper's intent more closely.
+# - `sim_threshold=0.84` is calibrated at $\alpha=0$ (pixel similarity only); as $\alpha$ grows the cosine
+#   distribution moves and PGS$_{0.3}$'s ratio drifts: the trainer logs the ratio each step (`_pgs_drop_ratio`).
+#
 # ## Divergences of the authors' code that we do **not** copy
 #
 # The issue that asked for this baseline lists three places where the authors' public code departs from the
