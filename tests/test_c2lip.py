@@ -3,24 +3,17 @@
 The loss functions, concept selection and the method on hand-made inputs are tested in nbs/45_c2lip.ipynb. Here:
 1. A few trainer steps on the built-in world (demo preset shrunk) run and log finite terms, for both base losses and
    under bf16 autocast; t and b are saved beside the model (method_modules.pt), never inside model.pt.
-2. Two gloo processes equal one process on the concatenated batch (loss and every gradient, float64), for the
-   variants that tests/test_ddp.py does not run (base='clip', concept_embedding='encode', all NPs, a cap).
-3. The paper preset asks for a local pretrained checkpoint.
+2. The paper preset asks for a local pretrained checkpoint.
+Two processes against one, for each C2LIP variant, are in tests/test_ddp.py with every other method.
 """
 import math
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import powerclip.baselines.c2lip  # noqa: F401 (registers 'c2lip')
 
-VARIANTS = {"clip_base": {"base": "clip"}, "encode": {"concept_embedding": "encode", "xac_weight": 0.5},
-            "all_capped": {"concepts": "all", "max_concepts": 2}}
-B = 4  # rows per process
 
 
 def _run(tmp_path, overrides, method_cfg=None, preset="demo"):
@@ -63,68 +56,3 @@ def test_preset_needs_pretrained(tmp_path):
     with pytest.raises(ValueError, match="model.pretrained="): train(cfg)
 
 
-# --- two processes against one -------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
-
-
-def _data_cfg(batch_size):
-    from powerclip.data import DataConfig
-    # seed 2: the two ranks hold 2 and 3 base concepts per caption at most, so the K padding is exercised
-    return DataConfig(batch_size=batch_size, workers=0, world_length=64, M=4, image_size=32, masks="random", seed=2)
-
-
-def _step(cfg, batch, ctx):
-    "Loss and gradients (model and t, b) of one step, as powerclip.train computes them."
-    from powerclip.dist import wrap_ddp
-    from powerclip.methods import get_method
-    from powerclip.model import create_model
-    from powerclip.train import loss_terms, method_forward, to_device
-    torch.manual_seed(0)
-    model = create_model("powerclip-micro")[0]
-    method = get_method("c2lip", cfg)
-    mf = method_forward(model, method).double()
-    fwd = wrap_ddp(mf, ctx)
-    batch = to_device(method.prepare_batch(batch), ctx.device)
-    batch["image"] = batch["image"].double()
-    loss, _ = loss_terms(fwd, method, batch, ctx, "fp32")
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in mf.named_parameters() if p.grad is not None}
-
-
-def _worker(rank, world, port, out):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from powerclip.data import make_loader
-    from powerclip.dist import all_max, all_mean, cleanup, init_distributed
-    from powerclip.methods import get_method
-    ctx = init_distributed("cpu")
-    batch = next(iter(make_loader(_data_cfg(B), epoch=0, rank=rank, world_size=world)))
-    res = {}
-    for name, cfg in VARIANTS.items():
-        loss, grads = _step(cfg, batch, ctx)
-        k = get_method("c2lip", cfg).prepare_batch(batch)["concept_valid"].shape[1]
-        res[name] = (all_mean(loss), grads, (all_max(k), -all_max(-k)))   # (max, min) concepts per caption over ranks
-    if rank == 0: torch.save(res, out)
-    cleanup(ctx)
-
-
-def test_two_processes_equal_one():
-    from powerclip.data import make_loader
-    from powerclip.dist import DistContext
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"c2lip_ddp_{os.getpid()}.pt"
-    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
-    res = torch.load(out, weights_only=False); out.unlink()
-    full = next(iter(make_loader(_data_cfg(2 * B), epoch=0)))  # the same 8 samples in one batch
-    assert any(kmax != kmin for _, _, (kmax, kmin) in res.values()), 'K was the same on both ranks: padding not exercised'
-    for name, cfg in VARIANTS.items():
-        loss1, grads1 = _step(cfg, full, DistContext())
-        loss2, grads2, _ = res[name]
-        torch.testing.assert_close(loss2, loss1, rtol=0, atol=1e-9, msg=f"{name}: loss")
-        assert grads1.keys() == grads2.keys() and len(grads1) > 10
-        assert any("log_scale" in n for n in grads1)                     # t and b are trained and synchronised
-        for n in grads1:
-            d = (grads2[n] - grads1[n]).abs().max() / grads1[n].abs().max().clamp_min(1e-12)
-            assert d < 1e-9, f"{name}: grad of {n} differs by {float(d):.2e} relative to its largest entry"

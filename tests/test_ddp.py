@@ -1,8 +1,10 @@
 """Two CPU processes (gloo) against one process on the whole batch.
 
-1. One step of every gathering method (CLIP, PowerCLIP and the baselines FILIP, SPARC, SmartCLIP) through the
+1. One step of every method (CLIP, PowerCLIP and the baselines, C2LIP in each of its variants) through the
    trainer's own path (MethodForward in DDP, the method's loss with gathering and K/W padding): the mean loss
-   and every parameter gradient equal those of one process on the concatenated batch, in float64 to 1e-9.
+   and every parameter gradient (the method's own modules included) equal those of one process on the
+   concatenated batch, in float64 to 1e-9. The data seed makes the two processes hold different numbers of
+   concepts per caption, so C2LIP's padding of K across processes is exercised.
 2. The whole trainer under torchrun (`python -m torch.distributed.run --nproc_per_node 2 -m powerclip.train`):
    the logged losses of 3 steps equal those of a 1-process run with twice the per-process batch.
 """
@@ -14,8 +16,12 @@ import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-# method -> its config for the test (tau large enough that the NLAs are smooth at float64 precision)
-METHODS = {"clip": None, "powerclip": {"tau": 0.05}, "filip": {"clip_weight": 0.5}, "sparc": None, "smartclip": {"heads": 2}, "clip-pgs": None, "c2lip": None}
+# case -> (method, its config for the test) (tau large enough that the NLAs are smooth at float64 precision)
+CASES = {"clip": ("clip", None), "powerclip": ("powerclip", {"tau": 0.05}), "filip": ("filip", {"clip_weight": 0.5}),
+         "sparc": ("sparc", None), "smartclip": ("smartclip", {"heads": 2}), "clip-pgs": ("clip-pgs", None),
+         "clip-pgs-0.3": ("clip-pgs-0.3", None), "c2lip": ("c2lip", None), "c2lip-clip": ("c2lip", {"base": "clip"}),
+         "c2lip-encode": ("c2lip", {"concept_embedding": "encode", "xac_weight": 0.5}),
+         "c2lip-all-capped": ("c2lip", {"concepts": "all", "max_concepts": 2})}
 B = 4  # rows per process
 
 
@@ -26,10 +32,11 @@ def _free_port() -> int:
 
 def _data_cfg(batch_size):
     from powerclip.data import DataConfig
-    return DataConfig(batch_size=batch_size, workers=0, world_length=64, M=4, image_size=32, masks="random")
+    # seed 2: the two processes hold 2 and 3 base noun-phrase concepts per caption at most (C2LIP pads K)
+    return DataConfig(batch_size=batch_size, workers=0, world_length=64, M=4, image_size=32, masks="random", seed=2)
 
 
-def _step(method_name, batch, ctx):
+def _step(case, batch, ctx):
     "Loss and gradients of one step, exactly as powerclip.train computes them."
     from powerclip.dist import wrap_ddp
     from powerclip.methods import get_method
@@ -37,7 +44,7 @@ def _step(method_name, batch, ctx):
     from powerclip.train import loss_terms, method_forward, to_device
     torch.manual_seed(0)
     model = create_model("powerclip-micro")[0]
-    method = get_method(method_name, METHODS[method_name])
+    method = get_method(*CASES[case])
     mf = method_forward(model, method).double()  # a method's own modules: same seed, same weights on every process
     fwd = wrap_ddp(mf, ctx)
     batch = to_device(method.prepare_batch(batch), ctx.device)
@@ -54,10 +61,13 @@ def _worker(rank, world, port, out):
     from powerclip.dist import all_mean, cleanup, init_distributed
     ctx = init_distributed("cpu")
     batch = next(iter(make_loader(_data_cfg(B), epoch=0, rank=rank, world_size=world)))
+    from powerclip.dist import all_max
+    from powerclip.methods import get_method
     res = {}
-    for m in METHODS:
+    for m in CASES:
         loss, grads = _step(m, batch, ctx)
-        res[m] = (all_mean(loss), grads, batch["node_valid"].shape[1])
+        k = get_method("c2lip").prepare_batch(dict(batch))["concept_valid"].shape[1]
+        res[m] = (all_mean(loss), grads, (all_max(k), -all_max(-k)))  # (max, min) concepts per caption over processes
     if rank == 0: torch.save(res, out)
     cleanup(ctx)
 
@@ -69,11 +79,13 @@ def test_two_processes_equal_one():
     mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
     res = torch.load(out, weights_only=False); out.unlink()
     full = next(iter(make_loader(_data_cfg(2 * B), epoch=0)))  # the same 8 samples in one batch
-    for m in METHODS:
+    assert any(kmax != kmin for _, _, (kmax, kmin) in res.values()), "K was the same on both processes: padding not exercised"
+    for m in CASES:
         loss1, grads1 = _step(m, full, DistContext())
         loss2, grads2, _ = res[m]
         torch.testing.assert_close(loss2, loss1, rtol=0, atol=1e-9, msg=f"{m}: loss")
         assert grads1.keys() == grads2.keys() and len(grads1) > 10
+        if CASES[m][0] in ("c2lip", "smartclip"): assert any(n.startswith("modules_.") for n in grads1), m  # own modules
         for n in grads1:
             d = (grads2[n] - grads1[n]).abs().max() / grads1[n].abs().max().clamp_min(1e-12)
             assert d < 1e-9, f"{m}: grad of {n} differs by {float(d):.2e} relative to its largest entry"
