@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo compare theory test check sync nbs export bench clean-venv
+.PHONY: install demo compare eval-compare theory test check sync nbs export bench clean-venv
 
 install: $(STAMP)
 
@@ -24,6 +24,18 @@ demo: install
 STEPS ?= 150
 compare: install
 	$(BIN)/python -m powerclip.demo --runs all --seeds 0 1 2 --steps $(STEPS)
+
+## Every task type of powerclip-eval on the comparison's seed-0 checkpoints: the real COCO sample (retrieval,
+## SugarCrepe; needs ../shared/data) and a held-out world folder (retrieval, hard negatives, zero-shot,
+## linear probe, Winoground); side-by-side tables in runs/eval/.
+SHARED ?= ../shared/data
+eval-compare: install
+	$(BIN)/python -m powerclip.eval make-world runs/eval_world --n-images 200
+	for d in runs/compare/seed0/*/; do n=$$(basename $$d); \
+	  for data in $(SHARED)/coco_sample runs/eval_world; do [ -d $$data ] || continue; \
+	    $(BIN)/python -m powerclip.eval run --model powerclip-demo --checkpoint $$d/model.pt --label $$n \
+	      --data $$data --out runs/eval --no-progress || exit 1; done; done
+	$(BIN)/python -m powerclip.eval table runs/eval --out runs/eval/table
 
 ## The float64 theory checks (Lemma A.1, powerset identities, Theorems 1-2), printed as a table.
 theory: install

@@ -64,7 +64,7 @@ from torch.testing import assert_close
 #
 # ```python
 # powerclip.model.register_configs()
-# model, _, preprocess = open_clip.create_model_and_transforms('powerclip-tiny', pretrained='run/ckpt.pt')
+# model, _, preprocess = open_clip.create_model_and_transforms('powerclip-demo', pretrained='runs/demo/CLIP/model.pt')
 # ```
 #
 # We chose files over inserting dicts into open_clip's private `_MODEL_CONFIGS`: `add_model_config` is
@@ -93,7 +93,8 @@ assert register_configs() == names and sum(Path(p) == config_dir() for p in _MOD
 for n in names:
     cfg = open_clip.get_model_config(n)
     v, t = cfg['vision_cfg'], cfg['text_cfg']
-    assert v['image_size'] % v['patch_size'] == 0 and t['context_length'] == 77 and t['vocab_size'] == 49408
+    # powerclip-demo reads 32 tokens (world captions are shorter than 20): shorter contexts are allowed, not longer
+    assert v['image_size'] % v['patch_size'] == 0 and t['context_length'] <= 77 and t['vocab_size'] == 49408
     print(f"{n:16s} D={cfg['embed_dim']:4d}  vision {v['image_size']}px/{v['patch_size']} "
           f"{v['layers']}x{v['width']}  text {t['layers']}x{t['width']} ({t['heads']} heads)")
 test_eq(open_clip.get_model_config('ViT-B-16')['text_cfg'] | {}, dict(context_length=77, vocab_size=49408, width=512, heads=8, layers=12))

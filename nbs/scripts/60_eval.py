@@ -516,7 +516,9 @@ def write_world_classification(out_dir, n: dict | None = None, attribute: str = 
     return {k: len(v) for k, v in splits.items()}
 
 def write_world_winoground(out_dir, n_pairs: int = 50, seed: int = 0) -> int:
-    "Winoground-format pairs of world test scenes under `out_dir/data/`; returns the number of pairs."
+    """Winoground-format pairs of world scenes under `out_dir/data/`; returns the number of pairs. Two random scenes
+    make a pair: this exercises the task's files and scoring, but unlike Winoground the two captions are not word
+    permutations of each other, so the score is no compositionality measure (the world's hard negatives are)."""
     out = Path(out_dir); (out / 'data' / 'images').mkdir(parents=True, exist_ok=True)
     cfg, rows = WorldConfig(seed=seed), []
     for k in range(n_pairs):
