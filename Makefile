@@ -21,7 +21,7 @@ demo: install
 
 ## Every method (CLIP, FLIP, CLIP-PGS, C2LIP, SmartCLIP, FILIP, SPARC, PowerCLIP-R, PowerCLIP-gold) on the world,
 ## the same budget, 3 seeds: one table of means and spreads with time and memory relative to CLIP.
-STEPS ?= 150
+STEPS ?= 100
 compare: install
 	$(BIN)/python -m powerclip.demo --runs all --seeds 0 1 2 --steps $(STEPS)
 

@@ -627,8 +627,9 @@ HEADLINE = dict(retrieval=('i2t_R@1', 'i2t_R@5', 'i2t_R@10', 't2i_R@1', 't2i_R@5
                 linear_probe=('acc',), winoground=('text', 'image', 'group'))
 
 def results_table(paths) -> tuple[list[str], list[list]]:
-    "`(header, rows)`: one row per (data set, task, metric), one column per checkpoint label."
-    res = [json.loads(Path(p).read_text()) for p in paths]
+    "`(header, rows)`: one row per (data set, task, metric), one column per checkpoint label; a folder gives its JSONs."
+    files = [q for p in paths for q in (sorted(Path(p).rglob('*.json')) if Path(p).is_dir() else [Path(p)])]
+    res = [r for r in (json.loads(q.read_text()) for q in files) if isinstance(r, dict) and 'metrics' in r and 'label' in r]
     labels = list(dict.fromkeys(r['label'] for r in res))
     cells = {}
     for r in res:
