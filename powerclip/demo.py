@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from .data import world_config
-from .train import TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, to_dict, train
+from .train import (TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, run_isolated,
+                             to_dict, train)
 from .world_eval import evaluate_world, world_test_set
 
 # %% auto #0
@@ -57,26 +58,14 @@ def _load_trained(cfg, weights=None):
     return model.eval()
 
 
-def _train_child(cfg_dict: dict, q) -> None:
-    try: q.put(dict(ok=True, **train(from_dict(TrainConfig, cfg_dict))))
-    except BaseException as e: q.put(dict(ok=False, error=f"{type(e).__name__}: {e}"))
+def _train_from_dict(cfg_dict: dict) -> dict:
+    return train(from_dict(TrainConfig, cfg_dict))
 
 
 def train_isolated(cfg: TrainConfig) -> dict:
     "`train(cfg)` in a fresh spawned process (its peak memory is its own); returns the trainer's summary."
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_train_child, args=(to_dict(cfg), q))
-    p.start()
-    import queue
-    while True:  # poll: a child killed for memory (or by a signal) never answers
-        try: res = q.get(timeout=5); break  # before join: a large result would otherwise block the child's exit
-        except queue.Empty:
-            if not p.is_alive() and q.empty():
-                raise RuntimeError(f"run {cfg.out_dir}: the training process died (exit code {p.exitcode}); rerun to resume it")
-    p.join()
-    if not res.pop("ok"): raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}")
+    res = run_isolated(_train_from_dict, to_dict(cfg))
+    if not res.pop("ok"): raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}; rerun to resume it")
     return res
 
 

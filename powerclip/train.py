@@ -21,8 +21,8 @@ from .methods import get_method, method_config
 __all__ = ['PRESET_DIR', 'ModelConfig', 'OptimConfig', 'TrainConfig', 'from_dict', 'to_dict', 'preset_path', 'set_dotted',
            'parse_override', 'load_config', 'no_decay', 'make_optimizer', 'lr_factor', 'make_scheduler', 'TrainState',
            'rng_state', 'set_rng_state', 'seed_all', 'save_checkpoint', 'export_weights', 'load_checkpoint',
-           'MetricLogger', 'read_metrics', 'plot_metrics', 'MethodForward', 'method_forward', 'PeakMemory', 'to_device',
-           'autocast_for', 'loss_terms', 'train_step', 'train', 'parse_args', 'main']
+           'MetricLogger', 'read_metrics', 'plot_metrics', 'MethodForward', 'method_forward', 'PeakMemory',
+           'run_isolated', 'to_device', 'autocast_for', 'loss_terms', 'train_step', 'train', 'parse_args', 'main']
 
 # %% ../nbs/50_train.ipynb #87126376
 @dataclass
@@ -343,6 +343,31 @@ class PeakMemory:
         peak = (torch.cuda.max_memory_allocated() if self.device == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         return max(peak - self.base, 0) / 2**20
+
+
+def _isolated_child(fn, args, threads, q) -> None:
+    try:
+        if threads: torch.set_num_threads(threads)
+        q.put(dict(ok=True, **fn(*args)))
+    except BaseException as e:  # e.g. out of memory: report it, do not kill the caller's sweep
+        q.put(dict(ok=False, error=f"{type(e).__name__}: {e}"))
+
+
+def run_isolated(fn, *args, threads: int | None = None) -> dict:
+    """`fn(*args) -> dict` in a fresh spawned process (so that, e.g., its peak memory is its own); returns
+    `{'ok': True, **result}` or `{'ok': False, 'error': ...}`, also when the child dies without answering."""
+    import multiprocessing as mp, queue
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_isolated_child, args=(fn, args, threads, q))
+    p.start()
+    while True:  # poll: a child killed for memory (or by a signal) never answers
+        try: res = q.get(timeout=5); break  # before join: a large result would otherwise block the child's exit
+        except queue.Empty:
+            if not p.is_alive() and q.empty():
+                res = dict(ok=False, error=f"the process died with exit code {p.exitcode} (killed for memory?)"); break
+    p.join()
+    return res
 
 
 def to_device(batch: dict, device) -> dict:

@@ -70,3 +70,11 @@ def test_presets_load():
     assert p.method_cfg == {"lam": 0.1, "tau": 1e-3, "alpha": 0.75} and p.data.M == 10
     d = load_config("demo", method="clip")
     assert d.method == "clip" and d.method_cfg == {} and d.data.source == "world"
+
+
+def test_run_isolated_returns_result_or_error():
+    "A function run in a fresh process hands back its dict, or the error it raised, never hangs or raises here."
+    from powerclip.train import run_isolated
+    assert run_isolated(dict, [("a", 1)]) == {"ok": True, "a": 1}
+    bad = run_isolated(dict, 5)
+    assert bad["ok"] is False and bad["error"].startswith("TypeError")

@@ -484,6 +484,31 @@ class PeakMemory:
         return max(peak - self.base, 0) / 2**20
 
 
+def _isolated_child(fn, args, threads, q) -> None:
+    try:
+        if threads: torch.set_num_threads(threads)
+        q.put(dict(ok=True, **fn(*args)))
+    except BaseException as e:  # e.g. out of memory: report it, do not kill the caller's sweep
+        q.put(dict(ok=False, error=f"{type(e).__name__}: {e}"))
+
+
+def run_isolated(fn, *args, threads: int | None = None) -> dict:
+    """`fn(*args) -> dict` in a fresh spawned process (so that, e.g., its peak memory is its own); returns
+    `{'ok': True, **result}` or `{'ok': False, 'error': ...}`, also when the child dies without answering."""
+    import multiprocessing as mp, queue
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_isolated_child, args=(fn, args, threads, q))
+    p.start()
+    while True:  # poll: a child killed for memory (or by a signal) never answers
+        try: res = q.get(timeout=5); break  # before join: a large result would otherwise block the child's exit
+        except queue.Empty:
+            if not p.is_alive() and q.empty():
+                res = dict(ok=False, error=f"the process died with exit code {p.exitcode} (killed for memory?)"); break
+    p.join()
+    return res
+
+
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
