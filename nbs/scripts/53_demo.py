@@ -132,14 +132,14 @@ def _grounding(weights, cfg, n_scenes: int) -> dict:
 
 def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_images: int = 300,
              overrides: dict | None = None, preset: str = "demo", runs=DEMO_RUNS, grounding_scenes: int = 0,
-             isolate: bool = True) -> dict:
+             isolate: bool = True, test_dir=None) -> dict:
     """Train the runs (each in a fresh process when `isolate`), evaluate them and the untrained model on held-out
-    world scenes (and grounding on `grounding_scenes` scenes); write the table and plots. A finished run is not
+    world scenes (written once to `test_dir`, default `out_dir/world_test`; and grounding on `grounding_scenes`
+    scenes); write the table and plots. A finished run is not
     trained again, and its evaluation (`eval.json` beside its weights) is reused while the weights are unchanged."""
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     cfgs = run_configs(out, seed, steps, overrides, preset, runs)
-    test_root = world_test_set(out.parent / "world_test" if out.name.startswith("seed") else out / "world_test",
-                               world_config(cfgs[0][1].data), n_images=eval_images, split="test")
+    test_root = world_test_set(test_dir or out / "world_test", world_config(cfgs[0][1].data), n_images=eval_images, split="test")
     results, curves = {}, {}
     results["untrained"] = dict(steps=0, train_s=0.0, **evaluate_world(_load_trained(cfgs[0][1]), test_root))
     eval_key = dict(eval_images=eval_images, grounding_scenes=grounding_scenes)
@@ -277,7 +277,8 @@ def compare(out_dir="runs/compare", seeds=(0, 1, 2), runs=tuple(RUNS), steps: in
             isolate: bool = True) -> dict:
     "`run_demo` for each seed (in `out_dir/seed{S}`), then the mean ± sd table over seeds (`summary.md`, `summary.json`)."
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
-    per_seed = {s: run_demo(out / f"seed{s}", s, steps, eval_images, overrides, preset, runs, grounding_scenes, isolate)
+    per_seed = {s: run_demo(out / f"seed{s}", s, steps, eval_images, overrides, preset, runs, grounding_scenes, isolate,
+                            test_dir=out / "world_test")  # the same held-out scenes for every seed
                 for s in seeds}
     summary = summarize_seeds(per_seed)
     table = summary_table(summary)
