@@ -193,8 +193,8 @@ def summary_table(summary: dict[str, dict], base: str = "CLIP") -> str:
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name, r in summary.items():
         cells = [str(r["seeds"])] + [_cell(r.get(k, float("nan")), fmt, k, r.get(k + "_sd")) for k, _, fmt in cols]
-        cells += [_cell(r.get(rk, float("nan")), "{:.2f}", rk, r.get(rk + "_sd")) + ("x" if rk in r else "")
-                  for rk in ("time_ratio", "mem_ratio")]
+        ratios = [_cell(r.get(rk, float("nan")), "{:.2f}", rk, r.get(rk + "_sd")) for rk in ("time_ratio", "mem_ratio")]
+        cells += [c if c == "-" else c + "x" for c in ratios]  # no 'x' after a missing ratio
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
