@@ -2,10 +2,12 @@
 
 1. every `nbs/NAME.ipynb` has its jupytext twin `nbs/scripts/NAME.py` (and back), with the same cells;
 2. the notebooks are clean (`nbdev_clean` would change nothing);
-3. the package is exported (`nbdev_export` would change nothing in `powerclip/`).
+3. the package is exported (`nbdev_export` would change nothing in `powerclip/`);
+4. reading order is dependency order: a notebook imports (in any cell, exported or not) only names that a
+   lower-numbered notebook, or itself, exports.
 Checks 2 and 3 run on copies, so the working tree is never modified.
 """
-import filecmp, shutil, subprocess, sys, tempfile
+import ast, filecmp, re, shutil, subprocess, sys, tempfile
 from pathlib import Path
 
 import jupytext
@@ -59,8 +61,70 @@ def check_clean_and_export():
     return errs
 
 
+def _number(stem: str) -> tuple:
+    "'45_c2lip' -> (45, ''), '10a_fast' -> (10, 'a'): the reading-order key of a notebook."
+    m = re.match(r"(\d+)([a-z]?)_", stem)
+    return (int(m.group(1)), m.group(2)) if m else (10**6, stem)
+
+
+def check_import_order():
+    """Every `from powerclip.X import a, b` / `import powerclip.X` in a notebook names things exported by
+    notebooks that come before it in reading order (or by itself)."""
+    nbs = sorted(NBS.glob("[0-9]*.ipynb"))
+    module_of, defined_in, module_nbs = {}, {}, {}
+    parsed = {}
+    for f in nbs:
+        nb = jupytext.read(f)
+        parsed[f.stem] = nb
+        mod = None
+        for c in nb.cells:
+            m = re.search(r"^#\|\s*default_exp\s+(\S+)", c.source, re.M)
+            if c.cell_type == "code" and m: mod = "powerclip." + m.group(1)
+        if mod is None: continue
+        module_of[f.stem] = mod
+        module_nbs.setdefault(mod, []).append(f.stem)
+        for c in nb.cells:
+            if c.cell_type != "code" or not re.search(r"^#\|\s*export", c.source, re.M): continue
+            try: tree = ast.parse(c.source)
+            except SyntaxError: continue
+            for node in tree.body:
+                names = []
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): names = [node.name]
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names = [t.id for t in targets if isinstance(t, ast.Name)]
+                for n in names: defined_in.setdefault((mod, n), f.stem)
+    errs = []
+    for stem, nb in parsed.items():
+        me = _number(stem)
+        for c in nb.cells:
+            if c.cell_type != "code": continue
+            src = "\n".join(l for l in c.source.splitlines() if not l.lstrip().startswith(("%", "!")))
+            try: tree = ast.parse(src)
+            except SyntaxError: continue
+            for node in ast.walk(tree):
+                deps = []
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("powerclip") and node.level == 0:
+                    if node.module == "powerclip":   # from powerclip import dist
+                        deps = [(f"powerclip.{a.name}", None) for a in node.names]
+                    else:
+                        deps = [(node.module, a.name) for a in node.names]
+                elif isinstance(node, ast.Import):
+                    deps = [(a.name, None) for a in node.names if a.name.startswith("powerclip.")]
+                for mod, name in deps:
+                    if mod not in module_nbs: continue   # a subpackage or a module no notebook exports
+                    src_nb = defined_in.get((mod, name)) if name else None
+                    owners = [src_nb] if src_nb else module_nbs[mod]
+                    if module_of.get(stem) == mod: continue   # a module's own notebooks may use each other
+                    late = [o for o in owners if _number(o) >= me]
+                    if late and (src_nb or all(_number(o) >= me for o in owners)):
+                        what = f"{mod}.{name}" if name else mod
+                        errs.append(f"nbs/{stem}: imports {what} from {late[0]}, which comes later in reading order")
+    return sorted(set(errs))
+
+
 if __name__ == "__main__":
-    errs = check_pairs() + check_clean_and_export()
+    errs = check_pairs() + check_import_order() + check_clean_and_export()
     for e in errs: print("FAIL", e)
     n = len(list(NBS.glob("*.ipynb")))
     print(f"check_notebooks: {n} notebooks, {len(errs)} problems")

@@ -28,7 +28,7 @@
 #
 # | notebooks | idea |
 # |---|---|
-# | `01_theory_t2r`, `02_theory_r2t`, `03_approximation` | the theory: LSE bound, softplus powerset expansion (Thm. 1), cosh powerset identity and sandwich (Thm. 2), the Fig. 5/7 experiment |
+# | `12_theory_t2r`, `13_theory_r2t`, `14_approximation` | the theory: LSE bound, softplus powerset expansion (Thm. 1), cosh powerset identity and sandwich (Thm. 2), the Fig. 5/7 experiment |
 # | `10_powerset`, `11_loss` | the loss as pure tensor functions, checked against exact enumeration |
 # | `20_parsing`, `21_regions`, `22_world`, `23_data` | what feeds the loss: parse trees, region masks, a built-in compositional world, shards |
 # | `30_model`, `50_train` | open_clip towers with patch and token embeddings; the one trainer |

@@ -327,7 +327,7 @@ print("NLA-T1: ReLU exact, softplus inside [T2R, T2R + tau M log 2] on all cases
 # offer `debias=True`, which adds back $\tau\alpha M_i\log 2$ (so that the output is
 # $\bar\Lambda-\tau(1-\alpha)\log K_j\in[\Lambda(\alpha)-\tau(1-\alpha)\log K_j,\;\Lambda(\alpha)+\tau\alpha\log K_j]$).
 # At $\tau=10^{-3}$ the whole correction is below $0.01$, against score differences of order 1 in the triplet
-# loss, so the choice matters only at large $\tau$; `03_approximation` measures it.
+# loss, so the choice matters only at large $\tau$; `14_approximation` measures it.
 
 # %%
 #| export

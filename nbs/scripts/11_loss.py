@@ -254,7 +254,7 @@ for cfg in (_cfg, PowerCLIPLossConfig(tau=0.05, use_r2t=False), PowerCLIPLossCon
 
 # %% [markdown]
 # Against a per-pair reference written straight from Eqs. 6-9 with the exact oracle, and the exact switch
-# against the NLA at small $\tau$ (where Theorem 1 and 2 say they are close; `03_approximation` measures how close):
+# against the NLA at small $\tau$ (where Theorem 1 and 2 say they are close; `14_approximation` measures how close):
 
 # %%
 _cfgx = PowerCLIPLossConfig(exact=True, gamma=0.5)

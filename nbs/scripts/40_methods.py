@@ -53,7 +53,7 @@ from torch.testing import assert_close
 #
 # and logs every term. `dist` is a `powerclip.dist.DistContext`: `dist.gather_many([x, y, ...])` (all-gather with
 # gradient, one collective for all tensors: several separate gathers can pair up wrongly in the backward pass,
-# see `51_dist`), `dist.rank`, `dist.world_size`; `powerclip.dist.pad_dim` / `all_max` for ragged K, W. A method that gathers follows
+# see `15_dist`), `dist.rank`, `dist.world_size`; `powerclip.dist.pad_dim` / `all_max` for ragged K, W. A method that gathers follows
 # the convention of `11_loss`: local rows against gathered columns, positives at `offset = rank * R`.
 #
 # Adding a method (FLIP, FILIP, SPARC, ...) is one class with a `Config` dataclass and `@register('name')`;

@@ -183,7 +183,7 @@ def evaluate_world(model, root) -> dict[str, float]:
 # ## An untrained model is at chance
 #
 # A randomly initialised micro model on 40 test scenes: hard-negative accuracies scatter around 0.5, and
-# R@1 is near 1/40. (The demo in `53_demo` trains the models that are compared here.)
+# R@1 is near 1/40. (The demo in `70_demo` trains the models that are compared here.)
 
 # %%
 from powerclip.model import create_model

@@ -47,10 +47,10 @@ from powerclip.theory import (
 # maximum over nodes of an interpolation between a mean and a max over subsets; the result brackets
 # $Q^\rightarrow$ from both sides; and a per-pair $\alpha^\ast\in[0,1]$ makes it exact as $\tau\to0$. We add a
 # closed form of the bracket, an exact solver for $\alpha^\ast$, and its distribution on random inputs.
-# Cases, padding conventions and the check table are those of `01_theory_t2r`.
+# Cases, padding conventions and the check table are those of `12_theory_t2r`.
 #
 # This notebook has no `default_exp`: its `#| export theory` cells are appended to `powerclip/theory.py`, which
-# `01_theory_t2r` starts (a full `nbdev_export` runs the notebooks in name order, 01 then 02 then 03).
+# `12_theory_t2r` starts (a full `nbdev_export` runs the notebooks in name order, 12 then 13 then 14).
 
 # %% [markdown]
 # ## Step 1: the cosh powerset identity (Lemma B.1)
@@ -358,7 +358,7 @@ plt.show()
 # $\alpha^\ast$ exactly for every pair $(i,j)$ of random batches at $M=10$:
 #
 # * **unit vectors, trees**: random unit region and word vectors in $D=512$, 4-12 words per caption, a random
-#   binary bracketing with all $2W-1$ nodes (the inputs of `03_approximation`, distribution (a));
+#   binary bracketing with all $2W-1$ nodes (the inputs of `14_approximation`, distribution (a));
 # * **Gaussian, independent nodes**: i.i.d. $\mathcal N(0,1)$ scores, $K=5$ and $K=20$ nodes with no tree
 #   structure (a contrast: nodes that do not share words).
 #
@@ -415,4 +415,4 @@ axs[0].legend(fontsize=8); axs[0].set_ylabel("pairs"); plt.tight_layout(); plt.s
 #   different $\alpha^\ast$; this notebook measures random ones only.
 # * A fixed $\alpha$ therefore gives a **biased** R2T, and a pair-dependent bias. Whether that hurts the training
 #   signal depends on whether the bias preserves the ordering of pairs inside a batch, which is what the
-#   triplet loss sees: `03_approximation` measures exactly that (the paper's Fig. 5).
+#   triplet loss sees: `14_approximation` measures exactly that (the paper's Fig. 5).

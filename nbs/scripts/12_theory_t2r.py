@@ -56,8 +56,8 @@ from torch.testing import assert_close
 # random inputs against the exact enumeration `t2r_exact` of `10_powerset`. Throughout, indices $i,j,B$ are
 # fixed and dropped: a *case* is a vector $q=(q_1,\dots,q_M)$ of per-region scores of one node.
 #
-# The exported helpers (random test cases, the check table) live in `powerclip.theory`; `02_theory_r2t` and
-# `03_approximation` add their checks to the same module, and `python -m powerclip.theory` (`make demo`)
+# The exported helpers (random test cases, the check table) live in `powerclip.theory`; `13_theory_r2t` and
+# `14_approximation` add their checks to the same module, and `python -m powerclip.theory` (`make demo`)
 # runs them all.
 
 # %% [markdown]
