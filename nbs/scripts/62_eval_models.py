@@ -146,7 +146,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     run_model = run.get('model') or {}
     name = model_name or run_model.get('name')
     if name is None:
-        raise ValueError(f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
+        raise ValueError('no model name given: pass --model' if checkpoint is None else
+                         f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
     kw = dict(run_model.get('kwargs') or {}) if run_model.get('name') in (None, name) else {}
     kw.update(model_kwargs or {})
     method = method or run.get('method')
@@ -191,6 +192,7 @@ test_eq(load_model('powerclip-micro').ckpt_id, 'random-init-powerclip-micro-seed
 test_fail(lambda: load_model(checkpoint=d / 'bare' / 'model.pt'), contains='config.yaml')
 test_fail(lambda: load_model(checkpoint=d), contains='neither model.pt')
 test_fail(lambda: load_model('powerclip-micro', method='nosuch'), contains='unknown method')
+test_fail(lambda: load_model(), contains='pass --model')
 
 
 # %% [markdown]

@@ -97,7 +97,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     run_model = run.get('model') or {}
     name = model_name or run_model.get('name')
     if name is None:
-        raise ValueError(f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
+        raise ValueError('no model name given: pass --model' if checkpoint is None else
+                         f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
     kw = dict(run_model.get('kwargs') or {}) if run_model.get('name') in (None, name) else {}
     kw.update(model_kwargs or {})
     method = method or run.get('method')
