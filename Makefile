@@ -27,13 +27,14 @@ compare: install
 
 ## Every task type of powerclip-eval on the comparison's seed-0 checkpoints: the real COCO sample (retrieval,
 ## SugarCrepe; needs ../shared/data) and a held-out world folder (retrieval, hard negatives, zero-shot,
-## linear probe, Winoground); side-by-side tables in runs/eval/.
+## linear probe, Winoground); each run folder's config.yaml names its model and method, and every scorer the
+## method offers is computed (FILIP: late interaction, then global); side-by-side tables in runs/eval/.
 SHARED ?= ../shared/data
 eval-compare: install
 	$(BIN)/python -m powerclip.eval make-world runs/eval_world --n-images 200
-	for d in runs/compare/seed0/*/; do n=$$(basename $$d); \
+	for d in runs/compare/seed0/*/; do [ -f $$d/model.pt ] || continue; n=$$(basename $$d); \
 	  for data in $(SHARED)/coco_sample runs/eval_world; do [ -d $$data ] || continue; \
-	    $(BIN)/python -m powerclip.eval run --model powerclip-demo --checkpoint $$d/model.pt --label $$n \
+	    $(BIN)/python -m powerclip.eval run --checkpoint $$d --label $$n \
 	      --data $$data --out runs/eval --no-progress || exit 1; done; done
 	$(BIN)/python -m powerclip.eval table runs/eval --out runs/eval/table
 

@@ -14,10 +14,12 @@ import torch
 from .data import world_config
 from .train import (TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, run_isolated,
                              to_dict, train)
-from .world_eval import evaluate_world, world_test_set
+from .eval.data import write_world_benchmark
+from .eval.models import Evaluator, load_model
+from .eval.tasks import evaluate_world
 
 # %% auto #0
-__all__ = ['RUNS', 'DEMO_RUNS', 'GROUNDING_KEYS', 'run_configs', 'train_isolated', 'step_seconds', 'run_demo', 'results_table',
+__all__ = ['RUNS', 'DEMO_RUNS', 'GROUNDING_KEYS', 'run_configs', 'train_isolated', 'step_seconds', 'run_demo', 'run_table',
            'summarize_seeds', 'summary_table', 'plot_results', 'compare', 'demo_main']
 
 # %% ../nbs/70_demo.ipynb #40efc1bd
@@ -49,13 +51,14 @@ def run_configs(out_dir, seed: int = 0, steps: int | None = None, overrides: dic
     return out
 
 
-def _load_trained(cfg, weights=None):
-    "The run's open_clip model: random init from the run's seed, or its exported weights (`model.pt`)."
-    from powerclip.model import create_model
-    torch.manual_seed(cfg.seed)
-    model = create_model(cfg.model.name, **cfg.model.kwargs)[0]
-    if weights is not None: model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
-    return model.eval()
+def _untrained(cfg):
+    "The run's model before training: random init from the run's seed (scored the global way)."
+    return load_model(cfg.model.name, None, seed=cfg.seed, model_kwargs=cfg.model.kwargs)
+
+
+def _world_eval(lm, test_root) -> dict:
+    "The eval package's world numbers (%) of a loaded model, for every scorer its method offers."
+    return evaluate_world(Evaluator.of(lm, progress=False, batch_size=128), test_root)
 
 
 def _train_from_dict(cfg_dict: dict) -> dict:
@@ -75,12 +78,12 @@ def step_seconds(rows: list[dict], batch_size: int) -> float:
     return statistics.median(s) if s else float("nan")
 
 
-def _grounding(weights, cfg, n_scenes: int) -> dict:
-    """Pointing game, pointing at any object, pointing with the map's minimum and mean IoU of the run's text-to-patch
-    heatmaps against the world's object masks (`61_heatmaps`), as fractions like the other numbers here."""
+def _grounding(lm, cfg, n_scenes: int) -> dict:
+    """Pointing game, pointing at any object, pointing with the map's minimum and mean IoU (%) of the run's text-to-patch
+    heatmaps against the world's object masks (`67_heatmaps`)."""
     from powerclip.heatmaps import grounding_table
-    rows, _ = grounding_table({"run": Path(weights).parent}, n_scenes=n_scenes, cfg=world_config(cfg.data), baselines=False)
-    return {k: rows[0][k] / 100 for k in GROUNDING_KEYS}
+    rows, _ = grounding_table({"run": lm}, n_scenes=n_scenes, cfg=world_config(cfg.data), baselines=False)
+    return {k: rows[0][k] for k in GROUNDING_KEYS}
 
 
 def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_images: int = 300,
@@ -92,10 +95,12 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
     trained again, and its evaluation (`eval.json` beside its weights) is reused while the weights are unchanged."""
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     cfgs = run_configs(out, seed, steps, overrides, preset, runs)
-    test_root = world_test_set(test_dir or out / "world_test", world_config(cfgs[0][1].data), n_images=eval_images, split="test")
+    test_root = Path(test_dir or out / "world_test")
+    write_world_benchmark(test_root, eval_images, world_config(cfgs[0][1].data), split="test", extras=False)
     results, curves = {}, {}
-    results["untrained"] = dict(steps=0, train_s=0.0, **evaluate_world(_load_trained(cfgs[0][1]), test_root))
-    eval_key = dict(eval_images=eval_images, grounding_scenes=grounding_scenes)
+    results["untrained"] = dict(steps=0, train_s=0.0, **_world_eval(_untrained(cfgs[0][1]), test_root))
+    # eval 2: the eval package (percent, ties count against, every scorer); an eval.json of another kind is redone
+    eval_key = dict(eval_images=eval_images, grounding_scenes=grounding_scenes, eval=2)
     for name, cfg in cfgs:
         run_dir = Path(cfg.out_dir)
         cached, weights = run_dir / "eval.json", run_dir / "model.pt"
@@ -117,11 +122,12 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
                            # a process's peak RSS only grows: in-process runs after the first have no peak of their own
                            peak_mib=s["peak_mib"] if isolate else float("nan"),
                            final_clip_loss=rows[-1].get("clip", float("nan")) if rows else float("nan"))
-        res = evaluate_world(_load_trained(cfg, weights), test_root)
-        if grounding_scenes: res.update(_grounding(weights, cfg, grounding_scenes))
+        lm = load_model(checkpoint=weights)                 # the run's config.yaml beside it names model and method
+        res = _world_eval(lm, test_root)
+        if grounding_scenes: res.update(_grounding(lm, cfg, grounding_scenes))
         results[name] = {**trained, **res}
         cached.write_text(json.dumps(dict(weights_mtime=weights.stat().st_mtime, train=trained, eval_key=eval_key, eval=res), indent=1))
-    table = results_table(results)
+    table = run_table(results)
     (out / "results.json").write_text(json.dumps(dict(seed=seed, steps=cfgs[0][1].max_steps, eval_images=eval_images,
                                                       results=results), indent=1))
     (out / "results.md").write_text(table + "\n")
@@ -148,21 +154,22 @@ def _columns(results: dict[str, dict]) -> list[tuple[str, str, str]]:
     return cols
 
 
-def _pct(k: str) -> bool: return k.startswith("hn_") or "R@" in k or k in GROUNDING_KEYS
-
-
 def _cell(v, fmt: str, k: str, spread=None) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)): return "-"
-    scale = 100 if _pct(k) else 1
-    return fmt.format(scale * v) + ("" if spread is None or math.isnan(spread) else " ± " + fmt.format(scale * spread))
+    return fmt.format(v) + ("" if spread is None or math.isnan(spread) else " ± " + fmt.format(spread))
 
 
-def results_table(results: dict[str, dict]) -> str:
-    "Markdown table: hard-negative accuracy per kind (%), their mean, retrieval R@1/R@5 both ways (%), grounding (%)."
+def _label(name: str, r: dict) -> str:
+    "A run's row label, with its headline scorer when that is not the global cosine: 'FILIP [late]'."
+    return name if r.get("scorer", "global") == "global" else f"{name} [{r['scorer']}]"
+
+
+def run_table(results: dict[str, dict]) -> str:
+    "Markdown table of the runs: hard-negative accuracy per kind (%), their mean, retrieval R@1/R@5 both ways (%), grounding (%)."
     cols = _columns(results)
     lines = ["| model | " + " | ".join(c[1] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
     for name, r in results.items():
-        lines.append(f"| {name} | " + " | ".join(_cell(r.get(k, float("nan")), fmt, k) for k, _, fmt in cols) + " |")
+        lines.append(f"| {_label(name, r)} | " + " | ".join(_cell(r.get(k, float("nan")), fmt, k) for k, _, fmt in cols) + " |")
     return "\n".join(lines)
 
 
@@ -175,6 +182,7 @@ def summarize_seeds(per_seed: dict[int, dict[str, dict]], base: str = "CLIP") ->
         rows = [res[n] for res in per_seed.values() if n in res]
         keys = [k for k in rows[0] if isinstance(rows[0][k], (int, float)) and not isinstance(rows[0][k], bool)]
         agg = dict(seeds=len(rows))
+        if isinstance(rows[0].get("scorer"), str): agg["scorer"] = rows[0]["scorer"]   # the headline scorer (the same every seed)
         for k in keys:
             v = [float(r[k]) for r in rows if k in r]
             agg[k] = float(np.mean(v)); agg[k + "_sd"] = float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
@@ -187,7 +195,7 @@ def summarize_seeds(per_seed: dict[int, dict[str, dict]], base: str = "CLIP") ->
 
 
 def summary_table(summary: dict[str, dict], base: str = "CLIP") -> str:
-    "Markdown: mean ± sd over seeds of each column of `results_table`, then time and memory relative to `base`."
+    "Markdown: mean ± sd over seeds of each column of `run_table`, then time and memory relative to `base`."
     cols = [c for c in _columns(summary) if c[0] not in ("train_s",)]
     head = ["model", "seeds"] + [c[1] for c in cols] + [f"time / {base}", f"memory / {base}"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
@@ -195,7 +203,7 @@ def summary_table(summary: dict[str, dict], base: str = "CLIP") -> str:
         cells = [str(r["seeds"])] + [_cell(r.get(k, float("nan")), fmt, k, r.get(k + "_sd")) for k, _, fmt in cols]
         ratios = [_cell(r.get(rk, float("nan")), "{:.2f}", rk, r.get(rk + "_sd")) for rk in ("time_ratio", "mem_ratio")]
         cells += [c if c == "-" else c + "x" for c in ratios]  # no 'x' after a missing ratio
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(name, r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -207,7 +215,7 @@ def plot_results(results: dict[str, dict], path=None):
     ax = fig.subplots()
     w = 0.8 / len(results)
     for i, (name, r) in enumerate(results.items()):
-        ax.bar(np.arange(len(keys)) + i * w, [100 * r.get(k, float("nan")) for k in keys], w, label=name)
+        ax.bar(np.arange(len(keys)) + i * w, [r.get(k, float("nan")) for k in keys], w, label=_label(name, r))
     ax.axhline(50, color="grey", lw=0.6, ls="--")
     ax.set_xticks(np.arange(len(keys)) + 0.4 - w / 2, [k.replace("hn_", "") for k in keys], rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("%"); ax.legend(fontsize=7); fig.tight_layout()

@@ -6,12 +6,10 @@
 from __future__ import annotations
 import functools, itertools, json, math, operator
 from dataclasses import dataclass, field, asdict
-from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
 import torch
-from PIL import Image
 
 from .parsing import ParsedCaption
 
@@ -20,7 +18,7 @@ __all__ = ['SHAPE_FNS', 'COLOURS', 'RELATIONS', 'SPLITS', 'CLIP_MEAN', 'CLIP_STD
            'Scene', 'render', 'relation_value', 'relation_truth', 'anchors', 'sample_scene', 'Mention', 'CaptionSpec',
            'matches', 'caption_truth', 'mention_words', 'caption_tree', 'caption_text', 'spec_from_text', 'describe',
            'pixel_to_patch_masks', 'sample_rng', 'generate', 'to_clip_tensor', 'WorldDataset', 'collate_world',
-           'negative_candidates', 'hard_negatives', 'retrieval_captions', 'write_test_splits', 'read_sugarcrepe']
+           'negative_candidates', 'hard_negatives', 'retrieval_captions', 'benchmark_scene']
 
 # %% ../nbs/22_world.ipynb #87750ed3
 def _circle(dx, dy, r): return dx * dx + dy * dy <= r * r
@@ -395,41 +393,11 @@ def retrieval_captions(scene: Scene, cfg: WorldConfig, rng: np.random.Generator,
         if len(out) == k: break
     return out
 
-def write_test_splits(out_dir, cfg: WorldConfig | None = None, n_images: int = 1000, split: str = 'test',
-                      captions_per_image: int = 2) -> dict:
-    "Write the SugarCrepe-format and retrieval splits of `n_images` scenes of `split`; returns the counts."
-    cfg, out = cfg or WorldConfig(), Path(out_dir)
-    (out / 'images').mkdir(parents=True, exist_ok=True); (out / 'data').mkdir(exist_ok=True)
-    sugar = {k: {} for k in NEGATIVE_KINDS}
-    retrieval, scenes, parses, seen = [], {}, {}, set()
-    dropped_captions = skipped_images = 0
-    for i in range(n_images):
-        s, fname = generate(cfg, i, split), f'world_{i:06d}.png'
-        rng = np.random.default_rng([cfg.seed, SPLITS[split], i, 1])   # a stream of its own, apart from the sample's
-        Image.fromarray(s['image']).save(out / 'images' / fname)
-        scenes[fname] = dict(index=i, split=split, caption=s['text'], tree=s['parsed'].to_dict(), scene=s['scene'].to_dict(),
-                             order=s['order'], masks=s['masks'][s['mask_valid']].astype(int).tolist())
-        parses[s['text']] = s['parsed'].to_dict()
-        for kind, neg in hard_negatives(s['spec'], s['scene'], cfg, rng).items():
-            p, _ = caption_tree(neg); parses[p.text] = p.to_dict()
-            sugar[kind][str(len(sugar[kind]))] = dict(filename=fname, caption=s['text'], negative_caption=p.text)
-        caps = []
-        for spec in retrieval_captions(s['scene'], cfg, rng, captions_per_image):
-            t = caption_text(spec)
-            if t in seen: dropped_captions += 1; continue
-            seen.add(t); caps.append(t); parses[t] = caption_tree(spec)[0].to_dict()
-        if caps: retrieval.append(dict(image=fname, caption=caps))
-        else: skipped_images += 1
-    def dump(obj, name): (out / name).write_text(json.dumps(obj, indent=1))
-    for kind, items in sugar.items(): dump(items, f'data/{kind}.json')
-    summary = dict(n_images=n_images, split=split, sugarcrepe={k: len(v) for k, v in sugar.items()},
-                   retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
-                   retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
-    dump(retrieval, 'retrieval.json'); dump(scenes, 'scenes.json'); dump(parses, 'parses.json')
-    dump(asdict(cfg), 'config.json'); dump(summary, 'summary.json')
-    return summary
-
-def read_sugarcrepe(root, kind: str) -> list[tuple[Path, str, str]]:
-    "(image path, caption, negative caption) of one category of a SugarCrepe-format folder (`data/`, `images/`)."
-    items = json.loads((Path(root) / 'data' / f'{kind}.json').read_text())
-    return [(Path(root) / 'images' / d['filename'], d['caption'], d['negative_caption']) for d in items.values()]
+def benchmark_scene(cfg: WorldConfig, index: int, split: str = 'test', captions_per_image: int = 2) -> dict:
+    """Scene `index` of `split` for a benchmark: `sample` (what `generate` returns), `negatives` {kind: gold tree of a
+    false caption} and `captions` [gold trees of true full captions], both ParsedCaption."""
+    s = generate(cfg, index, split)
+    rng = np.random.default_rng([cfg.seed, SPLITS[split], index, 1])      # a stream of its own, apart from the sample's
+    negatives = {kind: caption_tree(neg)[0] for kind, neg in hard_negatives(s['spec'], s['scene'], cfg, rng).items()}
+    captions = [caption_tree(spec)[0] for spec in retrieval_captions(s['scene'], cfg, rng, captions_per_image)]
+    return dict(sample=s, negatives=negatives, captions=captions)

@@ -1,5 +1,6 @@
-"""What the 60_eval notebook cannot check in a cell: the CLI (in process and as `python -m`), files, checkpoints,
-the feature cache across runs, the real coco_sample, and cross-checks against clip_benchmark and scikit-learn."""
+"""What the eval notebooks (60-66) cannot check in a cell: the CLI (in process and as `python -m`), files, checkpoints,
+the feature cache across runs, the world's benchmark folder, methods with several scorers, the real coco_sample, and
+cross-checks against clip_benchmark and scikit-learn."""
 import importlib.util, json, subprocess, sys
 from pathlib import Path
 
@@ -8,9 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from powerclip.eval import (Evaluator, MissingData, chance_recall, classification_metrics, evaluate, fit_logreg,
-                            linear_probe, load_classification, load_model, load_retrieval, load_winoground, main, retrieval_recall,
-                            sha256_file, write_world_eval_set)
+from powerclip.eval.cli import main
+from powerclip.eval.data import (MissingData, load_classification, load_retrieval, load_sugarcrepe, load_winoground,
+                                 write_world_benchmark)
+from powerclip.eval.metrics import chance_recall, classification_metrics, fit_logreg, linear_probe, retrieval_recall
+from powerclip.eval.models import Evaluator, load_model, sha256_file
+from powerclip.eval.tasks import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / 'shared' / 'data'
@@ -21,7 +25,7 @@ needs_data = pytest.mark.skipif(not COCO.is_dir(), reason=f'real data absent: {C
 @pytest.fixture(scope='module')
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp('world')
-    write_world_eval_set(root, n_images=100)
+    write_world_benchmark(root, n_images=100)
     return root
 
 
@@ -134,6 +138,11 @@ def test_trainer_checkpoint_with_model_overrides(tmp_path):
 def test_python_dash_m(tmp_path):
     r = subprocess.run([sys.executable, '-m', 'powerclip.eval', 'run', '--help'], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0 and '--checkpoint' in r.stdout
+    # the powerclip-eval console script of settings.ini is the same function
+    import configparser, importlib
+    cfg = configparser.ConfigParser(); cfg.read(ROOT / 'settings.ini')
+    mod, fn = dict(x.split('=') for x in cfg['DEFAULT']['console_scripts'].split())['powerclip-eval'].split(':')
+    assert getattr(importlib.import_module(mod), fn) is main
 
 
 @needs_data
@@ -241,10 +250,134 @@ def test_image_folder_classification(tmp_path, capsys):
     assert m['zeroshot']['n'] == 8 and m['linear_probe']['n_test'] == 8
 
 
+# ---- the world's benchmark folder, scorers, bad checkpoints -----------------------------------------------------
+
+from powerclip.methods import GlobalScorer, Scorer
+from powerclip.parsing import ParsedCaption
+from powerclip.world import NEGATIVE_KINDS, Scene, WorldConfig, caption_truth, generate, render, spec_from_text
+
+REAL_SUGARCREPE = DATA / 'sugarcrepe' / 'data'
+
+
+def test_world_benchmark_loads_back(tmp_path):
+    "The one writer's folder read back by the one reader: images are the scenes, negatives false, captions true, trees for all."
+    from PIL import Image
+    cfg = WorldConfig(seed=11)
+    summary = write_world_benchmark(tmp_path, 40, cfg, extras=False)
+    assert json.loads((tmp_path / 'summary.json').read_text()) == summary
+    assert WorldConfig(**json.loads((tmp_path / 'config.json').read_text())) == cfg
+    scenes = json.loads((tmp_path / 'scenes.json').read_text())
+    parses = json.loads((tmp_path / 'parses.json').read_text())
+    assert len(list((tmp_path / 'images').glob('*.png'))) == 40 and not (tmp_path / 'classification.json').exists()
+    items, skipped = load_sugarcrepe(tmp_path)
+    for kind in NEGATIVE_KINDS:
+        assert len(items[kind]) == summary['sugarcrepe'][kind] > 0 and skipped[kind] == 0
+        raw = json.loads((tmp_path / 'data' / f'{kind}.json').read_text())
+        assert list(raw) == [str(i) for i in range(len(raw))]
+        for path, cap, neg in items[kind]:
+            d = scenes[path.name]
+            scene = Scene.from_dict(d['scene'])
+            img = np.asarray(Image.open(path).convert('RGB'))
+            assert np.array_equal(img, render(scene, cfg)[0])
+            assert np.array_equal(img, generate(cfg, d['index'], 'test')['image'])
+            assert caption_truth(spec_from_text(cap, cfg), scene, cfg) is True
+            assert caption_truth(spec_from_text(neg, cfg), scene, cfg) is False
+            for t in (cap, neg):
+                p = ParsedCaption.from_dict(parses[t])
+                assert p.text == t and p.parser == 'gold' and p.spans[0] == (0, len(p.words))
+    ret = load_retrieval(tmp_path / 'retrieval.json')
+    caps, _ = ret.flat()
+    assert len(caps) == len(set(caps)) == summary['retrieval_captions']
+    assert summary['retrieval_images'] + summary['retrieval_skipped_images'] == 40
+    # the same request again writes nothing; another one rewrites the folder
+    mtime = (tmp_path / 'retrieval.json').stat().st_mtime_ns
+    assert write_world_benchmark(tmp_path, 40, cfg, extras=False) == summary and (tmp_path / 'retrieval.json').stat().st_mtime_ns == mtime
+    assert write_world_benchmark(tmp_path, 20, cfg, extras=False)['n_images'] == 20
+
+
+@pytest.mark.skipif(not REAL_SUGARCREPE.exists(), reason=f'real SugarCrepe data not found at {REAL_SUGARCREPE}')
+def test_world_benchmark_has_the_real_format(tmp_path):
+    write_world_benchmark(tmp_path, 20, extras=False)
+    for kind in NEGATIVE_KINDS:
+        real = json.loads((REAL_SUGARCREPE / f'{kind}.json').read_text())
+        ours = json.loads((tmp_path / 'data' / f'{kind}.json').read_text())
+        r0, o0 = next(iter(real.items())), next(iter(ours.items()))
+        assert type(r0[0]) is type(o0[0]) and set(r0[1]) == set(o0[1])
+        assert all(isinstance(v, str) for v in o0[1].values())
+
+
+def _run_folder(d, method=None, nan=False):
+    "A plain model.pt with the trainer's config.yaml beside it (the layout of every run folder)."
+    from powerclip.model import create_model
+    torch.manual_seed(4)
+    model = create_model('powerclip-micro')[0]
+    if nan:
+        with torch.no_grad(): model.visual.proj.fill_(float('nan'))
+    d.mkdir(parents=True)
+    torch.save(model.state_dict(), d / 'model.pt')
+    (d / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\n' + (f'method: {method}\nmethod_cfg: {{}}\n' if method else ''))
+    return d
+
+
+def test_every_scorer_of_the_method(world, tmp_path, capsys):
+    "A FILIP run is scored by late interaction (the headline) and globally; features are cached per scorer; --method overrides."
+    run = _run_folder(tmp_path / 'filip', 'filip')
+    out, cache = tmp_path / 'res', tmp_path / 'cache'
+    base = ['run', '--checkpoint', str(run), '--data', str(world), '--out', str(out), '--cache', str(cache), '--no-progress',
+            '--tasks', 'retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe']
+    rc, stdout, _ = _run(base + ['--label', 'filip'], capsys)
+    assert rc == 0 and json.loads(stdout)['scorer'] == 'late'
+    res = json.loads((out / 'filip' / f'{world.name}.json').read_text())
+    assert (res['method'], res['scorer'], list(res['other_scorers'])) == ('filip', 'late', ['global'])
+    assert set(res['metrics']) == {'retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe'}
+    assert set(res['other_scorers']['global']) == {'retrieval', 'sugarcrepe', 'zeroshot'}      # the probe: once
+    names = {f.name.split('-')[0] + '-' + f.name.split('-')[1] for f in cache.rglob('*.pt')}
+    assert {'img-late', 'img-global', 'txt-late', 'txt-global'} <= names
+    # the same checkpoint as plain CLIP: the global numbers are the ones above
+    rc, _, _ = _run(base + ['--label', 'as-clip', '--method', 'clip'], capsys)
+    clip = json.loads((out / 'as-clip' / f'{world.name}.json').read_text())
+    assert rc == 0 and (clip['scorer'], clip['other_scorers']) == ('global', {})
+    strip = lambda m: {t: {k: v for k, v in d.items() if k != 'seconds'} for t, d in m.items()}
+    assert strip(clip['metrics']) == {**strip(res['other_scorers']['global']), 'linear_probe': strip(res['metrics'])['linear_probe']}
+    rc, md, _ = _run(['table', str(out)], capsys)
+    assert rc == 0 and '| retrieval [global] |' in md
+
+
+def test_bad_checkpoints_are_one_line(world, tmp_path, capsys):
+    base = ['run', '--data', str(world), '--tasks', 'retrieval', '--out', str(tmp_path / 'res'), '--cache', 'none', '--no-progress']
+    rc, _, err = _run(base + ['--checkpoint', str(_run_folder(tmp_path / 'nan', 'clip', nan=True))], capsys)
+    assert rc == 2 and 'non-finite image features' in err and len(err.strip().splitlines()) == 1
+    rc, _, err = _run(base + ['--checkpoint', str(_run_folder(tmp_path / 'ok')), '--method', 'nosuch'], capsys)
+    assert rc == 2 and 'unknown method' in err and len(err.strip().splitlines()) == 1
+    rc, _, err = _run(base + ['--checkpoint', str(tmp_path / 'empty')], capsys)
+    assert rc == 2 and 'checkpoint' in err
+
+
+class _Constant(Scorer):
+    "Every image-text pair scores the same: a stand-in for a collapsed model."
+    name = 'constant'
+    def image_features(self, model, images): return {'x': torch.zeros(len(images), 1)}
+    def text_features(self, model, tokens): return {'x': torch.zeros(len(tokens), 1)}
+    def scores(self, img, txt): return torch.zeros(len(img['x']), len(txt['x']))
+
+
+def test_world_evaluation_counts_ties_against(world):
+    "The demo's world numbers follow the one tie rule: a model whose scores are all equal gets 0 everywhere (topk gave hits)."
+    from dataclasses import replace
+    from powerclip.eval.tasks import evaluate_world
+    lm = load_model('powerclip-micro')
+    ev = Evaluator.of(replace(lm, scorers={'constant': _Constant(), 'global': GlobalScorer()}), progress=False)
+    res = evaluate_world(ev, world)
+    assert res['scorer'] == 'constant'
+    assert all(v == 0 for k, v in res.items() if k != 'scorer' and not k.startswith('global:') and v == v)
+    assert 0 < res['global:hn_mean'] < 100                       # the same model's global cosines are not tied
+
+
 # ---- CLIP's benchmarks through clip_benchmark -------------------------------------------------------------------
 
-from powerclip.eval import (BENCHMARKS, PAPER, ROBUSTNESS, SUGARCREPE, TABLE1, _NoDownload, clip_classnames, clip_templates,
-                            load_sugarcrepe, open_benchmark, paper_tables)
+from powerclip.eval.benchmarks import BENCHMARKS, ROBUSTNESS, TABLE1, _NoDownload, clip_classnames, clip_templates, open_benchmark
+from powerclip.eval.data import SUGARCREPE
+from powerclip.eval.tables import PAPER, paper_tables
 
 FROM_DATA = {'cifar10', 'cifar100', 'food101', 'sun397', 'cars', 'fgvc_aircraft', 'dtd', 'stl10', 'vtab/resisc45'}
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from powerclip.heatmaps import caption_edits, grounding_table, load_checkpoint, main, with_edits
+from powerclip.eval.models import load_model
+from powerclip.heatmaps import caption_edits, grounding_table, main, with_edits
 from powerclip.model import create_model
 from powerclip.world import WorldConfig, generate, spec_from_text
 
@@ -36,8 +37,8 @@ def _image(path, h=50, w=70, seed=0):
 
 
 def test_both_checkpoint_formats_load_the_same_weights(runs):
-    a = load_checkpoint(runs / 'trainer' / 'checkpoints' / 'last.pt').model.state_dict()
-    b = load_checkpoint(runs / 'plain').model.state_dict()
+    a = load_model(checkpoint=runs / 'trainer' / 'checkpoints' / 'last.pt').model.state_dict()
+    b = load_model(checkpoint=runs / 'plain').model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -70,7 +71,7 @@ def test_cli_grounding_table(tmp_path, runs, capsys):
 
 
 def test_grounding_table_python_api(runs):
-    lm = load_checkpoint('random:powerclip-micro')
+    lm = load_model('powerclip-micro')
     rows, md = grounding_table({'a': str(runs / 'plain'), 'b': lm}, n_scenes=3, baselines=False)
     assert [r['name'] for r in rows] == ['a', 'b'] and md.count('\n| ') == 3
     assert len({r['n_phrases'] for r in rows}) == 1

@@ -21,12 +21,10 @@
 from __future__ import annotations
 import functools, itertools, json, math, operator
 from dataclasses import dataclass, field, asdict
-from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
 import torch
-from PIL import Image
 
 from powerclip.parsing import ParsedCaption
 
@@ -722,21 +720,14 @@ display(Markdown('| scene | positive | category | negative |\n|---|---|---|---|\
 
 
 # %% [markdown]
-# ## Writing the test splits to disk
+# ## Held-out scenes for the benchmarks
 #
-# `write_test_splits` writes, under `out_dir`:
-#
-# - `images/world_{index:06d}.png`, the test scenes;
-# - `data/{category}.json`, the SugarCrepe format `{id: {filename, caption, negative_caption}}`, one file per
-#   category as in the real benchmark (`/work/shared/data/sugarcrepe/data/`), with the training-style caption as
-#   `caption`;
-# - `retrieval.json`, an image-text retrieval split in the format of the usual Karpathy test files,
-#   `[{"image": filename, "caption": [captions]}]`, with `captions_per_image` full captions (every size said, the
-#   subjects and relations varied); a caption text that another image already has is dropped, so every caption
-#   belongs to one image (an image left with none is skipped and counted);
-# - `scenes.json`, per file name its `index`, scene, gold tree and gold patch masks, and `parses.json`, the gold
-#   tree of every caption and negative, so gold-tree scoring needs no parser;
-# - `config.json`, the `WorldConfig`, and `summary.json`, the counts.
+# `benchmark_scene` gives what an evaluation needs of one scene of a split: the sample itself (`generate`), one hard
+# negative per kind where the scene allows it, and up to `captions_per_image` full captions for retrieval (every
+# size said, the subjects and relations varied), each as a gold tree. The negatives and captions come from a random
+# stream of their own, apart from the sample's, so the scene is the same one `generate` gives. The folder these
+# scenes are written to (SugarCrepe-format hard negatives, a Karpathy-style retrieval list, the gold trees) is the
+# evaluation's business: `powerclip.eval.data.write_world_benchmark` (`61_eval_data`).
 
 # %%
 #| export
@@ -749,75 +740,30 @@ def retrieval_captions(scene: Scene, cfg: WorldConfig, rng: np.random.Generator,
         if len(out) == k: break
     return out
 
-def write_test_splits(out_dir, cfg: WorldConfig | None = None, n_images: int = 1000, split: str = 'test',
-                      captions_per_image: int = 2) -> dict:
-    "Write the SugarCrepe-format and retrieval splits of `n_images` scenes of `split`; returns the counts."
-    cfg, out = cfg or WorldConfig(), Path(out_dir)
-    (out / 'images').mkdir(parents=True, exist_ok=True); (out / 'data').mkdir(exist_ok=True)
-    sugar = {k: {} for k in NEGATIVE_KINDS}
-    retrieval, scenes, parses, seen = [], {}, {}, set()
-    dropped_captions = skipped_images = 0
-    for i in range(n_images):
-        s, fname = generate(cfg, i, split), f'world_{i:06d}.png'
-        rng = np.random.default_rng([cfg.seed, SPLITS[split], i, 1])   # a stream of its own, apart from the sample's
-        Image.fromarray(s['image']).save(out / 'images' / fname)
-        scenes[fname] = dict(index=i, split=split, caption=s['text'], tree=s['parsed'].to_dict(), scene=s['scene'].to_dict(),
-                             order=s['order'], masks=s['masks'][s['mask_valid']].astype(int).tolist())
-        parses[s['text']] = s['parsed'].to_dict()
-        for kind, neg in hard_negatives(s['spec'], s['scene'], cfg, rng).items():
-            p, _ = caption_tree(neg); parses[p.text] = p.to_dict()
-            sugar[kind][str(len(sugar[kind]))] = dict(filename=fname, caption=s['text'], negative_caption=p.text)
-        caps = []
-        for spec in retrieval_captions(s['scene'], cfg, rng, captions_per_image):
-            t = caption_text(spec)
-            if t in seen: dropped_captions += 1; continue
-            seen.add(t); caps.append(t); parses[t] = caption_tree(spec)[0].to_dict()
-        if caps: retrieval.append(dict(image=fname, caption=caps))
-        else: skipped_images += 1
-    def dump(obj, name): (out / name).write_text(json.dumps(obj, indent=1))
-    for kind, items in sugar.items(): dump(items, f'data/{kind}.json')
-    summary = dict(n_images=n_images, split=split, sugarcrepe={k: len(v) for k, v in sugar.items()},
-                   retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
-                   retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
-    dump(retrieval, 'retrieval.json'); dump(scenes, 'scenes.json'); dump(parses, 'parses.json')
-    dump(asdict(cfg), 'config.json'); dump(summary, 'summary.json')
-    return summary
-
-def read_sugarcrepe(root, kind: str) -> list[tuple[Path, str, str]]:
-    "(image path, caption, negative caption) of one category of a SugarCrepe-format folder (`data/`, `images/`)."
-    items = json.loads((Path(root) / 'data' / f'{kind}.json').read_text())
-    return [(Path(root) / 'images' / d['filename'], d['caption'], d['negative_caption']) for d in items.values()]
+def benchmark_scene(cfg: WorldConfig, index: int, split: str = 'test', captions_per_image: int = 2) -> dict:
+    """Scene `index` of `split` for a benchmark: `sample` (what `generate` returns), `negatives` {kind: gold tree of a
+    false caption} and `captions` [gold trees of true full captions], both ParsedCaption."""
+    s = generate(cfg, index, split)
+    rng = np.random.default_rng([cfg.seed, SPLITS[split], index, 1])      # a stream of its own, apart from the sample's
+    negatives = {kind: caption_tree(neg)[0] for kind, neg in hard_negatives(s['spec'], s['scene'], cfg, rng).items()}
+    captions = [caption_tree(spec)[0] for spec in retrieval_captions(s['scene'], cfg, rng, captions_per_image)]
+    return dict(sample=s, negatives=negatives, captions=captions)
 
 
 # %%
-with tempfile.TemporaryDirectory() as tmp:
-    summary = write_test_splits(tmp, cfg, n_images=60)
-    print(json.dumps(summary))
-    items = read_sugarcrepe(tmp, 'swap_att')
-    test_eq(len(items), summary['sugarcrepe']['swap_att'])
-    scenes = json.loads((Path(tmp) / 'scenes.json').read_text())
-    parses = json.loads((Path(tmp) / 'parses.json').read_text())
-    for kind in NEGATIVE_KINDS:
-        for path, cap, neg in read_sugarcrepe(tmp, kind):
-            sc = Scene.from_dict(scenes[path.name]['scene'])
-            test_eq(np.asarray(Image.open(path)), render(sc, cfg)[0])            # PNG is lossless
-            test_eq(cap, scenes[path.name]['caption'])
-            assert caption_truth(spec_from_text(cap, cfg), sc, cfg) is True and caption_truth(spec_from_text(neg, cfg), sc, cfg) is False
-            assert ParsedCaption.from_dict(parses[neg]).text == neg
-    ret = json.loads((Path(tmp) / 'retrieval.json').read_text())
-    caps = [c for r in ret for c in r['caption']]
-    test_eq(len(caps), len(set(caps)))
-    for r in ret:
-        sc = Scene.from_dict(scenes[r['image']]['scene'])
-        for c in r['caption']:   # every retrieval caption is true for its image, and names all its objects
-            spec = spec_from_text(c, cfg)
-            assert caption_truth(spec, sc, cfg) is True and len(spec.mentions) == len(sc.objects)
-            test_eq(parses[c]['words'], c.split())
-    # the real benchmark's format (same keys), when the shared data is there (../shared/data from the repository root)
-    root = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / 'settings.ini').exists())
-    real = root.parent / 'shared/data/sugarcrepe/data/swap_att.json'
-    if real.exists(): test_eq(set(next(iter(json.loads(real.read_text()).values()))), set(json.loads((Path(tmp) / 'data/swap_att.json').read_text())['0']))
-    else: print(f'skipped the comparison with the real SugarCrepe files: {real} not found')
+for i in range(60):
+    b = benchmark_scene(cfg, i)
+    s, sc = b['sample'], b['sample']['scene']
+    test_eq(s['image'], generate(cfg, i, 'test')['image'])                   # the scene generate gives
+    for kind, neg in b['negatives'].items():
+        assert caption_truth(spec_from_text(neg.text, cfg), sc, cfg) is False and neg.text != s['text'], (kind, neg.text)
+    texts = [c.text for c in b['captions']]
+    test_eq(len(texts), len(set(texts))); assert 1 <= len(texts) <= 2
+    for c in b['captions']:   # every retrieval caption is true for its image, and names all its objects
+        spec = spec_from_text(c.text, cfg)
+        assert caption_truth(spec, sc, cfg) is True and len(spec.mentions) == len(sc.objects)
+        test_eq(c.words, c.text.split())
+test_eq({k: v.text for k, v in benchmark_scene(cfg, 59)['negatives'].items()}, {k: v.text for k, v in b['negatives'].items()})  # deterministic
 
 # %% [markdown]
 # ## Throughput

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from powerclip.eval.models import LoadedModel, load_model
 from powerclip.world import WorldConfig, generate, to_clip_tensor
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,10 @@ from fastcore.test import test_close, test_eq, test_fail
 # The paper shows these maps (Fig. 6, 10, 11) without a number. On the world we know the gold patch mask
 # $G$ of the object each noun phrase names, so we score:
 # - **pointing game**: the argmax patch of $h$ lies in $G$. Ties (a constant map) count as the expected hit of a
-#   patch drawn uniformly among the tied maxima, so a uniform map scores exactly the chance level $|G|/N$;
+#   patch drawn uniformly among the tied maxima, so a uniform map scores exactly the chance level $|G|/N$. This is
+#   not the evaluation's rule for ranking metrics (`60_eval_metrics`: a tie counts against the correct candidate):
+#   the pointing game asks where a map points, not whether one candidate beats the others, and its uniform row is
+#   there to show chance. As there, a map holding a NaN never counts as a hit;
 # - **pointing at any object**: the argmax lies on *some* object of the scene. A random network already points
 #   at objects far above chance (bright objects on a dark noisy background move every patch feature), so
 #   `named_given_object` = pointing / pointing at any object (the share of the object hits that land on the named
@@ -84,10 +88,10 @@ def upsample(heat: torch.Tensor, size: tuple) -> torch.Tensor:
 
 def pointing_hit(heat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """heat `(T, g, g)`, mask `(T, g*g)` bool -> `(T,)` float: 1 when the argmax patch is in the mask; with tied
-    maxima, the fraction of them in the mask (the expected hit of a uniformly random tie-break)."""
+    maxima, the fraction of them in the mask (the expected hit of a uniformly random tie-break); a map with a NaN: 0."""
     h = heat.flatten(1)
     top = h == h.max(1, keepdim=True).values                                    # (T, N) the tied maxima
-    return (top & mask).sum(1) / top.sum(1)
+    return (top & mask).sum(1) / top.sum(1).clamp_min(1)                         # NaN max: no top patch, no hit
 
 def normalise01(heat: torch.Tensor) -> torch.Tensor:
     "`(T, ...)` min-max normalised per map; a constant map becomes all ones (it does not single out any patch)."
@@ -112,6 +116,7 @@ mask = torch.zeros(4, 16, dtype=torch.bool); mask[:, [5, 6]] = True
 heat = torch.zeros(4, 4, 4); heat[0].view(-1)[[5, 6]] = 1.0; heat[1].view(-1)[0] = 1.0
 heat[3].view(-1)[[6, 15]] = 2.0                                                  # heat[2] stays uniform
 test_close(pointing_hit(heat, mask), torch.tensor([1.0, 0.0, 2 / 16, 0.5]))
+test_eq(pointing_hit(torch.full((1, 4, 4), float('nan')), mask[:1]).tolist(), [0.0])
 test_close(heat_iou(heat, mask), torch.tensor([1.0, 0.0, 2 / 16, 1 / 3]))
 test_eq(upsample(heat, (8, 8)).shape, (4, 8, 8))
 # a peak inside the mask on a noisy map still hits; IoU grows with the threshold's selectivity
@@ -188,7 +193,6 @@ def grounding_score(heat_fn, n_scenes: int = 100, cfg: WorldConfig | None = None
 # The uniform map's pointing equals the chance level by construction, and its IoU is the mean mask fraction.
 
 # %%
-from powerclip.eval import load_model
 m = load_model('powerclip-micro')
 s = generate(WorldConfig(), 0, 'test')
 test_eq(len(np_phrases(s)), int(s['mask_valid'].sum()))
@@ -202,38 +206,19 @@ dict(uniform=u, centre=grounding_score(centre_heat, n_scenes=20), random_micro=g
 # %% [markdown]
 # ## Checkpoints
 #
-# `load_checkpoint` takes what a user has: a trainer checkpoint (`runs/NAME/checkpoints/last.pt`, which carries its
-# model config), a plain open_clip state dict (`runs/NAME/model.pt`; the architecture then comes from the
-# `config.yaml` the trainer writes in the run directory), a run directory (its `model.pt`, else
-# `checkpoints/last.pt`), or `random:ARCH` for a randomly initialised model. Loading itself is
-# `powerclip.eval.load_model`.
+# Models load through the evaluation's one loader, `powerclip.eval.models.load_model` (`62_eval_models`): a trainer
+# checkpoint (`runs/NAME/checkpoints/last.pt`, which carries its config), a plain open_clip state dict
+# (`runs/NAME/model.pt`, the architecture from the `config.yaml` the trainer writes beside it) or a run folder (its
+# `model.pt`, else `checkpoints/last.pt`). Where a column is named on the command line or in `grounding_table`,
+# `random:ARCH` stands for a randomly initialised model of that architecture, and an already loaded model is taken as it is.
 
 # %%
 #| export
-def _run_config_model(path: Path) -> dict:
-    "`model` section of the `config.yaml` of the run a checkpoint file belongs to ({} when there is none)."
-    import yaml
-    for d in (path.parent, path.parent.parent):
-        if (d / 'config.yaml').is_file():
-            return (yaml.safe_load((d / 'config.yaml').read_text()) or {}).get('model') or {}
-    return {}
-
-def load_checkpoint(spec, device: str = 'cpu', model_name: str | None = None):
-    "A `powerclip.eval.LoadedModel` from a checkpoint file, a run directory, `random:ARCH`, or a LoadedModel (returned as is)."
-    from powerclip.eval import LoadedModel, load_model
+def _loaded(spec, device: str = 'cpu') -> LoadedModel:
+    "A LoadedModel (as it is), `random:ARCH`, or a checkpoint file or run folder, through `load_model`."
     if isinstance(spec, LoadedModel): return spec
     if isinstance(spec, str) and spec.startswith('random:'): return load_model(spec[len('random:'):], device=device)
-    path = Path(spec)
-    if path.is_dir():
-        found = [p for p in (path / 'model.pt', path / 'checkpoints' / 'last.pt') if p.is_file()]
-        if not found: raise FileNotFoundError(f'run directory {path} has neither model.pt nor checkpoints/last.pt')
-        path = found[0]
-    try: return load_model(model_name, path, device=device)
-    except ValueError as e:
-        if 'does not carry' not in str(e): raise
-    run = _run_config_model(path)          # a plain state dict: the run's config.yaml names the architecture
-    if not run.get('name'): raise ValueError(f'{path} is a plain state dict and no config.yaml beside it names the model: pass a model name')
-    return load_model(run['name'], path, device=device, model_kwargs=run.get('kwargs') or {})
+    return load_model(checkpoint=spec, device=device)
 
 
 # %%
@@ -243,12 +228,9 @@ d = Path(tempfile.mkdtemp())
 (d / 'run').mkdir()
 (d / 'run' / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\n')
 torch.manual_seed(1); torch.save(create_model('powerclip-micro')[0].state_dict(), d / 'run' / 'model.pt')
-a, b = load_checkpoint(d / 'run'), load_checkpoint(str(d / 'run' / 'model.pt'))
+a, b = _loaded(d / 'run'), _loaded(str(d / 'run' / 'model.pt'))
 test_eq(a.ckpt_id, b.ckpt_id); assert not a.ckpt_id.startswith('random')
-test_eq(load_checkpoint('random:powerclip-micro').ckpt_id, m.ckpt_id)
-(d / 'bare').mkdir(); torch.save(create_model('powerclip-micro')[0].state_dict(), d / 'bare' / 'model.pt')
-test_fail(lambda: load_checkpoint(d / 'bare' / 'model.pt'), contains='config.yaml')
-test_fail(lambda: load_checkpoint(d), contains='neither')
+test_eq(_loaded('random:powerclip-micro').ckpt_id, m.ckpt_id); assert _loaded(m) is m
 
 # %% [markdown]
 # ## A grounding table for several checkpoints
@@ -280,12 +262,11 @@ def grounding_table(checkpoints: dict, n_scenes: int = 200, cfg: WorldConfig | N
         r = dict(name=name, checkpoint=ckpt, **grounding_score(fn, n_scenes, cfg, split), n_scenes=n_scenes, grid=cfg.grid)
         log.info('grounding %s: %s', name, r); rows.append(r)
     for name, spec in checkpoints.items():
-        lm = load_checkpoint(spec, device)
+        lm = _loaded(spec, device)
         first = first or lm
         row(name, str(spec) if not hasattr(spec, 'ckpt_id') else spec.ckpt_id, model_heat_fn(lm.model, lm.tokenizer))
     if baselines:
         if first is not None:
-            from powerclip.eval import load_model
             r = load_model(first.spec['name'], device=device, model_kwargs=first.spec['kwargs'])
             row(f"random init ({first.spec['name']})", r.ckpt_id, model_heat_fn(r.model, r.tokenizer))
         row('uniform map (chance)', None, lambda im, t: uniform_heat(im, t, cfg.grid))
@@ -495,7 +476,7 @@ def show(fig, dpi: int = 72):
 
 s = generate(WorldConfig(), 1, 'test')
 lab, txt = zip(*with_edits([s['parsed']]))
-fig = heatmap_grid(s['image'], list(txt), {'random micro': m, 'micro (seed 1)': load_checkpoint(d / 'run')}, list(lab))
+fig = heatmap_grid(s['image'], list(txt), {'random micro': m, 'micro (seed 1)': load_model(checkpoint=d / 'run')}, list(lab))
 test_eq(len(fig.axes), 2 * len(txt)); test_eq(centre_square(np.zeros((40, 60, 3), np.uint8), 32).shape, (32, 32, 3))
 show(fig)
 
@@ -560,7 +541,7 @@ def main(argv=None) -> int:
         specs = dict(_parse_checkpoint(c) for c in a.checkpoint)
         missing = [im for im in a.image if not Path(im).is_file()]
         if missing: raise FileNotFoundError(f'image(s) not found: {missing}')
-        models = {n: load_checkpoint(p, a.device) for n, p in specs.items()}
+        models = {n: _loaded(p, a.device) for n, p in specs.items()}
     except (FileNotFoundError, ValueError) as e: ap.exit(1, f'powerclip-heatmaps: error: {e}\n')
     if a.image:
         for p in save_grids(a.image, a.text, models, a.out or 'heatmaps', a.edits): print(p)
@@ -605,8 +586,7 @@ demo = {n: DEMO / n / 'checkpoints' / 'last.pt' for n in ('CLIP', 'PowerCLIP-R',
 have_demo = all(p.is_file() for p in demo.values())
 if not have_demo: print(f'skipped: the demo checkpoints are absent ({DEMO.resolve()}); run `powerclip-demo` to make them')
 else:
-    demo_models = {n: load_checkpoint(p) for n, p in demo.items()}
-    from powerclip.eval import load_model
+    demo_models = {n: load_model(checkpoint=p) for n, p in demo.items()}
     sp = demo_models['CLIP'].spec
     demo_models['random init'] = load_model(sp['name'], model_kwargs=sp['kwargs'])
     for i in (1, 4, 9):                          # scenes with two or three objects
