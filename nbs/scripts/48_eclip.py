@@ -1,0 +1,433 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: nbs///ipynb,nbs/scripts///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+#| default_exp baselines.eclip
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from powerclip.baselines.clip_pgs import cosine_matrix, drop_count
+
+# %%
+#| hide
+from torch.testing import assert_close
+
+from powerclip.baselines.clip_pgs import hash_uniform, mix_weight, patch_pixels
+
+
+# %% [markdown]
+# # E-CLIP
+#
+# > Cluster masking (Wei, Pan, Owens, CVPR 2024): a few random anchor patches each take with them every patch whose normalised pixels are similar to theirs, and these clusters leave the image before the vision transformer; CLIP's loss is unchanged.
+
+# %% [markdown]
+# E-CLIP changes which patches FLIP drops. Per training image with patches $x_1..x_N$ (the model's normalised
+# input pixels, $3p^2$ values each):
+#
+# 1. **Features.** Each patch is standardised over its own $3p^2$ values, $\hat x_j=(x_j-\mu_j)/\sigma_j$, and
+#    patches are compared by cosine similarity, $S_{jk}=\cos(\hat x_j,\hat x_k)$, i.e. the Pearson correlation of
+#    their pixel vectors. Optionally the patch embeddings enter too, $S=(1-\alpha)S_{\text{pix}}+\alpha S_{\text{emb}}$
+#    with $\alpha$ growing linearly over training (`use_embed`, `ratio = epoch / 32`).
+# 2. **Anchors.** A small random set $A$ of patches (3 % in the authors' script: `--force-patch-dropout 0.03`,
+#    i.e. $196-\lfloor196\cdot0.97\rfloor=6$ of 196; "less than 5 %" on the project page).
+# 3. **Clusters.** Every patch within the threshold of some anchor is masked, $M=A\cup\{k:\max_{a\in A}S_{ak}>r\}$:
+#    a union of balls around the anchors in feature space (not a transitive closure, no k-means).
+# 4. **One length per batch.** The vision transformer needs one sequence length, so every image of the batch
+#    drops the same number of patches, $n_{\text{drop}}=\max\big(N-\lfloor N(1-\rho_{\min})\rfloor,\ \min_i|M_i|\big)$
+#    with $\rho_{\min}=0.3$: at least 30 %, and at least the smallest cluster mask of the batch. The dropped
+#    patches are removed from the token sequence after the positional embedding (`torch.gather`, as FLIP). An
+#    image whose clusters are larger than $n_{\text{drop}}$ keeps the rest of its cluster patches in the
+#    sequence, meant to be hidden by an attention mask; one with smaller clusters loses extra patches.
+# 5. **Threshold.** $r$ is meant to be found by bisection on a batch so that the batch's mean masked share is the
+#    target 0.5 (`PatchDropout.search`, tolerance 0.001), then kept fixed.
+#
+# Nothing is masked at evaluation; the loss and the scoring are CLIP's (the README evaluates with
+# `clip_benchmark`, global embeddings).
+#
+# ## The authors' code (`Zi-hao-Wei/Efficient-Vision-Language-Pre-training-by-Cluster-Masking`) and what we do
+#
+# The paper body (arXiv 2405.08815) could not be read from this environment (only its abstract and project
+# page); the steps above are from the code, `open_clip/transformer.py` `PatchDropout.forward` / `.search`,
+# `training/main.py`, `training/params.py`, and the README's training command.
+#
+# | what | authors' code | here |
+# |---|---|---|
+# | threshold actually used | `VisionTransformer.forward` passes `self.target_mask_ratio` (0.5) into the parameter named `sim`: the cosine threshold is 0.5; `search` is never called (`main.py` loads a batch under `if args.sim == 1.1` and only sets `visual.sim`) | `threshold` is its own number; `calibrate_threshold` does the paper's bisection when wanted |
+# | `--target_mask_ratio` | parsed without `type=float`, so the README's `--target_mask_ratio 0.5` arrives as the string `'0.5'` | — |
+# | embedding mix | the `use_embed` branch reads `imgs_abs` before assigning it (it cannot run); the embeddings there include the positional embedding | `patch_similarity(pix, emb, alpha)`; which embeddings to pass is the Method's choice |
+# | flat patches | $\sigma_j=0$ gives a zero vector and a 0/0 = NaN similarity: a flat patch is never in a cluster and never clusters others | two flat patches have similarity 1 (equal after standardisation), flat against textured 0 |
+# | hidden cluster patches | kept cluster patches get an attention bias that ends up **+1 on every visible pair** (`attn_mask == 0` is cast to float in `ResidualAttentionBlock.attention`), not $-\infty$: they stay visible, softly down-weighted | `select_kept` returns them as `hidden`; whether a key mask hides them is the Method's choice (the model has no attention-mask hook yet) |
+# | extra drops | the extra patches an image loses are picked by `argsort` of an all-zero key (tie order), not at random | random, from the given noise |
+# | batch minimum | over the process's own batch | over the global batch when an `all_min` is given (DDP parity) |
+# | everything clustered | $n_{\text{drop}}=N$ is possible (an empty sequence but the class token) | at most $N-1$ |
+#
+# Everything below is a pure function of tensors; the randomness (anchors, drop order) comes in as uniform noise,
+# e.g. `hash_uniform` of `46_clip_pgs`, so the choice for an image is a function of (seed, step, sample index).
+
+# %% [markdown]
+# ## Similarity of patches
+
+# %%
+#| export
+def pixel_similarity(
+    pix: torch.Tensor,       # (C, N, P) each patch's pixel values (`patch_pixels` of `46_clip_pgs`)
+    flat_std: float = 1e-6,  # a patch whose pixels' standard deviation is at most this is flat
+) -> torch.Tensor:           # (C, N, N) cosine of per-patch standardised pixels, at least float32
+    "E-CLIP's pixel similarity: the Pearson correlation of two patches' pixel vectors (flat-flat: 1, flat-other: 0)."
+    x = pix.to(torch.promote_types(pix.dtype, torch.float32))
+    xc = x - x.mean(-1, keepdim=True)                                        # (C, N, P) centred; scaling cannot change a cosine
+    flat = xc.norm(dim=-1) <= flat_std * math.sqrt(x.shape[-1])            # (C, N)
+    S = cosine_matrix(xc)                                                    # (C, N, N)
+    either, both = flat[:, :, None] | flat[:, None, :], flat[:, :, None] & flat[:, None, :]
+    return torch.where(either, both.to(S.dtype), S)
+
+
+def patch_similarity(
+    pix: torch.Tensor,                # (C, N, P) patch pixels
+    emb: torch.Tensor | None = None,  # (C, N, D) patch embeddings (None: pixels only)
+    alpha: float = 0.0,               # weight of the embedding similarity
+) -> torch.Tensor:                    # (C, N, N) (1 - alpha) S_pix + alpha S_emb
+    "The similarity the clusters are drawn in: pixels, optionally mixed with embeddings (`mix_weight` gives alpha)."
+    if not 0 <= alpha <= 1: raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if alpha == 0: return pixel_similarity(pix)
+    if emb is None: raise ValueError("alpha > 0 needs the patch embeddings")
+    S_emb = cosine_matrix(emb)
+    if alpha == 1: return S_emb
+    return (1 - alpha) * pixel_similarity(pix) + alpha * S_emb
+
+
+# %% [markdown]
+# Checks: against `torch.corrcoef`; unchanged when a patch's intensities are scaled and shifted (contrast,
+# brightness), sign-flipped when inverted; symmetric with a unit diagonal; the flat rule; the mix.
+
+# %%
+_g = torch.Generator().manual_seed(0)
+_pix = torch.randn(2, 9, 12, generator=_g, dtype=torch.float64)
+_S = pixel_similarity(_pix)
+for c in range(2): assert_close(_S[c], torch.corrcoef(_pix[c]))
+_aff = _pix * torch.rand(2, 9, 1, generator=_g, dtype=torch.float64).add(0.1) + torch.randn(2, 9, 1, generator=_g, dtype=torch.float64)
+assert_close(pixel_similarity(_aff), _S)
+_inv = _pix.clone(); _inv[:, 0] = -_inv[:, 0]
+assert_close(pixel_similarity(_inv)[:, 0, 1:], -_S[:, 0, 1:])
+assert_close(_S, _S.transpose(1, 2)); assert_close(_S.diagonal(dim1=1, dim2=2), torch.ones(2, 9, dtype=torch.float64))
+_fl = _pix.clone(); _fl[0, 2] = 0.7; _fl[0, 5] = -1.3                      # two flat patches of different colours
+_Sf = pixel_similarity(_fl)
+assert _Sf[0, 2, 5] == 1 and _Sf[0, 2, 2] == 1 and (_Sf[0, 2, [0, 1, 3, 4, 6, 7, 8]] == 0).all()
+_emb = torch.randn(2, 9, 4, generator=_g, dtype=torch.float64)
+assert_close(patch_similarity(_pix, _emb, 0.25), 0.75 * _S + 0.25 * cosine_matrix(_emb))
+assert torch.equal(patch_similarity(_pix), _S) and torch.equal(patch_similarity(_pix, _emb, 1.0), cosine_matrix(_emb))
+assert mix_weight(16 / 32) == 0.5                                           # the authors' epoch / 32 at epoch 16
+print("pixel similarity = Pearson correlation; flat-flat", float(_Sf[0, 2, 5]), "flat-textured", float(_Sf[0, 2, 0]))
+
+
+# %% [markdown]
+# ## Anchors and clusters
+#
+# The anchors are the `n_anchor` patches with the smallest noise (ties to the lower index: a stable sort);
+# `anchor_count` is the authors' count, FLIP's rounding of the anchor share. A patch is masked if it is an anchor
+# or its similarity to some anchor exceeds the threshold (strictly, as the authors' `>`).
+
+# %%
+#| export
+def anchor_count(n: int, ratio: float = 0.03) -> int:
+    "Anchors out of `n` patches: `n - int(n * (1 - ratio))` (the authors' `--force-patch-dropout 0.03`: 6 of 196), at least 1."
+    if not 0 < ratio < 1: raise ValueError(f"anchor ratio must be in (0, 1), got {ratio}")
+    return max(1, drop_count(n, ratio))
+
+
+def draw_anchors(noise: torch.Tensor, n_anchor: int) -> torch.Tensor:
+    "noise `(C, N)` -> `(C, N)` bool: the `n_anchor` patches of smallest noise in each image."
+    C, N = noise.shape
+    if not 1 <= n_anchor <= N: raise ValueError(f"need 1 <= n_anchor <= {N}, got {n_anchor}")
+    first = torch.sort(noise, dim=1, stable=True).indices[:, :n_anchor]                  # (C, n_anchor)
+    return torch.zeros(C, N, dtype=torch.bool, device=noise.device).scatter_(1, first, True)
+
+
+def cluster_mask(
+    sim: torch.Tensor,       # (C, N, N) patch similarity
+    anchors: torch.Tensor,   # (C, N) bool
+    threshold: float,        # cosine threshold r
+) -> torch.Tensor:           # (C, N) bool: anchors and every patch with similarity > r to some anchor
+    "E-CLIP's cluster mask: the union of the balls of similarity > r around the anchors."
+    near = (sim > threshold) & anchors[:, :, None]                                       # (C, N, N) rows: anchors only
+    return near.any(1) | anchors
+
+
+# %% [markdown]
+# A hand case: an image of four quadrants, each tiled with its own random texture (every patch of a quadrant
+# has the same pixels up to a little noise, patches of different quadrants are uncorrelated). One anchor in
+# the top-left quadrant masks exactly that quadrant; a second one in the bottom-right adds that one. Against the
+# definition as loops, on random similarities: the mask is the union over anchors of the above-threshold patches
+# (clusters are balls around anchors in feature space) and shrinks as the threshold grows.
+
+# %%
+def _quadrant_image(C=1, H=64, p=8, noise=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tex = torch.randn(4, 3, p, p, generator=g)                                    # one texture per quadrant
+    img = torch.zeros(C, 3, H, H)
+    h = H // 2
+    for q, (r, c) in enumerate([(0, 0), (0, h), (h, 0), (h, h)]):
+        img[:, :, r:r + h, c:c + h] = tex[q].repeat(1, h // p, h // p)
+    return img + noise * torch.randn(C, 3, H, H, generator=g)
+
+_img = _quadrant_image()
+_px = patch_pixels(_img, 8)                                                      # (1, 64, 192), 8 x 8 grid
+_Sq = pixel_similarity(_px)
+_quad = torch.tensor([(r >= 4) * 2 + (c >= 4) for r in range(8) for c in range(8)])  # quadrant of each patch
+_anc = torch.zeros(1, 64, dtype=torch.bool); _anc[0, 9] = True                   # patch (1, 1): top-left quadrant
+assert torch.equal(cluster_mask(_Sq, _anc, 0.5)[0], _quad == 0)
+_anc[0, 54] = True                                                               # patch (6, 6): bottom-right
+assert torch.equal(cluster_mask(_Sq, _anc, 0.5)[0], (_quad == 0) | (_quad == 3))
+print(f"within a quadrant similarity >= {float(_Sq[0][_quad[:, None] == _quad[None]].min()):.3f}, "
+      f"across quadrants |similarity| <= {float(_Sq[0][_quad[:, None] != _quad[None]].abs().max()):.3f}")
+
+_Sr = cosine_matrix(torch.randn(3, 30, 6, generator=_g))
+_ar = draw_anchors(torch.rand(3, 30, generator=_g), 4)
+for thr in (-0.2, 0.3, 0.7):
+    m = cluster_mask(_Sr, _ar, thr)
+    for c in range(3):
+        A = _ar[c].nonzero()[:, 0].tolist()
+        assert m[c].tolist() == [j in A or any(float(_Sr[c, a, j]) > thr for a in A) for j in range(30)]
+assert (cluster_mask(_Sr, _ar, 0.7) <= cluster_mask(_Sr, _ar, 0.3)).all()       # higher threshold, smaller clusters
+assert torch.equal(cluster_mask(_Sr, _ar, 1.0), _ar)                            # above every cosine: anchors only
+assert cluster_mask(_Sr, _ar, -1.5).all()                                       # below every cosine: everything
+assert anchor_count(196) == 6 and anchor_count(16) == 1 and draw_anchors(torch.zeros(2, 5), 2)[:, :2].all()
+_u = hash_uniform(torch.arange(10), step=3, seed=0, n=30)
+assert torch.equal(draw_anchors(_u, 4)[4:7], draw_anchors(_u[4:7], 4))         # an image's anchors ignore its batch
+
+
+# %% [markdown]
+# ## How many patches leave, and which
+#
+# `cluster_drop_count` is step 4's $n_{\text{drop}}$ from the smallest cluster mask of the batch (capped at $N-1$:
+# the class token alone carries no image). `select_kept` then removes exactly $n_{\text{drop}}$ patches from
+# each image: its cluster patches first, in random order, then, if its clusters are smaller, random other
+# patches. It returns the kept indices (ascending, the order of open_clip's patch tokens) and which of the kept
+# ones are cluster patches (`hidden`). Per image, the patches that are dropped or hidden number
+# $\max(|M_i|, n_{\text{drop}})$: `effective_ratio` is their mean share, the quantity the authors' bisection matches
+# to the target.
+
+# %%
+#| export
+def cluster_drop_count(min_masked: int, n: int, min_ratio: float = 0.3) -> int:
+    "Patches every image of the batch drops: FLIP-rounded `min_ratio` of `n`, or the batch's smallest cluster mask if larger; at most n - 1."
+    if not 0 <= min_ratio < 1: raise ValueError(f"min_ratio must be in [0, 1), got {min_ratio}")
+    return min(n - 1, max(drop_count(n, min_ratio), int(min_masked)))
+
+
+def select_kept(
+    masked: torch.Tensor,   # (C, N) bool cluster masks
+    noise: torch.Tensor,    # (C, N) any real noise: the random order within cluster and non-cluster patches
+    n_drop: int,            # patches to drop from every image
+) -> tuple[torch.Tensor, torch.Tensor]:  # keep (C, N - n_drop) long ascending, hidden (C, N - n_drop) bool
+    "Drop `n_drop` patches per image, cluster patches first (random order), then others (random order)."
+    C, N = masked.shape
+    if not 0 <= n_drop < N: raise ValueError(f"need 0 <= n_drop < {N}, got {n_drop}")
+    by_noise = torch.sort(noise, dim=1, stable=True).indices                              # (C, N)
+    outside = (~masked).gather(1, by_noise).to(torch.uint8)                              # (C, N) 0: cluster, 1: other
+    order = by_noise.gather(1, torch.sort(outside, dim=1, stable=True).indices)           # (C, N) drop order
+    keep_mask = torch.ones(C, N, dtype=torch.bool, device=masked.device)
+    keep_mask.scatter_(1, order[:, :n_drop], False)
+    keep = keep_mask.nonzero()[:, 1].reshape(C, N - n_drop)                               # row-major: ascending
+    return keep, masked.gather(1, keep)
+
+
+def effective_ratio(masked: torch.Tensor, min_ratio: float = 0.3) -> float:
+    "Mean share of patches dropped or hidden, max(|M_i|, n_drop) / N, for cluster masks `(C, N)` of one batch."
+    C, N = masked.shape
+    m = masked.sum(1)                                                                     # (C,)
+    n_drop = cluster_drop_count(int(m.min()), N, min_ratio)
+    return float(m.clamp_min(n_drop).double().mean() / N)
+
+
+# %% [markdown]
+# Checks: the counts of the authors' ViT-B/16 setting; exactly $N-n_{\text{drop}}$ distinct, ascending kept
+# patches; cluster patches go before any other; an image with small clusters loses all of them and then random
+# others, one with large clusters keeps the rest of them as `hidden`; the result depends only on the image's own
+# row (so a sample's choice does not depend on its batch or process, given $n_{\text{drop}}$); the same noise gives
+# the same choice.
+
+# %%
+assert cluster_drop_count(0, 196) == 59 and cluster_drop_count(80, 196) == 80 and cluster_drop_count(196, 196) == 195
+assert cluster_drop_count(3, 16, 0.0) == 3
+_m = torch.zeros(3, 20, dtype=torch.bool)
+_m[0, :3] = True; _m[1, 5:15] = True; _m[2, ::2] = True                    # clusters of 3, 10 and 10 patches
+_n = hash_uniform(torch.arange(3), 0, 0, 20)
+_keep, _hid = select_kept(_m, _n, 6)
+assert _keep.shape == (3, 14) and (_keep.diff(dim=1) > 0).all()
+_kept = torch.zeros(3, 20, dtype=torch.bool).scatter_(1, _keep, True)
+assert not (_kept & _m)[0].any() and (~_kept & ~_m)[0].sum() == 3          # image 0: its 3 cluster patches and 3 others
+assert ((~_kept) <= _m)[1:].all() and (_kept & _m)[1:].sum(1).eq(4).all()   # images 1, 2: 6 of 10 cluster patches go
+assert torch.equal(_hid, _m.gather(1, _keep))
+_k1, _h1 = select_kept(_m[1:2], _n[1:2], 6)
+assert torch.equal(_k1, _keep[1:2]) and torch.equal(_h1, _hid[1:2])
+assert torch.equal(select_kept(_m, _n, 6)[0], _keep)
+assert abs(effective_ratio(_m, 0.3) - (6 + 10 + 10) / 60) < 1e-12      # n_drop = max(20 - 14, 3) = 6
+print("kept (image 0):", _keep[0].tolist(), " hidden per image:", _hid.sum(1).tolist())
+
+
+# %% [markdown]
+# ## The threshold for a target ratio
+#
+# The authors' intended search: bisection on the threshold until the batch's `effective_ratio` is within `tol`
+# of the target (0.5). The share of masked patches can only shrink as the threshold grows, so bisection on
+# $[-1, 1]$ converges; with finitely many patches the exact target may be out of reach, and the closest threshold
+# seen is returned. Under DDP every process must use the same threshold: calibrate once (on one batch, or offline,
+# as `46_clip_pgs` calibrated its `sim_threshold`) and keep it in the config.
+
+# %%
+#| export
+def calibrate_threshold(
+    sim: torch.Tensor,       # (C, N, N) patch similarities of a calibration batch
+    anchors: torch.Tensor,   # (C, N) bool anchors of that batch
+    target: float = 0.5,     # wanted effective_ratio
+    min_ratio: float = 0.3,
+    tol: float = 1e-3,
+    iters: int = 40,
+) -> float:                  # the threshold whose effective ratio is closest to the target
+    "Bisection on the cluster threshold so that the batch's effective masking ratio meets `target`."
+    if not 0 < target < 1: raise ValueError(f"target must be in (0, 1), got {target}")
+    lo, hi = -1.0, 1.0
+    best, best_err = hi, math.inf
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        r = effective_ratio(cluster_mask(sim, anchors, mid), min_ratio)
+        if abs(r - target) < best_err: best, best_err = mid, abs(r - target)
+        if best_err < tol: break
+        if r > target: lo = mid                                                      # too much masked: raise r
+        else: hi = mid
+    return best
+
+
+# %%
+_imgs = torch.stack([_quadrant_image(seed=s, noise=0.5)[0] for s in range(32)])   # noisier quadrants
+_Sc = pixel_similarity(patch_pixels(_imgs, 8))
+_ac = draw_anchors(hash_uniform(torch.arange(32), 0, 0, 64), anchor_count(64, 0.05))
+_thr = calibrate_threshold(_Sc, _ac, 0.5)
+_r = effective_ratio(cluster_mask(_Sc, _ac, _thr))
+print(f"calibrated threshold {_thr:.4f}: effective ratio {_r:.4f} (target 0.5); at 0.5: "
+      f"{effective_ratio(cluster_mask(_Sc, _ac, 0.5)):.4f}")
+assert abs(_r - 0.5) < 1e-3
+_rs = [effective_ratio(cluster_mask(_Sc, _ac, t)) for t in torch.linspace(-1, 1, 21).tolist()]
+assert all(a >= b for a, b in zip(_rs, _rs[1:]))                                     # non-increasing in the threshold
+
+
+# %% [markdown]
+# ## All of it for a batch
+#
+# `cluster_masking` chains the steps for a batch whose similarity is given. Two noise tensors: one draws the
+# anchors, one orders the drops (e.g. the two halves of `hash_uniform(index, step, seed, 2 * N)`). `all_min`
+# takes the batch's smallest cluster size to the global batch's (under DDP, `-dist.all_max(-m)`), so that every
+# process drops the same number of patches and two processes choose exactly what one process would on the whole
+# batch.
+
+# %%
+#| export
+@dataclass
+class ClusterMasking:
+    "What `cluster_masking` chose for a batch."
+    keep: torch.Tensor      # (C, N - n_drop) long, kept patch indices, ascending
+    hidden: torch.Tensor    # (C, N - n_drop) bool, kept patches that are in a cluster
+    masked: torch.Tensor    # (C, N) bool, cluster masks (anchors included)
+    anchors: torch.Tensor   # (C, N) bool
+    n_drop: int             # patches dropped from every image
+
+
+def cluster_masking(
+    sim: torch.Tensor,            # (C, N, N) patch similarity (`patch_similarity`)
+    anchor_noise: torch.Tensor,   # (C, N) uniform noise drawing the anchors
+    order_noise: torch.Tensor,    # (C, N) noise ordering the drops
+    n_anchor: int,                # anchors per image (`anchor_count`)
+    threshold: float,             # cosine threshold r
+    min_ratio: float = 0.3,       # least share of patches dropped
+    all_min: Callable[[torch.Tensor], torch.Tensor] | None = None,  # min over processes of a scalar tensor
+) -> ClusterMasking:
+    "E-CLIP's cluster masking of a batch: anchors, clusters, one drop count, the kept patches."
+    anchors = draw_anchors(anchor_noise, n_anchor)
+    masked = cluster_mask(sim, anchors, threshold)
+    m_min = masked.sum(1).min()
+    if all_min is not None: m_min = all_min(m_min)
+    n_drop = cluster_drop_count(int(m_min), masked.shape[1], min_ratio)
+    keep, hidden = select_kept(masked, order_noise, n_drop)
+    return ClusterMasking(keep, hidden, masked, anchors, n_drop)
+
+
+# %% [markdown]
+# Two simulated processes with the global minimum give what one process gives on the whole batch; without it,
+# each half drops its own count (the authors' behaviour). A flat image is one cluster: any anchor masks it all,
+# and one patch stays.
+
+# %%
+_imgs2 = torch.stack([_quadrant_image(seed=s, noise=0.3)[0] for s in range(6)])
+_S2 = pixel_similarity(patch_pixels(_imgs2, 8))
+_u2 = hash_uniform(torch.arange(100, 106), step=7, seed=1, n=128)
+_p = cluster_masking(_S2, _u2[:, :64], _u2[:, 64:], 3, 0.4).masked.sum(1).argsort(descending=True, stable=True)
+_S2, _u2 = _S2[_p], _u2[_p]                                              # large clusters in the first half
+_full = cluster_masking(_S2, _u2[:, :64], _u2[:, 64:], 3, 0.4)
+_halves_local = [cluster_masking(_S2[s], _u2[s, :64], _u2[s, 64:], 3, 0.4) for s in (slice(0, 3), slice(3, 6))]
+_glob = min(int(h.masked.sum(1).min()) for h in _halves_local)          # what an all-reduce of the minimum returns
+_gmin = lambda t: torch.minimum(t, torch.tensor(_glob))
+_halves = [cluster_masking(_S2[s], _u2[s, :64], _u2[s, 64:], 3, 0.4, all_min=_gmin) for s in (slice(0, 3), slice(3, 6))]
+assert all(h.n_drop == _full.n_drop for h in _halves) and _halves_local[0].n_drop > _full.n_drop
+assert torch.equal(torch.cat([h.keep for h in _halves]), _full.keep) and torch.equal(torch.cat([h.hidden for h in _halves]), _full.hidden)
+print("cluster sizes:", _full.masked.sum(1).tolist(), " n_drop: one process", _full.n_drop,
+      "| per-process without all_min", [h.n_drop for h in _halves_local])
+_flat = cluster_masking(pixel_similarity(patch_pixels(torch.full((2, 3, 32, 32), 0.2), 8)), torch.rand(2, 16, generator=_g),
+                        torch.rand(2, 16, generator=_g), 1, 0.5)
+assert _flat.masked.all() and _flat.n_drop == 15 and _flat.keep.shape == (2, 1) and _flat.hidden.all()
+
+
+# %% [markdown]
+# ### On real photos
+#
+# COCO photos (`../shared/data/coco_sample`), squashed to 224 x 224 and normalised as a ViT-B/16 sees them
+# ($N=196$), with the authors' setting: 6 anchors, threshold 0.5, at least 30 % dropped. How large are the clusters,
+# what share is dropped or hidden, and which threshold gives the target 0.5 on these photos? A measurement of
+# these photos, not of CC12M.
+
+# %%
+from pathlib import Path
+
+_DATA = next((p for p in (Path("../shared/data/coco_sample"), Path("../../shared/data/coco_sample")) if p.is_dir()),
+             Path("../shared/data/coco_sample"))                                   # from the repo root or nbs/
+_files = sorted((_DATA / "images").glob("*.jpg"))[:64] if (_DATA / "images").is_dir() else []
+if not _files:
+    print("skipped: ../shared/data/coco_sample is absent (real COCO photos)")
+else:
+    import numpy as np
+    from PIL import Image
+    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+    _mean, _std = torch.tensor(OPENAI_DATASET_MEAN)[:, None, None], torch.tensor(OPENAI_DATASET_STD)[:, None, None]
+    _x = torch.stack([(torch.from_numpy(np.asarray(Image.open(f).convert("RGB").resize((224, 224), Image.BICUBIC),
+                                                   np.float32) / 255).permute(2, 0, 1) - _mean) / _std for f in _files])
+    _Sp = pixel_similarity(patch_pixels(_x, 16))                                    # (P, 196, 196)
+    _un = hash_uniform(torch.arange(len(_files)), 0, 0, 2 * 196)
+    _cm = cluster_masking(_Sp, _un[:, :196], _un[:, 196:], anchor_count(196), 0.5)
+    _sizes = _cm.masked.sum(1).double() / 196
+    _thr_c = calibrate_threshold(_Sp, _cm.anchors, 0.5)
+    print(f"{len(_files)} photos, 6 anchors, threshold 0.5: cluster share mean {float(_sizes.mean()):.3f} "
+          f"(min {float(_sizes.min()):.3f}, max {float(_sizes.max()):.3f}); n_drop {_cm.n_drop} of 196; "
+          f"effective ratio {effective_ratio(_cm.masked):.3f}; hidden per image {float(_cm.hidden.sum(1).double().mean()):.1f}")
+    print(f"threshold for an effective ratio of 0.5 on these photos: {_thr_c:.3f} "
+          f"(gives {effective_ratio(cluster_mask(_Sp, _cm.anchors, _thr_c)):.3f})")
+    assert _cm.keep.shape == (len(_files), 196 - _cm.n_drop) and _cm.n_drop >= 59
