@@ -41,8 +41,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from powerclip.data import IMAGE_EXTS
-
 OURS = ('tree.json', 'regions.npz')             # members this tool writes (replaced if the input has them)
 STATS_VERSION = 2                               # 2: trees hold the caption as given + word offsets; caption_problem
 LOCK = '.annotate.lock'                         # in --out: held by the run writing there, names it
@@ -244,6 +242,7 @@ class Annotator:
 def check_sample(key: str, members: list) -> tuple[dict | None, tuple[str, str] | None]:
     "Decode and validate one sample: ({'image', 'text', 'members'}, None) or (None, (reason, detail))."
     from PIL import Image
+    from powerclip.data import IMAGE_EXTS                 # here, so that the command line answers at once
     from powerclip.parsing import caption_problem
     by_ext = {_split(ti.name)[1]: data for ti, data in members}
     img_ext = next((e for e in IMAGE_EXTS if e in by_ext), None)
