@@ -878,7 +878,7 @@ class TreeTokens:
     leaf_tokens: torch.Tensor   # (W, L) bool: BPE positions of the leaf held by word w (never SOT/EOT)
     leaf_valid: torch.Tensor    # (W,) bool: word w holds a leaf with all its pieces inside the context
     incidence: torch.Tensor     # (K, W) bool: node k covers the valid leaf held by word w
-    node_valid: torch.Tensor    # (K,) bool: node has a valid leaf and no earlier node has the same leaves
+    node_valid: torch.Tensor    # (K,) bool: node has a valid leaf and was kept (not a repeat or crossing, see above)
     node_np: torch.Tensor       # (K,) bool: node's label is 'NP' (noun-phrase concepts of C2LIP, `45_c2lip`)
     leaf_head: torch.Tensor     # (W,) long: the word whose row holds word w's leaf (w, unless joined)
     notes: list[str] = field(default_factory=list)  # parse notes + what tokenisation joined, cut or removed
