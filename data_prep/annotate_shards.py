@@ -7,13 +7,17 @@ for each input shard, an output shard of the same name holding every usable samp
 - `{key}.regions.npz` (with `--regions slic|felzenszwalb|sam2`): the image's masks on the patch grid,
   `powerclip.regions.encode_regions` (bit-packed `(R, N)` bool, grid size, method).
 
-Unusable samples (undecodable image, missing or non-UTF-8 caption, unparsable json, duplicate key, the last
-sample of a truncated shard) are not written; each is counted and listed by key and reason in the shard's
-`{name}.stats.json`, and totalled in `summary.json` and on the terminal.
+Unusable samples (undecodable image, missing caption or one `powerclip.parsing.caption_problem` rejects: not
+UTF-8, no letter or digit; unparsable json, duplicate key, the last sample of a truncated shard) are not
+written; each is counted and listed by key and reason in the shard's `{name}.stats.json`, and totalled in
+`summary.json` and on the terminal. The trainer (`powerclip.data.decode_sample`) skips the same captions.
 
-Resumable: a shard is written to `{name}.partial` and renamed when complete, then its stats file is written
-(also by rename): a shard counts as finished only when both exist and the stats match the current input size
-and settings. Killing the tool at any point and running the same command again redoes only unfinished shards.
+Resumable: a shard is written to `{name}.tar.{run}.partial` and renamed when complete, then its stats file is
+written (also by rename): a shard counts as finished only when both exist and the stats match the current input
+size and settings. Killing the tool at any point and running the same command again redoes only unfinished
+shards. One run at a time holds `--out` (an exclusive lock on `{out}/.annotate.lock`, which names the run);
+worker processes end with the process that started them (kill -9 included), and a worker commits a shard only
+while its run still holds the directory, so a re-run never races a writer left from a killed run.
 
     python data_prep/annotate_shards.py 'cc12m/{00000..01242}.tar' --out cc12m_annotated --workers 8 --regions slic
     python -m data_prep.annotate_shards cc12m/ --out cc12m_annotated            # a directory: all its *.tar
@@ -25,18 +29,25 @@ import glob
 import io
 import json
 import os
+import secrets
 import sys
 import tarfile
+import threading
 import time
 import traceback
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp')
 OURS = ('tree.json', 'regions.npz')             # members this tool writes (replaced if the input has them)
-STATS_VERSION = 1
+STATS_VERSION = 2                               # 2: trees hold the caption as given + word offsets; caption_problem
+LOCK = '.annotate.lock'                         # in --out: held by the run writing there, names it
+
+
+class UsageError(ValueError):
+    "A mistake in the command line or settings: reported as one line (exit status 2), before any work."
 
 
 @dataclass
@@ -88,14 +99,54 @@ def expand_inputs(specs: list[str]) -> list[Path]:
         if p.resolve() not in seen: seen.add(p.resolve()); uniq.append(p)
     names = Counter(p.name for p in uniq)
     if dups := [n for n, c in names.items() if c > 1]:
-        raise SystemExit(f'error: input shards share file names {dups[:5]}: outputs would collide')
+        raise UsageError(f'shards: input shards share file names {dups[:5]}: outputs would collide')
     return uniq
 
 
-def out_paths(shard: Path, out: Path) -> tuple[Path, Path, Path]:
-    "(output shard, its temporary name while written, its stats json)."
+def check_inputs(specs: list[str], shards: list[Path], out: str):
+    "Raise UsageError (one line naming the argument) for inputs that cannot work; nothing is written."
+    allowed = 'give shard files, directories holding *.tar, brace patterns ({00000..00009}.tar) or globs'
+    if not shards: raise UsageError(f'shards: nothing matched {" ".join(map(repr, specs))} ({allowed})')
+    for p in shards:
+        if not p.exists(): raise UsageError(f'shards: {str(p)!r} does not exist ({allowed})')
+        if not p.is_file(): raise UsageError(f'shards: {str(p)!r} is not a file ({allowed})')
+    o = Path(out)
+    if o.exists() and not o.is_dir(): raise UsageError(f'--out: {out!r} is a file; give a directory (created if missing)')
+    if next((a for a in o.parents if a.exists() and not a.is_dir()), None) is not None:
+        raise UsageError(f'--out: {out!r} is inside a file; give a directory (created if missing)')
+
+
+def out_paths(shard: Path, out: Path, run: str = 'direct') -> tuple[Path, Path, Path]:
+    "(output shard, its temporary name while run `run` writes it, its stats json)."
     stem = shard.name[:-4] if shard.name.endswith('.tar') else shard.name
-    return out / f'{stem}.tar', out / f'{stem}.tar.partial', out / f'{stem}.stats.json'
+    return out / f'{stem}.tar', out / f'{stem}.tar.{run}.partial', out / f'{stem}.stats.json'
+
+
+# ----------------------------------------------------------------------------------------------- one run at a time
+@contextmanager
+def hold_output(out: Path):
+    """Hold `out` for this run: an exclusive lock on `out/.annotate.lock` (released by the kernel when this
+    process dies, kill -9 included), which names the run; yields the run id. Partial files of earlier runs
+    are removed: no earlier run can still be committing, because its workers died with it and a worker
+    commits only while the lock names its run."""
+    import fcntl
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / LOCK, 'a+')
+    try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0); owner = (f.read().split() or ['?'])[0]; f.close()
+        raise UsageError(f'--out: {str(out)!r} is being written by another run (pid {owner}); wait for it or stop it') from None
+    run = f'{os.getpid()}-{secrets.token_hex(4)}'
+    f.seek(0); f.truncate(); f.write(f'{os.getpid()} {run}\n'); f.flush()
+    for q in out.glob('*.partial'): q.unlink(missing_ok=True)
+    try: yield run
+    finally: f.close()                                  # closing the file releases the lock
+
+
+def holds_output(out: Path, run: str) -> bool:
+    "Does run `run` still hold `out` (the lock file names it)?"
+    try: return (out / LOCK).read_text().split()[1:2] == [run]
+    except (OSError, IndexError): return False
 
 
 def finished(shard: Path, cfg: AnnotateConfig) -> dict | None:
@@ -191,6 +242,8 @@ class Annotator:
 def check_sample(key: str, members: list) -> tuple[dict | None, tuple[str, str] | None]:
     "Decode and validate one sample: ({'image', 'text', 'members'}, None) or (None, (reason, detail))."
     from PIL import Image
+    from powerclip.data import IMAGE_EXTS                 # here, so that the command line answers at once
+    from powerclip.parsing import caption_problem
     by_ext = {_split(ti.name)[1]: data for ti, data in members}
     img_ext = next((e for e in IMAGE_EXTS if e in by_ext), None)
     if img_ext is None: return None, ('missing_image', f'no {"/".join(IMAGE_EXTS)} member')
@@ -198,8 +251,8 @@ def check_sample(key: str, members: list) -> tuple[dict | None, tuple[str, str] 
         with Image.open(io.BytesIO(by_ext[img_ext])) as im: image = im.convert('RGB')
     except Exception as e: return None, ('bad_image', f'{type(e).__name__}: {e}'[:300])
     if 'txt' not in by_ext: return None, ('missing_txt', 'no .txt member')
-    try: text = by_ext['txt'].decode('utf-8')
-    except UnicodeDecodeError as e: return None, ('bad_txt', f'not UTF-8: {e}'[:300])
+    if why := caption_problem(by_ext['txt']): return None, ('bad_txt', why[:300])   # the trainer's rule too
+    text = by_ext['txt'].decode('utf-8')
     if 'json' in by_ext:
         try: json.loads(by_ext['json'])
         except Exception as e: return None, ('bad_json', f'{type(e).__name__}: {e}'[:300])
@@ -212,11 +265,13 @@ def _add(tw: tarfile.TarFile, name: str, data: bytes, like: tarfile.TarInfo):
     tw.addfile(ti, io.BytesIO(data))
 
 
-def annotate_shard(shard: Path, cfg: AnnotateConfig, ann: Annotator | None = None) -> dict:
-    "Annotate one shard into `cfg.out` (atomically); returns its stats (also written next to it)."
+def annotate_shard(shard: Path, cfg: AnnotateConfig, ann: Annotator | None = None, run: str | None = None) -> dict:
+    """Annotate one shard into `cfg.out` (atomically); returns its stats (also written next to it). `run`: the
+    id of the run holding `cfg.out` (`hold_output`); the shard is committed only while that run holds it."""
     t0 = time.time()
     out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
-    tar_path, tmp_path, stats_path = out_paths(shard, out)
+    rid = run or f'direct-{os.getpid()}-{secrets.token_hex(4)}'
+    tar_path, tmp_path, stats_path = out_paths(shard, out, rid)
     ann = ann or Annotator(cfg)
     bad: list[dict] = []
     c = Counter()
@@ -230,7 +285,6 @@ def annotate_shard(shard: Path, cfg: AnnotateConfig, ann: Annotator | None = Non
         trees = ann.parse([s['text'] for _, _, s in batch]) if batch else []
         for (key, members, s), tree in zip(batch, trees):
             parsers[tree.parser] += 1
-            if not tree.words: c['empty_caption'] += 1
             if not s['has_json']: c['no_json'] += 1
             new = [('tree.json', json.dumps(tree.to_dict(), ensure_ascii=False).encode('utf-8'))]
             if cfg.regions != 'none':
@@ -266,13 +320,17 @@ def annotate_shard(shard: Path, cfg: AnnotateConfig, ann: Annotator | None = Non
         version=STATS_VERSION, shard=shard.name, input=str(shard), input_bytes=shard.stat().st_size if shard.exists() else None,
         output=str(tar_path), settings=cfg.fingerprint(), members_read=n_members, samples_read=c['read'],
         written=c['written'], n_bad=len(bad), bad_by_reason=dict(Counter(b['reason'] for b in bad)), bad=bad,
-        truncated=truncated, read_error=error, empty_captions=c['empty_caption'], no_json=c['no_json'],
+        truncated=truncated, read_error=error, no_json=c['no_json'],
         replaced_members=c['replaced_members'], parsers=dict(parsers), seconds=round(time.time() - t0, 3))
     if cfg.regions != 'none':
-        stats['regions'] = dict(method=cfg.regions, grid=[cfg.grid_h, cfg.grid_w], **dict(reg),
+        counts = ('masks', 'pixel_masks', 'empty', 'thin', 'dropped', 'images_without_masks')   # 0 in a shard of no sample
+        stats['regions'] = dict(method=cfg.regions, grid=[cfg.grid_h, cfg.grid_w], **{k: reg[k] for k in counts},
                                 masks_per_image=round(reg['masks'] / max(c['written'], 1), 3))
+    if run is not None and not holds_output(out, run):  # a later run took the directory over: leave it to that run
+        tmp_path.unlink(missing_ok=True)
+        raise RuntimeError(f'{out} is now held by another run; {shard.name} left to it')
     os.replace(tmp_path, tar_path)                     # the shard is complete ...
-    tmp_stats = stats_path.with_name(stats_path.name + '.partial')
+    tmp_stats = stats_path.with_name(f'{stats_path.name}.{rid}.partial')
     tmp_stats.write_text(json.dumps(stats, indent=1))
     os.replace(tmp_stats, stats_path)                  # ... and now it counts as finished
     return stats
@@ -282,15 +340,32 @@ def annotate_shard(shard: Path, cfg: AnnotateConfig, ann: Annotator | None = Non
 _ANN: Annotator | None = None
 
 
-def _init_worker(cfg_dict: dict, threads: int):
+def die_with_parent(parent: int):
+    """End this process when `parent` (the process that started it) ends, kill -9 included: Linux's
+    PR_SET_PDEATHSIG, plus a thread that polls the parent pid (other systems, and the instant before prctl)."""
+    if sys.platform.startswith('linux'):
+        import ctypes
+        import signal
+        try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError): pass
+    if os.getppid() != parent: os._exit(1)
+
+    def watch():
+        while os.getppid() == parent: time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, name='die-with-parent', daemon=True).start()
+
+
+def _init_worker(cfg_dict: dict, threads: int, parent: int):
     global _ANN
+    die_with_parent(parent)                            # first: a worker must never outlive its run
     import torch
     torch.set_num_threads(threads)                     # N processes x 1 thread, not N x all cores
     _ANN = Annotator(AnnotateConfig(**cfg_dict))
 
 
-def _work(shard: str, cfg_dict: dict) -> dict:
-    return annotate_shard(Path(shard), AnnotateConfig(**cfg_dict), _ANN)
+def _work(shard: str, cfg_dict: dict, run: str) -> dict:
+    return annotate_shard(Path(shard), AnnotateConfig(**cfg_dict), _ANN, run)
 
 
 def summarize(all_stats: list[dict], failed: dict, n_skipped: int, seconds: float) -> dict:
@@ -300,7 +375,7 @@ def summarize(all_stats: list[dict], failed: dict, n_skipped: int, seconds: floa
     parsers = Counter()
     reg = Counter()
     for s in all_stats:
-        for k in ('samples_read', 'written', 'n_bad', 'empty_captions', 'no_json', 'members_read'): tot[k] += s[k]
+        for k in ('samples_read', 'written', 'n_bad', 'no_json', 'members_read'): tot[k] += s[k]
         bad.update(s['bad_by_reason']); parsers.update(s['parsers'])
         for k, v in s.get('regions', {}).items():
             if isinstance(v, int) and not isinstance(v, bool): reg[k] += v
@@ -309,15 +384,26 @@ def summarize(all_stats: list[dict], failed: dict, n_skipped: int, seconds: floa
                 failed=failed, truncated_shards={s['shard']: s['read_error'] for s in all_stats if s['truncated']},
                 bad_by_reason=dict(bad), parsers=dict(parsers), regions=dict(reg), seconds=round(seconds, 2),
                 samples_per_second_now=round(sum(s['samples_read'] for s in done_now) / max(seconds, 1e-9), 2),
-                **dict(tot))
+                **{k: tot[k] for k in ('samples_read', 'written', 'n_bad', 'no_json', 'members_read')})
+
+
+def check_config(cfg: AnnotateConfig):
+    "Raise UsageError for settings that cannot work."
+    if cfg.regions == 'sam2' and cfg.sam2_checkpoint is None and not cfg.sam2_random_weights_ok:
+        raise UsageError('--regions sam2 needs --sam2-checkpoint (download a SAM2 checkpoint first)')
+    for name in ('workers', 'batch_size', 'grid_h', 'grid_w', 'seg_size', 'n_segments'):
+        if getattr(cfg, name) < 1: raise UsageError(f'--{name.replace("_", "-")}: must be at least 1, got {getattr(cfg, name)}')
 
 
 def run(shards: list[Path], cfg: AnnotateConfig, progress: bool = True) -> dict:
     "Annotate `shards` into `cfg.out`, skipping finished ones; writes and returns the summary."
+    check_config(cfg)
+    with hold_output(Path(cfg.out)) as run_id: return _run(shards, cfg, run_id, progress)
+
+
+def _run(shards: list[Path], cfg: AnnotateConfig, run_id: str, progress: bool) -> dict:
     from tqdm.auto import tqdm
-    out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
-    if cfg.regions == 'sam2' and cfg.sam2_checkpoint is None and not cfg.sam2_random_weights_ok:
-        raise SystemExit('error: --regions sam2 needs --sam2-checkpoint (download a SAM2 checkpoint first)')
+    out = Path(cfg.out)
     t0 = time.time()
     all_stats, todo = [], []
     for p in shards:
@@ -340,15 +426,16 @@ def run(shards: list[Path], cfg: AnnotateConfig, progress: bool = True) -> dict:
     if cfg.workers <= 1 or len(todo) <= 1:
         ann = Annotator(cfg)
         for p in todo:
-            try: done(annotate_shard(p, cfg, ann))
+            try: done(annotate_shard(p, cfg, ann, run_id))
             except Exception as e: failed[p.name] = f'{type(e).__name__}: {e}'; traceback.print_exc()
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
         threads = max(1, (os.cpu_count() or 1) // cfg.workers)
+        # workers are started from this (main) thread, so PR_SET_PDEATHSIG ties them to this process
         with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context('spawn'),
-                                 initializer=_init_worker, initargs=(cfg_dict, threads)) as ex:
-            futs = {ex.submit(_work, str(p), cfg_dict): p for p in todo}
+                                 initializer=_init_worker, initargs=(cfg_dict, threads, os.getpid())) as ex:
+            futs = {ex.submit(_work, str(p), cfg_dict, run_id): p for p in todo}
             for fu in as_completed(futs):
                 try: done(fu.result())
                 except Exception as e: failed[futs[fu].name] = f'{type(e).__name__}: {e}'
@@ -366,7 +453,7 @@ def report(summary: dict) -> str:
     lines = [f"shards: {s['shards']} ({s['finished_now']} annotated now, {s['skipped_finished']} already finished, "
              f"{len(s['failed'])} failed)",
              f"samples: {s['samples_read']} read, {s['written']} written, {s['n_bad']} bad "
-             f"{s['bad_by_reason'] or ''}; {s['empty_captions']} empty captions kept; parsers {s['parsers']}",
+             f"{s['bad_by_reason'] or ''}; parsers {s['parsers']}",
              f"time: {s['seconds']} s ({s['samples_per_second_now']} samples/s this run)"]
     if s['regions']: lines.append(f"regions: {s['regions']}")
     for name, err in s['truncated_shards'].items(): lines.append(f'TRUNCATED {name}: {err}')
@@ -375,12 +462,18 @@ def report(summary: dict) -> str:
     return '\n'.join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):                          # one line, not usage + error (main prints it)
+        raise UsageError(message)
+
+
 def parse_args(argv=None) -> tuple[list[Path], AnnotateConfig, bool]:
+    "Command line -> (shards, settings, progress). Raises UsageError for anything that cannot work."
     d = AnnotateConfig()
-    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0], epilog=__doc__.split('\n', 2)[2],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__.split('\n')[0], epilog=__doc__.split('\n', 2)[2],
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('shards', nargs='+', help='shard files, directories (all *.tar), brace patterns or globs')
-    ap.add_argument('--out', required=True, help='output directory')
+    ap.add_argument('--out', required=True, help='output directory (created if missing)')
     ap.add_argument('--workers', type=int, default=d.workers, help='processes (one shard each at a time)')
     ap.add_argument('--regions', choices=['none', 'slic', 'felzenszwalb', 'sam2'], default=d.regions)
     ap.add_argument('--grid', default=str(d.grid_h), metavar='G|HxW',
@@ -400,21 +493,31 @@ def parse_args(argv=None) -> tuple[list[Path], AnnotateConfig, bool]:
     ap.add_argument('--batch-size', type=int, default=d.batch_size)
     ap.add_argument('--overwrite', action='store_true', help='redo finished shards')
     ap.add_argument('--no-progress', action='store_true')
+    ap.add_argument('--debug', action='store_true', help='show the traceback of an error')
     a = ap.parse_args(argv)
     try: gh, gw = (int(x) for x in (a.grid.lower().split('x') * 2)[:2]) if 'x' in a.grid.lower() else (int(a.grid),) * 2
-    except ValueError: ap.error(f'--grid takes G or HxW, got {a.grid!r}')
+    except ValueError: raise UsageError(f'--grid: takes G or HxW (14, 16x12), got {a.grid!r}') from None
     cfg = AnnotateConfig(out=a.out, regions=a.regions, grid_h=gh, grid_w=gw, min_frac=a.min_frac,
                          keep_best=not a.no_keep_best, crop=a.crop, seg_size=a.seg_size, n_segments=a.n_segments, fz_scale=a.fz_scale,
                          sam2_config=a.sam2_config, sam2_checkpoint=a.sam2_checkpoint,
                          sam2_points_per_side=a.sam2_points_per_side, device=a.device, parser=a.parser,
                          batch_size=a.batch_size, workers=a.workers, overwrite=a.overwrite)
-    return expand_inputs(a.shards), cfg, not a.no_progress
+    check_config(cfg)
+    shards = expand_inputs(a.shards)
+    check_inputs(a.shards, shards, a.out)
+    return shards, cfg, not a.no_progress
 
 
 def main(argv=None) -> int:
-    shards, cfg, progress = parse_args(argv)
-    if not shards: print('error: no input shards matched', file=sys.stderr); return 2
-    summary = run(shards, cfg, progress=progress)
+    "The command line: 0 done, 1 some shard failed, 2 a usage error (one line on stderr; --debug: traceback)."
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        shards, cfg, progress = parse_args(argv)
+        summary = run(shards, cfg, progress=progress)
+    except UsageError as e:
+        if '--debug' in argv: raise
+        print(f'annotate_shards: error: {e}', file=sys.stderr)
+        return 2
     print(report(summary))
     return 1 if summary['failed'] else 0
 

@@ -12,43 +12,63 @@ import torch
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'ParsedCaption', 'tree_problems', 'finalize_nodes', 'ParserConfig', 'normalize_caption',
-           'spacy_doc_to_parsed', 'ParserUnavailable', 'benepar_status', 'resolve_parser', 'load_pipeline',
-           'constituents_to_parsed', 'benepar_doc_to_parsed', 'cap_words', 'fallback_parse', 'parse_captions',
-           'parse_caption', 'to_nltk_tree', 'draw_tree', 'TreeTokens', 'default_tokenizer', 'word_pieces',
-           'tree_tokens', 'collate_trees']
+__all__ = ['logger', 'word_offsets', 'ParsedCaption', 'tree_problems', 'finalize_nodes', 'Aligned', 'unescape_aligned',
+           'ParserConfig', 'normalize_aligned', 'normalize_caption', 'caption_problem', 'spacy_doc_to_parsed',
+           'ParserUnavailable', 'benepar_status', 'resolve_parser', 'load_pipeline', 'constituents_to_parsed',
+           'benepar_doc_to_parsed', 'cap_words', 'fallback_parse', 'parse_captions', 'parse_caption', 'to_nltk_tree',
+           'draw_tree', 'TreeTokens', 'default_tokenizer', 'tokenizer_text', 'bpe_pieces', 'leaf_heads', 'tree_tokens',
+           'collate_trees']
 
 # %% ../nbs/20_parsing.ipynb #04352b1a
+def word_offsets(text: str, words: list[str]) -> list[tuple[int, int]]:
+    "`[start, end)` of each word in `text`, found left to right. Raises ValueError if a word is not there."
+    out, pos = [], 0
+    for w in words:
+        i = text.find(w, pos)
+        if i < 0 or not w: raise ValueError(f'word {w!r} not found in the text after character {pos}: {text[:80]!r}')
+        out.append((i, i + len(w))); pos = i + len(w)
+    return out
+
 @dataclass
 class ParsedCaption:
     "A caption, its words (leaves) and its phrase nodes as `[start, end)` word spans; node 0 is the root."
-    text: str                                   # caption as given, after light normalisation (see notes)
-    words: list[str]                            # leaves in order
+    text: str                                   # the caption exactly as given (what the tokenizer encodes)
+    words: list[str]                            # the parser's words in order (as it read them: `&` for `&amp;`)
     spans: list[tuple[int, int]]                # one per node, [start, end) word indices; node 0 = root
     labels: list[str]                           # one per node: 'S', 'NP', 'VP', 'PP', ...
     parser: str = 'spacy'                       # 'benepar' | 'spacy' | 'gold' | 'fallback'
     notes: list[str] = field(default_factory=list)  # reasons when something was dropped/replaced/defaulted
+    offsets: list[tuple[int, int]] | None = None    # one per word, [start, end) characters of `text`; None: derived
 
     def __post_init__(self):
         self.spans = [tuple(int(i) for i in s) for s in self.spans]
         if len(self.spans) != len(self.labels):
             raise ValueError(f'{len(self.spans)} spans but {len(self.labels)} labels')
+        self.offsets = (word_offsets(self.text, self.words) if self.offsets is None
+                        else [tuple(int(i) for i in o) for o in self.offsets])
 
     def to_dict(self) -> dict:
-        "JSON-serialisable dict (spans as lists)."
+        "JSON-serialisable dict (spans and offsets as lists)."
         return dict(text=self.text, words=list(self.words), spans=[list(s) for s in self.spans],
-                    labels=list(self.labels), parser=self.parser, notes=list(self.notes))
+                    labels=list(self.labels), parser=self.parser, notes=list(self.notes),
+                    offsets=[list(o) for o in self.offsets])
 
     @classmethod
     def from_dict(cls, d: dict) -> 'ParsedCaption':
+        "Inverse of `to_dict`; also reads trees stored without `offsets` (derived from the text)."
         return cls(text=d['text'], words=list(d['words']), spans=[tuple(s) for s in d['spans']],
-                   labels=list(d['labels']), parser=d.get('parser', 'spacy'), notes=list(d.get('notes', [])))
+                   labels=list(d['labels']), parser=d.get('parser', 'spacy'), notes=list(d.get('notes', [])),
+                   offsets=d.get('offsets'))
 
 # %% ../nbs/20_parsing.ipynb #8020881b
 def tree_problems(pc: ParsedCaption) -> list[str]:
     "Reasons why `pc` is not a proper tree (empty list when it is)."
     W, errs = len(pc.words), []
-    if not pc.spans: return ['no nodes']
+    if len(pc.offsets) != W: errs.append(f'{len(pc.offsets)} offsets for {W} words')
+    elif any(not (0 <= s < e <= len(pc.text)) for s, e in pc.offsets) or any(
+            e > s2 for (_, e), (s2, _) in zip(pc.offsets, pc.offsets[1:])):
+        errs.append('word offsets empty, outside the text or not in order')
+    if not pc.spans: return errs + ['no nodes']
     if pc.spans[0] != (0, W): errs.append(f'root is {pc.spans[0]}, not (0, {W})')
     if len(set(pc.spans)) != len(pc.spans): errs.append('duplicate spans')
     for s, e in pc.spans[1:]:
@@ -77,6 +97,84 @@ def finalize_nodes(cands: list[tuple[int, int, str]], n_words: int, root_label: 
     kept.sort(key=lambda se: (se[0], -se[1]))
     return [(0, n_words)] + kept, [root_label] + [first[se] for se in kept]
 
+# %% ../nbs/20_parsing.ipynb #6d4164de
+import difflib
+
+@dataclass
+class Aligned:
+    "A text derived from a caption, with the `[start, end)` caption span behind each of its characters."
+    text: str
+    start: list[int]                            # start[i]: first caption character behind text[i]
+    end: list[int]                              # end[i]: one past the last caption character behind text[i]
+
+    @classmethod
+    def of(cls, caption: str) -> 'Aligned':
+        "The caption itself: every character maps to itself."
+        return cls(caption, list(range(len(caption))), list(range(1, len(caption) + 1)))
+
+    def span(self, i: int, j: int) -> tuple[int, int]:
+        "Caption span of `text[i:j]` (j > i)."
+        return self.start[i], self.end[j - 1]
+
+    def __getitem__(self, sl: slice) -> 'Aligned':
+        return Aligned(self.text[sl], self.start[sl], self.end[sl])
+
+    def strip(self) -> 'Aligned':
+        "`str.strip` (whitespace at both ends)."
+        n = len(self.text); i = n - len(self.text.lstrip()); j = len(self.text.rstrip())
+        return self[i:max(i, j)] if (i, j) != (0, n) else self
+
+    def sub(self, pattern: re.Pattern, repl) -> 'Aligned':
+        "`pattern.sub(repl, text)`; each character a match produces maps to the whole matched span."
+        parts, st, en, pos = [], [], [], 0
+        for m in pattern.finditer(self.text):
+            i, j = m.span()
+            if i == j: continue                                     # (our patterns never match empty)
+            r = repl(m) if callable(repl) else repl
+            parts += [self.text[pos:i], r]
+            st += self.start[pos:i] + [self.start[i]] * len(r)
+            en += self.end[pos:i] + [self.end[j - 1]] * len(r)
+            pos = j
+        if not pos: return self
+        parts.append(self.text[pos:])
+        return Aligned(''.join(parts), st + self.start[pos:], en + self.end[pos:])
+
+    def realign(self, new: str, max_cells: int = 4_000_000) -> 'Aligned':
+        "`new`, a rewrite of `text` by a black box (ftfy), aligned to it by common runs (difflib)."
+        old = self.text
+        if new == old: return self
+        p = len(os.path.commonprefix([old, new]))
+        q = len(os.path.commonprefix([old[p:][::-1], new[p:][::-1]]))
+        a, b = old[p:len(old) - q], new[p:len(new) - q]            # the part that differs
+        st, en = self.start[:p], self.end[:p]
+        def at(i): return self.start[i] if i < len(old) else (self.end[-1] if old else 0)   # zero-width point
+        def block(i1, i2, j1, j2):                                  # old[i1:i2] became new[j1:j2] (absolute i)
+            if i2 - i1 == j2 - j1: st.extend(self.start[i1:i2]); en.extend(self.end[i1:i2])   # 1:1 (quotes, case)
+            elif i2 > i1: st.extend([self.start[i1]] * (j2 - j1)); en.extend([self.end[i2 - 1]] * (j2 - j1))
+            else: st.extend([at(i1)] * (j2 - j1)); en.extend([at(i1)] * (j2 - j1))             # inserted
+        if len(a) == len(b) or not a or not b or len(a) * len(b) > max_cells: block(p, p + len(a), 0, len(b))
+        else:
+            for _, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+                block(p + i1, p + i2, j1, j2)
+        return Aligned(new, st + self.start[len(old) - q:], en + self.end[len(old) - q:])
+
+    def lower(self) -> 'Aligned':
+        "`str.lower`: a character that lower-cases to several (`İ`) maps each of them to its own span."
+        low = self.text.lower()
+        if len(low) == len(self.text): return Aligned(low, self.start, self.end)
+        parts = [c.lower() for c in self.text]
+        if ''.join(parts) != low: return self.realign(low)
+        return Aligned(low, [s for c, s in zip(parts, self.start) for _ in c], [e for c, e in zip(parts, self.end) for _ in c])
+
+# %% ../nbs/20_parsing.ipynb #1210981f
+_CHARREF = re.compile(r'&(#[0-9]+;?|#[xX][0-9a-fA-F]+;?|[^\t\n\f <&#;]{1,32};?)')   # = html._charref
+_WS = re.compile(r'\s+')                        # the characters str.split() and str.strip() treat as space
+_CONTROL = re.compile('[\x00-\x1f\x7f-\x9f]')       # Unicode category Cc (fixed by the standard)
+
+def unescape_aligned(a: Aligned) -> Aligned:
+    "`html.unescape` with offsets."
+    return a.sub(_CHARREF, lambda m: html.unescape(m.group())) if '&' in a.text else a
+
 # %% ../nbs/20_parsing.ipynb #63ed81d2
 @dataclass
 class ParserConfig:
@@ -97,27 +195,49 @@ def _mostly_non_latin(text: str) -> bool:
     return bool(letters) and non > len(letters) / 2
 
 # %% ../nbs/20_parsing.ipynb #2627ee90
-def normalize_caption(text, cfg: ParserConfig | None = None) -> tuple[str, list[str]]:
-    "Light, meaning-preserving cleanup of one caption. Returns (text, notes)."
+def _as_caption(text, notes: list[str]) -> str:
+    if text is None: notes.append('caption was None'); return ''
+    if not isinstance(text, str): notes.append(f'caption was {type(text).__name__}, converted to str'); return str(text)
+    return text
+
+def normalize_aligned(caption: str, cfg: ParserConfig | None = None) -> tuple[Aligned, list[str]]:
+    "The parser's text of `caption` (see above), aligned to `caption`, and the notes."
     cfg, notes = cfg or ParserConfig(), []
-    if text is None: text, _ = '', notes.append('caption was None')
-    elif not isinstance(text, str):
-        notes.append(f'caption was {type(text).__name__}, converted to str'); text = str(text)
-    un = html.unescape(html.unescape(text))
-    if un != text: notes.append('unescaped HTML entities'); text = un
+    a = unescape_aligned(unescape_aligned(Aligned.of(caption)))
+    if a.text != caption: notes.append('unescaped HTML entities')
     if cfg.drop_urls:
-        text, n = _URL.subn(' ', text)
-        if n: notes.append(f'removed {n} URL(s)')
-    text = ''.join(' ' if unicodedata.category(c) == 'Cc' else c for c in text)
-    text = re.sub(r'\s+', ' ', text).strip()
-    if len(text) > cfg.max_chars:
-        cut = text.rfind(' ', 0, cfg.max_chars + 1)
+        n = len(_URL.findall(a.text))
+        if n: a = a.sub(_URL, ' '); notes.append(f'removed {n} URL(s)')
+    a = a.sub(_CONTROL, ' ').sub(_WS, ' ').strip()
+    if len(a.text) > cfg.max_chars:
+        cut = a.text.rfind(' ', 0, cfg.max_chars + 1)
         cut = cut if cut > 0 else cfg.max_chars
-        notes.append(f'cut {len(text) - cut} characters after the first {cut} (max_chars={cfg.max_chars})')
-        text = text[:cut].rstrip()
-    if not text: notes.append('empty caption')
-    elif _mostly_non_latin(text): notes.append('mostly non-Latin script: English parse labels unreliable')
-    return text, notes
+        notes.append(f'cut {len(a.text) - cut} characters after the first {cut} (max_chars={cfg.max_chars})')
+        a = a[:cut].strip()
+    if not a.text: notes.append('empty caption')
+    elif _mostly_non_latin(a.text): notes.append('mostly non-Latin script: English parse labels unreliable')
+    return a, notes
+
+def normalize_caption(text, cfg: ParserConfig | None = None) -> tuple[str, list[str]]:
+    "Light, meaning-preserving cleanup of one caption for the parser. Returns (text, notes)."
+    notes = []
+    a, n = normalize_aligned(_as_caption(text, notes), cfg)
+    return a.text, notes + n
+
+# %% ../nbs/20_parsing.ipynb #af291ccb
+def caption_problem(raw: bytes | str | None, cfg: ParserConfig | None = None) -> str | None:
+    "Why the caption `raw` (a shard's `.txt` bytes, or text) cannot be trained on, in one line; None if it can."
+    if raw is None: return 'no caption'
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        raw = bytes(raw)
+        try: raw = raw.decode('utf-8')
+        except UnicodeDecodeError as e: return f'not UTF-8: {e.reason} at byte {e.start} of {len(raw)}'
+    elif not isinstance(raw, str): return f'caption is {type(raw).__name__}, not text'
+    text, notes = normalize_caption(raw, cfg)
+    if not text: return 'empty caption' if not raw.strip() else 'no letter or digit ' + (
+        'outside URLs' if any(n.startswith('removed') for n in notes) else '(only control characters)')
+    if not any(c.isalnum() for c in text): return 'no letter or digit'
+    return None
 
 # %% ../nbs/20_parsing.ipynb #086f59dc
 _POS2LABEL = dict(NOUN='NP', PROPN='NP', PRON='NP', NUM='NP', DET='NP', VERB='VP', AUX='VP', ADP='PP',
@@ -256,7 +376,7 @@ def cap_words(pc: ParsedCaption, max_words: int) -> ParsedCaption:
     notes = pc.notes + [f'kept the first {max_words} of {W} words (max_words)']
     cands = [(s, min(e, max_words), lab) for (s, e), lab in zip(pc.spans[1:], pc.labels[1:]) if s < max_words]
     spans, labels = finalize_nodes(cands, max_words, pc.labels[0], notes)
-    return ParsedCaption(pc.text, pc.words[:max_words], spans, labels, pc.parser, notes)
+    return ParsedCaption(pc.text, pc.words[:max_words], spans, labels, pc.parser, notes, pc.offsets[:max_words])
 
 def fallback_parse(text: str, notes: list[str], reason: str) -> ParsedCaption:
     "Whitespace words under a single root: used when the parser fails on a caption."
@@ -265,6 +385,11 @@ def fallback_parse(text: str, notes: list[str], reason: str) -> ParsedCaption:
 
 def _doc_to_parsed(name, doc, text, notes):
     return (benepar_doc_to_parsed if name == 'benepar' else spacy_doc_to_parsed)(doc, text, notes)
+
+def _on_caption(pc: ParsedCaption, caption: str, a: Aligned) -> ParsedCaption:
+    "A tree over the parser's text `a.text`, moved onto the caption it came from (offsets through `a`)."
+    return ParsedCaption(caption, pc.words, pc.spans, pc.labels, pc.parser, pc.notes,
+                         [a.span(s, e) for s, e in pc.offsets])
 
 # %% ../nbs/20_parsing.ipynb #3c364205
 def _parse_chunk(args) -> list[ParsedCaption]:
@@ -283,25 +408,31 @@ def parse_captions(texts: list, cfg: ParserConfig | None = None, n_process: int 
     name, why = resolve_parser(cfg)
     if why.startswith('auto:'): _log_once(why)
     nlp = load_pipeline(name, cfg.spacy_model, cfg.benepar_model)
-    norm = [normalize_caption(t, cfg) for t in texts]
+    caps, norm = [], []
+    for t in texts:
+        notes = []
+        caps.append(_as_caption(t, notes))
+        a, n = normalize_aligned(caps[-1], cfg)
+        norm.append((a, notes + n))
     out: list[ParsedCaption | None] = [None] * len(texts)
-    todo = [i for i, (t, _) in enumerate(norm) if t]
-    for i, (t, n) in enumerate(norm):
-        if not t: out[i] = ParsedCaption(t, [], [(0, 0)], ['TOP'], 'fallback', n)
+    todo = [i for i, (a, _) in enumerate(norm) if a.text]
+    for i, (a, n) in enumerate(norm):
+        if not a.text: out[i] = ParsedCaption(caps[i], [], [(0, 0)], ['TOP'], 'fallback', n)
     for b in range(0, len(todo), cfg.batch_size):
         idx = todo[b:b + cfg.batch_size]
-        try: docs = list(nlp.pipe([norm[i][0] for i in idx], batch_size=cfg.batch_size))
+        try: docs = list(nlp.pipe([norm[i][0].text for i in idx], batch_size=cfg.batch_size))
         except Exception as e:
             logger.warning('parser failed on a batch (%r); parsing its %d captions one by one', e, len(idx))
             docs = [None] * len(idx)
         for i, doc in zip(idx, docs):
-            t, n = norm[i]
+            a, n = norm[i]
             try:
-                doc = doc if doc is not None else nlp(t)
-                out[i] = cap_words(_doc_to_parsed(name, doc, t, n), cfg.max_words)
+                doc = doc if doc is not None else nlp(a.text)
+                pc = _doc_to_parsed(name, doc, a.text, n)
             except Exception as e:
-                logger.warning('parser failed on %r: %r', t[:80], e)
-                out[i] = cap_words(fallback_parse(t, n, f'parser error, flat fallback tree: {e!r}'), cfg.max_words)
+                logger.warning('parser failed on %r: %r', a.text[:80], e)
+                pc = fallback_parse(a.text, n, f'parser error, flat fallback tree: {e!r}')
+            out[i] = _on_caption(cap_words(pc, cfg.max_words), caps[i], a)
     return out
 
 _logged: set = set()
@@ -340,13 +471,14 @@ def draw_tree(pc: ParsedCaption) -> str:
 @dataclass
 class TreeTokens:
     "Token ids and tree masks of one caption (see `tree_tokens`)."
-    tokens: torch.Tensor        # (L,) long: SOT, word pieces, EOT, zeros
-    leaf_tokens: torch.Tensor   # (W, L) bool: BPE positions of each word (never SOT/EOT)
-    leaf_valid: torch.Tensor    # (W,) bool: False for words cut off by truncation or without pieces
-    incidence: torch.Tensor     # (K, W) bool: node k covers valid word w
-    node_valid: torch.Tensor    # (K,) bool: node has at least one valid word
+    tokens: torch.Tensor        # (L,) long: SOT, pieces, EOT, zeros: exactly `tokenizer([text], L)[0]`
+    leaf_tokens: torch.Tensor   # (W, L) bool: BPE positions of the leaf held by word w (never SOT/EOT)
+    leaf_valid: torch.Tensor    # (W,) bool: word w holds a leaf with all its pieces inside the context
+    incidence: torch.Tensor     # (K, W) bool: node k covers the valid leaf held by word w
+    node_valid: torch.Tensor    # (K,) bool: node has a valid leaf and was kept (not a repeat or crossing, see above)
     node_np: torch.Tensor       # (K,) bool: node's label is 'NP' (noun-phrase concepts of C2LIP, `45_c2lip`)
-    notes: list[str] = field(default_factory=list)  # parse notes + what tokenisation dropped
+    leaf_head: torch.Tensor     # (W,) long: the word whose row holds word w's leaf (w, unless joined)
+    notes: list[str] = field(default_factory=list)  # parse notes + what tokenisation joined, cut or removed
 
 @lru_cache(maxsize=1)
 def default_tokenizer():
@@ -354,51 +486,126 @@ def default_tokenizer():
     from open_clip.tokenizer import SimpleTokenizer
     return SimpleTokenizer(context_length=77)
 
+# %% ../nbs/20_parsing.ipynb #301a9667
+def tokenizer_text(tok, caption: str) -> Aligned:
+    "The text open_clip's `tok.encode(caption)` splits into pieces (`tok.clean_fn(caption)`), aligned to `caption`."
+    clean = getattr(tok.clean_fn, '__name__', '')
+    if clean not in ('_clean_lower', '_clean_whitespace'): return _realigned_clean(tok, caption)
+    import ftfy
+    a = Aligned.of(caption).realign(ftfy.fix_text(caption))           # basic_clean: ftfy, unescape twice, strip
+    a = unescape_aligned(unescape_aligned(a)).sub(_WS, ' ').strip()    # whitespace_clean: ' '.join(split())
+    return a.lower() if clean == '_clean_lower' else a
+
+def _realigned_clean(tok, caption: str) -> Aligned:
+    "The tokenizer's own cleaned text, aligned to the caption as a whole (the fallback of `tokenizer_text`)."
+    a, low = Aligned.of(caption), caption.lower()
+    if len(low) == len(caption): a = Aligned(low, a.start, a.end)     # match letters whatever their case
+    return a.realign(tok.clean_fn(caption))
+
+def bpe_pieces(tok, a: Aligned, max_pieces: int | None = None) -> list[tuple[int, int, int]]:
+    "`(id, start, end)` of the first `max_pieces` BPE pieces of the tokenizer text `a`; `[start, end)` in the caption."
+    out = []
+    for m in tok.pat.finditer(a.text):
+        word = m.group()
+        bs = word.encode('utf-8')
+        cb = range(len(word)) if len(bs) == len(word) else [j for j, c in enumerate(word) for _ in c.encode('utf-8')]
+        syms = tok.bpe(''.join(tok.byte_encoder[b] for b in bs)).split(' ')
+        extra = sum(map(len, syms)) - len(bs)                         # the '</w>' that ends the last piece
+        b = 0
+        for k, sym in enumerate(syms):
+            n = len(sym) - (extra if k == len(syms) - 1 else 0)        # bytes of this piece
+            i, j = m.start() + cb[b], m.start() + cb[b + n - 1]       # its first and last character
+            out.append((tok.encoder[sym], a.start[i], a.end[j]))
+            b += n
+            if max_pieces is not None and len(out) >= max_pieces: return out
+    return out
+
 # %% ../nbs/20_parsing.ipynb #8fb3b564
-import weakref
-_PIECES: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+def leaf_heads(caption: str, offsets: list[tuple[int, int]], pieces: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+    "`head[w]`: first word of word w's leaf; `owner[i]`: head of the leaf piece i belongs to (-1: no word)."
+    W = len(offsets)
+    join = [False] + [e == s and caption[e - 1].isalnum() and caption[s].isalnum()      # (b) a cut inside a word
+                      for (_, e), (s, _) in zip(offsets, offsets[1:])]
+    first, w = [-1] * len(pieces), 0
+    for i, (_, ps, pe) in enumerate(pieces):                          # pieces and words are both in caption order
+        pe = max(pe, ps + 1)                                          # a piece of inserted characters is a point
+        while w < W and offsets[w][1] <= ps: w += 1
+        v = w
+        while v < W and offsets[v][0] < pe: v += 1                   # words w .. v-1 overlap the piece
+        if v > w: first[i] = w
+        for u in range(w + 1, v): join[u] = True                      # (a) one piece over several words
+    head = list(range(W))
+    for u in range(1, W):
+        if join[u]: head[u] = head[u - 1]
+    return head, [head[f] if f >= 0 else -1 for f in first]
 
-def word_pieces(tok, word: str, max_cache: int = 200_000) -> list[int]:
-    "BPE ids of one word under `tok` (`tok.encode`, cached per tokenizer)."
-    try: cache = _PIECES.setdefault(tok, {})
-    except TypeError: return tok.encode(word)                    # tokenizer not weak-referenceable: no cache
-    ids = cache.get(word)
-    if ids is None:
-        if len(cache) >= max_cache: cache.clear()
-        ids = cache[word] = tuple(tok.encode(word))
-    return list(ids)
+# %% ../nbs/20_parsing.ipynb #9fc405f1
+def _aligned_pieces(tok, caption: str, ids: list[int], keep: int) -> list[tuple[int, int, int]] | None:
+    "The caption's first `keep + 1` pieces with caption spans, checked against the tokenizer's ids; None if they differ."
+    for text in (tokenizer_text, _realigned_clean):
+        pieces = bpe_pieces(tok, text(tok, caption), keep + 1)
+        n = min(len(pieces), keep)
+        if [p[0] for p in pieces[:n]] == ids[1:1 + n] and ids[1 + n] == tok.eot_token_id: return pieces
+    return None
 
-# %% ../nbs/20_parsing.ipynb #ee40b1b2
 def tree_tokens(parsed: ParsedCaption, tokenizer=None, context_length: int = 77) -> TreeTokens:
-    "Tokens `(L,)`, leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity and NP label `(K,)`."
+    "Tokens `(L,)` (the tokenizer's own), leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity and NP label `(K,)`."
     tok = tokenizer or default_tokenizer()
-    W, K, L = len(parsed.words), len(parsed.spans), context_length
-    first, last, valid = [0] * W, [0] * W, [False] * W               # piece positions [first, last) per word
-    ids, notes, no_piece, cut_at = [tok.sot_token_id], list(parsed.notes), [], None
-    for w, word in enumerate(parsed.words):
-        pieces = word_pieces(tok, word)
-        if not pieces: no_piece.append(w); continue
-        if len(ids) + len(pieces) > L - 1: cut_at = w; break          # keep one slot for EOT
-        first[w], last[w], valid[w] = len(ids), len(ids) + len(pieces), True
-        ids += pieces
-    ids.append(tok.eot_token_id)
-    pos = torch.arange(L)
-    leaf_tokens = (pos[None, :] >= torch.tensor(first)[:, None]) & (pos[None, :] < torch.tensor(last)[:, None])  # (W, L)
-    leaf_valid = torch.tensor(valid, dtype=torch.bool)                # (W,)
-    tokens = torch.zeros(L, dtype=torch.long)
-    tokens[:len(ids)] = torch.tensor(ids, dtype=torch.long)
-    se = torch.tensor(parsed.spans, dtype=torch.long).reshape(K, 2)  # (K, 2)
-    w_idx = torch.arange(W)
-    cover = (w_idx[None, :] >= se[:, :1]) & (w_idx[None, :] < se[:, 1:])   # (K, W)
-    incidence = cover & leaf_valid[None, :]                          # (K, W)
-    node_valid = incidence.any(1)                                    # (K,)
+    W, K, L, keep = len(parsed.words), len(parsed.spans), context_length, context_length - 2
+    notes, text, offs = list(parsed.notes), parsed.text, parsed.offsets
+    tokens = tok([text], context_length=L)[0]                         # (L,) the call evaluation makes
+    pieces = _aligned_pieces(tok, text, tokens.tolist(), keep)
+    if pieces is None: notes.append('could not align the BPE pieces with the caption: no leaf'); pieces = []
+    head, owner = leaf_heads(text, offs, pieces)
+    heads = sorted(set(head))                                         # one per leaf, in order
+    last = {h: w for w, h in enumerate(head)}                         # last word of each leaf
+    cut = pieces[keep][1] if len(pieces) > keep else None             # caption position of the first piece cut off
+    pos = {h: [] for h in heads}
+    for i, h in enumerate(owner):
+        if h >= 0: pos[h].append(i)
+    valid = {h: bool(pos[h]) and max(pos[h]) < keep and (cut is None or offs[last[h]][1] <= cut) for h in heads}
+    leaf_tokens = torch.zeros(W, L, dtype=torch.bool)                 # (W, L)
+    rows = [(h, 1 + i) for h in heads if valid[h] for i in pos[h]]   # position 0 is SOT
+    if rows: leaf_tokens[tuple(torch.tensor(rows).T)] = True
+    leaf_valid = torch.tensor([valid.get(w, False) for w in range(W)], dtype=torch.bool)   # (W,)
+    # nodes as intervals of valid leaves; the same interval twice, or crossing a larger one: removed
+    g_of = {h: g for g, h in enumerate(heads)}
+    ok = [valid[h] for h in heads]
+    nxt, prv, n, p = [0] * len(heads), [0] * len(heads), len(heads), -1
+    for g in range(len(heads)): p = g if ok[g] else p; prv[g] = p
+    for g in reversed(range(len(heads))): n = g if ok[g] else n; nxt[g] = n
+    iv = []
+    for s, e in parsed.spans:
+        g0, g1 = (g_of[head[s]], g_of[head[e - 1]]) if e > s else (0, -1)
+        iv.append((nxt[g0], prv[g1] + 1) if e > s and nxt[g0] <= prv[g1] else None)
+    kept, dup, crossed = [], 0, 0
+    for k in sorted((k for k in range(K) if iv[k]), key=lambda k: (iv[k][0] - iv[k][1], k)):   # larger first, then order
+        s, e = iv[k]
+        if any(iv[j] == (s, e) for j in kept): dup += 1
+        elif any(s < e2 and s2 < e and not (s2 <= s and e <= e2) and not (s <= s2 and e2 <= e) for s2, e2 in (iv[j] for j in kept)):
+            crossed += 1
+        else: kept.append(k)
+    incidence = torch.zeros(K, W, dtype=torch.bool)                   # (K, W)
+    cells = [(k, heads[g]) for k in kept for g in range(*iv[k]) if ok[g]]
+    if cells: incidence[tuple(torch.tensor(cells).T)] = True
+    node_valid = incidence.any(1)                                     # (K,)
     node_np = torch.tensor([lab == 'NP' for lab in parsed.labels], dtype=torch.bool).reshape(K)  # (K,)
+    joined = [w for w in range(W) if head[w] != w]
+    if joined:
+        shown = [repr(text[offs[h][0]:offs[last[h]][1]]) for h in dict.fromkeys(head[w] for w in joined)][:3]
+        notes.append(f'{len(joined)} word(s) joined to the word before into one leaf: {", ".join(shown)}')
+    no_piece = [h for h in heads if not pos[h] and (cut is None or offs[h][0] < cut)]
     if no_piece: notes.append(f'{len(no_piece)} word(s) with no BPE pieces: {no_piece}')
-    if cut_at is not None:
-        notes.append(f'truncated to {L} tokens: dropped {W - cut_at} of {W} words from word {cut_at}; '
-                     f'{int((~node_valid).sum())} of {K} nodes lost all words')
-    elif not node_valid.all(): notes.append(f'{int((~node_valid).sum())} of {K} nodes have no valid word')
-    return TreeTokens(tokens, leaf_tokens, leaf_valid, incidence, node_valid, node_np, notes)
+    if cut is not None:
+        n_cut = sum(not valid[h] and offs[last[h]][1] > cut for h in heads)
+        notes.append(f'truncated to {L} tokens: {n_cut} of {len(heads)} leaves cut; '
+                     f'{int((~node_valid).sum()) - dup - crossed} of {K} nodes lost all words')
+    elif not node_valid.all() and int((~node_valid).sum()) > dup + crossed:
+        notes.append(f'{int((~node_valid).sum()) - dup - crossed} of {K} nodes have no valid word')
+    if dup: notes.append(f'removed {dup} node(s) covering the same tokens as an earlier node')
+    if crossed: notes.append(f'removed {crossed} node(s) crossing a larger node once words were joined')
+    return TreeTokens(tokens, leaf_tokens, leaf_valid, incidence, node_valid, node_np,
+                      torch.tensor(head, dtype=torch.long).reshape(W), notes)
 
 # %% ../nbs/20_parsing.ipynb #023083f3
 def collate_trees(items: list[TreeTokens]) -> dict[str, torch.Tensor]:

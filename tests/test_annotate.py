@@ -1,4 +1,5 @@
-"""data_prep/annotate_shards.py end to end: dirty and truncated shards, 2 processes, kill and resume."""
+"""data_prep/annotate_shards.py end to end: dirty and truncated shards, 2 processes, kill and resume, the command
+line's errors, and the caption rule it shares with the trainer."""
 import io
 import json
 import os
@@ -14,8 +15,9 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from data_prep.annotate_shards import AnnotateConfig, expand_inputs, read_groups, run
-from powerclip.parsing import ParsedCaption
+from data_prep.annotate_shards import (AnnotateConfig, UsageError, annotate_shard, expand_inputs, hold_output, main,
+                                      read_groups, report, run)
+from powerclip.parsing import ParsedCaption, tree_problems
 from powerclip.regions import decode_regions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,20 +49,20 @@ def _cut_inside(path: Path, member_index: int, into: int = 100):
 
 
 # the expected accounting of the dirty shard 00000.tar
-DIRTY_BAD = {'k0002': 'bad_image', 'k0003': 'missing_txt', 'k0004': 'bad_json', 'k0006': 'bad_txt',
+DIRTY_BAD = {'k0002': 'bad_image', 'k0003': 'missing_txt', 'k0004': 'bad_json', 'k0005': 'bad_txt', 'k0006': 'bad_txt',
              'k0001': 'duplicate_key', 'k0008': 'missing_image'}
 
 
 @pytest.fixture(scope='module')
 def shards(tmp_path_factory) -> Path:
-    "Four shards: a dirty one, a clean one, a truncated one, and one with an empty caption and no json."
+    "Four shards: a dirty one, a clean one, a truncated one, and one of empty captions only."
     d = tmp_path_factory.mktemp('in')
     _write(d / '00000.tar', [
         _sample('k0000', 0), _sample('k0001', 1),
         _sample('k0002', 2, jpg=b'\xff\xd8 not a jpeg'),             # undecodable image
         _sample('k0003', 3, txt=None),                                # missing caption
         _sample('k0004', 4, json='{"key": '),                         # bad json
-        _sample('k0005', 5, text='   '),                              # empty caption: kept, counted
+        _sample('k0005', 5, text='   '),                              # empty caption
         _sample('k0006', 6, txt=b'\xff\xfe caf\xe9'),                 # not UTF-8
         _sample('k0007', 7, json=None),                               # no json: kept, counted
         _sample('k0001', 8),                                          # duplicate key
@@ -107,21 +109,23 @@ def test_counts_and_reasons(reference):
         assert s['samples_read'] == s['written'] + s['n_bad'], s
     a = st['00000']
     assert {b['key']: b['reason'] for b in a['bad']} == DIRTY_BAD
-    assert (a['written'], a['empty_captions'], a['no_json'], a['truncated']) == (4, 1, 1, False)
+    assert {b['key']: b['detail'] for b in a['bad'] if b['reason'] == 'bad_txt'} == {
+        'k0005': 'empty caption', 'k0006': 'not UTF-8: invalid start byte at byte 0 of 7'}
+    assert (a['written'], a['no_json'], a['truncated']) == (3, 1, False)
     assert st['00001']['written'] == 6 and st['00001']['n_bad'] == 0
     c = st['00002']                                          # cut inside sample 3: samples 0-2 kept, 3 listed
     assert c['truncated'] and 'unexpected end' in c['read_error']
     assert c['written'] == 3 and [(b['key'], b['reason']) for b in c['bad']] == [('k0203', 'truncated')]
-    assert st['00003']['written'] == 2 and st['00003']['empty_captions'] == 2
-    assert summary['written'] == 15 and summary['n_bad'] == 7 and summary['samples_read'] == 22
+    assert st['00003']['written'] == 0 and st['00003']['bad_by_reason'] == {'bad_txt': 2}
+    assert summary['written'] == 12 and summary['n_bad'] == 10 and summary['samples_read'] == 22
     assert summary['truncated_shards'].keys() == {'00002.tar'} and not summary['failed']
-    assert json.loads((out / 'summary.json').read_text())['written'] == 15
+    assert json.loads((out / 'summary.json').read_text())['written'] == 12
 
 
 def test_output_samples(reference, shards):
     out, _, _ = reference
     outs, st = _outputs(out), _stats(out)
-    assert set(outs['00000.tar']) == {'k0000', 'k0001', 'k0005', 'k0007'}
+    assert set(outs['00000.tar']) == {'k0000', 'k0001', 'k0007'} and outs['00003.tar'] == {}
     # the original members are copied byte for byte
     src = {}
     with tarfile.open(shards / '00001.tar') as tf:
@@ -132,22 +136,23 @@ def test_output_samples(reference, shards):
     for shard in outs.values():
         for k, g in shard.items():
             assert set(g) >= {'jpg', 'txt', 'tree.json', 'regions.npz'}
-            tree = ParsedCaption.from_dict(json.loads(g['tree.json']))
-            assert tree.text == ' '.join(g['txt'].decode().split())
+            d = json.loads(g['tree.json'])
+            tree = ParsedCaption.from_dict(d)
+            assert tree.text == g['txt'].decode() and tree_problems(tree) == []     # the caption as given
+            assert [tree.text[s:e] for s, e in d['offsets']] == tree.words           # stored word offsets
             assert tree.spans[0] == (0, len(tree.words))
             masks, meta = decode_regions(g['regions.npz'])
             assert (meta['grid_h'], meta['grid_w'], meta['method']) == (14, 14, 'slic')
             assert masks.shape[1] == 196 and masks.any(1).all()
             n_masks += len(masks)
-    assert n_masks == sum(s['regions']['masks'] for s in st.values()) > 15
-    assert ParsedCaption.from_dict(json.loads(outs['00003.tar']['k0300']['tree.json'])).words == []
+    assert n_masks == sum(s['regions']['masks'] for s in st.values()) > 12
 
 
 def test_resume_redoes_only_unfinished(shards, reference, tmp_path):
     ref_out, cfg, _ = reference
     out = tmp_path / 'out'; out.mkdir()
     # the traces a killed run leaves: a half-written temp shard, and a renamed shard whose stats never came
-    (out / '00001.tar.partial').write_bytes(b'half a shard')
+    (out / '00001.tar.1234-deadbeef.partial').write_bytes(b'half a shard')
     (out / '00000.tar').write_bytes(b'not finished')
     # a shard finished by an earlier run with the same settings
     for ext in ('.tar', '.stats.json'):
@@ -161,7 +166,7 @@ def test_resume_redoes_only_unfinished(shards, reference, tmp_path):
     assert _outputs(out) == _outputs(ref_out)                # the redone shards are exactly the reference
     # nothing left to do on a second run
     s = run(expand_inputs([str(shards)]), cfg2, progress=False)
-    assert (s['finished_now'], s['skipped_finished'], s['written']) == (0, 4, 15)
+    assert (s['finished_now'], s['skipped_finished'], s['written']) == (0, 4, 12)
     # other settings: the finished shards do not match them, so they are redone
     s = run(expand_inputs([str(shards)]), AnnotateConfig(**{**cfg2.__dict__, 'regions': 'none'}), progress=False)
     assert s['finished_now'] == 4
@@ -178,39 +183,134 @@ def test_cli_two_processes(shards, reference, tmp_path):
     r = _cli(f'{shards}/{{00000..00003}}.tar', '--out', tmp_path, '--workers', 2, '--regions', 'slic',
              '--parser', 'spacy', '--no-progress')
     assert r.returncode == 0, r.stderr[-3000:]
-    assert '15 written, 7 bad' in r.stdout and 'TRUNCATED 00002.tar' in r.stdout
+    assert '12 written, 10 bad' in r.stdout and 'TRUNCATED 00002.tar' in r.stdout
     assert _outputs(tmp_path) == _outputs(ref_out)          # 2 processes write what 1 process wrote
 
 
-def test_kill_and_resume(tmp_path):
-    "SIGKILL the tool after its first finished shard; the same command then finishes the rest."
+def _children() -> dict[int, list[int]]:
+    "{ppid: [pid, ...]} of every process (Linux /proc)."
+    kids = {}
+    for d in Path('/proc').iterdir():
+        if not d.name.isdigit(): continue
+        try: st = (d / 'stat').read_text()
+        except OSError: continue
+        kids.setdefault(int(st[st.rindex(')') + 2:].split()[1]), []).append(int(d.name))
+    return kids
+
+
+def _descendants(pid: int) -> set[int]:
+    kids, out, todo = _children(), set(), [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []): out.add(c); todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    "Running (a zombie waiting for a parent that does not reap it counts as ended)."
+    try: st = Path(f'/proc/{pid}/stat').read_text()
+    except OSError: return False
+    return st[st.rindex(')') + 2] != 'Z'
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='reads the process tree from /proc')
+def test_kill_main_process_ends_its_workers_and_the_rerun_matches(tmp_path):
+    """SIGKILL only the main process of a 2-worker run while a worker writes a shard: the workers and the
+    resource tracker end within seconds; the same command then finishes, with shards byte-identical to an
+    uninterrupted run."""
     src = tmp_path / 'in'; src.mkdir()
-    for s in range(6): _write(src / f'{s:05d}.tar', [_sample(f's{s}_{i:03d}', 100 * s + i) for i in range(40)])
+    for s in range(4): _write(src / f'{s:05d}.tar', [_sample(f's{s}_{i:03d}', 100 * s + i) for i in range(30)])
     out = tmp_path / 'out'
-    args = (src, '--out', out, '--workers', 1, '--regions', 'slic', '--parser', 'spacy', '--no-progress')
-    p = subprocess.Popen([sys.executable, '-m', 'data_prep.annotate_shards', *map(str, args)], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    args = (src, '--out', out, '--workers', 2, '--regions', 'slic', '--parser', 'spacy', '--no-progress')
+    with open(tmp_path / 'log', 'w') as log:
+        p = subprocess.Popen([sys.executable, '-m', 'data_prep.annotate_shards', *map(str, args)], cwd=ROOT,
+                             stdout=log, stderr=log)
+    t0, tree = time.time(), set()
+    while p.poll() is None and time.time() - t0 < 240:          # two workers up, one of them writing a shard
+        tree = _descendants(p.pid)
+        if len(tree) >= 3 and list(out.glob('*.tar.*.partial')): break
+        time.sleep(0.05)
+    assert p.poll() is None, f'the run ended before it could be killed: {(tmp_path / "log").read_text()[-2000:]}'
+    tree = _descendants(p.pid)                                  # 2 workers + the resource tracker
+    assert len(tree) >= 3, tree
+    os.kill(p.pid, signal.SIGKILL); p.wait()
     t0 = time.time()
-    while not list(out.glob('*.stats.json')) and p.poll() is None and time.time() - t0 < 240: time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL); p.wait()
-    done_before = {q.name for q in out.glob('*.stats.json')}
-    assert done_before, 'no shard finished before the kill'
-    for q in out.glob('*.stats.json'):                      # every shard that counts as finished is whole
-        with tarfile.open(out / q.name.replace('.stats.json', '.tar')) as tf: assert len(tf.getmembers()) == 40 * 5
+    while any(_alive(q) for q in tree) and time.time() - t0 < 10: time.sleep(0.1)
+    left = [q for q in tree if _alive(q)]
+    for q in left: os.kill(q, signal.SIGKILL)                   # (only so a failure leaves nothing behind)
+    assert not left, f'processes left after the main process was killed: {left}'
+    assert list(out.glob('*.partial')), 'killed mid-shard: a partial file stays until the re-run'
     r = _cli(*args)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / 'summary.json').read_text())
-    assert summary['skipped_finished'] == len(done_before) and summary['finished_now'] == 6 - len(done_before)
-    assert summary['written'] == 240 and summary['n_bad'] == 0 and not list(out.glob('*.partial'))
+    assert summary['written'] == 120 and summary['n_bad'] == 0 and not list(out.glob('*.partial'))
+    ref = tmp_path / 'ref'
+    run(expand_inputs([str(src)]), AnnotateConfig(out=str(ref), regions='slic', parser='spacy'), progress=False)
+    tars = lambda d: {q.name: q.read_bytes() for q in sorted(d.glob('*.tar'))}
+    assert tars(out) == tars(ref) and len(tars(ref)) == 4
 
 
-def test_errors_are_clear(shards, tmp_path):
-    with pytest.raises(SystemExit, match='sam2-checkpoint'):
-        run(expand_inputs([str(shards)]), AnnotateConfig(out=str(tmp_path), regions='sam2'), progress=False)
-    s = run([shards / 'nope.tar'], AnnotateConfig(out=str(tmp_path)), progress=False)
-    assert s['failed'] == {'nope.tar': 'input shard does not exist'}
-    with pytest.raises(SystemExit, match='share file names'):
-        (tmp_path / 'a').mkdir(); expand_inputs([str(shards / '00000.tar'), str(tmp_path / 'a' / '00000.tar')])
+def test_one_run_at_a_time_per_output(shards, tmp_path):
+    out = tmp_path / 'o'
+    cfg = AnnotateConfig(out=str(out), parser='spacy')
+    with hold_output(out):
+        with pytest.raises(UsageError, match='being written by another run'):
+            run(expand_inputs([str(shards / '00001.tar')]), cfg, progress=False)
+        # a writer left from an earlier run (its lock is gone) does not commit into a directory another run holds
+        with pytest.raises(RuntimeError, match='held by another run'):
+            annotate_shard(shards / '00001.tar', cfg, run='1234-earlier')
+        assert not list(out.glob('*.tar')) and not list(out.glob('*.partial'))
+    assert run(expand_inputs([str(shards / '00001.tar')]), cfg, progress=False)['written'] == 6
+
+
+@pytest.mark.parametrize('argv,name', [
+    (['{shards}/nope.tar', '--out', '{out}'], 'shards'),
+    (['{tmp}/none/*.tar', '--out', '{out}'], 'shards'),
+    (['{shards}/00001.tar', '--out', '{file}'], '--out'),
+    (['{shards}/00001.tar', '--out', '{file}/sub'], '--out'),
+    (['{shards}/00001.tar', '--out', '{out}', '--grid', '14y'], '--grid'),
+    (['{shards}/00001.tar', '--out', '{out}', '--workers', '0'], '--workers'),
+    (['{shards}/00001.tar', '--out', '{out}', '--regions', 'sam2'], '--regions sam2'),
+    (['{shards}/00001.tar'], 'the following arguments are required: --out'),
+])
+def test_usage_errors_are_one_line_before_any_work(shards, tmp_path, capsys, argv, name):
+    (tmp_path / 'file').write_text('not a directory')
+    argv = [a.format(shards=shards, tmp=tmp_path, out=tmp_path / 'out', file=tmp_path / 'file') for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr()
+    assert err.out == '' and len(err.err.strip().splitlines()) == 1, err.err
+    assert err.err.startswith(f'annotate_shards: error: {name}'), err.err
+    assert not (tmp_path / 'out').exists()                       # nothing was written
+    with pytest.raises(UsageError):                               # --debug: the traceback
+        main(argv + ['--debug'])
+
+
+def test_cli_exit_status_and_debug(shards, tmp_path):
+    r = _cli(shards / 'nope.tar', '--out', tmp_path / 'out')
+    assert r.returncode == 2 and r.stdout == '' and r.stderr.startswith('annotate_shards: error: shards:')
+    assert len(r.stderr.strip().splitlines()) == 1 and 'KeyError' not in r.stderr
+    r = _cli(shards / 'nope.tar', '--out', tmp_path / 'out', '--debug')
+    assert r.returncode == 1 and 'Traceback' in r.stderr and 'UsageError' in r.stderr
+
+
+CAPTIONS = {'c0': 'a brown dog on a red chair', 'c1': '', 'c2': '  \n ', 'c3': b'\xff\xfe caf\xe9', 'c4': b'caf\xe9 noir',
+            'c5': '!!! \U0001f600\U0001f389 ... ?!', 'c6': 'http://example.com/x.jpg', 'c7': '&amp; &quot;',
+            'c8': 'Ein Hund \U0001f436 auf dem Sofa', 'c9': b'caf\xc3\xa9 au lait', 'd0': '42', 'd1': "the person doesn't"}
+
+
+def test_trainer_and_annotator_skip_the_same_captions(tmp_path):
+    "The same raw shard through the annotator and through the trainer's reader: the same samples survive."
+    from powerclip.data import DataConfig, key_index, make_loader
+    src = tmp_path / 'in'; src.mkdir()
+    _write(src / '00000.tar', [_sample(k, i, txt=t) for i, (k, t) in enumerate(CAPTIONS.items())])
+    st = run([src / '00000.tar'], AnnotateConfig(out=str(tmp_path / 'out'), parser='spacy'), progress=False)
+    bad = json.loads((tmp_path / 'out' / '00000.stats.json').read_text())['bad']
+    assert {b['key'] for b in bad} == {'c1', 'c2', 'c3', 'c4', 'c5', 'c6', 'c7'} and {b['reason'] for b in bad} == {'bad_txt'}
+    written = set(_outputs(tmp_path / 'out')['00000.tar'])
+    assert written == {'c0', 'c8', 'c9', 'd0', 'd1'} and st['written'] == 5
+    ld = make_loader(DataConfig(source='wds', shards=str(src / '00000.tar'), batch_size=1, workers=0, shuffle_buffer=0))
+    got = {int(b['index'][0]) for b in ld}
+    assert got == {key_index(k) for k in written}
+    assert ld.skipped()['no_caption'] == len(bad)
 
 
 def test_truncation_at_member_boundary(shards, tmp_path):

@@ -42,45 +42,69 @@ logger = logging.getLogger(__name__)
 #
 # This notebook builds, in order:
 #
-# 1. `ParsedCaption`, the compact JSON form of a parsed caption (what `data_prep` stores next to each sample);
-# 2. caption normalisation, with a note for everything it drops or replaces;
+# 1. `ParsedCaption`, the compact JSON form of a parsed caption (what `data_prep` stores next to each sample):
+#    the caption as given, the parser's words and where each word is in the caption (character offsets);
+# 2. caption normalisation for the parser, with a note for everything it drops or replaces, and
+#    `caption_problem`, the one rule for captions that cannot be trained on;
 # 3. two parsers behind one `ParserConfig`: **benepar** (a real constituency parser; used when its model is
 #    installed) and a constituency tree **derived from spaCy's dependency parse** (always available);
-# 4. `tree_tokens`: BPE token ids, word-to-token masks, node-by-word incidence and validity flags, and
-#    `collate_trees` to batch them.
+# 4. `tree_tokens`: the caption's BPE token ids (exactly what evaluation feeds the text tower), the words mapped
+#    onto them by character offsets, node-by-leaf incidence and validity flags, and `collate_trees` to batch them.
 
 # %% [markdown]
 # ## The parsed caption
 #
 # Node 0 is the root and covers every word. Node order after the root is preorder (by start, longer first),
 # which is also the order `to_nltk_tree` draws.
+#
+# `text` is the caption **exactly as given** (the `.txt` of a shard), not the parser's cleaned copy: training
+# tokenises this string with the same call evaluation makes (see *From tree to tokens*). `offsets[w]` is the
+# `[start, end)` character span of word `w` in `text`; a word can differ from its span (the parser reads `&`
+# where the caption has `&amp;`). Trees stored before offsets existed (and hand-made gold trees) have none:
+# they are derived by finding the words, in order, in the text, which is exact whenever the words are
+# substrings of the text (spaCy's and benepar's tokens always are, and a gold tree's text is its words joined).
 
 # %%
 #| export
+def word_offsets(text: str, words: list[str]) -> list[tuple[int, int]]:
+    "`[start, end)` of each word in `text`, found left to right. Raises ValueError if a word is not there."
+    out, pos = [], 0
+    for w in words:
+        i = text.find(w, pos)
+        if i < 0 or not w: raise ValueError(f'word {w!r} not found in the text after character {pos}: {text[:80]!r}')
+        out.append((i, i + len(w))); pos = i + len(w)
+    return out
+
 @dataclass
 class ParsedCaption:
     "A caption, its words (leaves) and its phrase nodes as `[start, end)` word spans; node 0 is the root."
-    text: str                                   # caption as given, after light normalisation (see notes)
-    words: list[str]                            # leaves in order
+    text: str                                   # the caption exactly as given (what the tokenizer encodes)
+    words: list[str]                            # the parser's words in order (as it read them: `&` for `&amp;`)
     spans: list[tuple[int, int]]                # one per node, [start, end) word indices; node 0 = root
     labels: list[str]                           # one per node: 'S', 'NP', 'VP', 'PP', ...
     parser: str = 'spacy'                       # 'benepar' | 'spacy' | 'gold' | 'fallback'
     notes: list[str] = field(default_factory=list)  # reasons when something was dropped/replaced/defaulted
+    offsets: list[tuple[int, int]] | None = None    # one per word, [start, end) characters of `text`; None: derived
 
     def __post_init__(self):
         self.spans = [tuple(int(i) for i in s) for s in self.spans]
         if len(self.spans) != len(self.labels):
             raise ValueError(f'{len(self.spans)} spans but {len(self.labels)} labels')
+        self.offsets = (word_offsets(self.text, self.words) if self.offsets is None
+                        else [tuple(int(i) for i in o) for o in self.offsets])
 
     def to_dict(self) -> dict:
-        "JSON-serialisable dict (spans as lists)."
+        "JSON-serialisable dict (spans and offsets as lists)."
         return dict(text=self.text, words=list(self.words), spans=[list(s) for s in self.spans],
-                    labels=list(self.labels), parser=self.parser, notes=list(self.notes))
+                    labels=list(self.labels), parser=self.parser, notes=list(self.notes),
+                    offsets=[list(o) for o in self.offsets])
 
     @classmethod
     def from_dict(cls, d: dict) -> 'ParsedCaption':
+        "Inverse of `to_dict`; also reads trees stored without `offsets` (derived from the text)."
         return cls(text=d['text'], words=list(d['words']), spans=[tuple(s) for s in d['spans']],
-                   labels=list(d['labels']), parser=d.get('parser', 'spacy'), notes=list(d.get('notes', [])))
+                   labels=list(d['labels']), parser=d.get('parser', 'spacy'), notes=list(d.get('notes', [])),
+                   offsets=d.get('offsets'))
 
 
 # %%
@@ -88,19 +112,27 @@ import json
 _pc = ParsedCaption('a dog sitting on a red chair', 'a dog sitting on a red chair'.split(),
                     [(0, 7), (0, 2), (2, 7), (3, 7), (4, 7)], ['NP', 'NP', 'VP', 'PP', 'NP'], 'gold')
 assert ParsedCaption.from_dict(json.loads(json.dumps(_pc.to_dict()))) == _pc
+assert _pc.offsets[:3] == [(0, 1), (2, 5), (6, 13)]
+_old = {k: v for k, v in _pc.to_dict().items() if k != 'offsets'}     # a tree.json written before offsets
+assert ParsedCaption.from_dict(_old) == _pc
 
 
 # %% [markdown]
 # What makes a list of spans a tree: the root is `[0, W)`, every span is non-empty and inside it, no span
-# repeats, and any two spans are nested or disjoint (never crossing). `tree_problems` lists violations; every
-# parser below is tested against it.
+# repeats, and any two spans are nested or disjoint (never crossing). The word offsets must be one per word,
+# non-empty, inside the text and in order without overlap. `tree_problems` lists violations; every parser
+# below is tested against it, and the trainer skips a stored tree that has any.
 
 # %%
 #| export
 def tree_problems(pc: ParsedCaption) -> list[str]:
     "Reasons why `pc` is not a proper tree (empty list when it is)."
     W, errs = len(pc.words), []
-    if not pc.spans: return ['no nodes']
+    if len(pc.offsets) != W: errs.append(f'{len(pc.offsets)} offsets for {W} words')
+    elif any(not (0 <= s < e <= len(pc.text)) for s, e in pc.offsets) or any(
+            e > s2 for (_, e), (s2, _) in zip(pc.offsets, pc.offsets[1:])):
+        errs.append('word offsets empty, outside the text or not in order')
+    if not pc.spans: return errs + ['no nodes']
     if pc.spans[0] != (0, W): errs.append(f'root is {pc.spans[0]}, not (0, {W})')
     if len(set(pc.spans)) != len(pc.spans): errs.append('duplicate spans')
     for s, e in pc.spans[1:]:
@@ -116,6 +148,8 @@ def tree_problems(pc: ParsedCaption) -> list[str]:
 # %%
 assert tree_problems(_pc) == []
 assert tree_problems(ParsedCaption('a b c', list('abc'), [(0, 3), (0, 2), (1, 3)], ['S', 'NP', 'VP'])) == ['spans (0, 2) and (1, 3) cross']
+assert tree_problems(ParsedCaption('a b', list('ab'), [(0, 2)], ['S'], offsets=[(2, 3), (0, 1)])) == [
+    'word offsets empty, outside the text or not in order']
 
 
 # %% [markdown]
@@ -149,7 +183,6 @@ _sp, _lb = finalize_nodes([(0, 2, 'NP'), (2, 7, 'VP'), (2, 7, 'S'), (3, 7, 'PP')
 assert _sp == [(0, 7), (0, 2), (2, 7), (3, 7)] and _lb == ['S', 'NP', 'VP', 'PP'], (_sp, _lb)
 assert _n == ['dropped 1 crossing span(s) (non-projective parse)']
 
-
 # %% [markdown]
 # ## Normalisation
 #
@@ -158,12 +191,123 @@ assert _n == ['dropped 1 crossing span(s) (non-projective parse)']
 #
 # - `None` or a non-string becomes a string; HTML entities are unescaped (`&amp;` -> `&`, twice for
 #   double-escaped text, as open_clip's own cleaner does);
-# - URLs are removed (a URL is dozens of BPE pieces of noise that would eat the 77-token context);
+# - URLs are removed (a URL is dozens of BPE pieces of noise, not a phrase of the caption);
 # - control characters become spaces, runs of whitespace collapse to one space;
 # - text past `max_chars` is cut at a word boundary (the tower sees at most 75 BPE pieces anyway, and a
 #   megabyte "caption" must not stall the parser);
 # - mostly non-Latin letters get a note: the English parser still returns a proper tree, but its labels are
 #   unreliable (emoji are kept as words: the tokenizer encodes them).
+#
+# The cleaned text is only what the **parser reads**; the caption itself is never replaced (`ParsedCaption.text`
+# stays as given, and that is what gets tokenised). So every step keeps, for each character of its output,
+# the span of caption characters it came from: `Aligned` is a text plus two integer lists, `start[i]` and
+# `end[i]`, the `[start, end)` caption span behind character `i`. A replacement (an entity, a URL, a run of
+# spaces) maps each character it produces to the whole span it replaced; untouched characters map to
+# themselves; a black-box rewrite (`realign`, used below for ftfy) is aligned by its longest common runs
+# (`difflib`), so the maps stay monotone. A word the parser reads at `[i, j)` of its text is then at
+# `[start[i], end[j-1])` of the caption.
+
+# %%
+#| export
+import difflib
+
+@dataclass
+class Aligned:
+    "A text derived from a caption, with the `[start, end)` caption span behind each of its characters."
+    text: str
+    start: list[int]                            # start[i]: first caption character behind text[i]
+    end: list[int]                              # end[i]: one past the last caption character behind text[i]
+
+    @classmethod
+    def of(cls, caption: str) -> 'Aligned':
+        "The caption itself: every character maps to itself."
+        return cls(caption, list(range(len(caption))), list(range(1, len(caption) + 1)))
+
+    def span(self, i: int, j: int) -> tuple[int, int]:
+        "Caption span of `text[i:j]` (j > i)."
+        return self.start[i], self.end[j - 1]
+
+    def __getitem__(self, sl: slice) -> 'Aligned':
+        return Aligned(self.text[sl], self.start[sl], self.end[sl])
+
+    def strip(self) -> 'Aligned':
+        "`str.strip` (whitespace at both ends)."
+        n = len(self.text); i = n - len(self.text.lstrip()); j = len(self.text.rstrip())
+        return self[i:max(i, j)] if (i, j) != (0, n) else self
+
+    def sub(self, pattern: re.Pattern, repl) -> 'Aligned':
+        "`pattern.sub(repl, text)`; each character a match produces maps to the whole matched span."
+        parts, st, en, pos = [], [], [], 0
+        for m in pattern.finditer(self.text):
+            i, j = m.span()
+            if i == j: continue                                     # (our patterns never match empty)
+            r = repl(m) if callable(repl) else repl
+            parts += [self.text[pos:i], r]
+            st += self.start[pos:i] + [self.start[i]] * len(r)
+            en += self.end[pos:i] + [self.end[j - 1]] * len(r)
+            pos = j
+        if not pos: return self
+        parts.append(self.text[pos:])
+        return Aligned(''.join(parts), st + self.start[pos:], en + self.end[pos:])
+
+    def realign(self, new: str, max_cells: int = 4_000_000) -> 'Aligned':
+        "`new`, a rewrite of `text` by a black box (ftfy), aligned to it by common runs (difflib)."
+        old = self.text
+        if new == old: return self
+        p = len(os.path.commonprefix([old, new]))
+        q = len(os.path.commonprefix([old[p:][::-1], new[p:][::-1]]))
+        a, b = old[p:len(old) - q], new[p:len(new) - q]            # the part that differs
+        st, en = self.start[:p], self.end[:p]
+        def at(i): return self.start[i] if i < len(old) else (self.end[-1] if old else 0)   # zero-width point
+        def block(i1, i2, j1, j2):                                  # old[i1:i2] became new[j1:j2] (absolute i)
+            if i2 - i1 == j2 - j1: st.extend(self.start[i1:i2]); en.extend(self.end[i1:i2])   # 1:1 (quotes, case)
+            elif i2 > i1: st.extend([self.start[i1]] * (j2 - j1)); en.extend([self.end[i2 - 1]] * (j2 - j1))
+            else: st.extend([at(i1)] * (j2 - j1)); en.extend([at(i1)] * (j2 - j1))             # inserted
+        if len(a) == len(b) or not a or not b or len(a) * len(b) > max_cells: block(p, p + len(a), 0, len(b))
+        else:
+            for _, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+                block(p + i1, p + i2, j1, j2)
+        return Aligned(new, st + self.start[len(old) - q:], en + self.end[len(old) - q:])
+
+    def lower(self) -> 'Aligned':
+        "`str.lower`: a character that lower-cases to several (`İ`) maps each of them to its own span."
+        low = self.text.lower()
+        if len(low) == len(self.text): return Aligned(low, self.start, self.end)
+        parts = [c.lower() for c in self.text]
+        if ''.join(parts) != low: return self.realign(low)
+        return Aligned(low, [s for c, s in zip(parts, self.start) for _ in c], [e for c, e in zip(parts, self.end) for _ in c])
+
+
+# %%
+_a = Aligned.of('Tom  &amp;  Jerry').sub(re.compile(r'&amp;'), '&').sub(re.compile(r'\s+'), ' ')
+assert _a.text == 'Tom & Jerry' and _a.span(4, 5) == (5, 10) and _a.span(6, 11) == (12, 17)
+_a = Aligned.of('don’t stop').realign('don\'t stop')               # ftfy's uncurl_quotes: one character for one
+assert _a.start == list(range(10))
+_a = Aligned.of('ﬁsh x').realign('fish x')                          # a ligature becomes two characters
+assert _a.text == 'fish x' and _a.span(0, 4) == (0, 3) and _a.span(5, 6) == (4, 5)   # 'ﬁsh' is 3 characters
+assert Aligned.of('İs A').lower().span(0, 3) == (0, 2)               # 'İ'.lower() is two characters
+
+# %% [markdown]
+# HTML unescaping is done one entity at a time with the pattern `html.unescape` itself uses (HTML5 rules: named
+# and numeric references, with or without `;`), so the result is exactly `html.unescape` and each decoded
+# character knows its entity.
+
+# %%
+#| export
+_CHARREF = re.compile(r'&(#[0-9]+;?|#[xX][0-9a-fA-F]+;?|[^\t\n\f <&#;]{1,32};?)')   # = html._charref
+_WS = re.compile(r'\s+')                        # the characters str.split() and str.strip() treat as space
+_CONTROL = re.compile('[\x00-\x1f\x7f-\x9f]')       # Unicode category Cc (fixed by the standard)
+
+def unescape_aligned(a: Aligned) -> Aligned:
+    "`html.unescape` with offsets."
+    return a.sub(_CHARREF, lambda m: html.unescape(m.group())) if '&' in a.text else a
+
+
+# %%
+assert {chr(i) for i in range(0x110000) if unicodedata.category(chr(i)) == 'Cc'} == {chr(i) for i in range(0x110000) if _CONTROL.match(chr(i))}
+for _s in ['a &amp; b', '&amp;amp; &lt;x&gt;', '&ampfoo &#39;s &#x27; &notit; &noti &#1234567 & &;', '']:
+    assert unescape_aligned(Aligned.of(_s)).text == html.unescape(_s), _s
+
 
 # %%
 #| export
@@ -188,27 +332,34 @@ def _mostly_non_latin(text: str) -> bool:
 
 # %%
 #| export
-def normalize_caption(text, cfg: ParserConfig | None = None) -> tuple[str, list[str]]:
-    "Light, meaning-preserving cleanup of one caption. Returns (text, notes)."
+def _as_caption(text, notes: list[str]) -> str:
+    if text is None: notes.append('caption was None'); return ''
+    if not isinstance(text, str): notes.append(f'caption was {type(text).__name__}, converted to str'); return str(text)
+    return text
+
+def normalize_aligned(caption: str, cfg: ParserConfig | None = None) -> tuple[Aligned, list[str]]:
+    "The parser's text of `caption` (see above), aligned to `caption`, and the notes."
     cfg, notes = cfg or ParserConfig(), []
-    if text is None: text, _ = '', notes.append('caption was None')
-    elif not isinstance(text, str):
-        notes.append(f'caption was {type(text).__name__}, converted to str'); text = str(text)
-    un = html.unescape(html.unescape(text))
-    if un != text: notes.append('unescaped HTML entities'); text = un
+    a = unescape_aligned(unescape_aligned(Aligned.of(caption)))
+    if a.text != caption: notes.append('unescaped HTML entities')
     if cfg.drop_urls:
-        text, n = _URL.subn(' ', text)
-        if n: notes.append(f'removed {n} URL(s)')
-    text = ''.join(' ' if unicodedata.category(c) == 'Cc' else c for c in text)
-    text = re.sub(r'\s+', ' ', text).strip()
-    if len(text) > cfg.max_chars:
-        cut = text.rfind(' ', 0, cfg.max_chars + 1)
+        n = len(_URL.findall(a.text))
+        if n: a = a.sub(_URL, ' '); notes.append(f'removed {n} URL(s)')
+    a = a.sub(_CONTROL, ' ').sub(_WS, ' ').strip()
+    if len(a.text) > cfg.max_chars:
+        cut = a.text.rfind(' ', 0, cfg.max_chars + 1)
         cut = cut if cut > 0 else cfg.max_chars
-        notes.append(f'cut {len(text) - cut} characters after the first {cut} (max_chars={cfg.max_chars})')
-        text = text[:cut].rstrip()
-    if not text: notes.append('empty caption')
-    elif _mostly_non_latin(text): notes.append('mostly non-Latin script: English parse labels unreliable')
-    return text, notes
+        notes.append(f'cut {len(a.text) - cut} characters after the first {cut} (max_chars={cfg.max_chars})')
+        a = a[:cut].strip()
+    if not a.text: notes.append('empty caption')
+    elif _mostly_non_latin(a.text): notes.append('mostly non-Latin script: English parse labels unreliable')
+    return a, notes
+
+def normalize_caption(text, cfg: ParserConfig | None = None) -> tuple[str, list[str]]:
+    "Light, meaning-preserving cleanup of one caption for the parser. Returns (text, notes)."
+    notes = []
+    a, n = normalize_aligned(_as_caption(text, notes), cfg)
+    return a.text, notes + n
 
 
 # %%
@@ -219,6 +370,47 @@ assert normalize_caption('   ') == ('', ['empty caption'])
 assert normalize_caption('一只狗坐在椅子上')[1] == ['mostly non-Latin script: English parse labels unreliable']
 _t, _n = normalize_caption('word ' * 400, ParserConfig(max_chars=50))
 assert len(_t) <= 50 and _t.endswith('word') and _n[0].startswith('cut ')
+_cap = 'Tom &amp; Jerry\x00at http://t.co/x  home'
+_a, _ = normalize_aligned(_cap)
+assert _a.text == 'Tom & Jerry at home'
+assert [_cap[slice(*_a.span(i, j))] for i, j in [(0, 3), (4, 5), (6, 11), (15, 19)]] == ['Tom', '&amp;', 'Jerry', 'home']
+
+
+# %% [markdown]
+# ### Captions that cannot be trained on
+#
+# One rule, used by the annotation tool (`data_prep/annotate_shards.py`) and by the trainer's shard reader
+# (`data.decode_sample`), so that both skip the same captions: a caption is unusable when it is missing, when
+# its bytes are not UTF-8 (decoding with replacement characters would train on text nobody wrote), or when
+# the parser's text of it has no letter or digit (empty, only spaces, only punctuation and emoji, only a URL):
+# such a caption has no word that can be a phrase of the image. `caption_problem` returns the reason as one
+# line, or `None` for a usable caption; callers decode usable bytes with plain strict UTF-8.
+
+# %%
+#| export
+def caption_problem(raw: bytes | str | None, cfg: ParserConfig | None = None) -> str | None:
+    "Why the caption `raw` (a shard's `.txt` bytes, or text) cannot be trained on, in one line; None if it can."
+    if raw is None: return 'no caption'
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        raw = bytes(raw)
+        try: raw = raw.decode('utf-8')
+        except UnicodeDecodeError as e: return f'not UTF-8: {e.reason} at byte {e.start} of {len(raw)}'
+    elif not isinstance(raw, str): return f'caption is {type(raw).__name__}, not text'
+    text, notes = normalize_caption(raw, cfg)
+    if not text: return 'empty caption' if not raw.strip() else 'no letter or digit ' + (
+        'outside URLs' if any(n.startswith('removed') for n in notes) else '(only control characters)')
+    if not any(c.isalnum() for c in text): return 'no letter or digit'
+    return None
+
+
+# %%
+assert caption_problem(b'a dog on a chair') is None and caption_problem('Ein Hund 🐶') is None
+assert caption_problem('一只狗') is None and caption_problem(b'2') is None
+assert caption_problem(b'\xff\xfe caf\xe9') == 'not UTF-8: invalid start byte at byte 0 of 7'
+assert caption_problem(None) == 'no caption' and caption_problem(b'') == 'empty caption' and caption_problem(' \n') == 'empty caption'
+assert caption_problem('!!! 😀🎉 ... ?!') == 'no letter or digit'
+assert caption_problem('http://example.com/a.jpg') == 'no letter or digit outside URLs'
+assert caption_problem('&amp;&quot;') == 'no letter or digit'
 
 # %% [markdown]
 # ## Two parsers, one setting
@@ -255,8 +447,9 @@ assert len(_t) <= 50 and _t.endswith('word') and _n[0].startswith('cut ')
 # a noun phrase, the common case, has an NP root). Several sentences: the root is `TOP` and each sentence is
 # a child node. A caption with no words (empty after normalisation) gets the single root `(0, 0)` labelled
 # `TOP`, parser `fallback`, note `empty caption`: `tree_tokens` then marks that node invalid, so
-# `node_valid.any()` is False exactly for texts without a usable word, and the data pipeline must count and
-# skip such samples (or the loss must mask them) because the loss needs at least one valid node per text.
+# `node_valid.any()` is False for texts without a usable word. Such captions never reach the loss: the
+# annotator and the trainer both skip, and count, what `caption_problem` rejects (the loss needs at least one
+# valid node per text), and the trainer also skips any tree left without a valid node.
 
 # %%
 #| export
@@ -435,10 +628,12 @@ assert _b.spans == [(0, 1)] and _b.labels == ['NP']
 # ## Batched parsing
 #
 # `parse_captions` is what the `data_prep` annotation tool calls: normalise, run `nlp.pipe` over the
-# non-empty texts in batches, derive trees, cap the words at `max_words`. It never raises on a caption: if a
-# batch fails, its captions are parsed one by one, and a caption that still fails gets a **fallback tree**
-# (whitespace words under one root, parser `fallback`, the error in `notes`). `n_process > 1` splits the
-# captions into chunks parsed by worker processes, each with its own pipeline.
+# non-empty texts in batches, derive trees, cap the words at `max_words`, and map each word's place in the
+# parser's text back to the caption (`Aligned.span`): the returned tree holds the caption as given and the
+# words' caption offsets. It never raises on a caption: if a batch fails, its captions are parsed one by one,
+# and a caption that still fails gets a **fallback tree** (whitespace words under one root, parser
+# `fallback`, the error in `notes`). `n_process > 1` splits the captions into chunks parsed by worker
+# processes, each with its own pipeline.
 
 # %%
 #| export
@@ -449,7 +644,7 @@ def cap_words(pc: ParsedCaption, max_words: int) -> ParsedCaption:
     notes = pc.notes + [f'kept the first {max_words} of {W} words (max_words)']
     cands = [(s, min(e, max_words), lab) for (s, e), lab in zip(pc.spans[1:], pc.labels[1:]) if s < max_words]
     spans, labels = finalize_nodes(cands, max_words, pc.labels[0], notes)
-    return ParsedCaption(pc.text, pc.words[:max_words], spans, labels, pc.parser, notes)
+    return ParsedCaption(pc.text, pc.words[:max_words], spans, labels, pc.parser, notes, pc.offsets[:max_words])
 
 def fallback_parse(text: str, notes: list[str], reason: str) -> ParsedCaption:
     "Whitespace words under a single root: used when the parser fails on a caption."
@@ -458,6 +653,11 @@ def fallback_parse(text: str, notes: list[str], reason: str) -> ParsedCaption:
 
 def _doc_to_parsed(name, doc, text, notes):
     return (benepar_doc_to_parsed if name == 'benepar' else spacy_doc_to_parsed)(doc, text, notes)
+
+def _on_caption(pc: ParsedCaption, caption: str, a: Aligned) -> ParsedCaption:
+    "A tree over the parser's text `a.text`, moved onto the caption it came from (offsets through `a`)."
+    return ParsedCaption(caption, pc.words, pc.spans, pc.labels, pc.parser, pc.notes,
+                         [a.span(s, e) for s, e in pc.offsets])
 
 
 # %%
@@ -478,25 +678,31 @@ def parse_captions(texts: list, cfg: ParserConfig | None = None, n_process: int 
     name, why = resolve_parser(cfg)
     if why.startswith('auto:'): _log_once(why)
     nlp = load_pipeline(name, cfg.spacy_model, cfg.benepar_model)
-    norm = [normalize_caption(t, cfg) for t in texts]
+    caps, norm = [], []
+    for t in texts:
+        notes = []
+        caps.append(_as_caption(t, notes))
+        a, n = normalize_aligned(caps[-1], cfg)
+        norm.append((a, notes + n))
     out: list[ParsedCaption | None] = [None] * len(texts)
-    todo = [i for i, (t, _) in enumerate(norm) if t]
-    for i, (t, n) in enumerate(norm):
-        if not t: out[i] = ParsedCaption(t, [], [(0, 0)], ['TOP'], 'fallback', n)
+    todo = [i for i, (a, _) in enumerate(norm) if a.text]
+    for i, (a, n) in enumerate(norm):
+        if not a.text: out[i] = ParsedCaption(caps[i], [], [(0, 0)], ['TOP'], 'fallback', n)
     for b in range(0, len(todo), cfg.batch_size):
         idx = todo[b:b + cfg.batch_size]
-        try: docs = list(nlp.pipe([norm[i][0] for i in idx], batch_size=cfg.batch_size))
+        try: docs = list(nlp.pipe([norm[i][0].text for i in idx], batch_size=cfg.batch_size))
         except Exception as e:
             logger.warning('parser failed on a batch (%r); parsing its %d captions one by one', e, len(idx))
             docs = [None] * len(idx)
         for i, doc in zip(idx, docs):
-            t, n = norm[i]
+            a, n = norm[i]
             try:
-                doc = doc if doc is not None else nlp(t)
-                out[i] = cap_words(_doc_to_parsed(name, doc, t, n), cfg.max_words)
+                doc = doc if doc is not None else nlp(a.text)
+                pc = _doc_to_parsed(name, doc, a.text, n)
             except Exception as e:
-                logger.warning('parser failed on %r: %r', t[:80], e)
-                out[i] = cap_words(fallback_parse(t, n, f'parser error, flat fallback tree: {e!r}'), cfg.max_words)
+                logger.warning('parser failed on %r: %r', a.text[:80], e)
+                pc = fallback_parse(a.text, n, f'parser error, flat fallback tree: {e!r}')
+            out[i] = _on_caption(cap_words(pc, cfg.max_words), caps[i], a)
     return out
 
 _logged: set = set()
@@ -514,7 +720,9 @@ _ps = parse_captions(_caps)
 for p in _ps: assert tree_problems(p) == [], p
 assert _ps[1].spans == [(0, 0)] and _ps[1].notes == ['empty caption'] and _ps[1].parser == 'fallback'
 assert _ps[2].words == ['dogs'] and _ps[2].spans == [(0, 1)] and _ps[2].labels == ['NP']
-assert '&' in _ps[3].words and 'http' not in _ps[3].text and _ps[3].notes == ['unescaped HTML entities', 'removed 1 URL(s)']
+assert '&' in _ps[3].words and 'http' not in ' '.join(_ps[3].words) and _ps[3].notes == ['unescaped HTML entities', 'removed 1 URL(s)']
+assert [p.text for p in _ps] == _caps                                 # the captions as given ...
+assert [_caps[3][slice(*o)] for o in _ps[3].offsets[:4]] == ['A', 'man', '&amp;', 'his']   # ... and where each word is
 _long = cap_words(parse_caption('a red ball and ' * 30 + 'a cat'), 20)
 assert len(_long.words) == 20 and tree_problems(_long) == [] and 'max_words' in _long.notes[-1]
 
@@ -571,7 +779,7 @@ assert str(to_nltk_tree(parse_caption('a dog and a cat'))) == '(NP (NP a dog) an
 #   its phrase, so noun phrases, prepositional phrases and clauses come out as in a Penn tree, but flat where
 #   Penn has inner structure (`a red chair` has no inner N-bar), coarse labels only, and the errors of the
 #   small dependency model (a wrong attachment moves a whole subtree; its tokenizer splits `id` into `i`,
-#   `d`). It is fast: about 500 captions per CPU-second here (`benchmarks/parse_throughput.py`).
+#   `d`, which `tree_tokens` joins back into one leaf). It is fast: about 500 captions per CPU-second here (`benchmarks/parse_throughput.py`).
 
 # %%
 _demo = ['a dog sitting on a red chair',
@@ -587,32 +795,93 @@ for cap in _demo:
 # %% [markdown]
 # ## From tree to tokens
 #
-# The text tower sees open_clip's token ids `SOT, pieces..., EOT, 0...` ($L=77$). To know exactly which
-# positions belong to which word, `tree_tokens` encodes **word by word** and concatenates; the pieces of word
-# $w$ are then exactly the positions set in `leaf_tokens[w]` (the token mask $P_{m'}$ of Eq. 4), and
-# `incidence[k, w]` says that node $k$ covers (valid) word $w$: the phrase embedding of Eq. 3 is
-# `incidence @ leaf_embeddings`. For ordinary captions the word-by-word ids equal open_clip's tokenisation of
-# the whole text (checked on real captions below); they can differ where spaCy splits inside one of
-# open_clip's pre-tokens (`don't` -> `do`, `n't`), which only changes how a word is spelled in BPE.
+# The text tower sees open_clip's token ids `SOT, pieces..., EOT, 0...` ($L=77$). Training needs more than
+# the ids: which positions belong to which leaf (the token mask $P_{m'}$ of Eq. 4) and which leaves each
+# node covers (`incidence[k, w]`: the phrase embedding of Eq. 3 is `incidence @ leaf_embeddings`).
 #
-# **Truncation.** 75 positions remain between SOT and EOT. Words are added while all their pieces fit; the
-# first word that does not fit and every word after it are cut (`leaf_valid` False, their rows of
-# `leaf_tokens` empty, their columns of `incidence` False), and EOT follows the last kept word, so no word is
-# ever half-encoded. A node that loses all its words is invalid (`node_valid` False). A word with no BPE
-# pieces at all (possible only for characters the cleaner removes) is invalid too. Each case adds a note.
+# **The ids must be the ones evaluation uses.** Evaluation (and zero-shot use of the model) calls the
+# tokenizer on the caption: `tokenizer([caption])`. An earlier version of this notebook encoded the parser's
+# words one at a time and concatenated the pieces, which makes the word positions trivial but changes the
+# ids wherever the parser and the tokenizer cut the text differently. On real captions that happens often
+# enough to matter (issue 14 counted 5.0 % of raw web alt-text, 0.14 % of COCO and 10 of 800 Winoground
+# captions; on the shared data here it was 1 of 1,195 COCO sample captions and 65 of 15,833 CC3M validation
+# captions, which that set's authors already lower-cased and split at `'`):
+#
+# - spaCy splits `doesn't` into `does` + `n't`; the tokenizer's text regex cuts it into `doesn` + `'t`;
+# - spaCy's tokenizer exceptions split words that are written as one: `wed` -> `we` `d`, `Im` -> `I` `m`,
+#   `dont` -> `do` `nt`, `cannot` -> `can` `not`; encoded one at a time they are other ids;
+# - a run of punctuation such as `."` or `""` is one BPE piece for the tokenizer and two words for spaCy;
+# - the parser reads a cleaned copy of the caption (HTML entities decoded, URLs dropped), while evaluation
+#   tokenises the caption as given.
+#
+# (The first case is shown right after `default_tokenizer` below.)
+
+# %% [markdown]
+# So `tree_tokens` tokenises the caption **once, with the tokenizer's own call** (the ids are
+# `tokenizer([parsed.text], context_length=L)[0]`, the same tensor evaluation builds) and then finds where
+# each BPE piece comes from in the caption, by character offsets:
+#
+# 1. **The tokenizer's text.** `SimpleTokenizer.encode` does not split the caption itself but
+#    `clean(caption)` = `lower(whitespace_clean(html.unescape²(ftfy.fix_text(caption))))`. `tokenizer_text`
+#    rebuilds that string step by step as an `Aligned` text, so each of its characters knows its caption span:
+#    ftfy is a black box (it uncurls quotes, fixes mojibake, applies NFC), so its output is aligned to its
+#    input by `Aligned.realign`; the entity decoding, the whitespace clean-up and the lower-casing are
+#    tracked exactly.
+# 2. **Pieces.** The tokenizer splits its text with its own regex (`tok.pat`: letter runs, single digits,
+#    punctuation runs, the contractions `'s 't 're 've 'm 'll 'd`) and runs BPE on each match's UTF-8 bytes
+#    (`tok.bpe`, with the tokenizer's own cache). The pieces of a match partition its bytes, bytes belong to
+#    characters, characters to caption spans: `bpe_pieces` returns `(id, start, end)` per piece.
+#    Their ids are checked against the tokenizer's ids; if they ever differ, the tokenizer's own cleaned text
+#    is aligned to the caption as a whole instead, and if that fails too the caption gets no leaf (a note;
+#    the data pipeline then skips it as a tree without a valid node, counted).
+# 3. **Words to pieces.** The parser's words carry caption offsets (`ParsedCaption.offsets`). A piece
+#    belongs to the word(s) whose span it overlaps; a piece that overlaps no word (a URL, text past
+#    `max_words`) belongs to no leaf and only takes part in the caption's global embedding.
+#
+# **Leaves follow words as written.** A leaf is a group of consecutive parser words; two neighbours are
+# joined into one leaf when
+#
+# - (a) one BPE piece overlaps both (`does`+`n't` share the piece `doesn`, `.`+`"` share `."`): a position
+#   can belong to one leaf only, so this is forced; or
+# - (b) they touch, with a letter or digit on both sides of the cut (`we|d`, `I|m`, `do|nt`, `can|not`): the
+#   cut is inside a word as written, which only spaCy's tokenizer exceptions make; the caption's author wrote
+#   one word, the tokenizer may encode it as one piece or several, and which it is must not change the tree.
+#
+# Cuts at punctuation stay (`it|'s`, `dog|.`, `black|-|and`): there the writer put a mark between the words,
+# and the tokenizer cuts there too (`'s` is its own piece). Rule (b) never joins across a space, so whitespace
+# words (the world's gold trees) are never joined; rule (a) only joins what the tokenizer itself cannot
+# separate.
+#
+# **Indexing stays the parser's.** `W` is still the number of parser words and `K` the number of nodes, so
+# every index into `parsed.words` and `parsed.spans` keeps its meaning (the world's mention nodes, C2LIP's
+# concept names). A leaf is held by the row of its first word; the other words of the leaf have empty rows
+# and `leaf_valid` False, and `leaf_head[w]` names the word that holds word `w`'s leaf.
+#
+# **Truncation** is the tokenizer's: it keeps the first $L-2$ pieces and puts EOT last. A leaf with a piece
+# cut off is invalid (never half a word: its kept pieces still shape the caption embedding but make no
+# leaf), as is a leaf with no piece at all (possible only for characters the cleaner removes). A node covers
+# the valid leaves of its words; a node with none is invalid (`node_valid` False).
+#
+# **One node per token set.** After joining and truncation two nodes can cover exactly the same leaves
+# (`(NP I)` and `(S I m happy)`'s `(VP m happy)` once `Im` is one leaf; `(0, 40)` and `(0, 38)` when words 38
+# and 39 are cut). Both would enter the powerset loss as the same phrase twice, so only the first in node
+# order (the outer one: the order is preorder, outer first) stays; the others are removed (`node_valid` False,
+# empty `incidence` row). A node that crosses a larger kept node once words are joined is removed the same
+# way, so the nodes still nest. Each case adds a note.
 
 # %%
 #| export
 @dataclass
 class TreeTokens:
     "Token ids and tree masks of one caption (see `tree_tokens`)."
-    tokens: torch.Tensor        # (L,) long: SOT, word pieces, EOT, zeros
-    leaf_tokens: torch.Tensor   # (W, L) bool: BPE positions of each word (never SOT/EOT)
-    leaf_valid: torch.Tensor    # (W,) bool: False for words cut off by truncation or without pieces
-    incidence: torch.Tensor     # (K, W) bool: node k covers valid word w
-    node_valid: torch.Tensor    # (K,) bool: node has at least one valid word
+    tokens: torch.Tensor        # (L,) long: SOT, pieces, EOT, zeros: exactly `tokenizer([text], L)[0]`
+    leaf_tokens: torch.Tensor   # (W, L) bool: BPE positions of the leaf held by word w (never SOT/EOT)
+    leaf_valid: torch.Tensor    # (W,) bool: word w holds a leaf with all its pieces inside the context
+    incidence: torch.Tensor     # (K, W) bool: node k covers the valid leaf held by word w
+    node_valid: torch.Tensor    # (K,) bool: node has a valid leaf and was kept (not a repeat or crossing, see above)
     node_np: torch.Tensor       # (K,) bool: node's label is 'NP' (noun-phrase concepts of C2LIP, `45_c2lip`)
-    notes: list[str] = field(default_factory=list)  # parse notes + what tokenisation dropped
+    leaf_head: torch.Tensor     # (W,) long: the word whose row holds word w's leaf (w, unless joined)
+    notes: list[str] = field(default_factory=list)  # parse notes + what tokenisation joined, cut or removed
 
 @lru_cache(maxsize=1)
 def default_tokenizer():
@@ -621,59 +890,165 @@ def default_tokenizer():
     return SimpleTokenizer(context_length=77)
 
 
+# %%
+_tok = default_tokenizer()
+_words = ['the', 'person', 'does', "n't"]                            # spaCy's words of "the person doesn't"
+print('word by word:', [_tok.decoder[i] for w in _words for i in _tok.encode(w)])
+print('the caption: ', [_tok.decoder[i] for i in _tok.encode("the person doesn't")])
+assert [i for w in _words for i in _tok.encode(w)] != _tok.encode("the person doesn't")
+
+
+# %%
+#| export
+def tokenizer_text(tok, caption: str) -> Aligned:
+    "The text open_clip's `tok.encode(caption)` splits into pieces (`tok.clean_fn(caption)`), aligned to `caption`."
+    clean = getattr(tok.clean_fn, '__name__', '')
+    if clean not in ('_clean_lower', '_clean_whitespace'): return _realigned_clean(tok, caption)
+    import ftfy
+    a = Aligned.of(caption).realign(ftfy.fix_text(caption))           # basic_clean: ftfy, unescape twice, strip
+    a = unescape_aligned(unescape_aligned(a)).sub(_WS, ' ').strip()    # whitespace_clean: ' '.join(split())
+    return a.lower() if clean == '_clean_lower' else a
+
+def _realigned_clean(tok, caption: str) -> Aligned:
+    "The tokenizer's own cleaned text, aligned to the caption as a whole (the fallback of `tokenizer_text`)."
+    a, low = Aligned.of(caption), caption.lower()
+    if len(low) == len(caption): a = Aligned(low, a.start, a.end)     # match letters whatever their case
+    return a.realign(tok.clean_fn(caption))
+
+def bpe_pieces(tok, a: Aligned, max_pieces: int | None = None) -> list[tuple[int, int, int]]:
+    "`(id, start, end)` of the first `max_pieces` BPE pieces of the tokenizer text `a`; `[start, end)` in the caption."
+    out = []
+    for m in tok.pat.finditer(a.text):
+        word = m.group()
+        bs = word.encode('utf-8')
+        cb = range(len(word)) if len(bs) == len(word) else [j for j, c in enumerate(word) for _ in c.encode('utf-8')]
+        syms = tok.bpe(''.join(tok.byte_encoder[b] for b in bs)).split(' ')
+        extra = sum(map(len, syms)) - len(bs)                         # the '</w>' that ends the last piece
+        b = 0
+        for k, sym in enumerate(syms):
+            n = len(sym) - (extra if k == len(syms) - 1 else 0)        # bytes of this piece
+            i, j = m.start() + cb[b], m.start() + cb[b + n - 1]       # its first and last character
+            out.append((tok.encoder[sym], a.start[i], a.end[j]))
+            b += n
+            if max_pieces is not None and len(out) >= max_pieces: return out
+    return out
+
+
+# %%
+for _cap in ["the person doesn't", 'Tom &amp; Jerry’s “BIG” day http://t.co/x', 'İstanbul ﬁsh 🐶🐶', 'a  CAFÉ. \n']:
+    _ps = bpe_pieces(_tok, tokenizer_text(_tok, _cap))
+    assert [p[0] for p in _ps] == _tok.encode(_cap), _cap               # the tokenizer's own pieces
+    assert all(0 <= s <= e <= len(_cap) for _, s, e in _ps) and [s for _, s, _ in _ps] == sorted(s for _, s, _ in _ps)
+_cap = 'Tom &amp; Jerry’s “BIG” day'
+print([(_tok.decoder[i], _cap[s:e]) for i, s, e in bpe_pieces(_tok, tokenizer_text(_tok, _cap))])
+assert [_cap[s:e] for _, s, e in bpe_pieces(_tok, tokenizer_text(_tok, _cap))] == ['Tom', '&', 'Jerry', '’s', '“', 'BIG', '”', 'day']   # ftfy decoded '&amp;': its '&' is the '&' kept
+assert [(s, e) for _, s, e in bpe_pieces(_tok, tokenizer_text(_tok, '椅子'))] == [(0, 1)] * 3 + [(1, 2)] * 2   # pieces of UTF-8 bytes
+
+
 # %% [markdown]
-# open_clip's `encode` runs `ftfy.fix_text` on every call, which dominates the cost of encoding a single
-# word; caption vocabularies are Zipfian, so the pieces of each word are cached per tokenizer (a bounded
-# cache; the ids are the tokenizer's own, so the cache cannot change a result).
+# Grouping words into leaves (rules (a) and (b) above), as `head[w]` (the first word of `w`'s leaf) and the leaf
+# each piece belongs to:
 
 # %%
 #| export
-import weakref
-_PIECES: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+def leaf_heads(caption: str, offsets: list[tuple[int, int]], pieces: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+    "`head[w]`: first word of word w's leaf; `owner[i]`: head of the leaf piece i belongs to (-1: no word)."
+    W = len(offsets)
+    join = [False] + [e == s and caption[e - 1].isalnum() and caption[s].isalnum()      # (b) a cut inside a word
+                      for (_, e), (s, _) in zip(offsets, offsets[1:])]
+    first, w = [-1] * len(pieces), 0
+    for i, (_, ps, pe) in enumerate(pieces):                          # pieces and words are both in caption order
+        pe = max(pe, ps + 1)                                          # a piece of inserted characters is a point
+        while w < W and offsets[w][1] <= ps: w += 1
+        v = w
+        while v < W and offsets[v][0] < pe: v += 1                   # words w .. v-1 overlap the piece
+        if v > w: first[i] = w
+        for u in range(w + 1, v): join[u] = True                      # (a) one piece over several words
+    head = list(range(W))
+    for u in range(1, W):
+        if join[u]: head[u] = head[u - 1]
+    return head, [head[f] if f >= 0 else -1 for f in first]
 
-def word_pieces(tok, word: str, max_cache: int = 200_000) -> list[int]:
-    "BPE ids of one word under `tok` (`tok.encode`, cached per tokenizer)."
-    try: cache = _PIECES.setdefault(tok, {})
-    except TypeError: return tok.encode(word)                    # tokenizer not weak-referenceable: no cache
-    ids = cache.get(word)
-    if ids is None:
-        if len(cache) >= max_cache: cache.clear()
-        ids = cache[word] = tuple(tok.encode(word))
-    return list(ids)
+
+# %%
+def _heads(cap, words):
+    ps = bpe_pieces(_tok, tokenizer_text(_tok, cap))
+    return leaf_heads(cap, word_offsets(cap, words), ps)[0]
+assert _heads("the person doesn't", ['the', 'person', 'does', "n't"]) == [0, 1, 2, 2]   # (a) and (b)
+assert _heads('we wed', ['we', 'we', 'd']) == [0, 1, 1]                                  # (b)
+assert _heads('he said "stop."', ['he', 'said', '"', 'stop', '.', '"']) == [0, 1, 2, 3, 4, 4]   # (a): '."' is one piece
+assert _heads("it's 3pm", ['it', "'s", '3', 'pm']) == [0, 1, 2, 2]                      # cut at ' stays; 3pm as written
+assert _heads('see http://x.y now', ['see', 'now']) == [0, 1]
 
 
 # %%
 #| export
+def _aligned_pieces(tok, caption: str, ids: list[int], keep: int) -> list[tuple[int, int, int]] | None:
+    "The caption's first `keep + 1` pieces with caption spans, checked against the tokenizer's ids; None if they differ."
+    for text in (tokenizer_text, _realigned_clean):
+        pieces = bpe_pieces(tok, text(tok, caption), keep + 1)
+        n = min(len(pieces), keep)
+        if [p[0] for p in pieces[:n]] == ids[1:1 + n] and ids[1 + n] == tok.eot_token_id: return pieces
+    return None
+
 def tree_tokens(parsed: ParsedCaption, tokenizer=None, context_length: int = 77) -> TreeTokens:
-    "Tokens `(L,)`, leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity and NP label `(K,)`."
+    "Tokens `(L,)` (the tokenizer's own), leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity and NP label `(K,)`."
     tok = tokenizer or default_tokenizer()
-    W, K, L = len(parsed.words), len(parsed.spans), context_length
-    first, last, valid = [0] * W, [0] * W, [False] * W               # piece positions [first, last) per word
-    ids, notes, no_piece, cut_at = [tok.sot_token_id], list(parsed.notes), [], None
-    for w, word in enumerate(parsed.words):
-        pieces = word_pieces(tok, word)
-        if not pieces: no_piece.append(w); continue
-        if len(ids) + len(pieces) > L - 1: cut_at = w; break          # keep one slot for EOT
-        first[w], last[w], valid[w] = len(ids), len(ids) + len(pieces), True
-        ids += pieces
-    ids.append(tok.eot_token_id)
-    pos = torch.arange(L)
-    leaf_tokens = (pos[None, :] >= torch.tensor(first)[:, None]) & (pos[None, :] < torch.tensor(last)[:, None])  # (W, L)
-    leaf_valid = torch.tensor(valid, dtype=torch.bool)                # (W,)
-    tokens = torch.zeros(L, dtype=torch.long)
-    tokens[:len(ids)] = torch.tensor(ids, dtype=torch.long)
-    se = torch.tensor(parsed.spans, dtype=torch.long).reshape(K, 2)  # (K, 2)
-    w_idx = torch.arange(W)
-    cover = (w_idx[None, :] >= se[:, :1]) & (w_idx[None, :] < se[:, 1:])   # (K, W)
-    incidence = cover & leaf_valid[None, :]                          # (K, W)
-    node_valid = incidence.any(1)                                    # (K,)
+    W, K, L, keep = len(parsed.words), len(parsed.spans), context_length, context_length - 2
+    notes, text, offs = list(parsed.notes), parsed.text, parsed.offsets
+    tokens = tok([text], context_length=L)[0]                         # (L,) the call evaluation makes
+    pieces = _aligned_pieces(tok, text, tokens.tolist(), keep)
+    if pieces is None: notes.append('could not align the BPE pieces with the caption: no leaf'); pieces = []
+    head, owner = leaf_heads(text, offs, pieces)
+    heads = sorted(set(head))                                         # one per leaf, in order
+    last = {h: w for w, h in enumerate(head)}                         # last word of each leaf
+    cut = pieces[keep][1] if len(pieces) > keep else None             # caption position of the first piece cut off
+    pos = {h: [] for h in heads}
+    for i, h in enumerate(owner):
+        if h >= 0: pos[h].append(i)
+    valid = {h: bool(pos[h]) and max(pos[h]) < keep and (cut is None or offs[last[h]][1] <= cut) for h in heads}
+    leaf_tokens = torch.zeros(W, L, dtype=torch.bool)                 # (W, L)
+    rows = [(h, 1 + i) for h in heads if valid[h] for i in pos[h]]   # position 0 is SOT
+    if rows: leaf_tokens[tuple(torch.tensor(rows).T)] = True
+    leaf_valid = torch.tensor([valid.get(w, False) for w in range(W)], dtype=torch.bool)   # (W,)
+    # nodes as intervals of valid leaves; the same interval twice, or crossing a larger one: removed
+    g_of = {h: g for g, h in enumerate(heads)}
+    ok = [valid[h] for h in heads]
+    nxt, prv, n, p = [0] * len(heads), [0] * len(heads), len(heads), -1
+    for g in range(len(heads)): p = g if ok[g] else p; prv[g] = p
+    for g in reversed(range(len(heads))): n = g if ok[g] else n; nxt[g] = n
+    iv = []
+    for s, e in parsed.spans:
+        g0, g1 = (g_of[head[s]], g_of[head[e - 1]]) if e > s else (0, -1)
+        iv.append((nxt[g0], prv[g1] + 1) if e > s and nxt[g0] <= prv[g1] else None)
+    kept, dup, crossed = [], 0, 0
+    for k in sorted((k for k in range(K) if iv[k]), key=lambda k: (iv[k][0] - iv[k][1], k)):   # larger first, then order
+        s, e = iv[k]
+        if any(iv[j] == (s, e) for j in kept): dup += 1
+        elif any(s < e2 and s2 < e and not (s2 <= s and e <= e2) and not (s <= s2 and e2 <= e) for s2, e2 in (iv[j] for j in kept)):
+            crossed += 1
+        else: kept.append(k)
+    incidence = torch.zeros(K, W, dtype=torch.bool)                   # (K, W)
+    cells = [(k, heads[g]) for k in kept for g in range(*iv[k]) if ok[g]]
+    if cells: incidence[tuple(torch.tensor(cells).T)] = True
+    node_valid = incidence.any(1)                                     # (K,)
     node_np = torch.tensor([lab == 'NP' for lab in parsed.labels], dtype=torch.bool).reshape(K)  # (K,)
+    joined = [w for w in range(W) if head[w] != w]
+    if joined:
+        shown = [repr(text[offs[h][0]:offs[last[h]][1]]) for h in dict.fromkeys(head[w] for w in joined)][:3]
+        notes.append(f'{len(joined)} word(s) joined to the word before into one leaf: {", ".join(shown)}')
+    no_piece = [h for h in heads if not pos[h] and (cut is None or offs[h][0] < cut)]
     if no_piece: notes.append(f'{len(no_piece)} word(s) with no BPE pieces: {no_piece}')
-    if cut_at is not None:
-        notes.append(f'truncated to {L} tokens: dropped {W - cut_at} of {W} words from word {cut_at}; '
-                     f'{int((~node_valid).sum())} of {K} nodes lost all words')
-    elif not node_valid.all(): notes.append(f'{int((~node_valid).sum())} of {K} nodes have no valid word')
-    return TreeTokens(tokens, leaf_tokens, leaf_valid, incidence, node_valid, node_np, notes)
+    if cut is not None:
+        n_cut = sum(not valid[h] and offs[last[h]][1] > cut for h in heads)
+        notes.append(f'truncated to {L} tokens: {n_cut} of {len(heads)} leaves cut; '
+                     f'{int((~node_valid).sum()) - dup - crossed} of {K} nodes lost all words')
+    elif not node_valid.all() and int((~node_valid).sum()) > dup + crossed:
+        notes.append(f'{int((~node_valid).sum()) - dup - crossed} of {K} nodes have no valid word')
+    if dup: notes.append(f'removed {dup} node(s) covering the same tokens as an earlier node')
+    if crossed: notes.append(f'removed {crossed} node(s) crossing a larger node once words were joined')
+    return TreeTokens(tokens, leaf_tokens, leaf_valid, incidence, node_valid, node_np,
+                      torch.tensor(head, dtype=torch.long).reshape(W), notes)
 
 
 # %%
@@ -684,9 +1059,31 @@ _tt = tree_tokens(_p)
 assert torch.equal(_tt.tokens, _oc([_p.text])[0])                 # same ids as open_clip on the whole text
 assert _tt.leaf_tokens.sum(1).tolist() == [1] * 7 and not _tt.leaf_tokens[:, 0].any()
 assert torch.equal(_tt.incidence, torch.tensor([[s <= w < e for w in range(7)] for s, e in _p.spans]))
-assert _tt.node_valid.all() and _tt.notes == []
+assert _tt.node_valid.all() and _tt.notes == [] and _tt.leaf_head.tolist() == list(range(7))
 assert _tt.node_np.tolist() == [lab == 'NP' for lab in _p.labels] and _tt.node_np.any()
 print(_tt.tokens[:10], _tt.incidence.int(), sep='\n')
+
+
+# %% [markdown]
+# The hard cases: the ids are open_clip's, and each leaf's positions spell the word as written.
+
+# %%
+def _leaves(tt):
+    return [_oc.decode(tt.tokens[tt.leaf_tokens[w]].tolist()).replace(' ', '') for w in range(len(tt.leaf_valid)) if tt.leaf_valid[w]]
+for _cap, _want in [("the person doesn't", ['the', 'person', "doesn't"]), ('Im happy', ['im', 'happy']),
+                    ('we wed', ['we', 'wed']), ('i dont know', ['i', 'dont', 'know']),
+                    ('you cannot park', ['you', 'cannot', 'park']), ('he said "stop."', ['he', 'said', '"', 'stop', '."']),
+                    ('""quoted"" text', ['""', 'quoted', '""', 'text']),
+                    ('Tom &amp; Jerry http://t.co/x', ['tom', '&', 'jerry'])]:
+    _p = parse_caption(_cap); _tt = tree_tokens(_p)
+    assert torch.equal(_tt.tokens, _oc([_cap])[0]), _cap
+    assert _leaves(_tt) == _want, (_cap, _p.words, _leaves(_tt))
+    assert tree_problems(_p) == [] and _tt.node_valid[0]
+    print(f'{_cap!r}: words {_p.words} -> leaves {_leaves(_tt)}; {_tt.notes}')
+_p = parse_caption('Im happy'); _tt = tree_tokens(_p)
+assert _tt.leaf_head.tolist() == [0, 0, 2] and not _tt.leaf_valid[1] and not _tt.leaf_tokens[1].any()
+_ks = [_tt.incidence[k].nonzero().flatten().tolist() for k in range(len(_p.spans)) if _tt.node_valid[k]]
+assert len(_ks) == len({tuple(x) for x in _ks})                      # no two valid nodes with the same leaves
 
 # %% [markdown]
 # A word split into several pieces, truncation of a very long caption, and the empty caption:
@@ -699,12 +1096,12 @@ _long_cap = 'a big brown dog runs to a small red ball on the green grass near th
 assert len(parse_caption(_long_cap).words) == 75                    # max_words caps the parse
 _pl = parse_caption(_long_cap, ParserConfig(max_words=200))         # keep all 95 words: the 77 tokens cut them
 _tt = tree_tokens(_pl)
+assert torch.equal(_tt.tokens, _oc([_long_cap])[0]) and _tt.tokens[-1] == _oc.eot_token_id
 n_ok = int(_tt.leaf_valid.sum())
-n_pieces = int(_tt.leaf_tokens.sum())
-assert 0 < n_ok < len(_pl.words) and not _tt.leaf_valid[n_ok:].any() and _tt.tokens[n_pieces + 1] == _oc.eot_token_id
-assert n_pieces + 2 <= 77 and (_tt.tokens[n_pieces + 2:] == 0).all()
-assert _tt.node_valid[0] and not _tt.node_valid.all() and _tt.notes[-1].startswith('truncated'), _tt.notes
-print(_tt.notes[-1])
+assert 0 < n_ok < len(_pl.words) and not _tt.leaf_valid[n_ok:].any() and _tt.leaf_valid[:n_ok].all()
+assert int(_tt.leaf_tokens.sum()) <= 75 and not _tt.leaf_tokens[:, 76].any()
+assert _tt.node_valid[0] and not _tt.node_valid.all() and any(n.startswith('truncated') for n in _tt.notes), _tt.notes
+print(_tt.notes)
 _te = tree_tokens(parse_caption('   '))
 assert _te.leaf_tokens.shape == (0, 77) and _te.node_valid.tolist() == [False]
 assert _te.tokens[:3].tolist() == [_oc.sot_token_id, _oc.eot_token_id, 0]
@@ -748,13 +1145,18 @@ assert _b['node_np'][2].tolist() == [True] + [False] * 4 and not _b['node_np'][1
 # %% [markdown]
 # ## Real captions
 #
-# All COCO captions of the shared sample (and the first 2,000 CC3M validation captions): every tree is a
-# proper tree, every non-empty caption keeps a valid node, and how often the word-by-word token ids equal
-# open_clip's tokenisation of the whole caption. Skipped, with the reason, where the shared data is absent.
+# All COCO captions of the shared sample and the first 2,000 CC3M validation captions: every tree is a proper
+# tree, every usable caption keeps a valid node, and the ids `tree_tokens` trains on are exactly
+# open_clip's tokenisation of the caption, the ids evaluation uses (`tests/test_parsing.py` checks all 15,833
+# CC3M validation captions). Before this notebook mapped words by character offsets, 1 COCO caption and 65 of
+# the 15,833 CC3M captions (0.41 %; this validation set is already lower-cased and split at `'`, unlike raw
+# alt-text) were trained on other ids than they were evaluated with. Skipped, with the reason, where the shared
+# data is absent.
 
 # %%
 from pathlib import Path
 from collections import Counter
+def _kind(note): return re.sub(r'\d+', 'N', note.split(':')[0])     # a note without its numbers and details
 _data = Path('../../shared/data') if Path('../../shared/data').exists() else Path('../shared/data')
 if not (_data / 'coco_sample/captions.jsonl').exists(): print(f'skipped: no shared data at {_data.resolve()}')
 else:
@@ -762,12 +1164,13 @@ else:
     _cc3m = [l.split('\t')[0] for l, _ in zip(open(_data / 'cc3m_validation/Validation_GCC-1.1.0-Validation.tsv'), range(2000))]
     for name, caps in [('COCO', _coco), ('CC3M', _cc3m)]:
         t0 = time.time(); ps = parse_captions(caps); dt = time.time() - t0
-        tts = [tree_tokens(p) for p in ps]
-        assert all(tree_problems(p) == [] for p in ps) and all(t.node_valid[0] for t in tts)
-        diff = [p for p, t in zip(ps, tts) if not torch.equal(t.tokens, _oc([p.text])[0])]
-        same = len(ps) - len(diff)
-        print(f'{name}: {len(ps)} captions in {dt:.1f}s, {sum(len(p.spans) for p in ps) / len(ps):.1f} nodes and '
-              f'{sum(len(p.words) for p in ps) / len(ps):.1f} words per caption, token ids equal to open_clip: '
-              f'{same}/{len(ps)}, notes: {dict(Counter(n.split(":")[0] for p in ps for n in p.notes))}')
-        for p in diff[:2]: print(f'   differs: {p.text!r} -> words {p.words}')
+        t0 = time.time(); tts = [tree_tokens(p) for p in ps]; dt_tok = time.time() - t0
+        assert all(tree_problems(p) == [] for p in ps)
+        assert all(t.node_valid[0] for c, t in zip(caps, tts) if caption_problem(c) is None)
+        diff = [c for c, t in zip(caps, tts) if not torch.equal(t.tokens, _oc([c])[0])]
+        assert diff == [], diff[:5]
+        print(f'{name}: {len(ps)} captions parsed in {dt:.1f}s, tokenised in {dt_tok:.1f}s; '
+              f'{sum(len(p.spans) for p in ps) / len(ps):.1f} nodes and {sum(len(p.words) for p in ps) / len(ps):.1f} words '
+              f'per caption; token ids equal to open_clip\'s: {len(ps) - len(diff)}/{len(ps)}; '
+              f'notes: {dict(Counter(_kind(n) for t in tts for n in t.notes))}')
     print('labels:', Counter(l for p in ps for l in p.labels).most_common(10))

@@ -34,7 +34,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
-from powerclip.parsing import ParsedCaption, TreeTokens, collate_trees, parse_caption, tree_problems, tree_tokens
+from powerclip.parsing import ParsedCaption, TreeTokens, caption_problem, collate_trees, parse_caption, tree_problems, tree_tokens
 from powerclip.regions import decode_regions, random_box_masks, select_masks
 from powerclip.world import WorldConfig, WorldDataset
 
@@ -377,8 +377,8 @@ def decode_sample(s: dict, cfg: DataConfig, epoch: int, preprocess, counter: Ski
     try:
         with Image.open(io.BytesIO(img)) as im: im.load(); im = im.convert('RGB')
     except Exception as e: return skip('bad_image', repr(e)[:200])
-    text = s.get('txt', b'').decode('utf-8', errors='replace').strip()
-    if not text: return skip('no_caption')
+    if why := caption_problem(s.get('txt')): return skip('no_caption', why)   # the annotator's rule (20_parsing)
+    text = s['txt'].decode('utf-8') if isinstance(s['txt'], bytes) else s['txt']
     if 'tree.json' in s:
         try:
             parsed = ParsedCaption.from_dict(json.loads(s['tree.json']))
