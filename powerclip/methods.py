@@ -14,7 +14,8 @@ from .dist import DistContext
 from .loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 
 # %% auto #0
-__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'PowerCLIP', 'gather_powerset']
+__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'PowerCLIP', 'gather_powerset',
+           'Scorer', 'GlobalScorer']
 
 # %% ../nbs/40_methods.ipynb #a7a3846c
 @dataclass
@@ -65,6 +66,11 @@ class Method:
 
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def scorers(self) -> dict[str, "Scorer"]:
+        """How evaluation scores image-text pairs: name -> `Scorer`, the method's own way first (what its paper
+        reports); every method offers 'global' (see "Scoring for evaluation" below)."""
+        return {"global": GlobalScorer()}
 
 
 METHODS: dict[str, type[Method]] = {}
@@ -154,3 +160,36 @@ def gather_powerset(image, text, local: PowersetInputs, dist: DistContext):
     img, txt, reg, phr = dist.gather_many([image, text, pad_dim(local.regions, M), pad_dim(local.phrases, K)])
     rv, nv = gather_no_grad(pad_dim(local.region_valid, M, 1, False)), gather_no_grad(pad_dim(local.node_valid, K, 1, False))
     return img, txt, PowersetInputs(reg, rv, phr, nv)
+
+# %% ../nbs/40_methods.ipynb #ee84336d
+class Scorer:
+    "How evaluation scores image-text pairs with a trained model; features are cached by the evaluator."
+    name: str = "global"
+
+    def image_features(self, model, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        "images `(B, 3, H, W)` -> features with B rows each."
+        raise NotImplementedError
+
+    def text_features(self, model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        "tokens `(B, L)` open_clip ids -> features with B rows each."
+        raise NotImplementedError
+
+    def scores(self, img: dict[str, torch.Tensor], txt: dict[str, torch.Tensor]) -> torch.Tensor:
+        "Features of I images and T captions -> `(I, T)` scores, higher is more similar."
+        raise NotImplementedError
+
+
+class GlobalScorer(Scorer):
+    "CLIP's score: the dot product of L2-normalised `encode_image` and `encode_text` (the cosine)."
+    name = "global"
+
+    @torch.no_grad()
+    def image_features(self, model, images):
+        return {"image": model.encode_image(images, normalize=True).float()}         # (B, D)
+
+    @torch.no_grad()
+    def text_features(self, model, tokens):
+        return {"text": model.encode_text(tokens, normalize=True).float()}           # (B, D)
+
+    def scores(self, img, txt):
+        return img["image"] @ txt["text"].to(img["image"].device).T                # (I, T)

@@ -176,21 +176,25 @@ def _text_proj(model, x: torch.Tensor) -> torch.Tensor:
     p = model.text_projection
     return p(x) if isinstance(p, nn.Linear) else x @ p
 
-def encode(model, image: torch.Tensor, tokens: torch.Tensor, need_patches: bool = True) -> dict:
+def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_patches: bool = True) -> dict:
     """One forward pass per tower. image `(C, 3, H, W)`, tokens `(C, L)` ->
     image `(C, D)`, text `(C, D)` (L2-normalised), patches `(C, N, D)`, tokens `(C, L, D)` (projected, not
-    normalised; patches None under active patch dropout), logit_scale `()` (exponentiated)."""
+    normalised; patches None under active patch dropout), logit_scale `()` (exponentiated).
+    A tower whose input is None is not run: its keys are absent (the evaluator encodes images and texts apart)."""
     _check_heads(model)
-    dropped = _patch_dropout_active(model)
+    dropped = image is not None and _patch_dropout_active(model)
     if dropped and need_patches: raise ValueError('patch dropout is active: patch embeddings are off the grid')
     out = model.forward_intermediates(image, tokens, image_indices=1, text_indices=1, normalize=True,
                                       image_output_fmt='NLC', output_logit_scale_bias=True)
-    x = out['image_intermediates'][-1]                       # (C, N, width_v) last block, class token removed
-    y = out['text_intermediates'][-1]                        # (C, L, width_t) last block
-    patches = None if dropped else model.visual.ln_post(x) @ model.visual.proj  # (C, N, D)
-    return dict(image=out['image_features'], text=out['text_features'],
-                patches=patches, tokens=_text_proj(model, model.ln_final(y)),  # (C, L, D)
-                logit_scale=out['logit_scale'])
+    enc = dict(logit_scale=out['logit_scale'])
+    if image is not None:
+        x = out['image_intermediates'][-1]                   # (C, N, width_v) last block, class token removed
+        enc.update(image=out['image_features'],
+                   patches=None if dropped else model.visual.ln_post(x) @ model.visual.proj)  # (C, N, D)
+    if tokens is not None:
+        y = out['text_intermediates'][-1]                    # (C, L, width_t) last block
+        enc.update(text=out['text_features'], tokens=_text_proj(model, model.ln_final(y)))  # (C, L, D)
+    return enc
 
 
 # %% [markdown]
@@ -233,6 +237,11 @@ with torch.no_grad():
     assert_close(enc['text'], model.encode_text(tt['tokens'], normalize=True))
     assert_close(enc['logit_scale'], model.logit_scale.exp())
     assert all(torch.equal(enc[k], v) for k, v in Encoder(model)(img, tt['tokens']).items())
+    # one tower at a time: the same numbers, only that tower's keys
+    test_eq(set(encode(model, img, None)), {'image', 'patches', 'logit_scale'})
+    test_eq(set(encode(model, None, tt['tokens'])), {'text', 'tokens', 'logit_scale'})
+    assert_close(encode(model, img, None)['patches'], enc['patches'])
+    assert_close(encode(model, None, tt['tokens'])['tokens'], enc['tokens'])
     # the same head on the pooled positions gives open_clip's unnormalised features
     fi = model.visual.forward_intermediates(img, indices=1, output_fmt='NLC', output_extra_tokens=True)
     cls = fi['image_intermediates_prefix'][-1][:, 0]                       # (C, width_v)

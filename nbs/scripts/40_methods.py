@@ -116,6 +116,11 @@ class Method:
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def scorers(self) -> dict[str, "Scorer"]:
+        """How evaluation scores image-text pairs: name -> `Scorer`, the method's own way first (what its paper
+        reports); every method offers 'global' (see "Scoring for evaluation" below)."""
+        return {"global": GlobalScorer()}
+
 
 METHODS: dict[str, type[Method]] = {}
 
@@ -225,6 +230,54 @@ def gather_powerset(image, text, local: PowersetInputs, dist: DistContext):
 
 
 # %% [markdown]
+# ## Scoring for evaluation
+#
+# Evaluation (retrieval, zero-shot classification, hard negatives) ranks image-text pairs by a score. For CLIP
+# and most methods that is the cosine of the pooled embeddings; a method whose paper scores otherwise at
+# inference (FILIP: token-wise late interaction) says so with its own `Scorer`. The evaluator asks the method:
+# `method.scorers()` maps a name to a scorer, the first entry being the method's own way (what its paper
+# reports), and every method also offers `'global'`, so that all methods can be compared on the same footing.
+#
+# A scorer splits the work in two so that the evaluator can cache features: `image_features` and
+# `text_features` run the towers once per image and per caption (tensors with one row per input, which may
+# live on the CPU), and `scores` combines any $I$ images with any $T$ captions into an $(I, T)$ matrix.
+
+# %%
+#| export
+class Scorer:
+    "How evaluation scores image-text pairs with a trained model; features are cached by the evaluator."
+    name: str = "global"
+
+    def image_features(self, model, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        "images `(B, 3, H, W)` -> features with B rows each."
+        raise NotImplementedError
+
+    def text_features(self, model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        "tokens `(B, L)` open_clip ids -> features with B rows each."
+        raise NotImplementedError
+
+    def scores(self, img: dict[str, torch.Tensor], txt: dict[str, torch.Tensor]) -> torch.Tensor:
+        "Features of I images and T captions -> `(I, T)` scores, higher is more similar."
+        raise NotImplementedError
+
+
+class GlobalScorer(Scorer):
+    "CLIP's score: the dot product of L2-normalised `encode_image` and `encode_text` (the cosine)."
+    name = "global"
+
+    @torch.no_grad()
+    def image_features(self, model, images):
+        return {"image": model.encode_image(images, normalize=True).float()}         # (B, D)
+
+    @torch.no_grad()
+    def text_features(self, model, tokens):
+        return {"text": model.encode_text(tokens, normalize=True).float()}           # (B, D)
+
+    def scores(self, img, txt):
+        return img["image"] @ txt["text"].to(img["image"].device).T                # (I, T)
+
+
+# %% [markdown]
 # ### Checks
 #
 # The registry, and each method's loss on model outputs built by hand (no model needed): the methods add
@@ -275,3 +328,21 @@ except ValueError as e:
 assert register("clip")(type("CLIP", (Method,), {})) is METHODS["clip"]  # same name, same qualname: replaced
 register("clip")(CLIP)  # restore the real one
 assert METHODS["clip"] is CLIP
+
+# %% [markdown]
+# The global scorer on a model (the micro architecture, random weights): its scores are the cosines of
+# open_clip's own `encode_image` and `encode_text`, and every method offers it.
+
+# %%
+from powerclip.model import create_model
+torch.manual_seed(0)
+_model = create_model("powerclip-micro")[0].eval()
+_imgs = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+_ids = torch.zeros(4, 77, dtype=torch.long); _ids[:, 0], _ids[:, 1:4], _ids[:, 4] = 49406, torch.arange(300, 312).reshape(4, 3), 49407
+_sc = get_method("clip").scorers()
+assert list(_sc) == ["global"] and list(get_method("powerclip").scorers()) == ["global"]
+_S = _sc["global"].scores(_sc["global"].image_features(_model, _imgs), _sc["global"].text_features(_model, _ids))
+with torch.no_grad():
+    _ref = F.cosine_similarity(_model.encode_image(_imgs)[:, None], _model.encode_text(_ids)[None], dim=-1)  # (3, 4)
+assert _S.shape == (3, 4)
+assert_close(_S, _ref)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from powerclip.dist import DistContext
 from powerclip.loss import clip_loss
-from powerclip.methods import Method, register
+from powerclip.methods import GlobalScorer, Method, Scorer, register
 
 # %%
 #| hide
@@ -289,6 +289,52 @@ class FILIP(Method):
         terms["_logit_scale"] = s.detach()
         return terms
 
+    def scorers(self) -> dict[str, Scorer]:
+        "Late interaction first (FILIP's own way of scoring), then the global cosine every method offers."
+        return {"late": LateInteractionScorer(self.cfg.special_tokens, self.cfg.chunk), "global": GlobalScorer()}
+
+
+# %% [markdown]
+# ## Scoring at evaluation
+#
+# A FILIP model is evaluated as it is trained: by token-wise late interaction, not by its pooled vectors. The late
+# score of image $i$ and caption $j$ is the mean of the two directions, $\frac12(s^I_{ij}+s^T_{ij})$, as FILIP
+# scores pairs at inference, with the same tokens counted as in training (`special_tokens`). The features the
+# evaluator caches are the L2-normalised patch embeddings of each image `(N, D)` and the normalised token
+# embeddings of each caption `(L, D)` with their validity; the scores are computed in blocks of images and captions,
+# so that the $(I, T, N, L)$ similarity tensor never exists at once.
+
+# %%
+#| export
+class LateInteractionScorer(Scorer):
+    "FILIP's inference score: the mean of the image-to-text and text-to-image token-wise similarities."
+    name = "late"
+
+    def __init__(self, special_tokens: bool = False, chunk: int | None = None, image_block: int = 128):
+        self.special_tokens = special_tokens   # count SOT and EOT (as the method's config)
+        self.chunk = chunk or 64               # captions per similarity block
+        self.image_block = image_block         # images per similarity block
+
+    @torch.no_grad()
+    def image_features(self, model, images):
+        from powerclip.model import encode    # late: keeps this module importable without open_clip
+        return {"patches": F.normalize(encode(model, images, None)["patches"], dim=-1).float()}   # (B, N, D)
+
+    @torch.no_grad()
+    def text_features(self, model, tokens):
+        from powerclip.model import encode
+        return {"tokens": F.normalize(encode(model, None, tokens)["tokens"], dim=-1).float(),     # (B, L, D)
+                "token_valid": text_token_mask(tokens, self.special_tokens).cpu()}                # (B, L)
+
+    def scores(self, img, txt):
+        p, dev = img["patches"], img["patches"].device
+        t, v = txt["tokens"].to(dev), txt["token_valid"].to(dev)
+        rows = []
+        for i in range(0, p.shape[0], self.image_block):
+            s_i2t, s_t2i = filip_scores(p[i:i + self.image_block], t, v, self.chunk)   # (b, T) each
+            rows.append((s_i2t + s_t2i) / 2)
+        return torch.cat(rows, 0)                                                        # (I, T)
+
 
 # %% [markdown]
 # On model outputs built by hand (no model needed):
@@ -305,3 +351,29 @@ _terms = _m.loss(_out, {"tokens": _ids}, DistContext())
 assert_close(_terms["filip"], _l.detach())
 assert_close(_terms["clip"], 0.5 * clip_loss(_out["image"], _out["text"], _s))
 print({k: round(float(v), 4) for k, v in _terms.items()})
+
+# %% [markdown]
+# The scorers on a model (the micro architecture, random weights): FILIP offers late interaction first and the
+# global cosine second; the late scores are the mean of `filip_scores`' two directions on the normalised patch and
+# token embeddings of `encode`, whatever the block sizes.
+
+# %%
+from powerclip.model import create_model, encode
+
+torch.manual_seed(0)
+_model = create_model("powerclip-micro")[0].eval()
+_imgs = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+_tok = torch.zeros(3, 77, dtype=torch.long)
+_tok[:, 0], _tok[0, 1:3], _tok[0, 3] = 49406, torch.tensor([320, 1929]), 49407
+_tok[1, 1:5], _tok[1, 5], _tok[2, 1] = torch.tensor([320, 1000, 2000, 3000]), 49407, 49407   # caption 2 is empty
+_sc = get_method("filip").scorers()
+assert list(_sc) == ["late", "global"]
+_fi, _ft = _sc["late"].image_features(_model, _imgs), _sc["late"].text_features(_model, _tok)
+_S = _sc["late"].scores(_fi, _ft)
+with torch.no_grad():
+    _e = encode(_model, _imgs, _tok[[0, 1, 2, 0, 1]])
+    _ref = filip_scores(F.normalize(_e["patches"], dim=-1), F.normalize(_e["tokens"][:3], dim=-1), text_token_mask(_tok))
+assert _S.shape == (5, 3)
+assert_close(_S, (_ref[0] + _ref[1]) / 2)
+assert_close(LateInteractionScorer(chunk=1, image_block=2).scores(_fi, _ft), _S)
+print(_S)

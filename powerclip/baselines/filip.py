@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from ..dist import DistContext
 from ..loss import clip_loss
-from ..methods import Method, register
+from ..methods import GlobalScorer, Method, Scorer, register
 
 # %% auto #0
-__all__ = ['text_token_mask', 'filip_scores', 'filip_loss', 'FILIPConfig', 'FILIP']
+__all__ = ['text_token_mask', 'filip_scores', 'filip_loss', 'FILIPConfig', 'FILIP', 'LateInteractionScorer']
 
 # %% ../../nbs/41_filip.ipynb #ab82b533
 def text_token_mask(
@@ -113,3 +113,37 @@ class FILIP(Method):
             terms["clip"] = self.cfg.clip_weight * clip_loss(out["image"], out["text"], s, img_all, txt_all, dist.rank * R)
         terms["_logit_scale"] = s.detach()
         return terms
+
+    def scorers(self) -> dict[str, Scorer]:
+        "Late interaction first (FILIP's own way of scoring), then the global cosine every method offers."
+        return {"late": LateInteractionScorer(self.cfg.special_tokens, self.cfg.chunk), "global": GlobalScorer()}
+
+# %% ../../nbs/41_filip.ipynb #85f9551a
+class LateInteractionScorer(Scorer):
+    "FILIP's inference score: the mean of the image-to-text and text-to-image token-wise similarities."
+    name = "late"
+
+    def __init__(self, special_tokens: bool = False, chunk: int | None = None, image_block: int = 128):
+        self.special_tokens = special_tokens   # count SOT and EOT (as the method's config)
+        self.chunk = chunk or 64               # captions per similarity block
+        self.image_block = image_block         # images per similarity block
+
+    @torch.no_grad()
+    def image_features(self, model, images):
+        from powerclip.model import encode    # late: keeps this module importable without open_clip
+        return {"patches": F.normalize(encode(model, images, None)["patches"], dim=-1).float()}   # (B, N, D)
+
+    @torch.no_grad()
+    def text_features(self, model, tokens):
+        from powerclip.model import encode
+        return {"tokens": F.normalize(encode(model, None, tokens)["tokens"], dim=-1).float(),     # (B, L, D)
+                "token_valid": text_token_mask(tokens, self.special_tokens).cpu()}                # (B, L)
+
+    def scores(self, img, txt):
+        p, dev = img["patches"], img["patches"].device
+        t, v = txt["tokens"].to(dev), txt["token_valid"].to(dev)
+        rows = []
+        for i in range(0, p.shape[0], self.image_block):
+            s_i2t, s_t2i = filip_scores(p[i:i + self.image_block], t, v, self.chunk)   # (b, T) each
+            rows.append((s_i2t + s_t2i) / 2)
+        return torch.cat(rows, 0)                                                        # (I, T)
