@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .dist import DistContext
+from .dist import DistContext, gather
 from .loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 
 # %% auto #0
-__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'PowerCLIP', 'gather_powerset',
-           'Scorer', 'GlobalScorer']
+__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'PowerCLIP', 'Scorer',
+           'GlobalScorer']
 
 # %% ../nbs/40_methods.ipynb #a7a3846c
 @dataclass
@@ -125,9 +125,8 @@ class CLIP(Method):
     "CLIP (Radford et al. 2021): global image and text embeddings, contrastive loss."
 
     def loss(self, out, batch, dist):
-        R = out["image"].shape[0]
-        img_all, txt_all = dist.gather_many([out["image"], out["text"]]) if dist.distributed else (None, None)
-        return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], img_all, txt_all, dist.rank * R),
+        g = gather(dist, {"image": out["image"], "text": out["text"]})   # (C, D) each
+        return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], g.all["image"], g.all["text"], g.offset),
                 "_logit_scale": out["logit_scale"].detach()}
 
 # %% ../nbs/40_methods.ipynb #e434784b
@@ -141,27 +140,17 @@ class PowerCLIP(Method):
     def loss(self, out, batch, dist):
         from powerclip.model import powerset_inputs
         local = powerset_inputs(out, batch)  # (R, M, D), (R, M), (R, K, D), (R, K)
-        args = (out["image"], out["text"], out["logit_scale"], local, self.cfg)
-        if not dist.distributed:
-            terms = powerclip_loss(*args)
-        else:
-            img_all, txt_all, gathered = gather_powerset(out["image"], out["text"], local, dist)
-            terms = powerclip_loss(*args, image_all=img_all, text_all=txt_all,
-                                   gathered=gathered, offset=dist.rank * out["image"].shape[0])
+        g = gather(dist, {"image": out["image"], "text": out["text"], "regions": local.regions, "phrases": local.phrases,
+                          "region_valid": local.region_valid, "node_valid": local.node_valid},
+                   pad={"regions": {1: 0.0}, "phrases": {1: 0.0}, "region_valid": {1: False}, "node_valid": {1: False}})
+        a = g.all  # M and K padded to their maximum over the processes: (C, M, D), (C, K, D), ...
+        gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], a["node_valid"])
+        terms = powerclip_loss(out["image"], out["text"], out["logit_scale"], local, self.cfg,
+                               a["image"], a["text"], gathered, g.offset)
         terms["_logit_scale"] = out["logit_scale"].detach()
         return terms
 
-
-def gather_powerset(image, text, local: PowersetInputs, dist: DistContext):
-    """(image_all (C, D), text_all (C, D), PowersetInputs of all C rows): M and K padded to their maximum over the
-    processes, the float tensors gathered with gradient in one collective (see `powerclip.dist.gather_many`)."""
-    from powerclip.dist import all_max, gather_no_grad, pad_dim
-    M, K = all_max(local.regions.shape[1]), all_max(local.phrases.shape[1])
-    img, txt, reg, phr = dist.gather_many([image, text, pad_dim(local.regions, M), pad_dim(local.phrases, K)])
-    rv, nv = gather_no_grad(pad_dim(local.region_valid, M, 1, False)), gather_no_grad(pad_dim(local.node_valid, K, 1, False))
-    return img, txt, PowersetInputs(reg, rv, phr, nv)
-
-# %% ../nbs/40_methods.ipynb #ee84336d
+# %% ../nbs/40_methods.ipynb #17d60828
 class Scorer:
     "How evaluation scores image-text pairs with a trained model; features are cached by the evaluator."
     name: str = "global"

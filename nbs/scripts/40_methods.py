@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from powerclip.dist import DistContext
+from powerclip.dist import DistContext, gather
 from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 
 # %%
@@ -51,10 +51,12 @@ from torch.testing import assert_close
 # loss = sum(v for k, v in terms.items() if not k.startswith('_'))
 # ```
 #
-# and logs every term. `dist` is a `powerclip.dist.DistContext`: `dist.gather_many([x, y, ...])` (all-gather with
-# gradient, one collective for all tensors: several separate gathers can pair up wrongly in the backward pass,
-# see `15_dist`), `dist.rank`, `dist.world_size`; `powerclip.dist.pad_dim` / `all_max` for ragged K, W. A method that gathers follows
-# the convention of `11_loss`: local rows against gathered columns, positives at `offset = rank * R`.
+# and logs every term. `dist` is a `powerclip.dist.DistContext`. A method that needs other processes' rows asks
+# `powerclip.dist.gather(dist, {name: tensor}, pad={name: {dim: value}})` once per step, for all its tensors: the
+# float tensors travel with gradient in one collective, the masks in another, ragged dimensions are padded (see
+# `15_dist` for why one collective), and `g.offset` is where this process's rows start. The loss is then written on
+# `11_loss`'s skeleton (`contrastive_rows`, `symmetric_infonce`): local rows against gathered columns, positives at
+# `g.offset + arange(R)`. No method imports `torch.distributed`.
 #
 # Adding a method (FLIP, FILIP, SPARC, ...) is one class with a `Config` dataclass and `@register('name')`;
 # its config is what the run config's `method_cfg` holds.
@@ -181,9 +183,8 @@ class CLIP(Method):
     "CLIP (Radford et al. 2021): global image and text embeddings, contrastive loss."
 
     def loss(self, out, batch, dist):
-        R = out["image"].shape[0]
-        img_all, txt_all = dist.gather_many([out["image"], out["text"]]) if dist.distributed else (None, None)
-        return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], img_all, txt_all, dist.rank * R),
+        g = gather(dist, {"image": out["image"], "text": out["text"]})   # (C, D) each
+        return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], g.all["image"], g.all["text"], g.offset),
                 "_logit_scale": out["logit_scale"].detach()}
 
 
@@ -193,8 +194,8 @@ class CLIP(Method):
 # CLIP plus $\lambda$ times the powerset triplet loss between the image's region masks and the caption's tree
 # nodes. Where the region masks come from (random boxes for PowerCLIP-R, the world's gold object masks, SAM) is
 # a choice of the *data* config: the method only reads `region_masks`. Phrase embeddings of different
-# processes have different numbers of nodes $K$, so they are padded to the largest $K$ before gathering, and
-# all four float tensors travel in one collective (`gather_many`).
+# processes have different numbers of nodes $K$ (and region embeddings of $M$), so `gather` pads them to the
+# largest over the processes; all four float tensors travel in one collective, the two masks in another.
 
 # %%
 #| export
@@ -208,25 +209,15 @@ class PowerCLIP(Method):
     def loss(self, out, batch, dist):
         from powerclip.model import powerset_inputs
         local = powerset_inputs(out, batch)  # (R, M, D), (R, M), (R, K, D), (R, K)
-        args = (out["image"], out["text"], out["logit_scale"], local, self.cfg)
-        if not dist.distributed:
-            terms = powerclip_loss(*args)
-        else:
-            img_all, txt_all, gathered = gather_powerset(out["image"], out["text"], local, dist)
-            terms = powerclip_loss(*args, image_all=img_all, text_all=txt_all,
-                                   gathered=gathered, offset=dist.rank * out["image"].shape[0])
+        g = gather(dist, {"image": out["image"], "text": out["text"], "regions": local.regions, "phrases": local.phrases,
+                          "region_valid": local.region_valid, "node_valid": local.node_valid},
+                   pad={"regions": {1: 0.0}, "phrases": {1: 0.0}, "region_valid": {1: False}, "node_valid": {1: False}})
+        a = g.all  # M and K padded to their maximum over the processes: (C, M, D), (C, K, D), ...
+        gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], a["node_valid"])
+        terms = powerclip_loss(out["image"], out["text"], out["logit_scale"], local, self.cfg,
+                               a["image"], a["text"], gathered, g.offset)
         terms["_logit_scale"] = out["logit_scale"].detach()
         return terms
-
-
-def gather_powerset(image, text, local: PowersetInputs, dist: DistContext):
-    """(image_all (C, D), text_all (C, D), PowersetInputs of all C rows): M and K padded to their maximum over the
-    processes, the float tensors gathered with gradient in one collective (see `powerclip.dist.gather_many`)."""
-    from powerclip.dist import all_max, gather_no_grad, pad_dim
-    M, K = all_max(local.regions.shape[1]), all_max(local.phrases.shape[1])
-    img, txt, reg, phr = dist.gather_many([image, text, pad_dim(local.regions, M), pad_dim(local.phrases, K)])
-    rv, nv = gather_no_grad(pad_dim(local.region_valid, M, 1, False)), gather_no_grad(pad_dim(local.node_valid, K, 1, False))
-    return img, txt, PowersetInputs(reg, rv, phr, nv)
 
 
 # %% [markdown]

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from powerclip.dist import all_sum
 from powerclip.methods import CLIP, register
 
 # %%
@@ -548,14 +549,6 @@ class PGSConfig:
         return min(max(1, round(self.seed_ratio * n)), n_hi), n_lo, n_hi
 
 
-def _all_sum(t: torch.Tensor) -> torch.Tensor:
-    "Sum over the processes of torch.distributed (the tensor itself when not distributed)."
-    import torch.distributed as td
-    if not (td.is_available() and td.is_initialized()) or td.get_world_size() == 1: return t
-    t = t.clone(); td.all_reduce(t)
-    return t
-
-
 class PGSSelect(nn.Module):
     "Drop-in for open_clip's `patch_dropout`: x `(C, 1 + N, width)` -> `(C, 1 + N_keep, width)` in training."
     def __init__(self, cfg: PGSConfig, patch: int):
@@ -582,7 +575,7 @@ class PGSSelect(nn.Module):
             edges = sobel_patch_edges(c["image"], self.patch) if cfg.edges else None
             sel = select_patches(sim, edges, n_seed, n_lo, n_hi, noise=c["noise"], edge_top=cfg.edge_top,
                                  sim_threshold=cfg.sim_threshold, ot_iters=cfg.ot_iters if cfg.ot else 0, ot_eps=cfg.ot_eps,
-                                 all_sum=_all_sum)
+                                 all_sum=all_sum)
         self.last = sel
         idx = (sel.keep + 1)[..., None].expand(-1, -1, width)               # (C, N_keep, width)
         return torch.cat([x[:, :1], x.gather(1, idx)], dim=1)               # class token first
