@@ -10,7 +10,8 @@ import torch
 
 from powerclip.data import DataConfig, make_loader
 from powerclip.loss import PowerCLIPLossConfig, powerclip_loss
-from powerclip.model import create_model, encode, powerset_inputs
+from powerclip.methods import powerset_inputs
+from powerclip.model import create_model, encode
 
 
 def main():

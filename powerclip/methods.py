@@ -12,10 +12,11 @@ import torch
 
 from .dist import DistContext, gather
 from .loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
+from .powerset import phrase_embeddings, pool_normalize
 
 # %% auto #0
-__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'PowerCLIP', 'Scorer',
-           'GlobalScorer']
+__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'PowerCLIP', 'powerset_inputs',
+           'Scorer', 'GlobalScorer']
 
 # %% ../nbs/40_methods.ipynb #a7a3846c
 @dataclass
@@ -29,8 +30,9 @@ class Method:
     Config: type = NoConfig
     batch_keys: tuple[str, ...] = ("image", "tokens")  # what `loss` / `forward` read of a batch
 
-    def __init__(self, cfg=None):
+    def __init__(self, cfg=None, seed: int = 0):
         self.cfg = cfg if cfg is not None else self.Config()
+        self.seed = int(seed)  # the method's own random stream (CLIP-PGS's candidates); the trainer derives it from the run seed
         if not isinstance(self.cfg, self.Config):
             raise TypeError(f"method {self.name!r} needs a {self.Config.__name__}, got {type(self.cfg).__name__}")
 
@@ -100,10 +102,10 @@ def method_config(name: str, cfg: dict | None = None):
     return cls.Config(**cfg)
 
 
-def get_method(name: str, cfg: dict | object | None = None) -> Method:
-    "A method by name, with its config given as a dict, a config object, or None (defaults)."
+def get_method(name: str, cfg: dict | object | None = None, seed: int = 0) -> Method:
+    "A method by name, with its config given as a dict, a config object, or None (defaults), and its random stream's seed."
     cls = _method_cls(name)
-    return cls(cfg if isinstance(cfg, cls.Config) else method_config(name, cfg))
+    return cls(cfg if isinstance(cfg, cls.Config) else method_config(name, cfg), seed)
 
 
 def _method_cls(name: str) -> type[Method]:
@@ -138,7 +140,6 @@ class PowerCLIP(Method):
     needs_patches = True
 
     def loss(self, out, batch, dist):
-        from powerclip.model import powerset_inputs
         local = powerset_inputs(out, batch)  # (R, M, D), (R, M), (R, K, D), (R, K)
         g = gather(dist, {"image": out["image"], "text": out["text"], "regions": local.regions, "phrases": local.phrases,
                           "region_valid": local.region_valid, "node_valid": local.node_valid},
@@ -149,6 +150,21 @@ class PowerCLIP(Method):
                                a["image"], a["text"], gathered, g.offset)
         terms["_logit_scale"] = out["logit_scale"].detach()
         return terms
+
+# %% ../nbs/40_methods.ipynb #c235ef81
+def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
+    """Regions `(C, M, D)` (Eq. 2), phrases `(C, K, D)` (Eqs. 3-4) and validity masks from `encode`'s output and
+    a batch with `region_masks (C, M, N)`, `region_valid (C, M)`, `leaf_tokens (C, W, L)`, `incidence (C, K, W)`,
+    `node_valid (C, K)`."""
+    if enc.get('patches') is None: raise ValueError('no patch embeddings: encode with need_patches=True')
+    masks = batch['region_masks'].to(enc['patches'].device)
+    if masks.shape[-1] != enc['patches'].shape[1]:
+        raise ValueError(f"region masks have {masks.shape[-1]} patches, the model {enc['patches'].shape[1]}")
+    regions = pool_normalize(enc['patches'], masks)                                   # (C, M, D)
+    leaves = pool_normalize(enc['tokens'], batch['leaf_tokens'].to(enc['tokens'].device))  # (C, W, D)
+    phrases = phrase_embeddings(leaves, batch['incidence'].to(leaves.device))         # (C, K, D)
+    return PowersetInputs(regions, batch['region_valid'].to(regions.device), phrases,
+                          batch['node_valid'].to(phrases.device))
 
 # %% ../nbs/40_methods.ipynb #17d60828
 class Scorer:

@@ -33,11 +33,13 @@ def test_registry_and_presets():
 
 
 def test_model_state_dict_unchanged():
+    "A training forward pass with the selection leaves the model plain open_clip: the same keys, nothing installed."
     from powerclip.model import create_model
-    model = create_model("powerclip-micro")[0]
+    model = create_model("powerclip-micro")[0].train()
     keys = set(model.state_dict())
-    get_method("clip-pgs").setup_model(model)
-    assert set(model.state_dict()) == keys and not list(model.visual.patch_dropout.parameters())
+    tokens = torch.zeros(2, 77, dtype=torch.long); tokens[:, 0], tokens[:, 1], tokens[:, 2] = 49406, 320, 49407
+    get_method("clip-pgs").forward(model, {"image": torch.randn(2, 3, 32, 32), "tokens": tokens})
+    assert set(model.state_dict()) == keys and isinstance(model.visual.patch_dropout, torch.nn.Identity)
 
 
 @pytest.mark.parametrize("method,lo,hi", [("clip-pgs", 0.5, 0.5), ("clip-pgs-0.3", 0.3, 0.5)])

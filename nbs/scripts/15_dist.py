@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as td
 
+
 # %% [markdown]
 # # Distributed helpers
 #
@@ -95,7 +96,6 @@ def cleanup(ctx: DistContext) -> None:
 # %%
 _ctx = init_distributed("cpu")
 assert (_ctx.rank, _ctx.world_size, _ctx.is_main, _ctx.distributed) == (0, 1, True, False)
-
 
 # %% [markdown]
 # ## Gathering a batch's tensors: one call, two collectives
@@ -246,6 +246,7 @@ except ValueError as e: print(e)
 _p = pad_dim(torch.ones(2, 3, 4), 5, dim=1)
 assert _p.shape == (2, 5, 4) and _p[:, 3:].abs().sum() == 0 and _p[:, :3].eq(1).all()
 assert pad_dim(torch.ones(2, 3, dtype=torch.bool), 4, 1, False).tolist() == [[True] * 3 + [False]] * 2
+
 
 # %% [markdown]
 # The two-process behaviour (values in rank order, padding, packed rows of different counts, and gradients that

@@ -27,6 +27,7 @@ import torch
 
 from powerclip.dist import DistContext, gather
 from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
+from powerclip.powerset import phrase_embeddings, pool_normalize
 
 # %%
 #| hide
@@ -80,8 +81,9 @@ class Method:
     Config: type = NoConfig
     batch_keys: tuple[str, ...] = ("image", "tokens")  # what `loss` / `forward` read of a batch
 
-    def __init__(self, cfg=None):
+    def __init__(self, cfg=None, seed: int = 0):
         self.cfg = cfg if cfg is not None else self.Config()
+        self.seed = int(seed)  # the method's own random stream (CLIP-PGS's candidates); the trainer derives it from the run seed
         if not isinstance(self.cfg, self.Config):
             raise TypeError(f"method {self.name!r} needs a {self.Config.__name__}, got {type(self.cfg).__name__}")
 
@@ -151,10 +153,10 @@ def method_config(name: str, cfg: dict | None = None):
     return cls.Config(**cfg)
 
 
-def get_method(name: str, cfg: dict | object | None = None) -> Method:
-    "A method by name, with its config given as a dict, a config object, or None (defaults)."
+def get_method(name: str, cfg: dict | object | None = None, seed: int = 0) -> Method:
+    "A method by name, with its config given as a dict, a config object, or None (defaults), and its random stream's seed."
     cls = _method_cls(name)
-    return cls(cfg if isinstance(cfg, cls.Config) else method_config(name, cfg))
+    return cls(cfg if isinstance(cfg, cls.Config) else method_config(name, cfg), seed)
 
 
 def _method_cls(name: str) -> type[Method]:
@@ -207,7 +209,6 @@ class PowerCLIP(Method):
     needs_patches = True
 
     def loss(self, out, batch, dist):
-        from powerclip.model import powerset_inputs
         local = powerset_inputs(out, batch)  # (R, M, D), (R, M), (R, K, D), (R, K)
         g = gather(dist, {"image": out["image"], "text": out["text"], "regions": local.regions, "phrases": local.phrases,
                           "region_valid": local.region_valid, "node_valid": local.node_valid},
@@ -218,6 +219,77 @@ class PowerCLIP(Method):
                                a["image"], a["text"], gathered, g.offset)
         terms["_logit_scale"] = out["logit_scale"].detach()
         return terms
+
+
+# %% [markdown]
+# ### Region, leaf and phrase embeddings
+#
+# What PowerCLIP's loss reads of `encode`'s output and the batch (see `23_data` for the masks): region embeddings
+# $\phi(I\mid R_m)$ of Eq. 2 pool the patch embeddings under region masks, leaf embeddings $\psi(T\mid P_{m'})$ of
+# Eq. 4 pool the token embeddings under each word's BPE positions, and phrase embeddings $p_B$ of Eq. 3 sum the
+# leaves under each parse node. The padding conventions carry through: an invalid region or word has an
+# all-`False` mask, so its embedding is the zero vector, and invalid nodes cover no word.
+
+# %%
+#| export
+def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
+    """Regions `(C, M, D)` (Eq. 2), phrases `(C, K, D)` (Eqs. 3-4) and validity masks from `encode`'s output and
+    a batch with `region_masks (C, M, N)`, `region_valid (C, M)`, `leaf_tokens (C, W, L)`, `incidence (C, K, W)`,
+    `node_valid (C, K)`."""
+    if enc.get('patches') is None: raise ValueError('no patch embeddings: encode with need_patches=True')
+    masks = batch['region_masks'].to(enc['patches'].device)
+    if masks.shape[-1] != enc['patches'].shape[1]:
+        raise ValueError(f"region masks have {masks.shape[-1]} patches, the model {enc['patches'].shape[1]}")
+    regions = pool_normalize(enc['patches'], masks)                                   # (C, M, D)
+    leaves = pool_normalize(enc['tokens'], batch['leaf_tokens'].to(enc['tokens'].device))  # (C, W, D)
+    phrases = phrase_embeddings(leaves, batch['incidence'].to(leaves.device))         # (C, K, D)
+    return PowersetInputs(regions, batch['region_valid'].to(regions.device), phrases,
+                          batch['node_valid'].to(phrases.device))
+
+
+# %% [markdown]
+# On a model (the micro architecture, random weights, a $4\times4$ patch grid) and two parsed captions:
+
+# %%
+from powerclip.model import create_model, encode, grid_size
+from powerclip.parsing import ParsedCaption, collate_trees, tree_tokens
+
+torch.manual_seed(0)
+_model = create_model("powerclip-micro")[0].eval()
+_pcs = [ParsedCaption('a red circle left of a blue square', 'a red circle left of a blue square'.split(),
+                      [(0, 8), (0, 3), (3, 8), (3, 5), (5, 8)], ['S', 'NP', 'PP', 'ADVP', 'NP'], 'gold', []),
+        ParsedCaption('a green cross', ['a', 'green', 'cross'], [(0, 3)], ['NP'], 'gold', [])]
+_tt = collate_trees([tree_tokens(p) for p in _pcs])
+_img = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+with torch.no_grad(): _enc = encode(_model, _img, _tt['tokens'])
+_gh, _gw = grid_size(_model)
+_masks = torch.zeros(2, 3, _gh * _gw, dtype=torch.bool)
+_masks[:, 0, :_gw] = True; _masks[:, 1, _gw + 1] = True                 # row 0; patch (1, 1); row 2 is padding
+_pb = dict(_tt, region_masks=_masks, region_valid=_masks.any(-1))
+_pi = powerset_inputs(_enc, _pb)
+D = _enc['image'].shape[1]
+assert _pi.regions.shape == (2, 3, D) and _pi.phrases.shape == (2, 5, D)
+assert_close(_pi.regions[:, 0], F.normalize(_enc['patches'][:, :_gw].sum(1), dim=-1))
+assert_close(_pi.regions[:, 1], F.normalize(_enc['patches'][:, _gw + 1], dim=-1))
+assert not _pi.regions[:, 2].any() and _pi.region_valid[:, 2].logical_not().all()
+# phrase 'a blue square' of caption 0 (node 4: words 5..7): the sum of its three normalised word embeddings
+_words = [F.normalize(_enc['tokens'][0][_tt['leaf_tokens'][0, w]].sum(0), dim=-1) for w in (5, 6, 7)]
+assert_close(_pi.phrases[0, 4], sum(_words))
+# caption 1 has one node; nodes 1..4 are padding: zero and invalid
+assert not _pi.phrases[1, 1:].any() and _pi.node_valid[1].tolist() == [True, False, False, False, False]
+test_fail(lambda: powerset_inputs(_enc, dict(_pb, region_masks=_masks[..., :10])), contains='patches')
+
+# %% [markdown]
+# The whole path, from the model through the method's forward and loss, back-propagates into both towers:
+
+# %%
+_model.train()
+_pm = get_method("powerclip")
+_terms = _pm.loss(_pm.forward(_model, dict(_pb, image=_img)), _pb, DistContext())
+_model.zero_grad(); (_terms['clip'] + _terms['powerset']).backward()
+assert _model.visual.conv1.weight.grad.abs().sum() > 0 and _model.token_embedding.weight.grad.abs().sum() > 0
+_model.eval()
+print({k: round(float(v.detach()), 4) for k, v in _terms.items()})
 
 
 # %% [markdown]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from powerclip.dist import DistContext, gather
 from powerclip.loss import contrastive_rows, symmetric_infonce
 from powerclip.methods import Method, register
+from powerclip.model import text_token_mask
 
 # %%
 #| hide
@@ -227,7 +228,6 @@ class SmartCLIP(Method):
         return lr if self.cfg.mask_lr is None else self.cfg.mask_lr
 
     def forward(self, model, batch, modules=None):
-        from powerclip.baselines.filip import text_token_mask
         if not isinstance(modules, MaskNet): raise RuntimeError("SmartCLIP needs its mask network: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
         valid = text_token_mask(batch["tokens"], self.cfg.special_tokens)      # (C, L)

@@ -13,27 +13,10 @@ import torch.nn.functional as F
 from ..dist import DistContext, gather
 from ..loss import clip_loss, contrastive_rows, symmetric_infonce
 from ..methods import GlobalScorer, Method, Scorer, register
+from ..model import text_token_mask
 
 # %% auto #0
-__all__ = ['text_token_mask', 'filip_scores', 'filip_loss', 'FILIPConfig', 'FILIP', 'LateInteractionScorer']
-
-# %% ../../nbs/41_filip.ipynb #ab82b533
-def text_token_mask(
-    ids: torch.Tensor,            # (C, L) long open_clip token ids: SOT, word pieces, EOT, zero padding
-    special_tokens: bool = False, # True: SOT and EOT count as tokens too
-) -> torch.Tensor:                # (C, L) bool
-    "The caption tokens that take part in token-wise interaction: not padding, and (default) not SOT/EOT."
-    valid = ids != 0
-    if not valid.any(-1).all():
-        raise ValueError(f"captions {(~valid.any(-1)).nonzero().flatten().tolist()} have no token at all (all padding)")
-    if special_tokens: return valid
-    eot = ids.argmax(-1)                                      # (C,) open_clip's EOT position (its text pooling)
-    words = valid.clone()
-    words[:, 0] = False                                       # SOT
-    words[torch.arange(ids.shape[0], device=ids.device), eot] = False
-    empty = ~words.any(-1)                                    # captions with no word piece: keep their EOT
-    words[empty.nonzero().flatten(), eot[empty]] = True
-    return words
+__all__ = ['filip_scores', 'filip_loss', 'FILIPConfig', 'FILIP', 'LateInteractionScorer']
 
 # %% ../../nbs/41_filip.ipynb #a43f7b8c
 def filip_scores(
@@ -124,7 +107,7 @@ class LateInteractionScorer(Scorer):
 
     @torch.no_grad()
     def image_features(self, model, images):
-        from powerclip.model import encode    # late: keeps this module importable without open_clip
+        from powerclip.model import encode
         return {"patches": F.normalize(encode(model, images, None)["patches"], dim=-1).float()}   # (B, N, D)
 
     @torch.no_grad()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..dist import DistContext, gather
 from ..loss import contrastive_rows, symmetric_infonce
 from ..methods import Method, register
+from ..model import text_token_mask
 
 # %% auto #0
 __all__ = ['modular_similarity', 'modular_loss', 'MaskNet', 'SmartCLIPConfig', 'SmartCLIP']
@@ -99,7 +100,6 @@ class SmartCLIP(Method):
         return lr if self.cfg.mask_lr is None else self.cfg.mask_lr
 
     def forward(self, model, batch, modules=None):
-        from powerclip.baselines.filip import text_token_mask
         if not isinstance(modules, MaskNet): raise RuntimeError("SmartCLIP needs its mask network: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
         valid = text_token_mask(batch["tokens"], self.cfg.special_tokens)      # (C, L)

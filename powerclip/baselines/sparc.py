@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .filip import text_token_mask
 from ..dist import DistContext, gather
 from ..loss import clip_loss
 from ..methods import Method, register
+from ..model import text_token_mask
 
 # %% auto #0
 __all__ = ['sparc_weights', 'grouped_embeddings', 'sparc_fine_loss', 'SPARCConfig', 'SPARC']
