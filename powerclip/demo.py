@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import world_config
-from .train import (TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, run_isolated,
-                             to_dict, train)
+from .data import derive_seed, world_config
+from .measure import run_isolated
+from .model import model_geometry
+from .train import TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, to_dict, train
 from .world_eval import evaluate_world, world_test_set
 
 # %% auto #0
@@ -21,7 +22,8 @@ __all__ = ['RUNS', 'DEMO_RUNS', 'GROUNDING_KEYS', 'run_configs', 'train_isolated
            'summarize_seeds', 'summary_table', 'plot_results', 'compare', 'demo_main']
 
 # %% ../nbs/70_demo.ipynb #40efc1bd
-# run name -> (method, overrides of the run). Only PowerCLIP reads region masks; the others get the same batches.
+# run name -> (method, overrides of the run). Every run sees the same images and captions; only PowerCLIP asks for
+# region masks (its method_cfg says how many and from where), PowerCLIP and C2LIP for parse trees.
 RUNS = {"CLIP": ("clip", {}),
         "FLIP": ("flip", {}),
         "CLIP-PGS": ("clip-pgs", {}),
@@ -30,8 +32,8 @@ RUNS = {"CLIP": ("clip", {}),
         "SmartCLIP": ("smartclip", {}),
         "FILIP": ("filip", {}),
         "SPARC": ("sparc", {}),
-        "PowerCLIP-R": ("powerclip", {"data.masks": "random"}),
-        "PowerCLIP-gold": ("powerclip", {"data.masks": "gold"})}
+        "PowerCLIP-R": ("powerclip", {"method_cfg.masks": "random"}),
+        "PowerCLIP-gold": ("powerclip", {"method_cfg.masks": "gold"})}
 DEMO_RUNS = ("CLIP", "PowerCLIP-R", "PowerCLIP-gold")  # `make demo`: CLIP against PowerCLIP
 
 
@@ -50,9 +52,9 @@ def run_configs(out_dir, seed: int = 0, steps: int | None = None, overrides: dic
 
 
 def _load_trained(cfg, weights=None):
-    "The run's open_clip model: random init from the run's seed, or its exported weights (`model.pt`)."
+    "The run's open_clip model: random init from the run's init stream, or its exported weights (`model.pt`)."
     from powerclip.model import create_model
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(derive_seed(cfg.seed, "init"))
     model = create_model(cfg.model.name, **cfg.model.kwargs)[0]
     if weights is not None: model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
     return model.eval()
@@ -79,8 +81,13 @@ def _grounding(weights, cfg, n_scenes: int) -> dict:
     """Pointing game, pointing at any object, pointing with the map's minimum and mean IoU of the run's text-to-patch
     heatmaps against the world's object masks (`61_heatmaps`), as fractions like the other numbers here."""
     from powerclip.heatmaps import grounding_table
-    rows, _ = grounding_table({"run": Path(weights).parent}, n_scenes=n_scenes, cfg=world_config(cfg.data), baselines=False)
+    rows, _ = grounding_table({"run": Path(weights).parent}, n_scenes=n_scenes, cfg=_held_out_world(cfg), baselines=False)
     return {k: rows[0][k] / 100 for k in GROUNDING_KEYS}
+
+
+def _held_out_world(cfg: TrainConfig):
+    "The world of the held-out scenes at the run's model geometry: a fixed benchmark, not derived from the run seed."
+    return world_config(cfg.data, model_geometry(cfg.model.name, cfg.model.kwargs))
 
 
 def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_images: int = 300,
@@ -92,7 +99,7 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
     trained again, and its evaluation (`eval.json` beside its weights) is reused while the weights are unchanged."""
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     cfgs = run_configs(out, seed, steps, overrides, preset, runs)
-    test_root = world_test_set(test_dir or out / "world_test", world_config(cfgs[0][1].data), n_images=eval_images, split="test")
+    test_root = world_test_set(test_dir or out / "world_test", _held_out_world(cfgs[0][1]), n_images=eval_images, split="test")
     results, curves = {}, {}
     results["untrained"] = dict(steps=0, train_s=0.0, **evaluate_world(_load_trained(cfgs[0][1]), test_root))
     eval_key = dict(eval_images=eval_images, grounding_scenes=grounding_scenes)
@@ -109,7 +116,7 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
             print(f"== {name}: reused {cached}", file=sys.stderr, flush=True)
             continue
         if trained is None:
-            print(f"== {name}: {cfg.method}, masks={cfg.data.masks}, {cfg.max_steps} steps, seed {cfg.seed}", file=sys.stderr, flush=True)
+            print(f"== {name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps, seed {cfg.seed}", file=sys.stderr, flush=True)
             s = train_isolated(cfg) if isolate else train(cfg)
             rows = curves[name] = read_metrics(run_dir / "metrics.csv")
             trained = dict(method=cfg.method, steps=s["steps"], train_s=rows[-1]["time"] if rows else float("nan"),

@@ -14,13 +14,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .data import Geometry
+
 # %% auto #0
-__all__ = ['PRESETS', 'config_dir', 'register_configs', 'create_model', 'grid_size', 'encode', 'Encoder', 'PatchTokenSelect',
-           'select_patch_tokens', 'text_token_mask']
+__all__ = ['config_dir', 'register_configs', 'create_model', 'model_geometry', 'geometry_of', 'grid_size', 'encode', 'Encoder',
+           'PatchTokenSelect', 'select_patch_tokens', 'text_token_mask']
 
 # %% ../nbs/30_model.ipynb #f840a85b
-PRESETS = {'paper': 'ViT-B-16', 'demo': 'powerclip-tiny'}  # preset name -> open_clip architecture
-
 def config_dir() -> Path:
     "The package's `model_configs/` folder: open_clip JSON model configs shipped as package data."
     return Path(str(resources.files('powerclip') / 'model_configs'))
@@ -32,15 +32,37 @@ def register_configs() -> list[str]:
     return names
 
 # %% ../nbs/30_model.ipynb #58b5ac40
-def create_model(name: str = 'demo', pretrained: str | Path | None = None, **kw):
-    "`(model, preprocess_train, preprocess_val)` for an architecture or preset name; `pretrained`: None or a local file."
+def _known(name: str) -> None:
     register_configs()
-    arch = PRESETS.get(name, name)
-    if arch not in open_clip.list_models():
-        raise ValueError(f'unknown model {name!r}; presets {list(PRESETS)}, or an open_clip architecture')
+    if name not in open_clip.list_models():
+        raise ValueError(f'unknown model {name!r}: an open_clip architecture, e.g. ViT-B-16 or ours {sorted(p.stem for p in config_dir().glob("*.json"))}')
+
+def create_model(name: str, pretrained: str | Path | None = None, **kw):
+    "`(model, preprocess_train, preprocess_val)` for an architecture name; `pretrained`: None or a local file."
+    _known(name)
     if pretrained is not None and not Path(pretrained).is_file():
         raise FileNotFoundError(f'pretrained must be a local checkpoint file (nothing is downloaded), got {pretrained!r}')
-    return open_clip.create_model_and_transforms(arch, pretrained=None if pretrained is None else str(pretrained), **kw)
+    return open_clip.create_model_and_transforms(name, pretrained=None if pretrained is None else str(pretrained), **kw)
+
+def _side(x, what: str) -> int:
+    "An open_clip size (int or (h, w)) as one int; non-square sizes are not supported."
+    if isinstance(x, (tuple, list)):
+        if len(set(x)) != 1: raise NotImplementedError(f'non-square {what} {tuple(x)}')
+        x = x[0]
+    return int(x)
+
+def model_geometry(name: str, kwargs: dict | None = None) -> Geometry:
+    "Image size, patch size and context length of architecture `name` with `kwargs` (whole config entries), without building it."
+    _known(name)
+    cfg = {**open_clip.get_model_config(name), **(kwargs or {})}
+    v, t = cfg.get('vision_cfg') or {}, cfg.get('text_cfg') or {}
+    if 'image_size' not in v or 'patch_size' not in v: raise NotImplementedError(f'{name}: not a ViT vision tower (no patch size)')
+    return Geometry(_side(v['image_size'], 'image size'), _side(v['patch_size'], 'patch size'), int(t.get('context_length', 77)))
+
+def geometry_of(model) -> Geometry:
+    "The geometry of a built model (to check it against `model_geometry`)."
+    v = model.visual
+    return Geometry(_side(v.image_size, 'image size'), _side(v.patch_size, 'patch size'), int(model.context_length))
 
 def grid_size(model) -> tuple[int, int]:
     "`(gh, gw)`: the patch grid of the visual tower; N = gh * gw patch embeddings, row-major."

@@ -4,10 +4,11 @@
    the processes arrive padded, in rank order, with the right offsets and row counts, and the gradient that comes
    back to each process is the sum over every process's loss.
 1. One step of every method (CLIP, PowerCLIP and the baselines, C2LIP in each of its variants) through the
-   trainer's own path (MethodForward in DDP, the method's loss with gathering and K/W padding): the mean loss
-   and every parameter gradient (the method's own modules included) equal those of one process on the
-   concatenated batch, in float64 to 1e-9. The data seed makes the two processes hold different numbers of
-   concepts per caption, so C2LIP's padding of K across processes is exercised.
+   trainer's own path (`powerclip.train.build_run` with precision fp64: MethodForward in DDP, the method's loss with
+   its gathering): the mean loss and every parameter gradient (the method's own modules included) equal those of one
+   process on the concatenated batch, in float64 to 1e-9. The run seed makes the two processes hold different numbers
+   of tree nodes and of concepts per caption, so the padding of K across processes is exercised; one PowerCLIP case
+   gives the two processes different numbers of region masks (M = 4 and 3).
 2. The whole trainer under torchrun (`python -m torch.distributed.run --nproc_per_node 2 -m powerclip.train`):
    the logged losses of 3 steps equal those of a 1-process run with twice the per-process batch.
 """
@@ -35,10 +36,15 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
 
 
-def _data_cfg(batch_size):
-    from powerclip.data import DataConfig
-    # seed 2: the two processes hold 2 and 3 base noun-phrase concepts per caption at most (C2LIP pads K)
-    return DataConfig(batch_size=batch_size, workers=0, world_length=64, M=4, image_size=32, masks="random", seed=2)
+SEED = 4  # the run seed: the two processes then hold different numbers of tree nodes and of NP concepts per caption
+
+
+def _spec(batch_size):
+    "Batches with what every method needs (the tree, its NP labels, 4 random boxes) at the micro model's geometry."
+    from powerclip.data import BatchNeeds, BatchSpec, DataConfig
+    from powerclip.model import model_geometry
+    return BatchSpec(DataConfig(batch_size=batch_size, workers=0, world_length=64), model_geometry("powerclip-micro"),
+                     BatchNeeds(tree=True, node_np=True, regions=4), seed=SEED)
 
 
 def _ragged(batch, rows: slice, drop: bool):
@@ -51,21 +57,17 @@ def _ragged(batch, rows: slice, drop: bool):
 
 
 def _step(case, batch, ctx):
-    "Loss and gradients of one step, exactly as powerclip.train computes them."
-    from powerclip.dist import wrap_ddp
-    from powerclip.methods import get_method
-    from powerclip.model import create_model
-    from powerclip.train import loss_terms, method_forward, to_device
-    torch.manual_seed(0)
-    model = create_model("powerclip-micro")[0]
-    method = get_method(*CASES[case])
-    mf = method_forward(model, method).double()  # a method's own modules: same seed, same weights on every process
-    fwd = wrap_ddp(mf, ctx)
-    batch = to_device(method.prepare_batch(batch), ctx.device)
-    batch["image"] = batch["image"].double()
-    loss, terms = loss_terms(fwd, method, batch, ctx, "fp32")
+    "Loss and gradients of one step, exactly as powerclip.train computes them (the smoke preset's model, in float64)."
+    from powerclip.train import build_run, forward_loss, load_config
+    method, mcfg = CASES[case]
+    ov = {"precision": "fp64", "max_steps": 1, "seed": SEED, **{f"method_cfg.{k}": v for k, v in (mcfg or {}).items()}}
+    run = build_run(load_config("smoke", ov, method=method), ctx)  # same init seed: the same weights on every process
+    loss, terms = forward_loss(run.fwd, run.method, run.prepare(batch), ctx, run.cfg.precision)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in mf.named_parameters() if p.grad is not None}
+    grads = {f"model.{n}": p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None}
+    if run.modules is not None:
+        grads.update({f"modules_.{n}": p.grad.clone() for n, p in run.modules.named_parameters() if p.grad is not None})
+    return loss.detach(), grads
 
 
 def _worker(rank, world, port, out):
@@ -74,14 +76,15 @@ def _worker(rank, world, port, out):
     from powerclip.data import make_loader
     from powerclip.dist import all_mean, cleanup, init_distributed
     ctx = init_distributed("cpu")
-    batch = next(iter(make_loader(_data_cfg(B), epoch=0, rank=rank, world_size=world)))
+    batch = next(iter(make_loader(_spec(B), epoch=0, rank=rank, world_size=world)))
     from powerclip.dist import all_max
     from powerclip.methods import get_method
     res = {}
+    k = get_method("c2lip").prepare_batch(dict(batch))["concept_valid"].shape[1], batch["node_valid"].shape[1]
+    ks = [(all_max(x), -all_max(-x)) for x in k]   # (max, min) over the processes of concepts and of tree nodes
     for m in CASES:
         loss, grads = _step(m, _ragged(batch, slice(None), drop=True) if m in RAGGED and rank == 1 else batch, ctx)
-        k = get_method("c2lip").prepare_batch(dict(batch))["concept_valid"].shape[1]
-        res[m] = (all_mean(loss), grads, (all_max(k), -all_max(-k)))  # (max, min) concepts per caption over processes
+        res[m] = (all_mean(loss), grads, ks)
     if rank == 0: torch.save(res, out)
     cleanup(ctx)
 
@@ -92,8 +95,9 @@ def test_two_processes_equal_one():
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddp_{os.getpid()}.pt"
     mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
     res = torch.load(out, weights_only=False); out.unlink()
-    full = next(iter(make_loader(_data_cfg(2 * B), epoch=0)))  # the same 8 samples in one batch
-    assert any(kmax != kmin for _, _, (kmax, kmin) in res.values()), "K was the same on both processes: padding not exercised"
+    full = next(iter(make_loader(_spec(2 * B), epoch=0)))  # the same 8 samples in one batch
+    (cmax, cmin), (kmax, kmin) = next(iter(res.values()))[2]
+    assert cmax != cmin and kmax != kmin, "the processes hold the same numbers of concepts or nodes: padding not exercised"
     for m in CASES:
         loss1, grads1 = _step(m, _ragged(full, slice(B, None), drop=False) if m in RAGGED else full, DistContext())
         loss2, grads2, _ = res[m]

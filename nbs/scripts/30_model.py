@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from powerclip.data import Geometry
+
 # %%
 #| hide
 import tempfile
@@ -38,6 +40,7 @@ from open_clip.factory import _MODEL_CONFIG_PATHS
 
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
+
 
 # %% [markdown]
 # # The model
@@ -72,8 +75,6 @@ from torch.testing import assert_close
 
 # %%
 #| export
-PRESETS = {'paper': 'ViT-B-16', 'demo': 'powerclip-tiny'}  # preset name -> open_clip architecture
-
 def config_dir() -> Path:
     "The package's `model_configs/` folder: open_clip JSON model configs shipped as package data."
     return Path(str(resources.files('powerclip') / 'model_configs'))
@@ -99,21 +100,49 @@ test_eq(open_clip.get_model_config('ViT-B-16')['text_cfg'] | {}, dict(context_le
 
 
 # %% [markdown]
-# `create_model` builds a model by architecture or preset name. It never downloads: `pretrained` is `None`
-# (random initialisation) or a path to a local checkpoint, and a pretrained *tag* is refused with a clear
-# error. It returns open_clip's triple `(model, preprocess_train, preprocess_val)`.
+# `create_model` builds a model by architecture name (an open_clip config: the paper's `ViT-B-16`, or one of ours).
+# It never downloads: `pretrained` is `None` (random initialisation) or a path to a local checkpoint, and a
+# pretrained *tag* is refused with a clear error. It returns open_clip's triple `(model, preprocess_train,
+# preprocess_val)`.
+#
+# **Geometry.** The image size, the patch size and the text context length are the model's, and the data pipeline
+# must produce exactly those. `model_geometry` reads them from the architecture's config and the run's
+# `model.kwargs` (which replace whole entries, as open_clip's `model_kwargs` do), *before* the model is built, so
+# that the loader and the model are made from the same numbers and nothing has to reconcile them afterwards.
 
 # %%
 #| export
-def create_model(name: str = 'demo', pretrained: str | Path | None = None, **kw):
-    "`(model, preprocess_train, preprocess_val)` for an architecture or preset name; `pretrained`: None or a local file."
+def _known(name: str) -> None:
     register_configs()
-    arch = PRESETS.get(name, name)
-    if arch not in open_clip.list_models():
-        raise ValueError(f'unknown model {name!r}; presets {list(PRESETS)}, or an open_clip architecture')
+    if name not in open_clip.list_models():
+        raise ValueError(f'unknown model {name!r}: an open_clip architecture, e.g. ViT-B-16 or ours {sorted(p.stem for p in config_dir().glob("*.json"))}')
+
+def create_model(name: str, pretrained: str | Path | None = None, **kw):
+    "`(model, preprocess_train, preprocess_val)` for an architecture name; `pretrained`: None or a local file."
+    _known(name)
     if pretrained is not None and not Path(pretrained).is_file():
         raise FileNotFoundError(f'pretrained must be a local checkpoint file (nothing is downloaded), got {pretrained!r}')
-    return open_clip.create_model_and_transforms(arch, pretrained=None if pretrained is None else str(pretrained), **kw)
+    return open_clip.create_model_and_transforms(name, pretrained=None if pretrained is None else str(pretrained), **kw)
+
+def _side(x, what: str) -> int:
+    "An open_clip size (int or (h, w)) as one int; non-square sizes are not supported."
+    if isinstance(x, (tuple, list)):
+        if len(set(x)) != 1: raise NotImplementedError(f'non-square {what} {tuple(x)}')
+        x = x[0]
+    return int(x)
+
+def model_geometry(name: str, kwargs: dict | None = None) -> Geometry:
+    "Image size, patch size and context length of architecture `name` with `kwargs` (whole config entries), without building it."
+    _known(name)
+    cfg = {**open_clip.get_model_config(name), **(kwargs or {})}
+    v, t = cfg.get('vision_cfg') or {}, cfg.get('text_cfg') or {}
+    if 'image_size' not in v or 'patch_size' not in v: raise NotImplementedError(f'{name}: not a ViT vision tower (no patch size)')
+    return Geometry(_side(v['image_size'], 'image size'), _side(v['patch_size'], 'patch size'), int(t.get('context_length', 77)))
+
+def geometry_of(model) -> Geometry:
+    "The geometry of a built model (to check it against `model_geometry`)."
+    v = model.visual
+    return Geometry(_side(v.image_size, 'image size'), _side(v.patch_size, 'patch size'), int(model.context_length))
 
 def grid_size(model) -> tuple[int, int]:
     "`(gh, gw)`: the patch grid of the visual tower; N = gh * gw patch embeddings, row-major."
@@ -122,11 +151,16 @@ def grid_size(model) -> tuple[int, int]:
 
 # %%
 torch.manual_seed(0)
-model, _, preprocess = create_model('demo')
+model, _, preprocess = create_model('powerclip-tiny')
 test_eq(grid_size(model), (8, 8))
 print(f"powerclip-tiny: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; eval transform: {preprocess}")
 test_fail(lambda: create_model('ViT-B-16', pretrained='openai'), contains='local checkpoint')
-test_fail(lambda: create_model('no-such-model'), contains='unknown model')
+test_fail(lambda: create_model('demo'), contains='unknown model')   # architecture names only
+# the geometry read from the configs is the built model's
+test_eq(model_geometry('powerclip-tiny'), geometry_of(model)); test_eq(model_geometry('powerclip-tiny'), Geometry(64, 8, 77))
+test_eq(model_geometry('ViT-B-16'), Geometry(224, 16, 77)); test_eq(model_geometry('powerclip-demo').context_length, 32)
+_kw = dict(text_cfg=dict(context_length=32, vocab_size=49408, width=128, heads=4, layers=4))
+test_eq(model_geometry('powerclip-tiny', _kw), Geometry(64, 8, 32))
 
 
 # %% [markdown]
@@ -260,6 +294,7 @@ assert_close(e0['patches'], e1['patches']); test_eq(g0.keys(), g1.keys())
 for n in g0: assert_close(g0[n], g1[n], rtol=1e-4, atol=1e-6)
 assert len(g0) == sum(p.requires_grad for p in model.parameters())  # every parameter gets a gradient
 
+
 # %% [markdown]
 # ## Dropping patch tokens before the transformer
 #
@@ -379,7 +414,6 @@ test_fail(lambda: text_token_mask(torch.zeros(2, 4, dtype=torch.long)), contains
 for _c in range(C):
     assert torch.equal(text_token_mask(tt['tokens'][_c:_c + 1])[0], tt['leaf_tokens'][_c].any(0))
 
-
 # %% [markdown]
 # ## Checkpoints load with plain open_clip
 #
@@ -402,7 +436,7 @@ with tempfile.TemporaryDirectory() as d:
 # %%
 #| slow
 t0 = time.time()
-big, _, _ = create_model('paper')
+big, _, _ = create_model('ViT-B-16')
 big.eval()
 test_eq(grid_size(big), (14, 14))
 with torch.no_grad():

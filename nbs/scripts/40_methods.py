@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from powerclip.data import BatchNeeds
 from powerclip.dist import DistContext, gather
 from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 from powerclip.powerset import phrase_embeddings, pool_normalize
@@ -39,20 +40,30 @@ from torch.testing import assert_close
 # %% [markdown]
 # # Methods
 #
-# > A training method is a small object that the trainer asks for by name: what it needs of a batch, what it changes in the forward pass, and its loss terms as a dict of named tensors.
+# > A training method is a small object that the trainer asks for by name: what it needs of a batch, what it changes in the forward pass, its loss terms as a dict of named tensors, and how evaluation should score with it.
 
 # %% [markdown]
-# The trainer (`50_train`) knows no method by name. Each step it does
+# The trainer (`50_train`) knows no method by name. Once, before the first batch, it asks the method what the data
+# pipeline must build (`23_data`):
+#
+# ```python
+# needs = method.needs()                     # BatchNeeds(tree, node_np, regions=M, region_source): nothing more is built
+# ```
+#
+# A CLIP run thus draws no region mask and parses no caption; PowerCLIP asks for the tree and its $M$ masks; C2LIP
+# for the tree and its noun-phrase labels. Then, each step:
 #
 # ```python
 # method.on_step(step, total)                # schedules inside a method (CLIP-PGS's mixing weight)
-# batch = method.prepare_batch(batch)        # add what the method needs (masks, phrases), on the host
+# batch = method.prepare_batch(batch)        # derived inputs (C2LIP's concept masks), on the host
 # out = method.forward(model, batch, modules)  # the model's outputs (inside DDP's forward)
 # terms = method.loss(out, batch, dist)      # {'clip': ..., 'powerset': ..., '_sim_pos': ...}
 # loss = sum(v for k, v in terms.items() if not k.startswith('_'))
 # ```
 #
-# and logs every term. `dist` is a `powerclip.dist.DistContext`. A method that needs other processes' rows asks
+# and logs every term. A method that changes the forward pass does it in its own `forward`, explicitly: FLIP and
+# CLIP-PGS drop patch tokens through `powerclip.model.select_patch_tokens` around `encode`, SmartCLIP runs its mask
+# network after it; the model itself knows no method. `dist` is a `powerclip.dist.DistContext`. A method that needs other processes' rows asks
 # `powerclip.dist.gather(dist, {name: tensor}, pad={name: {dim: value}})` once per step, for all its tensors: the
 # float tensors travel with gradient in one collective, the masks in another, ragged dimensions are padded (see
 # `15_dist` for why one collective), and `g.offset` is where this process's rows start. The loss is then written on
@@ -60,7 +71,8 @@ from torch.testing import assert_close
 # `g.offset + arange(R)`. No method imports `torch.distributed`.
 #
 # Adding a method (FLIP, FILIP, SPARC, ...) is one class with a `Config` dataclass and `@register('name')`;
-# its config is what the run config's `method_cfg` holds.
+# its config is what the run config's `method_cfg` holds. The trainer gives it a seed of its own (`self.seed`,
+# derived from the run seed) for any noise it draws.
 #
 # Parameters that a method trains besides the model (SmartCLIP's mask network, C2LIP's sigmoid temperature and
 # bias) come from `build_modules(model)`. The trainer keeps them apart from the open_clip model on purpose: the
@@ -79,7 +91,6 @@ class Method:
     "Base method: CLIP's forward pass and no extra batch keys. Subclasses set `Config` and override `loss`."
     name: str = "base"
     Config: type = NoConfig
-    batch_keys: tuple[str, ...] = ("image", "tokens")  # what `loss` / `forward` read of a batch
 
     def __init__(self, cfg=None, seed: int = 0):
         self.cfg = cfg if cfg is not None else self.Config()
@@ -103,9 +114,13 @@ class Method:
     def on_step(self, step: int, total: int) -> None:
         "Called by the trainer before each step (0-based `step` of `total`): for schedules inside a method."
 
+    def needs(self) -> BatchNeeds:
+        "What the data pipeline must build besides image, tokens and index (`powerclip.data.BatchNeeds`). Default: nothing."
+        return BatchNeeds()
+
     def prepare_batch(self, batch: dict) -> dict:
-        "Add to / check a host-side batch before it moves to the device. Default: check the keys."
-        missing = [k for k in self.batch_keys if k not in batch]
+        "Add derived inputs to a host-side batch before it moves to the device. Default: check that `needs()` was built."
+        missing = [k for k in self.needs().keys() if k not in batch]
         if missing: raise KeyError(f"method {self.name!r} needs batch keys {missing}; the batch has {sorted(batch)}")
         return batch
 
@@ -194,19 +209,35 @@ class CLIP(Method):
 # ## PowerCLIP
 #
 # CLIP plus $\lambda$ times the powerset triplet loss between the image's region masks and the caption's tree
-# nodes. Where the region masks come from (random boxes for PowerCLIP-R, the world's gold object masks, SAM) is
-# a choice of the *data* config: the method only reads `region_masks`. Phrase embeddings of different
+# nodes. The method's config is the loss config of `11_loss` plus the two things PowerCLIP asks of the data: how
+# many region masks per image ($M$, Sec. 5.1) and where they come from: random boxes (PowerCLIP-R), the world's gold
+# object masks, or segmentation masks stored beside the shards by `data_prep` (PowerCLIP-S, e.g. SAM's). `needs()`
+# hands both to the pipeline, with the parse tree. Phrase embeddings of different
 # processes have different numbers of nodes $K$ (and region embeddings of $M$), so `gather` pads them to the
 # largest over the processes; all four float tensors travel in one collective, the two masks in another.
 
 # %%
 #| export
+@dataclass
+class PowerCLIPConfig(PowerCLIPLossConfig):
+    "The loss's options (`PowerCLIPLossConfig`) and the region masks PowerCLIP asks of the data."
+    M: int = 10               # region masks per image (Sec. 5.1)
+    masks: str = "random"     # 'random' boxes (PowerCLIP-R) | 'gold' world object masks | 'stored' shard masks (PowerCLIP-S)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.M < 1: raise ValueError(f"M must be >= 1, got {self.M}")
+        BatchNeeds(tree=True, regions=self.M, region_source=self.masks)   # checks the mask source
+
+
 @register("powerclip")
 class PowerCLIP(Method):
-    "PowerCLIP: CLIP + lam * powerset triplet loss (NLA-T1 + NLA-T2), config `PowerCLIPLossConfig`."
-    Config = PowerCLIPLossConfig
-    batch_keys = ("image", "tokens", "leaf_tokens", "incidence", "node_valid", "region_masks", "region_valid")
+    "PowerCLIP: CLIP + lam * powerset triplet loss (NLA-T1 + NLA-T2), config `PowerCLIPConfig`."
+    Config = PowerCLIPConfig
     needs_patches = True
+
+    def needs(self) -> BatchNeeds:
+        return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
 
     def loss(self, out, batch, dist):
         local = powerset_inputs(out, batch)  # (R, M, D), (R, M), (R, K, D), (R, K)
@@ -350,8 +381,10 @@ class GlobalScorer(Scorer):
 assert {"clip", "powerclip"} <= set(METHODS)
 test_fail(lambda: get_method("nope"), contains="registered")
 test_fail(lambda: get_method("powerclip", {"lambda": 0.2}), contains="unknown option")
-_m = get_method("powerclip", {"lam": 0.2, "tau": 0.01})
+_m = get_method("powerclip", {"lam": 0.2, "tau": 0.01, "M": 4, "masks": "gold"})
 assert isinstance(_m.cfg, PowerCLIPLossConfig) and _m.cfg.lam == 0.2
+assert _m.needs() == BatchNeeds(tree=True, regions=4, region_source="gold") and get_method("clip").needs() == BatchNeeds()
+test_fail(lambda: get_method("powerclip", {"masks": "sam"}), contains="region_source")
 test_fail(lambda: _m.prepare_batch({"image": 0, "tokens": 0}), contains="region_masks")
 
 

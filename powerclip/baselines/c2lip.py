@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..data import BatchNeeds
 from ..dist import DistContext, gather
 from ..loss import clip_loss
 from ..methods import Method, register
@@ -211,8 +212,11 @@ def c2lip_terms(
 class C2LIP(Method):
     "C2LIP: base (SigLIP or CLIP) + lambda_npc * npc + lambda_xac * xac over noun-phrase concepts, config `C2LIPConfig`."
     Config = C2LIPConfig
-    batch_keys = ("image", "tokens", "leaf_tokens", "incidence", "node_valid", "node_np")
     needs_patches = True
+
+    def needs(self) -> BatchNeeds:
+        "The parse tree with its noun-phrase labels (the concepts); no region mask."
+        return BatchNeeds(tree=True, node_np=True)
 
     @property
     def _sigmoid(self) -> bool:   # any term that needs t and b
