@@ -380,7 +380,7 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     """Build the architecture and load a local checkpoint (None = random init from `seed`). A trainer checkpoint
     carries its model config (`config.model.name`, `.kwargs`): it is used unless `model_name` names another."""
     import open_clip                                     # here, not at the top: `--help`, `table`, `make-world` stay fast
-    from powerclip.model import PRESETS, create_model
+    from powerclip.model import create_model
     sd, ck_model = None, {}
     if checkpoint is not None:
         checkpoint = _need(Path(checkpoint), 'checkpoint')
@@ -396,7 +396,7 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     kw.update(model_kwargs or {})
     torch.manual_seed(seed)
     model, _, preprocess = create_model(name, **kw)
-    arch = PRESETS.get(name, name)
+    arch = name                                          # architecture names only (no aliases)
     if sd is None: ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '')
     else:
         ckpt_id = sha256_file(checkpoint)
