@@ -37,8 +37,8 @@ class Method:
             raise TypeError(f"method {self.name!r} needs a {self.Config.__name__}, got {type(self.cfg).__name__}")
 
     def setup_model(self, model) -> None:
-        """Change the model once before training (e.g. FLIP's patch dropout). Default: nothing.
-        Adds no parameter or buffer: the model's state_dict stays plain open_clip."""
+        """Change the model once before training. Default: nothing. Adds no parameter or buffer: the model's state_dict
+        stays plain open_clip. (A change of the forward pass, e.g. dropping patch tokens, belongs in `forward`.)"""
 
     def build_modules(self, model) -> torch.nn.Module | None:
         """Training-time modules with parameters (SmartCLIP's mask network, C2LIP's sigmoid bias), or None.
@@ -68,7 +68,7 @@ class Method:
         from powerclip.model import encode  # late: methods stay importable without open_clip loaded
         return encode(model, batch["image"], batch["tokens"], need_patches=self.needs_patches)
 
-    needs_patches: bool = False
+    needs_patches: bool = False  # the default forward asks `encode` for patch embeddings (losses that read them)
 
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
