@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from powerclip.baselines.c2lip import npc_loss, xac_loss
-from powerclip.baselines.filip import filip_loss, text_token_mask
+from powerclip.baselines.filip import filip_loss
 from powerclip.baselines.smartclip import modular_loss
 from powerclip.baselines.sparc import sparc_fine_loss
 from powerclip.loss import clip_loss
+from powerclip.model import text_token_mask
 
 
 def inputs(C, N=196, L=77, D=512, words=12, K=4, device="cpu", seed=0):

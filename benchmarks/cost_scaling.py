@@ -6,7 +6,7 @@ the powerset triplet loss (pooling of patch/token embeddings into regions/phrase
 cost of the NLA loss and of the exact loss relative to the plain CLIP loss on the same embeddings, measured
 in the same process.
 
-Each configuration runs in a fresh subprocess so that peak memory is its own (`isolated.py`).
+Each configuration runs in a fresh subprocess so that peak memory is its own (`powerclip.measure.run_isolated`).
 
     python benchmarks/cost_scaling.py                  # CPU defaults: batch 32, exact up to M=12, NLA to M=32
     python benchmarks/cost_scaling.py --device cuda --batch 256 --exact-max 10
@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from isolated import PeakMemory, run_isolated, sync
 
 from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
+from powerclip.measure import PeakMemory, run_isolated, sync
 from powerclip.powerset import phrase_embeddings, pool_normalize
 
 OUT = Path(__file__).parent / "results"
@@ -77,7 +78,8 @@ def measure(kind, C, M, K, W, N, L, D, device, reps):
 
 
 def run_one(kind, M, a):
-    res = run_isolated(measure, kind, a.batch, M, a.nodes, a.words, a.patches, 77, a.dim, a.device, a.reps)
+    res = run_isolated(measure, kind, a.batch, M, a.nodes, a.words, a.patches, 77, a.dim, a.device, a.reps,
+                       threads=os.cpu_count() or 1)
     return dict(kind=kind, M=M, **res)
 
 

@@ -8,9 +8,10 @@ import time
 
 import torch
 
-from powerclip.data import DataConfig, make_loader
+from powerclip.data import BatchNeeds, BatchSpec, DataConfig, make_loader
 from powerclip.loss import PowerCLIPLossConfig, powerclip_loss
-from powerclip.model import create_model, encode, powerset_inputs
+from powerclip.methods import powerset_inputs
+from powerclip.model import create_model, encode, model_geometry
 
 
 def main():
@@ -18,17 +19,18 @@ def main():
     ap.add_argument('--batch', type=int, default=64)
     ap.add_argument('--workers', type=int, default=2)
     ap.add_argument('--steps', type=int, default=10)
-    ap.add_argument('--model', default='demo')
+    ap.add_argument('--model', default='powerclip-tiny')
     a = ap.parse_args()
     print(f'torch threads {torch.get_num_threads()}, batch {a.batch}, workers {a.workers}')
 
-    cfg = DataConfig(batch_size=a.batch, workers=a.workers, world_length=a.batch * (a.steps + 2), M=10)
-    it = iter(make_loader(cfg, epoch=0))
+    spec = BatchSpec(DataConfig(batch_size=a.batch, workers=a.workers, world_length=a.batch * (a.steps + 2)),
+                     model_geometry(a.model), BatchNeeds(tree=True, regions=10))    # what PowerCLIP-R asks for
+    it = iter(make_loader(spec, epoch=0))
     batch = next(it)                      # worker start-up not timed
     t0 = time.perf_counter(); n = 0
     for b in it: n += len(b['index'])
     dt = time.perf_counter() - t0
-    print(f'world loader: {n / dt:.0f} samples/s ({n} samples, M=10 random boxes, 64 px)')
+    print(f'world loader: {n / dt:.0f} samples/s ({n} samples, M=10 random boxes, {spec.geometry.image_size} px)')
 
     model, _, _ = create_model(a.model)
     model.train()

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/pgs_cost.py [--arch ViT-B-16] [--batch 32] [--repeats 3] [--threads 1]
 
 Times, on the same random batch (random weights, nothing downloaded):
-  select   the selection alone (pixel + feature cosines, Sobel, Sinkhorn, greedy growth) as PGSSelect runs it,
+  select   the selection alone (pixel + feature cosines, Sobel, Sinkhorn, greedy growth) as PGSSelector runs it,
   flip     the vision tower's forward in train mode with FLIP's random dropout at 0.5,
   pgs      the vision tower's forward in train mode with PGS_0.5 (selection included),
   full     the vision tower's forward without dropout (CLIP),
@@ -32,9 +32,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from powerclip.baselines.clip_pgs import PGSConfig, PGSSelect, hash_uniform
-    from powerclip.methods import get_method
-    from powerclip.model import create_model, set_patch_dropout
+    from powerclip.baselines.clip_pgs import PGSConfig, PGSSelector, hash_uniform
+    from powerclip.baselines.flip import random_keep
+    from powerclip.model import create_model, select_patch_tokens
     dev = torch.device(a.device)
     torch.manual_seed(0)
     model = create_model(a.arch)[0].to(dev).train()
@@ -47,25 +47,27 @@ def main(argv=None):
                cpu=platform.processor() or platform.machine(), torch=torch.__version__)
 
     with torch.no_grad():
-        # the token sequence PGSSelect receives: patch + positional embeddings, class token first
+        # the token sequence the selector receives: patch + positional embeddings, class token first
         x = v.conv1(image).flatten(2).transpose(1, 2)
         x = torch.cat([v.class_embedding.expand(a.batch, 1, -1), x], 1) + v.positional_embedding
-        sel = PGSSelect(PGSConfig(), v.patch_size[0]).train()
-        ctx = dict(image=image, noise=hash_uniform(torch.arange(a.batch, device=dev), 0, 0, N), alpha=0.5,
-                   pos=v.positional_embedding)
+        def selector():
+            return PGSSelector(PGSConfig(), v.patch_size[0], image, noise=hash_uniform(torch.arange(a.batch, device=dev), 0, 0, N),
+                               alpha=0.5, pos=v.positional_embedding)
 
-        def select():
-            sel.context = ctx; sel(x); sel.context = None; sync()
+        def select(): selector()(x); sync()
         res["select_s"] = _median_time(select, a.repeats)
 
         def tower(): v(image); sync()
-        set_patch_dropout(model, 0.0); res["full_s"] = _median_time(tower, a.repeats)
-        set_patch_dropout(model, 0.5); res["flip_s"] = _median_time(tower, a.repeats)
-        m = get_method("clip-pgs"); m.setup_model(model)
-        pgs = model.visual.patch_dropout
+        res["full_s"] = _median_time(tower, a.repeats)
+
+        def tower_flip():
+            with select_patch_tokens(model, lambda t: random_keep(t, 0.5)): v(image)
+            sync()
+        res["flip_s"] = _median_time(tower_flip, a.repeats)
 
         def tower_pgs():
-            pgs.context = ctx; v(image); pgs.context = None; sync()
+            with select_patch_tokens(model, selector()): v(image)
+            sync()
         res["pgs_s"] = _median_time(tower_pgs, a.repeats)
     res["select_over_flip_forward"] = res["select_s"] / res["flip_s"]
     res["select_over_full_forward"] = res["select_s"] / res["full_s"]

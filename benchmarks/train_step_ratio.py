@@ -1,9 +1,10 @@
 """Per-step time and peak memory of PowerCLIP against CLIP under the same settings, as a ratio in one run.
 
-Both methods go through the trainer's own `train_step` (forward, loss, backward, AdamW, schedule) with the
-same model config, the same batches and the same seed. Each method runs in its own subprocess so that its
-peak memory is its own (`isolated.py`), and the two alternate `--rounds` times so that a drift in machine load hits both alike. The time per step is the
-median over all timed steps of a method.
+Both methods go through the trainer's own run (`powerclip.train.build_run`: model, method, forward, AdamW,
+schedule) and step (forward, loss, backward, update) with the same model config, the same world images and captions
+and the same seed; each gets the batch parts it asks for (`Method.needs`). Each method runs in its own subprocess so
+that its peak memory is its own (`powerclip.measure.run_isolated`), and the methods alternate `--rounds` times so
+that a drift in machine load hits all alike. The time per step is the median over all timed steps of a method.
 
     python benchmarks/train_step_ratio.py                                   # CPU: the demo preset's tiny model
     python benchmarks/train_step_ratio.py --preset paper --device cuda --batch 256 --precision bf16   # ViT-B/16
@@ -22,19 +23,10 @@ import time
 from pathlib import Path
 
 import torch
-from isolated import PeakMemory, run_isolated, sync
+
+from powerclip.measure import PeakMemory, run_isolated, sync
 
 OUT = Path(__file__).parent / "results"
-
-
-def _world_batches(cfg, n):
-    "n batches of the built-in world in the preset's geometry (the paper preset reads shards: use the world)."
-    import dataclasses
-    from powerclip.data import make_loader
-    dcfg = dataclasses.replace(cfg.data, source="world", workers=0, masks="random",
-                               world_length=max(cfg.data.batch_size * n, 64))
-    it = iter(make_loader(dcfg))
-    return [next(it) for _ in range(n)]
 
 
 def _spec(method: str) -> tuple[str, list[str]]:
@@ -44,38 +36,29 @@ def _spec(method: str) -> tuple[str, list[str]]:
 
 
 def measure(method, a):
-    "In a fresh process: the time of each timed train_step, and peak memory."
+    "In a fresh process: the time of each timed step, and peak memory."
     from powerclip import dist as pdist
-    from powerclip.methods import get_method
-    from powerclip.model import create_model
-    from powerclip.train import (TrainState, load_config, make_optimizer, make_scheduler, method_forward, seed_all,
-                                 to_device, train_step)
-    over = [f"data.batch_size={a.batch}", f"precision={a.precision}"]
-    if a.preset == "paper":  # same geometry as the paper (224 px, patch 16), world images instead of shards
-        over += ["data.image_size=224", "data.patch_size=16", "data.context_length=77"]
+    from powerclip.train import TrainState, build_run, load_config
+    # the built-in world in the preset's model geometry (the paper preset reads shards: use the world instead)
+    over = [f"data.batch_size={a.batch}", f"precision={a.precision}", "data.source=world", "data.workers=0",
+            f"data.world_length={max(a.batch * (a.warmup + a.steps), 64)}", "global_batch_size=null",
+            f"max_steps={a.warmup + a.steps + 10}"]
     name, opts = _spec(method)
-    cfg = load_config(a.preset, over + opts, method=name)
+    cfg = load_config(a.preset, over + opts + [f"model.grad_checkpointing={a.grad_checkpointing}"], method=name)
     ctx = pdist.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device(a.device), backend=None)
-    seed_all(cfg.seed)
-    model, _, _ = create_model(cfg.model.name, None, **cfg.model.kwargs)
-    model.to(ctx.device).train()
-    if a.grad_checkpointing: model.set_grad_checkpointing(True)
-    m = get_method(cfg.method, cfg.method_cfg)
-    fwd = method_forward(model, m)
-    opt = make_optimizer(model, cfg.optim, fwd.modules_, m.modules_lr(cfg.optim.lr))
-    sched = make_scheduler(opt, cfg.optim, a.warmup + a.steps + 10)
+    run = build_run(cfg, ctx)
+    it = iter(run.loader())
+    batches = [run.prepare(next(it)) for _ in range(a.warmup + a.steps)]
     state = TrainState()
-    batches = [to_device(m.prepare_batch(b), ctx.device) for b in _world_batches(cfg, a.warmup + a.steps)]
-    for b in batches[:a.warmup]:
-        train_step(fwd, m, b, ctx, opt, sched, state, cfg, model)
+    for b in batches[:a.warmup]: run.step(b, state)
     sync(a.device)
     mem = PeakMemory(a.device); mem.start()
     times = []
     for b in batches[a.warmup:]:
         sync(a.device); t0 = time.perf_counter()
-        train_step(fwd, m, b, ctx, opt, sched, state, cfg, model)
+        run.step(b, state)
         sync(a.device); times.append(time.perf_counter() - t0)
-    return dict(times=times, peak_mib=mem.mib(), model=cfg.model.name, params=sum(p.numel() for p in model.parameters()))
+    return dict(times=times, peak_mib=mem.mib(), model=cfg.model.name, params=sum(p.numel() for p in run.model.parameters()))
 
 
 def main():
@@ -94,7 +77,7 @@ def main():
     res = {m: [] for m in a.methods}
     for r in range(a.rounds):
         for m in a.methods:
-            out = run_isolated(measure, m, a)
+            out = run_isolated(measure, m, a, threads=os.cpu_count() or 1)
             if not out["ok"]:
                 print(f"{m}: {out['error']}"); return 1
             res[m].append(out)

@@ -11,19 +11,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import world_config
-from .train import (TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, run_isolated,
-                             to_dict, train)
+from .data import derive_seed, world_config
 from .eval.data import write_world_benchmark
 from .eval.models import Evaluator, load_model
 from .eval.tasks import evaluate_world
+from .measure import run_isolated
+from .model import model_geometry
+from .train import TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, to_dict, train
 
 # %% auto #0
 __all__ = ['RUNS', 'DEMO_RUNS', 'GROUNDING_KEYS', 'run_configs', 'train_isolated', 'step_seconds', 'run_demo', 'run_table',
            'summarize_seeds', 'summary_table', 'plot_results', 'compare', 'demo_main']
 
 # %% ../nbs/70_demo.ipynb #40efc1bd
-# run name -> (method, overrides of the run). Only PowerCLIP reads region masks; the others get the same batches.
+# run name -> (method, overrides of the run). Every run sees the same images and captions; only PowerCLIP asks for
+# region masks (its method_cfg says how many and from where), PowerCLIP and C2LIP for parse trees.
 RUNS = {"CLIP": ("clip", {}),
         "FLIP": ("flip", {}),
         "CLIP-PGS": ("clip-pgs", {}),
@@ -32,8 +34,8 @@ RUNS = {"CLIP": ("clip", {}),
         "SmartCLIP": ("smartclip", {}),
         "FILIP": ("filip", {}),
         "SPARC": ("sparc", {}),
-        "PowerCLIP-R": ("powerclip", {"data.masks": "random"}),
-        "PowerCLIP-gold": ("powerclip", {"data.masks": "gold"})}
+        "PowerCLIP-R": ("powerclip", {"method_cfg.masks": "random"}),
+        "PowerCLIP-gold": ("powerclip", {"method_cfg.masks": "gold"})}
 DEMO_RUNS = ("CLIP", "PowerCLIP-R", "PowerCLIP-gold")  # `make demo`: CLIP against PowerCLIP
 
 
@@ -52,8 +54,8 @@ def run_configs(out_dir, seed: int = 0, steps: int | None = None, overrides: dic
 
 
 def _untrained(cfg):
-    "The run's model before training: random init from the run's seed (scored the global way)."
-    return load_model(cfg.model.name, None, seed=cfg.seed, model_kwargs=cfg.model.kwargs)
+    "The run's model before training: random init from the run's init stream (scored the global way)."
+    return load_model(cfg.model.name, None, seed=derive_seed(cfg.seed, "init"), model_kwargs=cfg.model.kwargs)
 
 
 def _world_eval(lm, test_root) -> dict:
@@ -82,8 +84,13 @@ def _grounding(lm, cfg, n_scenes: int) -> dict:
     """Pointing game, pointing at any object, pointing with the map's minimum and mean IoU (%) of the run's text-to-patch
     heatmaps against the world's object masks (`67_heatmaps`)."""
     from powerclip.heatmaps import grounding_table
-    rows, _ = grounding_table({"run": lm}, n_scenes=n_scenes, cfg=world_config(cfg.data), baselines=False)
+    rows, _ = grounding_table({"run": lm}, n_scenes=n_scenes, cfg=_held_out_world(cfg), baselines=False)
     return {k: rows[0][k] for k in GROUNDING_KEYS}
+
+
+def _held_out_world(cfg: TrainConfig):
+    "The world of the held-out scenes at the run's model geometry: a fixed benchmark, not derived from the run seed."
+    return world_config(cfg.data, model_geometry(cfg.model.name, cfg.model.kwargs))
 
 
 def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_images: int = 300,
@@ -96,7 +103,7 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     cfgs = run_configs(out, seed, steps, overrides, preset, runs)
     test_root = Path(test_dir or out / "world_test")
-    write_world_benchmark(test_root, eval_images, world_config(cfgs[0][1].data), split="test", extras=False)
+    write_world_benchmark(test_root, eval_images, _held_out_world(cfgs[0][1]), split="test", extras=False)
     results, curves = {}, {}
     results["untrained"] = dict(steps=0, train_s=0.0, **_world_eval(_untrained(cfgs[0][1]), test_root))
     # eval 2: the eval package (percent, ties count against, every scorer); an eval.json of another kind is redone
@@ -114,7 +121,7 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
             print(f"== {name}: reused {cached}", file=sys.stderr, flush=True)
             continue
         if trained is None:
-            print(f"== {name}: {cfg.method}, masks={cfg.data.masks}, {cfg.max_steps} steps, seed {cfg.seed}", file=sys.stderr, flush=True)
+            print(f"== {name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps, seed {cfg.seed}", file=sys.stderr, flush=True)
             s = train_isolated(cfg) if isolate else train(cfg)
             rows = curves[name] = read_metrics(run_dir / "metrics.csv")
             trained = dict(method=cfg.method, steps=s["steps"], train_s=rows[-1]["time"] if rows else float("nan"),

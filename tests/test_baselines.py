@@ -64,3 +64,13 @@ def test_resume_restores_method_modules(tmp_path, method):
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) < 1e-6
     ma, mb = (torch.load(tmp_path / d / "method_modules.pt") for d in "ab")
     assert all(torch.allclose(ma[k], mb[k], atol=1e-6) for k in ma)
+
+
+def test_smartclip_mask_network_gets_its_own_learning_rate():
+    "The trainer's optimiser gives SmartCLIP's mask network its peak rate (paper: 1e-3) and the towers theirs."
+    from powerclip.dist import DistContext
+    from powerclip.train import build_run, load_config
+    run = build_run(load_config("smoke", {"optim.lr": 1e-6}, method="smartclip"), DistContext())
+    assert {g["initial_lr"] for g in run.opt.param_groups} == {1e-6, 1e-3}
+    mask = set(map(id, run.modules.parameters()))
+    assert all(g["initial_lr"] == (1e-3 if id(g["params"][0]) in mask else 1e-6) for g in run.opt.param_groups)

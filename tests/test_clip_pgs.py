@@ -33,11 +33,13 @@ def test_registry_and_presets():
 
 
 def test_model_state_dict_unchanged():
+    "A training forward pass with the selection leaves the model plain open_clip: the same keys, nothing installed."
     from powerclip.model import create_model
-    model = create_model("powerclip-micro")[0]
+    model = create_model("powerclip-micro")[0].train()
     keys = set(model.state_dict())
-    get_method("clip-pgs").setup_model(model)
-    assert set(model.state_dict()) == keys and not list(model.visual.patch_dropout.parameters())
+    tokens = torch.zeros(2, 77, dtype=torch.long); tokens[:, 0], tokens[:, 1], tokens[:, 2] = 49406, 320, 49407
+    get_method("clip-pgs").forward(model, {"image": torch.randn(2, 3, 32, 32), "tokens": tokens})
+    assert set(model.state_dict()) == keys and isinstance(model.visual.patch_dropout, torch.nn.Identity)
 
 
 @pytest.mark.parametrize("method,lo,hi", [("clip-pgs", 0.5, 0.5), ("clip-pgs-0.3", 0.3, 0.5)])
@@ -90,18 +92,12 @@ def _pgs03_batch():
 
 
 def _pgs03_step(batch, ctx):
-    from powerclip.dist import wrap_ddp
-    from powerclip.model import create_model
-    from powerclip.train import loss_terms, method_forward
-    torch.manual_seed(0)
-    model = create_model("powerclip-micro")[0]
-    method = get_method("clip-pgs-0.3")
-    mf = method_forward(model, method).double()
-    fwd = wrap_ddp(mf, ctx)
-    loss, terms = loss_terms(fwd, method, batch, ctx, "fp32")
+    from powerclip.train import build_run, forward_loss, load_config
+    run = build_run(load_config("smoke", {"precision": "fp64", "max_steps": 1}, method="clip-pgs-0.3"), ctx)
+    loss, terms = forward_loss(run.fwd, run.method, run.prepare(batch), ctx, run.cfg.precision)
     loss.backward()
     return (loss.detach(), float(terms["_pgs_drop_ratio"]),
-            {n: p.grad.clone() for n, p in mf.named_parameters() if p.grad is not None})
+            {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None})
 
 
 def _pgs03_worker(rank, world, port, out):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from powerclip.data import DataConfig, SkipCounter, make_loader, write_shard
+from powerclip.data import BatchNeeds, BatchSpec, DataConfig, Geometry, SkipCounter, make_loader, write_shard
 from powerclip.parsing import ParsedCaption
 from powerclip.regions import encode_regions
 
@@ -27,6 +27,14 @@ def _good(i: int, tree: bool = True) -> dict:
         s['tree.json'] = json.dumps(ParsedCaption(text, w, [(0, len(w)), (0, 3), (3, len(w))], ['NP', 'NP', 'PP'],
                                                   'gold', []).to_dict())
     return s
+
+
+GEO = Geometry(64, 8, 77)
+TREE = BatchNeeds(tree=True, node_np=True)                                 # what C2LIP asks for
+
+
+def _spec(needs=BatchNeeds(), seed=0, **data):
+    return BatchSpec(DataConfig(**data), GEO, needs, seed)
 
 
 def _same(xs, ys):
@@ -52,8 +60,9 @@ def dirty(tmp_path_factory):
 
 @pytest.mark.parametrize('workers', [0, 2])
 def test_dirty_shards_counted_not_fatal(dirty, workers):
-    cfg = DataConfig(source='wds', shards=dirty, batch_size=1, workers=workers, M=3, masks='stored', shuffle_buffer=4)
-    ld = make_loader(cfg, epoch=0)
+    spec = _spec(BatchNeeds(tree=True, regions=3, region_source='stored'), source='wds', shards=dirty, batch_size=1,
+                 workers=workers, shuffle_buffer=4)
+    ld = make_loader(spec, epoch=0)
     batches = list(ld)
     keys = sorted(int(b['index'][0]) for b in batches)
     counts = ld.skipped()
@@ -67,17 +76,32 @@ def test_dirty_shards_counted_not_fatal(dirty, workers):
 
 def test_parse_on_the_fly_and_refuse(tmp_path):
     write_shard(tmp_path / 'a.tar', [_good(0, tree=False), _good(1)])
-    cfg = DataConfig(source='wds', shards=str(tmp_path / 'a.tar'), batch_size=1, workers=0, shuffle_buffer=0)
-    b = list(make_loader(cfg))
+    data = dict(source='wds', shards=str(tmp_path / 'a.tar'), batch_size=1, workers=0, shuffle_buffer=0)
+    b = list(make_loader(_spec(TREE, **data)))
     assert len(b) == 2 and b[0]['node_valid'].sum() >= 1                                  # parsed by spaCy
-    ld = make_loader(DataConfig(**{**cfg.__dict__, 'parse_missing': False}))
+    ld = make_loader(_spec(TREE, **data, parse_missing=False))
     assert len(list(ld)) == 1 and ld.skipped()['bad_tree'] == 1
 
 
+def test_no_tree_needed_no_caption_parsed(tmp_path, monkeypatch):
+    "A method that asks for tokens only (CLIP) gets them from the raw caption: no caption is parsed, no tree read."
+    import powerclip.data as pdata
+    def no_parse(*a, **k): raise AssertionError('a caption was parsed')
+    monkeypatch.setattr(pdata, 'parse_caption', no_parse)
+    monkeypatch.setattr(pdata, 'tree_tokens', no_parse)
+    write_shard(tmp_path / 'a.tar', [_good(0, tree=False), _good(1), dict(_good(2), **{'tree.json': 'not json'})])
+    ld = make_loader(_spec(source='wds', shards=str(tmp_path / 'a.tar'), batch_size=1, workers=0, shuffle_buffer=0))
+    b = list(ld)
+    assert len(b) == 3 and set(b[0]) == {'image', 'tokens', 'index'} and sum(ld.skipped().values()) == 0
+    tokens = {int(x['index'][0]): x['tokens'][0] for x in b}
+    assert torch.equal(tokens[pdata.key_index('000000000')], pdata.caption_tokens('a small dog on a red chair number 0', 77))
+
+
 def test_world_workers_and_resume():
-    cfg = DataConfig(batch_size=4, workers=1, world_length=24, M=3, seed=3)
+    needs = BatchNeeds(tree=True, regions=3)
+    cfg = _spec(needs, seed=3, batch_size=4, workers=1, world_length=24)
     one = list(make_loader(cfg, epoch=2))
-    two = list(make_loader(DataConfig(**{**cfg.__dict__, 'workers': 2}), epoch=2))
+    two = list(make_loader(_spec(needs, seed=3, batch_size=4, workers=2, world_length=24), epoch=2))
     assert len(one) == 6 and _same(one, two)
     assert _same(list(make_loader(cfg, epoch=2, start_step=4)), one[4:])
     assert not torch.equal(list(make_loader(cfg, epoch=3))[0]['index'], one[0]['index'])
@@ -87,7 +111,8 @@ def test_world_workers_and_resume():
 
 def test_wds_resume_exact_without_bad_samples(tmp_path):
     for s in range(4): write_shard(tmp_path / f'{s}.tar', [_good(10 * s + i) for i in range(6)])
-    cfg = DataConfig(source='wds', shards=str(tmp_path / '{0..3}.tar'), batch_size=2, workers=2, shuffle_buffer=0)
+    data = dict(source='wds', shards=str(tmp_path / '{0..3}.tar'), batch_size=2, workers=2, shuffle_buffer=0)
+    cfg = _spec(TREE, **data)
     full = list(make_loader(cfg, epoch=1))
     assert len(full) == 12
     assert _same(list(make_loader(cfg, epoch=1, start_step=5)), full[5:])
@@ -95,7 +120,7 @@ def test_wds_resume_exact_without_bad_samples(tmp_path):
     ranks = [torch.cat([b['index'] for b in make_loader(cfg, epoch=1, rank=r, world_size=2)]) for r in range(2)]
     assert not set(ranks[0].tolist()) & set(ranks[1].tolist()) and len(ranks[0]) + len(ranks[1]) == 24
     # samples_per_epoch caps the epoch and gives it a length
-    ld = make_loader(DataConfig(**{**cfg.__dict__, 'samples_per_epoch': 10}), epoch=1, start_step=2)
+    ld = make_loader(_spec(TREE, **data, samples_per_epoch=10), epoch=1, start_step=2)
     assert len(ld) == 3 and len(list(ld)) == 3
 
 

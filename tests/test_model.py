@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from powerclip.model import Encoder, create_model, encode, powerset_inputs, register_configs
+from powerclip.methods import powerset_inputs
+from powerclip.model import Encoder, create_model, encode, register_configs
 
 
 def _batch(C=3, N=16):

@@ -55,6 +55,11 @@ def test_main_from_python_and_config_written(tmp_path):
     s = main(cfg)
     assert s["steps"] == 2 and (tmp_path / "config.yaml").is_file() and (tmp_path / "loss.png").is_file()
     assert load_config(str(tmp_path / "config.yaml")) == cfg  # the written config reads back to the same run
+    import yaml
+    from powerclip.data import run_seeds
+    derived = yaml.safe_load((tmp_path / "config.yaml").read_text())["derived"]   # with what the run derived from it
+    assert derived["seeds"] == run_seeds(cfg.seed) and derived["geometry"] == dict(image_size=32, patch_size=8, context_length=77)
+    assert derived["needs"] == dict(tree=False, node_np=False, regions=0, region_source="random")   # CLIP's: tokens only
 
 
 def test_config_errors_are_clear():
@@ -67,14 +72,14 @@ def test_config_errors_are_clear():
 def test_presets_load():
     p = load_config("paper")
     assert (p.model.name, p.global_batch_size, p.optim.lr, p.optim.weight_decay, p.epochs) == ("ViT-B-16", 4096, 1e-3, 0.2, 32)
-    assert p.method_cfg == {"lam": 0.1, "tau": 1e-3, "alpha": 0.75} and p.data.M == 10
+    assert p.method_cfg == {"lam": 0.1, "tau": 1e-3, "alpha": 0.75, "M": 10, "masks": "random"}
     d = load_config("demo", method="clip")
     assert d.method == "clip" and d.method_cfg == {} and d.data.source == "world"
 
 
 def test_run_isolated_returns_result_or_error():
     "A function run in a fresh process hands back its dict, or the error it raised, never hangs or raises here."
-    from powerclip.train import run_isolated
+    from powerclip.measure import run_isolated
     assert run_isolated(dict, [("a", 1)]) == {"ok": True, "a": 1}
     bad = run_isolated(dict, 5)
     assert bad["ok"] is False and bad["error"].startswith("TypeError")

@@ -20,6 +20,7 @@
 #| export
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from torch.testing import assert_close
 # %% [markdown]
 # # The PowerCLIP loss
 #
-# > The CLIP contrastive loss, the powerset triplet loss on top of it, and the switches for the paper's ablations, written so that each process of a data-parallel run computes only its own rows.
+# > The local-row contrastive skeleton, the CLIP loss on it, the powerset triplet loss on top, and the switches for the paper's ablations, written so that each process of a data-parallel run computes only its own rows.
 
 # %% [markdown]
 # $$\mathcal L_{\text{total}}=\mathcal L_{\text{CLIP}}+\lambda\,\mathcal L_{\text{triplet}},\qquad
@@ -52,7 +53,67 @@ from torch.testing import assert_close
 # Averaging the per-process means (what DDP's gradient averaging does) gives the global mean. Gathering
 # itself lives in `powerclip.dist`; the functions here are pure and take the gathered tensors as arguments.
 # On one process `*_all` is simply the local batch and the two blocks are one matrix and its transpose,
-# which `powerset_triplet_loss` computes once.
+# which the skeleton below (`contrastive_rows`) computes once; every loss of the project is written on it.
+
+# %% [markdown]
+# ## The local-row skeleton
+#
+# Every contrastive loss of this project (CLIP's, FILIP's token-wise one, SmartCLIP's modular one, the powerset
+# triplet) has the same shape: a similarity $s(\text{images}, \text{texts})$ that gives an (images $\times$ texts)
+# matrix, of which a process needs two blocks, its local images against all texts and all images against its local
+# texts. `contrastive_rows` computes them once for all:
+#
+# $$S_{\text{img}} = s(I_{\text{loc}}, T_{\text{all}})\in\mathbb R^{R\times C},\qquad
+#   S_{\text{txt}} = s(I_{\text{all}}, T_{\text{loc}})^\top\in\mathbb R^{R\times C},$$
+#
+# row $r$ of $S_{\text{img}}$ is image $r$ against every text, row $r$ of $S_{\text{txt}}$ is text $r$ against every
+# image, and the positive of row $r$ is at column `offset + r`. On one process the gathered inputs *are* the local
+# ones (`powerclip.dist.gather` returns them uncopied, or the caller passes None), and the two blocks are one
+# $R\times R$ matrix and its transpose, computed once. The inputs of each side can be anything the similarity
+# understands: a tensor, a tuple of tensors (SmartCLIP's texts with their masks), a dataclass (the powerset inputs).
+# A similarity may also return a *pair* of matrices, both indexed [image, text]: the first scores the image rows, the
+# second the text rows (FILIP's two directions are not transposes of each other).
+#
+# `symmetric_infonce` is then the symmetric cross-entropy of both blocks with labels `offset + arange(R)`, exactly as
+# open_clip's `ClipLoss` labels its local logits.
+
+# %%
+#| export
+def _is_local(x_all, x) -> bool:
+    "True when the 'gathered' side is the local one itself (one process): same object, or same objects inside."
+    if x_all is None or x_all is x: return True
+    if isinstance(x, (tuple, list)) and isinstance(x_all, (tuple, list)):
+        return len(x) == len(x_all) and all(a is b for a, b in zip(x_all, x))
+    if dataclasses.is_dataclass(x) and type(x_all) is type(x):
+        return all(getattr(x_all, f.name) is getattr(x, f.name) for f in dataclasses.fields(x))
+    return False
+
+
+def contrastive_rows(
+    sim,                    # sim(images, texts) -> (Ci, Cj), or a pair (image-row scores, text-row scores) both (Ci, Cj)
+    img_local, txt_local,   # this process's R images and R texts (tensors, tuples or dataclasses: what sim reads)
+    img_all=None, txt_all=None,  # every process's C images and texts (None, or the local ones: one process)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (S_img (R, C), S_txt (R, C)); positives at offset + arange(R)
+    "The two blocks a process needs: its images against all texts, and its texts against all images."
+    if _is_local(img_all, img_local) and _is_local(txt_all, txt_local):
+        S = sim(img_local, txt_local)                                   # (R, R) or a pair
+        return (S[0], S[1].T) if isinstance(S, tuple) else (S, S.T)
+    S_img = sim(img_local, txt_all)                                      # (R, C)
+    S_txt = sim(img_all, txt_local)                                      # (C, R)
+    S_img = S_img[0] if isinstance(S_img, tuple) else S_img
+    S_txt = S_txt[1] if isinstance(S_txt, tuple) else S_txt
+    return S_img, S_txt.T
+
+
+def symmetric_infonce(
+    logits_img: torch.Tensor,  # (R, C) local images against all texts, already scaled
+    logits_txt: torch.Tensor,  # (R, C) local texts against all images, already scaled
+    offset: int = 0,           # index of this process's first pair in the gathered batch (rank * R)
+) -> torch.Tensor:             # scalar
+    "(CE(image rows) + CE(text rows)) / 2 with positives at offset + arange(R)."
+    labels = torch.arange(logits_img.shape[0], device=logits_img.device) + offset  # (R,)
+    return (F.cross_entropy(logits_img, labels) + F.cross_entropy(logits_txt, labels)) / 2
+
 
 # %% [markdown]
 # ## CLIP loss
@@ -64,6 +125,11 @@ from torch.testing import assert_close
 
 # %%
 #| export
+def dot_similarity(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    "(Ci, D), (Cj, D) -> (Ci, Cj) dot products (cosines of L2-normalised embeddings)."
+    return a @ b.T
+
+
 def clip_loss(
     image: torch.Tensor,       # (R, D) L2-normalised local image embeddings
     text: torch.Tensor,        # (R, D) L2-normalised local text embeddings
@@ -73,12 +139,8 @@ def clip_loss(
     offset: int = 0,           # index of this process's first pair in the gathered batch (rank * R)
 ) -> torch.Tensor:             # scalar
     "Symmetric InfoNCE on the local rows against all columns (open_clip's local-loss convention)."
-    image_all = image if image_all is None else image_all
-    text_all = text if text_all is None else text_all
-    labels = torch.arange(image.shape[0], device=image.device) + offset  # (R,)
-    logits_i = logit_scale * image @ text_all.T  # (R, C)
-    logits_t = logit_scale * text @ image_all.T  # (R, C)
-    return (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels)) / 2
+    S_img, S_txt = contrastive_rows(dot_similarity, image, text, image_all, text_all)  # (R, C) each
+    return symmetric_infonce(logit_scale * S_img, logit_scale * S_txt, offset)
 
 
 # %%
@@ -90,8 +152,16 @@ _s = torch.tensor(10.0, dtype=torch.float64)
 _ref = sum(-torch.log_softmax(_s * _img[i] @ _txt.T, 0)[i] - torch.log_softmax(_s * _txt[i] @ _img.T, 0)[i]
            for i in range(6)) / 12
 assert_close(clip_loss(_img, _txt, _s), _ref)
+assert_close(clip_loss(_img, _txt, _s, _img, _txt), _ref)  # the local tensors passed as gathered: one process
 # two "processes" of 3 rows each, averaged, give the full-batch loss
 assert_close((clip_loss(_img[:3], _txt[:3], _s, _img, _txt, 0) + clip_loss(_img[3:], _txt[3:], _s, _img, _txt, 3)) / 2, _ref)
+# a similarity that returns a pair: the first scores the image rows, the second the text rows
+_pair = lambda a, b: (a @ b.T, 2 * a @ b.T)
+_Si, _St = contrastive_rows(_pair, _img[:3], _txt[:3], _img, _txt)
+assert_close(_Si, _img[:3] @ _txt.T); assert_close(_St, 2 * _txt[:3] @ _img.T)
+_Si, _St = contrastive_rows(_pair, _img, _txt)
+assert_close(_Si, _img @ _txt.T); assert_close(_St, 2 * _txt @ _img.T)
+assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone()), (_img, _txt))
 
 
 # %% [markdown]
@@ -174,12 +244,8 @@ def powerset_triplet_loss(
     "Phi(S-bar) over the local image rows + Phi(S-bar^T) over the local text rows (Eq. 8)."
     R = local.regions.shape[0]
     pos = torch.arange(R, device=local.regions.device) + offset  # (R,)
-    if gathered is None:
-        S_img = powerset_similarity(local.regions, local.region_valid, local.phrases, local.node_valid, cfg)  # (R, R)
-        S_txt = S_img.T
-    else:
-        S_img = powerset_similarity(local.regions, local.region_valid, gathered.phrases, gathered.node_valid, cfg)  # (R, C)
-        S_txt = powerset_similarity(gathered.regions, gathered.region_valid, local.phrases, local.node_valid, cfg).T  # (R, C)
+    sim = lambda a, b: powerset_similarity(a.regions, a.region_valid, b.phrases, b.node_valid, cfg)  # images a, texts b
+    S_img, S_txt = contrastive_rows(sim, local, local, gathered, gathered)  # (R, C) each
     with torch.no_grad():  # for logging: mean positive and mean negative similarity of the local image rows
         diag = torch.zeros_like(S_img, dtype=torch.bool).scatter_(1, pos[:, None], True)
         sim_pos = S_img[diag].mean()

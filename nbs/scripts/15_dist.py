@@ -20,22 +20,18 @@
 #| export
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as td
-import torch.nn.functional as F
-
-# %%
-#| hide
-from torch.testing import assert_close
 
 
 # %% [markdown]
 # # Distributed helpers
 #
-# > The only module that touches process groups: start from `torchrun`'s environment, gather with gradient, pad ragged tensors before gathering, and fall back to one process.
+# > The only module that touches process groups: start from `torchrun`'s environment, gather a batch's tensors in one call (ragged dimensions padded, one collective for the tensors with gradient, one for the masks), the local-row offset, sums of counts, and one process as the trivial case.
 
 # %% [markdown]
 # Data-parallel contrastive training needs each process to see the embeddings of *every* process's samples
@@ -48,7 +44,7 @@ from torch.testing import assert_close
 # the loss of the whole batch when every process holds the same number of rows.
 #
 # Everything here works unchanged in one process (no process group): gathering returns its input, and the
-# rank is 0 of 1. The trainer, the methods and the tests never call `torch.distributed` themselves.
+# rank is 0 of 1. The trainer and the methods never call `torch.distributed` themselves.
 
 # %% [markdown]
 # ## Reading the launcher's environment
@@ -57,7 +53,7 @@ from torch.testing import assert_close
 #| export
 @dataclass
 class DistContext:
-    "Who this process is in the run, and how to reach the others. `gather` keeps gradient."
+    "Who this process is in the run, and how to reach the others (see `gather` for the tensors of a batch)."
     rank: int = 0                 # global rank
     world_size: int = 1           # number of processes
     local_rank: int = 0           # rank on this machine (picks the GPU)
@@ -68,18 +64,6 @@ class DistContext:
     def is_main(self) -> bool: return self.rank == 0
     @property
     def distributed(self) -> bool: return self.world_size > 1
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        "(R, ...) -> (G*R, ...) concatenated in rank order, with gradient. See `gather_with_grad`."
-        return gather_with_grad(x) if self.distributed else x
-
-    def gather_padded(self, x: torch.Tensor, dim: int = 1, value=0) -> torch.Tensor:
-        "Like `gather`, after padding `dim` to its maximum over the processes (ragged K, W or M)."
-        return gather_padded(x, dim, value) if self.distributed else x
-
-    def gather_many(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        "Several (R, ...) float tensors gathered with gradient in ONE collective. See `gather_many`."
-        return gather_many(xs) if self.distributed else list(xs)
 
 
 def env_world() -> tuple[int, int, int]:
@@ -112,75 +96,200 @@ def cleanup(ctx: DistContext) -> None:
 # %%
 _ctx = init_distributed("cpu")
 assert (_ctx.rank, _ctx.world_size, _ctx.is_main, _ctx.distributed) == (0, 1, True, False)
-_x = torch.randn(3, 4, requires_grad=True)
-assert _ctx.gather(_x) is _x and _ctx.gather_padded(_x) is _x
-
 
 # %% [markdown]
-# ## Gathering, with and without gradient
+# ## Gathering a batch's tensors: one call, two collectives
 #
-# Float tensors that feed the loss are gathered with gradient. Masks (bool) and counters carry none, and
-# some backends cannot all-gather bool, so they travel as `uint8` through the plain collective. A method that
-# gathers several tensors with gradient must use `gather_many` (one collective), not several `gather` calls:
-# see its docstring for the silent failure it avoids (`tests/test_ddp.py` caught it).
+# A loss needs several tensors of every process: CLIP its image and text embeddings, PowerCLIP also the region
+# and phrase embeddings and their validity masks, C2LIP its concepts. `gather(ctx, tensors, pad)` takes them as a
+# dict and returns them gathered, in rank order, with the index of this process's first row:
+#
+# ```python
+# g = gather(ctx, {"image": img, "text": txt, "regions": reg, "region_valid": rv},   # (R, D), (R, D), (R, M, D), (R, M)
+#            pad={"regions": {1: 0.0}, "region_valid": {1: False}})
+# g.all["image"]   # (C, D): every process's rows, in rank order; float tensors keep gradient
+# g.offset         # where this process's rows start in g.all (rank * R when every process holds R rows)
+# g.rows["image"]  # [R_0, R_1, ...]: the rows each process contributed
+# ```
+#
+# **Why one collective for the tensors with gradient.** Every gather with gradient issues a collective in the
+# *backward* pass too, in the order the autograd engine reaches it. That order follows the graph, and the graphs
+# of two processes differ when one pads a ragged tensor and the other does not; collectives issued in different
+# orders on different processes pair up the wrong tensors, silently when their shapes agree (`tests/test_ddp.py`
+# caught it once). So all float tensors are packed into one flat buffer and travel in a single `all_gather` with
+# gradient: one backward collective, nothing to order. Masks and integer tensors carry no gradient and travel in
+# one plain `all_gather` (as `uint8` when they are all bool: some backends cannot gather bool).
+#
+# **Ragged tensors.** Captions have different numbers of words $W$ and tree nodes $K$, images different numbers
+# of regions $M$, so one process's phrase embeddings may be `(R, 12, D)` and another's `(R, 15, D)`. A dimension
+# named in `pad` is padded at the end to its largest size over the processes, with the value given (invalid
+# entries: `False` in a validity mask, so they never enter the loss). Any other dimension but the first must agree.
+#
+# **Packed tensors.** The first dimension may differ between processes (a tensor of all concepts of a batch,
+# `(P, D)` with $P$ different on each process): rows are concatenated in rank order and `g.rows[name]` says how
+# many came from each process, so that indices into the packed rows can be shifted by `g.starts(name)[rank]`.
+# To send tensors of unequal size through `all_gather`, each is padded to the largest shape first, and the padding
+# rows are cut off again after the collective.
+#
+# One small collective comes first: the shapes of every tensor of every process (one integer tensor), from which
+# each process knows the padded sizes and the rows to keep. In one process there is nothing to do: `g.all` *is* the
+# dict that was passed (no copy), `g.offset` is 0, and `11_loss`'s skeleton recognises the local tensors.
 
 # %%
 #| export
-def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
-    "(R, ...) -> (G*R, ...): all_gather whose backward returns to each process the sum of every loss's gradient."
-    if not (td.is_available() and td.is_initialized()) or td.get_world_size() == 1: return x
-    if not x.is_floating_point():
-        return gather_no_grad(x)
+_MAX_DIMS = 8  # tensors of up to 8 dimensions; the shape exchange has a fixed width
+
+
+@dataclass
+class Gathered:
+    "The tensors of every process (see `gather`)."
+    all: dict[str, torch.Tensor]   # name -> rows of every process in rank order (one process: the dict passed in)
+    offset: int                    # index in all[first name] of this process's first row
+    rows: dict[str, list[int]]     # name -> rows contributed by each process, in rank order
+
+    def starts(self, name: str) -> list[int]:
+        "Index in `all[name]` of each process's first row (to shift indices into packed rows)."
+        out, n = [], 0
+        for r in self.rows[name]: out.append(n); n += r
+        return out
+
+
+def pad_dim(x: torch.Tensor, size: int, dim: int = 1, value=0) -> torch.Tensor:
+    "Pad `x` along `dim` at the end up to `size` with `value` (no-op when already that size)."
+    n = x.shape[dim]
+    if n > size: raise ValueError(f"cannot pad dim {dim} of size {n} down to {size}")
+    if n == size: return x
+    shape = list(x.shape); shape[dim] = size - n
+    return torch.cat([x, x.new_full(shape, value)], dim)
+
+
+def gather(ctx: DistContext, tensors: dict[str, torch.Tensor],
+           pad: dict[str, dict[int, object]] | None = None) -> Gathered:
+    """Every process's rows of each tensor, in rank order: float tensors with gradient in ONE collective, the others
+    (bool masks, integer ids) in one more. `pad[name] = {dim: value}`: dims whose size differs between processes,
+    padded at the end to their maximum with `value`. Dim 0 may differ too (packed rows, see `Gathered.rows`)."""
+    pad = pad or {}
+    unknown = sorted(set(pad) - set(tensors))
+    if unknown: raise ValueError(f"pad names tensors that are not gathered: {unknown}")
+    if not ctx.distributed:
+        return Gathered(tensors, 0, {k: [v.shape[0]] for k, v in tensors.items()})
+    if not tensors: return Gathered({}, 0, {})
+    names = list(tensors)
+    for k in names:
+        if tensors[k].dim() > _MAX_DIMS or tensors[k].dim() == 0: raise ValueError(f"{k!r}: need 1 to {_MAX_DIMS} dims, got {tensors[k].dim()}")
+        if 0 in pad.get(k, {}): raise ValueError(f"{k!r}: dim 0 (rows) needs no padding: processes may hold different row counts")
+    # 1. every process's shapes, (G, n, 1 + _MAX_DIMS): [ndim, size_0, size_1, ...]
+    dev = next(iter(tensors.values())).device
+    shape = torch.tensor([[t.dim(), *t.shape, *[0] * (_MAX_DIMS - t.dim())] for t in tensors.values()], device=dev)
+    shapes = torch.stack(_all_gather(shape)).cpu()                       # (G, n, 1 + _MAX_DIMS)
+    full, rows = {}, {}
+    for i, k in enumerate(names):
+        t, s = tensors[k], shapes[:, i]                                   # (G, 1 + _MAX_DIMS)
+        if (s[:, 0] != t.dim()).any(): raise ValueError(f"{k!r} has different numbers of dims on different processes")
+        size = s[:, 1:1 + t.dim()]                                        # (G, ndim)
+        for d in range(1, t.dim()):
+            if d not in pad.get(k, {}) and (size[:, d] != size[0, d]).any():
+                raise ValueError(f"dim {d} of {k!r} differs between processes ({size[:, d].tolist()}): name it in pad")
+        rows[k] = size[:, 0].tolist()
+        full[k] = size.max(0).values.tolist()                             # the padded shape, the same everywhere
+    # 2. pad every tensor to the common shape: ragged dims with their value, missing rows with zeros (cut off below)
+    padded = {}
+    for k in names:
+        x = tensors[k]
+        for d, value in pad.get(k, {}).items(): x = pad_dim(x, full[k][d], d, value)
+        padded[k] = pad_dim(x, full[k][0], 0, False if x.dtype == torch.bool else 0)
+    # 3. one collective per kind, flat buffers of the same size on every process
+    out = {}
+    floats = [k for k in names if padded[k].is_floating_point()]
+    others = [k for k in names if not padded[k].is_floating_point()]
+    if floats:
+        dtype = functools.reduce(torch.promote_types, [padded[k].dtype for k in floats])
+        flat = torch.cat([padded[k].to(dtype).reshape(-1) for k in floats])          # (sum of numels,)
+        out.update(_unpack(_all_gather_grad(flat), floats, padded, rows))
+    if others:
+        dtype = torch.uint8 if all(padded[k].dtype == torch.bool for k in others) else torch.int64
+        flat = torch.cat([padded[k].detach().to(dtype).reshape(-1) for k in others])
+        out.update(_unpack(_all_gather(flat), others, padded, rows))
+    return Gathered({k: out[k] for k in names}, sum(rows[names[0]][:ctx.rank]), rows)
+
+
+def _unpack(parts: list[torch.Tensor], names: list[str], padded: dict, rows: dict) -> dict[str, torch.Tensor]:
+    "Per-process flat buffers -> name -> (sum of rows, ...) in rank order, padding rows cut, original dtypes."
+    sizes = [padded[k].numel() for k in names]
+    per = [dict(zip(names, p.split(sizes))) for p in parts]              # per process: name -> flat
+    return {k: torch.cat([q[k].reshape(padded[k].shape)[:rows[k][r]] for r, q in enumerate(per)]).to(padded[k].dtype)
+            for k in names}
+
+
+def _all_gather_grad(x: torch.Tensor) -> list[torch.Tensor]:
+    "[x of rank 0, x of rank 1, ...] (same shapes): all_gather whose backward returns each process the sum of every loss's gradient."
     import torch.distributed.nn.functional as dnf  # imported late: it registers autograd functions
-    return torch.cat(dnf.all_gather(x.contiguous()), 0)
+    return list(dnf.all_gather(x.contiguous()))
 
 
-def gather_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[(R, ...) float tensors] -> [(G*R, ...)], with gradient, through a single all_gather.
-
-    Why one collective: every gather with gradient issues a collective in the *backward* pass too, in the order
-    the autograd engine reaches it. That order follows the graph, and the graphs of two processes differ when
-    one pads a ragged tensor and the other does not; collectives issued in different orders on different
-    processes pair up the wrong tensors (silently, when shapes agree). Packing all tensors into one leaves a
-    single backward collective, so there is nothing to order."""
-    if not (td.is_available() and td.is_initialized()) or td.get_world_size() == 1: return list(xs)
-    R = xs[0].shape[0]
-    if any(x.shape[0] != R for x in xs): raise ValueError(f"all tensors need the same number of rows, got {[x.shape[0] for x in xs]}")
-    dtype = xs[0].dtype
-    for x in xs[1:]: dtype = torch.promote_types(dtype, x.dtype)
-    flat = torch.cat([x.to(dtype).reshape(R, -1) for x in xs], 1)  # (R, sum of trailing sizes)
-    parts = gather_with_grad(flat).split([x[0].numel() for x in xs], 1)  # each (G*R, n_i)
-    return [p.reshape(-1, *x.shape[1:]).to(x.dtype) for p, x in zip(parts, xs)]
+def _all_gather(x: torch.Tensor) -> list[torch.Tensor]:
+    "[x of rank 0, x of rank 1, ...] (same shapes), without gradient."
+    out = [torch.empty_like(x) for _ in range(td.get_world_size())]
+    td.all_gather(out, x.detach().contiguous())
+    return out
 
 
-def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
-    "(R, ...) -> (G*R, ...) without gradient; bool tensors are sent as uint8."
-    if not (td.is_available() and td.is_initialized()) or td.get_world_size() == 1: return x
-    y = x.detach().to(torch.uint8) if x.dtype == torch.bool else x.detach().contiguous()
-    out = [torch.empty_like(y) for _ in range(td.get_world_size())]
-    td.all_gather(out, y)
-    out = torch.cat(out, 0)
-    return out.bool() if x.dtype == torch.bool else out
+# %% [markdown]
+# In one process `gather` hands back what it was given, and refuses to pad a name it is not gathering:
+
+# %%
+_x = torch.randn(3, 4, requires_grad=True)
+_g = gather(_ctx, _d := {"image": _x, "valid": torch.ones(3, 2, dtype=torch.bool)}, pad={"valid": {1: False}})
+assert _g.all is _d and _g.offset == 0 and _g.rows == {"image": [3], "valid": [3]} and _g.starts("image") == [0]
+try: gather(_ctx, {"image": _x}, pad={"text": {1: 0.0}}); raise AssertionError
+except ValueError as e: print(e)
+_p = pad_dim(torch.ones(2, 3, 4), 5, dim=1)
+assert _p.shape == (2, 5, 4) and _p[:, 3:].abs().sum() == 0 and _p[:, :3].eq(1).all()
+assert pad_dim(torch.ones(2, 3, dtype=torch.bool), 4, 1, False).tolist() == [[True] * 3 + [False]] * 2
 
 
-def all_max(n: int, device=None) -> int:
+# %% [markdown]
+# The two-process behaviour (values in rank order, padding, packed rows of different counts, and gradients that
+# match one process on the whole batch for every method) is tested with real `gloo` process groups in
+# `tests/test_ddp.py`; a notebook cell cannot start them.
+
+# %% [markdown]
+# ## Sums, maxima and means over the processes
+#
+# For counts and logging: a method that needs a batch-wide number (CLIP-PGS's mean drop count over the global
+# batch) sums it with `all_sum`; the trainer averages the loss with `all_mean`, so that every process skips the
+# same bad step (a process that skipped alone would leave the others waiting in the gradient all-reduce).
+
+# %%
+#| export
+def _on() -> bool:
+    return td.is_available() and td.is_initialized() and td.get_world_size() > 1
+
+
+def _default_device():
+    return torch.device("cuda", torch.cuda.current_device()) if td.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    "Sum of a (detached) tensor over the processes (the tensor itself in one process)."
+    if not _on(): return x
+    y = x.detach().clone().to(_default_device())
+    td.all_reduce(y)
+    return y.to(x.device)
+
+
+def all_max(n: int) -> int:
     "Maximum of an integer over the processes."
-    if not (td.is_available() and td.is_initialized()): return int(n)
-    t = torch.tensor([int(n)], device=device or _default_device())
+    if not _on(): return int(n)
+    t = torch.tensor([int(n)], device=_default_device())
     td.all_reduce(t, op=td.ReduceOp.MAX)
     return int(t.item())
 
 
 def all_mean(x: torch.Tensor) -> torch.Tensor:
     "Mean of a (detached) tensor over the processes: for logging, and so that every process skips the same bad step."
-    if not (td.is_available() and td.is_initialized()) or td.get_world_size() == 1: return x.detach()
-    y = x.detach().clone().to(_default_device())
-    td.all_reduce(y)
-    return (y / td.get_world_size()).to(x.device)
-
-
-def _default_device():
-    return torch.device("cuda", torch.cuda.current_device()) if td.get_backend() == "nccl" else torch.device("cpu")
+    if not _on(): return x.detach()
+    return all_sum(x) / td.get_world_size()
 
 
 def barrier() -> None:
@@ -189,7 +298,7 @@ def barrier() -> None:
 
 def all_gather_object(obj) -> list:
     "[obj of rank 0, obj of rank 1, ...] (picklable objects, e.g. RNG states for a checkpoint)."
-    if not (td.is_available() and td.is_initialized()) or td.get_world_size() == 1: return [obj]
+    if not _on(): return [obj]
     out = [None] * td.get_world_size()
     td.all_gather_object(out, obj)
     return out
@@ -203,36 +312,7 @@ def wrap_ddp(module: torch.nn.Module, ctx: DistContext, find_unused_parameters: 
     return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused_parameters)
 
 
-# %% [markdown]
-# ## Ragged tensors
-#
-# Captions have different numbers of words $W$ and tree nodes $K$, so one process's phrase embeddings may be
-# `(R, 12, D)` and another's `(R, 15, D)`. Before gathering, each pads to the largest size over the processes;
-# padded nodes are invalid (`node_valid` pads with False), so they never enter the loss.
-
 # %%
-#| export
-def pad_dim(x: torch.Tensor, size: int, dim: int = 1, value=0) -> torch.Tensor:
-    "Pad `x` along `dim` at the end up to `size` with `value` (no-op when already that size)."
-    n = x.shape[dim]
-    if n > size: raise ValueError(f"cannot pad dim {dim} of size {n} down to {size}")
-    if n == size: return x
-    shape = list(x.shape); shape[dim] = size - n
-    return torch.cat([x, x.new_full(shape, value)], dim)
-
-
-def gather_padded(x: torch.Tensor, dim: int = 1, value=0) -> torch.Tensor:
-    "Pad `dim` to its maximum over the processes, then gather (with gradient for float tensors)."
-    return gather_with_grad(pad_dim(x, all_max(x.shape[dim], x.device if x.device.type == "cuda" else None), dim, value))
-
-
-# %%
-_p = pad_dim(torch.ones(2, 3, 4), 5, dim=1)
-assert _p.shape == (2, 5, 4) and _p[:, 3:].abs().sum() == 0 and _p[:, :3].eq(1).all()
-assert pad_dim(torch.ones(2, 3, dtype=torch.bool), 4, 1, False).tolist() == [[True] * 3 + [False]] * 2
-assert all_max(7) == 7 and gather_padded(_x) is _x and gather_many([_x])[0] is _x  # one process: nothing to do
+_t = torch.tensor([2.0, 3.0])
+assert all_sum(_t) is _t and all_max(7) == 7 and torch.equal(all_mean(_t), _t)  # one process: nothing to do
 assert all_gather_object({"a": 1}) == [{"a": 1}] and wrap_ddp(_lin := torch.nn.Linear(2, 2), _ctx) is _lin
-
-# %% [markdown]
-# The two-process behaviour (gradients that match one process on the whole batch) is tested with real `gloo`
-# process groups in `tests/test_ddp.py`; a notebook cell cannot start them.

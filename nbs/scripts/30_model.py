@@ -20,6 +20,7 @@
 #| export
 from __future__ import annotations
 
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
@@ -28,8 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from powerclip.loss import PowersetInputs
-from powerclip.powerset import phrase_embeddings, pool_normalize
+from powerclip.data import Geometry
 
 # %%
 #| hide
@@ -41,10 +41,11 @@ from open_clip.factory import _MODEL_CONFIG_PATHS
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
+
 # %% [markdown]
 # # The model
 #
-# > open_clip's dual encoder, with projected patch and token embeddings from one forward pass per tower, and the region (Eq. 2), leaf (Eq. 4) and phrase (Eq. 3) embeddings the powerset loss needs.
+# > open_clip's dual encoder, with projected patch and token embeddings from one forward pass per tower, one way to drop patch tokens before the vision transformer, and the caption tokens that count as words; it knows no method, no training and no distribution.
 
 # %% [markdown]
 # PowerCLIP changes the loss, not the architecture: the towers are open_clip's. What the loss needs beyond
@@ -74,8 +75,6 @@ from torch.testing import assert_close
 
 # %%
 #| export
-PRESETS = {'paper': 'ViT-B-16', 'demo': 'powerclip-tiny'}  # preset name -> open_clip architecture
-
 def config_dir() -> Path:
     "The package's `model_configs/` folder: open_clip JSON model configs shipped as package data."
     return Path(str(resources.files('powerclip') / 'model_configs'))
@@ -101,21 +100,49 @@ test_eq(open_clip.get_model_config('ViT-B-16')['text_cfg'] | {}, dict(context_le
 
 
 # %% [markdown]
-# `create_model` builds a model by architecture or preset name. It never downloads: `pretrained` is `None`
-# (random initialisation) or a path to a local checkpoint, and a pretrained *tag* is refused with a clear
-# error. It returns open_clip's triple `(model, preprocess_train, preprocess_val)`.
+# `create_model` builds a model by architecture name (an open_clip config: the paper's `ViT-B-16`, or one of ours).
+# It never downloads: `pretrained` is `None` (random initialisation) or a path to a local checkpoint, and a
+# pretrained *tag* is refused with a clear error. It returns open_clip's triple `(model, preprocess_train,
+# preprocess_val)`.
+#
+# **Geometry.** The image size, the patch size and the text context length are the model's, and the data pipeline
+# must produce exactly those. `model_geometry` reads them from the architecture's config and the run's
+# `model.kwargs` (which replace whole entries, as open_clip's `model_kwargs` do), *before* the model is built, so
+# that the loader and the model are made from the same numbers and nothing has to reconcile them afterwards.
 
 # %%
 #| export
-def create_model(name: str = 'demo', pretrained: str | Path | None = None, **kw):
-    "`(model, preprocess_train, preprocess_val)` for an architecture or preset name; `pretrained`: None or a local file."
+def _known(name: str) -> None:
     register_configs()
-    arch = PRESETS.get(name, name)
-    if arch not in open_clip.list_models():
-        raise ValueError(f'unknown model {name!r}; presets {list(PRESETS)}, or an open_clip architecture')
+    if name not in open_clip.list_models():
+        raise ValueError(f'unknown model {name!r}: an open_clip architecture, e.g. ViT-B-16 or ours {sorted(p.stem for p in config_dir().glob("*.json"))}')
+
+def create_model(name: str, pretrained: str | Path | None = None, **kw):
+    "`(model, preprocess_train, preprocess_val)` for an architecture name; `pretrained`: None or a local file."
+    _known(name)
     if pretrained is not None and not Path(pretrained).is_file():
         raise FileNotFoundError(f'pretrained must be a local checkpoint file (nothing is downloaded), got {pretrained!r}')
-    return open_clip.create_model_and_transforms(arch, pretrained=None if pretrained is None else str(pretrained), **kw)
+    return open_clip.create_model_and_transforms(name, pretrained=None if pretrained is None else str(pretrained), **kw)
+
+def _side(x, what: str) -> int:
+    "An open_clip size (int or (h, w)) as one int; non-square sizes are not supported."
+    if isinstance(x, (tuple, list)):
+        if len(set(x)) != 1: raise NotImplementedError(f'non-square {what} {tuple(x)}')
+        x = x[0]
+    return int(x)
+
+def model_geometry(name: str, kwargs: dict | None = None) -> Geometry:
+    "Image size, patch size and context length of architecture `name` with `kwargs` (whole config entries), without building it."
+    _known(name)
+    cfg = {**open_clip.get_model_config(name), **(kwargs or {})}
+    v, t = cfg.get('vision_cfg') or {}, cfg.get('text_cfg') or {}
+    if 'image_size' not in v or 'patch_size' not in v: raise NotImplementedError(f'{name}: not a ViT vision tower (no patch size)')
+    return Geometry(_side(v['image_size'], 'image size'), _side(v['patch_size'], 'patch size'), int(t.get('context_length', 77)))
+
+def geometry_of(model) -> Geometry:
+    "The geometry of a built model (to check it against `model_geometry`)."
+    v = model.visual
+    return Geometry(_side(v.image_size, 'image size'), _side(v.patch_size, 'patch size'), int(model.context_length))
 
 def grid_size(model) -> tuple[int, int]:
     "`(gh, gw)`: the patch grid of the visual tower; N = gh * gw patch embeddings, row-major."
@@ -124,11 +151,16 @@ def grid_size(model) -> tuple[int, int]:
 
 # %%
 torch.manual_seed(0)
-model, _, preprocess = create_model('demo')
+model, _, preprocess = create_model('powerclip-tiny')
 test_eq(grid_size(model), (8, 8))
 print(f"powerclip-tiny: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; eval transform: {preprocess}")
 test_fail(lambda: create_model('ViT-B-16', pretrained='openai'), contains='local checkpoint')
-test_fail(lambda: create_model('no-such-model'), contains='unknown model')
+test_fail(lambda: create_model('demo'), contains='unknown model')   # architecture names only
+# the geometry read from the configs is the built model's
+test_eq(model_geometry('powerclip-tiny'), geometry_of(model)); test_eq(model_geometry('powerclip-tiny'), Geometry(64, 8, 77))
+test_eq(model_geometry('ViT-B-16'), Geometry(224, 16, 77)); test_eq(model_geometry('powerclip-demo').context_length, 32)
+_kw = dict(text_cfg=dict(context_length=32, vocab_size=49408, width=128, heads=4, layers=4))
+test_eq(model_geometry('powerclip-tiny', _kw), Geometry(64, 8, 32))
 
 
 # %% [markdown]
@@ -146,23 +178,12 @@ test_fail(lambda: create_model('no-such-model'), contains='unknown model')
 # standard ViT head (class-token pooling, norm before pooling, no attention pooler) is supported; other heads
 # are refused with an error rather than silently projected the wrong way.
 #
-# FLIP's patch dropout (open_clip's `PatchDropout`) removes patch tokens at random during training; the
-# survivors no longer sit on the grid, so `encode` returns `patches=None` then (a method that drops patches
-# does not use them) and raises if patches were asked for. In `eval()` mode `PatchDropout` is the identity.
+# A method may remove patch tokens before the transformer (FLIP, CLIP-PGS: see "Dropping patch tokens" below);
+# the survivors are no longer on the grid, so such a method asks for no patches (`need_patches=False`), and
+# `encode` refuses patches it cannot place.
 
 # %%
 #| export
-def set_patch_dropout(model, prob: float):
-    "FLIP-style patch dropout on the visual tower (0 turns it off); active in `train()` mode only."
-    from open_clip.transformer import PatchDropout
-    if not 0 <= prob < 1: raise ValueError(f'patch dropout must be in [0, 1), got {prob}')
-    model.visual.patch_dropout = PatchDropout(prob) if prob > 0 else nn.Identity()
-    return model
-
-def _patch_dropout_active(model) -> bool:
-    pd = model.visual.patch_dropout
-    return model.visual.training and getattr(pd, 'prob', 0.0) > 0
-
 def _check_heads(model):
     v = model.visual
     if not isinstance(model, open_clip.CLIP):
@@ -179,18 +200,19 @@ def _text_proj(model, x: torch.Tensor) -> torch.Tensor:
 def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_patches: bool = True) -> dict:
     """One forward pass per tower. image `(C, 3, H, W)`, tokens `(C, L)` ->
     image `(C, D)`, text `(C, D)` (L2-normalised), patches `(C, N, D)`, tokens `(C, L, D)` (projected, not
-    normalised; patches None under active patch dropout), logit_scale `()` (exponentiated).
+    normalised; patches None unless `need_patches`), logit_scale `()` (exponentiated).
     A tower whose input is None is not run: its keys are absent (the evaluator encodes images and texts apart)."""
     _check_heads(model)
-    dropped = image is not None and _patch_dropout_active(model)
-    if dropped and need_patches: raise ValueError('patch dropout is active: patch embeddings are off the grid')
     out = model.forward_intermediates(image, tokens, image_indices=1, text_indices=1, normalize=True,
                                       image_output_fmt='NLC', output_logit_scale_bias=True)
     enc = dict(logit_scale=out['logit_scale'])
     if image is not None:
-        x = out['image_intermediates'][-1]                   # (C, N, width_v) last block, class token removed
+        x = out['image_intermediates'][-1]                   # (C, N', width_v) last block, class token removed
+        if need_patches and x.shape[1] != grid_size(model)[0] * grid_size(model)[1]:
+            raise ValueError(f'{x.shape[1]} patch tokens reached the transformer, the grid has '
+                             f'{grid_size(model)[0] * grid_size(model)[1]}: selected patches are off the grid (need_patches=False)')
         enc.update(image=out['image_features'],
-                   patches=None if dropped else model.visual.ln_post(x) @ model.visual.proj)  # (C, N, D)
+                   patches=model.visual.ln_post(x) @ model.visual.proj if need_patches else None)  # (C, N, D)
     if tokens is not None:
         y = out['text_intermediates'][-1]                    # (C, L, width_t) last block
         enc.update(text=out['text_features'], tokens=_text_proj(model, model.ln_final(y)))  # (C, L, D)
@@ -272,76 +294,125 @@ assert_close(e0['patches'], e1['patches']); test_eq(g0.keys(), g1.keys())
 for n in g0: assert_close(g0[n], g1[n], rtol=1e-4, atol=1e-6)
 assert len(g0) == sum(p.requires_grad for p in model.parameters())  # every parameter gets a gradient
 
-# %% [markdown]
-# Patch dropout: in training mode with dropout on, `encode` refuses patches and gives the global embeddings
-# only; in eval mode the same model gives the full grid and the same pooled vectors as without dropout.
-
-# %%
-set_patch_dropout(model, 0.5).train()
-test_fail(lambda: encode(model, img, tt['tokens']), contains='patch dropout')
-with torch.no_grad(): e = encode(model, img, tt['tokens'], need_patches=False)
-assert e['patches'] is None and e['image'].shape == (C, 128)
-model.eval()
-with torch.no_grad(): assert_close(encode(model, img, tt['tokens'])['image'], enc['image'])
-set_patch_dropout(model, 0.0)
-test_fail(lambda: set_patch_dropout(model, 1.0), contains='[0, 1)')
-
 
 # %% [markdown]
-# ## Region, leaf and phrase embeddings
+# ## Dropping patch tokens before the transformer
 #
-# With the batch's masks (see `23_data`): region embeddings $\phi(I\mid R_m)$ of Eq. 2 pool the patch
-# embeddings under region masks, leaf embeddings $\psi(T\mid P_{m'})$ of Eq. 4 pool the token embeddings under
-# each word's BPE positions, and phrase embeddings $p_B$ of Eq. 3 sum the leaves under each parse node. The
-# padding conventions carry through: an invalid region or word has an all-`False` mask, so its embedding is
-# the zero vector, and invalid nodes cover no word.
+# FLIP drops a random half of the patch tokens of each training image, CLIP-PGS a chosen 30-50 %, and other
+# methods choose by attention or by other rules; all of them take tokens out of the sequence right after the patch
+# and position embeddings, so that the transformer really runs on fewer tokens. That is where open_clip's
+# `VisionTransformer` calls `self.patch_dropout(x)` on the sequence `(C, 1 + N, width)` (class token first), in
+# `forward` and `forward_intermediates` alike.
+#
+# `select_patch_tokens(model, keep)` is the one way to do it here: a context manager that puts a `PatchTokenSelect`
+# in that place for the forward passes inside the `with` block, and puts back what was there when the block ends.
+# `keep(x)` receives the token sequence and returns the indices `(C, K)` of the patches to keep (0-based among the
+# $N$ patches); the class token always stays. A method therefore says explicitly, in its own `forward`, when and
+# how tokens are selected, with whatever context its rule needs (pixels, noise, the step) held by `keep`; outside
+# the block the model is plain open_clip, so evaluation, the `state_dict` and exported checkpoints never see a
+# selection. The selecting module has no parameters or buffers.
 
 # %%
 #| export
-def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
-    """Regions `(C, M, D)` (Eq. 2), phrases `(C, K, D)` (Eqs. 3-4) and validity masks from `encode`'s output and
-    a batch with `region_masks (C, M, N)`, `region_valid (C, M)`, `leaf_tokens (C, W, L)`, `incidence (C, K, W)`,
-    `node_valid (C, K)`."""
-    if enc['patches'] is None: raise ValueError('no patch embeddings (patch dropout active?)')
-    masks = batch['region_masks'].to(enc['patches'].device)
-    if masks.shape[-1] != enc['patches'].shape[1]:
-        raise ValueError(f"region masks have {masks.shape[-1]} patches, the model {enc['patches'].shape[1]}")
-    regions = pool_normalize(enc['patches'], masks)                                   # (C, M, D)
-    leaves = pool_normalize(enc['tokens'], batch['leaf_tokens'].to(enc['tokens'].device))  # (C, W, D)
-    phrases = phrase_embeddings(leaves, batch['incidence'].to(leaves.device))         # (C, K, D)
-    return PowersetInputs(regions, batch['region_valid'].to(regions.device), phrases,
-                          batch['node_valid'].to(phrases.device))
+class PatchTokenSelect(nn.Module):
+    "In place of open_clip's `visual.patch_dropout`: x `(C, 1 + N, width)` -> `(C, 1 + K, width)`, the class token and the patches `keep(x)` names."
+    def __init__(self, keep):
+        super().__init__()
+        self.keep = keep                                        # x (C, 1 + N, width) -> (C, K) long in [0, N)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = self.keep(x)                                      # (C, K)
+        if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
+            raise ValueError(f'keep must return (C, K) patch indices for C = {x.shape[0]}, got {tuple(idx.shape)}')
+        idx = (idx.to(x.device) + 1)[..., None].expand(-1, -1, x.shape[-1])   # (C, K, width), past the class token
+        return torch.cat([x[:, :1], x.gather(1, idx)], dim=1)   # (C, 1 + K, width), class token first
 
 
-# %%
-gh, gw = grid_size(model)
-masks = torch.zeros(C, 3, gh * gw, dtype=torch.bool)
-masks[:, 0, :8] = True; masks[:, 1, 9] = True                       # row 0; patch (1, 1); row 2 is padding
-batch = dict(tt, region_masks=masks, region_valid=masks.any(-1))
-with torch.no_grad(): pi = powerset_inputs(enc, batch)
-test_eq(pi.regions.shape, (C, 3, 128)); test_eq(pi.phrases.shape, (C, 5, 128))
-assert_close(pi.regions[:, 0], F.normalize(enc['patches'][:, :8].sum(1), dim=-1))
-assert_close(pi.regions[:, 1], F.normalize(enc['patches'][:, 9], dim=-1))
-assert not pi.regions[:, 2].any() and pi.region_valid[:, 2].logical_not().all()
-# phrase 'a blue square' of caption 0 (node 4: words 5..7): the sum of its three normalised word embeddings
-words = [F.normalize(enc['tokens'][0][tt['leaf_tokens'][0, w]].sum(0), dim=-1) for w in (5, 6, 7)]
-assert_close(pi.phrases[0, 4], sum(words))
-# caption 1 has one node; nodes 1..4 are padding: zero and invalid
-assert not pi.phrases[1, 1:].any(); test_eq(pi.node_valid[1].tolist(), [True, False, False, False, False])
-test_fail(lambda: powerset_inputs(enc, dict(batch, region_masks=masks[..., :10])), contains='patches')
+@contextmanager
+def select_patch_tokens(model, keep):
+    "Within the block, the vision tower keeps the class token and the patch tokens `keep(x)` returns (see above)."
+    v = model.visual
+    if getattr(v, 'class_embedding', None) is None or not hasattr(v, 'patch_dropout'):
+        raise NotImplementedError("patch selection needs open_clip's VisionTransformer with a class token")
+    old = v.patch_dropout
+    if not isinstance(old, nn.Identity):
+        raise ValueError(f'the vision tower already drops patches ({type(old).__name__}): one selection at a time')
+    v.patch_dropout = PatchTokenSelect(keep)
+    try: yield
+    finally: v.patch_dropout = old
+
 
 # %% [markdown]
-# The whole path feeds the loss and back-propagates into both towers:
+# Keeping patches 5, 0 and 9 of every image: the tokens entering the transformer (after `ln_pre`, which acts per
+# token) are the class token and those three rows of the full sequence; outside the block nothing is selected, the
+# state_dict is unchanged, and `encode` refuses patches while tokens are selected.
 
 # %%
-from powerclip.loss import PowerCLIPLossConfig, powerclip_loss
-model.train()
-e = encode(model, img, tt['tokens'])
-terms = powerclip_loss(e['image'], e['text'], e['logit_scale'], powerset_inputs(e, batch), PowerCLIPLossConfig())
-model.zero_grad(); (terms['clip'] + terms['powerset']).backward()
-assert model.visual.conv1.weight.grad.abs().sum() > 0 and model.token_embedding.weight.grad.abs().sum() > 0
-model.eval()
-{k: round(v.item(), 4) for k, v in terms.items() if not v.requires_grad} | {k: round(v.detach().item(), 4) for k, v in terms.items() if v.requires_grad}
+_seen = []
+_hk = model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(args[0].detach().clone()))
+_keys = set(model.state_dict())
+with torch.no_grad():
+    with select_patch_tokens(model, lambda x: torch.tensor([[5, 0, 9]]).expand(x.shape[0], -1)):
+        _sel = encode(model, img, tt['tokens'], need_patches=False)
+        test_fail(lambda: encode(model, img, tt['tokens']), contains='off the grid')
+        assert set(model.state_dict()) == _keys
+    _full = encode(model, img, tt['tokens'])
+_hk.remove()
+test_eq([s.shape[1] for s in _seen], [4, 4, 65])          # the refused call ran the tower too
+assert_close(_seen[0], _seen[2][:, [0, 6, 1, 10]])
+assert _sel['patches'] is None and isinstance(model.visual.patch_dropout, nn.Identity)
+assert_close(_full['image'], enc['image']); assert not torch.allclose(_sel['image'], enc['image'])
+test_fail(lambda: PatchTokenSelect(lambda x: torch.zeros(3, dtype=torch.long))(torch.zeros(2, 5, 4)), contains='(C, K)')
+
+
+# %% [markdown]
+# ## The caption tokens that are words
+#
+# Token-wise methods (FILIP's late interaction, SPARC's token-to-patch grouping, SmartCLIP's mask network) need to
+# know which of the $L$ token positions of a caption are real. Padding (id 0) never counts. By default the start
+# token (SOT: under the text tower's causal mask its output is the same for every caption, so it can only add a
+# constant) and the end token (EOT: it is the pooled sentence embedding, which the global loss already uses) do not
+# count either. The EOT is found as open_clip's text pooling finds it, at the argmax of the ids. A caption with no
+# word left (an empty caption) keeps its EOT, so that its scores stay defined. `special_tokens=True` counts SOT and
+# EOT as tokens too.
+
+# %%
+#| export
+def text_token_mask(
+    ids: torch.Tensor,            # (C, L) long open_clip token ids: SOT, word pieces, EOT, zero padding
+    special_tokens: bool = False, # True: SOT and EOT count as tokens too
+) -> torch.Tensor:                # (C, L) bool
+    "The caption tokens that take part in token-wise interaction: not padding, and (default) not SOT/EOT."
+    valid = ids != 0
+    if not valid.any(-1).all():
+        raise ValueError(f"captions {(~valid.any(-1)).nonzero().flatten().tolist()} have no token at all (all padding)")
+    if special_tokens: return valid
+    eot = ids.argmax(-1)                                      # (C,) open_clip's EOT position (its text pooling)
+    words = valid.clone()
+    words[:, 0] = False                                       # SOT
+    words[torch.arange(ids.shape[0], device=ids.device), eot] = False
+    empty = ~words.any(-1)                                    # captions with no word piece: keep their EOT
+    words[empty.nonzero().flatten(), eot[empty]] = True
+    return words
+
+
+# %%
+_ids = torch.tensor([[49406, 320, 1929, 49407, 0, 0],       # "a dog"
+                     [49406, 49407, 0, 0, 0, 0],            # empty caption: its EOT stands in
+                     [49406, 1, 2, 3, 4, 49407]])           # truncated: EOT at the last position
+test_eq(text_token_mask(_ids).tolist(), [[False, True, True, False, False, False],
+                                         [False, True, False, False, False, False],
+                                         [False, True, True, True, True, False]])
+test_eq(text_token_mask(_ids, special_tokens=True).tolist(), (_ids != 0).tolist())
+test_fail(lambda: text_token_mask(torch.zeros(2, 4, dtype=torch.long)), contains='no token at all')
+
+# %% [markdown]
+# On the batch contract's own tokens (`powerclip.parsing.tree_tokens`), the counted tokens are exactly the BPE
+# pieces of the caption's words, `leaf_tokens.any(0)`:
+
+# %%
+for _c in range(C):
+    assert torch.equal(text_token_mask(tt['tokens'][_c:_c + 1])[0], tt['leaf_tokens'][_c].any(0))
 
 # %% [markdown]
 # ## Checkpoints load with plain open_clip
@@ -365,7 +436,7 @@ with tempfile.TemporaryDirectory() as d:
 # %%
 #| slow
 t0 = time.time()
-big, _, _ = create_model('paper')
+big, _, _ = create_model('ViT-B-16')
 big.eval()
 test_eq(grid_size(big), (14, 14))
 with torch.no_grad():

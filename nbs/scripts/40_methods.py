@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from powerclip.dist import DistContext
+from powerclip.data import BatchNeeds
+from powerclip.dist import DistContext, gather
 from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
+from powerclip.powerset import phrase_embeddings, pool_normalize
 
 # %%
 #| hide
@@ -38,26 +40,39 @@ from torch.testing import assert_close
 # %% [markdown]
 # # Methods
 #
-# > A training method is a small object that the trainer asks for by name: what it needs of a batch, what it changes in the forward pass, and its loss terms as a dict of named tensors.
+# > A training method is a small object that the trainer asks for by name: what it needs of a batch, what it changes in the forward pass, its loss terms as a dict of named tensors, and how evaluation should score with it.
 
 # %% [markdown]
-# The trainer (`50_train`) knows no method by name. Each step it does
+# The trainer (`50_train`) knows no method by name. Once, before the first batch, it asks the method what the data
+# pipeline must build (`23_data`):
+#
+# ```python
+# needs = method.needs()                     # BatchNeeds(tree, node_np, regions=M, region_source): nothing more is built
+# ```
+#
+# A CLIP run thus draws no region mask and parses no caption; PowerCLIP asks for the tree and its $M$ masks; C2LIP
+# for the tree and its noun-phrase labels. Then, each step:
 #
 # ```python
 # method.on_step(step, total)                # schedules inside a method (CLIP-PGS's mixing weight)
-# batch = method.prepare_batch(batch)        # add what the method needs (masks, phrases), on the host
+# batch = method.prepare_batch(batch)        # derived inputs (C2LIP's concept masks), on the host
 # out = method.forward(model, batch, modules)  # the model's outputs (inside DDP's forward)
 # terms = method.loss(out, batch, dist)      # {'clip': ..., 'powerset': ..., '_sim_pos': ...}
 # loss = sum(v for k, v in terms.items() if not k.startswith('_'))
 # ```
 #
-# and logs every term. `dist` is a `powerclip.dist.DistContext`: `dist.gather_many([x, y, ...])` (all-gather with
-# gradient, one collective for all tensors: several separate gathers can pair up wrongly in the backward pass,
-# see `15_dist`), `dist.rank`, `dist.world_size`; `powerclip.dist.pad_dim` / `all_max` for ragged K, W. A method that gathers follows
-# the convention of `11_loss`: local rows against gathered columns, positives at `offset = rank * R`.
+# and logs every term. A method that changes the forward pass does it in its own `forward`, explicitly: FLIP and
+# CLIP-PGS drop patch tokens through `powerclip.model.select_patch_tokens` around `encode`, SmartCLIP runs its mask
+# network after it; the model itself knows no method. `dist` is a `powerclip.dist.DistContext`. A method that needs other processes' rows asks
+# `powerclip.dist.gather(dist, {name: tensor}, pad={name: {dim: value}})` once per step, for all its tensors: the
+# float tensors travel with gradient in one collective, the masks in another, ragged dimensions are padded (see
+# `15_dist` for why one collective), and `g.offset` is where this process's rows start. The loss is then written on
+# `11_loss`'s skeleton (`contrastive_rows`, `symmetric_infonce`): local rows against gathered columns, positives at
+# `g.offset + arange(R)`. No method imports `torch.distributed`.
 #
 # Adding a method (FLIP, FILIP, SPARC, ...) is one class with a `Config` dataclass and `@register('name')`;
-# its config is what the run config's `method_cfg` holds.
+# its config is what the run config's `method_cfg` holds. The trainer gives it a seed of its own (`self.seed`,
+# derived from the run seed) for any noise it draws.
 #
 # Parameters that a method trains besides the model (SmartCLIP's mask network, C2LIP's sigmoid temperature and
 # bias) come from `build_modules(model)`. The trainer keeps them apart from the open_clip model on purpose: the
@@ -76,16 +91,16 @@ class Method:
     "Base method: CLIP's forward pass and no extra batch keys. Subclasses set `Config` and override `loss`."
     name: str = "base"
     Config: type = NoConfig
-    batch_keys: tuple[str, ...] = ("image", "tokens")  # what `loss` / `forward` read of a batch
 
-    def __init__(self, cfg=None):
+    def __init__(self, cfg=None, seed: int = 0):
         self.cfg = cfg if cfg is not None else self.Config()
+        self.seed = int(seed)  # the method's own random stream (CLIP-PGS's candidates); the trainer derives it from the run seed
         if not isinstance(self.cfg, self.Config):
             raise TypeError(f"method {self.name!r} needs a {self.Config.__name__}, got {type(self.cfg).__name__}")
 
     def setup_model(self, model) -> None:
-        """Change the model once before training (e.g. FLIP's patch dropout). Default: nothing.
-        Adds no parameter or buffer: the model's state_dict stays plain open_clip."""
+        """Change the model once before training. Default: nothing. Adds no parameter or buffer: the model's state_dict
+        stays plain open_clip. (A change of the forward pass, e.g. dropping patch tokens, belongs in `forward`.)"""
 
     def build_modules(self, model) -> torch.nn.Module | None:
         """Training-time modules with parameters (SmartCLIP's mask network, C2LIP's sigmoid bias), or None.
@@ -99,9 +114,13 @@ class Method:
     def on_step(self, step: int, total: int) -> None:
         "Called by the trainer before each step (0-based `step` of `total`): for schedules inside a method."
 
+    def needs(self) -> BatchNeeds:
+        "What the data pipeline must build besides image, tokens and index (`powerclip.data.BatchNeeds`). Default: nothing."
+        return BatchNeeds()
+
     def prepare_batch(self, batch: dict) -> dict:
-        "Add to / check a host-side batch before it moves to the device. Default: check the keys."
-        missing = [k for k in self.batch_keys if k not in batch]
+        "Add derived inputs to a host-side batch before it moves to the device. Default: check that `needs()` was built."
+        missing = [k for k in self.needs().keys() if k not in batch]
         if missing: raise KeyError(f"method {self.name!r} needs batch keys {missing}; the batch has {sorted(batch)}")
         return batch
 
@@ -111,7 +130,7 @@ class Method:
         from powerclip.model import encode  # late: methods stay importable without open_clip loaded
         return encode(model, batch["image"], batch["tokens"], need_patches=self.needs_patches)
 
-    needs_patches: bool = False
+    needs_patches: bool = False  # the default forward asks `encode` for patch embeddings (losses that read them)
 
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -149,10 +168,10 @@ def method_config(name: str, cfg: dict | None = None):
     return cls.Config(**cfg)
 
 
-def get_method(name: str, cfg: dict | object | None = None) -> Method:
-    "A method by name, with its config given as a dict, a config object, or None (defaults)."
+def get_method(name: str, cfg: dict | object | None = None, seed: int = 0) -> Method:
+    "A method by name, with its config given as a dict, a config object, or None (defaults), and its random stream's seed."
     cls = _method_cls(name)
-    return cls(cfg if isinstance(cfg, cls.Config) else method_config(name, cfg))
+    return cls(cfg if isinstance(cfg, cls.Config) else method_config(name, cfg), seed)
 
 
 def _method_cls(name: str) -> type[Method]:
@@ -181,9 +200,8 @@ class CLIP(Method):
     "CLIP (Radford et al. 2021): global image and text embeddings, contrastive loss."
 
     def loss(self, out, batch, dist):
-        R = out["image"].shape[0]
-        img_all, txt_all = dist.gather_many([out["image"], out["text"]]) if dist.distributed else (None, None)
-        return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], img_all, txt_all, dist.rank * R),
+        g = gather(dist, {"image": out["image"], "text": out["text"]})   # (C, D) each
+        return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], g.all["image"], g.all["text"], g.offset),
                 "_logit_scale": out["logit_scale"].detach()}
 
 
@@ -191,42 +209,166 @@ class CLIP(Method):
 # ## PowerCLIP
 #
 # CLIP plus $\lambda$ times the powerset triplet loss between the image's region masks and the caption's tree
-# nodes. Where the region masks come from (random boxes for PowerCLIP-R, the world's gold object masks, SAM) is
-# a choice of the *data* config: the method only reads `region_masks`. Phrase embeddings of different
-# processes have different numbers of nodes $K$, so they are padded to the largest $K$ before gathering, and
-# all four float tensors travel in one collective (`gather_many`).
+# nodes. The method's config is the loss config of `11_loss` plus the two things PowerCLIP asks of the data: how
+# many region masks per image ($M$, Sec. 5.1) and where they come from: random boxes (PowerCLIP-R), the world's gold
+# object masks, or segmentation masks stored beside the shards by `data_prep` (PowerCLIP-S, e.g. SAM's). `needs()`
+# hands both to the pipeline, with the parse tree. Phrase embeddings of different
+# processes have different numbers of nodes $K$ (and region embeddings of $M$), so `gather` pads them to the
+# largest over the processes; all four float tensors travel in one collective, the two masks in another.
 
 # %%
 #| export
+@dataclass
+class PowerCLIPConfig(PowerCLIPLossConfig):
+    "The loss's options (`PowerCLIPLossConfig`) and the region masks PowerCLIP asks of the data."
+    M: int = 10               # region masks per image (Sec. 5.1)
+    masks: str = "random"     # 'random' boxes (PowerCLIP-R) | 'gold' world object masks | 'stored' shard masks (PowerCLIP-S)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.M < 1: raise ValueError(f"M must be >= 1, got {self.M}")
+        BatchNeeds(tree=True, regions=self.M, region_source=self.masks)   # checks the mask source
+
+
 @register("powerclip")
 class PowerCLIP(Method):
-    "PowerCLIP: CLIP + lam * powerset triplet loss (NLA-T1 + NLA-T2), config `PowerCLIPLossConfig`."
-    Config = PowerCLIPLossConfig
-    batch_keys = ("image", "tokens", "leaf_tokens", "incidence", "node_valid", "region_masks", "region_valid")
+    "PowerCLIP: CLIP + lam * powerset triplet loss (NLA-T1 + NLA-T2), config `PowerCLIPConfig`."
+    Config = PowerCLIPConfig
     needs_patches = True
 
+    def needs(self) -> BatchNeeds:
+        return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
+
     def loss(self, out, batch, dist):
-        from powerclip.model import powerset_inputs
         local = powerset_inputs(out, batch)  # (R, M, D), (R, M), (R, K, D), (R, K)
-        args = (out["image"], out["text"], out["logit_scale"], local, self.cfg)
-        if not dist.distributed:
-            terms = powerclip_loss(*args)
-        else:
-            img_all, txt_all, gathered = gather_powerset(out["image"], out["text"], local, dist)
-            terms = powerclip_loss(*args, image_all=img_all, text_all=txt_all,
-                                   gathered=gathered, offset=dist.rank * out["image"].shape[0])
+        g = gather(dist, {"image": out["image"], "text": out["text"], "regions": local.regions, "phrases": local.phrases,
+                          "region_valid": local.region_valid, "node_valid": local.node_valid},
+                   pad={"regions": {1: 0.0}, "phrases": {1: 0.0}, "region_valid": {1: False}, "node_valid": {1: False}})
+        a = g.all  # M and K padded to their maximum over the processes: (C, M, D), (C, K, D), ...
+        gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], a["node_valid"])
+        terms = powerclip_loss(out["image"], out["text"], out["logit_scale"], local, self.cfg,
+                               a["image"], a["text"], gathered, g.offset)
         terms["_logit_scale"] = out["logit_scale"].detach()
         return terms
 
 
-def gather_powerset(image, text, local: PowersetInputs, dist: DistContext):
-    """(image_all (C, D), text_all (C, D), PowersetInputs of all C rows): M and K padded to their maximum over the
-    processes, the float tensors gathered with gradient in one collective (see `powerclip.dist.gather_many`)."""
-    from powerclip.dist import all_max, gather_no_grad, pad_dim
-    M, K = all_max(local.regions.shape[1]), all_max(local.phrases.shape[1])
-    img, txt, reg, phr = dist.gather_many([image, text, pad_dim(local.regions, M), pad_dim(local.phrases, K)])
-    rv, nv = gather_no_grad(pad_dim(local.region_valid, M, 1, False)), gather_no_grad(pad_dim(local.node_valid, K, 1, False))
-    return img, txt, PowersetInputs(reg, rv, phr, nv)
+# %% [markdown]
+# ### Region, leaf and phrase embeddings
+#
+# What PowerCLIP's loss reads of `encode`'s output and the batch (see `23_data` for the masks): region embeddings
+# $\phi(I\mid R_m)$ of Eq. 2 pool the patch embeddings under region masks, leaf embeddings $\psi(T\mid P_{m'})$ of
+# Eq. 4 pool the token embeddings under each word's BPE positions, and phrase embeddings $p_B$ of Eq. 3 sum the
+# leaves under each parse node. The padding conventions carry through: an invalid region or word has an
+# all-`False` mask, so its embedding is the zero vector, and invalid nodes cover no word.
+
+# %%
+#| export
+def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
+    """Regions `(C, M, D)` (Eq. 2), phrases `(C, K, D)` (Eqs. 3-4) and validity masks from `encode`'s output and
+    a batch with `region_masks (C, M, N)`, `region_valid (C, M)`, `leaf_tokens (C, W, L)`, `incidence (C, K, W)`,
+    `node_valid (C, K)`."""
+    if enc.get('patches') is None: raise ValueError('no patch embeddings: encode with need_patches=True')
+    masks = batch['region_masks'].to(enc['patches'].device)
+    if masks.shape[-1] != enc['patches'].shape[1]:
+        raise ValueError(f"region masks have {masks.shape[-1]} patches, the model {enc['patches'].shape[1]}")
+    regions = pool_normalize(enc['patches'], masks)                                   # (C, M, D)
+    leaves = pool_normalize(enc['tokens'], batch['leaf_tokens'].to(enc['tokens'].device))  # (C, W, D)
+    phrases = phrase_embeddings(leaves, batch['incidence'].to(leaves.device))         # (C, K, D)
+    return PowersetInputs(regions, batch['region_valid'].to(regions.device), phrases,
+                          batch['node_valid'].to(phrases.device))
+
+
+# %% [markdown]
+# On a model (the micro architecture, random weights, a $4\times4$ patch grid) and two parsed captions:
+
+# %%
+from powerclip.model import create_model, encode, grid_size
+from powerclip.parsing import ParsedCaption, collate_trees, tree_tokens
+
+torch.manual_seed(0)
+_model = create_model("powerclip-micro")[0].eval()
+_pcs = [ParsedCaption('a red circle left of a blue square', 'a red circle left of a blue square'.split(),
+                      [(0, 8), (0, 3), (3, 8), (3, 5), (5, 8)], ['S', 'NP', 'PP', 'ADVP', 'NP'], 'gold', []),
+        ParsedCaption('a green cross', ['a', 'green', 'cross'], [(0, 3)], ['NP'], 'gold', [])]
+_tt = collate_trees([tree_tokens(p) for p in _pcs])
+_img = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+with torch.no_grad(): _enc = encode(_model, _img, _tt['tokens'])
+_gh, _gw = grid_size(_model)
+_masks = torch.zeros(2, 3, _gh * _gw, dtype=torch.bool)
+_masks[:, 0, :_gw] = True; _masks[:, 1, _gw + 1] = True                 # row 0; patch (1, 1); row 2 is padding
+_pb = dict(_tt, region_masks=_masks, region_valid=_masks.any(-1))
+_pi = powerset_inputs(_enc, _pb)
+D = _enc['image'].shape[1]
+assert _pi.regions.shape == (2, 3, D) and _pi.phrases.shape == (2, 5, D)
+assert_close(_pi.regions[:, 0], F.normalize(_enc['patches'][:, :_gw].sum(1), dim=-1))
+assert_close(_pi.regions[:, 1], F.normalize(_enc['patches'][:, _gw + 1], dim=-1))
+assert not _pi.regions[:, 2].any() and _pi.region_valid[:, 2].logical_not().all()
+# phrase 'a blue square' of caption 0 (node 4: words 5..7): the sum of its three normalised word embeddings
+_words = [F.normalize(_enc['tokens'][0][_tt['leaf_tokens'][0, w]].sum(0), dim=-1) for w in (5, 6, 7)]
+assert_close(_pi.phrases[0, 4], sum(_words))
+# caption 1 has one node; nodes 1..4 are padding: zero and invalid
+assert not _pi.phrases[1, 1:].any() and _pi.node_valid[1].tolist() == [True, False, False, False, False]
+test_fail(lambda: powerset_inputs(_enc, dict(_pb, region_masks=_masks[..., :10])), contains='patches')
+
+# %% [markdown]
+# The whole path, from the model through the method's forward and loss, back-propagates into both towers:
+
+# %%
+_model.train()
+_pm = get_method("powerclip")
+_terms = _pm.loss(_pm.forward(_model, dict(_pb, image=_img)), _pb, DistContext())
+_model.zero_grad(); (_terms['clip'] + _terms['powerset']).backward()
+assert _model.visual.conv1.weight.grad.abs().sum() > 0 and _model.token_embedding.weight.grad.abs().sum() > 0
+_model.eval()
+print({k: round(float(v.detach()), 4) for k, v in _terms.items()})
+
+
+# %% [markdown]
+# ## Scoring for evaluation
+#
+# Evaluation (retrieval, zero-shot classification, hard negatives) ranks image-text pairs by a score. For CLIP
+# and most methods that is the cosine of the pooled embeddings; a method whose paper scores otherwise at
+# inference (FILIP: token-wise late interaction) says so with its own `Scorer`. The evaluator asks the method:
+# `method.scorers()` maps a name to a scorer, the first entry being the method's own way (what its paper
+# reports), and every method also offers `'global'`, so that all methods can be compared on the same footing.
+#
+# A scorer splits the work in two so that the evaluator can cache features: `image_features` and
+# `text_features` run the towers once per image and per caption (tensors with one row per input, which may
+# live on the CPU), and `scores` combines any $I$ images with any $T$ captions into an $(I, T)$ matrix.
+
+# %%
+#| export
+class Scorer:
+    "How evaluation scores image-text pairs with a trained model; features are cached by the evaluator."
+    name: str = "global"
+
+    def image_features(self, model, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        "images `(B, 3, H, W)` -> features with B rows each."
+        raise NotImplementedError
+
+    def text_features(self, model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        "tokens `(B, L)` open_clip ids -> features with B rows each."
+        raise NotImplementedError
+
+    def scores(self, img: dict[str, torch.Tensor], txt: dict[str, torch.Tensor]) -> torch.Tensor:
+        "Features of I images and T captions -> `(I, T)` scores, higher is more similar."
+        raise NotImplementedError
+
+
+class GlobalScorer(Scorer):
+    "CLIP's score: the dot product of L2-normalised `encode_image` and `encode_text` (the cosine)."
+    name = "global"
+
+    @torch.no_grad()
+    def image_features(self, model, images):
+        return {"image": model.encode_image(images, normalize=True).float()}         # (B, D)
+
+    @torch.no_grad()
+    def text_features(self, model, tokens):
+        return {"text": model.encode_text(tokens, normalize=True).float()}           # (B, D)
+
+    def scores(self, img, txt):
+        return img["image"] @ txt["text"].to(img["image"].device).T                # (I, T)
 
 
 # %% [markdown]
@@ -287,8 +429,10 @@ class GlobalScorer(Scorer):
 assert {"clip", "powerclip"} <= set(METHODS)
 test_fail(lambda: get_method("nope"), contains="registered")
 test_fail(lambda: get_method("powerclip", {"lambda": 0.2}), contains="unknown option")
-_m = get_method("powerclip", {"lam": 0.2, "tau": 0.01})
+_m = get_method("powerclip", {"lam": 0.2, "tau": 0.01, "M": 4, "masks": "gold"})
 assert isinstance(_m.cfg, PowerCLIPLossConfig) and _m.cfg.lam == 0.2
+assert _m.needs() == BatchNeeds(tree=True, regions=4, region_source="gold") and get_method("clip").needs() == BatchNeeds()
+test_fail(lambda: get_method("powerclip", {"masks": "sam"}), contains="region_source")
 test_fail(lambda: _m.prepare_batch({"image": 0, "tokens": 0}), contains="region_masks")
 
 

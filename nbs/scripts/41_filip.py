@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from powerclip.dist import DistContext
-from powerclip.loss import clip_loss
+from powerclip.dist import DistContext, gather
+from powerclip.loss import clip_loss, contrastive_rows, symmetric_infonce
 from powerclip.methods import GlobalScorer, Method, Scorer, register
+from powerclip.model import text_token_mask
 
 # %%
 #| hide
@@ -52,12 +53,10 @@ from torch.testing import assert_close
 # transposes of each other. The loss is $\frac12[\mathrm{CE}(s\,s^I, y)+\mathrm{CE}(s\,(s^T)^\top, y)]$ with the
 # model's learnable logit scale $s$, exactly as the CLIP loss of `11_loss` with its similarities swapped.
 #
-# **Which tokens count.** Padding (id 0) never counts. Of the rest we drop, by default, the start token (SOT:
-# under the text tower's causal mask its output is the same for every caption, so it can only add a constant)
-# and the end token (EOT: it is the pooled sentence embedding, which CLIP's loss already uses; FILIP is about
-# words). The EOT is found as open_clip's text pooling finds it, at the argmax of the ids. A caption with no word
-# left (an empty caption) keeps its EOT, so that its scores stay defined. `special_tokens=True` counts SOT and
-# EOT as tokens too.
+# **Which tokens count.** `powerclip.model.text_token_mask` (see `30_model`): not padding and, by default, neither
+# the start token (its output is the same for every caption) nor the end token (the pooled sentence embedding,
+# which CLIP's loss already uses; FILIP is about words); an empty caption keeps its EOT so that its scores stay
+# defined. `special_tokens=True` counts SOT and EOT as tokens too.
 #
 # **Patches.** All $N$ patch embeddings of the grid (the class token is not a patch). FILIP's own recipe also
 # reduces the embedding dimension and gathers in half precision to save memory; here memory is bounded instead by
@@ -65,54 +64,6 @@ from torch.testing import assert_close
 #
 # **Data parallel.** As in `11_loss`: a process computes its $R$ image rows of $s^I$ against the gathered captions
 # and its $R$ caption rows of $(s^T)^\top$ against the gathered images, positives at `offset = rank * R`.
-
-# %% [markdown]
-# ## Which tokens count
-
-# %%
-#| export
-def text_token_mask(
-    ids: torch.Tensor,            # (C, L) long open_clip token ids: SOT, word pieces, EOT, zero padding
-    special_tokens: bool = False, # True: SOT and EOT count as tokens too
-) -> torch.Tensor:                # (C, L) bool
-    "The caption tokens that take part in token-wise interaction: not padding, and (default) not SOT/EOT."
-    valid = ids != 0
-    if not valid.any(-1).all():
-        raise ValueError(f"captions {(~valid.any(-1)).nonzero().flatten().tolist()} have no token at all (all padding)")
-    if special_tokens: return valid
-    eot = ids.argmax(-1)                                      # (C,) open_clip's EOT position (its text pooling)
-    words = valid.clone()
-    words[:, 0] = False                                       # SOT
-    words[torch.arange(ids.shape[0], device=ids.device), eot] = False
-    empty = ~words.any(-1)                                    # captions with no word piece: keep their EOT
-    words[empty.nonzero().flatten(), eot[empty]] = True
-    return words
-
-
-# %%
-_ids = torch.tensor([[49406, 320, 1929, 49407, 0, 0],       # "a dog"
-                     [49406, 49407, 0, 0, 0, 0],            # empty caption: its EOT stands in
-                     [49406, 1, 2, 3, 4, 49407]])           # truncated: EOT at the last position
-assert text_token_mask(_ids).tolist() == [[False, True, True, False, False, False],
-                                          [False, True, False, False, False, False],
-                                          [False, True, True, True, True, False]]
-assert text_token_mask(_ids, special_tokens=True).tolist() == (_ids != 0).tolist()
-try: text_token_mask(torch.zeros(2, 4, dtype=torch.long)); raise AssertionError
-except ValueError as e: print("all padding:", e)
-
-# %% [markdown]
-# On the batch contract's own tokens (`powerclip.parsing.tree_tokens`), the counted tokens are exactly the BPE
-# pieces of the caption's words, `leaf_tokens.any(0)`:
-
-# %%
-from powerclip.parsing import ParsedCaption, tree_tokens
-
-_pc = ParsedCaption("a red cube left of a blue sphere", "a red cube left of a blue sphere".split(),
-                    [(0, 8), (0, 3), (3, 8)], ["S", "NP", "PP"], "gold", [])
-_tt = tree_tokens(_pc)
-assert torch.equal(text_token_mask(_tt.tokens[None])[0], _tt.leaf_tokens.any(0))
-print(_tt.tokens[:12].tolist())
-
 
 # %% [markdown]
 # ## Scores
@@ -195,14 +146,10 @@ def filip_loss(
     chunk: int | None = None,        # see `filip_scores`
 ) -> torch.Tensor:                   # scalar
     "Symmetric InfoNCE on FILIP's token-wise scores: local image rows of s_i2t, local caption rows of s_t2i^T."
-    labels = torch.arange(patches.shape[0], device=patches.device) + offset  # (R,)
-    if patches_all is None:
-        s_i2t, s_t2i = filip_scores(patches, tokens, token_valid, chunk)    # (R, R) each
-        logits_i, logits_t = s_i2t, s_t2i.T
-    else:
-        logits_i = filip_scores(patches, tokens_all, token_valid_all, chunk)[0]    # (R, C) local images
-        logits_t = filip_scores(patches_all, tokens, token_valid, chunk)[1].T      # (R, C) local captions
-    return (F.cross_entropy(logit_scale * logits_i, labels) + F.cross_entropy(logit_scale * logits_t, labels)) / 2
+    sim = lambda p, tv: filip_scores(p, tv[0], tv[1], chunk)                # a pair: (s_i2t, s_t2i), both [image, caption]
+    txt_all = None if tokens_all is None else (tokens_all, token_valid_all)
+    S_img, S_txt = contrastive_rows(sim, patches, (tokens, token_valid), patches_all, txt_all)  # (R, C) each
+    return symmetric_infonce(logit_scale * S_img, logit_scale * S_txt, offset)
 
 
 # %% [markdown]
@@ -251,7 +198,7 @@ assert _lb.dtype == torch.float32 and abs(float(_lb.detach()) - float(_l32)) < 0
 #
 # Registered as `filip` in the trainer's registry (`powerclip.methods`). It normalises the projected patch and
 # token embeddings of `powerclip.model.encode`, reads the token ids of the batch for the mask, and gathers
-# patches, tokens (one collective, with gradient) and masks (without). `clip_weight > 0` adds CLIP's global
+# patches, tokens and masks in one call (`powerclip.dist.gather`: one collective with gradient, one without). `clip_weight > 0` adds CLIP's global
 # loss on top; FILIP as published trains on the token-wise loss alone (`clip_weight = 0`).
 
 # %%
@@ -274,18 +221,16 @@ class FILIP(Method):
     needs_patches = True
 
     def loss(self, out, batch, dist: DistContext):
-        from powerclip.dist import gather_no_grad
         patches, tokens = F.normalize(out["patches"], dim=-1), F.normalize(out["tokens"], dim=-1)  # (R, N, D), (R, L, D)
         valid = text_token_mask(batch["tokens"].to(tokens.device), self.cfg.special_tokens)    # (R, L)
-        R, s = patches.shape[0], out["logit_scale"]
-        if dist.distributed:
-            p_all, t_all, img_all, txt_all = dist.gather_many([patches, tokens, out["image"], out["text"]])
-            v_all = gather_no_grad(valid)
-        else:
-            p_all = t_all = img_all = txt_all = v_all = None
-        terms = {"filip": filip_loss(patches, tokens, valid, s, p_all, t_all, v_all, dist.rank * R, self.cfg.chunk)}
+        s = out["logit_scale"]
+        local = {"patches": patches, "tokens": tokens, "token_valid": valid}
+        if self.cfg.clip_weight > 0: local.update(image=out["image"], text=out["text"])
+        g = gather(dist, local)
+        a = g.all
+        terms = {"filip": filip_loss(patches, tokens, valid, s, a["patches"], a["tokens"], a["token_valid"], g.offset, self.cfg.chunk)}
         if self.cfg.clip_weight > 0:
-            terms["clip"] = self.cfg.clip_weight * clip_loss(out["image"], out["text"], s, img_all, txt_all, dist.rank * R)
+            terms["clip"] = self.cfg.clip_weight * clip_loss(out["image"], out["text"], s, a["image"], a["text"], g.offset)
         terms["_logit_scale"] = s.detach()
         return terms
 
@@ -317,7 +262,7 @@ class LateInteractionScorer(Scorer):
 
     @torch.no_grad()
     def image_features(self, model, images):
-        from powerclip.model import encode    # late: keeps this module importable without open_clip
+        from powerclip.model import encode
         return {"patches": F.normalize(encode(model, images, None)["patches"], dim=-1).float()}   # (B, N, D)
 
     @torch.no_grad()

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from powerclip.baselines.filip import text_token_mask
-from powerclip.dist import DistContext
+from powerclip.dist import DistContext, gather
 from powerclip.loss import clip_loss
 from powerclip.methods import Method, register
+from powerclip.model import text_token_mask
 
 # %%
 #| hide
@@ -58,7 +58,7 @@ from torch.testing import assert_close
 #
 # with $\mathcal L_g$ the global CLIP loss of `11_loss`.
 #
-# **Our choices, written down.** Tokens: those of `text_token_mask` (not padding, not SOT/EOT; see `41_filip`),
+# **Our choices, written down.** Tokens: those of `text_token_mask` (not padding, not SOT/EOT; see `30_model`),
 # so $M_k$ counts words only. Steps 1-5 use the projected, *un-normalised* embeddings of `encode` (min-max
 # normalisation makes step 2 independent of the token's norm; the patches keep their norms as in the paper's
 # weighted sum), and $\varphi$ normalises. A token whose similarities are all equal (range 0) gets uniform
@@ -233,11 +233,11 @@ class SPARC(Method):
     needs_patches = True
 
     def loss(self, out, batch, dist: DistContext):
-        R, s = out["image"].shape[0], out["logit_scale"]
+        s = out["logit_scale"]
         terms = {}
         if self.cfg.lambda_global > 0:
-            img_all, txt_all = dist.gather_many([out["image"], out["text"]]) if dist.distributed else (None, None)
-            terms["clip"] = self.cfg.lambda_global * clip_loss(out["image"], out["text"], s, img_all, txt_all, dist.rank * R)
+            g = gather(dist, {"image": out["image"], "text": out["text"]})
+            terms["clip"] = self.cfg.lambda_global * clip_loss(out["image"], out["text"], s, g.all["image"], g.all["text"], g.offset)
         if self.cfg.lambda_fine > 0:
             valid = text_token_mask(batch["tokens"].to(out["tokens"].device), self.cfg.special_tokens)  # (R, L)
             scale = s if self.cfg.fine_scale is None else self.cfg.fine_scale

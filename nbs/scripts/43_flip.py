@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from powerclip.methods import CLIP, register
 
 # %%
 #| hide
-import torch
 from torch.testing import assert_close
 
 
@@ -39,13 +40,14 @@ from torch.testing import assert_close
 # FLIP changes the forward pass, not the loss: after the patch and position embeddings, each training image keeps
 # a uniformly random subset of $\lfloor N(1-\rho)\rfloor$ of its $N$ patch tokens (the class token always stays),
 # and the transformer runs on those only; at evaluation nothing is dropped. The paper's main setting is
-# $\rho=0.5$. open_clip's `PatchDropout` does exactly this, and `powerclip.model.set_patch_dropout` installs it; the
-# method here only installs it once before training and then trains with CLIP's loss. Not done: FLIP's short
-# unmasked tuning at the end of training (train a few steps more with `ratio=0`, i.e. the `clip` method, from the
-# checkpoint).
+# $\rho=0.5$. The method's `forward` runs `encode` inside `powerclip.model.select_patch_tokens` with `random_keep`,
+# which draws the kept patches exactly as open_clip's `PatchDropout` does (the top-$k$ of Gaussian noise, from the
+# process's own random stream), in training mode only; outside its forward the model is plain open_clip. Not done:
+# FLIP's short unmasked tuning at the end of training (train a few steps more with `ratio=0`, i.e. the `clip`
+# method, from the checkpoint).
 #
-# Under active dropout `encode` refuses patch embeddings (the kept patches are off the grid), so FLIP cannot be
-# combined with a loss that needs patches; the method asks for none.
+# The kept patches are off the grid, so FLIP cannot be combined with a loss that needs patches; the method asks
+# for none.
 
 # %%
 #| export
@@ -57,48 +59,58 @@ class FLIPConfig:
         if not 0 <= self.ratio < 1: raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
 
 
+def random_keep(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """x `(C, 1 + N, width)` (class token first) -> `(C, K)` indices of K = max(1, int(N (1 - ratio))) patches per
+    image, uniformly at random: open_clip's `PatchDropout` rule and random stream (top-K of Gaussian noise)."""
+    C, N = x.shape[0], x.shape[1] - 1
+    k = max(1, int(N * (1 - ratio)))
+    return torch.randn(C, N, device=x.device).topk(k, dim=-1).indices      # (C, K)
+
+
 @register("flip")
 class FLIP(CLIP):
     "FLIP: CLIP's loss with random patch dropout in the vision tower during training, config `FLIPConfig`."
     Config = FLIPConfig
     needs_patches = False
 
-    def setup_model(self, model) -> None:
-        "Install the patch dropout; it acts in `train()` mode only (open_clip's `PatchDropout`)."
-        from powerclip.model import set_patch_dropout  # late: keeps this module importable without open_clip
-        set_patch_dropout(model, self.cfg.ratio)
+    def forward(self, model, batch, modules=None):
+        from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+        if not model.visual.training or self.cfg.ratio == 0:    # evaluation: every patch
+            return encode(model, batch["image"], batch["tokens"], need_patches=False)
+        with select_patch_tokens(model, lambda x: random_keep(x, self.cfg.ratio)):
+            return encode(model, batch["image"], batch["tokens"], need_patches=False)
 
 
 # %% [markdown]
 # ## Checks
 #
-# The dropout module keeps exactly $\lfloor N(1-\rho)\rfloor$ distinct patches per image, each patch equally
-# often, plus the class token; in eval mode it is the identity.
+# `random_keep` keeps exactly $\lfloor N(1-\rho)\rfloor$ distinct patches per image, each patch equally often, and
+# with the same random state it keeps the same tokens as open_clip's `PatchDropout`.
 
 # %%
 from open_clip.transformer import PatchDropout
 from powerclip.methods import METHODS, get_method
+from powerclip.model import PatchTokenSelect
 
 assert METHODS["flip"] is FLIP
 try: get_method("flip", {"ratio": 1.0}); raise AssertionError
 except ValueError as e: print(e)
 
-_pd = PatchDropout(0.5).train()
 _B, _N = 4000, 16
 _x = torch.arange(1 + _N, dtype=torch.float32)[None, :, None].expand(_B, -1, 1)  # token t carries the value t
 torch.manual_seed(0)
-_kept = _pd(_x)[..., 0]                                                       # (B, 1 + 8)
+_kept = PatchTokenSelect(lambda x: random_keep(x, 0.5))(_x)[..., 0]          # (B, 1 + 8)
 assert _kept.shape == (_B, 1 + 8) and (_kept[:, 0] == 0).all()               # the class token stays first
 assert all(len(set(r.tolist())) == 8 for r in _kept[:200, 1:])              # distinct patches
 _freq = torch.bincount(_kept[:, 1:].long().flatten(), minlength=1 + _N)[1:] / _B
 print("keep frequency per patch:", [round(float(f), 3) for f in _freq])
 assert (_freq - 0.5).abs().max() < 0.04                                      # 4000 draws: std ~ 0.008
-assert torch.equal(_pd.eval()(_x), _x)
+torch.manual_seed(0)
+assert torch.equal(PatchDropout(0.5).train()(_x)[..., 0], _kept)            # open_clip's rule, token for token
 
 # %% [markdown]
-# On a real (micro, random-weight) model: the method installs the dropout, the vision transformer then sees
-# $1+N/2$ tokens in training and $1+N$ in evaluation, and evaluation gives the same embeddings as the model
-# without dropout.
+# On a real (micro, random-weight) model: the vision transformer sees $1+N/2$ tokens in training and $1+N$ in
+# evaluation, evaluation gives the same embeddings as the model itself, and the model is left as it was.
 
 # %%
 from powerclip.dist import DistContext
@@ -113,9 +125,8 @@ _model.eval()
 with torch.no_grad(): _ref = encode(_model, _img, _tok, need_patches=False)
 
 _m = get_method("flip")
-_m.setup_model(_model)
 _seen = []
-_h = _model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(y.shape[1]))  # right after the dropout
+_h = _model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(y.shape[1]))  # right after the selection
 _N = _model.visual.grid_size[0] * _model.visual.grid_size[1]
 _model.train()
 _out = _m.forward(_model, {"image": _img, "tokens": _tok})
@@ -124,6 +135,7 @@ with torch.no_grad(): _ev = _m.forward(_model, {"image": _img, "tokens": _tok})
 _h.remove()
 assert _seen == [1 + _N // 2, 1 + _N], _seen
 assert_close(_ev["image"], _ref["image"]); assert_close(_ev["text"], _ref["text"])
+assert isinstance(_model.visual.patch_dropout, torch.nn.Identity)              # nothing left installed
 _terms = _m.loss(_out, {}, DistContext())
 _terms["clip"].backward()
 assert torch.isfinite(_terms["clip"]) and _model.visual.conv1.weight.grad is not None

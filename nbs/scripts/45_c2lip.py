@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from powerclip.dist import DistContext
+from powerclip.data import BatchNeeds
+from powerclip.dist import DistContext, gather
 from powerclip.loss import clip_loss
 from powerclip.methods import Method, register
 from powerclip.powerset import pool_normalize
@@ -347,7 +348,7 @@ assert _i[0][_v[0]].tolist() == [1]
 #
 # **Across processes.** Each process pools its own captions' concepts; the number of concepts $K$ differs, so
 # they are padded to the largest $K$ over the processes and gathered, together with the image and text
-# embeddings, in one collective (`dist.gather_many`, with gradient); validity masks travel without gradient.
+# embeddings, in one call (`powerclip.dist.gather`: one collective with gradient, the validity masks in one without).
 # `concept_targets` marks the concepts of caption `rank * R + i` positive for local image $i$: the gathered
 # concepts are in rank order, so the offset points into the gathered batch. The cross-attention pools the
 # *local* images' patches with every gathered concept, so patches are never gathered.
@@ -424,8 +425,11 @@ def c2lip_terms(
 class C2LIP(Method):
     "C2LIP: base (SigLIP or CLIP) + lambda_npc * npc + lambda_xac * xac over noun-phrase concepts, config `C2LIPConfig`."
     Config = C2LIPConfig
-    batch_keys = ("image", "tokens", "leaf_tokens", "incidence", "node_valid", "node_np")
     needs_patches = True
+
+    def needs(self) -> BatchNeeds:
+        "The parse tree with its noun-phrase labels (the concepts); no region mask."
+        return BatchNeeds(tree=True, node_np=True)
 
     @property
     def _sigmoid(self) -> bool:   # any term that needs t and b
@@ -466,16 +470,14 @@ class C2LIP(Method):
         return out
 
     def loss(self, out, batch, dist: DistContext):
-        from powerclip.dist import all_max, gather_no_grad, pad_dim
-        image, text, concepts, valid = out["image"], out["text"], out["concepts"], batch["concept_valid"]
-        img_all = txt_all = None
-        if dist.distributed:   # ragged K: pad to the largest over the processes, then ONE collective with gradient
-            K = all_max(concepts.shape[1], concepts.device if concepts.device.type == "cuda" else None)
-            img_all, txt_all, concepts = dist.gather_many([image, text, pad_dim(concepts, K)])
-            valid = gather_no_grad(pad_dim(valid, K, 1, False))
-        terms = c2lip_terms(image, text, out["patches"] if self.cfg.xac_weight > 0 else None, concepts, valid,
+        image, text = out["image"], out["text"]
+        # ragged K: padded to the largest over the processes; concepts with gradient, their mask without
+        g = gather(dist, {"image": image, "text": text, "concepts": out["concepts"], "concept_valid": batch["concept_valid"]},
+                   pad={"concepts": {1: 0.0}, "concept_valid": {1: False}})
+        a = g.all
+        terms = c2lip_terms(image, text, out["patches"] if self.cfg.xac_weight > 0 else None, a["concepts"], a["concept_valid"],
                             out.get("sigmoid_scale"), out.get("sigmoid_bias"), out["logit_scale"], self.cfg,
-                            img_all, txt_all, dist.rank * image.shape[0])
+                            a["image"], a["text"], g.offset)
         terms["_concepts"] = batch["concept_valid"].sum(1).float().mean()
         if "sigmoid_scale" in out: terms["_t"], terms["_b"] = out["sigmoid_scale"].detach(), out["sigmoid_bias"].detach()
         terms["_logit_scale"] = out["logit_scale"].detach()

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from powerclip.dist import all_sum
 from powerclip.methods import CLIP, register
 
 # %%
@@ -56,7 +57,7 @@ from torch.testing import assert_close
 #    PGS$_{0.5}$ drops exactly 50 %, PGS$_{0.3}$ between 30 % and 50 % (upper limit 0.5 "following FLIP").
 #
 # The dropped patches are **removed from the token sequence** after the positional embedding, exactly where
-# FLIP's `PatchDropout` acts (`43_flip`), so the vision transformer really runs on fewer tokens: that is where
+# FLIP drops its patches (`powerclip.model.select_patch_tokens`), so the vision transformer really runs on fewer tokens: that is where
 # the 0.5x-0.6x training time of the paper's Table 1 comes from.
 #
 # ## Choices where the paper is silent or ambiguous
@@ -504,17 +505,15 @@ else:
 
 
 # %% [markdown]
-# ## The selection as a module of the vision tower
+# ## The selection inside the vision tower
 #
-# open_clip's `VisionTransformer._embeds` ends with `x = self.patch_dropout(x)` on the token sequence
-# `(C, 1 + N, width)` (class token first) right after the positional embedding, in `forward` and in
-# `forward_intermediates` alike. `PGSSelect` takes that place. It has no parameters and no buffers (the
-# checkpoint stays plain open_clip), is the identity in `eval()` mode, and in `train()` mode needs a
-# *context* that the method sets just before the forward pass: the pixels, the noise, $\alpha$, and the
-# positional embedding to subtract from the tokens (without an `index` key in the batch, the row number stands in
-# for the sample id). Called in training mode without a context it raises
-# rather than silently dropping nothing. Its attribute `prob` (the upper ratio) tells `powerclip.model.encode`
-# that patches are off the grid.
+# The patches leave the token sequence `(C, 1 + N, width)` (class token first) right after the positional
+# embedding, through `powerclip.model.select_patch_tokens`, the one mechanism every patch-dropping method uses
+# (`43_flip`). Its `keep` function here is a `PGSSelector`, made by the method for one training forward pass and
+# holding what the choice needs besides the tokens: the pixels, the noise, $\alpha$, and the positional embedding to
+# subtract from the tokens (without an `index` key in the batch, the row number stands in for the sample id). It
+# has no parameters and no buffers, so the checkpoint stays plain open_clip; at evaluation the method does not
+# select, and outside its forward the model is the plain model.
 
 # %%
 #| export
@@ -532,7 +531,6 @@ class PGSConfig:
     alpha_start: float = 0.0    # weight of the feature similarity at the start of training (ours)
     alpha_end: float = 1.0      # ... at the end, linear in step / total in between (ours)
     sim_threshold: float = 0.84  # PGS_0.3: grow while the added patch has cosine >= this (ours, calibrated below)
-    seed: int = 0               # stream of the random candidates (with the step and the sample index)
 
     def __post_init__(self):
         if not 0 <= self.lower <= self.upper < 1: raise ValueError(f"need 0 <= lower <= upper < 1, got {self.lower}, {self.upper}")
@@ -548,53 +546,38 @@ class PGSConfig:
         return min(max(1, round(self.seed_ratio * n)), n_hi), n_lo, n_hi
 
 
-def _all_sum(t: torch.Tensor) -> torch.Tensor:
-    "Sum over the processes of torch.distributed (the tensor itself when not distributed)."
-    import torch.distributed as td
-    if not (td.is_available() and td.is_initialized()) or td.get_world_size() == 1: return t
-    t = t.clone(); td.all_reduce(t)
-    return t
-
-
-class PGSSelect(nn.Module):
-    "Drop-in for open_clip's `patch_dropout`: x `(C, 1 + N, width)` -> `(C, 1 + N_keep, width)` in training."
-    def __init__(self, cfg: PGSConfig, patch: int):
-        super().__init__()
+class PGSSelector:
+    "The `keep` of `select_patch_tokens` for one forward pass: x `(C, 1 + N, width)` -> kept patch indices `(C, N_keep)`."
+    def __init__(self, cfg: PGSConfig, patch: int, image: torch.Tensor, noise: torch.Tensor, alpha: float,
+                 pos: torch.Tensor):
         self.cfg, self.patch = cfg, patch
-        self.prob = cfg.upper          # read by powerclip.model.encode: patches are off the grid when training
-        self.context: dict | None = None
-        self.last: Selection | None = None
+        self.image, self.noise, self.alpha, self.pos = image, noise, alpha, pos   # (C, 3, H, W), (C, N), (), (1 + N, width)
+        self.last: Selection | None = None     # the choice of the last call (for logging and checks)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training: return x
-        if self.context is None:
-            raise RuntimeError("CLIP-PGS selection needs the pixels: run the training forward pass through the method")
-        c, cfg = self.context, self.cfg
-        C, T, width = x.shape
-        N = T - 1
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        cfg, N = self.cfg, x.shape[1] - 1
         n_seed, n_lo, n_hi = cfg.counts(N)
         with torch.no_grad():
-            feat = x[:, 1:] - c["pos"][1:].to(x.dtype)                      # (C, N, width) content, no position
-            pix = patch_pixels(c["image"], self.patch)                      # (C, N, 3 p^2)
+            feat = x[:, 1:] - self.pos[1:].to(x.dtype)                      # (C, N, width) content, no position
+            pix = patch_pixels(self.image, self.patch)                      # (C, N, 3 p^2)
             if pix.shape[1] != N: raise ValueError(f"image has {pix.shape[1]} patches, the token sequence {N}")
-            a = c["alpha"]
+            a = self.alpha
             sim = a * cosine_matrix(feat) + (1 - a) * cosine_matrix(pix)    # (C, N, N)
-            edges = sobel_patch_edges(c["image"], self.patch) if cfg.edges else None
-            sel = select_patches(sim, edges, n_seed, n_lo, n_hi, noise=c["noise"], edge_top=cfg.edge_top,
-                                 sim_threshold=cfg.sim_threshold, ot_iters=cfg.ot_iters if cfg.ot else 0, ot_eps=cfg.ot_eps,
-                                 all_sum=_all_sum)
-        self.last = sel
-        idx = (sel.keep + 1)[..., None].expand(-1, -1, width)               # (C, N_keep, width)
-        return torch.cat([x[:, :1], x.gather(1, idx)], dim=1)               # class token first
+            edges = sobel_patch_edges(self.image, self.patch) if cfg.edges else None
+            self.last = select_patches(sim, edges, n_seed, n_lo, n_hi, noise=self.noise, edge_top=cfg.edge_top,
+                                       sim_threshold=cfg.sim_threshold, ot_iters=cfg.ot_iters if cfg.ot else 0,
+                                       ot_eps=cfg.ot_eps, all_sum=all_sum)
+        return self.last.keep                                              # (C, N_keep) ascending
 
 
 # %% [markdown]
 # ## The method
 #
-# `CLIPPGS` is CLIP (its loss, its gathering) with the module installed by `setup_model` and a `forward` that
-# hands the module its context. The trainer calls `on_step(step, total)` before every step; that fixes
+# `CLIPPGS` is CLIP (its loss, its gathering) with a `forward` that, in training, runs `encode` inside
+# `select_patch_tokens` with a `PGSSelector`. The trainer calls `on_step(step, total)` before every step; that fixes
 # $\alpha$ and the step of the random stream. Outside the trainer (a notebook calling `forward` by hand), the
-# method counts its own training forward calls instead. Two registered names, two presets of the paper:
+# method counts its own training forward calls instead. The random candidates come from the method's own stream,
+# `self.seed`, which the trainer derives from the run seed. Two registered names, two presets of the paper:
 # `clip-pgs` is PGS$_{0.5}$ and `clip-pgs-0.3` is PGS$_{0.3}$ (a subclass whose config defaults to
 # `lower=0.3`); any other limits are `method_cfg.lower=...`.
 
@@ -606,9 +589,10 @@ class CLIPPGS(CLIP):
     Config = PGSConfig
     needs_patches = False
 
-    def __init__(self, cfg=None):
-        super().__init__(cfg)
+    def __init__(self, cfg=None, seed: int = 0):
+        super().__init__(cfg, seed)
         self.step, self.total, self._hooked = 0, None, False
+        self.last: Selection | None = None     # the selection of the last training forward pass
 
     def on_step(self, step: int, total: int) -> None:
         "The trainer's step (0-based) and run length: the schedule of alpha and the step of the seed stream."
@@ -619,31 +603,21 @@ class CLIPPGS(CLIP):
         progress = self.step / max(1, self.total - 1) if self.total else 0.0
         return mix_weight(progress, self.cfg.alpha_start, self.cfg.alpha_end)
 
-    def setup_model(self, model) -> None:
-        "Install `PGSSelect` as the vision tower's `patch_dropout` (no parameters, nothing in the state_dict)."
-        v = model.visual
-        if getattr(v, "class_embedding", None) is None or not hasattr(v, "patch_dropout"):
-            raise NotImplementedError("CLIP-PGS needs open_clip's VisionTransformer with a class token")
-        patch = v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size
-        v.patch_dropout = PGSSelect(self.cfg, int(patch))
-
     def forward(self, model, batch, modules=None):
-        from powerclip.model import encode  # late: keeps this module importable without open_clip
-        sel = model.visual.patch_dropout
-        if not isinstance(sel, PGSSelect): raise RuntimeError("call setup_model(model) before forward")
-        image = batch["image"]
-        if not model.visual.training:
+        from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+        image, v = batch["image"], model.visual
+        if not v.training:                                       # evaluation: every patch
             return encode(model, image, batch["tokens"], need_patches=False)
-        C, N = image.shape[0], (image.shape[-2] // sel.patch) * (image.shape[-1] // sel.patch)
+        patch = int(v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size)
+        C, N = image.shape[0], (image.shape[-2] // patch) * (image.shape[-1] // patch)
         keys = batch.get("index")
         keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
-        sel.context = dict(image=image, noise=hash_uniform(keys, self.step, self.cfg.seed, N), alpha=self.alpha,
-                           pos=model.visual.positional_embedding.detach())
-        try:
+        sel = PGSSelector(self.cfg, patch, image, noise=hash_uniform(keys, self.step, self.seed, N), alpha=self.alpha,
+                          pos=v.positional_embedding.detach())
+        with select_patch_tokens(model, sel):
             out = encode(model, image, batch["tokens"], need_patches=False)
-        finally:
-            sel.context = None
         if not self._hooked: self.step += 1
+        self.last = sel.last
         out["pgs_drop_ratio"] = torch.tensor(sel.last.n_drop / N, device=image.device)
         return out
 
@@ -695,15 +669,14 @@ _model.eval()
 with torch.no_grad(): _ref = encode(_model, _img, _tok, need_patches=False)
 
 _m = get_method("clip-pgs")
-_m.setup_model(_model)
-assert set(_model.state_dict()) == _keys                       # nothing added to the checkpoint
 _N = _model.visual.grid_size[0] * _model.visual.grid_size[1]
 _seen = []
 _hk = _model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(args[0].detach().clone()))
 _model.train()
 _m.on_step(0, 10)
 _out = _m.forward(_model, _batch)
-_sel = _model.visual.patch_dropout.last
+_sel = _m.last
+assert set(_model.state_dict()) == _keys and isinstance(_model.visual.patch_dropout, torch.nn.Identity)  # nothing left behind
 _model.eval()
 with torch.no_grad(): _ev = _m.forward(_model, _batch)
 _hk.remove()
@@ -726,7 +699,4 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
     _m.on_step(5, 10); _ob = _m.forward(_model, _batch); _lb = _m.loss(_ob, _batch, DistContext())["clip"]
 assert torch.isfinite(_lb) and torch.isfinite(_ob["image"].float()).all()
 print(f"bf16 autocast loss {float(_lb.detach()):.4f}, alpha at step 5 of 10 = {_m.alpha:.3f}")
-try:
-    _model.visual(_img); raise AssertionError("no context accepted")
-except RuntimeError as e: print("refused:", e)
 _model.eval()

@@ -29,8 +29,9 @@ import torch
 import yaml
 
 from powerclip import dist as pdist
-from powerclip.data import DataConfig, make_loader, steps_per_epoch
-from powerclip.methods import get_method, method_config
+from powerclip.data import BatchNeeds, BatchSpec, DataConfig, Geometry, Loader, make_loader, mix_seed, run_seeds, steps_per_epoch
+from powerclip.measure import PeakMemory
+from powerclip.methods import Method, get_method, method_config
 
 # %%
 #| hide
@@ -42,20 +43,26 @@ from torch.testing import assert_close
 # %% [markdown]
 # # The trainer
 #
-# > One trainer for every method: a config per component, AdamW with cosine warm-up, precision, exact resume from checkpoints, skipped bad steps, progress, CSV/TensorBoard logs and plots, data-parallel on any number of processes.
+# > One trainer for every method: a config per component, one run seed, `build_run` that assembles a run once, AdamW with cosine warm-up, precision, exact resume from checkpoints, skipped bad steps, progress, CSV/TensorBoard logs and plots, data-parallel on any number of processes.
 
 # %% [markdown]
 # The trainer composes the pieces of the earlier notebooks and knows none of them by name:
 #
-# - a **model** from `powerclip.model.create_model(name)` (open_clip towers);
-# - **batches** from `powerclip.data.make_loader(data_cfg, epoch, start_step, rank, world_size)`, where
-#   batch $b$ of epoch $e$ is a pure function of `(seed, e, b)`;
-# - a **method** from the registry of `40_methods`, which says what the forward pass returns and which named
-#   loss terms to add; the trainer sums the terms whose names do not start with `_` and logs all of them;
-# - **processes** through `powerclip.dist` (the only module that touches process groups).
+# - a **model** from `powerclip.model.create_model(name)` (open_clip towers), whose geometry (image size, patch
+#   size, context length) `powerclip.model.model_geometry` reads from its config before it is built;
+# - a **method** from the registry of `40_methods`, which says what the data must build (`needs()`), what the
+#   forward pass returns and which named loss terms to add; the trainer sums the terms whose names do not start
+#   with `_` and logs all of them;
+# - **batches** from `powerclip.data.make_loader(spec, epoch, start_step, rank, world_size)`, where the spec holds
+#   the data config, the model's geometry, the method's needs and the run seed, and batch $b$ of epoch $e$ is a pure
+#   function of `(spec, e, b)`;
+# - **processes** through `powerclip.dist` (the only module that touches process groups), and time and memory
+#   through `powerclip.measure`.
 #
-# The run's config is one dataclass of dataclasses, read from a small YAML preset plus `key=value` overrides,
-# and written next to the run's outputs.
+# `build_run(cfg, ctx)` assembles these once, for the trainer, `benchmarks/train_step_ratio.py` and
+# `tests/test_ddp.py` alike. The run's config is one dataclass of dataclasses, read from a small YAML preset plus
+# `key=value` overrides, and written next to the run's outputs with what was derived from it (every random stream's
+# seed, the geometry, the method's batch needs).
 
 # %% [markdown]
 # ## Configuration
@@ -64,14 +71,15 @@ from torch.testing import assert_close
 #| export
 @dataclass
 class ModelConfig:
-    name: str = "powerclip-tiny"       # open_clip architecture or a powerclip.model preset ('demo', 'paper')
+    name: str = "powerclip-tiny"       # open_clip architecture name (ViT-B-16, or powerclip/model_configs/*.json)
     pretrained: str | None = None      # a local checkpoint file, or None (random init); nothing is downloaded.
                                        # 'required': the preset fine-tunes (C2LIP, SmartCLIP): the run stops
                                        # until model.pretrained=PATH is given
     grad_checkpointing: bool = False   # recompute activations in backward (less memory, ~30% more time)
     compile: bool = False              # torch.compile the forward pass
     kwargs: dict = field(default_factory=dict)  # open_clip model_kwargs overriding the architecture's config
-                                       # (whole entries, e.g. a text_cfg with a shorter context_length)
+                                       # (whole entries, e.g. a text_cfg with a shorter context_length); the
+                                       # geometry of the data follows it
 
 
 @dataclass
@@ -98,8 +106,9 @@ class TrainConfig:
     stop_at: int | None = None         # leave early after this step, with a checkpoint (time-limited jobs); the
                                        # schedule still runs to the full length, and resuming continues it
     global_batch_size: int | None = None  # if set: data.batch_size = global_batch_size / processes
-    precision: str = "auto"            # 'fp32' | 'bf16' (autocast) | 'auto' (bf16 on GPU, fp32 on CPU)
-    seed: int = 0                      # model init and every random stream of the trainer
+    precision: str = "auto"            # 'fp32' | 'bf16' (autocast) | 'auto' (bf16 on GPU, fp32 on CPU) | 'fp64' (exactness checks)
+    seed: int = 0                      # the run seed: every random stream (init, data order, world scenes, region
+                                       # draws, method noise, forward pass) derives from it by name (config.yaml)
     out_dir: str = "runs/run"          # config.yaml, metrics.csv, tb/, checkpoints/, loss.png
     log_every: int = 10                # steps between metric rows
     ckpt_every: int = 500              # steps between checkpoints (and one at the end)
@@ -111,7 +120,7 @@ class TrainConfig:
     find_unused_parameters: bool = False  # DDP option, for methods that leave parameters unused
 
     def __post_init__(self):
-        if self.precision not in ("fp32", "bf16", "auto"): raise ValueError(f"precision must be fp32|bf16|auto, got {self.precision!r}")
+        if self.precision not in ("fp32", "bf16", "auto", "fp64"): raise ValueError(f"precision must be fp32|bf16|auto|fp64, got {self.precision!r}")
         if self.resume not in ("auto", "never") and not str(self.resume).endswith(".pt"):
             raise ValueError(f"resume must be 'auto', 'never' or a .pt checkpoint path, got {self.resume!r}")
         if self.log_every < 1 or self.ckpt_every < 1: raise ValueError("log_every and ckpt_every must be >= 1")
@@ -167,7 +176,9 @@ test_fail(lambda: from_dict(TrainConfig, {"optim": {"learning_rate": 1.0}}), con
 # Presets are small YAML files in `powerclip/presets/`. A preset may hold a `method_cfgs` table with the
 # options of several methods; the run picks the entry of its `method`, so `--method clip` on the PowerCLIP
 # preset is a fair CLIP baseline with everything else equal. Overrides are `key=value` with dotted keys,
-# values read as YAML (`optim.lr=1e-3`, `data.masks=gold`, `method_cfg.lam=0.2`, `max_steps=null`).
+# values read as YAML (`optim.lr=1e-3`, `method_cfg.masks=gold`, `method_cfg.lam=0.2`, `max_steps=null`). A run's
+# own `config.yaml` is a preset too; its `derived` section (what the run computed from the seed and the model) is a
+# record and is not read back.
 
 # %%
 #| export
@@ -201,6 +212,7 @@ def load_config(preset: str | None = "demo", overrides: list[str] | dict | None 
     "TrainConfig from a preset, a method name and `key=value` overrides (applied in that order)."
     d = yaml.safe_load(preset_path(preset).read_text()) if preset else {}
     d = d or {}
+    d.pop("derived", None)  # a run's record of what it derived (seeds, geometry, needs): recomputed, never read
     method_cfgs = d.pop("method_cfgs", {}) or {}
     if method: d["method"] = method
     m = d.get("method", TrainConfig.method)
@@ -213,8 +225,8 @@ def load_config(preset: str | None = "demo", overrides: list[str] | dict | None 
 
 
 # %%
-_c = load_config("demo", ["optim.lr=2e-3", "data.masks=gold", "method_cfg.lam=0.3"])
-test_eq((_c.optim.lr, _c.data.masks, _c.method, _c.method_cfg["lam"]), (2e-3, "gold", "powerclip", 0.3))
+_c = load_config("demo", ["optim.lr=2e-3", "method_cfg.masks=gold", "method_cfg.lam=0.3"])
+test_eq((_c.optim.lr, _c.method_cfg["masks"], _c.method, _c.method_cfg["lam"]), (2e-3, "gold", "powerclip", 0.3))
 test_eq(load_config("demo", method="clip").method_cfg, {})
 test_fail(lambda: load_config("nope"), contains="known")
 print(preset_path("demo").read_text())
@@ -464,63 +476,18 @@ def method_forward(model: torch.nn.Module, method) -> MethodForward:
     return MethodForward(model, method, modules)
 
 
-class PeakMemory:
-    """Peak memory of what runs between `start()` and `mib()`: CUDA peak allocated memory above what was allocated at
-    `start` on a GPU; on a CPU, the process's peak resident set size above its size at `start` (so a run in a fresh
-    process reports what its steps needed, not the interpreter's own size)."""
-    def __init__(self, device: str):
-        self.device, self.base = str(device).split(":")[0], 0
-
-    def start(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/statm") as f: self.base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def mib(self) -> float:
-        import resource
-        peak = (torch.cuda.max_memory_allocated() if self.device == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        return max(peak - self.base, 0) / 2**20
-
-
-def _isolated_child(fn, args, threads, q) -> None:
-    try:
-        if threads: torch.set_num_threads(threads)
-        q.put(dict(ok=True, **fn(*args)))
-    except BaseException as e:  # e.g. out of memory: report it, do not kill the caller's sweep
-        q.put(dict(ok=False, error=f"{type(e).__name__}: {e}"))
-
-
-def run_isolated(fn, *args, threads: int | None = None) -> dict:
-    """`fn(*args) -> dict` in a fresh spawned process (so that, e.g., its peak memory is its own); returns
-    `{'ok': True, **result}` or `{'ok': False, 'error': ...}`, also when the child dies without answering."""
-    import multiprocessing as mp, queue
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_isolated_child, args=(fn, args, threads, q))
-    p.start()
-    while True:  # poll: a child killed for memory (or by a signal) never answers
-        try: res = q.get(timeout=5); break  # before join: a large result would otherwise block the child's exit
-        except queue.Empty:
-            if not p.is_alive() and q.empty():
-                res = dict(ok=False, error=f"the process died with exit code {p.exitcode} (killed for memory?)"); break
-    p.join()
-    return res
-
-
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def autocast_for(precision: str, device: torch.device):
-    "bf16 autocast, or nothing (fp32). 'auto': bf16 on GPU, fp32 on CPU."
+    "bf16 autocast, or nothing (fp32, fp64). 'auto': bf16 on GPU, fp32 on CPU."
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def loss_terms(fwd, method, batch: dict, ctx: pdist.DistContext, precision: str = "fp32") -> tuple[torch.Tensor, dict]:
+def forward_loss(fwd, method, batch: dict, ctx: pdist.DistContext, precision: str = "fp32") -> tuple[torch.Tensor, dict]:
     "(total loss, named terms) of one batch: the sum of the terms without a leading underscore."
     with autocast_for(precision, ctx.device):
         out = fwd(batch)
@@ -532,7 +499,7 @@ def loss_terms(fwd, method, batch: dict, ctx: pdist.DistContext, precision: str 
 
 def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: TrainConfig, model) -> dict:
     "Forward, backward, optimiser and scheduler step; a non-finite loss or gradient norm skips the update."
-    loss, terms = loss_terms(fwd, method, batch, ctx, cfg.precision)
+    loss, terms = forward_loss(fwd, method, batch, ctx, cfg.precision)
     loss_all = pdist.all_mean(loss.float())
     opt.zero_grad(set_to_none=True)
     ok = bool(torch.isfinite(loss_all))
@@ -558,16 +525,118 @@ def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: Trai
 
 
 # %% [markdown]
-# ## The loop
+# ## A run, assembled once
+#
+# `build_run(cfg, ctx)` turns a config into everything a step needs, in this order:
+#
+# 1. the **seeds**: every random stream of the run derived from `cfg.seed` by name (`powerclip.data.run_seeds`);
+# 2. the **method** (with its own seed) and what it needs of a batch;
+# 3. the **geometry**, read from the model config before the model exists, and with the data config, the needs and
+#    the run seed the `BatchSpec` of the loader;
+# 4. the **model**, initialised from the `init` stream (the same weights on every process; DDP also broadcasts rank
+#    0's), checked against the geometry, on the device, in float64 for `precision='fp64'`;
+# 5. the method's **forward** (`MethodForward`: the model, the method's own modules) in DDP when distributed;
+# 6. the **optimiser** over the model and the modules, and the **schedule** over the run's total steps;
+# 7. each process's **forward stream** (`forward` seed with the rank mixed in), for what is random in the forward pass.
+#
+# The trainer, `benchmarks/train_step_ratio.py` and `tests/test_ddp.py` all step what it returns, so there is one
+# way to build a run.
 
 # %%
 #| export
+@dataclass
+class Run:
+    "A run assembled by `build_run`: what a training step needs."
+    cfg: TrainConfig                 # the resolved config (data.batch_size per process)
+    ctx: pdist.DistContext
+    model: torch.nn.Module           # the open_clip model, on ctx.device
+    method: Method
+    modules: torch.nn.Module | None  # the method's own trained modules (saved beside the model)
+    fwd: torch.nn.Module             # MethodForward(model, method, modules), in DDP when distributed (compiled if asked)
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    total: int                       # optimiser steps of the schedule
+    geometry: Geometry               # the model's image size, patch size, context length
+    spec: BatchSpec                  # what the loader builds (data config, geometry, the method's needs, the run seed)
+    seeds: dict                      # every random stream's seed, derived from cfg.seed by name
+
+    def loader(self, epoch: int = 0, start_step: int = 0) -> Loader:
+        "This process's batches of `epoch`, from `start_step` on."
+        return make_loader(self.spec, epoch, start_step, rank=self.ctx.rank, world_size=self.ctx.world_size)
+
+    def prepare(self, batch: dict) -> dict:
+        "A host batch made ready for `fwd`: the method's derived inputs, on the device (float64 under precision fp64)."
+        batch = to_device(self.method.prepare_batch(batch), self.ctx.device)
+        if self.cfg.precision == "fp64":
+            batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+        return batch
+
+    def step(self, batch: dict, state: TrainState) -> dict:
+        "One training step on a prepared batch (see `train_step`)."
+        return train_step(self.fwd, self.method, batch, self.ctx, self.opt, self.sched, state, self.cfg, self.model)
+
+    def derived(self) -> dict:
+        "What the run derived from its config (written into config.yaml as a record)."
+        return dict(seeds=dict(self.seeds), geometry=asdict(self.geometry), needs=asdict(self.spec.needs))
+
+
+def build_run(cfg: TrainConfig, ctx: pdist.DistContext, total: int | None = None) -> Run:
+    "Model, method, forward, modules, optimiser and schedule of a run, assembled once (see above). `total`: schedule length (None: from cfg)."
+    from powerclip.model import create_model, geometry_of, model_geometry
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data))  # never mutate the caller's config
+    if cfg.global_batch_size is not None:
+        if cfg.global_batch_size % ctx.world_size: raise ValueError(f"global_batch_size {cfg.global_batch_size} is not divisible by {ctx.world_size} processes")
+        cfg.data.batch_size = cfg.global_batch_size // ctx.world_size
+    if cfg.model.pretrained == "required":
+        raise ValueError(f"this preset fine-tunes a pretrained {cfg.model.name}: give its weights with "
+                         "model.pretrained=/path/to/open_clip_state_dict.pt (nothing is downloaded)")
+    seeds = run_seeds(cfg.seed)
+    method = get_method(cfg.method, cfg.method_cfg, seed=seeds["method"])
+    geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
+    spec = BatchSpec(cfg.data, geometry, method.needs(), cfg.seed)
+    seed_all(seeds["init"])  # the same initial weights on every process
+    model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, **cfg.model.kwargs)
+    if geometry_of(model) != geometry: raise RuntimeError(f"model geometry {geometry_of(model)} is not its config's {geometry}")
+    model.to(ctx.device)
+    if cfg.precision == "fp64": model.double()
+    if cfg.model.grad_checkpointing: model.set_grad_checkpointing(True)
+    mf = method_forward(model, method)  # the model as the method changes it, and the method's own modules
+    if cfg.precision == "fp64": mf.double()
+    mf.train()
+    fwd = pdist.wrap_ddp(mf, ctx, cfg.find_unused_parameters)
+    if cfg.model.compile: fwd = torch.compile(fwd)
+    opt = make_optimizer(model, cfg.optim, mf.modules_, method.modules_lr(cfg.optim.lr))
+    total = _total_steps(cfg, steps_per_epoch(cfg.data, ctx.world_size)) if total is None else total
+    sched = make_scheduler(opt, cfg.optim, total)
+    seed_all(mix_seed(seeds["forward"], ctx.rank))  # per-process streams for whatever is random in the forward pass
+    return Run(cfg, ctx, model, method, mf.modules_, fwd, opt, sched, total, geometry, spec, seeds)
+
+
 def _total_steps(cfg: TrainConfig, spe: int | None) -> int:
     if cfg.max_steps is not None: return cfg.max_steps
     if spe is None: raise ValueError("the data has no known epoch length (shards without samples_per_epoch): set max_steps")
     return cfg.epochs * spe
 
 
+# %% [markdown]
+# The smoke preset's run: the geometry is the micro model's, the loader builds what PowerCLIP needs at that geometry
+# (and a CLIP run of the same config neither trees nor masks), and a step trains.
+
+# %%
+_run = build_run(load_config("smoke", {"max_steps": 2}), pdist.init_distributed("cpu"))
+test_eq((_run.geometry, _run.total), (Geometry(32, 8, 77), 2))
+_b = next(iter(_run.loader()))
+test_eq((_b["image"].shape[-1], _b["tokens"].shape[-1], tuple(_b["region_masks"].shape[1:])), (32, 77, (4, 16)))
+test_eq(set(next(iter(build_run(load_config("smoke", method="clip"), pdist.init_distributed("cpu")).loader()))), {"image", "tokens", "index"})
+_out = _run.step(_run.prepare(_b), TrainState())
+assert _out["ok"] and set(_run.derived()) == {"seeds", "geometry", "needs"} and _run.derived()["needs"]["regions"] == 4
+
+
+# %% [markdown]
+# ## The loop
+
+# %%
+#| export
 def _resume_path(cfg: TrainConfig) -> Path | None:
     if cfg.resume == "never": return None
     if cfg.resume == "auto":
@@ -591,38 +660,15 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
-    from powerclip.model import create_model
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data))  # never mutate the caller's config
-    if cfg.global_batch_size is not None:
-        if cfg.global_batch_size % ctx.world_size: raise ValueError(f"global_batch_size {cfg.global_batch_size} is not divisible by {ctx.world_size} processes")
-        cfg.data.batch_size = cfg.global_batch_size // ctx.world_size
+    run = build_run(cfg, ctx)
+    cfg, model, method, modules, opt, sched, total = run.cfg, run.model, run.method, run.modules, run.opt, run.sched, run.total
     run_dir = Path(cfg.out_dir)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    method = get_method(cfg.method, cfg.method_cfg)
-    if cfg.model.pretrained == "required":
-        raise ValueError(f"this preset fine-tunes a pretrained {cfg.model.name}: give its weights with "
-                         "model.pretrained=/path/to/open_clip_state_dict.pt (nothing is downloaded)")
-
-    seed_all(cfg.seed)  # the same initial weights on every process (DDP also broadcasts rank 0's)
-    model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, **cfg.model.kwargs)
-    L = getattr(model, "positional_embedding", None)
-    if L is not None and L.shape[0] != cfg.data.context_length:
-        raise ValueError(f"the text tower reads {L.shape[0]} tokens but data.context_length is {cfg.data.context_length}")
-    model.to(ctx.device)
-    if cfg.model.grad_checkpointing: model.set_grad_checkpointing(True)
-    mf = method_forward(model, method)  # the model as the method changes it, and the method's own modules
-    modules = mf.modules_
-    mf.train()
-    fwd = pdist.wrap_ddp(mf, ctx, cfg.find_unused_parameters)
-    if cfg.model.compile: fwd = torch.compile(fwd)
-    opt = make_optimizer(model, cfg.optim, modules, method.modules_lr(cfg.optim.lr))
-    spe = steps_per_epoch(cfg.data, ctx.world_size)
-    total = _total_steps(cfg, spe)
-    sched = make_scheduler(opt, cfg.optim, total)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False) + "# what the run derived from the "
+                                             "config above (a record: change seed or model, not these)\n"
+                                             + yaml.safe_dump(dict(derived=run.derived()), sort_keys=False))
     state = TrainState()
-    seed_all(cfg.seed + 1 + ctx.rank)  # per-process streams for whatever is random in the forward pass
 
     ck_path = _resume_path(cfg)
     if ck_path is not None:
@@ -653,13 +699,12 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
     first_step = state.step
     global_batch = cfg.data.batch_size * ctx.world_size
     while state.step < min(total, cfg.stop_at or total):
-        loader = make_loader(cfg.data, epoch=state.epoch, start_step=state.step_in_epoch, rank=ctx.rank, world_size=ctx.world_size)
+        loader = run.loader(state.epoch, state.step_in_epoch)
         n_batches = 0
         for batch in loader:
             n_batches += 1
             method.on_step(state.step, total)
-            batch = to_device(method.prepare_batch(batch), ctx.device)
-            out = train_step(fwd, method, batch, ctx, opt, sched, state, cfg, model)
+            out = run.step(run.prepare(batch), state)
             state.step += 1; state.step_in_epoch += 1; n_since += 1
             if not out["ok"]:
                 _log(f"step {state.step}: non-finite loss or gradient, update skipped ({state.bad_in_row} in a row, {state.bad_total} in all)", ctx)
@@ -708,7 +753,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap = argparse.ArgumentParser(prog="powerclip-train", description="Train CLIP / PowerCLIP / ... with one trainer.")
     ap.add_argument("--preset", default="demo", help="preset name (powerclip/presets/*.yaml) or a YAML path")
     ap.add_argument("--method", default=None, help="method name (registered in powerclip.methods)")
-    ap.add_argument("overrides", nargs="*", help="key=value, dotted keys: optim.lr=1e-3 data.masks=gold out_dir=runs/x")
+    ap.add_argument("overrides", nargs="*", help="key=value, dotted keys: optim.lr=1e-3 method_cfg.masks=gold out_dir=runs/x")
     a = ap.parse_intermixed_args(argv)  # options and key=value pairs in any order
     return load_config(a.preset, a.overrides, a.method)
 

@@ -134,7 +134,7 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     config (inside a trainer checkpoint, or `config.yaml` beside the file) names the architecture, its kwargs and
     the method; `model_name` / `method` given here win."""
     import open_clip                                     # here, not at the top: `--help`, `table`, `make-world` stay fast
-    from powerclip.model import PRESETS, create_model
+    from powerclip.model import create_model
     sd, run = None, {}
     if checkpoint is not None:
         checkpoint = checkpoint_file(checkpoint)
@@ -155,7 +155,7 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     scorers = method_scorers(method, method_cfg)
     torch.manual_seed(seed)
     model, _, preprocess = create_model(name, **kw)
-    arch = PRESETS.get(name, name)
+    arch = name                                          # architecture names only (no aliases)
     if sd is None: ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '')
     else:
         ckpt_id = sha256_file(checkpoint)

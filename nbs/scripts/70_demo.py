@@ -26,12 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from powerclip.data import world_config
-from powerclip.train import (TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, run_isolated,
-                             to_dict, train)
+from powerclip.data import derive_seed, world_config
 from powerclip.eval.data import write_world_benchmark
 from powerclip.eval.models import Evaluator, load_model
 from powerclip.eval.tasks import evaluate_world
+from powerclip.measure import run_isolated
+from powerclip.model import model_geometry
+from powerclip.train import TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, to_dict, train
 
 # %%
 #| hide
@@ -44,19 +45,20 @@ from fastcore.test import test_eq, test_fail
 # > Tiny models trained with the same data, steps and seed (CLIP, PowerCLIP with random boxes or the world's gold object masks, and every baseline), compared on held-out hard negatives, retrieval and grounding, over several seeds, with each method's time per step and memory relative to CLIP.
 
 # %% [markdown]
-# `python -m powerclip.demo` trains, one after the other on the `demo` preset (the `powerclip-tiny` model,
+# `python -m powerclip.demo` trains, one after the other on the `demo` preset (the `powerclip-demo` model,
 # 64-pixel scenes of the built-in world):
 #
-# | run | method | region masks |
+# | run | method | region masks (`method_cfg.masks`) |
 # |---|---|---|
 # | CLIP | `clip` | (none) |
 # | PowerCLIP-R | `powerclip` | 10 random boxes per image (the paper's PowerCLIP-R) |
 # | PowerCLIP-gold | `powerclip` | the world's object masks (what a perfect segmenter, e.g. SAM, would give) |
 #
-# Everything else is equal: the batches (a pure function of the seed, epoch and step), the initial weights,
-# the optimiser and the number of steps. Each run is an ordinary `powerclip.train` run in its own folder, so
-# rerunning the demo resumes unfinished runs and reuses the evaluation of finished ones. The evaluation package
-# scores every model, and the untrained initial model as the chance line, on the same held-out test scenes
+# Everything else is equal: the images and captions of every batch (a pure function of the run seed, epoch and
+# step), the initial weights, the optimiser and the number of steps. A seed of the comparison is the run seed, from
+# which every random stream of a run derives (`23_data`). Each run is an ordinary `powerclip.train` run in its own
+# folder, so rerunning the demo resumes unfinished runs and reuses the evaluation of finished ones. The evaluation
+# package scores every model, and the untrained initial model as the chance line, on the same held-out test scenes
 # (`write_world_benchmark` of `61_eval_data`): `evaluate_world` (`64_eval_tasks`) gives the hard-negative accuracy per
 # kind and retrieval R@1/R@5 in percent, with a tie counting against the correct candidate, for every scorer the run's
 # method offers; the table shows the first (the method's own: FILIP's late interaction, the global cosine for the
@@ -74,7 +76,8 @@ from fastcore.test import test_eq, test_fail
 
 # %%
 #| export
-# run name -> (method, overrides of the run). Only PowerCLIP reads region masks; the others get the same batches.
+# run name -> (method, overrides of the run). Every run sees the same images and captions; only PowerCLIP asks for
+# region masks (its method_cfg says how many and from where), PowerCLIP and C2LIP for parse trees.
 RUNS = {"CLIP": ("clip", {}),
         "FLIP": ("flip", {}),
         "CLIP-PGS": ("clip-pgs", {}),
@@ -83,8 +86,8 @@ RUNS = {"CLIP": ("clip", {}),
         "SmartCLIP": ("smartclip", {}),
         "FILIP": ("filip", {}),
         "SPARC": ("sparc", {}),
-        "PowerCLIP-R": ("powerclip", {"data.masks": "random"}),
-        "PowerCLIP-gold": ("powerclip", {"data.masks": "gold"})}
+        "PowerCLIP-R": ("powerclip", {"method_cfg.masks": "random"}),
+        "PowerCLIP-gold": ("powerclip", {"method_cfg.masks": "gold"})}
 DEMO_RUNS = ("CLIP", "PowerCLIP-R", "PowerCLIP-gold")  # `make demo`: CLIP against PowerCLIP
 
 
@@ -103,8 +106,8 @@ def run_configs(out_dir, seed: int = 0, steps: int | None = None, overrides: dic
 
 
 def _untrained(cfg):
-    "The run's model before training: random init from the run's seed (scored the global way)."
-    return load_model(cfg.model.name, None, seed=cfg.seed, model_kwargs=cfg.model.kwargs)
+    "The run's model before training: random init from the run's init stream (scored the global way)."
+    return load_model(cfg.model.name, None, seed=derive_seed(cfg.seed, "init"), model_kwargs=cfg.model.kwargs)
 
 
 def _world_eval(lm, test_root) -> dict:
@@ -133,8 +136,13 @@ def _grounding(lm, cfg, n_scenes: int) -> dict:
     """Pointing game, pointing at any object, pointing with the map's minimum and mean IoU (%) of the run's text-to-patch
     heatmaps against the world's object masks (`67_heatmaps`)."""
     from powerclip.heatmaps import grounding_table
-    rows, _ = grounding_table({"run": lm}, n_scenes=n_scenes, cfg=world_config(cfg.data), baselines=False)
+    rows, _ = grounding_table({"run": lm}, n_scenes=n_scenes, cfg=_held_out_world(cfg), baselines=False)
     return {k: rows[0][k] for k in GROUNDING_KEYS}
+
+
+def _held_out_world(cfg: TrainConfig):
+    "The world of the held-out scenes at the run's model geometry: a fixed benchmark, not derived from the run seed."
+    return world_config(cfg.data, model_geometry(cfg.model.name, cfg.model.kwargs))
 
 
 def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_images: int = 300,
@@ -147,7 +155,7 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     cfgs = run_configs(out, seed, steps, overrides, preset, runs)
     test_root = Path(test_dir or out / "world_test")
-    write_world_benchmark(test_root, eval_images, world_config(cfgs[0][1].data), split="test", extras=False)
+    write_world_benchmark(test_root, eval_images, _held_out_world(cfgs[0][1]), split="test", extras=False)
     results, curves = {}, {}
     results["untrained"] = dict(steps=0, train_s=0.0, **_world_eval(_untrained(cfgs[0][1]), test_root))
     # eval 2: the eval package (percent, ties count against, every scorer); an eval.json of another kind is redone
@@ -165,7 +173,7 @@ def run_demo(out_dir="runs/demo", seed: int = 0, steps: int | None = None, eval_
             print(f"== {name}: reused {cached}", file=sys.stderr, flush=True)
             continue
         if trained is None:
-            print(f"== {name}: {cfg.method}, masks={cfg.data.masks}, {cfg.max_steps} steps, seed {cfg.seed}", file=sys.stderr, flush=True)
+            print(f"== {name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps, seed {cfg.seed}", file=sys.stderr, flush=True)
             s = train_isolated(cfg) if isolate else train(cfg)
             rows = curves[name] = read_metrics(run_dir / "metrics.csv")
             trained = dict(method=cfg.method, steps=s["steps"], train_s=rows[-1]["time"] if rows else float("nan"),

@@ -10,30 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..dist import DistContext
-from ..loss import clip_loss
+from ..dist import DistContext, gather
+from ..loss import clip_loss, contrastive_rows, symmetric_infonce
 from ..methods import GlobalScorer, Method, Scorer, register
+from ..model import text_token_mask
 
 # %% auto #0
-__all__ = ['text_token_mask', 'filip_scores', 'filip_loss', 'FILIPConfig', 'FILIP', 'LateInteractionScorer']
-
-# %% ../../nbs/41_filip.ipynb #ab82b533
-def text_token_mask(
-    ids: torch.Tensor,            # (C, L) long open_clip token ids: SOT, word pieces, EOT, zero padding
-    special_tokens: bool = False, # True: SOT and EOT count as tokens too
-) -> torch.Tensor:                # (C, L) bool
-    "The caption tokens that take part in token-wise interaction: not padding, and (default) not SOT/EOT."
-    valid = ids != 0
-    if not valid.any(-1).all():
-        raise ValueError(f"captions {(~valid.any(-1)).nonzero().flatten().tolist()} have no token at all (all padding)")
-    if special_tokens: return valid
-    eot = ids.argmax(-1)                                      # (C,) open_clip's EOT position (its text pooling)
-    words = valid.clone()
-    words[:, 0] = False                                       # SOT
-    words[torch.arange(ids.shape[0], device=ids.device), eot] = False
-    empty = ~words.any(-1)                                    # captions with no word piece: keep their EOT
-    words[empty.nonzero().flatten(), eot[empty]] = True
-    return words
+__all__ = ['filip_scores', 'filip_loss', 'FILIPConfig', 'FILIP', 'LateInteractionScorer']
 
 # %% ../../nbs/41_filip.ipynb #a43f7b8c
 def filip_scores(
@@ -71,14 +54,10 @@ def filip_loss(
     chunk: int | None = None,        # see `filip_scores`
 ) -> torch.Tensor:                   # scalar
     "Symmetric InfoNCE on FILIP's token-wise scores: local image rows of s_i2t, local caption rows of s_t2i^T."
-    labels = torch.arange(patches.shape[0], device=patches.device) + offset  # (R,)
-    if patches_all is None:
-        s_i2t, s_t2i = filip_scores(patches, tokens, token_valid, chunk)    # (R, R) each
-        logits_i, logits_t = s_i2t, s_t2i.T
-    else:
-        logits_i = filip_scores(patches, tokens_all, token_valid_all, chunk)[0]    # (R, C) local images
-        logits_t = filip_scores(patches_all, tokens, token_valid, chunk)[1].T      # (R, C) local captions
-    return (F.cross_entropy(logit_scale * logits_i, labels) + F.cross_entropy(logit_scale * logits_t, labels)) / 2
+    sim = lambda p, tv: filip_scores(p, tv[0], tv[1], chunk)                # a pair: (s_i2t, s_t2i), both [image, caption]
+    txt_all = None if tokens_all is None else (tokens_all, token_valid_all)
+    S_img, S_txt = contrastive_rows(sim, patches, (tokens, token_valid), patches_all, txt_all)  # (R, C) each
+    return symmetric_infonce(logit_scale * S_img, logit_scale * S_txt, offset)
 
 # %% ../../nbs/41_filip.ipynb #3079e4b9
 @dataclass
@@ -99,18 +78,16 @@ class FILIP(Method):
     needs_patches = True
 
     def loss(self, out, batch, dist: DistContext):
-        from powerclip.dist import gather_no_grad
         patches, tokens = F.normalize(out["patches"], dim=-1), F.normalize(out["tokens"], dim=-1)  # (R, N, D), (R, L, D)
         valid = text_token_mask(batch["tokens"].to(tokens.device), self.cfg.special_tokens)    # (R, L)
-        R, s = patches.shape[0], out["logit_scale"]
-        if dist.distributed:
-            p_all, t_all, img_all, txt_all = dist.gather_many([patches, tokens, out["image"], out["text"]])
-            v_all = gather_no_grad(valid)
-        else:
-            p_all = t_all = img_all = txt_all = v_all = None
-        terms = {"filip": filip_loss(patches, tokens, valid, s, p_all, t_all, v_all, dist.rank * R, self.cfg.chunk)}
+        s = out["logit_scale"]
+        local = {"patches": patches, "tokens": tokens, "token_valid": valid}
+        if self.cfg.clip_weight > 0: local.update(image=out["image"], text=out["text"])
+        g = gather(dist, local)
+        a = g.all
+        terms = {"filip": filip_loss(patches, tokens, valid, s, a["patches"], a["tokens"], a["token_valid"], g.offset, self.cfg.chunk)}
         if self.cfg.clip_weight > 0:
-            terms["clip"] = self.cfg.clip_weight * clip_loss(out["image"], out["text"], s, img_all, txt_all, dist.rank * R)
+            terms["clip"] = self.cfg.clip_weight * clip_loss(out["image"], out["text"], s, a["image"], a["text"], g.offset)
         terms["_logit_scale"] = s.detach()
         return terms
 
@@ -130,7 +107,7 @@ class LateInteractionScorer(Scorer):
 
     @torch.no_grad()
     def image_features(self, model, images):
-        from powerclip.model import encode    # late: keeps this module importable without open_clip
+        from powerclip.model import encode
         return {"patches": F.normalize(encode(model, images, None)["patches"], dim=-1).float()}   # (B, N, D)
 
     @torch.no_grad()

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..methods import CLIP, register
 
 # %% auto #0
-__all__ = ['FLIPConfig', 'FLIP']
+__all__ = ['FLIPConfig', 'random_keep', 'FLIP']
 
 # %% ../../nbs/43_flip.ipynb #80ec4597
 @dataclass
@@ -21,13 +23,23 @@ class FLIPConfig:
         if not 0 <= self.ratio < 1: raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
 
 
+def random_keep(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """x `(C, 1 + N, width)` (class token first) -> `(C, K)` indices of K = max(1, int(N (1 - ratio))) patches per
+    image, uniformly at random: open_clip's `PatchDropout` rule and random stream (top-K of Gaussian noise)."""
+    C, N = x.shape[0], x.shape[1] - 1
+    k = max(1, int(N * (1 - ratio)))
+    return torch.randn(C, N, device=x.device).topk(k, dim=-1).indices      # (C, K)
+
+
 @register("flip")
 class FLIP(CLIP):
     "FLIP: CLIP's loss with random patch dropout in the vision tower during training, config `FLIPConfig`."
     Config = FLIPConfig
     needs_patches = False
 
-    def setup_model(self, model) -> None:
-        "Install the patch dropout; it acts in `train()` mode only (open_clip's `PatchDropout`)."
-        from powerclip.model import set_patch_dropout  # late: keeps this module importable without open_clip
-        set_patch_dropout(model, self.cfg.ratio)
+    def forward(self, model, batch, modules=None):
+        from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+        if not model.visual.training or self.cfg.ratio == 0:    # evaluation: every patch
+            return encode(model, batch["image"], batch["tokens"], need_patches=False)
+        with select_patch_tokens(model, lambda x: random_keep(x, self.cfg.ratio)):
+            return encode(model, batch["image"], batch["tokens"], need_patches=False)

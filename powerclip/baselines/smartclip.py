@@ -11,8 +11,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..dist import DistContext
+from ..dist import DistContext, gather
+from ..loss import contrastive_rows, symmetric_infonce
 from ..methods import Method, register
+from ..model import text_token_mask
 
 # %% auto #0
 __all__ = ['modular_similarity', 'modular_loss', 'MaskNet', 'SmartCLIPConfig', 'SmartCLIP']
@@ -42,14 +44,10 @@ def modular_loss(
     offset: int = 0,                         # rank * R
 ) -> torch.Tensor:                           # scalar: (L_ctrI + L_ctrT) / 2 over the local rows
     "SmartCLIP's modular contrastive loss, local rows against gathered columns as `clip_loss`."
-    labels = torch.arange(image.shape[0], device=image.device) + offset
-    if image_all is None:
-        S = modular_similarity(image, text, mask)                    # (R, R)
-        logits_i, logits_t = S, S.T
-    else:
-        logits_i = modular_similarity(image, text_all, mask_all)    # (R, C) local images against all captions
-        logits_t = modular_similarity(image_all, text, mask).T      # (R, C) local captions against all images
-    return (F.cross_entropy(logit_scale * logits_i, labels) + F.cross_entropy(logit_scale * logits_t, labels)) / 2
+    sim = lambda img, tm: modular_similarity(img, tm[0], tm[1])     # a caption is its embedding and its mask
+    txt_all = None if text_all is None else (text_all, mask_all)
+    S_img, S_txt = contrastive_rows(sim, image, (text, mask), image_all, txt_all)   # (R, C) each
+    return symmetric_infonce(logit_scale * S_img, logit_scale * S_txt, offset)
 
 # %% ../../nbs/44_smartclip.ipynb #f5d57b05
 class MaskNet(nn.Module):
@@ -102,7 +100,6 @@ class SmartCLIP(Method):
         return lr if self.cfg.mask_lr is None else self.cfg.mask_lr
 
     def forward(self, model, batch, modules=None):
-        from powerclip.baselines.filip import text_token_mask
         if not isinstance(modules, MaskNet): raise RuntimeError("SmartCLIP needs its mask network: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
         valid = text_token_mask(batch["tokens"], self.cfg.special_tokens)      # (C, L)
@@ -110,12 +107,10 @@ class SmartCLIP(Method):
         return out
 
     def loss(self, out, batch, dist: DistContext):
-        R, s = out["image"].shape[0], out["logit_scale"]
-        if dist.distributed:
-            img_all, txt_all, m_all = dist.gather_many([out["image"], out["text"], out["mask"]])
-        else:
-            img_all = txt_all = m_all = None
-        align = modular_loss(out["image"], out["text"], out["mask"], s, img_all, txt_all, m_all, dist.rank * R)
+        s = out["logit_scale"]
+        g = gather(dist, {"image": out["image"], "text": out["text"], "mask": out["mask"]})   # (C, D) each
+        a = g.all
+        align = modular_loss(out["image"], out["text"], out["mask"], s, a["image"], a["text"], a["mask"], g.offset)
         terms = {"modular": self.cfg.lambda_align * align}
         if self.cfg.lambda_sparsity > 0:
             terms["sparsity"] = self.cfg.lambda_sparsity * out["mask"].mean(-1).mean()   # ||m||_1 / D, mean over captions

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .filip import text_token_mask
-from ..dist import DistContext
+from ..dist import DistContext, gather
 from ..loss import clip_loss
 from ..methods import Method, register
+from ..model import text_token_mask
 
 # %% auto #0
 __all__ = ['sparc_weights', 'grouped_embeddings', 'sparc_fine_loss', 'SPARCConfig', 'SPARC']
@@ -92,11 +92,11 @@ class SPARC(Method):
     needs_patches = True
 
     def loss(self, out, batch, dist: DistContext):
-        R, s = out["image"].shape[0], out["logit_scale"]
+        s = out["logit_scale"]
         terms = {}
         if self.cfg.lambda_global > 0:
-            img_all, txt_all = dist.gather_many([out["image"], out["text"]]) if dist.distributed else (None, None)
-            terms["clip"] = self.cfg.lambda_global * clip_loss(out["image"], out["text"], s, img_all, txt_all, dist.rank * R)
+            g = gather(dist, {"image": out["image"], "text": out["text"]})
+            terms["clip"] = self.cfg.lambda_global * clip_loss(out["image"], out["text"], s, g.all["image"], g.all["text"], g.offset)
         if self.cfg.lambda_fine > 0:
             valid = text_token_mask(batch["tokens"].to(out["tokens"].device), self.cfg.special_tokens)  # (R, L)
             scale = s if self.cfg.fine_scale is None else self.cfg.fine_scale
