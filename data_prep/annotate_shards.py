@@ -245,8 +245,8 @@ def check_sample(key: str, members: list) -> tuple[dict | None, tuple[str, str] 
     from powerclip.data import IMAGE_EXTS                 # here, so that the command line answers at once
     from powerclip.parsing import caption_problem
     by_ext = {_split(ti.name)[1]: data for ti, data in members}
-    img_ext = next((e for e in IMAGE_EXTS if e in by_ext), None)
-    if img_ext is None: return None, ('missing_image', f'no {"/".join(IMAGE_EXTS)} member')
+    img_ext = next((e[1:] for e in IMAGE_EXTS if e[1:] in by_ext), None)   # member keys are suffixes without the dot
+    if img_ext is None: return None, ('missing_image', f'no {"/".join(e[1:] for e in IMAGE_EXTS)} member')
     try:
         with Image.open(io.BytesIO(by_ext[img_ext])) as im: image = im.convert('RGB')
     except Exception as e: return None, ('bad_image', f'{type(e).__name__}: {e}'[:300])

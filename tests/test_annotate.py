@@ -299,7 +299,7 @@ CAPTIONS = {'c0': 'a brown dog on a red chair', 'c1': '', 'c2': '  \n ', 'c3': b
 
 def test_trainer_and_annotator_skip_the_same_captions(tmp_path):
     "The same raw shard through the annotator and through the trainer's reader: the same samples survive."
-    from powerclip.data import DataConfig, key_index, make_loader
+    from powerclip.data import BatchNeeds, BatchSpec, DataConfig, Geometry, key_index, make_loader
     src = tmp_path / 'in'; src.mkdir()
     _write(src / '00000.tar', [_sample(k, i, txt=t) for i, (k, t) in enumerate(CAPTIONS.items())])
     st = run([src / '00000.tar'], AnnotateConfig(out=str(tmp_path / 'out'), parser='spacy'), progress=False)
@@ -307,7 +307,9 @@ def test_trainer_and_annotator_skip_the_same_captions(tmp_path):
     assert {b['key'] for b in bad} == {'c1', 'c2', 'c3', 'c4', 'c5', 'c6', 'c7'} and {b['reason'] for b in bad} == {'bad_txt'}
     written = set(_outputs(tmp_path / 'out')['00000.tar'])
     assert written == {'c0', 'c8', 'c9', 'd0', 'd1'} and st['written'] == 5
-    ld = make_loader(DataConfig(source='wds', shards=str(src / '00000.tar'), batch_size=1, workers=0, shuffle_buffer=0))
+    spec = BatchSpec(DataConfig(source='wds', shards=str(src / '00000.tar'), batch_size=1, workers=0, shuffle_buffer=0),
+                     Geometry(64, 8, 77), BatchNeeds(tree=True))   # tree: the trainer parses, as a PowerCLIP run would
+    ld = make_loader(spec)
     got = {int(b['index'][0]) for b in ld}
     assert got == {key_index(k) for k in written}
     assert ld.skipped()['no_caption'] == len(bad)

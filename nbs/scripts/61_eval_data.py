@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from powerclip.data import IMAGE_EXTS
 from powerclip.world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,6 @@ class ClassificationSet:
     splits: dict            # split -> (list[Path], labels (n,) long)
     skipped: dict = field(default_factory=dict)
 
-IMAGE_EXTS = ('.jpg', '.jpeg', '.png', '.bmp', '.webp')
 
 def classification_from_folders(root) -> dict:
     """The `classification.json` content of an image-folder layout `root/{train,val,test}/<class>/*.jpg` (class

@@ -14,15 +14,16 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from ..data import IMAGE_EXTS
 from ..world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'SUGARCREPE', 'IMAGE_EXTS', 'WINOGROUND_HELP', 'WORLD_TEMPLATES', 'MissingData', 'RetrievalSet',
-           'load_retrieval', 'load_coco_sample', 'load_coco_karpathy', 'load_flickr_karpathy', 'load_sugarcrepe',
-           'ClassificationSet', 'classification_from_folders', 'load_classification', 'load_winoground',
-           'write_wds_classification', 'write_world_classification', 'write_world_winoground', 'write_world_benchmark']
+__all__ = ['log', 'SUGARCREPE', 'WINOGROUND_HELP', 'WORLD_TEMPLATES', 'MissingData', 'RetrievalSet', 'load_retrieval',
+           'load_coco_sample', 'load_coco_karpathy', 'load_flickr_karpathy', 'load_sugarcrepe', 'ClassificationSet',
+           'classification_from_folders', 'load_classification', 'load_winoground', 'write_wds_classification',
+           'write_world_classification', 'write_world_winoground', 'write_world_benchmark']
 
 # %% ../../nbs/61_eval_data.ipynb #3bcf4fbc
 class MissingData(FileNotFoundError):
@@ -139,7 +140,6 @@ class ClassificationSet:
     splits: dict            # split -> (list[Path], labels (n,) long)
     skipped: dict = field(default_factory=dict)
 
-IMAGE_EXTS = ('.jpg', '.jpeg', '.png', '.bmp', '.webp')
 
 def classification_from_folders(root) -> dict:
     """The `classification.json` content of an image-folder layout `root/{train,val,test}/<class>/*.jpg` (class
