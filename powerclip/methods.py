@@ -216,36 +216,3 @@ class GlobalScorer(Scorer):
 
     def scores(self, img, txt):
         return img["image"] @ txt["text"].to(img["image"].device).T                # (I, T)
-
-# %% ../nbs/40_methods.ipynb #ee84336d
-class Scorer:
-    "How evaluation scores image-text pairs with a trained model; features are cached by the evaluator."
-    name: str = "global"
-
-    def image_features(self, model, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        "images `(B, 3, H, W)` -> features with B rows each."
-        raise NotImplementedError
-
-    def text_features(self, model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        "tokens `(B, L)` open_clip ids -> features with B rows each."
-        raise NotImplementedError
-
-    def scores(self, img: dict[str, torch.Tensor], txt: dict[str, torch.Tensor]) -> torch.Tensor:
-        "Features of I images and T captions -> `(I, T)` scores, higher is more similar."
-        raise NotImplementedError
-
-
-class GlobalScorer(Scorer):
-    "CLIP's score: the dot product of L2-normalised `encode_image` and `encode_text` (the cosine)."
-    name = "global"
-
-    @torch.no_grad()
-    def image_features(self, model, images):
-        return {"image": model.encode_image(images, normalize=True).float()}         # (B, D)
-
-    @torch.no_grad()
-    def text_features(self, model, tokens):
-        return {"text": model.encode_text(tokens, normalize=True).float()}           # (B, D)
-
-    def scores(self, img, txt):
-        return img["image"] @ txt["text"].to(img["image"].device).T                # (I, T)

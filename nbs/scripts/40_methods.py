@@ -372,54 +372,6 @@ class GlobalScorer(Scorer):
 
 
 # %% [markdown]
-# ## Scoring for evaluation
-#
-# Evaluation (retrieval, zero-shot classification, hard negatives) ranks image-text pairs by a score. For CLIP
-# and most methods that is the cosine of the pooled embeddings; a method whose paper scores otherwise at
-# inference (FILIP: token-wise late interaction) says so with its own `Scorer`. The evaluator asks the method:
-# `method.scorers()` maps a name to a scorer, the first entry being the method's own way (what its paper
-# reports), and every method also offers `'global'`, so that all methods can be compared on the same footing.
-#
-# A scorer splits the work in two so that the evaluator can cache features: `image_features` and
-# `text_features` run the towers once per image and per caption (tensors with one row per input, which may
-# live on the CPU), and `scores` combines any $I$ images with any $T$ captions into an $(I, T)$ matrix.
-
-# %%
-#| export
-class Scorer:
-    "How evaluation scores image-text pairs with a trained model; features are cached by the evaluator."
-    name: str = "global"
-
-    def image_features(self, model, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        "images `(B, 3, H, W)` -> features with B rows each."
-        raise NotImplementedError
-
-    def text_features(self, model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        "tokens `(B, L)` open_clip ids -> features with B rows each."
-        raise NotImplementedError
-
-    def scores(self, img: dict[str, torch.Tensor], txt: dict[str, torch.Tensor]) -> torch.Tensor:
-        "Features of I images and T captions -> `(I, T)` scores, higher is more similar."
-        raise NotImplementedError
-
-
-class GlobalScorer(Scorer):
-    "CLIP's score: the dot product of L2-normalised `encode_image` and `encode_text` (the cosine)."
-    name = "global"
-
-    @torch.no_grad()
-    def image_features(self, model, images):
-        return {"image": model.encode_image(images, normalize=True).float()}         # (B, D)
-
-    @torch.no_grad()
-    def text_features(self, model, tokens):
-        return {"text": model.encode_text(tokens, normalize=True).float()}           # (B, D)
-
-    def scores(self, img, txt):
-        return img["image"] @ txt["text"].to(img["image"].device).T                # (I, T)
-
-
-# %% [markdown]
 # ### Checks
 #
 # The registry, and each method's loss on model outputs built by hand (no model needed): the methods add
