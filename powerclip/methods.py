@@ -73,9 +73,11 @@ class Method:
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def scorers(self) -> dict[str, "Scorer"]:
+    def scorers(self, modules=None) -> dict[str, "Scorer"]:
         """How evaluation scores image-text pairs: name -> `Scorer`, the method's own way first (what its paper
-        reports); every method offers 'global' (see "Scoring for evaluation" below)."""
+        reports); every method offers 'global' (see "Scoring for evaluation" below). `modules`: the method's
+        trained modules (what `build_modules` made, with the run's weights) when the evaluator has them, for a
+        method whose own scorer reads them."""
         return {"global": GlobalScorer()}
 
 

@@ -135,9 +135,11 @@ class Method:
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def scorers(self) -> dict[str, "Scorer"]:
+    def scorers(self, modules=None) -> dict[str, "Scorer"]:
         """How evaluation scores image-text pairs: name -> `Scorer`, the method's own way first (what its paper
-        reports); every method offers 'global' (see "Scoring for evaluation" below)."""
+        reports); every method offers 'global' (see "Scoring for evaluation" below). `modules`: the method's
+        trained modules (what `build_modules` made, with the run's weights) when the evaluator has them, for a
+        method whose own scorer reads them."""
         return {"global": GlobalScorer()}
 
 
@@ -335,6 +337,9 @@ print({k: round(float(v.detach()), 4) for k, v in _terms.items()})
 # A scorer splits the work in two so that the evaluator can cache features: `image_features` and
 # `text_features` run the towers once per image and per caption (tensors with one row per input, which may
 # live on the CPU), and `scores` combines any $I$ images with any $T$ captions into an $(I, T)$ matrix.
+#
+# A method that trains modules of its own beside the model (`build_modules`) may score with them: the evaluator
+# loads them with the run (`method_modules.pt` beside `model.pt`) and passes them to `scorers(modules)`.
 
 # %%
 #| export

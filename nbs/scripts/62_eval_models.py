@@ -68,6 +68,9 @@ from fastcore.test import test_eq, test_fail
 # `'global'`, the cosine of the L2-normalised pooled embeddings. Every metric is computed for each scorer; the first
 # is the headline. A checkpoint whose method is unknown (a plain state dict with no run config, no `--method`) is
 # scored the global way only.
+# A method that trained modules of its own beside the model (`build_modules`: SmartCLIP's mask network, SPARC's
+# pooling head, A-CLIP's EMA towers) gets them back from `method_modules.pt` beside `model.pt` (or from inside a
+# trainer checkpoint) and passes them to its scorers, `Method.scorers(modules)`.
 #
 # **Identity.** A checkpoint is its file's sha256, or `random-init-<arch>-seed<k>` (plus a hash of the model kwargs);
 # features are cached under it (below).
@@ -112,11 +115,26 @@ def run_config(checkpoint, ck=None) -> dict:
         if (d / 'config.yaml').is_file(): return yaml.safe_load((d / 'config.yaml').read_text()) or {}
     return {}
 
-def method_scorers(method: str | None = None, method_cfg: dict | None = None) -> dict[str, Scorer]:
-    "The scorers of a method (its own first); no method: the global cosine alone."
-    if method is None: return {'global': GlobalScorer()}
-    try: return dict(get_method(method, method_cfg or {}).scorers())
+def _method(method: str | None, method_cfg: dict | None):
+    if method is None: return None
+    try: return get_method(method, method_cfg or {})
     except KeyError as e: raise ValueError(e.args[0]) from None     # an unknown method: one line, not a KeyError repr
+
+def method_modules(m, model, checkpoint=None, ck=None):
+    """The method's own trained modules (`build_modules`, e.g. SPARC's pooling head, A-CLIP's EMA towers) with the run's
+    weights: `method_modules` inside a trainer checkpoint `ck`, else `method_modules.pt` beside the checkpoint file.
+    None when the method has none, or when its weights are not found (a scorer that needs them then says so);
+    freshly built ones for a random initialisation (`checkpoint` None)."""
+    mods = None if m is None else m.build_modules(model)
+    if mods is None or checkpoint is None: return None if mods is None else mods.eval()
+    sd = ck.get('method_modules') if isinstance(ck, dict) and isinstance(ck.get('method_modules'), dict) else None
+    f = Path(checkpoint).parent / 'method_modules.pt'
+    if sd is None and f.is_file(): sd = torch.load(f, map_location='cpu', weights_only=True)
+    if sd is None:
+        log.info('no trained modules of method %s beside %s', type(m).__name__, checkpoint); return None
+    try: mods.load_state_dict(sd)
+    except RuntimeError as e: raise ValueError(f'the method modules beside {checkpoint} do not fit {type(m).__name__}: {e}') from None
+    return mods.eval()
 
 @dataclass
 class LoadedModel:
@@ -127,6 +145,7 @@ class LoadedModel:
     spec: dict              # name and open_clip model_kwargs the model was built with
     method: str | None = None                              # the training method, when known
     scorers: dict = field(default_factory=lambda: {'global': GlobalScorer()})   # name -> Scorer, the headline first
+    modules: object = None  # the method's trained modules (`method_modules`), when it has any
 
 def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, device: str = 'cpu',
                model_kwargs: dict | None = None, method: str | None = None, method_cfg: dict | None = None) -> LoadedModel:
@@ -135,7 +154,7 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     the method; `model_name` / `method` given here win."""
     import open_clip                                     # here, not at the top: `--help`, `table`, `make-world` stay fast
     from powerclip.model import create_model
-    sd, run = None, {}
+    sd, run, ck = None, {}, None
     if checkpoint is not None:
         checkpoint = checkpoint_file(checkpoint)
         try: ck = torch.load(checkpoint, map_location='cpu', weights_only=True)
@@ -152,7 +171,7 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     kw.update(model_kwargs or {})
     method = method or run.get('method')
     if method_cfg is None: method_cfg = (run.get('method_cfg') or {}) if run.get('method') == method else {}
-    scorers = method_scorers(method, method_cfg)
+    m = _method(method, method_cfg)                      # an unknown method stops here, before the model is built
     torch.manual_seed(seed)
     model, _, preprocess = create_model(name, **kw)
     arch = name                                          # architecture names only (no aliases)
@@ -164,7 +183,10 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
         if missing or unexpected:
             raise ValueError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), unexpected {unexpected[:5]}.. ({len(unexpected)})')
     tok = open_clip.get_tokenizer(arch, context_length=model.context_length)
-    return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw), method, scorers)
+    modules = method_modules(m, model, checkpoint, ck)
+    if modules is not None: modules.to(device)
+    scorers = {'global': GlobalScorer()} if m is None else dict(m.scorers(modules))
+    return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw), method, scorers, modules)
 
 
 # %% [markdown]
@@ -193,6 +215,23 @@ test_fail(lambda: load_model(checkpoint=d / 'bare' / 'model.pt'), contains='conf
 test_fail(lambda: load_model(checkpoint=d), contains='neither model.pt')
 test_fail(lambda: load_model('powerclip-micro', method='nosuch'), contains='unknown method')
 test_fail(lambda: load_model(), contains='pass --model')
+
+# %% [markdown]
+# A method with modules of its own (SmartCLIP's mask network here) gets them back with the run's weights, from
+# `method_modules.pt` beside `model.pt` or from inside a trainer checkpoint, and hands them to its scorers:
+
+# %%
+from powerclip.methods import get_method
+_mods = get_method('smartclip', {'heads': 2}).build_modules(create_model('powerclip-micro')[0])
+with torch.no_grad(): [q.add_(1.0) for q in _mods.parameters()]                    # weights no fresh module has
+(d / 'sc').mkdir(); torch.save(_sd, d / 'sc' / 'model.pt'); torch.save(_mods.state_dict(), d / 'sc' / 'method_modules.pt')
+(d / 'sc' / 'config.yaml').write_text('model: {name: powerclip-micro}\nmethod: smartclip\nmethod_cfg: {heads: 2}\n')
+_lm = load_model(checkpoint=d / 'sc')
+assert all(torch.equal(v, _mods.state_dict()[k]) for k, v in _lm.modules.state_dict().items())
+torch.save(dict(model=_sd, method_modules=_mods.state_dict(), config=dict(model=dict(name='powerclip-micro'), method='smartclip',
+                                                                          method_cfg=dict(heads=2))), d / 'sc' / 'last.pt')
+assert all(torch.equal(v, _mods.state_dict()[k]) for k, v in load_model(checkpoint=d / 'sc' / 'last.pt').modules.state_dict().items())
+assert load_model(checkpoint=d / 'run').modules is None                               # FILIP trains no module
 
 
 # %% [markdown]

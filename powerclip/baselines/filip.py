@@ -91,7 +91,7 @@ class FILIP(Method):
         terms["_logit_scale"] = s.detach()
         return terms
 
-    def scorers(self) -> dict[str, Scorer]:
+    def scorers(self, modules=None) -> dict[str, Scorer]:
         "Late interaction first (FILIP's own way of scoring), then the global cosine every method offers."
         return {"late": LateInteractionScorer(self.cfg.special_tokens, self.cfg.chunk), "global": GlobalScorer()}
 
