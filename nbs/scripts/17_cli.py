@@ -1,0 +1,139 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: nbs///ipynb,nbs/scripts///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+#| default_exp cli
+
+# %%
+#| export
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+# %%
+#| hide
+import io
+
+from fastcore.test import test_eq, test_fail
+
+# %% [markdown]
+# # Command lines
+#
+# > One convention for every entry point: a user's mistake is one line on stderr naming the argument and what is allowed, exit status 2, before any model is built; `--debug` (or `POWERCLIP_DEBUG=1`) shows the traceback.
+
+# %% [markdown]
+# Every command of the project (`powerclip.train`, `powerclip-eval`, `powerclip-heatmaps`, `powerclip.demo`,
+# `data_prep/annotate_shards.py`, the benchmark scripts) follows the same rules:
+#
+# - **A mistake of the user's is one line.** An unknown method, a config key that does not exist, `optim.lr=abc`,
+#   a preset that is not there, an output folder that is a file, shards that do not exist: one line on stderr,
+#   `prog: error: <argument>: <what is wrong> (<what is allowed>)`, and exit status 2. No traceback: the user did
+#   nothing a traceback would help with.
+# - **Checked before the work starts.** A command validates its arguments, its config and its paths first, so the
+#   line comes in a second, not after the model is built or the data is half read.
+# - **A bug is a traceback.** Only the validation phase turns exceptions into one line; whatever fails later is
+#   unexpected and keeps its traceback.
+# - **`--debug`** (any command) or the environment variable `POWERCLIP_DEBUG=1` shows the traceback of a usage error
+#   too.
+#
+# The pieces: `UsageError` (raise it with the line to print), `usage_errors()` (a context in which the validation's
+# `ValueError`, `TypeError`, `KeyError` and `FileNotFoundError` become `UsageError`s), `ArgumentParser` (argparse's
+# own errors, an unknown flag or a missing value, as one line too) and `run_main` (calls a command's main and turns a
+# `UsageError` into the line and the exit status).
+
+# %%
+#| export
+class UsageError(Exception):
+    "A mistake in a command's arguments, config or paths: printed as one line, exit status 2."
+
+
+def debug_requested(argv=None) -> bool:
+    "`--debug` among the arguments, or POWERCLIP_DEBUG set to anything but '', '0', 'false'."
+    argv = sys.argv[1:] if argv is None else argv
+    return "--debug" in argv or os.environ.get("POWERCLIP_DEBUG", "").lower() not in ("", "0", "false")
+
+
+@contextlib.contextmanager
+def usage_errors(*types: type):
+    """Inside this block (a command's validation: arguments, config, paths), exceptions of `types` (default: ValueError,
+    TypeError, KeyError, FileNotFoundError) are the user's: they leave as `UsageError` with the same message."""
+    types = types or (ValueError, TypeError, KeyError, FileNotFoundError)
+    try:
+        yield
+    except UsageError:
+        raise
+    except types as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)   # a KeyError's str() adds quotes
+        raise UsageError(str(msg).strip().replace("\n", " ")) from e
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    "argparse, whose errors (unknown flag, missing or malformed value) are a `UsageError` instead of usage text + exit."
+    def error(self, message):
+        raise UsageError(message)
+
+
+def run_main(main, argv=None, prog: str | None = None) -> int:
+    """`main(argv)` -> its exit status (None counts as 0). A `UsageError` is printed as `prog: error: message` on
+    stderr with status 2, unless `debug_requested(argv)`, which re-raises it with its traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = prog or os.path.basename(sys.argv[0]) or "powerclip"
+    try:
+        rc = main(argv)
+    except UsageError as e:
+        if debug_requested(argv): raise
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0 if rc is None else int(rc)
+
+# %% [markdown]
+# A small command shows every path: a good call, a bad value caught in validation, a bad flag caught by the parser,
+# `--debug`, and a bug after validation, which keeps its traceback.
+
+# %%
+def _toy(argv):
+    ap = ArgumentParser(prog="toy")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--debug", action="store_true")
+    with usage_errors():
+        a = ap.parse_args(argv)
+        if a.steps < 1: raise ValueError(f"--steps: must be at least 1, got {a.steps}")
+    if a.steps == 13: raise RuntimeError("a bug")      # after validation: not the user's fault
+    return 0
+
+def _run(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err): rc = run_main(_toy, argv, prog="toy")
+    return rc, err.getvalue()
+
+test_eq(_run(["--steps", "3"]), (0, ""))
+test_eq(_run(["--steps", "0"]), (2, "toy: error: --steps: must be at least 1, got 0\n"))
+rc, msg = _run(["--steps", "x"])
+assert rc == 2 and msg.count("\n") == 1 and "invalid int value: 'x'" in msg, msg
+rc, msg = _run(["--nope"])
+assert rc == 2 and msg.count("\n") == 1 and "unrecognized arguments: --nope" in msg, msg
+test_fail(lambda: run_main(_toy, ["--steps", "0", "--debug"]), contains="at least 1")   # --debug: the traceback
+test_fail(lambda: run_main(_toy, ["--steps", "13"]), contains="a bug")                   # a bug is never swallowed
+os.environ["POWERCLIP_DEBUG"] = "1"
+try: test_fail(lambda: run_main(_toy, ["--steps", "0"]), contains="at least 1")
+finally: del os.environ["POWERCLIP_DEBUG"]
+with contextlib.suppress(UsageError):
+    with usage_errors(): {}["method"]
+try:
+    with usage_errors(): raise KeyError("unknown method 'x'; registered: ['clip']")
+except UsageError as e: test_eq(str(e), "unknown method 'x'; registered: ['clip']")   # no repr quotes
