@@ -73,10 +73,13 @@ def segment_max(x: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
     return out.scatter_reduce_(-1, seg.expand_as(x), x, "amax")
 
 
+_EXP_FLOOR = -80.0  # exponents below this are raised to it: e^-80 is negligible, and float32 subnormals are slow
+
+
 def segment_logsumexp(x: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
     "(..., P) -> (..., n): log sum exp over each (non-empty) segment of the last axis, max-shifted."
     m = segment_max(x, seg, n)                                   # (..., n)
-    return segment_sum(torch.exp(x - m[..., seg]), seg, n).log_() + m
+    return segment_sum((x - m.index_select(-1, seg)).clamp_(min=_EXP_FLOOR).exp_(), seg, n).log_() + m
 
 # %% ../nbs/10a_powerset_fast.ipynb #d92d4c87
 def _gelu_grad(z: torch.Tensor) -> torch.Tensor:
@@ -110,7 +113,10 @@ def _softplus_sums(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "z (rb, M, pb) -> (sum_m z, sum_m softplus(z)), each (rb, pb), in few passes over z."
     a = z.abs()
     s_abs, s_z = a.sum(1), z.sum(1)
-    s_log = a.clamp_(max=60.0).neg_().exp_().log1p_().sum(1)  # sum_m log(1 + e^-|z|), as softplus_exact
+    # sum_m log(1 + e^-|z|) as softplus_exact, but with log(1 + x) for log1p(x): torch's float32 log1p is not
+    # vectorised on CPU (about 15x slower than log), and for x = e^-|z| in (0, 1] the two differ by at most
+    # one rounding of 1 + x, an absolute 6e-8 (float32) or 1e-16 (float64) per score
+    s_log = a.clamp_(max=60.0).neg_().exp_().add_(1.0).log_().sum(1)
     return s_z, 0.5 * (s_z + s_abs) + s_log                     # relu(z) = (z + |z|) / 2
 
 # %% ../nbs/10a_powerset_fast.ipynb #83035340
@@ -191,7 +197,7 @@ def _block_backward(
     "The analytic gradient of the block's S-bar with respect to its scores (see the derivation above)."
     rb, M, _ = q.shape
     cb, tau, alpha = K.shape[0], spec.tau, spec.alpha
-    c1 = (G / K)[:, seg] if spec.use_t2r else None                                 # (rb, pb) dT2R-mean weights
+    c1 = (G / K).index_select(1, seg) if spec.use_t2r else None                   # (rb, pb) dT2R-mean weights
     if spec.region_sets and spec.use_r2t:                                          # pi * G: (rb, pb)
         z = q * (1.0 / tau)
         if spec.shared:
@@ -200,7 +206,7 @@ def _block_backward(
         else:
             x = 0.5 * z
             s = (x + alpha * NLA_T2_INTEGRALS[spec.t2_act](x)).sum(1)
-        piG = torch.exp(s - lse[:, seg]) * G[:, seg]
+        piG = (s - lse.index_select(1, seg)).clamp_(min=_EXP_FLOOR).exp_() * G.index_select(1, seg)
     if spec.shared:
         coef = alpha * piG if spec.use_r2t else 0.0
         if spec.use_t2r: coef = coef + c1
@@ -221,9 +227,9 @@ def _block_backward(
             hit = (qm == qm.amax(1, keepdim=True)).to(q.dtype)                     # (rb, M, pb) argmax regions
             d += hit * (c1 * (Mi > 0))[:, None, :] / hit.sum(1, keepdim=True)       # ties share evenly
         if spec.use_r2t:
-            hit = (q == segment_max(q, seg, cb)[..., seg]).to(q.dtype)             # (rb, M, pb) argmax nodes
+            hit = (q == segment_max(q, seg, cb).index_select(-1, seg)).to(q.dtype)  # (rb, M, pb) argmax nodes
             c = (G / Mi.clamp_min(1))[:, None, :] / segment_sum(hit, seg, cb)      # (rb, M, cb)
-            d += hit * (c if rvf is None else c * rvf)[..., seg]
+            d += hit * (c if rvf is None else c * rvf).index_select(-1, seg)
         return d
     return d if rv is None else d.mul_(rv[:, :, None])
 
@@ -324,14 +330,14 @@ def sbar_blocked(
 # %% ../nbs/10a_powerset_fast.ipynb #86ebeef3
 @contextmanager
 def saved_tensor_bytes():
-    "with saved_tensor_bytes() as n: ...; n['bytes'] = bytes of the distinct storages autograd saved for backward."
-    seen, n = set(), {"bytes": 0}
+    """with saved_tensor_bytes() as n: ...; n['bytes']: bytes of the distinct storages autograd saved for backward,
+    n['storages']: {data_ptr: bytes} of each (to tell apart, e.g., the inputs a caller holds anyway)."""
+    n = {"bytes": 0, "storages": {}}
 
     def pack(t):
         s = t.untyped_storage()
-        key = (s.data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key); n["bytes"] += s.nbytes()
+        if s.data_ptr() not in n["storages"]:
+            n["storages"][s.data_ptr()] = s.nbytes(); n["bytes"] += s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -157,7 +157,9 @@ for bad, msg in ((torch.tensor([0, 2, 1]), "sorted"), (torch.tensor([0, 1, 3]), 
 # Over the last axis, with `seg` the (block-local) text index of each node: a sum is `index_add_`; a maximum
 # is `scatter_reduce_('amax')`; a log-sum-exp subtracts each segment's maximum before `exp`, as
 # `torch.logsumexp` does, because at $\tau=10^{-3}$ the NLA-T2 exponents reach thousands. Segments are never
-# empty (every text has a node), so no $-\infty$ survives.
+# empty (every text has a node), so no $-\infty$ survives. The shifted exponents are floored at $-80$: a term
+# below $e^{-80}$ of its segment's largest cannot change the sum, and float32 `exp` is about ten times slower
+# where its result would be subnormal (below $e^{-87}$).
 
 # %%
 #| export
@@ -172,10 +174,13 @@ def segment_max(x: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
     return out.scatter_reduce_(-1, seg.expand_as(x), x, "amax")
 
 
+_EXP_FLOOR = -80.0  # exponents below this are raised to it: e^-80 is negligible, and float32 subnormals are slow
+
+
 def segment_logsumexp(x: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
     "(..., P) -> (..., n): log sum exp over each (non-empty) segment of the last axis, max-shifted."
     m = segment_max(x, seg, n)                                   # (..., n)
-    return segment_sum(torch.exp(x - m[..., seg]), seg, n).log_() + m
+    return segment_sum((x - m.index_select(-1, seg)).clamp_(min=_EXP_FLOOR).exp_(), seg, n).log_() + m
 
 
 # %%
@@ -257,7 +262,10 @@ def _softplus_sums(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "z (rb, M, pb) -> (sum_m z, sum_m softplus(z)), each (rb, pb), in few passes over z."
     a = z.abs()
     s_abs, s_z = a.sum(1), z.sum(1)
-    s_log = a.clamp_(max=60.0).neg_().exp_().log1p_().sum(1)  # sum_m log(1 + e^-|z|), as softplus_exact
+    # sum_m log(1 + e^-|z|) as softplus_exact, but with log(1 + x) for log1p(x): torch's float32 log1p is not
+    # vectorised on CPU (about 15x slower than log), and for x = e^-|z| in (0, 1] the two differ by at most
+    # one rounding of 1 + x, an absolute 6e-8 (float32) or 1e-16 (float64) per score
+    s_log = a.clamp_(max=60.0).neg_().exp_().add_(1.0).log_().sum(1)
     return s_z, 0.5 * (s_z + s_abs) + s_log                     # relu(z) = (z + |z|) / 2
 
 # %% [markdown]
@@ -368,7 +376,7 @@ def _block_backward(
     "The analytic gradient of the block's S-bar with respect to its scores (see the derivation above)."
     rb, M, _ = q.shape
     cb, tau, alpha = K.shape[0], spec.tau, spec.alpha
-    c1 = (G / K)[:, seg] if spec.use_t2r else None                                 # (rb, pb) dT2R-mean weights
+    c1 = (G / K).index_select(1, seg) if spec.use_t2r else None                   # (rb, pb) dT2R-mean weights
     if spec.region_sets and spec.use_r2t:                                          # pi * G: (rb, pb)
         z = q * (1.0 / tau)
         if spec.shared:
@@ -377,7 +385,7 @@ def _block_backward(
         else:
             x = 0.5 * z
             s = (x + alpha * NLA_T2_INTEGRALS[spec.t2_act](x)).sum(1)
-        piG = torch.exp(s - lse[:, seg]) * G[:, seg]
+        piG = (s - lse.index_select(1, seg)).clamp_(min=_EXP_FLOOR).exp_() * G.index_select(1, seg)
     if spec.shared:
         coef = alpha * piG if spec.use_r2t else 0.0
         if spec.use_t2r: coef = coef + c1
@@ -398,9 +406,9 @@ def _block_backward(
             hit = (qm == qm.amax(1, keepdim=True)).to(q.dtype)                     # (rb, M, pb) argmax regions
             d += hit * (c1 * (Mi > 0))[:, None, :] / hit.sum(1, keepdim=True)       # ties share evenly
         if spec.use_r2t:
-            hit = (q == segment_max(q, seg, cb)[..., seg]).to(q.dtype)             # (rb, M, pb) argmax nodes
+            hit = (q == segment_max(q, seg, cb).index_select(-1, seg)).to(q.dtype)  # (rb, M, pb) argmax nodes
             c = (G / Mi.clamp_min(1))[:, None, :] / segment_sum(hit, seg, cb)      # (rb, M, cb)
-            d += hit * (c if rvf is None else c * rvf)[..., seg]
+            d += hit * (c if rvf is None else c * rvf).index_select(-1, seg)
         return d
     return d if rv is None else d.mul_(rv[:, :, None])
 
@@ -580,14 +588,17 @@ def _parity(spec, Ci, Cj, seed, budget):
         out[name] = (S.detach(), gr, gp)
     for a, b, what in zip(out["fast"], out["dense"], ("S", "d regions", "d phrases")):
         assert_close(a, b, rtol=0, atol=1e-9, msg=lambda m: f"{spec} {what}: {m}")
+    return max(float((a - b).abs().max()) for a, b in zip(out["fast"], out["dense"]))
 
 
+_worst = 0.0
 for i, spec in enumerate(_SPECS):
     # square, the local-image form (few rows, many texts) and the local-text form (many rows, few texts);
     # budgets from one node of one row (rows split) to everything in one block
     for Ci, Cj, budget in ((5, 6, 1), (3, 9, 600), (9, 3, 10**9)):
-        _parity(spec, Ci, Cj, seed=10 * i + Ci, budget=budget)
-print(f"fast == dense (values, d regions, d phrases) to 1e-9 in float64: {len(_SPECS)} specs x 3 shapes")
+        _worst = max(_worst, _parity(spec, Ci, Cj, seed=10 * i + Ci, budget=budget))
+print(f"fast == dense (values, d regions, d phrases) in float64: {len(_SPECS)} specs x 3 shapes, "
+      f"largest difference {_worst:.1e}")
 
 # %% [markdown]
 # The block plan at the budgets used above, for the record: one node of one row per block, and everything
@@ -655,14 +666,14 @@ assert _rel(_res["bf16"][0], _res["fp32"][0]) < 2e-2
 #| export
 @contextmanager
 def saved_tensor_bytes():
-    "with saved_tensor_bytes() as n: ...; n['bytes'] = bytes of the distinct storages autograd saved for backward."
-    seen, n = set(), {"bytes": 0}
+    """with saved_tensor_bytes() as n: ...; n['bytes']: bytes of the distinct storages autograd saved for backward,
+    n['storages']: {data_ptr: bytes} of each (to tell apart, e.g., the inputs a caller holds anyway)."""
+    n = {"bytes": 0, "storages": {}}
 
     def pack(t):
         s = t.untyped_storage()
-        key = (s.data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key); n["bytes"] += s.nbytes()
+        if s.data_ptr() not in n["storages"]:
+            n["storages"][s.data_ptr()] = s.nbytes(); n["bytes"] += s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -688,16 +699,16 @@ assert _saved(5, 4) == _saved(32, 40) == 4 * 16 * 4  # beyond the inputs: the (C
 # local-row form: $R$ local rows against $C$ gathered columns) and counts what it keeps for backward, for the
 # blocked path, the dense path of `10_powerset` and the CLIP loss alone, over $R$, $C$, $M$, with node counts
 # drawn from real parsed CC3M captions, each configuration in a fresh process. The plot below reads its
-# committed results; the numbers and the machine are in `benchmarks/results/powerset_scale_*.md`.
+# committed results; the numbers and the machine are in `benchmarks/results/powerset_scale_cpu.md`.
 
 # %%
-_res_dir = next((p for p in (Path("../benchmarks/results"), Path("benchmarks/results")) if p.is_dir()), None)
-_bench = sorted(_res_dir.glob("powerset_scale_*.json")) if _res_dir else []
-if not _bench:
-    print("no benchmarks/results/powerset_scale_*.json yet: run `python benchmarks/powerset_scale.py`")
+_bench = next((p for p in (Path("../benchmarks/results/powerset_scale_cpu.json"),
+                            Path("benchmarks/results/powerset_scale_cpu.json")) if p.exists()), None)
+if _bench is None:
+    print("no benchmarks/results/powerset_scale_cpu.json yet: run `python benchmarks/powerset_scale.py`")
 else:
     import matplotlib.pyplot as plt
-    _data = json.loads(_bench[0].read_text())
+    _data = json.loads(_bench.read_text())
     _rows = [r for r in _data["rows"] if r.get("ok") and r["precision"] == "fp32"]
     _RC = sorted({(r["R"], r["C"]) for r in _rows})
     fig, ax = plt.subplots(2, len(_RC), figsize=(3.2 * len(_RC), 5.6), squeeze=False)

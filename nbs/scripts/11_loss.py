@@ -316,7 +316,8 @@ def _grads(cfg, packed, two_procs):
     return (loss.detach(), *torch.autograd.grad(loss, (reg, ph, img, txt)))
 
 for kw in (dict(tau=0.05), dict(tau=0.05, t1_act="gelu", t2_act="softsign"), dict(use_r2t=False), dict(use_t2r=False),
-           dict(tau=0.05, debias_t2=True), dict(region_sets=False), dict(region_sets=False, use_t2r=False)):
+           dict(tau=0.05, debias_t2=True), dict(region_sets=False), dict(region_sets=False, use_t2r=False),
+           dict(exact=True)):
     ref = _grads(PowerCLIPLossConfig(impl="dense", gamma=5.0, **kw), packed=False, two_procs=False)
     for packed in (False, True):
         for two in (False, True):
