@@ -173,7 +173,8 @@ def report(rows, meta, tag):
              f"Fast path block budget {meta['args']['block_mib']} MiB. dense / exact skipped above a predicted "
              f"{meta['args']['budget_gib']} GiB saved for backward. 'saved' = bytes autograd keeps for backward "
              "(saved_tensors_hooks, each storage once); 'beyond inputs' leaves out the embeddings the loss receives "
-             "(which the caller holds anyway); peak = peak RSS above the size once the inputs exist.", "",
+             "(which the caller holds anyway); peak = peak RSS above the size once the inputs exist. The machine is "
+             "shared with other jobs: a timing of seconds varies by tens of percent between runs.", "",
              "| prec | R | C | M | K_max | fast ms | dense ms | exact ms | CLIP ms | dense / fast | fast saved MiB (beyond inputs) "
              "| dense saved MiB | exact saved MiB | CLIP saved MiB | fast peak MiB | dense peak MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -221,10 +222,13 @@ def plot(rows, meta, path):
             if not pts: continue
             ax[0, col].plot([m for m, _ in pts], [r["time_s"] * 1e3 for _, r in pts], style, label=impl)
             ax[1, col].plot([m for m, _ in pts], [r["saved_bytes"] / 2**20 for _, r in pts], style, label=impl)
+            if impl == "fast":
+                ax[1, col].plot([m for m, _ in pts], [r["saved_other_bytes"] / 2**20 for _, r in pts], "o:",
+                                color="C0", alpha=0.6, label="fast, beyond inputs")
         ax[0, col].set(title=f"R={R}, C={C}", yscale="log", xlabel="regions M")
         ax[1, col].set(yscale="log", xlabel="regions M")
     ax[0, 0].set_ylabel("fwd+bwd time (ms)"); ax[1, 0].set_ylabel("saved for backward (MiB)")
-    ax[0, 0].legend(fontsize=8)
+    ax[0, 0].legend(fontsize=8); ax[1, 0].legend(fontsize=8)
     fig.suptitle(f"powerset loss, fp32, {meta['machine']}", fontsize=10)
     fig.tight_layout(); fig.savefig(path, dpi=110)
 
@@ -245,7 +249,11 @@ def main():
                     "is steadier: two OpenMP threads that lose their core to another process wait for each other)")
     ap.add_argument("--cc3m", type=Path, default=CC3M, help="CC3M validation TSV for the node counts")
     ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the md and png from results/powerset_scale_TAG.json")
     a = ap.parse_args()
+    if a.report_only:
+        data = json.loads((OUT / f"powerset_scale_{a.tag}.json").read_text())
+        return report(data["rows"], data["meta"], a.tag)
 
     nc = node_count_hist(a.cc3m)
     print("node counts:", nc["source"])

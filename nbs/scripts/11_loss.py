@@ -56,6 +56,12 @@ from torch.testing import assert_close
 # itself lives in `powerclip.dist`; the functions here are pure and take the gathered tensors as arguments.
 # On one process `*_all` is simply the local batch and the two blocks are one matrix and its transpose,
 # which `powerset_triplet_loss` computes once.
+#
+# **Packed nodes across processes.** The tree nodes travel packed (`PowersetInputs` with `phrases (P, D)` and
+# `node_text (P,)`, `10a_powerset_fast`): the gathered `phrases` are the processes' packed phrases concatenated
+# in rank order, and the gathered `node_text` is each process's `node_text` plus the number of rows before it
+# (`rank * R` when every process holds R rows), which keeps it sorted. Nothing is padded to the longest
+# caption, and the loss keeps $O(RC)$ for backward beyond its inputs, whatever $M$ and $K$.
 
 # %% [markdown]
 # ## CLIP loss
