@@ -52,15 +52,16 @@ from powerclip.powerset import (
 # $Q\in\mathbb R^{C_i\times C_j\times M\times K}$, with $K$ padded to the longest caption. That is the readable
 # reference, and at the paper's scale it is the problem:
 #
-# * **Padding.** Parsed real captions have 7-8 tree nodes on average but a maximum of 40-64 in a batch of
-#   thousands, so $K_{\max}$ is 5-8 times the mean: most of $Q$ is padding.
+# * **Padding.** Parsed real captions have about 8 tree nodes on average, but the longest caption of a gathered
+#   batch of thousands has several times as many (CC3M: `benchmarks/results/cc3m_node_counts.json`), and every
+#   text is padded to it: most of $Q$ is padding.
 # * **Autograd keeps $Q$-sized tensors.** The aggregators' intermediate results ($Q$, $Q/\tau$, the activation,
-#   its mask, ...) are saved for backward: about 27 bytes per element of $R\times C\times M\times K$ in fp32, in
-#   each of the two directions of the local-row loss (local images against all texts, all images against
-#   local texts). At the paper's setting (global batch 4096 on 8 GPUs: $R=512$, $C=4096$, $M=10$,
-#   $K_{\max}\approx64$) that is about 35 GB for the loss alone.
+#   its mask, ...) are saved for backward, in both directions of the local-row loss (local images against all
+#   texts, all images against local texts): about 27 bytes per element of $R\times C\times M\times K_{\max}$ in
+#   fp32 (`benchmarks/results/powerset_scale_cpu.md`). At the paper's setting (global batch 4096 on 8 GPUs:
+#   $R=512$, $C=4096$, $M=10$, $K_{\max}\approx64$) that would be about 35 GB for the loss alone.
 #
-# This notebook removes both, without changing a single number:
+# This notebook removes both, without changing the result beyond rounding:
 #
 # 1. **Packed nodes.** The phrases of a batch travel as one $(P, D)$ matrix, $P=\sum_jK_j$, with the text index
 #    of each node (`node_text`, sorted). Every packed node is valid, so the node masks disappear; the sums,
@@ -433,7 +434,9 @@ def _block_backward(
 # **Blocks.** The budget `block_bytes` bounds one block of scores `(rb, M, pb)` in the aggregation dtype;
 # the transient memory of a block is a small multiple of it (the scores and a few elementwise temporaries).
 # Blocks hold whole texts, so every segment reduction stays inside a block; rows are split too when even the
-# longest single text does not fit with all rows.
+# longest single text does not fit with all rows. The default, 16 MiB, was chosen on a CPU, where a block
+# should stay near the caches; on a GPU a larger budget (a few hundred MiB) means fewer, larger kernels
+# (not measured here: this project's sessions had no GPU).
 #
 # **Precision.** Scores are reduced in float32 at least (float64 stays float64), as in `10_powerset`. Under
 # autocast the two score products run in the autocast dtype, like the dense reference's einsum, and the
