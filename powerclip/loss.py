@@ -11,11 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .powerset import nla_t1, nla_t2, powerset_scores, r2t_exact, t2r_exact, triplet
+from powerclip.powerset import (
+    nla_t1, nla_t2, powerset_scores, r2t_exact, r2t_singletons, t2r_exact, t2r_singletons, triplet,
+)
+from .powerset_fast import SbarSpec, pack_nodes, sbar_blocked, unpack_nodes
 
 # %% auto #0
-__all__ = ['contrastive_rows', 'symmetric_infonce', 'dot_similarity', 'clip_loss', 'PowerCLIPLossConfig', 'powerset_similarity',
-           'PowersetInputs', 'powerset_triplet_loss', 'powerclip_loss']
+__all__ = ['contrastive_rows', 'symmetric_infonce', 'dot_similarity', 'clip_loss', 'PowerCLIPLossConfig', 'PowersetInputs',
+           'powerset_similarity', 'powerset_triplet_loss', 'powerclip_loss']
 
 # %% ../nbs/11_loss.ipynb #d22d3f91
 def _is_local(x_all, x) -> bool:
@@ -84,42 +87,73 @@ class PowerCLIPLossConfig:
     use_r2t: bool = True      # False: ablation "w/o R2T agg." (Table 6)
     exact: bool = False       # True: exact powerset enumeration instead of the NLAs (O(2^M))
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
+    region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
+    impl: str = "fast"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K) reference
+    block_bytes: int = 16 << 20  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient memory
 
     def __post_init__(self):
         if not (self.use_t2r or self.use_r2t):
             raise ValueError("at least one of use_t2r / use_r2t must be on (set lam=0 to drop the triplet loss)")
         if self.tau <= 0 or not 0 <= self.alpha <= 1:
             raise ValueError(f"need tau > 0 and alpha in [0, 1], got tau={self.tau}, alpha={self.alpha}")
+        if self.impl not in ("fast", "dense") or self.block_bytes < 1:
+            raise ValueError(f"need impl 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, block_bytes={self.block_bytes}")
+
+    def sbar_spec(self) -> SbarSpec:
+        "The switches of S-bar, for the fast path."
+        return SbarSpec(tau=self.tau, alpha=self.alpha, t1_act=self.t1_act, t2_act=self.t2_act, use_t2r=self.use_t2r,
+                        use_r2t=self.use_r2t, debias_t2=self.debias_t2, region_sets=self.region_sets,
+                        block_bytes=self.block_bytes)
+
+
+@dataclass
+class PowersetInputs:
+    """What the powerset loss needs of a batch (local, or gathered across processes). Tree nodes come padded,
+    `phrases (C, K, D)` with `node_valid (C, K)`, or packed, `phrases (P, D)` with `node_text (P,)`: the row
+    (text) of each node, sorted, every row with at least one node (`10a_powerset_fast`)."""
+    regions: torch.Tensor       # (C, M, D) region embeddings phi(I | R_m) (Eq. 2)
+    region_valid: torch.Tensor  # (C, M) bool
+    phrases: torch.Tensor       # (C, K, D) padded or (P, D) packed phrase embeddings p_B (Eq. 3)
+    node_valid: torch.Tensor | None = None  # (C, K) bool: padded layout
+    node_text: torch.Tensor | None = None   # (P,) long: packed layout
+
+    def __post_init__(self):
+        if (self.node_valid is None) == (self.node_text is None):
+            raise ValueError("PowersetInputs needs exactly one of node_valid (padded phrases) and node_text (packed phrases)")
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (P, D), node_text (P,)
+        return (self.phrases, self.node_text) if self.node_valid is None else pack_nodes(self.phrases, self.node_valid)
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (C, K, D), node_valid (C, K)
+        return ((self.phrases, self.node_valid) if self.node_text is None
+                else unpack_nodes(self.phrases, self.node_text, self.regions.shape[0]))
 
 
 def powerset_similarity(
-    regions: torch.Tensor,       # (Ci, M, D) region embeddings
-    region_valid: torch.Tensor,  # (Ci, M) bool
-    phrases: torch.Tensor,       # (Cj, K, D) phrase embeddings
-    node_valid: torch.Tensor,    # (Cj, K) bool
+    images: PowersetInputs,   # (Ci, ...): its regions are used
+    texts: PowersetInputs,    # (Cj, ...): its phrases are used
     cfg: PowerCLIPLossConfig,
-) -> torch.Tensor:               # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
-    "S-bar = NLA-T1 + NLA-T2 of every image against every text (or the exact Q<- + Q->), per cfg's switches."
-    Q = powerset_scores(regions, region_valid, phrases)  # (Ci, Cj, M, K)
+) -> torch.Tensor:            # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
+    "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
+    if cfg.impl == "fast" and not cfg.exact:
+        phrases, node_text = texts.packed()
+        return sbar_blocked(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0], cfg.sbar_spec())
+    phrases, node_valid = texts.padded()
+    rv = images.region_valid
+    Q = powerset_scores(images.regions, rv, phrases)  # (Ci, Cj, M, K)
     S = Q.new_zeros(Q.shape[:2], dtype=torch.promote_types(Q.dtype, torch.float32))
+    if not cfg.region_sets:  # single regions: exact by definition, whatever cfg.exact says
+        if cfg.use_t2r: S = S + t2r_singletons(Q, rv, node_valid)
+        if cfg.use_r2t: S = S + r2t_singletons(Q, rv, node_valid)
+        return S
     if cfg.use_t2r:
-        S = S + (t2r_exact(Q, region_valid, node_valid) if cfg.exact
-                 else nla_t1(Q, region_valid, node_valid, cfg.tau, cfg.t1_act))
+        S = S + (t2r_exact(Q, rv, node_valid) if cfg.exact else nla_t1(Q, rv, node_valid, cfg.tau, cfg.t1_act))
     if cfg.use_r2t:
-        S = S + (r2t_exact(Q, region_valid, node_valid) if cfg.exact
-                 else nla_t2(Q, region_valid, node_valid, cfg.tau, cfg.alpha, cfg.t2_act, cfg.debias_t2))
+        S = S + (r2t_exact(Q, rv, node_valid) if cfg.exact
+                 else nla_t2(Q, rv, node_valid, cfg.tau, cfg.alpha, cfg.t2_act, cfg.debias_t2))
     return S
 
 # %% ../nbs/11_loss.ipynb #60361a2b
-@dataclass
-class PowersetInputs:
-    "What the powerset loss needs of a batch (local, or gathered across processes)."
-    regions: torch.Tensor       # (C, M, D) region embeddings phi(I | R_m) (Eq. 2)
-    region_valid: torch.Tensor  # (C, M) bool
-    phrases: torch.Tensor       # (C, K, D) phrase embeddings p_B (Eq. 3)
-    node_valid: torch.Tensor    # (C, K) bool
-
-
 def powerset_triplet_loss(
     local: PowersetInputs,                 # this process's R pairs
     gathered: PowersetInputs | None = None,  # all C pairs (None: single process, gathered = local)
@@ -129,7 +163,7 @@ def powerset_triplet_loss(
     "Phi(S-bar) over the local image rows + Phi(S-bar^T) over the local text rows (Eq. 8)."
     R = local.regions.shape[0]
     pos = torch.arange(R, device=local.regions.device) + offset  # (R,)
-    sim = lambda a, b: powerset_similarity(a.regions, a.region_valid, b.phrases, b.node_valid, cfg)  # images a, texts b
+    sim = lambda a, b: powerset_similarity(a, b, cfg)                      # regions of images a, phrases of texts b
     S_img, S_txt = contrastive_rows(sim, local, local, gathered, gathered)  # (R, C) each
     with torch.no_grad():  # for logging: mean positive and mean negative similarity of the local image rows
         diag = torch.zeros_like(S_img, dtype=torch.bool).scatter_(1, pos[:, None], True)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['NLA_T1_ACTS', 'NLA_T2_INTEGRALS', 'pool_normalize', 'phrase_embeddings', 'powerset_scores', 'subset_matrix',
-           'subset_scores', 't2r_exact', 'r2t_exact', 'nla_t1', 'nla_t2', 'triplet']
+           'subset_scores', 't2r_exact', 'r2t_exact', 'softplus_exact', 'nla_t1', 'nla_t2', 't2r_singletons',
+           'r2t_singletons', 'triplet']
 
 # %% ../nbs/10_powerset.ipynb #2eed6e02
 def pool_normalize(
@@ -87,9 +88,28 @@ def _agg_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+class _SoftplusExact(torch.autograd.Function):
+    # an autograd Function so that backward keeps only x (as F.softplus does), not the five intermediates
+    @staticmethod
+    def forward(ctx, x, beta):
+        z = x * beta
+        ctx.save_for_backward(x); ctx.beta = beta
+        return (F.relu(z) + torch.log1p(torch.exp(-z.abs().clamp(max=60.0)))) / beta
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.sigmoid(x * ctx.beta), None
+
+
+def softplus_exact(x: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    "log(1 + e^(beta x)) / beta for every finite x, as (max(z, 0) + log1p(e^-|z|)) / beta, z = beta x; no threshold."
+    return _SoftplusExact.apply(x, beta)
+
+
 NLA_T1_ACTS = {
     # tau * Act(x / tau), written so that no intermediate overflows for |x / tau| up to ~1e38.
-    "softplus": lambda x, tau: F.softplus(x, beta=1.0 / tau),
+    "softplus": lambda x, tau: softplus_exact(x, 1.0 / tau),
     "relu": lambda x, tau: F.relu(x),
     "gelu": lambda x, tau: tau * F.gelu(x / tau),
     "swish": lambda x, tau: tau * F.silu(x / tau),
@@ -116,8 +136,8 @@ _LOG2 = math.log(2.0)
 
 NLA_T2_INTEGRALS = {
     # integral of Act with value 0 at 0, overflow-free for any finite x
-    "tanh": lambda x: x.abs() + F.softplus(-2.0 * x.abs()) - _LOG2,  # log cosh x
-    "sigmoid": lambda x: F.softplus(x) - _LOG2,                      # log(1 + e^x) - log 2
+    "tanh": lambda x: x.abs() + softplus_exact(-2.0 * x.abs()) - _LOG2,  # log cosh x
+    "sigmoid": lambda x: softplus_exact(x) - _LOG2,                      # log(1 + e^x) - log 2
     "softsign": lambda x: x.abs() - torch.log1p(x.abs()),            # |x| - log(1 + |x|)
 }
 
@@ -143,6 +163,31 @@ def nla_t2(
         if debias:
             out = out + tau * alpha * _LOG2 * region_valid.sum(-1).to(dt)[:, None]
         return out
+
+# %% ../nbs/10_powerset.ipynb #01791a52
+def t2r_singletons(
+    Q: torch.Tensor,             # (Ci, Cj, M, K) from powerset_scores
+    region_valid: torch.Tensor,  # (Ci, M) bool
+    node_valid: torch.Tensor,    # (Cj, K) bool
+) -> torch.Tensor:               # (Ci, Cj)
+    "T2R w/o region sets: mean over valid nodes B of the max over valid single regions m (0 with no region)."
+    _check_nodes(node_valid)
+    best = Q.masked_fill(~region_valid[:, None, :, None], float("-inf")).amax(2)  # (Ci, Cj, K)
+    best = best.masked_fill(~region_valid.any(1)[:, None, None], 0.0)            # no region: 0, not -inf
+    w = node_valid.to(Q.dtype)[None]                                              # (1, Cj, K)
+    return (best * w).sum(-1) / w.sum(-1)
+
+
+def r2t_singletons(
+    Q: torch.Tensor,             # (Ci, Cj, M, K) from powerset_scores
+    region_valid: torch.Tensor,  # (Ci, M) bool
+    node_valid: torch.Tensor,    # (Cj, K) bool
+) -> torch.Tensor:               # (Ci, Cj)
+    "R2T w/o region sets: mean over valid single regions m of the max over valid nodes B (0 with no region)."
+    _check_nodes(node_valid)
+    best = Q.masked_fill(~node_valid[None, :, None, :], float("-inf")).amax(-1)  # (Ci, Cj, M)
+    w = region_valid.to(Q.dtype)[:, None]                                         # (Ci, 1, M)
+    return (best * w).sum(-1) / w.sum(-1).clamp_min(1)
 
 # %% ../nbs/10_powerset.ipynb #1c2906c6
 def triplet(

@@ -243,9 +243,15 @@ print("exact oracle == loop definitions on", _C * _C, "padded pairs")
 # **Padding.** $\tau\,\mathrm{softplus}(0)=\tau\log 2\neq 0$, so invalid regions must be masked *after* the
 # activation, not just by their zero score; invalid nodes are left out of the mean.
 #
-# **Stability.** `F.softplus(x, beta=1/tau)` equals $\tau\,\mathrm{softplus}(x/\tau)$ and switches to the
-# identity above `beta * x > 20`, so scores of size 20+ at $\tau=10^{-3}$ ($x/\tau=2\cdot10^4$) neither overflow nor
-# lose their gradient. All aggregation runs in at least float32, also under bf16 autocast.
+# **Stability.** Softplus is evaluated as $\mathrm{softplus}(z)=\max(z,0)+\log(1+e^{-|z|})$ (`softplus_exact`),
+# which never overflows, so scores of size 20+ at $\tau=10^{-3}$ ($z=2\cdot10^4$) keep their value and gradient.
+# Two details of floating point decide the form (a small autograd Function, so that backward keeps only its
+# input, as `F.softplus` does). `F.softplus` returns $z$ itself above $z=20$, dropping up to
+# $e^{-20}\approx2\cdot10^{-9}$; we keep the exact function (so the theory notebooks need no allowance, and the
+# fast path of `10a_powerset_fast` matches this one to rounding). And at $\tau=10^{-3}$ most $|z|$ are in the
+# hundreds, where float32 $e^{-|z|}$ is a subnormal number and `exp` runs about ten times slower on x86; the
+# exponent is therefore floored at $-60$, whose $e^{-60}\approx9\cdot10^{-27}$ is below the rounding of every
+# result here. All aggregation runs in at least float32, also under bf16 autocast.
 
 # %%
 #| export
@@ -254,9 +260,28 @@ def _agg_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+class _SoftplusExact(torch.autograd.Function):
+    # an autograd Function so that backward keeps only x (as F.softplus does), not the five intermediates
+    @staticmethod
+    def forward(ctx, x, beta):
+        z = x * beta
+        ctx.save_for_backward(x); ctx.beta = beta
+        return (F.relu(z) + torch.log1p(torch.exp(-z.abs().clamp(max=60.0)))) / beta
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.sigmoid(x * ctx.beta), None
+
+
+def softplus_exact(x: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    "log(1 + e^(beta x)) / beta for every finite x, as (max(z, 0) + log1p(e^-|z|)) / beta, z = beta x; no threshold."
+    return _SoftplusExact.apply(x, beta)
+
+
 NLA_T1_ACTS = {
     # tau * Act(x / tau), written so that no intermediate overflows for |x / tau| up to ~1e38.
-    "softplus": lambda x, tau: F.softplus(x, beta=1.0 / tau),
+    "softplus": lambda x, tau: softplus_exact(x, 1.0 / tau),
     "relu": lambda x, tau: F.relu(x),
     "gelu": lambda x, tau: tau * F.gelu(x / tau),
     "swish": lambda x, tau: tau * F.silu(x / tau),
@@ -297,6 +322,14 @@ for trial in range(20):
         bound = tau * rv.sum(1).double()[:, None] * math.log(2)               # tau * M_i * log 2
         assert (gap >= -1e-12).all() and (gap <= bound + 1e-12).all(), (trial, tau)
 print("NLA-T1: ReLU exact, softplus inside [T2R, T2R + tau M log 2] on all cases")
+# softplus_exact is F.softplus without its threshold: equal below z = 20, and above it closer to log(1 + e^z)
+_z = torch.linspace(-800, 800, 16001, dtype=torch.float64)
+assert_close(softplus_exact(_z)[_z <= 20], F.softplus(_z)[_z <= 20], rtol=1e-15, atol=1e-26)
+_hi = (_z > 20) & (_z < 30)  # where F.softplus returns z itself
+assert_close(softplus_exact(_z)[_hi] - _z[_hi], torch.exp(-_z[_hi]), rtol=0.05, atol=0)
+assert torch.isfinite(softplus_exact(_z.float())).all()
+_zz = (_z[::50] / 300).requires_grad_()
+assert gradcheck(lambda x: softplus_exact(x, 30.0), (_zz,))
 
 # %% [markdown]
 # ## NLA-T2: R2T in O(M) (Definition 2, Theorem 2)
@@ -335,8 +368,8 @@ _LOG2 = math.log(2.0)
 
 NLA_T2_INTEGRALS = {
     # integral of Act with value 0 at 0, overflow-free for any finite x
-    "tanh": lambda x: x.abs() + F.softplus(-2.0 * x.abs()) - _LOG2,  # log cosh x
-    "sigmoid": lambda x: F.softplus(x) - _LOG2,                      # log(1 + e^x) - log 2
+    "tanh": lambda x: x.abs() + softplus_exact(-2.0 * x.abs()) - _LOG2,  # log cosh x
+    "sigmoid": lambda x: softplus_exact(x) - _LOG2,                      # log(1 + e^x) - log 2
     "softsign": lambda x: x.abs() - torch.log1p(x.abs()),            # |x| - log(1 + |x|)
 }
 
@@ -408,6 +441,68 @@ assert_close(_lhs, _rhs, rtol=1e-13, atol=1e-13)
 
 
 # %% [markdown]
+# ## Without region sets: the Table 6 ablation
+#
+# Table 6's row "w/o region sets" replaces region *sets* by *individual* regions: the families of subsets
+# in Eqs. 6-7 shrink to the $M_i$ singletons $\{R_m\}$, so
+# $$Q^{\leftarrow,1}_{i,j}=\frac1{K_j}\sum_{B\in\mathcal T_j}\max_{m\le M_i}Q_{i,j,m,B},\qquad
+#   Q^{\rightarrow,1}_{i,j}=\frac1{M_i}\sum_{m\le M_i}\max_{B\in\mathcal T_j}Q_{i,j,m,B}.$$
+# We compute these **exactly, with a hard max**: the NLAs exist only because the max (and the mean) over
+# $2^M$ subsets cannot be enumerated; over $M_i$ singletons the max costs $O(M)$, the same as an NLA, so an
+# approximation would buy nothing and would mix a second change ($\tau$-smoothing) into the ablation. The
+# switch therefore ignores `tau`, `alpha`, the activations and `exact`. The empty set is not a singleton, so
+# the T2R max may be negative (unlike $\max_A Q_{A,B}\ge0$ with the empty set). An image with no valid region
+# has no candidate at all; it scores $0$, the value both powerset forms give it (its only subset is the
+# empty one). The gradient is torch's subgradient of `amax`: it flows to the maximising region (node), shared
+# evenly between exact ties.
+
+# %%
+#| export
+def t2r_singletons(
+    Q: torch.Tensor,             # (Ci, Cj, M, K) from powerset_scores
+    region_valid: torch.Tensor,  # (Ci, M) bool
+    node_valid: torch.Tensor,    # (Cj, K) bool
+) -> torch.Tensor:               # (Ci, Cj)
+    "T2R w/o region sets: mean over valid nodes B of the max over valid single regions m (0 with no region)."
+    _check_nodes(node_valid)
+    best = Q.masked_fill(~region_valid[:, None, :, None], float("-inf")).amax(2)  # (Ci, Cj, K)
+    best = best.masked_fill(~region_valid.any(1)[:, None, None], 0.0)            # no region: 0, not -inf
+    w = node_valid.to(Q.dtype)[None]                                              # (1, Cj, K)
+    return (best * w).sum(-1) / w.sum(-1)
+
+
+def r2t_singletons(
+    Q: torch.Tensor,             # (Ci, Cj, M, K) from powerset_scores
+    region_valid: torch.Tensor,  # (Ci, M) bool
+    node_valid: torch.Tensor,    # (Cj, K) bool
+) -> torch.Tensor:               # (Ci, Cj)
+    "R2T w/o region sets: mean over valid single regions m of the max over valid nodes B (0 with no region)."
+    _check_nodes(node_valid)
+    best = Q.masked_fill(~node_valid[None, :, None, :], float("-inf")).amax(-1)  # (Ci, Cj, M)
+    w = region_valid.to(Q.dtype)[:, None]                                         # (Ci, 1, M)
+    return (best * w).sum(-1) / w.sum(-1).clamp_min(1)
+
+
+# %% [markdown]
+# Against the definitions as loops, with padding on both sides and an image without any valid region:
+
+# %%
+_g = torch.Generator().manual_seed(5)
+_Q = torch.randn(3, 3, 4, 3, generator=_g, dtype=torch.float64)
+_rv = torch.tensor([[1, 1, 1, 1], [0, 1, 0, 1], [0, 0, 0, 0]], dtype=torch.bool)
+_nv = torch.tensor([[1, 1, 1], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)
+_Q = _Q * _rv[:, None, :, None]
+_a, _b = t2r_singletons(_Q, _rv, _nv), r2t_singletons(_Q, _rv, _nv)
+for i in range(3):
+    for j in range(3):
+        ms, bs = _rv[i].nonzero().flatten().tolist(), _nv[j].nonzero().flatten().tolist()
+        t = sum(max(float(_Q[i, j, m, B]) for m in ms) for B in bs) / len(bs) if ms else 0.0
+        r = sum(max(float(_Q[i, j, m, B]) for B in bs) for m in ms) / len(ms) if ms else 0.0
+        assert abs(t - float(_a[i, j])) < 1e-12 and abs(r - float(_b[i, j])) < 1e-12, (i, j)
+assert (t2r_singletons(_Q, _rv, _nv) <= t2r_exact(_Q, _rv, _nv) + 1e-12).all()  # singletons are a sub-family
+
+
+# %% [markdown]
 # ## The triplet loss (Eq. 9)
 #
 # $\Phi_\gamma(X)=\frac1C\sum_i\max\big(\max_{j\ne i}X_{i,j}-X_{i,i}+\gamma,\,0\big)$: the hardest negative
@@ -466,10 +561,11 @@ for name, agg in {
     **{f"t1-{a}": (lambda Q, a=a: nla_t1(Q, _rv, _nv, 0.3, a)) for a in NLA_T1_ACTS},
     **{f"t2-{a}": (lambda Q, a=a: nla_t2(Q, _rv, _nv, 0.3, 0.75, a)) for a in NLA_T2_INTEGRALS},
     "t2r-exact": lambda Q: t2r_exact(Q, _rv, _nv), "r2t-exact": lambda Q: r2t_exact(Q, _rv, _nv),
+    "t2r-single": lambda Q: t2r_singletons(Q, _rv, _nv), "r2t-single": lambda Q: r2t_singletons(Q, _rv, _nv),
     "triplet": lambda Q: triplet(nla_t1(Q, _rv, _nv, 0.3) + nla_t2(Q, _rv, _nv, 0.3), torch.arange(_C)),
 }.items():
     assert gradcheck(lambda p, t: _pipeline(p, t, agg), (_patches, _tokens), eps=1e-6, atol=1e-5), name
-print("gradcheck passed for", len(NLA_T1_ACTS) + len(NLA_T2_INTEGRALS) + 3, "functions")
+print("gradcheck passed for", len(NLA_T1_ACTS) + len(NLA_T2_INTEGRALS) + 5, "functions")
 
 # %% [markdown]
 # At the paper's $\tau=10^{-3}$, with scores of size 20 and more, in float32 and under bf16 autocast, every
@@ -498,5 +594,9 @@ print(f"tau=1e-3, |Q| up to {_Q64.abs().max():.0f}: finite in fp32 and bf16 auto
 # ## Cost
 #
 # NLA-T1 and NLA-T2 touch each of the $C_iC_jMK$ scores a constant number of times: $O(M)$ per
-# (pair, node), against $O(2^M)$ for the oracle. `benchmarks/cost_scaling.py` measures time and memory of
-# both as $M$ grows (the analogue of the supplement's Fig. 9).
+# (pair, node), against $O(2^M)$ for the oracle. But the functions above *materialise* `Q`, with $K$ padded
+# to the longest caption, and autograd keeps several tensors of its size for backward: memory $O(C_iC_jMK)$.
+# They stay as the readable reference; `10a_powerset_fast` computes the same $\bar S$ from packed tree nodes
+# in column blocks whose backward recomputes the scores (memory $O(C_iC_j)$ beyond the inputs), tested
+# against these functions, and `benchmarks/powerset_scale.py` measures both (the analogue of the
+# supplement's Fig. 9).

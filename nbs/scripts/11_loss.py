@@ -26,7 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from powerclip.powerset import nla_t1, nla_t2, powerset_scores, r2t_exact, t2r_exact, triplet
+from powerclip.powerset import (
+    nla_t1, nla_t2, powerset_scores, r2t_exact, r2t_singletons, t2r_exact, t2r_singletons, triplet,
+)
+from powerclip.powerset_fast import SbarSpec, pack_nodes, sbar_blocked, unpack_nodes
 
 # %%
 #| hide
@@ -54,6 +57,12 @@ from torch.testing import assert_close
 # itself lives in `powerclip.dist`; the functions here are pure and take the gathered tensors as arguments.
 # On one process `*_all` is simply the local batch and the two blocks are one matrix and its transpose,
 # which the skeleton below (`contrastive_rows`) computes once; every loss of the project is written on it.
+#
+# **Packed nodes across processes.** The tree nodes travel packed (`PowersetInputs` with `phrases (P, D)` and
+# `node_text (P,)`, `10a_powerset_fast`): the gathered `phrases` are the processes' packed phrases concatenated
+# in rank order, and the gathered `node_text` is each process's `node_text` plus the number of rows before it
+# (`rank * R` when every process holds R rows), which keeps it sorted. Nothing is padded to the longest
+# caption, and the loss keeps $O(RC)$ for backward beyond its inputs, whatever $M$ and $K$.
 
 # %% [markdown]
 # ## The local-row skeleton
@@ -178,7 +187,9 @@ assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone
 # | `gamma` | 1.0 | not given: our choice, see `10_powerset` |
 # | `t1_act`, `t2_act` | softplus, tanh | Table 8 |
 # | `use_t2r`, `use_r2t` | True | Table 6 ablations "w/o T2R agg.", "w/o R2T agg." |
+# | `region_sets` | True | False: Table 6 ablation "w/o region sets", single regions with a hard max (`10_powerset`) |
 # | `exact` | False | enumerate the $2^M$ subsets instead of the NLAs (small $M$ only; Fig. 9 "without approximation") |
+# | `impl`, `block_bytes` | `'fast'`, 16 MiB | how $\bar S$ is computed: blocked from packed nodes (`10a_powerset_fast`), or the dense reference |
 
 # %%
 #| export
@@ -194,30 +205,70 @@ class PowerCLIPLossConfig:
     use_r2t: bool = True      # False: ablation "w/o R2T agg." (Table 6)
     exact: bool = False       # True: exact powerset enumeration instead of the NLAs (O(2^M))
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
+    region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
+    impl: str = "fast"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K) reference
+    block_bytes: int = 16 << 20  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient memory
 
     def __post_init__(self):
         if not (self.use_t2r or self.use_r2t):
             raise ValueError("at least one of use_t2r / use_r2t must be on (set lam=0 to drop the triplet loss)")
         if self.tau <= 0 or not 0 <= self.alpha <= 1:
             raise ValueError(f"need tau > 0 and alpha in [0, 1], got tau={self.tau}, alpha={self.alpha}")
+        if self.impl not in ("fast", "dense") or self.block_bytes < 1:
+            raise ValueError(f"need impl 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, block_bytes={self.block_bytes}")
+
+    def sbar_spec(self) -> SbarSpec:
+        "The switches of S-bar, for the fast path."
+        return SbarSpec(tau=self.tau, alpha=self.alpha, t1_act=self.t1_act, t2_act=self.t2_act, use_t2r=self.use_t2r,
+                        use_r2t=self.use_r2t, debias_t2=self.debias_t2, region_sets=self.region_sets,
+                        block_bytes=self.block_bytes)
+
+
+@dataclass
+class PowersetInputs:
+    """What the powerset loss needs of a batch (local, or gathered across processes). Tree nodes come padded,
+    `phrases (C, K, D)` with `node_valid (C, K)`, or packed, `phrases (P, D)` with `node_text (P,)`: the row
+    (text) of each node, sorted, every row with at least one node (`10a_powerset_fast`)."""
+    regions: torch.Tensor       # (C, M, D) region embeddings phi(I | R_m) (Eq. 2)
+    region_valid: torch.Tensor  # (C, M) bool
+    phrases: torch.Tensor       # (C, K, D) padded or (P, D) packed phrase embeddings p_B (Eq. 3)
+    node_valid: torch.Tensor | None = None  # (C, K) bool: padded layout
+    node_text: torch.Tensor | None = None   # (P,) long: packed layout
+
+    def __post_init__(self):
+        if (self.node_valid is None) == (self.node_text is None):
+            raise ValueError("PowersetInputs needs exactly one of node_valid (padded phrases) and node_text (packed phrases)")
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (P, D), node_text (P,)
+        return (self.phrases, self.node_text) if self.node_valid is None else pack_nodes(self.phrases, self.node_valid)
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (C, K, D), node_valid (C, K)
+        return ((self.phrases, self.node_valid) if self.node_text is None
+                else unpack_nodes(self.phrases, self.node_text, self.regions.shape[0]))
 
 
 def powerset_similarity(
-    regions: torch.Tensor,       # (Ci, M, D) region embeddings
-    region_valid: torch.Tensor,  # (Ci, M) bool
-    phrases: torch.Tensor,       # (Cj, K, D) phrase embeddings
-    node_valid: torch.Tensor,    # (Cj, K) bool
+    images: PowersetInputs,   # (Ci, ...): its regions are used
+    texts: PowersetInputs,    # (Cj, ...): its phrases are used
     cfg: PowerCLIPLossConfig,
-) -> torch.Tensor:               # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
-    "S-bar = NLA-T1 + NLA-T2 of every image against every text (or the exact Q<- + Q->), per cfg's switches."
-    Q = powerset_scores(regions, region_valid, phrases)  # (Ci, Cj, M, K)
+) -> torch.Tensor:            # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
+    "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
+    if cfg.impl == "fast" and not cfg.exact:
+        phrases, node_text = texts.packed()
+        return sbar_blocked(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0], cfg.sbar_spec())
+    phrases, node_valid = texts.padded()
+    rv = images.region_valid
+    Q = powerset_scores(images.regions, rv, phrases)  # (Ci, Cj, M, K)
     S = Q.new_zeros(Q.shape[:2], dtype=torch.promote_types(Q.dtype, torch.float32))
+    if not cfg.region_sets:  # single regions: exact by definition, whatever cfg.exact says
+        if cfg.use_t2r: S = S + t2r_singletons(Q, rv, node_valid)
+        if cfg.use_r2t: S = S + r2t_singletons(Q, rv, node_valid)
+        return S
     if cfg.use_t2r:
-        S = S + (t2r_exact(Q, region_valid, node_valid) if cfg.exact
-                 else nla_t1(Q, region_valid, node_valid, cfg.tau, cfg.t1_act))
+        S = S + (t2r_exact(Q, rv, node_valid) if cfg.exact else nla_t1(Q, rv, node_valid, cfg.tau, cfg.t1_act))
     if cfg.use_r2t:
-        S = S + (r2t_exact(Q, region_valid, node_valid) if cfg.exact
-                 else nla_t2(Q, region_valid, node_valid, cfg.tau, cfg.alpha, cfg.t2_act, cfg.debias_t2))
+        S = S + (r2t_exact(Q, rv, node_valid) if cfg.exact
+                 else nla_t2(Q, rv, node_valid, cfg.tau, cfg.alpha, cfg.t2_act, cfg.debias_t2))
     return S
 
 
@@ -226,15 +277,6 @@ def powerset_similarity(
 
 # %%
 #| export
-@dataclass
-class PowersetInputs:
-    "What the powerset loss needs of a batch (local, or gathered across processes)."
-    regions: torch.Tensor       # (C, M, D) region embeddings phi(I | R_m) (Eq. 2)
-    region_valid: torch.Tensor  # (C, M) bool
-    phrases: torch.Tensor       # (C, K, D) phrase embeddings p_B (Eq. 3)
-    node_valid: torch.Tensor    # (C, K) bool
-
-
 def powerset_triplet_loss(
     local: PowersetInputs,                 # this process's R pairs
     gathered: PowersetInputs | None = None,  # all C pairs (None: single process, gathered = local)
@@ -244,7 +286,7 @@ def powerset_triplet_loss(
     "Phi(S-bar) over the local image rows + Phi(S-bar^T) over the local text rows (Eq. 8)."
     R = local.regions.shape[0]
     pos = torch.arange(R, device=local.regions.device) + offset  # (R,)
-    sim = lambda a, b: powerset_similarity(a.regions, a.region_valid, b.phrases, b.node_valid, cfg)  # images a, texts b
+    sim = lambda a, b: powerset_similarity(a, b, cfg)                      # regions of images a, phrases of texts b
     S_img, S_txt = contrastive_rows(sim, local, local, gathered, gathered)  # (R, C) each
     with torch.no_grad():  # for logging: mean positive and mean negative similarity of the local image rows
         diag = torch.zeros_like(S_img, dtype=torch.bool).scatter_(1, pos[:, None], True)
@@ -311,12 +353,54 @@ print({k: round(float(v), 4) for k, v in _full.items()})
 
 # %%
 for cfg in (_cfg, PowerCLIPLossConfig(tau=0.05, use_r2t=False), PowerCLIPLossConfig(tau=0.05, use_t2r=False),
-            PowerCLIPLossConfig(tau=0.05, exact=True)):
+            PowerCLIPLossConfig(tau=0.05, exact=True), PowerCLIPLossConfig(tau=0.05, impl="dense"),
+            PowerCLIPLossConfig(region_sets=False)):
     full = powerclip_loss(_img, _txt, _s, _inp, cfg)
     parts = [powerclip_loss(_img[sl], _txt[sl], _s, _rows(_inp, sl), cfg, _img, _txt, _inp, off)
              for sl, off in ((slice(0, 3), 0), (slice(3, 6), 3))]
     for k in ("clip", "powerset"):
         assert_close((parts[0][k] + parts[1][k]) / 2, full[k])
+
+# %% [markdown]
+# The fast path against the dense reference through the whole loss, for each switch, with the tree nodes
+# padded or packed, on one process and in the local-row form of two: values and gradients (regions,
+# phrases, global embeddings) agree to $10^{-9}$ in float64. (`10a_powerset_fast` tests $\bar S$ itself on
+# every activation and on ragged cases.)
+
+# %%
+def _packed(inp):
+    ph, nt = inp.packed()
+    return PowersetInputs(inp.regions, inp.region_valid, ph, node_text=nt)
+
+def _grads(cfg, packed, two_procs):
+    "Loss and its gradients w.r.t. regions, phrases (padded layout), image and text embeddings."
+    reg, ph, img, txt = (t.clone().requires_grad_() for t in (_inp.regions, _inp.phrases, _img, _txt))
+    inp = PowersetInputs(reg, _inp.region_valid, ph, _inp.node_valid)
+    inp = _packed(inp) if packed else inp
+    if two_procs:
+        rows = lambda sl: _packed(_rows(PowersetInputs(reg, _inp.region_valid, ph, _inp.node_valid), sl)) if packed else _rows(inp, sl)
+        outs = [powerclip_loss(img[sl], txt[sl], _s, rows(sl), cfg, img, txt, inp, off)
+                for sl, off in ((slice(0, 3), 0), (slice(3, 6), 3))]
+        loss = sum(o["clip"] + o["powerset"] for o in outs) / 2
+    else:
+        out = powerclip_loss(img, txt, _s, inp, cfg)
+        loss = out["clip"] + out["powerset"]
+    return (loss.detach(), *torch.autograd.grad(loss, (reg, ph, img, txt)))
+
+for kw in (dict(tau=0.05), dict(tau=0.05, t1_act="gelu", t2_act="softsign"), dict(use_r2t=False), dict(use_t2r=False),
+           dict(tau=0.05, debias_t2=True), dict(region_sets=False), dict(region_sets=False, use_t2r=False),
+           dict(exact=True)):
+    ref = _grads(PowerCLIPLossConfig(impl="dense", gamma=5.0, **kw), packed=False, two_procs=False)
+    for packed in (False, True):
+        for two in (False, True):
+            got = _grads(PowerCLIPLossConfig(impl="fast", gamma=5.0, **kw), packed, two)
+            for a, b in zip(got, ref):
+                assert_close(a, b, rtol=0, atol=1e-9, msg=lambda m: f"{kw} packed={packed} two={two}: {m}")
+print("fast == dense through powerclip_loss (padded and packed nodes, one and two processes)")
+try: PowersetInputs(_inp.regions, _inp.region_valid, _inp.phrases); raise AssertionError
+except ValueError as e: assert "exactly one" in str(e)
+try: PowerCLIPLossConfig(impl="cuda"); raise AssertionError
+except ValueError as e: assert "impl" in str(e)
 
 # %% [markdown]
 # Against a per-pair reference written straight from Eqs. 6-9 with the exact oracle, and the exact switch
@@ -332,7 +416,7 @@ _phi = lambda X: sum(max(max(float(X[i, j]) for j in range(6) if j != i) - float
 assert abs(float(powerclip_loss(_img, _txt, _s, _inp, _cfgx)["powerset"]) - 0.1 * (_phi(_S) + _phi(_S.T))) < 1e-12
 # T2R: NLA-T1 is within tau*M*log2 of exact. R2T: NLA-T2 tends to Lambda(alpha), which only brackets the
 # exact R2T (Theorem 2), so its gap is of the order of Lambda(1) - Lambda(0), not of tau.
-_r = lambda **kw: powerset_similarity(_inp.regions, _inp.region_valid, _inp.phrases, _inp.node_valid, PowerCLIPLossConfig(**kw))
+_r = lambda **kw: powerset_similarity(_inp, _inp, PowerCLIPLossConfig(**kw))
 for part, kw in (("T2R", dict(use_r2t=False)), ("R2T", dict(use_t2r=False))):
     gap = (_r(tau=1e-4, **kw) - _r(exact=True, **kw)).abs().max()
     print(f"{part}: max |NLA - exact| at tau=1e-4: {float(gap):.2e}")
@@ -349,9 +433,10 @@ def _loss_of(regions, phrases, img, txt, cfg):
 
 _args = tuple(t.clone().requires_grad_() for t in (_inp.regions, _inp.phrases, _img, _txt))
 for cfg in (PowerCLIPLossConfig(tau=0.3, gamma=5.0), PowerCLIPLossConfig(tau=0.3, gamma=5.0, use_r2t=False),
-            PowerCLIPLossConfig(tau=0.3, gamma=5.0, use_t2r=False), PowerCLIPLossConfig(gamma=5.0, exact=True)):
+            PowerCLIPLossConfig(tau=0.3, gamma=5.0, use_t2r=False), PowerCLIPLossConfig(gamma=5.0, exact=True),
+            PowerCLIPLossConfig(gamma=5.0, region_sets=False), PowerCLIPLossConfig(tau=0.3, gamma=5.0, impl="dense")):
     assert gradcheck(lambda *a: _loss_of(*a, cfg), _args, eps=1e-6, atol=1e-5)
-print("gradcheck: total loss, w/o R2T, w/o T2R, exact")
+print("gradcheck: total loss, w/o R2T, w/o T2R, exact, w/o region sets, dense")
 
 # %% [markdown]
 # Stable at $\tau=10^{-3}$ under bf16 autocast: the aggregation runs in float32 inside, the loss and every

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from powerclip.powerset import (
-    NLA_T2_INTEGRALS, nla_t1, nla_t2, phrase_embeddings, powerset_scores, r2t_exact, subset_matrix, subset_scores,
-    t2r_exact, triplet,
+    NLA_T2_INTEGRALS, nla_t1, nla_t2, phrase_embeddings, powerset_scores, r2t_exact, softplus_exact, subset_matrix,
+    subset_scores, t2r_exact, triplet,
 )
 
 # %%
@@ -265,18 +265,13 @@ assert_close(0.01 * torch.logsumexp(_y / 0.01, 0) - _y.max(), torch.tensor(0.01 
 # overflow, and the log form (whose absolute error *is* the relative error of the linear form) everywhere,
 # for $M$ up to 14 ($16\,384$ subsets) and $|q/\tau|$ up to $\sim10^4$.
 #
-# One detail of floating point: `F.softplus` (and so `nla_t1`) returns $x$ itself for $x>20$ (its `threshold`),
-# dropping $\log(1+e^{-x})<e^{-20}\approx2\cdot10^{-9}$. That is harmless for training but visible at
-# $10^{-12}$, so the identity is checked with `softplus64`, the exact form $\max(x,0)+\log(1+e^{-|x|})$, and the
-# checks of `nla_t1` below allow for the dropped term: at most $\tau M e^{-20}$.
+# One detail of floating point: torch's `F.softplus` returns $x$ itself for $x>20$ (its `threshold`), dropping
+# $\log(1+e^{-x})<e^{-20}\approx2\cdot10^{-9}$, which is visible at $10^{-12}$. `nla_t1` therefore uses
+# `softplus_exact` (`10_powerset`), the form $\max(x,0)+\log(1+e^{-|x|})$ without a threshold, and so do the
+# checks below.
 
 # %%
 #| export
-def softplus64(x: torch.Tensor) -> torch.Tensor:
-    "log(1 + e^x) to full precision for every x (torch's F.softplus returns x itself above x = 20)."
-    return x.clamp_min(0) + torch.log1p(torch.exp(-x.abs()))
-
-
 def check_softplus_expansion(M_max: int = 14, n_per_M: int = 20, seed: int = 0, tol: float = 1e-12) -> CheckRow:
     "Eqs. 36-39: sum_m softplus(x_m) == log sum_A exp(x_A) over all 2^M subsets A (empty one included)."
     g = torch.Generator().manual_seed(seed)
@@ -285,7 +280,7 @@ def check_softplus_expansion(M_max: int = 14, n_per_M: int = 20, seed: int = 0, 
         S = subset_matrix(M, torch.float64)                               # (2^M, M)
         for k in range(n_per_M):
             x = torch.randn(M, generator=g, dtype=torch.float64) * (0.1, 1.0, 10.0, 1e3)[k % 4]
-            lhs = softplus64(x).sum()                                     # O(M)
+            lhs = softplus_exact(x).sum()                                 # O(M)
             rhs = torch.logsumexp(S @ x, 0)                               # O(2^M)
             worst = max(worst, float((lhs - rhs).abs() / max(1.0, float(rhs.abs()))))
             count += 1
@@ -328,14 +323,11 @@ _row = check_softplus_expansion(); print(format_table([_row])); assert _row.pass
 
 # %%
 #| export
-TORCH_SOFTPLUS_DROP = math.exp(-20.0)  # largest log(1 + e^-x) that F.softplus (threshold 20) drops
-
-
 def t1_exact_gap(
     Q: torch.Tensor, region_valid: torch.Tensor, node_valid: torch.Tensor, tau: float,
 ) -> torch.Tensor:  # (Ci, Cj)
     "The closed form of NLA-T1 - T2R: mean over nodes of sum over valid regions of tau*log(1 + exp(-|Q|/tau))."
-    e = tau * F.softplus(-Q.abs() / tau) * region_valid[:, None, :, None]  # (Ci, Cj, M, K)
+    e = tau * softplus_exact(-Q.abs() / tau) * region_valid[:, None, :, None]  # (Ci, Cj, M, K)
     w = node_valid.to(Q.dtype)[None]                                        # (1, Cj, K)
     return (e.sum(2) * w).sum(-1) / w.sum(-1)
 
@@ -353,10 +345,9 @@ def check_theorem1(n_cases: int = 120, M_max: int = 12, seed: int = 1, tol: floa
         Mi = rv.sum(1).to(Q.dtype)[:, None]                                    # (C, 1)
         for tau in taus:
             gap = nla_t1(Q, rv, nv, tau) - exact
-            fp = tau * Mi * TORCH_SOFTPLUS_DROP                                # F.softplus threshold allowance
-            viol = _violation(gap, -fp, tau * Mi * math.log(2))
+            viol = _violation(gap, torch.zeros_like(Mi), tau * Mi * math.log(2))
             b_worst = max(b_worst, float((viol / scale).max()))
-            err = ((gap - t1_exact_gap(Q, rv, nv, tau)).abs() - fp).clamp_min(0)
+            err = (gap - t1_exact_gap(Q, rv, nv, tau)).abs()
             c_worst = max(c_worst, float((err / scale).max()))
             n += gap.numel()
     return [
@@ -369,8 +360,7 @@ def check_theorem1(n_cases: int = 120, M_max: int = 12, seed: int = 1, tol: floa
 # %% [markdown]
 # The three claims against the oracle, on 120 random padded cases with $M$ from 1 to 12 and five temperatures
 # (each case is a $3\times3$ block of pairs, so each row counts $9$ comparisons per case and temperature).
-# Errors are relative to $\max(1,|Q^{\leftarrow}|)$ and, for `nla_t1`, beyond the float allowance
-# $\tau M_ie^{-20}$ of `F.softplus` explained above:
+# Errors are relative to $\max(1,|Q^{\leftarrow}|)$:
 
 # %%
 _t0 = time.time()

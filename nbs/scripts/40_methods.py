@@ -242,12 +242,19 @@ class PowerCLIP(Method):
         return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
 
     def loss(self, out, batch, dist):
-        local = powerset_inputs(out, batch)  # (R, M, D), (R, M), (R, K, D), (R, K)
-        g = gather(dist, {"image": out["image"], "text": out["text"], "regions": local.regions, "phrases": local.phrases,
-                          "region_valid": local.region_valid, "node_valid": local.node_valid},
-                   pad={"regions": {1: 0.0}, "phrases": {1: 0.0}, "region_valid": {1: False}, "node_valid": {1: False}})
-        a = g.all  # M and K padded to their maximum over the processes: (C, M, D), (C, K, D), ...
-        gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], a["node_valid"])
+        padded = powerset_inputs(out, batch)               # (R, M, D), (R, M), (R, K, D), (R, K)
+        phrases, node_text = padded.packed()               # (P, D), (P,): the valid nodes only, text by text
+        local = PowersetInputs(padded.regions, padded.region_valid, phrases, node_text=node_text)
+        g = gather(dist, {"image": out["image"], "text": out["text"], "regions": local.regions,
+                          "region_valid": local.region_valid, "phrases": phrases, "node_text": node_text},
+                   pad={"regions": {1: 0.0}, "region_valid": {1: False}})   # M padded to its maximum; nodes packed
+        a = g.all
+        if a["phrases"] is phrases:                        # one process: the gathered batch is the local one
+            gathered = local
+        else:  # node_text counts texts from 0 on every process: shift each process's nodes by its first text row
+            shift = torch.tensor(g.starts("image"), device=node_text.device).repeat_interleave(
+                torch.tensor(g.rows["node_text"], device=node_text.device))          # (P_all,)
+            gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], node_text=a["node_text"] + shift)
         terms = powerclip_loss(out["image"], out["text"], out["logit_scale"], local, self.cfg,
                                a["image"], a["text"], gathered, g.offset)
         terms["_logit_scale"] = out["logit_scale"].detach()
