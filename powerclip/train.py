@@ -366,9 +366,11 @@ def load_checkpoint(path, map_location="cpu") -> dict:
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "state", "rng")
 
 
-def read_resume(cfg: TrainConfig, warn=print) -> tuple[Path | None, dict | None]:
+def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True) -> tuple[Path | None, dict | None]:
     """The checkpoint a run resumes from, read (on the CPU): `last.pt` (or the `resume` path), else, with a warning, the
-    checkpoint it replaced; (None, None) to start afresh. Neither readable: a `UsageError` saying how to start afresh."""
+    checkpoint it replaced; (None, None) to start afresh. Neither readable: a `UsageError` saying how to start afresh.
+    `set_aside` (the main process): an unreadable `last.pt` becomes `last.pt.damaged`, so that the next checkpoint
+    does not push it over the good `prev.pt`."""
     if cfg.resume == "never": return None, None
     last = Path(cfg.out_dir) / "checkpoints" / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
     prev = previous_checkpoint(last)
@@ -382,8 +384,12 @@ def read_resume(cfg: TrainConfig, warn=print) -> tuple[Path | None, dict | None]
             ck = load_checkpoint(p)
             if not isinstance(ck, dict) or not set(CHECKPOINT_KEYS) <= set(ck): raise ValueError("not a trainer checkpoint")
         except Exception as e:   # a torn or foreign file: say what, then try the older one
-            problems.append(f"{p} cannot be read ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]})"); continue
-        if problems: warn(f"{problems[0]}: resuming from the previous checkpoint {p} (step {ck['state']['step']})")
+            problems.append(f"{p} cannot be read ({type(e).__name__}: {str(e).strip().split('. ')[0][:120]})"); continue
+        if problems:
+            kept = ""
+            if set_aside and last.is_file():
+                os.replace(last, last.with_name(last.name + ".damaged")); kept = f" ({last.name} kept as {last.name}.damaged)"
+            warn(f"{problems[0]}: resuming from the previous checkpoint {p} (step {ck['state']['step']}){kept}")
         return p, ck
     raise UsageError(f"resume: {'; '.join(problems)}; no checkpoint to resume from. Start afresh with resume=never "
                      f"(or move {last.parent} away)")
@@ -681,7 +687,7 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
-    ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx))   # before the model: a damaged checkpoint is one line
+    ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main)   # before the model: a damaged checkpoint is one line
     position = _resume_position(cfg, ctx, ck, ck_path)
     run = build_run(cfg, ctx)
     cfg, model, method, modules, opt, sched, total = run.cfg, run.model, run.method, run.modules, run.opt, run.sched, run.total
@@ -707,7 +713,12 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
         _log(f"resumed from {ck_path} at step {state.step} (epoch {state.epoch}, batch {state.step_in_epoch})", ctx)
     logger = MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard)
 
+    saved_at = state.step if ck is not None else None   # the step of the newest checkpoint on disk
+
     def checkpoint(position):
+        nonlocal saved_at
+        if saved_at == state.step: return   # stopped right after a checkpoint: writing it again would make prev.pt the same
+        saved_at = state.step
         rngs = pdist.all_gather_object(rng_state())
         positions = pdist.all_gather_object(position.to_dict() if isinstance(position, StreamPosition) else position)
         if ctx.is_main: save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs, modules=modules,
