@@ -17,12 +17,15 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import _checks
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 from powerclip.measure import PeakMemory, run_isolated, sync
 from powerclip.powerset import phrase_embeddings, pool_normalize
@@ -83,8 +86,8 @@ def run_one(kind, M, a):
     return dict(kind=kind, M=M, **res)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=32, help="per-device batch C (the loss is C x C pairs)")
     ap.add_argument("--dim", type=int, default=512)
@@ -94,7 +97,11 @@ def main():
     ap.add_argument("--exact-max", type=int, default=12, help="largest M for exact enumeration")
     ap.add_argument("--nla-max", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
-    a = ap.parse_args()
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, "batch", "dim", "nodes", "words", "patches", "exact-max", "nla-max", "reps")
+        _checks.device(a.device)
 
     rows = []
     for M in [m for m in (1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32) if m <= max(a.exact_max, a.nla_max)]:
@@ -139,4 +146,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog="cost_scaling.py"))

@@ -531,8 +531,7 @@ def _is_url(u: str) -> bool: return "://" in u or u.startswith("pipe:")
 
 def validate(cfg: TrainConfig, world_size: int | None = None) -> Geometry:
     """Check a run before its model is built (see above); a ValueError naming the key, else the model's geometry.
-    `world_size`: processes (None: torchrun's WORLD_SIZE, else 1)."""
-    from powerclip.model import model_geometry
+    `world_size`: processes (None: torchrun's WORLD_SIZE, else 1). The checks that need no import come first."""
     G = world_size or int(os.environ.get("WORLD_SIZE", 1))
     method = get_method(cfg.method, method_options(cfg.method, cfg.method_cfg))
     B = cfg.data.batch_size
@@ -544,18 +543,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Geometry:
         raise ValueError(f"model.pretrained: this preset fine-tunes a pretrained {cfg.model.name}: give its weights with "
                          "model.pretrained=/path/to/open_clip_state_dict.pt (nothing is downloaded)")
     if pre is not None and not Path(pre).is_file(): raise ValueError(f"model.pretrained: no file {pre!r} (a local open_clip state dict; nothing is downloaded)")
-    try: geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
-    except (ValueError, TypeError, NotImplementedError) as e: raise ValueError(f"model: {e}") from None
     data = dataclasses.replace(cfg.data, batch_size=B)
-    try: BatchSpec(data, geometry, method.needs(), cfg.seed)
-    except ValueError as e: raise ValueError(f"method_cfg: {e}") from None      # e.g. stored masks on the world
-    if data.source == "world":
-        try: world_config(data, geometry)
-        except (TypeError, ValueError) as e: raise ValueError(f"data.world: {e}") from None
-        if B * G > data.world_length:
-            raise ValueError(f"data.batch_size: {B} per process x {G} process(es) is more than data.world_length={data.world_length}: "
-                             "an epoch would have no step (a smaller batch or a longer world)")
-    else:
+    if data.source == "world" and B * G > data.world_length:
+        raise ValueError(f"data.batch_size: {B} per process x {G} process(es) is more than data.world_length={data.world_length}: "
+                         "an epoch would have no step (a smaller batch or a longer world)")
+    if data.source == "wds":
         urls = shard_urls(data.shards)
         missing = [u for u in urls if not _is_url(u) and not Path(u).is_file()]
         if not urls or missing:
@@ -574,6 +566,14 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Geometry:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0: raise ValueError(f"device: {cfg.device!r} asks for a GPU and none is available (device=cpu, or null: a GPU when there is one)")
         if ":" in cfg.device and int(cfg.device[5:]) >= n: raise ValueError(f"device: {cfg.device!r}, but there are {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
+    from powerclip.model import model_geometry   # imports open_clip: seconds
+    try: geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
+    except (ValueError, TypeError, NotImplementedError) as e: raise ValueError(f"model: {e}") from None
+    try: BatchSpec(data, geometry, method.needs(), cfg.seed)
+    except ValueError as e: raise ValueError(f"method_cfg: {e}") from None      # e.g. stored masks on the world
+    if data.source == "world":
+        try: world_config(data, geometry)
+        except (TypeError, ValueError) as e: raise ValueError(f"data.world: {e}") from None
     return geometry
 
 # %% ../nbs/50_train.ipynb #bb17daa6
