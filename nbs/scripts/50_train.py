@@ -56,9 +56,9 @@ from torch.testing import assert_close
 # - a **method** from the registry of `40_methods`, which says what the data must build (`needs()`), what the
 #   forward pass returns and which named loss terms to add; the trainer sums the terms whose names do not start
 #   with `_` and logs all of them;
-# - **batches** from `powerclip.data.make_loader(spec, epoch, start_step, rank, world_size)`, where the spec holds
-#   the data config, the model's geometry, the method's needs and the run seed, and batch $b$ of epoch $e$ is a pure
-#   function of `(spec, e, b)`;
+# - **batches** from `powerclip.data.make_loader(spec, epoch, start_step | position, rank, world_size)`, where the spec
+#   holds the data config, the model's geometry, the method's needs and the run seed; batch $b$ of epoch $e$ is a pure
+#   function of `(spec, e, b)` on the world, and of `(spec, e)` and the loader's position on shards;
 # - **processes** through `powerclip.dist` (the only module that touches process groups), and time and memory
 #   through `powerclip.measure`.
 #
@@ -1101,7 +1101,8 @@ test_fail(lambda: main(["--preset", "smoke", "optim.lr=abc", "--debug"]), contai
 #
 # The `smoke` preset (the micro model on a small world, a few steps), then the same run stopped after half of
 # its steps and resumed: the losses agree to the last digit. (`tests/test_train_resume.py` does the same across processes
-# and with `kill -9`; `tests/test_ddp.py` checks two processes against one.)
+# and with `kill -9`, on the world and on shards with bad samples, comparing every metrics column and the final weights;
+# `tests/test_ddp.py` checks two processes against one.)
 
 # %%
 def _micro(out_dir, **kw):  # the `smoke` preset: the micro model, 32-pixel scenes, batches of 8, 6 steps
