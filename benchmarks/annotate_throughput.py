@@ -7,7 +7,6 @@ repository), runs the tool on them for each setting, and prints samples per seco
 process start-up (spaCy and torch imports, measured by a run on an empty shard list). Writes
 benchmarks/results/annotate_throughput.json.
 """
-import argparse
 import json
 import os
 import platform
@@ -19,26 +18,35 @@ from pathlib import Path
 
 import webdataset as wds
 
+import _checks
+from powerclip.cli import ArgumentParser, run_main, usage_errors
+
 ROOT = Path(__file__).resolve().parents[1]
 COCO = ROOT.parent / 'shared' / 'data' / 'coco_sample'
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--n', type=int, default=200)
     ap.add_argument('--per-shard', type=int, default=50)
-    ap.add_argument('--regions', nargs='+', default=['none', 'slic'])
+    ap.add_argument('--regions', nargs='+', default=['none', 'slic'], choices=['none', 'slic', 'felzenszwalb'])
     ap.add_argument('--workers', type=int, nargs='+', default=[1, 2])
-    a = ap.parse_args()
-    if not (COCO / 'images').is_dir(): sys.exit(f'needs {COCO}')
-    rows = [json.loads(l) for l in (COCO / 'captions.jsonl').read_text().splitlines()][: a.n]
+    ap.add_argument('--coco', type=Path, default=COCO, help='coco_sample folder (images/, captions.jsonl)')
+    ap.add_argument('--debug', action='store_true', help='show the traceback of a usage error')
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, 'n', 'per-shard', 'workers')
+        _checks.existing('--coco', a.coco / 'images', 'dir', 'the shared coco_sample: images/ and captions.jsonl')
+        _checks.existing('--coco', a.coco / 'captions.jsonl')
+    coco = a.coco
+    rows = [json.loads(l) for l in (coco / 'captions.jsonl').read_text().splitlines()][: a.n]
     res = []
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / 'in'; src.mkdir()
         for s in range(0, len(rows), a.per_shard):
             with wds.TarWriter(str(src / f'{s // a.per_shard:05d}.tar')) as w:
                 for i, r in enumerate(rows[s: s + a.per_shard]):
-                    w.write({'__key__': f'{s + i:09d}', 'jpg': (COCO / 'images' / r['file_name']).read_bytes(),
+                    w.write({'__key__': f'{s + i:09d}', 'jpg': (coco / 'images' / r['file_name']).read_bytes(),
                              'txt': r['captions'][0], 'json': json.dumps({'caption': r['captions'][0]})})
         for regions in a.regions:
             for workers in a.workers:
@@ -60,4 +68,4 @@ def main():
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_main(main, prog='annotate_throughput.py'))

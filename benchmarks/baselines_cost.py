@@ -5,17 +5,19 @@
 Per-process batch R = C (one process), N = 196 patches, L = 77 token slots of which 12 are words, D = 512.
 Writes benchmarks/results/baselines_cost_<device>_C<batch>.{json,md}. On CUDA it also records peak memory.
 """
-import argparse, json, platform, time
+import json, platform, sys, time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import _checks
 from powerclip.baselines.c2lip import npc_loss, xac_loss
 from powerclip.baselines.filip import filip_loss
 from powerclip.baselines.smartclip import modular_loss
 from powerclip.baselines.sparc import sparc_fine_loss
 from powerclip.loss import clip_loss
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 from powerclip.model import text_token_mask
 
 
@@ -38,14 +40,17 @@ LOSSES = {
 }
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--note", default="", help="a line about the machine's state (e.g. shared with other jobs)")
-    a = ap.parse_args()
-    dev = torch.device(a.device)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, "batch", "repeats")
+        dev = _checks.device(a.device)
     x, s = inputs(a.batch, device=dev), torch.tensor(100.0, device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
@@ -75,4 +80,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog="baselines_cost.py"))

@@ -3,24 +3,30 @@
 
     .venv/bin/python benchmarks/data_model_throughput.py [--batch 64] [--workers 2] [--steps 10]
 """
-import argparse
+import sys
 import time
 
 import torch
 
+import _checks
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 from powerclip.data import BatchNeeds, BatchSpec, DataConfig, make_loader
 from powerclip.loss import PowerCLIPLossConfig, powerclip_loss
 from powerclip.methods import powerset_inputs
 from powerclip.model import create_model, encode, model_geometry
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--batch', type=int, default=64)
     ap.add_argument('--workers', type=int, default=2)
     ap.add_argument('--steps', type=int, default=10)
     ap.add_argument('--model', default='powerclip-tiny')
-    a = ap.parse_args()
+    ap.add_argument('--debug', action='store_true', help='show the traceback of a usage error')
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, 'batch', 'steps'); _checks.at_least(a, 0, 'workers')
+        _checks.arch('--model', a.model)
     print(f'torch threads {torch.get_num_threads()}, batch {a.batch}, workers {a.workers}')
 
     spec = BatchSpec(DataConfig(batch_size=a.batch, workers=a.workers, world_length=a.batch * (a.steps + 2)),
@@ -48,4 +54,4 @@ def main():
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_main(main, prog='data_model_throughput.py'))

@@ -8,8 +8,11 @@ The pipeline is loaded (and warmed up) before timing; worker processes are forke
 so the numbers measure normalisation + nlp.pipe + tree derivation, not model loading. Pool start-up is
 included in the multi-process timings. The load average is printed because a busy machine slows every row.
 """
-import argparse, os, platform, sys, time
+import os, platform, sys, time
 from pathlib import Path
+
+import _checks
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 
 from powerclip.parsing import ParserConfig, default_tokenizer, load_pipeline, parse_captions, resolve_parser, tree_tokens
 
@@ -23,15 +26,19 @@ def cpu_seconds() -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--tsv', type=Path, default=TSV, help='CC3M-format file: caption<TAB>url per line')
     ap.add_argument('--n', type=int, default=4000, help='captions to parse (from the top of the file)')
     ap.add_argument('--procs', type=int, nargs='+', default=[1, 2], help='process counts to time')
-    ap.add_argument('--parser', default='auto', help="'auto' | 'spacy' | 'benepar'")
+    ap.add_argument('--parser', default='auto', choices=['auto', 'spacy', 'benepar'])
     ap.add_argument('--batch-size', type=int, default=256)
     ap.add_argument('--total', type=float, default=12e6, help='captions to extrapolate to (CC12M: ~12M)')
-    a = ap.parse_args(argv)
-    if not a.tsv.exists(): sys.exit(f'no caption file at {a.tsv}: pass --tsv')
+    ap.add_argument('--debug', action='store_true', help='show the traceback of a usage error')
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.existing('--tsv', a.tsv, hint='a CC3M-format file: caption<TAB>url per line')
+        _checks.at_least(a, 1, 'n', 'procs', 'batch-size')
+        if a.total <= 0: raise ValueError(f'--total: must be above 0, got {a.total}')
     with open(a.tsv, encoding='utf-8') as f: caps = [line.split('\t')[0] for line, _ in zip(f, range(a.n))]
     cfg = ParserConfig(name=a.parser, batch_size=a.batch_size)
     name, why = resolve_parser(cfg)
@@ -62,4 +69,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_main(main, prog='parse_throughput.py'))

@@ -10,9 +10,12 @@ Times, on the same random batch (random weights, nothing downloaded):
 each the median of `repeats` runs after one warm-up, forward only, no gradient. The paper (Table 6) puts the
 selection's overhead below 3 % of training time on GPUs; here it is measured on the machine it runs on.
 """
-import argparse, json, platform, statistics, time
+import json, platform, statistics, sys, time
 
 import torch
+
+import _checks
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 
 
 def _median_time(fn, repeats):
@@ -24,13 +27,18 @@ def _median_time(fn, repeats):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", default="ViT-B-16")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a = ap.parse_args(argv)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, "batch", "repeats", "threads")
+        _checks.arch("--arch", a.arch)
+        _checks.device(a.device)
     torch.set_num_threads(a.threads)
     from powerclip.baselines.clip_pgs import PGSConfig, PGSSelector, hash_uniform
     from powerclip.baselines.flip import random_keep
@@ -72,8 +80,7 @@ def main(argv=None):
     res["select_over_flip_forward"] = res["select_s"] / res["flip_s"]
     res["select_over_full_forward"] = res["select_s"] / res["full_s"]
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
-    return res
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog="pgs_cost.py"))

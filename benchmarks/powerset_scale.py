@@ -31,11 +31,15 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+import _checks
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 
 OUT = Path(__file__).parent / "results"
 CC3M = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cc3m_validation" / "Validation_GCC-1.1.0-Validation.tsv"
@@ -234,8 +238,8 @@ def plot(rows, meta, path):
 
 
 # ---------------------------------------------------------------------------------------------- main
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = ArgumentParser(prog="powerset_scale.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--R", type=int, nargs="+", default=[64, 256], help="local rows per process")
     ap.add_argument("--C", type=int, nargs="+", default=[512, 2048], help="gathered columns (global batch)")
     ap.add_argument("--M", type=int, nargs="+", default=[5, 10, 15, 32], help="regions per image")
@@ -250,7 +254,12 @@ def main():
     ap.add_argument("--cc3m", type=Path, default=CC3M, help="CC3M validation TSV for the node counts")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--report-only", action="store_true", help="rewrite the md and png from results/powerset_scale_TAG.json")
-    a = ap.parse_args()
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, "R", "C", "M", "dim", "reps", "block-mib", "threads")
+        if a.budget_gib <= 0: raise ValueError(f"--budget-gib: must be > 0, got {a.budget_gib}")
+        if a.report_only:
+            _checks.existing("--tag", OUT / f"powerset_scale_{a.tag}.json", hint="run without --report-only first")
     if a.report_only:
         data = json.loads((OUT / f"powerset_scale_{a.tag}.json").read_text())
         return report(data["rows"], data["meta"], a.tag)
@@ -290,4 +299,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, prog="powerset_scale.py"))

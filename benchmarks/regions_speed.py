@@ -7,9 +7,9 @@ row per operation (median and mean milliseconds per image) and writes benchmarks
 SAM2 without a checkpoint runs with random weights and zero thresholds: its timing is that of the full
 pipeline (encoder, 32x32 prompts, decoding, post-processing), not of a real checkpoint's filtering.
 """
-import argparse
 import json
 import platform
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -18,7 +18,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+import _checks
 from powerclip import regions as R
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,18 +33,26 @@ def timed(fn, items, repeat=1):
     return 1e3 * np.median(ts), 1e3 * np.mean(ts)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument('--images', default=str(ROOT.parent / 'shared/data/coco_sample/images'))
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--images', default=None, help='a folder of .jpg photos (default: the shared coco_sample when present, '
+                    'else synthetic images)')
     ap.add_argument('--n', type=int, default=20)
     ap.add_argument('--sam2', action='store_true')
     ap.add_argument('--sam2-config', default='configs/sam2.1/sam2.1_hiera_t.yaml')
     ap.add_argument('--sam2-checkpoint', default=None)
     ap.add_argument('--device', default='cpu')
     ap.add_argument('--threads', type=int, default=1)
-    a = ap.parse_args()
+    ap.add_argument('--debug', action='store_true', help='show the traceback of a usage error')
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, 'n', 'threads')
+        _checks.device(a.device)
+        if a.images is not None: _checks.existing('--images', a.images, 'dir')
+        if a.sam2_checkpoint is not None: _checks.existing('--sam2-checkpoint', a.sam2_checkpoint)
+    images = Path(a.images or ROOT.parent / 'shared/data/coco_sample/images')
     torch.set_num_threads(a.threads)
-    paths = sorted(Path(a.images).glob('*.jpg'))[: a.n] if Path(a.images).is_dir() else []
+    paths = sorted(images.glob('*.jpg'))[: a.n] if images.is_dir() else []
     rng = np.random.default_rng(0)
     imgs = [Image.open(p).convert('RGB') for p in paths] or \
            [Image.fromarray(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)) for _ in range(a.n)]
@@ -79,4 +89,4 @@ def main():
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_main(main, prog='regions_speed.py'))

@@ -19,11 +19,14 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+import _checks
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 from powerclip.measure import PeakMemory, run_isolated, sync
 
 OUT = Path(__file__).parent / "results"
@@ -35,16 +38,22 @@ def _spec(method: str) -> tuple[str, list[str]]:
     return name, [f"method_cfg.{kv}" for kv in opts.split(",") if kv]
 
 
-def measure(method, a):
-    "In a fresh process: the time of each timed step, and peak memory."
-    from powerclip import dist as pdist
-    from powerclip.train import TrainState, build_run, load_config
+def config(method, a):
+    "The run config of `method` (with ':options') under the benchmark's settings."
+    from powerclip.train import load_config
     # the built-in world in the preset's model geometry (the paper preset reads shards: use the world instead)
     over = [f"data.batch_size={a.batch}", f"precision={a.precision}", "data.source=world", "data.workers=0",
             f"data.world_length={max(a.batch * (a.warmup + a.steps), 64)}", "global_batch_size=null",
-            f"max_steps={a.warmup + a.steps + 10}"]
+            f"max_steps={a.warmup + a.steps + 10}", "resume=never"]
     name, opts = _spec(method)
-    cfg = load_config(a.preset, over + opts + [f"model.grad_checkpointing={a.grad_checkpointing}"], method=name)
+    return load_config(a.preset, over + opts + [f"model.grad_checkpointing={a.grad_checkpointing}"], method=name)
+
+
+def measure(method, a):
+    "In a fresh process: the time of each timed step, and peak memory."
+    from powerclip import dist as pdist
+    from powerclip.train import TrainState, build_run
+    cfg = config(method, a)
     ctx = pdist.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device(a.device), backend=None)
     run = build_run(cfg, ctx)
     it = iter(run.loader())
@@ -61,8 +70,8 @@ def measure(method, a):
     return dict(times=times, peak_mib=mem.mib(), model=cfg.model.name, params=sum(p.numel() for p in run.model.parameters()))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=64, help="per-device batch")
@@ -72,7 +81,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--grad-checkpointing", action="store_true")
     ap.add_argument("--methods", nargs="+", default=["clip", "powerclip"])
-    a = ap.parse_args()
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
+    with usage_errors():     # every method's whole config is checked here, before any process builds a model
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, "batch", "steps", "rounds"); _checks.at_least(a, 0, "warmup")
+        _checks.device(a.device)
+        from powerclip.train import validate
+        for m in a.methods:
+            try: validate(config(m, a), world_size=1)
+            except ValueError as e: raise ValueError(f"--methods {m}: {e}") from None
 
     res = {m: [] for m in a.methods}
     for r in range(a.rounds):
@@ -107,4 +124,4 @@ def main():
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_main(main, prog="train_step_ratio.py"))

@@ -6,10 +6,13 @@ Prints one line per measurement and the machine; `--out` also writes them as JSO
 per CPU-second of the process (what one free core would do), the others per wall-clock second (with the machine's
 load at the time, given as load_avg_1min).
 """
-import argparse, json, os, platform, time
+import argparse, json, os, platform, sys, time
 from pathlib import Path
 
 import torch
+
+import _checks
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 
 from powerclip.world import WorldConfig, WorldDataset, collate_world, generate
 
@@ -23,12 +26,16 @@ def rate(fn, n):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--n', type=int, default=4000, help='samples per measurement')
     ap.add_argument('--workers', type=int, default=2, help='DataLoader workers')
     ap.add_argument('--batch-size', type=int, default=128)
     ap.add_argument('--out', type=Path, default=None, help='also write the numbers here (JSON)')
-    a = ap.parse_args(argv)
+    ap.add_argument('--debug', action='store_true', help='show the traceback of a usage error')
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, 'n', 'batch-size'); _checks.at_least(a, 0, 'workers')
+        if a.out is not None: _checks.output('--out', a.out)
     torch.set_num_threads(1)
     cfg = WorldConfig()
     ds = WorldDataset(cfg, length=10 ** 7)
@@ -52,4 +59,4 @@ def main(argv=None):
         a.out.write_text(json.dumps(dict(samples_per_s=res, machine=machine, config=vars(cfg), n=a.n), indent=1, default=str))
 
 
-if __name__ == '__main__': main()
+if __name__ == '__main__': sys.exit(run_main(main, prog='world_throughput.py'))

@@ -41,13 +41,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from powerclip.cli import ArgumentParser, UsageError, run_main, usage_errors   # the project's command-line convention
+
 OURS = ('tree.json', 'regions.npz')             # members this tool writes (replaced if the input has them)
 STATS_VERSION = 2                               # 2: trees hold the caption as given + word offsets; caption_problem
 LOCK = '.annotate.lock'                         # in --out: held by the run writing there, names it
-
-
-class UsageError(ValueError):
-    "A mistake in the command line or settings: reported as one line (exit status 2), before any work."
 
 
 @dataclass
@@ -462,15 +460,10 @@ def report(summary: dict) -> str:
     return '\n'.join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):                          # one line, not usage + error (main prints it)
-        raise UsageError(message)
-
-
 def parse_args(argv=None) -> tuple[list[Path], AnnotateConfig, bool]:
     "Command line -> (shards, settings, progress). Raises UsageError for anything that cannot work."
     d = AnnotateConfig()
-    ap = _Parser(description=__doc__.split('\n')[0], epilog=__doc__.split('\n', 2)[2],
+    ap = ArgumentParser(description=__doc__.split('\n')[0], epilog=__doc__.split('\n', 2)[2],
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('shards', nargs='+', help='shard files, directories (all *.tar), brace patterns or globs')
     ap.add_argument('--out', required=True, help='output directory (created if missing)')
@@ -509,15 +502,15 @@ def parse_args(argv=None) -> tuple[list[Path], AnnotateConfig, bool]:
 
 
 def main(argv=None) -> int:
-    "The command line: 0 done, 1 some shard failed, 2 a usage error (one line on stderr; --debug: traceback)."
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
+    """The command line: 0 done, 1 some shard failed, 2 a usage error (one line on stderr; --debug or POWERCLIP_DEBUG=1:
+    the traceback), as every command of the project (`powerclip.cli`)."""
+    return run_main(_main, argv, 'annotate_shards')
+
+
+def _main(argv) -> int:
+    with usage_errors():                               # the arguments and the paths, before any work
         shards, cfg, progress = parse_args(argv)
-        summary = run(shards, cfg, progress=progress)
-    except UsageError as e:
-        if '--debug' in argv: raise
-        print(f'annotate_shards: error: {e}', file=sys.stderr)
-        return 2
+    summary = run(shards, cfg, progress=progress)      # a busy --out is a UsageError too (hold_output)
     print(report(summary))
     return 1 if summary['failed'] else 0
 

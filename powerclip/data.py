@@ -5,14 +5,14 @@
 # %% ../nbs/23_data.ipynb #81cf38e1
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import itertools
 import json
 import logging
-import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import numpy as np
@@ -30,9 +30,9 @@ logger = logging.getLogger(__name__)
 # %% auto #0
 __all__ = ['logger', 'REGION_SOURCES', 'SEED_STREAMS', 'SKIP_REASONS', 'IMAGE_EXTS', 'DataConfig', 'Geometry', 'BatchNeeds',
            'BatchSpec', 'mix_seed', 'key_index', 'derive_seed', 'run_seeds', 'sample_generator', 'SkipCounter',
-           'caption_tokens', 'region_masks', 'make_item', 'collate', 'EpochBatchSampler', 'world_config', 'WorldItems',
-           'shard_urls', 'eval_transform', 'decode_sample', 'read_shard', 'WdsItems', 'Loader', 'steps_per_epoch',
-           'make_loader', 'write_shard']
+           'add_counts', 'caption_tokens', 'region_masks', 'make_item', 'collate', 'EpochBatchSampler', 'world_config',
+           'WorldItems', 'shard_urls', 'eval_transform', 'decode_sample', 'read_shard', 'StreamPosition', 'n_streams',
+           'WdsItems', 'Loader', 'steps_per_epoch', 'make_loader', 'write_shard']
 
 # %% ../nbs/23_data.ipynb #041e8a8c
 @dataclass
@@ -45,17 +45,21 @@ class DataConfig:
     world_length: int = 100_000    # world: samples per epoch (indices 0 .. world_length-1 of the 'train' split)
     world: dict = field(default_factory=dict)  # world: extra WorldConfig fields (max_objects, relations, ...); its
                                    # image and patch size are the model's, its seed derives from the run seed
-    shuffle_buffer: int = 1000     # wds: per-worker sample shuffle buffer (0: shard order only)
+    shuffle_buffer: int = 1000     # wds: each worker shuffles its stream in blocks of this many samples (0: shard order)
     samples_per_epoch: int | None = None  # wds: samples per process per epoch (None: one pass over its shards)
     parse_missing: bool = True     # wds, methods that need a tree: parse captions without {key}.tree.json on the fly (else skip them)
 
     def __post_init__(self):
-        if self.source not in ('world', 'wds'): raise ValueError(f"source must be 'world' or 'wds', got {self.source!r}")
-        if self.source == 'wds' and not self.shards: raise ValueError("source='wds' needs shards")
-        if self.batch_size < 1 or self.workers < 0: raise ValueError('need batch_size >= 1, workers >= 0')
+        # each message starts with the field's name: the trainer's config reader prefixes the section ('data.')
+        if self.source not in ('world', 'wds'): raise ValueError(f"source: must be 'world' or 'wds', got {self.source!r}")
+        if self.source == 'wds' and not self.shards:
+            raise ValueError("shards: source 'wds' needs shard paths or urls (e.g. 'cc12m/{00000..01242}.tar')")
+        for k, lo in (('batch_size', 1), ('workers', 0), ('world_length', 1), ('shuffle_buffer', 0)):
+            if getattr(self, k) < lo: raise ValueError(f'{k}: must be at least {lo}, got {getattr(self, k)}')
+        if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
+            raise ValueError(f'samples_per_epoch: must be at least 1 or null (one pass over the shards), got {self.samples_per_epoch}')
         owned = sorted({'image_size', 'patch_size', 'seed'} & set(self.world))
-        if owned: raise ValueError(f"data.world may not set {owned}: image and patch size are the model's, the seed derives from the run seed")
-
+        if owned: raise ValueError(f"world: may not set {owned}: image and patch size are the model's, the seed derives from the run seed")
 
 @dataclass(frozen=True)
 class Geometry:
@@ -147,18 +151,25 @@ SKIP_REASONS = ('shard_error',   # unreadable / truncated tar or a read error in
                 'bad_regions')   # stored masks needed: masks on another grid or unreadable
 
 class SkipCounter:
-    "Per-reason counts of skipped samples, summed over DataLoader workers; also a webdataset handler."
-    def __init__(self, workers: int = 0):
-        self.table = torch.zeros(workers + 1, len(SKIP_REASONS), dtype=torch.long).share_memory_()
+    "Per-reason counts of the samples one stream skipped; each skip is also logged with its key and reason."
+    def __init__(self): self.counts = dict.fromkeys(SKIP_REASONS, 0)
 
     def add(self, reason: str, key: str = '', detail: str = ''):
-        w = get_worker_info()
-        row = 0 if w is None else min(w.id + 1, self.table.shape[0] - 1)
-        self.table[row, SKIP_REASONS.index(reason)] += 1
+        if reason not in self.counts: raise ValueError(f'unknown skip reason {reason!r}; reasons: {SKIP_REASONS}')
+        self.counts[reason] += 1
         logger.warning('skipped sample %r: %s %s', key, reason, detail)
 
-    def counts(self) -> dict[str, int]: return dict(zip(SKIP_REASONS, self.table.sum(0).tolist()))
-    def total(self) -> int: return int(self.table.sum())
+    def take(self) -> dict[str, int]:
+        "The counts since the last `take` (and start again from zero)."
+        out, self.counts = self.counts, dict.fromkeys(SKIP_REASONS, 0)
+        return out
+
+    def total(self) -> int: return sum(self.counts.values())
+
+
+def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    "Reason-wise sum of two skip counts."
+    return {k: a.get(k, 0) + b.get(k, 0) for k in dict.fromkeys([*SKIP_REASONS, *a, *b])}
 
 # %% ../nbs/23_data.ipynb #05a184ef
 def caption_tokens(text: str, context_length: int) -> torch.Tensor:
@@ -260,6 +271,7 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Ski
     key, needs, cfg, geo = s.get('__key__', '?'), spec.needs, spec.data, spec.geometry
     def skip(reason, detail=''):
         counter.add(reason, f"{s.get('__url__', '')}:{key}", detail); return None
+    if '__shard_error__' in s: return skip('shard_error', s['__shard_error__'])
     img = next((s[e[1:]] for e in IMAGE_EXTS if e[1:] in s), None)
     if img is None: return skip('no_image')
     try:
@@ -289,69 +301,145 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Ski
         if not pool.any(1).any(): return skip('no_regions', 'all stored masks empty')
     return make_item(preprocess(im), text, tt, key_index(key), spec, epoch, pool)
 
-def read_shard(url: str, counter: SkipCounter):
-    "Raw samples of one tar; read errors (truncated or corrupt tar) end the shard and count one `shard_error`."
+def read_shard(url: str):
+    """Raw samples of one tar; read errors (a truncated or corrupt tar) end the shard with one shard-error record
+    (`{'__shard_error__': what, '__url__': url}`), which `decode_sample` skips as a `shard_error`."""
     import webdataset as wds
     errors = []
     def handler(exn): errors.append(exn); return True
     yield from wds.tarfile_to_samples(handler=handler)(iter([dict(url=url)]))
-    if errors: counter.add('shard_error', url, f'{len(errors)} read error(s), first {errors[0]!r}'[:300])
+    if errors: yield {'__key__': url, '__url__': url, '__shard_error__': f'{len(errors)} read error(s), first {errors[0]!r}'[:300]}
 
-def _shuffled(it, bufsize: int, rng: random.Random):
-    "Reservoir-style shuffle buffer (the same law as webdataset.shuffle) with our own seeded generator."
-    buf = []
-    for x in it:
-        if len(buf) < bufsize: buf.append(x); continue
-        k = rng.randrange(bufsize); yield buf[k]; buf[k] = x
-    rng.shuffle(buf); yield from buf
+
+@dataclass
+class StreamPosition:
+    "Where one process's epoch stands after the batches it consumed (see above); the trainer checkpoints it."
+    workers: int                   # streams n_w = max(1, data.workers): shards are split by worker
+    step: int = 0                  # batches consumed in this epoch
+    next: int = 0                  # the worker whose turn comes next
+    pos: list = None               # per worker: outputs p_w of its shuffle consumed (skipped samples included)
+    at: list = None                # per worker: [shard index, raw samples into it] where block p_w // K starts
+    ended: list = None             # per worker: its end record was consumed
+    skipped: dict = None           # skips among the consumed outputs of this epoch, by reason
+
+    def __post_init__(self):
+        n = self.workers
+        self.pos = list(self.pos or [0] * n); self.at = [list(a) for a in (self.at or [[0, 0]] * n)]
+        self.ended = list(self.ended or [False] * n); self.skipped = add_counts({}, self.skipped or {})
+        if not len(self.pos) == len(self.at) == len(self.ended) == n: raise ValueError(f'a position of {n} workers needs {n} entries each')
+
+    def due(self) -> int | None:
+        "The worker whose batch comes next: the next in turn whose stream has not ended (None: all ended)."
+        return next(((self.next + k) % self.workers for k in range(self.workers) if not self.ended[(self.next + k) % self.workers]), None)
+
+    def consume(self, meta: dict) -> None:
+        "Account for one consumed batch or end record of worker `meta['worker']`."
+        w = meta['worker']
+        if w != self.due(): raise RuntimeError(f'worker {w} delivered out of turn (worker {self.due()} was due): exact resume '
+                                               "relies on the DataLoader asking its workers in turn")
+        self.pos[w], self.at[w], self.ended[w] = meta['pos'], list(meta['at']), meta['end']
+        self.skipped = add_counts(self.skipped, meta['skips'])
+        self.next = (w + 1) % self.workers
+
+    def to_dict(self) -> dict: return asdict(self)
+
+
+def n_streams(cfg: DataConfig) -> int:
+    "Worker streams of a shard epoch: 0 and 1 DataLoader workers are the same single stream."
+    return max(1, cfg.workers)
+
 
 class WdsItems(IterableDataset):
-    "Iterable of batch items from webdataset shards (see the steps above)."
-    def __init__(self, spec: BatchSpec, epoch: int = 0, start_step: int = 0, preprocess=None,
-                 counter: SkipCounter | None = None, rank: int = 0, world_size: int = 1):
-        self.spec, self.cfg, self.epoch, self.start_step, self.rank, self.G = spec, spec.data, epoch, start_step, rank, world_size
+    "Batches (collated in the worker, each with its `_meta`) of webdataset shards, from a `StreamPosition` (see above)."
+    def __init__(self, spec: BatchSpec, epoch: int = 0, position: StreamPosition | None = None, preprocess=None,
+                 rank: int = 0, world_size: int = 1):
+        self.spec, self.cfg, self.epoch, self.rank, self.G = spec, spec.data, epoch, rank, world_size
+        self.position = position or StreamPosition(n_streams(spec.data))
         self.preprocess = preprocess or eval_transform(spec.geometry.image_size)
-        self.counter = counter or SkipCounter(spec.data.workers)
         self.urls = shard_urls(spec.data.shards)
         if not self.urls: raise ValueError(f'no shards in {spec.data.shards!r}')
 
-    def __iter__(self):
-        import webdataset as wds
-        w = get_worker_info()
-        nw = 1 if w is None else w.num_workers
-        # the DataLoader asks its workers in turn, starting with worker 0; after start_step batches the next one is
-        # due from the worker start_step % nw of the original run, so physical worker i plays that run's worker wid
-        wid = (0 if w is None else w.id + self.start_step) % nw
-        urls = list(self.urls)
+    def shards(self, w: int) -> list[str]:
+        "Worker w's shards in this epoch: the epoch's shard order, every (G n_w)-th from r n_w + w."
+        urls, nw = list(self.urls), self.position.workers
         random.Random(mix_seed(self.spec.order_seed, self.epoch)).shuffle(urls)
-        mine = urls[self.rank * nw + wid::self.G * nw]
-        samples = itertools.chain.from_iterable(read_shard(u, self.counter) for u in mine)
-        done = max(0, math.ceil((self.start_step - wid) / nw)) * self.cfg.batch_size   # this worker's consumed share
-        samples = itertools.islice(samples, done, None)
-        if self.cfg.shuffle_buffer > 0:
-            samples = _shuffled(samples, self.cfg.shuffle_buffer, random.Random(mix_seed(self.spec.order_seed, self.epoch, self.rank, wid)))
-        for s in samples:
-            try: item = decode_sample(s, self.spec, self.epoch, self.preprocess, self.counter)
-            except Exception as e:   # a bug or a case we did not foresee: still count it, never kill the epoch
-                self.counter.add('bad_image' if 'image' in repr(e).lower() else 'bad_tree', s.get('__key__', '?'), repr(e)[:200])
-                item = None
-            if item is not None: yield item
+        return urls[self.rank * nw + w::self.G * nw]
+
+    def __iter__(self):
+        info, P = get_worker_info(), self.position
+        if (1 if info is None else info.num_workers) != P.workers:
+            raise RuntimeError(f'a position of {P.workers} worker streams read by {info.num_workers} workers')
+        w = ((0 if info is None else info.id) + P.next) % P.workers   # physical worker i plays stream (i + n) mod n_w
+        if not P.ended[w]: yield from self.stream(w)
+
+    def raw(self, shards: list[str], at) -> itertools.chain:
+        "(raw sample, where the stream stands after it) from `at` = [shard index, raw samples into it] on."
+        for i in range(at[0], len(shards)):
+            for k, s in enumerate(read_shard(shards[i]), 1):
+                if i > at[0] or k > at[1]: yield s, [i, k]
+
+    def stream(self, w: int):
+        "Worker w's batches from its position on, then its end record."
+        P, B = self.position, self.cfg.batch_size
+        K = max(1, self.cfg.shuffle_buffer)
+        p0, head = P.pos[w], list(P.at[w])
+        j, end = p0 // K, p0                     # block of the first output due; outputs of the stream so far
+        raw, skips, items = self.raw(self.shards(w), head), SkipCounter(), []
+        while block := list(itertools.islice(raw, K)):
+            start, head = head, block[-1][1]      # where block j starts, and where block j + 1 does
+            order = list(range(len(block)))
+            random.Random(mix_seed(self.spec.order_seed, self.epoch, self.rank, w, j)).shuffle(order)   # pi_j
+            for t, b in enumerate(order):
+                q = j * K + t                     # output position of this sample
+                if q < p0: continue               # consumed before the resume: neither decoded nor counted again
+                s = block[b][0]
+                try: item = decode_sample(s, self.spec, self.epoch, self.preprocess, skips)
+                except Exception as e:   # a bug or a case we did not foresee: still count it, never kill the epoch
+                    skips.add('bad_image' if 'image' in repr(e).lower() else 'bad_tree', s.get('__key__', '?'), repr(e)[:200])
+                    item = None
+                if item is None: continue
+                items.append(item)
+                if len(items) == B:
+                    p = q + 1
+                    batch = collate(items, node_np=self.spec.needs.node_np); items = []
+                    batch['_meta'] = dict(worker=w, pos=p, at=start if p % K else head, skips=skips.take(), end=False)
+                    yield batch
+            end = j * K + len(block); j += 1
+        yield {'_meta': dict(worker=w, pos=end, at=head, skips=skips.take(), end=True)}
 
 # %% ../nbs/23_data.ipynb #3f67f4d0
+def _as_is(x): return x        # the DataLoader's collate for items that are batches already (picklable)
+
+
 class Loader:
-    "Batches of one epoch (from `start_step`), with the count of skipped samples."
-    def __init__(self, dataloader: DataLoader, counter: SkipCounter, steps: int | None, start_step: int):
-        self.dataloader, self.counter, self.steps, self.start_step = dataloader, counter, steps, start_step
+    "Batches of one epoch from a position on, with the skips among the samples consumed and the position reached."
+    def __init__(self, dataloader: DataLoader, steps: int | None, position: StreamPosition):
+        self.dataloader, self.steps, self.position = dataloader, steps, copy.deepcopy(position)
 
     def __iter__(self):
-        it = iter(self.dataloader)
-        return it if self.steps is None else itertools.islice(it, max(0, self.steps - self.start_step))
+        P, it = self.position, iter(self.dataloader)
+        def pull():   # the next batch, consuming the end records before it; None when the workers are done
+            for x in it:
+                meta = x.pop('_meta', None) if isinstance(x, dict) else None
+                if meta is None or not meta['end']: return x, meta
+                P.consume(meta)
+            return None
+        nxt = None if self.steps is not None and P.step >= self.steps else pull()
+        while nxt is not None:
+            batch, meta = nxt
+            if meta is not None: P.consume(meta)
+            P.step += 1
+            # read one ahead: the end records that follow this batch are counted with it (none after the last step)
+            nxt = pull() if self.steps is None or P.step < self.steps else None
+            yield batch
 
     def __len__(self):
         if self.steps is None: raise TypeError('the number of steps of a shard epoch is unknown: set samples_per_epoch')
-        return max(0, self.steps - self.start_step)
+        return max(0, self.steps - self.position.step)
 
-    def skipped(self) -> dict[str, int]: return self.counter.counts()
+    def skipped(self) -> dict[str, int]: return dict(self.position.skipped)
+    def state(self) -> StreamPosition: return copy.deepcopy(self.position)
+
 
 def steps_per_epoch(cfg: DataConfig, world_size: int = 1) -> int | None:
     "Full steps per epoch and process: world: world_length // (B G); wds: samples_per_epoch // B or None."
@@ -359,18 +447,27 @@ def steps_per_epoch(cfg: DataConfig, world_size: int = 1) -> int | None:
     return None if cfg.samples_per_epoch is None else cfg.samples_per_epoch // cfg.batch_size
 
 def make_loader(spec: BatchSpec, epoch: int = 0, start_step: int = 0, preprocess=None, rank: int = 0,
-                world_size: int = 1, counter: SkipCounter | None = None) -> Loader:
-    "The loader of one epoch for process `rank` of `world_size`, resuming at `start_step` (see above)."
+                world_size: int = 1, position: StreamPosition | dict | None = None) -> Loader:
+    """The loader of one epoch for process `rank` of `world_size`, from `start_step` (the world) or from `position`
+    (`Loader.state()` of an earlier loader of this epoch; shards need it to resume)."""
     cfg = spec.data
-    counter = counter or SkipCounter(cfg.workers)
-    kw = dict(num_workers=cfg.workers, collate_fn=partial(collate, node_np=spec.needs.node_np))
+    if isinstance(position, dict): position = StreamPosition(**position)
+    if position is None:
+        if start_step and cfg.source == 'wds':
+            raise ValueError('shards resume from the position a loader reached (Loader.state()), not from a step alone')
+        position = StreamPosition(n_streams(cfg), step=start_step)
+    elif start_step not in (0, position.step): raise ValueError(f'start_step {start_step} is not the position\'s step {position.step}')
     if cfg.source == 'world':
-        sampler = EpochBatchSampler(cfg.world_length, cfg.batch_size, spec.order_seed, epoch, start_step, rank, world_size)
-        dl = DataLoader(WorldItems(spec, epoch), batch_sampler=sampler, **kw)
-        return Loader(dl, counter, sampler.steps, start_step)
-    ds = WdsItems(spec, epoch, start_step, preprocess, counter, rank, world_size)
-    dl = DataLoader(ds, batch_size=cfg.batch_size, drop_last=True, **kw)
-    return Loader(dl, counter, steps_per_epoch(cfg, world_size), start_step)
+        sampler = EpochBatchSampler(cfg.world_length, cfg.batch_size, spec.order_seed, epoch, position.step, rank, world_size)
+        dl = DataLoader(WorldItems(spec, epoch), batch_sampler=sampler, num_workers=cfg.workers,
+                        collate_fn=partial(collate, node_np=spec.needs.node_np))
+        return Loader(dl, sampler.steps, position)
+    if position.workers != n_streams(cfg):
+        raise ValueError(f'data.workers: the shard position was reached with {position.workers} worker stream(s); shards are split '
+                         f'by worker, so resume with data.workers={position.workers}' + (' (or 0)' if position.workers == 1 else ''))
+    ds = WdsItems(spec, epoch, position, preprocess, rank, world_size)
+    dl = DataLoader(ds, batch_size=None, num_workers=cfg.workers, collate_fn=_as_is)
+    return Loader(dl, steps_per_epoch(cfg, world_size), position)
 
 # %% ../nbs/23_data.ipynb #4215afb5
 def write_shard(path, samples: list[dict]):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .cli import ArgumentParser, run_main, usage_errors
 from .eval.models import LoadedModel, load_model
 from .world import WorldConfig, generate, to_clip_tensor
 
@@ -266,7 +267,7 @@ def _parse_checkpoint(arg: str) -> tuple[str, str]:
     if '=' in arg and not arg.startswith('random:'):
         name, path = arg.split('=', 1)
         if name and path: return name, path
-        raise ValueError(f'--checkpoint wants NAME=PATH, got {arg!r}')
+        raise ValueError(f'--checkpoint: wants NAME=PATH (or PATH, or random:ARCH), got {arg!r}')
     p = Path(arg)
     return (p.parent.parent.name if p.parent.name == 'checkpoints' else p.stem if p.suffix else p.name) or arg, arg
 
@@ -284,10 +285,45 @@ def save_grids(images: list, texts: list, models: dict, out_dir, edits: bool = F
         p = out / f'{stem}.png'; fig.savefig(p, dpi=110, bbox_inches='tight'); plt.close(fig); paths.append(p)
     return paths
 
+def _check_args(a) -> dict:
+    """The command line's mistakes, found before a model is built (`17_cli`): a ValueError naming the argument.
+    Returns {column name: checkpoint spec}."""
+    from PIL import Image
+    from powerclip.eval.models import checkpoint_file
+    from powerclip.model import model_geometry
+    if a.threads < 0: raise ValueError(f'--threads: must be at least 0 (0: torch default), got {a.threads}')
+    if a.grounding < 0: raise ValueError(f'--grounding: must be at least 0 (world test scenes; 0: none), got {a.grounding}')
+    if not a.checkpoint: raise ValueError('--checkpoint: give at least one NAME=PATH (random:ARCH for a random init)')
+    if not a.grounding and not (a.image and a.text): raise ValueError('--image: give --image and --text, or --grounding N')
+    if a.image and not a.text: raise ValueError('--text: --image needs at least one --text')
+    specs = {}
+    for c in a.checkpoint:
+        name, path = _parse_checkpoint(c)
+        if name in specs: raise ValueError(f'--checkpoint: two columns named {name!r} (name them: NAME=PATH)')
+        try:
+            if path.startswith('random:'): model_geometry(path[len('random:'):])   # the architecture exists (nothing built)
+            else: checkpoint_file(path)                                          # a file, or a run folder holding one
+        except (ValueError, FileNotFoundError, NotImplementedError) as e: raise ValueError(f'--checkpoint: {e}') from None
+        specs[name] = path
+    for im in a.image:
+        if not Path(im).is_file(): raise ValueError(f'--image: {im!r} not found')
+        try:
+            with Image.open(im) as x: x.verify()
+        except Exception as e: raise ValueError(f'--image: {im!r} is not an image ({type(e).__name__})') from None
+    if a.out and Path(a.out).exists() and not Path(a.out).is_dir(): raise ValueError(f'--out: {a.out!r} is a file (give a folder)')
+    try: dev = torch.device(a.device)
+    except RuntimeError: raise ValueError(f"--device: {a.device!r} is not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == 'cuda' and not torch.cuda.is_available(): raise ValueError(f'--device: {a.device!r} asks for a GPU and none is available (cpu)')
+    return specs
+
 def main(argv=None) -> int:
-    import argparse, json
+    "The command line (None: sys.argv): exit status 0, or 2 with one line on stderr for a mistake in the arguments (`17_cli`)."
+    return run_main(_main, argv, 'powerclip-heatmaps')
+
+def _main(argv) -> int:
+    import json
     import matplotlib; matplotlib.use('Agg')     # files only: no window, whatever the environment's default backend
-    ap = argparse.ArgumentParser(prog='powerclip-heatmaps', description='Text-to-patch heatmaps side by side, and the world grounding table.')
+    ap = ArgumentParser(prog='powerclip-heatmaps', description='Text-to-patch heatmaps side by side, and the world grounding table.')
     ap.add_argument('--image', action='append', default=[], help='image file (repeat for several: one grid each)')
     ap.add_argument('--text', action='append', default=[], help='a text (repeat for several rows)')
     ap.add_argument('--checkpoint', action='append', default=[], metavar='NAME=PATH',
@@ -297,17 +333,13 @@ def main(argv=None) -> int:
     ap.add_argument('--grounding', type=int, default=0, help='world test scenes for the grounding table (0: none)')
     ap.add_argument('--device', default='cpu')
     ap.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default; 1 is fastest for tiny models on a busy machine)')
-    a = ap.parse_args(argv)
+    ap.add_argument('--debug', action='store_true', help='show the traceback of a usage error')
+    with usage_errors():
+        a = ap.parse_args(argv)
+        specs = _check_args(a)
     if a.threads > 0: torch.set_num_threads(a.threads)
-    if not a.checkpoint: ap.error('give at least one --checkpoint NAME=PATH (random:ARCH for a random init)')
-    if not a.grounding and not (a.image and a.text): ap.error('give --image and --text, or --grounding N')
-    if a.image and not a.text: ap.error('--image needs at least one --text')
-    try:
-        specs = dict(_parse_checkpoint(c) for c in a.checkpoint)
-        missing = [im for im in a.image if not Path(im).is_file()]
-        if missing: raise FileNotFoundError(f'image(s) not found: {missing}')
-        models = {n: _loaded(p, a.device) for n, p in specs.items()}
-    except (FileNotFoundError, ValueError) as e: ap.exit(1, f'powerclip-heatmaps: error: {e}\n')
+    # a checkpoint that does not fit its architecture shows only once it is loaded: still the user's file, one line
+    with usage_errors(ValueError): models = {n: _loaded(p, a.device) for n, p in specs.items()}
     if a.image:
         for p in save_grids(a.image, a.text, models, a.out or 'heatmaps', a.edits): print(p)
     if a.grounding:

@@ -109,21 +109,49 @@ def test_world_workers_and_resume():
     assert _same(ranks[0], one[0::2]) and _same(ranks[1], one[1::2])
 
 
-def test_wds_resume_exact_without_bad_samples(tmp_path):
+def _with_positions(spec, epoch=0, position=None):
+    ld = make_loader(spec, epoch, position=position)
+    return [(b, ld.state()) for b in ld], ld
+
+
+KNOWN_BAD = dict(shard_error=2, no_image=1, bad_image=1, no_caption=1, bad_tree=0, no_regions=0, bad_regions=0)  # CLIP's
+
+
+@pytest.mark.parametrize('workers,buffer', [(0, 1000), (2, 1000), (2, 3), (3, 0)])
+def test_wds_resume_exact_with_bad_samples(dirty, workers, buffer):
+    "Stopped after every step and resumed from the position reached: the same batches, the same skip counts."
+    spec = _spec(source='wds', shards=dirty, batch_size=2, workers=workers, shuffle_buffer=buffer)
+    run, ld = _with_positions(spec, epoch=1)
+    full = [b for b, _ in run]
+    assert ld.skipped() == KNOWN_BAD                                       # every bad sample, once
+    assert len(full) >= 5
+    for s in range(1, len(full)):
+        rest, ld2 = _with_positions(spec, epoch=1, position=run[s - 1][1])
+        assert _same([b for b, _ in rest], full[s:]), s
+        assert ld2.skipped() == ld.skipped() and ld2.state() == ld.state()
+        assert run[s - 1][1].skipped == _with_positions(spec, epoch=1)[0][s - 1][1].skipped   # counts do not depend on prefetching
+
+
+def test_wds_ranks_and_epoch_cap(tmp_path):
     for s in range(4): write_shard(tmp_path / f'{s}.tar', [_good(10 * s + i) for i in range(6)])
-    data = dict(source='wds', shards=str(tmp_path / '{0..3}.tar'), batch_size=2, workers=2, shuffle_buffer=0)
+    data = dict(source='wds', shards=str(tmp_path / '{0..3}.tar'), batch_size=2, workers=2, shuffle_buffer=4)
     cfg = _spec(TREE, **data)
     full = list(make_loader(cfg, epoch=1))
     assert len(full) == 12
-    assert _same(list(make_loader(cfg, epoch=1, start_step=5)), full[5:])
     # ranks split the shards: disjoint samples, together all of them
     ranks = [torch.cat([b['index'] for b in make_loader(cfg, epoch=1, rank=r, world_size=2)]) for r in range(2)]
     assert not set(ranks[0].tolist()) & set(ranks[1].tolist()) and len(ranks[0]) + len(ranks[1]) == 24
-    # samples_per_epoch caps the epoch and gives it a length
-    ld = make_loader(_spec(TREE, **data, samples_per_epoch=10), epoch=1, start_step=2)
-    assert len(ld) == 3 and len(list(ld)) == 3
+    # samples_per_epoch caps the epoch and gives it a length; a capped epoch resumes exactly too
+    capped = _spec(TREE, **data, samples_per_epoch=10)
+    run, ld = _with_positions(capped, epoch=1)
+    assert len(make_loader(capped, epoch=1)) == 5 and len(run) == 5
+    rest = make_loader(capped, epoch=1, position=run[1][1])
+    assert len(rest) == 3 and _same(list(rest), [b for b, _ in run[2:]])
+    with pytest.raises(ValueError, match='position'): make_loader(capped, epoch=1, start_step=2)
 
 
-def test_counter_rows_are_per_process():
-    c = SkipCounter(workers=3)
-    assert c.table.shape == (4, 7) and c.table.is_shared()
+def test_skip_counter():
+    c = SkipCounter()
+    c.add('bad_image', 'k'); c.add('bad_image', 'k2')
+    assert c.take()['bad_image'] == 2 and c.total() == 0
+    with pytest.raises(ValueError, match='unknown skip reason'): c.add('nope')

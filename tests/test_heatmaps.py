@@ -86,9 +86,9 @@ def test_cli_bad_input(tmp_path, runs):
     r = run('--image', 'x.png', '--text', 'a dog')
     assert r.returncode == 2 and '--checkpoint' in r.stderr
     r = run('--image', str(tmp_path / 'nope.png'), '--text', 'a dog', '--checkpoint', 'random:powerclip-micro')
-    assert r.returncode == 1 and 'not found' in r.stderr
+    assert r.returncode == 2 and 'not found' in r.stderr and r.stderr.count('\n') == 1
     r = run('--image', str(_image(tmp_path / 'x.png')), '--text', 'a dog', '--checkpoint', f'a={tmp_path}')
-    assert r.returncode == 1 and 'neither model.pt' in r.stderr
+    assert r.returncode == 2 and 'neither model.pt' in r.stderr and r.stderr.count('\n') == 1
 
 
 def test_world_edits_stay_in_the_grammar():

@@ -49,11 +49,13 @@ def test_too_many_bad_steps_in_a_row_abort(tmp_path):
         train(_cfg(tmp_path, max_bad_in_row=3))
 
 
-def test_main_from_python_and_config_written(tmp_path):
+def test_main_from_the_command_line_and_config_written(tmp_path, capsys):
     _NanAt.calls, _NanAt.bad = 0, set()
-    cfg = _cfg(tmp_path, max_steps=2)
-    s = main(cfg)
-    assert s["steps"] == 2 and (tmp_path / "config.yaml").is_file() and (tmp_path / "loss.png").is_file()
+    argv = ["--preset", "smoke", "--method", "_test_nan", f"out_dir={tmp_path}", "max_steps=2"]
+    assert main(argv) == 0                                     # an exit status (the console script's), not the summary
+    assert "steps: 2" in capsys.readouterr().out               # the summary is printed
+    cfg = load_config("smoke", {"out_dir": str(tmp_path), "max_steps": 2}, method="_test_nan")
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "loss.png").is_file()
     assert load_config(str(tmp_path / "config.yaml")) == cfg  # the written config reads back to the same run
     import yaml
     from powerclip.data import run_seeds
@@ -63,10 +65,25 @@ def test_main_from_python_and_config_written(tmp_path):
 
 
 def test_config_errors_are_clear():
-    with pytest.raises(ValueError, match="unknown key"): load_config("demo", ["optim.learnig_rate=1"])
-    with pytest.raises(ValueError, match="unknown option"): load_config("demo", ["method_cfg.lamda=1"])
-    with pytest.raises(KeyError, match="registered"): load_config("demo", method="no-such-method")
+    with pytest.raises(ValueError, match="optim.learnig_rate: unknown key"): load_config("demo", ["optim.learnig_rate=1"])
+    with pytest.raises(ValueError, match="method_cfg.lamda: unknown key"): load_config("demo", ["method_cfg.lamda=1"])
+    with pytest.raises(ValueError, match="method: unknown method 'no-such-method' \\(registered"): load_config("demo", method="no-such-method")
     with pytest.raises(FileNotFoundError, match="known"): load_config("no-such-preset")
+    with pytest.raises(ValueError, match="optim.lr: must be a number, got 'abc'"): load_config("demo", ["optim.lr=abc"])
+
+
+def test_from_dict_checks_scalar_types():
+    from powerclip.train import from_dict
+    ok = from_dict(TrainConfig, {"seed": 3, "device": None, "progress": False, "optim": {"lr": 1, "grad_clip": "0.5"},
+                                 "out_dir": 2024, "data": {"samples_per_epoch": 10.0}})
+    assert (ok.optim.lr, ok.optim.grad_clip, ok.out_dir, ok.data.samples_per_epoch) == (1.0, 0.5, "2024", 10)
+    assert isinstance(ok.optim.lr, float) and isinstance(ok.data.samples_per_epoch, int)
+    for d, msg in [({"seed": "x"}, "seed: must be an integer, got 'x'"), ({"progress": 1}, "progress: must be true or false"),
+                   ({"epochs": None}, "epochs: may not be null"), ({"device": 3.5}, "device: must be cpu, cuda"),
+                   ({"optim": {"grad_clip": "no"}}, "optim.grad_clip: must be a number or null, got 'no'"),
+                   ({"model": {"compile": "yes please"}}, "model.compile: must be true or false"),
+                   ({"optim": {"betas": 0.9}}, "optim.betas: must be a list"), ({"data": []}, "data: must be a section")]:
+        with pytest.raises(ValueError, match=msg.replace("(", "\\(")): from_dict(TrainConfig, d)
 
 
 def test_presets_load():

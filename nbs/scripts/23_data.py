@@ -20,14 +20,14 @@
 #| export
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import itertools
 import json
 import logging
-import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import numpy as np
@@ -117,17 +117,21 @@ class DataConfig:
     world_length: int = 100_000    # world: samples per epoch (indices 0 .. world_length-1 of the 'train' split)
     world: dict = field(default_factory=dict)  # world: extra WorldConfig fields (max_objects, relations, ...); its
                                    # image and patch size are the model's, its seed derives from the run seed
-    shuffle_buffer: int = 1000     # wds: per-worker sample shuffle buffer (0: shard order only)
+    shuffle_buffer: int = 1000     # wds: each worker shuffles its stream in blocks of this many samples (0: shard order)
     samples_per_epoch: int | None = None  # wds: samples per process per epoch (None: one pass over its shards)
     parse_missing: bool = True     # wds, methods that need a tree: parse captions without {key}.tree.json on the fly (else skip them)
 
     def __post_init__(self):
-        if self.source not in ('world', 'wds'): raise ValueError(f"source must be 'world' or 'wds', got {self.source!r}")
-        if self.source == 'wds' and not self.shards: raise ValueError("source='wds' needs shards")
-        if self.batch_size < 1 or self.workers < 0: raise ValueError('need batch_size >= 1, workers >= 0')
+        # each message starts with the field's name: the trainer's config reader prefixes the section ('data.')
+        if self.source not in ('world', 'wds'): raise ValueError(f"source: must be 'world' or 'wds', got {self.source!r}")
+        if self.source == 'wds' and not self.shards:
+            raise ValueError("shards: source 'wds' needs shard paths or urls (e.g. 'cc12m/{00000..01242}.tar')")
+        for k, lo in (('batch_size', 1), ('workers', 0), ('world_length', 1), ('shuffle_buffer', 0)):
+            if getattr(self, k) < lo: raise ValueError(f'{k}: must be at least {lo}, got {getattr(self, k)}')
+        if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
+            raise ValueError(f'samples_per_epoch: must be at least 1 or null (one pass over the shards), got {self.samples_per_epoch}')
         owned = sorted({'image_size', 'patch_size', 'seed'} & set(self.world))
-        if owned: raise ValueError(f"data.world may not set {owned}: image and patch size are the model's, the seed derives from the run seed")
-
+        if owned: raise ValueError(f"world: may not set {owned}: image and patch size are the model's, the seed derives from the run seed")
 
 @dataclass(frozen=True)
 class Geometry:
@@ -254,12 +258,12 @@ assert len(set(_rs.values())) == len(SEED_STREAMS) and _rs == run_seeds(0) and _
 test_eq(derive_seed(0, 'data'), _rs['data']); test_fail(lambda: derive_seed(0, 'dat'), contains='unknown random stream')
 
 # %% [markdown]
-# ## Skip accounting across worker processes
+# ## Skip accounting
 #
-# Samples are decoded in DataLoader worker processes, so a counter in the dataset object would stay in the
-# worker. `SkipCounter` keeps a shared-memory table with **one row per worker** (plus one for the main
-# process): each process only adds to its own row, so no lock is needed and no count is lost; `counts()`
-# sums the rows.
+# Every sample that cannot be used is skipped under one of the reasons below, logged with its key, and counted.
+# A `SkipCounter` counts the skips of one stream (one worker of one process); the loader adds the counts to the
+# batches, so that a count is part of what the main process *consumed*, not of what the workers happened to have
+# decoded ahead of it (see "Counting skips" below).
 
 # %%
 #| export
@@ -272,26 +276,34 @@ SKIP_REASONS = ('shard_error',   # unreadable / truncated tar or a read error in
                 'bad_regions')   # stored masks needed: masks on another grid or unreadable
 
 class SkipCounter:
-    "Per-reason counts of skipped samples, summed over DataLoader workers; also a webdataset handler."
-    def __init__(self, workers: int = 0):
-        self.table = torch.zeros(workers + 1, len(SKIP_REASONS), dtype=torch.long).share_memory_()
+    "Per-reason counts of the samples one stream skipped; each skip is also logged with its key and reason."
+    def __init__(self): self.counts = dict.fromkeys(SKIP_REASONS, 0)
 
     def add(self, reason: str, key: str = '', detail: str = ''):
-        w = get_worker_info()
-        row = 0 if w is None else min(w.id + 1, self.table.shape[0] - 1)
-        self.table[row, SKIP_REASONS.index(reason)] += 1
+        if reason not in self.counts: raise ValueError(f'unknown skip reason {reason!r}; reasons: {SKIP_REASONS}')
+        self.counts[reason] += 1
         logger.warning('skipped sample %r: %s %s', key, reason, detail)
 
-    def counts(self) -> dict[str, int]: return dict(zip(SKIP_REASONS, self.table.sum(0).tolist()))
-    def total(self) -> int: return int(self.table.sum())
+    def take(self) -> dict[str, int]:
+        "The counts since the last `take` (and start again from zero)."
+        out, self.counts = self.counts, dict.fromkeys(SKIP_REASONS, 0)
+        return out
+
+    def total(self) -> int: return sum(self.counts.values())
+
+
+def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    "Reason-wise sum of two skip counts."
+    return {k: a.get(k, 0) + b.get(k, 0) for k in dict.fromkeys([*SKIP_REASONS, *a, *b])}
 
 
 # %%
-sc = SkipCounter(2)
+sc = SkipCounter()
 sc.add('bad_image', 'k1', 'test'); sc.add('shard_error', 'a.tar', "ReadError('unexpected end of data')")
-test_eq(sc.counts()['bad_image'], 1); test_eq(sc.counts()['shard_error'], 1); test_eq(sc.total(), 2)
-test_fail(lambda: sc.add('no_such_reason'))
-
+test_eq(sc.total(), 2); _t = sc.take()
+test_eq((_t['bad_image'], _t['shard_error'], sc.total()), (1, 1, 0))
+test_eq(add_counts(_t, _t)['bad_image'], 2)
+test_fail(lambda: sc.add('no_such_reason'), contains='unknown skip reason')
 
 # %% [markdown]
 # ## One sample, any source
@@ -461,29 +473,64 @@ test_eq(_wt['tokens'], _wb['tokens']); assert 'leaf_tokens' not in _wt and 'regi
 # %% [markdown]
 # ## Webdataset shards
 #
-# The pipeline of one worker, all in `WdsItems.__iter__`:
+# The pipeline of one worker, all in `WdsItems`:
 #
 # 1. **shards**: the shard list in an order drawn from `(data seed, epoch)`; process $r$ of $G$ with worker $w$ of
 #    $n_w$ takes every $(Gn_w)$-th shard starting at $r n_w + w$ (so shards are split across both);
 # 2. **read**: `read_shard` reads one tar with `webdataset.tarfile_to_samples` and a handler that keeps going
-#    on read errors: of a truncated or corrupt tar the samples before the damage are kept, and the shard counts
-#    one `shard_error` (its samples after the damage are lost and cannot be counted: the index is gone);
-# 3. **resume skip**: drop this worker's share of already consumed samples *before decoding* (below);
-# 4. **shuffle**: a buffer of `shuffle_buffer` samples with a generator from `(data seed, epoch, rank, worker)`;
-# 5. **decode**: `decode_sample` reads the image and the caption, and the tree and the stored masks only if the
-#    method needs them; on any problem it counts the reason, logs the key and returns `None`, and the sample is skipped.
+#    on read errors: of a truncated or corrupt tar the samples before the damage are kept, and the shard ends with
+#    one *shard-error record* in the stream, which is skipped as one `shard_error` (its samples after the damage are
+#    lost and cannot be counted: the index is gone);
+# 3. **shuffle**: the worker's raw stream, in blocks of $K$ = `shuffle_buffer` samples, each block permuted (below);
+# 4. **decode**: `decode_sample` reads the image and the caption, and the tree and the stored masks only if the
+#    method needs them; on any problem it counts the reason, logs the key and returns `None`, and the sample is skipped;
+# 5. **batch**: every $B$ usable samples make a batch (the last incomplete one is dropped), collated in the worker.
 #
 # Images go through open_clip's preprocessing (resize the short side, centre-crop, normalise). The default is
 # the evaluation transform: `stored` masks were computed on the centred square (`regions.GridConfig(crop=
 # 'center')`), so a random-resized crop would misplace them; pass another `preprocess` when masks are random.
 #
-# **Resume on shards is approximate, and documented as such.** The DataLoader takes batches from its
-# workers in turn, so after `start_step` batches worker $w$ has produced $\lceil(\text{start\_step}-w)/n_w\rceil$
-# of them, and it skips that many times $B$ raw samples before its shuffle buffer, without decoding them (and
-# the resumed loader's worker $i$ plays the part of worker $(i+\text{start\_step}) \bmod n_w$, whose batch is due next). The
-# resumed run then sees the same shards in the same order and continues at about the right place; it is not
-# bit-identical because skipped (bad) samples and the shuffle buffer move the boundary by up to
-# `shuffle_buffer` + (bad samples) samples. The trainer checkpoints `(epoch, step)`; nothing else is needed.
+# ### Exact resume: positions, not steps
+#
+# On the world, batch $b$ is a pure function of `(seed, epoch, b)`, so a step count is a position. On shards it is
+# not: how many raw samples a batch used depends on how many bad ones were among them. So the loader counts
+# **raw positions**, and the shuffle and every skip decision are pure functions of them.
+#
+# Let $x_0, x_1, \dots$ be worker $w$'s raw stream (samples and shard-error records, in its shard order) and
+# $K = \max(1, \texttt{shuffle\_buffer})$. The shuffle emits, at output position $q$,
+#
+# $$y_q = x_{jK + \pi_j(t)}, \qquad j = \lfloor q / K \rfloor,\quad t = q \bmod K,$$
+#
+# where $\pi_j$ is a permutation of block $j$ (of its $n_j \le K$ samples; only the last block is shorter) drawn from
+# `(data seed, epoch, r, w, j)`. Whether $y_q$ is skipped depends on its bytes alone. So everything from output
+# $p$ on is fixed by $p$: to resume there, read the raw stream from the first sample of block $\lfloor p/K \rfloor$,
+# permute the block again, and drop its first $p \bmod K$ outputs *without decoding them*: the same outputs follow,
+# the same ones are skipped, the same batches are made. Skipped samples do not shift anything, because $p$ counts
+# them too.
+#
+# What a worker must remember is therefore $p_w$ (outputs consumed) and where block $\lfloor p_w/K \rfloor$ starts
+# in its shards, `at` = (shard index, raw samples into that shard), so that a resume opens that shard directly
+# instead of reading the shards before it. Each batch carries its worker's $(p_w, \text{at})$ after its last sample;
+# the main process keeps, per worker, those of the last batch it consumed: a `StreamPosition`, which the trainer
+# saves in its checkpoint. A sample is held at most $K$ raw samples back, as webdataset's buffer holds it; we do not use
+# that buffer because its state (up to $K$ raw samples, images included, per worker) would have to be saved or rebuilt
+# from an unbounded distance back, while a block is rebuilt from $K$ samples.
+#
+# **Which worker's batch comes next.** The DataLoader asks its workers in turn, $0, 1, \dots, n_w - 1, 0, \dots$,
+# passing over workers whose stream has ended, and the main process checks that every batch arrives in that turn.
+# The position records $n$, the worker after the one whose batch (or end, below) came last; a resumed loader's
+# physical worker $i$ plays the stream of worker $(i + n) \bmod n_w$, so the turns continue where they stopped. The
+# streams are split by worker, so a run resumes with as many workers as it started with ($0$ and $1$ are the same
+# single stream).
+#
+# ### Counting skips
+#
+# A batch carries the skips of its worker since that worker's previous batch, and each worker ends its stream with an
+# *end record* carrying the skips after its last batch (those decoded for the dropped incomplete batch included). The
+# main process adds the counts of what it consumes, and reads one item ahead, so that the end records that follow a
+# batch are counted with it. The counts are therefore a function of the batches consumed, not of how far the workers
+# had decoded ahead: the same in a straight and a resumed run, whatever the number of workers, and after a full pass
+# they are every bad sample of the process's shards.
 
 # %%
 #| export
@@ -506,6 +553,7 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Ski
     key, needs, cfg, geo = s.get('__key__', '?'), spec.needs, spec.data, spec.geometry
     def skip(reason, detail=''):
         counter.add(reason, f"{s.get('__url__', '')}:{key}", detail); return None
+    if '__shard_error__' in s: return skip('shard_error', s['__shard_error__'])
     img = next((s[e[1:]] for e in IMAGE_EXTS if e[1:] in s), None)
     if img is None: return skip('no_image')
     try:
@@ -535,77 +583,155 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Ski
         if not pool.any(1).any(): return skip('no_regions', 'all stored masks empty')
     return make_item(preprocess(im), text, tt, key_index(key), spec, epoch, pool)
 
-def read_shard(url: str, counter: SkipCounter):
-    "Raw samples of one tar; read errors (truncated or corrupt tar) end the shard and count one `shard_error`."
+def read_shard(url: str):
+    """Raw samples of one tar; read errors (a truncated or corrupt tar) end the shard with one shard-error record
+    (`{'__shard_error__': what, '__url__': url}`), which `decode_sample` skips as a `shard_error`."""
     import webdataset as wds
     errors = []
     def handler(exn): errors.append(exn); return True
     yield from wds.tarfile_to_samples(handler=handler)(iter([dict(url=url)]))
-    if errors: counter.add('shard_error', url, f'{len(errors)} read error(s), first {errors[0]!r}'[:300])
+    if errors: yield {'__key__': url, '__url__': url, '__shard_error__': f'{len(errors)} read error(s), first {errors[0]!r}'[:300]}
 
-def _shuffled(it, bufsize: int, rng: random.Random):
-    "Reservoir-style shuffle buffer (the same law as webdataset.shuffle) with our own seeded generator."
-    buf = []
-    for x in it:
-        if len(buf) < bufsize: buf.append(x); continue
-        k = rng.randrange(bufsize); yield buf[k]; buf[k] = x
-    rng.shuffle(buf); yield from buf
+
+@dataclass
+class StreamPosition:
+    "Where one process's epoch stands after the batches it consumed (see above); the trainer checkpoints it."
+    workers: int                   # streams n_w = max(1, data.workers): shards are split by worker
+    step: int = 0                  # batches consumed in this epoch
+    next: int = 0                  # the worker whose turn comes next
+    pos: list = None               # per worker: outputs p_w of its shuffle consumed (skipped samples included)
+    at: list = None                # per worker: [shard index, raw samples into it] where block p_w // K starts
+    ended: list = None             # per worker: its end record was consumed
+    skipped: dict = None           # skips among the consumed outputs of this epoch, by reason
+
+    def __post_init__(self):
+        n = self.workers
+        self.pos = list(self.pos or [0] * n); self.at = [list(a) for a in (self.at or [[0, 0]] * n)]
+        self.ended = list(self.ended or [False] * n); self.skipped = add_counts({}, self.skipped or {})
+        if not len(self.pos) == len(self.at) == len(self.ended) == n: raise ValueError(f'a position of {n} workers needs {n} entries each')
+
+    def due(self) -> int | None:
+        "The worker whose batch comes next: the next in turn whose stream has not ended (None: all ended)."
+        return next(((self.next + k) % self.workers for k in range(self.workers) if not self.ended[(self.next + k) % self.workers]), None)
+
+    def consume(self, meta: dict) -> None:
+        "Account for one consumed batch or end record of worker `meta['worker']`."
+        w = meta['worker']
+        if w != self.due(): raise RuntimeError(f'worker {w} delivered out of turn (worker {self.due()} was due): exact resume '
+                                               "relies on the DataLoader asking its workers in turn")
+        self.pos[w], self.at[w], self.ended[w] = meta['pos'], list(meta['at']), meta['end']
+        self.skipped = add_counts(self.skipped, meta['skips'])
+        self.next = (w + 1) % self.workers
+
+    def to_dict(self) -> dict: return asdict(self)
+
+
+def n_streams(cfg: DataConfig) -> int:
+    "Worker streams of a shard epoch: 0 and 1 DataLoader workers are the same single stream."
+    return max(1, cfg.workers)
+
 
 class WdsItems(IterableDataset):
-    "Iterable of batch items from webdataset shards (see the steps above)."
-    def __init__(self, spec: BatchSpec, epoch: int = 0, start_step: int = 0, preprocess=None,
-                 counter: SkipCounter | None = None, rank: int = 0, world_size: int = 1):
-        self.spec, self.cfg, self.epoch, self.start_step, self.rank, self.G = spec, spec.data, epoch, start_step, rank, world_size
+    "Batches (collated in the worker, each with its `_meta`) of webdataset shards, from a `StreamPosition` (see above)."
+    def __init__(self, spec: BatchSpec, epoch: int = 0, position: StreamPosition | None = None, preprocess=None,
+                 rank: int = 0, world_size: int = 1):
+        self.spec, self.cfg, self.epoch, self.rank, self.G = spec, spec.data, epoch, rank, world_size
+        self.position = position or StreamPosition(n_streams(spec.data))
         self.preprocess = preprocess or eval_transform(spec.geometry.image_size)
-        self.counter = counter or SkipCounter(spec.data.workers)
         self.urls = shard_urls(spec.data.shards)
         if not self.urls: raise ValueError(f'no shards in {spec.data.shards!r}')
 
-    def __iter__(self):
-        import webdataset as wds
-        w = get_worker_info()
-        nw = 1 if w is None else w.num_workers
-        # the DataLoader asks its workers in turn, starting with worker 0; after start_step batches the next one is
-        # due from the worker start_step % nw of the original run, so physical worker i plays that run's worker wid
-        wid = (0 if w is None else w.id + self.start_step) % nw
-        urls = list(self.urls)
+    def shards(self, w: int) -> list[str]:
+        "Worker w's shards in this epoch: the epoch's shard order, every (G n_w)-th from r n_w + w."
+        urls, nw = list(self.urls), self.position.workers
         random.Random(mix_seed(self.spec.order_seed, self.epoch)).shuffle(urls)
-        mine = urls[self.rank * nw + wid::self.G * nw]
-        samples = itertools.chain.from_iterable(read_shard(u, self.counter) for u in mine)
-        done = max(0, math.ceil((self.start_step - wid) / nw)) * self.cfg.batch_size   # this worker's consumed share
-        samples = itertools.islice(samples, done, None)
-        if self.cfg.shuffle_buffer > 0:
-            samples = _shuffled(samples, self.cfg.shuffle_buffer, random.Random(mix_seed(self.spec.order_seed, self.epoch, self.rank, wid)))
-        for s in samples:
-            try: item = decode_sample(s, self.spec, self.epoch, self.preprocess, self.counter)
-            except Exception as e:   # a bug or a case we did not foresee: still count it, never kill the epoch
-                self.counter.add('bad_image' if 'image' in repr(e).lower() else 'bad_tree', s.get('__key__', '?'), repr(e)[:200])
-                item = None
-            if item is not None: yield item
+        return urls[self.rank * nw + w::self.G * nw]
+
+    def __iter__(self):
+        info, P = get_worker_info(), self.position
+        if (1 if info is None else info.num_workers) != P.workers:
+            raise RuntimeError(f'a position of {P.workers} worker streams read by {info.num_workers} workers')
+        w = ((0 if info is None else info.id) + P.next) % P.workers   # physical worker i plays stream (i + n) mod n_w
+        if not P.ended[w]: yield from self.stream(w)
+
+    def raw(self, shards: list[str], at) -> itertools.chain:
+        "(raw sample, where the stream stands after it) from `at` = [shard index, raw samples into it] on."
+        for i in range(at[0], len(shards)):
+            for k, s in enumerate(read_shard(shards[i]), 1):
+                if i > at[0] or k > at[1]: yield s, [i, k]
+
+    def stream(self, w: int):
+        "Worker w's batches from its position on, then its end record."
+        P, B = self.position, self.cfg.batch_size
+        K = max(1, self.cfg.shuffle_buffer)
+        p0, head = P.pos[w], list(P.at[w])
+        j, end = p0 // K, p0                     # block of the first output due; outputs of the stream so far
+        raw, skips, items = self.raw(self.shards(w), head), SkipCounter(), []
+        while block := list(itertools.islice(raw, K)):
+            start, head = head, block[-1][1]      # where block j starts, and where block j + 1 does
+            order = list(range(len(block)))
+            random.Random(mix_seed(self.spec.order_seed, self.epoch, self.rank, w, j)).shuffle(order)   # pi_j
+            for t, b in enumerate(order):
+                q = j * K + t                     # output position of this sample
+                if q < p0: continue               # consumed before the resume: neither decoded nor counted again
+                s = block[b][0]
+                try: item = decode_sample(s, self.spec, self.epoch, self.preprocess, skips)
+                except Exception as e:   # a bug or a case we did not foresee: still count it, never kill the epoch
+                    skips.add('bad_image' if 'image' in repr(e).lower() else 'bad_tree', s.get('__key__', '?'), repr(e)[:200])
+                    item = None
+                if item is None: continue
+                items.append(item)
+                if len(items) == B:
+                    p = q + 1
+                    batch = collate(items, node_np=self.spec.needs.node_np); items = []
+                    batch['_meta'] = dict(worker=w, pos=p, at=start if p % K else head, skips=skips.take(), end=False)
+                    yield batch
+            end = j * K + len(block); j += 1
+        yield {'_meta': dict(worker=w, pos=end, at=head, skips=skips.take(), end=True)}
 
 
 # %% [markdown]
 # ## The loader
 #
-# `make_loader(spec, epoch, start_step)` is what the trainer calls once per epoch. It returns a `Loader`:
-# iterate it for batches, `len()` for the remaining steps (when known), `skipped()` for the skip counts.
+# `make_loader(spec, epoch, start_step | position)` is what the trainer calls once per epoch. It returns a `Loader`:
+# iterate it for batches, `len()` for the remaining steps (when known), `skipped()` for the skip counts of this epoch
+# so far (summed over the batches consumed), `state()` for the position to save in a checkpoint. The world resumes
+# from a step alone; shards need the position saved with it.
 
 # %%
 #| export
+def _as_is(x): return x        # the DataLoader's collate for items that are batches already (picklable)
+
+
 class Loader:
-    "Batches of one epoch (from `start_step`), with the count of skipped samples."
-    def __init__(self, dataloader: DataLoader, counter: SkipCounter, steps: int | None, start_step: int):
-        self.dataloader, self.counter, self.steps, self.start_step = dataloader, counter, steps, start_step
+    "Batches of one epoch from a position on, with the skips among the samples consumed and the position reached."
+    def __init__(self, dataloader: DataLoader, steps: int | None, position: StreamPosition):
+        self.dataloader, self.steps, self.position = dataloader, steps, copy.deepcopy(position)
 
     def __iter__(self):
-        it = iter(self.dataloader)
-        return it if self.steps is None else itertools.islice(it, max(0, self.steps - self.start_step))
+        P, it = self.position, iter(self.dataloader)
+        def pull():   # the next batch, consuming the end records before it; None when the workers are done
+            for x in it:
+                meta = x.pop('_meta', None) if isinstance(x, dict) else None
+                if meta is None or not meta['end']: return x, meta
+                P.consume(meta)
+            return None
+        nxt = None if self.steps is not None and P.step >= self.steps else pull()
+        while nxt is not None:
+            batch, meta = nxt
+            if meta is not None: P.consume(meta)
+            P.step += 1
+            # read one ahead: the end records that follow this batch are counted with it (none after the last step)
+            nxt = pull() if self.steps is None or P.step < self.steps else None
+            yield batch
 
     def __len__(self):
         if self.steps is None: raise TypeError('the number of steps of a shard epoch is unknown: set samples_per_epoch')
-        return max(0, self.steps - self.start_step)
+        return max(0, self.steps - self.position.step)
 
-    def skipped(self) -> dict[str, int]: return self.counter.counts()
+    def skipped(self) -> dict[str, int]: return dict(self.position.skipped)
+    def state(self) -> StreamPosition: return copy.deepcopy(self.position)
+
 
 def steps_per_epoch(cfg: DataConfig, world_size: int = 1) -> int | None:
     "Full steps per epoch and process: world: world_length // (B G); wds: samples_per_epoch // B or None."
@@ -613,18 +739,27 @@ def steps_per_epoch(cfg: DataConfig, world_size: int = 1) -> int | None:
     return None if cfg.samples_per_epoch is None else cfg.samples_per_epoch // cfg.batch_size
 
 def make_loader(spec: BatchSpec, epoch: int = 0, start_step: int = 0, preprocess=None, rank: int = 0,
-                world_size: int = 1, counter: SkipCounter | None = None) -> Loader:
-    "The loader of one epoch for process `rank` of `world_size`, resuming at `start_step` (see above)."
+                world_size: int = 1, position: StreamPosition | dict | None = None) -> Loader:
+    """The loader of one epoch for process `rank` of `world_size`, from `start_step` (the world) or from `position`
+    (`Loader.state()` of an earlier loader of this epoch; shards need it to resume)."""
     cfg = spec.data
-    counter = counter or SkipCounter(cfg.workers)
-    kw = dict(num_workers=cfg.workers, collate_fn=partial(collate, node_np=spec.needs.node_np))
+    if isinstance(position, dict): position = StreamPosition(**position)
+    if position is None:
+        if start_step and cfg.source == 'wds':
+            raise ValueError('shards resume from the position a loader reached (Loader.state()), not from a step alone')
+        position = StreamPosition(n_streams(cfg), step=start_step)
+    elif start_step not in (0, position.step): raise ValueError(f'start_step {start_step} is not the position\'s step {position.step}')
     if cfg.source == 'world':
-        sampler = EpochBatchSampler(cfg.world_length, cfg.batch_size, spec.order_seed, epoch, start_step, rank, world_size)
-        dl = DataLoader(WorldItems(spec, epoch), batch_sampler=sampler, **kw)
-        return Loader(dl, counter, sampler.steps, start_step)
-    ds = WdsItems(spec, epoch, start_step, preprocess, counter, rank, world_size)
-    dl = DataLoader(ds, batch_size=cfg.batch_size, drop_last=True, **kw)
-    return Loader(dl, counter, steps_per_epoch(cfg, world_size), start_step)
+        sampler = EpochBatchSampler(cfg.world_length, cfg.batch_size, spec.order_seed, epoch, position.step, rank, world_size)
+        dl = DataLoader(WorldItems(spec, epoch), batch_sampler=sampler, num_workers=cfg.workers,
+                        collate_fn=partial(collate, node_np=spec.needs.node_np))
+        return Loader(dl, sampler.steps, position)
+    if position.workers != n_streams(cfg):
+        raise ValueError(f'data.workers: the shard position was reached with {position.workers} worker stream(s); shards are split '
+                         f'by worker, so resume with data.workers={position.workers}' + (' (or 0)' if position.workers == 1 else ''))
+    ds = WdsItems(spec, epoch, position, preprocess, rank, world_size)
+    dl = DataLoader(ds, batch_size=None, num_workers=cfg.workers, collate_fn=_as_is)
+    return Loader(dl, steps_per_epoch(cfg, world_size), position)
 
 
 # %% [markdown]
@@ -769,3 +904,35 @@ b0 = list(ld0)
 test_eq({k: v for k, v in ld0.skipped().items() if v}, dict(shard_error=1, no_image=1, bad_image=1, no_caption=1))
 test_eq(set(b0[0]), {'image', 'tokens', 'index'})
 assert sum(len(x['index']) for x in b0) == n_good + 2   # the bad tree and the bad masks do not matter to CLIP
+
+# %% [markdown]
+# ### Exact resume on shards
+#
+# The same shards with the bad samples, a shuffle block of $K=3$ (so blocks straddle shards and bad samples), in the
+# main process and with 2 workers: stopped after *every* step and resumed from the position it reached, the loader
+# gives exactly the remaining batches, and its skip counts end where the straight pass's do, which are all the bad
+# samples of the shards, the one decoded for the dropped incomplete last batch included.
+
+# %%
+def with_positions(spec, epoch=0, position=None):
+    "Every batch of an epoch with the loader's position after it."
+    ld = make_loader(spec, epoch, position=position)
+    return [(b, ld.state()) for b in ld], ld
+
+_clip_all = BatchSpec(DataConfig(source='wds', shards=pattern, batch_size=2, workers=0, shuffle_buffer=3), _geo)
+t0 = time.time()
+for nw in (0, 2):
+    rspec = BatchSpec(DataConfig(**{**_clip_all.data.__dict__, 'workers': nw}), _geo)
+    run, ld = with_positions(rspec, epoch=1)
+    full, states = [b for b, _ in run], [st for _, st in run]
+    test_eq(ld.skipped(), dict(shard_error=1, no_image=1, bad_image=1, no_caption=1, bad_tree=0, no_regions=0, bad_regions=0))
+    for s, st in enumerate(states[:-1], 1):
+        rest, ld_r = with_positions(rspec, epoch=1, position=st)
+        assert same([b for b, _ in rest], full[s:]), (nw, s)
+        test_eq(ld_r.skipped(), ld.skipped()); test_eq(ld_r.state(), ld.state())
+    # the shuffle is a shuffle: another epoch, another order; the same epoch again, the same order
+    assert not same(list(make_loader(rspec, epoch=2)), full) and same(list(make_loader(rspec, epoch=1)), full)
+print(f'{len(full)} shard batches, resumed after each step with 0 and 2 workers: exact ({time.time() - t0:.1f} s)')
+test_fail(lambda: make_loader(rspec, 1, start_step=2), contains='position')                       # a step is not a shard position
+test_fail(lambda: make_loader(BatchSpec(DataConfig(**{**rspec.data.__dict__, 'workers': 3}), _geo), 1, position=states[1]),
+          contains='data.workers=2')

@@ -20,7 +20,7 @@
 #| export
 from __future__ import annotations
 
-import contextlib, csv, dataclasses, math, os, random, sys, time, typing, warnings
+import contextlib, csv, dataclasses, math, os, random, re, sys, time, typing, warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,14 +29,17 @@ import torch
 import yaml
 
 from powerclip import dist as pdist
-from powerclip.data import BatchNeeds, BatchSpec, DataConfig, Geometry, Loader, make_loader, mix_seed, run_seeds, steps_per_epoch
+from powerclip.data import (SKIP_REASONS, BatchNeeds, BatchSpec, DataConfig, Geometry, Loader, StreamPosition, add_counts, make_loader,
+                            mix_seed, n_streams, run_seeds, shard_urls, steps_per_epoch, world_config)
+from powerclip.cli import ArgumentParser, UsageError, run_main, usage_errors
 from powerclip.measure import PeakMemory
-from powerclip.methods import Method, get_method, method_config
+from powerclip.methods import METHODS, Method, get_method, method_config
 
 # %%
 #| hide
 import tempfile
 from fastcore.test import test_eq, test_fail
+from powerclip.data import write_shard
 from torch.testing import assert_close
 
 
@@ -53,9 +56,9 @@ from torch.testing import assert_close
 # - a **method** from the registry of `40_methods`, which says what the data must build (`needs()`), what the
 #   forward pass returns and which named loss terms to add; the trainer sums the terms whose names do not start
 #   with `_` and logs all of them;
-# - **batches** from `powerclip.data.make_loader(spec, epoch, start_step, rank, world_size)`, where the spec holds
-#   the data config, the model's geometry, the method's needs and the run seed, and batch $b$ of epoch $e$ is a pure
-#   function of `(spec, e, b)`;
+# - **batches** from `powerclip.data.make_loader(spec, epoch, start_step | position, rank, world_size)`, where the spec
+#   holds the data config, the model's geometry, the method's needs and the run seed; batch $b$ of epoch $e$ is a pure
+#   function of `(spec, e, b)` on the world, and of `(spec, e)` and the loader's position on shards;
 # - **processes** through `powerclip.dist` (the only module that touches process groups), and time and memory
 #   through `powerclip.measure`.
 #
@@ -81,6 +84,9 @@ class ModelConfig:
                                        # (whole entries, e.g. a text_cfg with a shorter context_length); the
                                        # geometry of the data follows it
 
+    def __post_init__(self):
+        if not self.name: raise ValueError("name: needs an open_clip architecture name (e.g. ViT-B-16, powerclip-tiny)")
+
 
 @dataclass
 class OptimConfig:
@@ -91,6 +97,17 @@ class OptimConfig:
     warmup_steps: int = 100            # linear warm-up from lr/warmup to lr, then cosine to min_lr
     min_lr: float = 0.0                # end of the cosine
     grad_clip: float | None = None     # clip the global gradient norm (None: no clipping, norm still checked)
+
+    def __post_init__(self):
+        for k in ("lr", "weight_decay", "min_lr", "warmup_steps"):
+            if getattr(self, k) < 0: raise ValueError(f"{k}: must be at least 0, got {getattr(self, k)}")
+        if self.eps <= 0: raise ValueError(f"eps: must be above 0, got {self.eps}")
+        if self.grad_clip is not None and self.grad_clip <= 0: raise ValueError(f"grad_clip: must be above 0 or null (no clipping), got {self.grad_clip}")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: must be two numbers in [0, 1), got {list(self.betas)}")
+
+
+PRECISIONS = ("fp32", "bf16", "auto", "fp64")
 
 
 @dataclass
@@ -112,43 +129,101 @@ class TrainConfig:
     out_dir: str = "runs/run"          # config.yaml, metrics.csv, tb/, checkpoints/, loss.png
     log_every: int = 10                # steps between metric rows
     ckpt_every: int = 500              # steps between checkpoints (and one at the end)
-    resume: str = "auto"               # 'auto' (out_dir/checkpoints/last.pt if present) | 'never' | a checkpoint path
+    resume: str = "auto"               # 'auto' (out_dir/checkpoints/last.pt, else prev.pt, if present) | 'never' | a checkpoint path
     max_bad_in_row: int = 20           # abort after this many consecutive non-finite steps
-    device: str | None = None          # 'cpu' | 'cuda' | None (cuda when available)
+    device: str | None = None          # 'cpu' | 'cuda' | 'cuda:N' | None (cuda when available)
     progress: bool = True              # tqdm progress bar on the main process
     tensorboard: bool = True           # also write TensorBoard events to out_dir/tb
     find_unused_parameters: bool = False  # DDP option, for methods that leave parameters unused
 
     def __post_init__(self):
-        if self.precision not in ("fp32", "bf16", "auto", "fp64"): raise ValueError(f"precision must be fp32|bf16|auto|fp64, got {self.precision!r}")
+        # each message starts with the field's name (what the user typed: `precision=fp16`)
+        if self.precision not in PRECISIONS: raise ValueError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.resume not in ("auto", "never") and not str(self.resume).endswith(".pt"):
-            raise ValueError(f"resume must be 'auto', 'never' or a .pt checkpoint path, got {self.resume!r}")
-        if self.log_every < 1 or self.ckpt_every < 1: raise ValueError("log_every and ckpt_every must be >= 1")
+            raise ValueError(f"resume: must be auto, never or a .pt checkpoint path, got {self.resume!r}")
+        for k in ("epochs", "log_every", "ckpt_every", "max_bad_in_row"):
+            if getattr(self, k) < 1: raise ValueError(f"{k}: must be at least 1, got {getattr(self, k)}")
+        for k in ("max_steps", "stop_at", "global_batch_size"):
+            if getattr(self, k) is not None and getattr(self, k) < 1: raise ValueError(f"{k}: must be at least 1 or null, got {getattr(self, k)}")
+        if self.seed < 0: raise ValueError(f"seed: must be at least 0, got {self.seed}")
+        if self.device is not None and not (self.device in ("cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ValueError(f"device: must be cpu, cuda, cuda:N or null (cuda when available), got {self.device!r}")
+        if not self.out_dir: raise ValueError("out_dir: needs a folder for the run's outputs")
+        if not self.method: raise ValueError("method: needs a method name (e.g. powerclip, clip)")
 
 
 # %% [markdown]
-# Configs travel as plain nested dicts (YAML). `from_dict` builds the dataclasses back, checking every key, so
-# a typo in a preset or an override is an error, never a silently ignored option.
+# Configs travel as plain nested dicts (YAML). `from_dict` builds the dataclasses back, checking every key and the type
+# of every scalar, so a typo in a preset or an override is an error, never a silently ignored option, and the error
+# names the dotted key the user typed: `optim.lr: must be a number, got 'abc'`. A dataclass's own checks
+# (`__post_init__`) start their messages with the field's name, and `from_dict` puts the section in front.
 
 # %%
 #| export
-def from_dict(cls, d: dict):
-    "A (nested) config dataclass from a plain dict; unknown keys are an error; lists become tuples where typed so."
-    if not isinstance(d, dict): raise TypeError(f"{cls.__name__} needs a mapping, got {type(d).__name__}")
+def from_dict(cls, d: dict, path: str = ""):
+    """A (nested) config dataclass from a plain dict. An unknown key, a scalar of the wrong type (float, int, bool, str,
+    None: YAML's own) or a value the dataclass refuses is a ValueError naming the dotted key; lists become tuples where
+    typed so. `path`: the dotted name of `d` in the whole config ('' for the top)."""
+    where = f"{path}." if path else ""
+    if not isinstance(d, dict): raise ValueError(f"{path or cls.__name__}: must be a section of key: value entries, got {d!r}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown: raise ValueError(f"unknown key(s) {unknown} for {cls.__name__}; known: {sorted(names)}")
-    kw = {}
-    for k, v in d.items():
-        t = hints[k]
-        if dataclasses.is_dataclass(t) and isinstance(v, dict): v = from_dict(t, v)
-        elif t is tuple or typing.get_origin(t) is tuple: v = tuple(v)
-        elif isinstance(v, str) and float in _types(t):
-            try: v = float(v)  # YAML 1.1 reads '1e-3' as a string
-            except ValueError: pass
-        kw[k] = v
-    return cls(**kw)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in d:
+        if k not in names: raise ValueError(f"{where}{k}: unknown key (known: {', '.join(sorted(names))})")
+    kw = {k: _typed(hints[k], v, where + k) for k, v in d.items()}
+    try: return cls(**kw)
+    except (ValueError, TypeError) as e: raise ValueError(_name_key(cls, str(e), path, kw)) from None
+
+
+def _name_key(cls, msg: str, path: str, kw: dict) -> str:
+    """A dataclass check's message with the dotted key in front: the field its message starts with, else the one given
+    value the dataclass refuses on its own (the others at their defaults), else the section."""
+    where = f"{path}." if path else ""
+    if msg.split(":", 1)[0].strip() in kw: return where + msg
+    def refused(k):
+        try: cls(**{k: kw[k]}); return False
+        except (ValueError, TypeError): return True
+    alone = [k for k in kw if refused(k)]
+    if len(alone) == 1: return f"{where}{alone[0]}: {msg}"
+    return f"{path}: {msg}" if path else msg
+
+
+_TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "text", tuple: "a list", list: "a list",
+               dict: "a section of key: value entries"}
+
+
+def _typed(t, v, key: str):
+    "`v` as the annotation `t` wants it, or a ValueError naming `key` (see `from_dict`)."
+    if dataclasses.is_dataclass(t): return from_dict(t, v, key)
+    opts = _types(t)
+    if v is None:
+        if type(None) in opts or t is typing.Any: return None
+        raise ValueError(f"{key}: may not be null (give {' or '.join(_TYPE_WORDS.get(o, str(o)) for o in opts)})")
+    for o in opts:
+        o = typing.get_origin(o) or o
+        if o is bool and isinstance(v, bool): return v
+        if o is int and not isinstance(v, bool):
+            if isinstance(v, int): return v
+            n = _number(v)
+            if n is not None and n.is_integer(): return int(n)
+        if o is float and _number(v) is not None: return _number(v)
+        if o is str and isinstance(v, str): return v
+        if o is str and isinstance(v, (int, float)) and not isinstance(v, bool): return str(v)   # out_dir=2024
+        if o in (tuple, list) and isinstance(v, (list, tuple)): return o(v)
+        if o is dict and isinstance(v, dict): return v
+        if o not in _TYPE_WORDS and o is not type(None): return v                                 # not checked here
+    want = " or ".join(_TYPE_WORDS.get(typing.get_origin(o) or o, str(o)) for o in opts if o is not type(None))
+    raise ValueError(f"{key}: must be {want}{' or null' if type(None) in opts else ''}, got {v!r}")
+
+
+def _number(v) -> float | None:
+    "A number as float (YAML 1.1 reads '1e-3' as a string), or None."
+    if isinstance(v, bool): return None
+    if isinstance(v, (int, float)): return float(v)
+    if isinstance(v, str):
+        try: return float(v)
+        except ValueError: return None
+    return None
 
 
 def _types(t) -> tuple:
@@ -168,7 +243,18 @@ def to_dict(cfg) -> dict:
 _c = from_dict(TrainConfig, {"optim": {"lr": "1e-3", "betas": [0.9, 0.95]}, "data": {"batch_size": 8}, "method": "clip"})
 test_eq((_c.optim.lr, _c.optim.betas, _c.data.batch_size, _c.method), (1e-3, (0.9, 0.95), 8, "clip"))
 test_eq(from_dict(TrainConfig, to_dict(_c)), _c)
-test_fail(lambda: from_dict(TrainConfig, {"optim": {"learning_rate": 1.0}}), contains="unknown key")
+test_fail(lambda: from_dict(TrainConfig, {"optim": {"learning_rate": 1.0}}), contains="optim.learning_rate: unknown key")
+# every message names the dotted key
+for d, msg in [({"optim": {"lr": "abc"}}, "optim.lr: must be a number, got 'abc'"),
+               ({"data": {"batch_size": 0}}, "data.batch_size: must be at least 1, got 0"),
+               ({"data": {"workers": 1.5}}, "data.workers: must be an integer, got 1.5"),
+               ({"max_steps": -1}, "max_steps: must be at least 1 or null, got -1"),
+               ({"progress": "maybe"}, "progress: must be true or false, got 'maybe'"),
+               ({"precision": "fp16"}, "precision: must be one of fp32, bf16, auto, fp64, got 'fp16'"),
+               ({"optim": 3}, "optim: must be a section"), ({"model": {"kwargs": [1]}}, "model.kwargs: must be a section")]:
+    test_fail(lambda: from_dict(TrainConfig, d), contains=msg)
+test_eq(from_dict(TrainConfig, {"max_steps": "1e3", "optim": {"weight_decay": 0}}).max_steps, 1000)  # YAML 1.1 strings
+assert isinstance(from_dict(TrainConfig, {"optim": {"weight_decay": 0}}).optim.weight_decay, float)
 
 # %% [markdown]
 # ### Presets and overrides
@@ -178,7 +264,8 @@ test_fail(lambda: from_dict(TrainConfig, {"optim": {"learning_rate": 1.0}}), con
 # preset is a fair CLIP baseline with everything else equal. Overrides are `key=value` with dotted keys,
 # values read as YAML (`optim.lr=1e-3`, `method_cfg.masks=gold`, `method_cfg.lam=0.2`, `max_steps=null`). A run's
 # own `config.yaml` is a preset too; its `derived` section (what the run computed from the seed and the model) is a
-# record and is not read back.
+# record and is not read back. The method's options go through the same checks, against the method's config
+# dataclass: `method_cfg.tau=-1` is refused by that dataclass, with the key named.
 
 # %%
 #| export
@@ -188,30 +275,52 @@ PRESET_DIR = Path(__import__("powerclip").__file__).parent / "presets"  # shippe
 def preset_path(name: str) -> Path:
     "A preset name ('demo', 'paper') or a path to a YAML file."
     p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.is_file(): return p
+    known = ", ".join(sorted(q.stem for q in PRESET_DIR.glob("*.yaml")))
+    if p.suffix in (".yaml", ".yml"):
+        if p.is_file(): return p
+        raise FileNotFoundError(f"--preset: no file {name!r} (a preset name: {known}; or a path to a .yaml file)")
     p = PRESET_DIR / f"{name}.yaml"
-    if not p.is_file():
-        raise FileNotFoundError(f"no preset {name!r}; known: {sorted(q.stem for q in PRESET_DIR.glob('*.yaml'))} (or give a .yaml path)")
+    if not p.is_file(): raise FileNotFoundError(f"--preset: no preset {name!r} (known: {known}; or a path to a .yaml file)")
     return p
 
 
 def set_dotted(d: dict, key: str, value) -> None:
     "d['a']['b'] = value for key 'a.b' (creating the inner dicts)."
     *head, last = key.split(".")
-    for k in head: d = d.setdefault(k, {})
+    if not all(head + [last]): raise ValueError(f"{key}: not a dotted key (e.g. optim.lr)")
+    for i, k in enumerate(head):
+        d = d.setdefault(k, {})
+        if not isinstance(d, dict): raise ValueError(f"{key}: {'.'.join(head[:i + 1])} is not a section of the config")
     d[last] = value
 
 
 def parse_override(s: str) -> tuple[str, object]:
-    if "=" not in s: raise ValueError(f"override {s!r} is not key=value")
+    "'key=value' -> (key, value read as YAML; a value YAML cannot read stays the text given)."
+    if "=" not in s or not s.split("=", 1)[0].strip():
+        raise ValueError(f"override {s!r}: not key=value (e.g. optim.lr=1e-3 data.batch_size=32)")
     k, v = s.split("=", 1)
-    return k.strip(), yaml.safe_load(v)
+    try: v = yaml.safe_load(v)
+    except yaml.YAMLError: pass
+    return k.strip(), v
+
+
+def method_options(method: str, cfg: dict) -> dict:
+    """The options of `method` checked against its config dataclass (unknown keys, types, the dataclass's own checks:
+    a ValueError naming `method_cfg.KEY`), with values as the dataclass typed them."""
+    try: cls = type(method_config(method))
+    except KeyError: raise ValueError(f"method: unknown method {method!r} (registered: {', '.join(sorted(METHODS))})") from None
+    opts = from_dict(cls, dict(cfg or {}), "method_cfg")
+    return {k: getattr(opts, k) for k in (cfg or {})}
 
 
 def load_config(preset: str | None = "demo", overrides: list[str] | dict | None = (), method: str | None = None) -> TrainConfig:
     "TrainConfig from a preset, a method name and `key=value` overrides (applied in that order)."
-    d = yaml.safe_load(preset_path(preset).read_text()) if preset else {}
-    d = d or {}
+    d = {}
+    if preset:
+        path = preset_path(preset)
+        try: d = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e: raise ValueError(f"--preset: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(d, dict): raise ValueError(f"--preset: {path} must hold key: value entries, got {type(d).__name__}")
     d.pop("derived", None)  # a run's record of what it derived (seeds, geometry, needs): recomputed, never read
     method_cfgs = d.pop("method_cfgs", {}) or {}
     if method: d["method"] = method
@@ -220,7 +329,7 @@ def load_config(preset: str | None = "demo", overrides: list[str] | dict | None 
     items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or ())
     for k, v in items: set_dotted(d, k, v)
     cfg = from_dict(TrainConfig, d)
-    method_config(cfg.method, cfg.method_cfg)  # an unknown method or option fails here, not after the model is built
+    cfg.method_cfg = method_options(cfg.method, cfg.method_cfg)  # an unknown method or option fails here, not after the model is built
     return cfg
 
 
@@ -229,6 +338,11 @@ _c = load_config("demo", ["optim.lr=2e-3", "method_cfg.masks=gold", "method_cfg.
 test_eq((_c.optim.lr, _c.method_cfg["masks"], _c.method, _c.method_cfg["lam"]), (2e-3, "gold", "powerclip", 0.3))
 test_eq(load_config("demo", method="clip").method_cfg, {})
 test_fail(lambda: load_config("nope"), contains="known")
+for ov, msg in [(["method_cfg.lamda=1"], "method_cfg.lamda: unknown key"), (["method_cfg.tau=-1"], "method_cfg.tau: need tau > 0"),
+                (["method_cfg.M=0"], "method_cfg.M: M must be >= 1"), (["method_cfg.tau=abc"], "method_cfg.tau: must be a number"),
+                (["lr"], "override 'lr': not key=value"), (["optim.lr.x=1"], "optim.lr.x: optim.lr is not a section")]:
+    test_fail(lambda: load_config("demo", ov), contains=msg)
+test_fail(lambda: load_config("demo", method="nope"), contains="method: unknown method 'nope' (registered: ")
 print(preset_path("demo").read_text())
 
 
@@ -289,9 +403,16 @@ assert _f[0] == 0.1 and _f[9] == 1.0 and abs(_f[-1]) < 1e-3 and all(a >= b for a
 #
 # A run killed at any moment and resumed from its last checkpoint must continue as if it had never stopped.
 # So a checkpoint holds, besides the weights: the optimiser's moments, the scheduler's position, every random
-# generator (Python, NumPy, torch, CUDA; one set per process), and the data position `(epoch, step in epoch)`,
-# from which `make_loader` regenerates exactly the batches that were not yet seen. It is written to a temporary
-# file and renamed, so a kill during the write leaves the previous checkpoint intact.
+# generator (Python, NumPy, torch, CUDA; one set per process), the step and epoch, and each process's data position
+# (`powerclip.data.StreamPosition`: on the world its step in the epoch, from which `make_loader` regenerates exactly the
+# batches not yet seen; on shards also where every worker's stream stands, see `23_data`), and the skip counts of the
+# epochs already done.
+#
+# **Written so that it can always be read.** A checkpoint is written to a temporary file, flushed to the disk
+# (`fsync`), and renamed over `last.pt`; the `last.pt` it replaces becomes `prev.pt`. A kill during the write leaves
+# both intact. A `last.pt` that cannot be read all the same (a full disk, a file copied over it, a zero-byte file)
+# is reported in one line and the run resumes from `prev.pt`; if neither can be read, the run stops with one line
+# saying so and how to start afresh. Both are read *before* the model is built.
 
 # %%
 #| export
@@ -303,6 +424,7 @@ class TrainState:
     step_in_epoch: int = 0    # batches of this epoch already consumed (per process)
     bad_total: int = 0        # steps skipped for a non-finite loss or gradient
     bad_in_row: int = 0       # consecutive such steps
+    skipped: dict = field(default_factory=dict)  # samples skipped in the finished epochs, by reason, over all processes
 
 
 def rng_state() -> dict:
@@ -319,24 +441,45 @@ def seed_all(seed: int) -> None:
     random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
 
 
-def _atomic_save(obj, path: Path) -> Path:
-    "torch.save to a temporary name, then rename: a kill mid-write leaves the previous file intact."
+def previous_checkpoint(path) -> Path:
+    "Where the checkpoint that `path` replaced is kept: `prev.pt` beside `last.pt` (`NAME.prev.pt` beside another name)."
+    path = Path(path)
+    return path.with_name("prev.pt" if path.name == "last.pt" else f"{path.stem}.prev{path.suffix}")
+
+
+def _fsync_dir(d: Path) -> None:
+    "Make a rename in folder `d` durable (where the file system lets a folder be opened)."
+    try: fd = os.open(d, os.O_RDONLY)
+    except OSError: return
+    try: os.fsync(fd)
+    except OSError: pass
+    finally: os.close(fd)
+
+
+def _atomic_save(obj, path: Path, keep_previous: bool = False) -> Path:
+    """torch.save to a temporary name, fsync, then rename: a kill or a crash mid-write leaves the previous file intact.
+    `keep_previous`: the file replaced is kept as `previous_checkpoint(path)`."""
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush(); os.fsync(f.fileno())   # on the disk before the rename makes it the checkpoint
+    if keep_previous and path.exists(): os.replace(path, previous_checkpoint(path))
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
     return path
 
 
 def save_checkpoint(path, model, opt, sched, state: TrainState, cfg: TrainConfig, rngs: list[dict], scaler=None,
-                    modules: torch.nn.Module | None = None) -> Path:
-    """Atomic write of everything needed to resume (`rngs`: one RNG state per process). The open_clip weights
-    (`model`) and a method's training-time modules (`method_modules`) are separate entries."""
+                    modules: torch.nn.Module | None = None, loader: list[dict] | None = None) -> Path:
+    """Atomic, fsynced write of everything needed to resume (`rngs`: one RNG state per process; `loader`: one data
+    position per process, `StreamPosition.to_dict()`); the checkpoint it replaces becomes `prev.pt`. The open_clip
+    weights (`model`) and a method's training-time modules (`method_modules`) are separate entries."""
     ckpt = dict(model=model.state_dict(), method_modules=None if modules is None else modules.state_dict(),
                 optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                scaler=None if scaler is None else scaler.state_dict(), state=asdict(state), rng=rngs,
+                scaler=None if scaler is None else scaler.state_dict(), state=asdict(state), rng=rngs, loader=loader,
                 config=to_dict(cfg), torch_version=torch.__version__)
-    return _atomic_save(ckpt, path)
+    return _atomic_save(ckpt, path, keep_previous=True)
 
 
 def export_weights(run_dir, model, modules: torch.nn.Module | None = None) -> dict[str, Path]:
@@ -353,16 +496,62 @@ def load_checkpoint(path, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "state", "rng")
+
+
+def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True) -> tuple[Path | None, dict | None]:
+    """The checkpoint a run resumes from, read (on the CPU): `last.pt` (or the `resume` path), else, with a warning, the
+    checkpoint it replaced; (None, None) to start afresh. Neither readable: a `UsageError` saying how to start afresh.
+    `set_aside` (the main process): an unreadable `last.pt` becomes `last.pt.damaged`, so that the next checkpoint
+    does not push it over the good `prev.pt`."""
+    if cfg.resume == "never": return None, None
+    last = Path(cfg.out_dir) / "checkpoints" / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
+    prev = previous_checkpoint(last)
+    if not last.is_file() and not prev.is_file():
+        if cfg.resume == "auto": return None, None
+        raise UsageError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
+    problems = []
+    for p in (last, prev):
+        if not p.is_file(): problems.append(f"{p} is missing"); continue
+        try:
+            ck = load_checkpoint(p)
+            if not isinstance(ck, dict) or not set(CHECKPOINT_KEYS) <= set(ck): raise ValueError("not a trainer checkpoint")
+        except Exception as e:   # a torn or foreign file: say what, then try the older one
+            problems.append(f"{p} cannot be read ({type(e).__name__}: {str(e).strip().split('. ')[0][:120]})"); continue
+        if problems:
+            kept = ""
+            if set_aside and last.is_file():
+                os.replace(last, last.with_name(last.name + ".damaged")); kept = f" ({last.name} kept as {last.name}.damaged)"
+            warn(f"{problems[0]}: resuming from the previous checkpoint {p} (step {ck['state']['step']}){kept}")
+        return p, ck
+    raise UsageError(f"resume: {'; '.join(problems)}; no checkpoint to resume from. Start afresh with resume=never "
+                     f"(or move {last.parent} away)")
+
+
 # %%
 with tempfile.TemporaryDirectory() as d:
     seed_all(3); _s0 = rng_state(); _a = (random.random(), np.random.rand(), torch.rand(1))
     set_rng_state(_s0); assert (random.random(), np.random.rand(), torch.rand(1)) == _a
     _sch = make_scheduler(_opt, OptimConfig(warmup_steps=2), 10); _opt.step(); _sch.step()
-    p = save_checkpoint(Path(d) / "c" / "last.pt", _m, _opt, _sch, TrainState(step=1), TrainConfig(), [_s0])
+    p = save_checkpoint(Path(d) / "checkpoints" / "last.pt", _m, _opt, _sch, TrainState(step=1), TrainConfig(), [_s0])
     ck = load_checkpoint(p)
     test_eq(ck["state"]["step"], 1); test_eq(ck["scheduler"]["last_epoch"], 1)
     assert_close(ck["model"]["logit_scale"], _m.logit_scale.detach())
-    assert not list(Path(d, "c").glob("*.tmp"))
+    assert not list(Path(d, "checkpoints").glob("*.tmp"))
+    # the second save keeps the first as prev.pt; a damaged last.pt falls back to it, with one line
+    save_checkpoint(p, _m, _opt, _sch, TrainState(step=2), TrainConfig(), [_s0])
+    test_eq(load_checkpoint(Path(d) / "checkpoints" / "prev.pt")["state"]["step"], 1)
+    _cfg = TrainConfig(out_dir=d); _said = []
+    test_eq(read_resume(_cfg, _said.append)[1]["state"]["step"], 2); test_eq(_said, [])
+    p.write_bytes(p.read_bytes()[:1000])                      # a torn last.pt
+    _path, _ck = read_resume(_cfg, _said.append)
+    test_eq((_path.name, _ck["state"]["step"]), ("prev.pt", 1))
+    assert len(_said) == 1 and "last.pt cannot be read" in _said[0] and "step 1" in _said[0], _said
+    assert not p.exists() and p.with_name("last.pt.damaged").is_file()   # set aside: the next save keeps prev.pt
+    p.write_bytes(b"")                                                   # a zero-byte last.pt and prev.pt:
+    (Path(d) / "checkpoints" / "prev.pt").write_bytes(b"")              # nothing to resume from
+    test_fail(lambda: read_resume(_cfg), contains="resume=never")
+    test_eq(read_resume(TrainConfig(out_dir=d, resume="never")), (None, None))
 
 
 # %% [markdown]
@@ -525,9 +714,92 @@ def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: Trai
 
 
 # %% [markdown]
+# ## Checking a run before it is built
+#
+# A mistake in a config should cost a second, not the minutes of building a model and reading data before it
+# shows. `validate(cfg, world_size)` checks everything that can be known without the model, and raises a
+# `ValueError` whose message starts with the key to change: the method and its options; the model's name and
+# geometry (from its config file, `powerclip.model.model_geometry`) and a pretrained file; the batch against the
+# data (the world's `world_length`, or for shards every shard path, which must exist unless it is a url, and an epoch
+# length); the global batch against the processes; the output folder (not a file) and the checkpoint to resume from;
+# a GPU when `device` asks for one. `build_run` calls it first, and the command line inside `usage_errors()`, where
+# its message becomes the one line of a usage error (`17_cli`).
+
+# %%
+#| export
+def _is_url(u: str) -> bool: return "://" in u or u.startswith("pipe:")
+
+
+def validate(cfg: TrainConfig, world_size: int | None = None) -> Geometry:
+    """Check a run before its model is built (see above); a ValueError naming the key, else the model's geometry.
+    `world_size`: processes (None: torchrun's WORLD_SIZE, else 1). The checks that need no import come first."""
+    G = world_size or int(os.environ.get("WORLD_SIZE", 1))
+    method = get_method(cfg.method, method_options(cfg.method, cfg.method_cfg))
+    B = cfg.data.batch_size
+    if cfg.global_batch_size is not None:
+        if cfg.global_batch_size % G: raise ValueError(f"global_batch_size: {cfg.global_batch_size} is not divisible by the {G} processes (give a multiple of {G})")
+        B = cfg.global_batch_size // G
+    pre = cfg.model.pretrained
+    if pre == "required":
+        raise ValueError(f"model.pretrained: this preset fine-tunes a pretrained {cfg.model.name}: give its weights with "
+                         "model.pretrained=/path/to/open_clip_state_dict.pt (nothing is downloaded)")
+    if pre is not None and not Path(pre).is_file(): raise ValueError(f"model.pretrained: no file {pre!r} (a local open_clip state dict; nothing is downloaded)")
+    data = dataclasses.replace(cfg.data, batch_size=B)
+    if data.source == "world" and B * G > data.world_length:
+        raise ValueError(f"data.batch_size: {B} per process x {G} process(es) is more than data.world_length={data.world_length}: "
+                         "an epoch would have no step (a smaller batch or a longer world)")
+    if data.source == "wds":
+        urls = shard_urls(data.shards)
+        missing = [u for u in urls if not _is_url(u) and not Path(u).is_file()]
+        if not urls or missing:
+            raise ValueError(f"data.shards: {len(missing)} of {len(urls)} shard file(s) do not exist, e.g. {(missing or [data.shards])[0]!r} "
+                             "(give files, brace patterns such as cc12m/{00000..01242}.tar, or urls)")
+        if data.samples_per_epoch is not None and data.samples_per_epoch < B:
+            raise ValueError(f"data.samples_per_epoch: {data.samples_per_epoch} is less than one batch of {B}")
+        if cfg.max_steps is None and data.samples_per_epoch is None:
+            raise ValueError("max_steps: shards without data.samples_per_epoch have no known epoch length: set max_steps (or data.samples_per_epoch)")
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir(): raise ValueError(f"out_dir: {cfg.out_dir!r} is a file (give a folder; it is created if missing)")
+    if any(a.exists() and not a.is_dir() for a in out.parents): raise ValueError(f"out_dir: {cfg.out_dir!r} is inside a file (give a folder)")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file() and not previous_checkpoint(cfg.resume).is_file():
+        raise ValueError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
+    if cfg.device is not None and cfg.device.startswith("cuda"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0: raise ValueError(f"device: {cfg.device!r} asks for a GPU and none is available (device=cpu, or null: a GPU when there is one)")
+        if ":" in cfg.device and int(cfg.device[5:]) >= n: raise ValueError(f"device: {cfg.device!r}, but there are {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
+    from powerclip.model import model_geometry   # imports open_clip: seconds
+    try: geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
+    except (ValueError, TypeError, NotImplementedError) as e: raise ValueError(f"model: {e}") from None
+    try: BatchSpec(data, geometry, method.needs(), cfg.seed)
+    except ValueError as e: raise ValueError(f"method_cfg: {e}") from None      # e.g. stored masks on the world
+    if data.source == "world":
+        try: world_config(data, geometry)
+        except (TypeError, ValueError) as e: raise ValueError(f"data.world: {e}") from None
+    return geometry
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    _file = Path(d) / "a_file"; _file.write_text("")
+    test_eq(validate(load_config("smoke")), Geometry(32, 8, 77))
+    for ov, msg in [({"data.batch_size": 65}, "data.batch_size: 65 per process x 1 process(es) is more than data.world_length=64"),
+                    ({"out_dir": str(_file)}, "out_dir: "), ({"out_dir": str(_file / "x")}, "is inside a file"),
+                    ({"resume": f"{d}/none.pt"}, "resume: no checkpoint"), ({"global_batch_size": 9}, None),
+                    ({"model.name": "ViT-X"}, "model: unknown model 'ViT-X'"), ({"method_cfg.masks": "stored"}, "method_cfg: region masks 'stored'"),
+                    ({"data.source": "wds", "data.shards": f"{d}/{{0..3}}.tar"}, "data.shards: 4 of 4 shard file(s) do not exist"),
+                    ({"data.world": {"max_objectz": 2}}, "data.world: "), ({"model.pretrained": "required"}, "model.pretrained=/path")]:
+        if msg: test_fail(lambda: validate(load_config("smoke", ov)), contains=msg)
+    test_fail(lambda: validate(load_config("smoke", {"global_batch_size": 9}), world_size=2), contains="global_batch_size: 9 is not divisible by the 2")
+    if not torch.cuda.is_available(): test_fail(lambda: validate(load_config("smoke", {"device": "cuda"})), contains="device: 'cuda' asks for a GPU")
+    for n in range(4): write_shard(Path(d) / f"{n}.tar", [])
+    test_fail(lambda: validate(load_config("smoke", {"data.source": "wds", "data.shards": f"{d}/{{0..3}}.tar", "max_steps": None})),
+              contains="max_steps: shards")
+
+
+# %% [markdown]
 # ## A run, assembled once
 #
-# `build_run(cfg, ctx)` turns a config into everything a step needs, in this order:
+# `build_run(cfg, ctx)` checks the config (`validate`), then turns it into everything a step needs, in this order:
 #
 # 1. the **seeds**: every random stream of the run derived from `cfg.seed` by name (`powerclip.data.run_seeds`);
 # 2. the **method** (with its own seed) and what it needs of a batch;
@@ -560,9 +832,9 @@ class Run:
     spec: BatchSpec                  # what the loader builds (data config, geometry, the method's needs, the run seed)
     seeds: dict                      # every random stream's seed, derived from cfg.seed by name
 
-    def loader(self, epoch: int = 0, start_step: int = 0) -> Loader:
-        "This process's batches of `epoch`, from `start_step` on."
-        return make_loader(self.spec, epoch, start_step, rank=self.ctx.rank, world_size=self.ctx.world_size)
+    def loader(self, epoch: int = 0, start_step: int = 0, position: StreamPosition | dict | None = None) -> Loader:
+        "This process's batches of `epoch`, from `start_step` on, or from `position` (a checkpoint's; shards need it)."
+        return make_loader(self.spec, epoch, start_step, rank=self.ctx.rank, world_size=self.ctx.world_size, position=position)
 
     def prepare(self, batch: dict) -> dict:
         "A host batch made ready for `fwd`: the method's derived inputs, on the device (float64 under precision fp64)."
@@ -583,13 +855,9 @@ class Run:
 def build_run(cfg: TrainConfig, ctx: pdist.DistContext, total: int | None = None) -> Run:
     "Model, method, forward, modules, optimiser and schedule of a run, assembled once (see above). `total`: schedule length (None: from cfg)."
     from powerclip.model import create_model, geometry_of, model_geometry
+    validate(cfg, ctx.world_size)  # everything that can be checked before the model is built
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data))  # never mutate the caller's config
-    if cfg.global_batch_size is not None:
-        if cfg.global_batch_size % ctx.world_size: raise ValueError(f"global_batch_size {cfg.global_batch_size} is not divisible by {ctx.world_size} processes")
-        cfg.data.batch_size = cfg.global_batch_size // ctx.world_size
-    if cfg.model.pretrained == "required":
-        raise ValueError(f"this preset fine-tunes a pretrained {cfg.model.name}: give its weights with "
-                         "model.pretrained=/path/to/open_clip_state_dict.pt (nothing is downloaded)")
+    if cfg.global_batch_size is not None: cfg.data.batch_size = cfg.global_batch_size // ctx.world_size
     seeds = run_seeds(cfg.seed)
     method = get_method(cfg.method, cfg.method_cfg, seed=seeds["method"])
     geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
@@ -634,16 +902,39 @@ assert _out["ok"] and set(_run.derived()) == {"seeds", "geometry", "needs"} and 
 
 # %% [markdown]
 # ## The loop
+#
+# Steps until `max_steps` (or the epochs' steps), an epoch's loader at a time; a metrics row every `log_every` steps and
+# a checkpoint every `ckpt_every`. On shards a row also counts the samples skipped, summed over the processes, in
+# this epoch (`skipped`, `skipped_<reason>`) and since the run began (`skipped_cum`, `skipped_cum_<reason>`): the
+# loader counts the skips among the samples it consumed (`23_data`), and the checkpoint keeps the epoch's count in
+# its data position and the finished epochs' in the `TrainState`, so a resumed run logs the same numbers.
 
 # %%
 #| export
-def _resume_path(cfg: TrainConfig) -> Path | None:
-    if cfg.resume == "never": return None
-    if cfg.resume == "auto":
-        p = Path(cfg.out_dir) / "checkpoints" / "last.pt"
-        return p if p.is_file() else None
-    if not Path(cfg.resume).is_file(): raise FileNotFoundError(f"resume checkpoint {cfg.resume} not found")
-    return Path(cfg.resume)
+def _resume_position(cfg: TrainConfig, ctx: pdist.DistContext, ck: dict | None, path: Path | None) -> dict | None:
+    "This process's data position in the checkpoint `ck` (None: from the step alone); one line if shards cannot resume from it."
+    if ck is None: return None
+    positions, step = ck.get("loader"), ck["state"]["step_in_epoch"]
+    ok = positions is not None and len(positions) == ctx.world_size and positions[ctx.rank] is not None
+    if cfg.data.source != "wds" or (step == 0 and not ok): return positions[ctx.rank] if ok else None
+    if positions is None:
+        raise UsageError(f"resume: {path} holds no data position (written before shard runs resumed exactly): resume=never starts afresh")
+    if len(positions) != ctx.world_size:
+        raise UsageError(f"resume: {path} was written by {len(positions)} process(es), this run has {ctx.world_size}: shards are split by "
+                         f"process, so resume with {len(positions)}")
+    if positions[ctx.rank]["workers"] != n_streams(cfg.data):
+        w = positions[ctx.rank]["workers"]
+        raise UsageError(f"data.workers: {path} was written with {w} worker stream(s); shards are split by worker, so resume with "
+                         f"data.workers={w}" + (" (or 0)" if w == 1 else ""))
+    return positions[ctx.rank]
+
+
+def _skip_columns(epoch: dict, before: dict, ctx: pdist.DistContext) -> dict:
+    "The metrics row's skip columns: this epoch's and the run's counts, each summed over the processes."
+    n = pdist.all_sum(torch.tensor([epoch.get(k, 0) for k in SKIP_REASONS], device=ctx.device)).tolist()
+    ep = dict(zip(SKIP_REASONS, n)); cum = add_counts(before, ep)
+    return dict(skipped=sum(ep.values()), skipped_cum=sum(cum[k] for k in SKIP_REASONS),
+                **{f"skipped_{k}": ep[k] for k in SKIP_REASONS}, **{f"skipped_cum_{k}": cum[k] for k in SKIP_REASONS})
 
 
 def _log(msg: str, ctx: pdist.DistContext):
@@ -660,6 +951,8 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
+    ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main)   # before the model: a damaged checkpoint is one line
+    position = _resume_position(cfg, ctx, ck, ck_path)
     run = build_run(cfg, ctx)
     cfg, model, method, modules, opt, sched, total = run.cfg, run.model, run.method, run.modules, run.opt, run.sched, run.total
     run_dir = Path(cfg.out_dir)
@@ -670,9 +963,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                                              + yaml.safe_dump(dict(derived=run.derived()), sort_keys=False))
     state = TrainState()
 
-    ck_path = _resume_path(cfg)
-    if ck_path is not None:
-        ck = load_checkpoint(ck_path, map_location=ctx.device)
+    if ck is not None:
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
         if modules is not None:
             if ck.get("method_modules") is None:
@@ -686,9 +977,16 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
         _log(f"resumed from {ck_path} at step {state.step} (epoch {state.epoch}, batch {state.step_in_epoch})", ctx)
     logger = MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard)
 
-    def checkpoint():
+    saved_at = state.step if ck is not None else None   # the step of the newest checkpoint on disk
+
+    def checkpoint(position):
+        nonlocal saved_at
+        if saved_at == state.step: return   # stopped right after a checkpoint: writing it again would make prev.pt the same
+        saved_at = state.step
         rngs = pdist.all_gather_object(rng_state())
-        if ctx.is_main: save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs, modules=modules)
+        positions = pdist.all_gather_object(position.to_dict() if isinstance(position, StreamPosition) else position)
+        if ctx.is_main: save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs, modules=modules,
+                                        loader=positions)
         pdist.barrier()
 
     from tqdm.auto import tqdm
@@ -699,7 +997,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
     first_step = state.step
     global_batch = cfg.data.batch_size * ctx.world_size
     while state.step < min(total, cfg.stop_at or total):
-        loader = run.loader(state.epoch, state.step_in_epoch)
+        loader = run.loader(state.epoch, state.step_in_epoch, position)
         n_batches = 0
         for batch in loader:
             n_batches += 1
@@ -714,21 +1012,25 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
             if state.step % cfg.log_every == 0 or state.step == total:
                 now = time.time()
                 terms = {k: float(pdist.all_mean(v.float())) for k, v in sorted(out.items()) if k not in ("loss", "ok", "lr")}
-                skipped = {f"skipped_{k}": v for k, v in loader.skipped().items() if v} if hasattr(loader, "skipped") else {}
+                skipped = _skip_columns(loader.skipped(), state.skipped, ctx) if cfg.data.source == "wds" else {}
                 last_row = dict(step=state.step, epoch=state.epoch, lr=out["lr"], loss=float(out["loss"]),
                                 **terms, img_per_s=global_batch * n_since / max(now - t_last, 1e-9),
                                 time=now - t_start, bad_total=state.bad_total, **skipped)
                 logger.log(last_row)
                 bar.set_postfix(loss=f"{last_row['loss']:.4f}", img_s=f"{last_row['img_per_s']:.0f}", refresh=False)
                 t_last, n_since = now, 0
-            if state.step % cfg.ckpt_every == 0 and state.step < total: checkpoint()
+            if state.step % cfg.ckpt_every == 0 and state.step < total: checkpoint(loader.state())
             if state.step >= min(total, cfg.stop_at or total): break
         else:  # the epoch ran out
             if n_batches == 0 and state.step_in_epoch == 0:
                 raise RuntimeError(f"epoch {state.epoch} yielded no batch: too little data for batch_size {cfg.data.batch_size}")
-            state.epoch += 1; state.step_in_epoch = 0
+            if cfg.data.source == "wds":   # the finished epoch's skips, over all processes, join the run's count
+                state.skipped = add_counts(state.skipped, dict(zip(SKIP_REASONS, pdist.all_sum(
+                    torch.tensor([loader.skipped()[k] for k in SKIP_REASONS], device=ctx.device)).tolist())))
+            state.epoch += 1; state.step_in_epoch = 0; loader = None
+        position = None if loader is None else loader.state()
     bar.close()
-    checkpoint()
+    checkpoint(position)
     if ctx.is_main: export_weights(run_dir, model, modules)
     logger.close()
     if ctx.is_main and logger.rows:
@@ -744,39 +1046,63 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
 # ## Command line
 #
 # `python -m powerclip.train --preset demo [--method clip] [key=value ...]`, or the console script
-# `powerclip-train`. Under `torchrun --nproc_per_node G` the same command trains data-parallel.
+# `powerclip-train`. Under `torchrun --nproc_per_node G` the same command trains data-parallel. As every command of the
+# project (`17_cli`), it reads and checks the arguments, the config and its paths (`load_config`, `validate`) before it
+# builds anything: a mistake is one line, `powerclip-train: error: <key>: <what is wrong> (<what is allowed>)`, and exit
+# status 2; `--debug` (or `POWERCLIP_DEBUG=1`) shows its traceback.
 
 # %%
 #| export
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    import argparse
-    ap = argparse.ArgumentParser(prog="powerclip-train", description="Train CLIP / PowerCLIP / ... with one trainer.")
+    "Command line -> TrainConfig (a UsageError or a ValueError naming the argument for what cannot work)."
+    ap = ArgumentParser(prog="powerclip-train", description="Train CLIP / PowerCLIP / ... with one trainer.")
     ap.add_argument("--preset", default="demo", help="preset name (powerclip/presets/*.yaml) or a YAML path")
     ap.add_argument("--method", default=None, help="method name (registered in powerclip.methods)")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     ap.add_argument("overrides", nargs="*", help="key=value, dotted keys: optim.lr=1e-3 method_cfg.masks=gold out_dir=runs/x")
     a = ap.parse_intermixed_args(argv)  # options and key=value pairs in any order
     return load_config(a.preset, a.overrides, a.method)
 
 
-def main(cfg: TrainConfig | list[str] | None = None) -> dict:
-    "Train from a TrainConfig, or from command-line arguments (None: sys.argv)."
-    if not isinstance(cfg, TrainConfig): cfg = parse_args(cfg)
+def _main(argv: list[str]) -> int:
+    with usage_errors():     # the user's mistakes, found before the model is built: one line (powerclip.cli)
+        cfg = parse_args(argv)
+        validate(cfg)
     summary = train(cfg)
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(yaml.safe_dump({k: v for k, v in summary.items()}, sort_keys=False))
-    return summary
+    if int(os.environ.get("RANK", 0)) == 0: print(yaml.safe_dump(summary, sort_keys=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    "The command line (None: sys.argv): exit status 0, or 2 with one line on stderr for a mistake in the arguments."
+    return run_main(_main, argv, "powerclip-train")
 
 
 # a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.train` trains here
-if __name__ == "__main__" and "__file__" in globals(): main()
+if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
 
+
+# %%
+import contextlib as _cl, io as _io
+def _cli(*argv):
+    err = _io.StringIO()
+    with _cl.redirect_stderr(err): rc = main(list(argv))
+    return rc, err.getvalue()
+for argv, key in [(["optim.lr=abc"], "optim.lr: must be a number, got 'abc'"), (["--method", "nope"], "method: unknown method"),
+                  (["max_steps"], "override 'max_steps': not key=value"), (["--nope"], "unrecognized arguments: --nope"),
+                  (["data.batch_size=1000"], "data.batch_size: 1000 per process")]:
+    rc, err = _cli("--preset", "smoke", *argv)
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("powerclip-train: error: ") and key in err, (argv, err)
+rc, err = _cli("--preset", "nope"); assert rc == 2 and "--preset: no preset 'nope'" in err, err
+test_fail(lambda: main(["--preset", "smoke", "optim.lr=abc", "--debug"]), contains="optim.lr")    # --debug: the traceback
 
 # %% [markdown]
 # ## A short run
 #
 # The `smoke` preset (the micro model on a small world, a few steps), then the same run stopped after half of
 # its steps and resumed: the losses agree to the last digit. (`tests/test_train_resume.py` does the same across processes
-# and with `kill -9`; `tests/test_ddp.py` checks two processes against one.)
+# and with `kill -9`, on the world and on shards with bad samples, comparing every metrics column and the final weights;
+# `tests/test_ddp.py` checks two processes against one.)
 
 # %%
 def _micro(out_dir, **kw):  # the `smoke` preset: the micro model, 32-pixel scenes, batches of 8, 6 steps
