@@ -837,6 +837,7 @@ def test_usage_errors_are_one_line_before_any_model(world, tmp_path, capsys, mon
         (['run', '--data', e], 'no data set in a known layout'),
         (['run', '--data', w, '--checkpoint', nope], f'--checkpoint: {nope} does not exist'),
         (['run', '--data', w, '--checkpoint', e], '--checkpoint: run directory'),
+        (['run', '--data', w, '--checkpoint', f], f'--checkpoint: {f}: not a checkpoint torch can read'),
         (['run', '--data', w, '--method', 'nosuch'], "--method: unknown method 'nosuch'; registered: ["),
         (['run', '--data', w, '--model', 'nosuch'], "--model: unknown architecture 'nosuch'"),
         (['run', '--data', w, '--out', f], f'--out: {f} is a file'),
@@ -870,3 +871,28 @@ def test_usage_errors_are_one_line_before_any_model(world, tmp_path, capsys, mon
     # and as a process: exit status 2, one line on stderr, nothing on stdout
     r = subprocess.run([sys.executable, '-m', 'powerclip.eval', 'run', '--data', e], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 2 and r.stdout == '' and r.stderr.count('\n') == 1 and 'known layout' in r.stderr, r.stderr
+
+
+def test_bad_file_inside_a_webdataset_is_one_line(world, tmp_path, capsys):
+    "clip_benchmark's reader cannot skip a bad member of a shard: one line naming the shard and the key, not a bare DecodingError."
+    import io, shutil, tarfile
+    d = tmp_path / 'wds'; shutil.copytree(world / 'wds_shape', d)
+    with tarfile.open(d / 'test' / '0.tar') as tf: members = [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()]
+    with tarfile.open(d / 'test' / '0.tar', 'w') as tf:
+        for name, b in members:
+            if name == '000003.png': b = b[:len(b) // 2]
+            info = tarfile.TarInfo(name); info.size = len(b); tf.addfile(info, io.BytesIO(b))
+    rc, _, err = _run(['run', '--model', 'powerclip-micro', '--data', str(d), '--tasks', 'zeroshot', '--out', str(tmp_path / 'res'),
+                       '--cache', 'none', '--no-progress'], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and 'test/0.tar' in err and 'key 000003' in err, err
+    assert not (tmp_path / 'res').exists()
+
+
+def test_suite_writes_nothing_for_a_model_that_overflows(world, tmp_path, capsys):
+    "The suite scores every benchmark before it writes: a checkpoint whose features overflow leaves no result at all."
+    root = _bench_root(world, tmp_path / 'bench')
+    run = _overflow_bf16_run(tmp_path / 'overflow')
+    rc, stdout, err = _run(['suite', '--root', str(root), '--checkpoint', str(run), '--precision', 'bf16', '--out', str(tmp_path / 'res'),
+                            '--cache', 'none', '--no-progress'], capsys)
+    assert rc == 2 and stdout == '' and len(err.strip().splitlines()) == 1 and 'precision bf16' in err
+    assert not list((tmp_path / 'res').rglob('*.json'))

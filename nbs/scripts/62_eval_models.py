@@ -31,7 +31,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from powerclip.eval.data import MissingData, read_image
+from powerclip.eval.data import BadData, MissingData, read_image
 from powerclip.methods import GlobalScorer, Scorer, get_method
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
         try: ck = torch.load(checkpoint, map_location='cpu', weights_only=True)
         except Exception as e:   # the trainer's checkpoints also hold RNG states and configs
             log.info('weights_only load failed (%s); loading %s as a trusted local pickle', type(e).__name__, checkpoint)
-            ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
+            try: ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
+            except Exception as e2: raise CheckpointError(f'{checkpoint}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
         if not isinstance(ck, dict): raise CheckpointError(f'{checkpoint}: not a state dict or a trainer checkpoint (a {type(ck).__name__})')
         sd, run = _state_dict(ck), run_config(checkpoint, ck)
         check_finite(sd, f'checkpoint {checkpoint}')
@@ -271,6 +272,7 @@ test_eq(load_model('powerclip-micro').ckpt_id, 'random-init-powerclip-micro-seed
 (d / 'bare').mkdir(); torch.save(_sd, d / 'bare' / 'model.pt')
 test_fail(lambda: load_model(checkpoint=d / 'bare' / 'model.pt'), contains='config.yaml')
 test_fail(lambda: load_model(checkpoint=d), contains='neither model.pt')
+(d / 'notes.pt').write_text('not a checkpoint'); test_fail(lambda: load_model('powerclip-micro', d / 'notes.pt'), contains='not a checkpoint torch can read')
 test_fail(lambda: load_model('powerclip-micro', method='nosuch'), contains='unknown method')
 test_fail(lambda: load_model(), contains='pass --model')
 
@@ -343,12 +345,19 @@ class FeatureCache:
 # e.g. in bfloat16) or scores. Features are checked when computed and when read from the cache, scores when computed:
 # either stops the evaluation with `NonFiniteFeatures`, one line naming the checkpoint, the scorer and the precision.
 # An image file that does not decode at feature time (it changed after the readers checked it) stops with `BadData`
-# naming it.
+# naming it; so does a bad file inside a data set read by clip_benchmark's readers (`dataset_features`), which cannot
+# skip it: the line names the data set and, for a webdataset, the shard and the sample's key.
 
 # %%
 #| export
 class NonFiniteFeatures(ValueError):
     "A scorer returned NaN or infinite features or scores (non-finite weights, or a forward pass that overflows)."
+
+def _reader_failed(e: Exception) -> str:
+    "One line for an error raised by a data set's own reader (clip_benchmark's; webdataset's DecodingError has no message, only where)."
+    where = {k: getattr(e, k) for k in ('url', 'key', 'k') if getattr(e, k, None)}
+    what = str(e) or ', '.join(f'{k} {v}' for k, v in where.items())
+    return f"the data set's reader failed on a file it holds ({type(e).__name__}: {what}); it cannot skip bad files: remove or fix it"
 
 def _rows(d: dict, idx) -> dict:
     "Rows `idx` (a slice or an index tensor) of every tensor of a feature dict."
@@ -448,7 +457,11 @@ class Evaluator:
             from torch.utils.data import DataLoader
             ds, xs, ys = make_ds(), [], []
             loader = DataLoader(ds, batch_size=self.batch_size, num_workers=self.workers, pin_memory=torch.device(self.device).type == 'cuda')
-            for x, y in tqdm(loader, desc=desc, disable=not self.progress, leave=False):
+            batches = iter(tqdm(loader, desc=desc, disable=not self.progress, leave=False))
+            while True:
+                try: x, y = next(batches)
+                except StopIteration: break
+                except Exception as e: raise BadData(f'{desc}: ' + _reader_failed(e)) from e   # a bad file inside a data set we do not read ourselves
                 xs.append(self.encode_images(x, scorer)); ys.append(torch.as_tensor(y).long().reshape(-1))
             if not xs: raise MissingData(f'{desc}: the data set yielded no image')
             return dict(x=_cat(xs), y=torch.cat(ys))

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import MissingData, read_image
+from .data import BadData, MissingData, read_image
 from ..methods import GlobalScorer, Scorer, get_method
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
         try: ck = torch.load(checkpoint, map_location='cpu', weights_only=True)
         except Exception as e:   # the trainer's checkpoints also hold RNG states and configs
             log.info('weights_only load failed (%s); loading %s as a trusted local pickle', type(e).__name__, checkpoint)
-            ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
+            try: ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
+            except Exception as e2: raise CheckpointError(f'{checkpoint}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
         if not isinstance(ck, dict): raise CheckpointError(f'{checkpoint}: not a state dict or a trainer checkpoint (a {type(ck).__name__})')
         sd, run = _state_dict(ck), run_config(checkpoint, ck)
         check_finite(sd, f'checkpoint {checkpoint}')
@@ -210,6 +211,12 @@ class FeatureCache:
 # %% ../../nbs/62_eval_models.ipynb #01ac9cfc
 class NonFiniteFeatures(ValueError):
     "A scorer returned NaN or infinite features or scores (non-finite weights, or a forward pass that overflows)."
+
+def _reader_failed(e: Exception) -> str:
+    "One line for an error raised by a data set's own reader (clip_benchmark's; webdataset's DecodingError has no message, only where)."
+    where = {k: getattr(e, k) for k in ('url', 'key', 'k') if getattr(e, k, None)}
+    what = str(e) or ', '.join(f'{k} {v}' for k, v in where.items())
+    return f"the data set's reader failed on a file it holds ({type(e).__name__}: {what}); it cannot skip bad files: remove or fix it"
 
 def _rows(d: dict, idx) -> dict:
     "Rows `idx` (a slice or an index tensor) of every tensor of a feature dict."
@@ -309,7 +316,11 @@ class Evaluator:
             from torch.utils.data import DataLoader
             ds, xs, ys = make_ds(), [], []
             loader = DataLoader(ds, batch_size=self.batch_size, num_workers=self.workers, pin_memory=torch.device(self.device).type == 'cuda')
-            for x, y in tqdm(loader, desc=desc, disable=not self.progress, leave=False):
+            batches = iter(tqdm(loader, desc=desc, disable=not self.progress, leave=False))
+            while True:
+                try: x, y = next(batches)
+                except StopIteration: break
+                except Exception as e: raise BadData(f'{desc}: ' + _reader_failed(e)) from e   # a bad file inside a data set we do not read ourselves
                 xs.append(self.encode_images(x, scorer)); ys.append(torch.as_tensor(y).long().reshape(-1))
             if not xs: raise MissingData(f'{desc}: the data set yielded no image')
             return dict(x=_cat(xs), y=torch.cat(ys))
