@@ -87,14 +87,17 @@ def test_cache_hits_in_process(world, tmp_path):
 
 def test_missing_data_messages(world, tmp_path, capsys):
     base = ['run', '--model', 'powerclip-micro', '--out', str(tmp_path), '--cache', 'none', '--no-progress']
-    rc, _, err = _run(base + ['--data', str(tmp_path / 'nothing'), '--tasks', 'winoground'], capsys)
+    (tmp_path / 'empty').mkdir()
+    rc, _, err = _run(base + ['--data', str(tmp_path / 'empty'), '--tasks', 'winoground'], capsys)
     assert rc == 2 and 'data/examples.jsonl' in err and 'huggingface.co/datasets/facebook/winoground' in err
-    rc, _, err = _run(base + ['--data', str(tmp_path / 'nothing'), '--tasks', 'retrieval'], capsys)
+    rc, _, err = _run(base + ['--data', str(tmp_path / 'empty'), '--tasks', 'retrieval'], capsys)
     assert rc == 2 and 'retrieval.json' in err
-    rc, _, err = _run(base + ['--data', str(tmp_path / 'nothing')], capsys)       # all: nothing found
-    assert rc == 2 and 'no task found its data' in err
+    rc, _, err = _run(base + ['--data', str(tmp_path / 'empty')], capsys)       # all: nothing found
+    assert rc == 2 and 'no data set in a known layout' in err
+    rc, _, err = _run(base + ['--data', str(tmp_path / 'nothing')], capsys)
+    assert rc == 2 and '--data: ' in err and 'does not exist' in err
     rc, _, err = _run(base + ['--data', str(world), '--tasks', 'bogus'], capsys)
-    assert rc == 2 and 'unknown tasks' in err
+    assert rc == 2 and "--tasks: unknown task 'bogus'" in err
     with pytest.raises(MissingData, match='checkpoint'):
         load_model('powerclip-micro', tmp_path / 'no.pt')
 
@@ -152,7 +155,7 @@ def test_coco_sample_real(tmp_path, capsys):
     assert rc == 0
     res = json.loads((tmp_path / 'random-init' / 'coco_sample.json').read_text())
     r, s = res['metrics']['retrieval'], res['metrics']['sugarcrepe']
-    assert (r['n_images'], r['n_texts'], r['skipped']) == (239, 1195, 0)
+    assert (r['n_images'], r['n_texts'], r['skipped'], res['skipped_items']) == (239, 1195, 0, {})
     assert r['chance_t2i_R@1'] == pytest.approx(100 / 239)
     assert sum(s[f'{c}_n'] for c in ('add_att', 'add_obj', 'replace_att', 'replace_obj', 'replace_rel', 'swap_att', 'swap_obj')) == 211
     # no classification or Winoground files in coco_sample: skipped with the reason recorded, not silently
@@ -161,9 +164,14 @@ def test_coco_sample_real(tmp_path, capsys):
     rc, _, _ = _run(['run', '--model', 'powerclip-micro', '--data', str(DATA / 'sugarcrepe'), '--images', str(COCO / 'images'),
                      '--tasks', 'sugarcrepe', '--out', str(tmp_path), '--cache', str(tmp_path / 'c'), '--no-progress'], capsys)
     assert rc == 0
-    full = json.loads((tmp_path / 'random-init' / 'sugarcrepe.json').read_text())['metrics']['sugarcrepe']
+    res = json.loads((tmp_path / 'random-init' / 'sugarcrepe.json').read_text())
+    full = res['metrics']['sugarcrepe']
     assert sum(v for k, v in full.items() if k.endswith('_n')) == 211
     assert sum(v for k, v in full.items() if k.endswith('_skipped')) == 7511 - 211
+    # the result names why and which photos: every item whose photo is not in the sample (the first 100 listed)
+    items = res['skipped_items']['sugarcrepe']
+    assert (items['n'], items['counts'], items['items_left_out']) == (7300, {'missing_image': 7300}, 7200)
+    assert all(i['reason'] == 'missing_image' and not Path(i['file']).exists() and i['group'] in SUGARCREPE for i in items['items'])
 
 
 @pytest.mark.skipif(importlib.util.find_spec('clip_benchmark') is None, reason='clip_benchmark not installed')
@@ -212,7 +220,8 @@ def test_karpathy_json_and_missing_images(tmp_path, caplog):
     f = tmp_path / 'dataset_coco.json'; f.write_text(json.dumps(dict(images=rows)))
     r = load_retrieval(f)
     assert [p.name for p in r.images] == ['a.jpg', 'c.jpg'] and r.captions[1] == ['c.jpg 0', 'c.jpg 1'] and r.skipped == 1
-    assert 'skipped 1 of 3' in caplog.text
+    assert r.skips.counts() == {'missing_image': 1} and r.skips.items[0][1].endswith('gone.jpg')
+    assert '1 bad parts skipped in 3 items (missing_image 1)' in caplog.text
     texts, ti = r.flat()
     assert texts[2] == 'c.jpg 0' and ti.tolist() == [0, 0, 1, 1]
 
@@ -224,8 +233,9 @@ def test_winoground_needs_both_images(tmp_path):
     rows = [dict(id=0, image_0='x0', image_1='x1', caption_0='a', caption_1='b'),
             dict(id=1, image_0='y0', image_1='y1', caption_0='c', caption_1='d')]
     (tmp_path / 'data' / 'examples.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
-    items = load_winoground(tmp_path)
+    items, skips = load_winoground(tmp_path)
     assert len(items) == 1 and items[0][2:] == ('a', 'b')
+    assert skips.counts() == {'missing_image': 1} and skips.items[0][1].endswith('y1.png')
 
 
 def test_image_folder_classification(tmp_path, capsys):
@@ -271,7 +281,7 @@ def test_world_benchmark_loads_back(tmp_path):
     assert len(list((tmp_path / 'images').glob('*.png'))) == 40 and not (tmp_path / 'classification.json').exists()
     items, skipped = load_sugarcrepe(tmp_path)
     for kind in NEGATIVE_KINDS:
-        assert len(items[kind]) == summary['sugarcrepe'][kind] > 0 and skipped[kind] == 0
+        assert len(items[kind]) == summary['sugarcrepe'][kind] > 0 and skipped.count(kind) == 0
         raw = json.loads((tmp_path / 'data' / f'{kind}.json').read_text())
         assert list(raw) == [str(i) for i in range(len(raw))]
         for path, cap, neg in items[kind]:
@@ -346,7 +356,7 @@ def test_every_scorer_of_the_method(world, tmp_path, capsys):
 def test_bad_checkpoints_are_one_line(world, tmp_path, capsys):
     base = ['run', '--data', str(world), '--tasks', 'retrieval', '--out', str(tmp_path / 'res'), '--cache', 'none', '--no-progress']
     rc, _, err = _run(base + ['--checkpoint', str(_run_folder(tmp_path / 'nan', 'clip', nan=True))], capsys)
-    assert rc == 2 and 'non-finite image features' in err and len(err.strip().splitlines()) == 1
+    assert rc == 2 and 'non-finite weights' in err and 'visual.proj (NaN)' in err and len(err.strip().splitlines()) == 1
     rc, _, err = _run(base + ['--checkpoint', str(_run_folder(tmp_path / 'ok')), '--method', 'nosuch'], capsys)
     assert rc == 2 and 'unknown method' in err and len(err.strip().splitlines()) == 1
     rc, _, err = _run(base + ['--checkpoint', str(tmp_path / 'empty')], capsys)
@@ -476,7 +486,7 @@ def test_suite_and_paper_tables(world, tmp_path, capsys):
     assert t4[0][:4] == ['checkpoint', 'Obj', 'Att', 'Rel']
     assert t4[1][0][3] == (pytest.approx(sc['replace_rel']) if 'replace_rel' in cats else None)
     rc, _, err = _run(['tables', str(out / 'rand'), '--paper', 'rand=NoSuch'], capsys)
-    assert rc == 2 and 'unknown paper methods' in err
+    assert rc == 2 and "--paper: unknown paper method 'NoSuch'" in err
 
 
 def test_bf16_precision_cached_apart(world, tmp_path):
@@ -517,3 +527,372 @@ def test_clip_benchmark_cli_sugarcrepe_trap(world, tmp_path, capsys):
     for c in cats:
         theirs = json.loads((tmp_path / 'out' / f'sugar_crepe_{c}.json').read_text())['metrics']
         assert 100 * theirs['acc'] == pytest.approx(ours['sugarcrepe'][c], abs=1e-4), c   # theirs: a float32 mean
+
+
+# ---- issue 14: a broken model never gets a score ----------------------------------------------------------------
+
+from powerclip.eval.models import NonFiniteFeatures, NonFiniteWeights
+from powerclip.eval.tasks import evaluate_world, find_data, _run_tasks
+
+
+def _broken_state(kind):
+    "A micro model's state dict with every float tensor NaN, one tensor NaN, or one value infinite."
+    from powerclip.model import create_model
+    torch.manual_seed(4)
+    sd = create_model('powerclip-micro')[0].state_dict()
+    if kind == 'all_nan': return {k: torch.full_like(v, float('nan')) if v.is_floating_point() else v for k, v in sd.items()}
+    if kind == 'one_nan_tensor': sd['transformer.resblocks.0.attn.in_proj_weight'].fill_(float('nan'))
+    if kind == 'one_inf': sd['visual.conv1.weight'].view(-1)[7] = float('inf')
+    return sd
+
+
+@needs_data
+@pytest.mark.parametrize('kind, trainer', [('all_nan', False), ('one_nan_tensor', False), ('one_inf', False), ('all_nan', True)])
+def test_broken_checkpoint_never_scores(kind, trainer, tmp_path, capsys):
+    "The issue's case: NaN (or Inf) weights on the real COCO sample gave R@1 = 100; now: one line, exit 2, no result."
+    run = tmp_path / 'run'; run.mkdir()
+    cfg = dict(model=dict(name='powerclip-micro', kwargs={}), method='clip')
+    if trainer: torch.save(dict(model=_broken_state(kind), config=cfg, step=10), run / 'last.pt')
+    else:
+        torch.save(_broken_state(kind), run / 'model.pt')
+        (run / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\nmethod: clip\n')
+    out = tmp_path / 'res'
+    rc, stdout, err = _run(['run', '--checkpoint', str(run / ('last.pt' if trainer else 'model.pt')), '--data', str(COCO),
+                            '--out', str(out), '--cache', str(tmp_path / 'cache'), '--no-progress'], capsys)
+    assert rc == 2 and stdout == '' and len(err.strip().splitlines()) == 1, err
+    assert err.startswith('powerclip-eval: error: --checkpoint: ') and 'non-finite weights' in err
+    named = {'one_nan_tensor': 'transformer.resblocks.0.attn.in_proj_weight (NaN)', 'one_inf': 'visual.conv1.weight (Inf)'}.get(kind, '38 of 38')
+    assert named in err
+    assert not list(out.rglob('*.json')) and not (tmp_path / 'cache').exists()
+    with pytest.raises(NonFiniteWeights):
+        load_model(checkpoint=run / ('last.pt' if trainer else 'model.pt'))
+
+
+def test_nonfinite_features_stop_every_task_and_the_world(world):
+    "Past the loader (NaN put into a loaded model): every task type and the world evaluation stop, none returns a number."
+    lm = load_model('powerclip-micro')
+    with torch.no_grad():
+        for q in lm.model.parameters(): q.fill_(float('nan'))
+    ev = Evaluator.of(lm, progress=False)
+    found, skipped = find_data(world)
+    assert set(found) == {'retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground'} and not skipped
+    for task, args in found.items():
+        with pytest.raises(NonFiniteFeatures, match='non-finite'):
+            _run_tasks(ev, {task: args}, 'global')
+    with pytest.raises(NonFiniteFeatures, match='non-finite image features'):
+        evaluate_world(ev, world)
+
+
+def test_nan_scores_are_never_hits():
+    "The metrics' own defence, whatever produced the scores: NaN scores give 0 on every metric; the probe refuses NaN."
+    from powerclip.eval.metrics import hard_negative_accuracy, winoground_scores
+    nan = float('nan')
+    assert all(v == 0 for v in retrieval_recall(torch.full((6, 12), nan), torch.arange(6).repeat_interleave(2)).values())
+    m = classification_metrics(torch.full((8, 5), nan), torch.arange(8) % 5, ks=(1, 3))
+    assert m['top1'] == m['top3'] == m['mean_per_class_recall'] == 0
+    assert hard_negative_accuracy(torch.full((4,), nan), torch.zeros(4))['acc'] == 0
+    assert hard_negative_accuracy(torch.zeros(4), torch.full((4,), nan))['acc'] == 0
+    assert all(winoground_scores(torch.full((3, 2, 2), nan))[k] == 0 for k in ('text', 'image', 'group'))
+    ok = (torch.randn(12, 4), torch.arange(12) % 3)
+    with pytest.raises(ValueError, match='non-finite'):
+        linear_probe(ok, ok, (torch.full((6, 4), nan), torch.arange(6) % 3), 3)
+
+
+def _overflow_bf16_run(d):
+    "Finite weights whose image features are finite in float32 but overflow to inf/NaN in bfloat16 (see 62_eval_models)."
+    from powerclip.model import create_model
+    torch.manual_seed(4)
+    model = create_model('powerclip-micro')[0]
+    with torch.no_grad():
+        v = model.visual
+        v.ln_post.weight.zero_(); v.ln_post.bias.zero_(); v.ln_post.bias[0] = 1.0
+        v.proj.zero_(); v.proj[0] = 3.4e38                        # < float32 max (3.40e38), > bfloat16 max (3.39e38)
+    d.mkdir(parents=True)
+    torch.save(model.state_dict(), d / 'model.pt')
+    (d / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\nmethod: clip\n')
+    return d
+
+
+def test_bf16_overflow_stops_with_one_line(world, tmp_path, capsys):
+    run = _overflow_bf16_run(tmp_path / 'overflow')
+    base = ['run', '--checkpoint', str(run), '--data', str(world), '--out', str(tmp_path / 'res'), '--cache', 'none', '--no-progress']
+    rc, stdout, err = _run(base + ['--precision', 'bf16'], capsys)
+    assert rc == 2 and stdout == '' and len(err.strip().splitlines()) == 1, err
+    assert 'non-finite image features' in err and 'precision bf16' in err and 'try --precision fp32' in err
+    assert not list((tmp_path / 'res').rglob('*.json'))
+    # float32: finite features (all zero after normalising an overflowing norm), every score tied: ties count against
+    rc, stdout, _ = _run(base + ['--tasks', 'retrieval', 'sugarcrepe', 'winoground'], capsys)
+    assert rc == 0
+    m = json.loads(stdout)['metrics']
+    assert m['retrieval']['i2t_R@10'] == m['retrieval']['t2i_R@10'] == m['sugarcrepe']['mean'] == m['winoground']['group'] == 0
+
+
+# ---- issue 14: bad files are skipped, counted and named (or stop, in strict mode) --------------------------------
+
+def _corrupt(f: Path, how: str):
+    b = f.read_bytes()
+    if how == 'truncated': f.write_bytes(b[:len(b) // 2])
+    elif how == 'scrambled': f.write_bytes(b[:2] + np.random.default_rng(0).integers(0, 256, len(b) - 2, dtype=np.uint8).tobytes())
+    elif how == 'zero_byte': f.write_bytes(b'')
+    elif how == 'missing': f.unlink()
+
+
+@needs_data
+def test_bad_photos_and_captions_in_retrieval(tmp_path, capsys):
+    "Real COCO photos, each kind of bad file and caption: skipped, counted by reason, named; the ground truth stays consistent."
+    import shutil
+    rows = [json.loads(l) for l in (COCO / 'captions.jsonl').read_text().splitlines()][:12]
+    d = tmp_path / 'coco_bad'; (d / 'images').mkdir(parents=True)
+    for r in rows: shutil.copy(COCO / 'images' / r['file_name'], d / 'images' / r['file_name'])
+    name = [r['file_name'] for r in rows]
+    for k, how in enumerate(('truncated', 'scrambled', 'zero_byte', 'missing'), 8): _corrupt(d / 'images' / name[k], how)
+    rows[0]['captions'][1] = None; rows[1]['captions'][0] = ''; rows[2]['captions'][4] = 42; rows[3]['captions'][2] = '... !!'
+    rows[4]['captions'] = [None, '', ' ', '?', 3]                                   # nothing usable: the photo is dropped
+    (d / 'captions.jsonl').write_text(''.join(json.dumps({**r, 'sugarcrepe': []}) + '\n' for r in rows))
+    out = tmp_path / 'res'
+    base = ['run', '--model', 'powerclip-micro', '--data', str(d), '--tasks', 'retrieval', '--cache', 'none', '--no-progress']
+    rc, stdout, _ = _run(base + ['--out', str(out)], capsys)
+    assert rc == 0
+    res = json.loads((out / 'random-init' / 'coco_bad.json').read_text())
+    r, items = res['metrics']['retrieval'], res['skipped_items']['retrieval']
+    assert (r['n_images'], r['n_texts']) == (7, 7 * 5 - 4) and r['skipped'] == items['n'] == 14
+    assert items['counts'] == dict(missing_image=1, bad_image=3, bad_caption=4 + 5, no_caption=1)
+    by = lambda reason: sorted(Path(i['file']).name for i in items['items'] if i['reason'] == reason)
+    assert by('bad_image') == sorted(name[8:11]) and by('missing_image') == [name[11]] and by('no_caption') == [name[4]]
+    assert sorted(set(by('bad_caption'))) == sorted(name[:5])
+    details = {i['detail'] for i in items['items']}
+    assert {'caption 1: no caption', 'caption 0: empty caption', 'caption 4: caption is int, not text (42)', 'caption 2: no letter or digit'} <= details
+    assert any('truncated' in x for x in details) and 'zero bytes' in details
+    assert json.loads(stdout)['skipped_items'] == {'retrieval': items['counts']}
+    # the numbers are those of the clean set: the same photos and captions written without the bad ones
+    clean = tmp_path / 'coco_clean'; shutil.copytree(d / 'images', clean / 'images')
+    keep = [dict(file_name=name[i], captions=[c for c in rows[i]['captions'] if isinstance(c, str) and any(ch.isalnum() for ch in c)],
+                 sugarcrepe=[]) for i in range(8) if i != 4]
+    (clean / 'captions.jsonl').write_text(''.join(json.dumps(k) + '\n' for k in keep))
+    rc, stdout2, _ = _run(['run', '--model', 'powerclip-micro', '--data', str(clean), '--tasks', 'retrieval', '--cache', 'none',
+                           '--no-progress', '--out', str(tmp_path / 'res2')], capsys)
+    strip = lambda m: {k: v for k, v in m.items() if k not in ('seconds', 'skipped')}
+    assert rc == 0 and strip(json.loads(stdout2)['metrics']['retrieval']) == strip(r)
+    # strict: the first bad item stops the run, one line naming its file, before a model is built; nothing written
+    rc, _, err = _run(base + ['--out', str(tmp_path / 'strict'), '--strict'], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and name[0] in err and 'bad caption' in err and '[strict mode]' in err
+    assert not (tmp_path / 'strict').exists()
+
+
+def test_bad_items_in_every_task(world, tmp_path, capsys):
+    "A world folder with a bad image, caption, SugarCrepe negative, class image and Winoground image: each task skips and names it."
+    import shutil
+    d = tmp_path / 'w'; shutil.copytree(world, d, ignore=shutil.ignore_patterns('wds_shape'))
+    ret = json.loads((d / 'retrieval.json').read_text())
+    _corrupt(d / 'images' / ret[0]['image'], 'truncated')                    # shared by retrieval and SugarCrepe
+    ret[1]['caption'][0] = None
+    (d / 'retrieval.json').write_text(json.dumps(ret))
+    kind = next(k for k in SUGARCREPE if (d / 'data' / f'{k}.json').is_file() and len(json.loads((d / 'data' / f'{k}.json').read_text())) > 3)
+    sc = json.loads((d / 'data' / f'{kind}.json').read_text())
+    keys = [k for k, v in sc.items() if v['filename'] != ret[0]['image']]
+    sc[keys[0]]['negative_caption'] = ''; sc[keys[1]]['caption'] = None
+    (d / 'data' / f'{kind}.json').write_text(json.dumps(sc))
+    cls = json.loads((d / 'classification.json').read_text())
+    _corrupt(d / cls['splits']['test'][0]['image'], 'zero_byte')
+    _corrupt(d / cls['splits']['train'][0]['image'], 'missing')
+    wg = [json.loads(l) for l in (d / 'data' / 'examples.jsonl').read_text().splitlines()]
+    _corrupt(d / 'data' / 'images' / f"{wg[0]['image_1']}.png", 'scrambled')
+    out = tmp_path / 'res'
+    rc, _, _ = _run(['run', '--model', 'powerclip-micro', '--data', str(d), '--out', str(out), '--cache', 'none', '--no-progress'], capsys)
+    assert rc == 0
+    res = json.loads((out / 'random-init' / 'w.json').read_text())
+    items, m = res['skipped_items'], res['metrics']
+    files = lambda task, reason: [Path(i['file']).name for i in items[task]['items'] if i['reason'] == reason]
+    assert files('retrieval', 'bad_image') == [ret[0]['image']] and files('retrieval', 'bad_caption') == [ret[1]['image']]
+    assert m['retrieval']['n_images'] == len(ret) - 1 and m['retrieval']['n_texts'] == sum(map(len, (r['caption'] for r in ret[1:]))) - 1
+    assert files('sugarcrepe', 'bad_negative') == [sc[keys[0]]['filename']] and files('sugarcrepe', 'bad_caption') == [sc[keys[1]]['filename']]
+    assert ret[0]['image'] in files('sugarcrepe', 'bad_image')
+    n_kind = sum(1 for v in sc.values() if v['filename'] != ret[0]['image']) - 2
+    assert m['sugarcrepe'][f'{kind}_n'] == n_kind and m['sugarcrepe'][f'{kind}_skipped'] == len(sc) - n_kind
+    assert items['zeroshot']['counts'] == items['linear_probe']['counts'] == dict(missing_image=1, bad_image=1)
+    assert m['zeroshot']['n'] == len(cls['splits']['test']) - 1 and m['zeroshot']['skipped'] == 1
+    assert m['linear_probe']['n_train'] + m['linear_probe']['n_val'] == len(cls['splits']['train']) + len(cls['splits']['val']) - 1
+    assert files('winoground', 'bad_image') == [f"{wg[0]['image_1']}.png"] and m['winoground']['n'] == len(wg) - 1
+    rc, _, err = _run(['run', '--model', 'powerclip-micro', '--data', str(d), '--tasks', 'winoground', '--strict',
+                       '--out', str(tmp_path / 'strict'), '--cache', 'none'], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and f"{wg[0]['image_1']}.png: bad image" in err
+
+
+def test_bad_annotation_files_are_one_line(tmp_path, capsys):
+    "An annotation file that is not JSON, or rows without their keys: one line naming the file."
+    (tmp_path / 'images').mkdir()
+    (tmp_path / 'retrieval.json').write_text('[{"image": "a.jpg", "caption": ["x"]')
+    rc, _, err = _run(['run', '--model', 'powerclip-micro', '--data', str(tmp_path), '--tasks', 'retrieval', '--cache', 'none'], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and 'retrieval.json: not valid JSON' in err
+    (tmp_path / 'retrieval.json').write_text('[{"img": "a.jpg", "caption": ["x"]}]')
+    rc, _, err = _run(['run', '--model', 'powerclip-micro', '--data', str(tmp_path), '--tasks', 'retrieval', '--cache', 'none'], capsys)
+    assert rc == 2 and "retrieval.json: an item without 'image'" in err
+
+
+# ---- issue 14: results of two checkpoints never overwrite each other ---------------------------------------------
+
+def test_results_of_two_checkpoints_never_overwrite(world, tmp_path, capsys, caplog):
+    from powerclip.model import create_model
+    runs = {}
+    for seed, where in enumerate(('a/run', 'b/run', 'c/other')):
+        d = tmp_path / where; d.mkdir(parents=True)
+        torch.manual_seed(seed)
+        sd = create_model('powerclip-micro')[0].state_dict()
+        if where == 'c/other':
+            (d / 'checkpoints').mkdir()
+            torch.save(dict(model=sd, config=dict(model=dict(name='powerclip-micro'), method='clip')), d / 'checkpoints' / 'last.pt')
+            runs[where] = d / 'checkpoints' / 'last.pt'
+        else:
+            torch.save(sd, d / 'model.pt'); (d / 'config.yaml').write_text('model:\n  name: powerclip-micro\nmethod: clip\n')
+            runs[where] = d / 'model.pt'
+    out = tmp_path / 'res'
+    labels = []
+    for where, ck in runs.items():
+        rc, stdout, _ = _run(['run', '--checkpoint', str(ck), '--data', str(world), '--tasks', 'retrieval', '--out', str(out),
+                              '--cache', 'none', '--no-progress'], capsys)
+        assert rc == 0
+        labels.append(json.loads(stdout)['label'])
+    sha8 = sha256_file(runs['b/run'])[:8]
+    assert labels == ['run', f'run-{sha8}', 'other']
+    assert f"written under 'run-{sha8}'" in caplog.text
+    results = {p.parent.name: json.loads(p.read_text()) for p in out.glob('*/*.json')}
+    assert {k: r['sha256'] for k, r in results.items()} == {l: sha256_file(runs[w]) for l, w in zip(labels, runs)}
+    # the same checkpoint again replaces its own result, under its own label
+    rc, stdout, _ = _run(['run', '--checkpoint', str(runs['a/run'].parent), '--data', str(world), '--tasks', 'retrieval',
+                          '--out', str(out), '--cache', 'none', '--no-progress'], capsys)
+    assert rc == 0 and json.loads(stdout)['label'] == 'run' and len(list(out.glob('*/*.json'))) == 3
+    # an explicit label that another checkpoint holds is kept apart too
+    rc, stdout, _ = _run(['run', '--checkpoint', str(runs['c/other']), '--data', str(world), '--tasks', 'retrieval', '--label', 'run',
+                          '--out', str(out), '--cache', 'none', '--no-progress'], capsys)
+    assert rc == 0 and json.loads(stdout)['label'] == f"run-{sha256_file(runs['c/other'])[:8]}"
+    rc, md, _ = _run(['table', str(out)], capsys)
+    assert rc == 0 and md.splitlines()[0].count('|') == 3 + 4 + 1      # dataset, task, metric + four columns
+
+
+# ---- issue 14: clip_benchmark's zero-shot task under the pinned stack ---------------------------------------------
+
+def test_clip_benchmark_zeroshot_matches_ours(world, tmp_path, capsys, monkeypatch):
+    "clip_benchmark's own zero-shot run (its webdataset reader, classifier and accuracy) through our CLI equals our evaluator."
+    from powerclip.eval.benchmarks import open_wds
+    from powerclip.eval.tasks import task_zeroshot
+    from powerclip.model import create_model
+    from clip_benchmark.metrics import zeroshot_classification
+    torch.manual_seed(6)
+    ck = tmp_path / 'micro.pt'; torch.save(create_model('powerclip-micro')[0].state_dict(), ck)
+    def numpy_24(*a, **k): raise TypeError('only 0-dimensional arrays can be converted to Python scalars')
+    monkeypatch.setattr(zeroshot_classification, 'accuracy', numpy_24)     # what clip_benchmark 1.6.2 does under NumPy 2.4
+    out = tmp_path / 'cb'
+    rc, _, err = _run(['clip-benchmark', 'eval', '--dataset', 'wds/shape', '--dataset_root', str(world / 'wds_shape'),
+                       '--task', 'zeroshot_classification', '--model', 'powerclip-micro', '--pretrained', str(ck), '--no_amp',
+                       '--batch_size', '32', '--num_workers', '0', '--output', str(out / '{dataset}.json')], capsys)
+    assert rc == 0, err
+    assert zeroshot_classification.accuracy is numpy_24                           # patched only while it ran
+    theirs = json.loads((out / 'shape.json').read_text())['metrics']        # clip_benchmark's {dataset} drops 'wds/'
+    ours = task_zeroshot(Evaluator.build('powerclip-micro', ck, progress=False), open_wds(world / 'wds_shape'))
+    assert ours['n'] == 100
+    assert 100 * theirs['acc1'] == pytest.approx(ours['top1'], abs=1e-9)
+    assert 100 * theirs['mean_per_class_recall'] == pytest.approx(ours['mean_per_class_recall'], abs=1e-6)
+    # a diverged checkpoint is refused before clip_benchmark loads it
+    bad = tmp_path / 'nan.pt'; torch.save(_broken_state('one_nan_tensor'), bad)
+    rc, _, err = _run(['clip-benchmark', 'eval', '--dataset', 'wds/shape', '--dataset_root', str(world / 'wds_shape'),
+                       '--model', 'powerclip-micro', '--pretrained', str(bad), '--output', str(out / 'x.json')], capsys)
+    assert rc == 2 and 'non-finite weights' in err and len(err.strip().splitlines()) == 1
+
+
+# ---- issue 14: no false "initialized randomly" -------------------------------------------------------------------
+
+def test_no_false_random_init_line(tmp_path, caplog, capsys):
+    import logging
+    run = _run_folder(tmp_path / 'run', 'clip')           # (open_clip says 'initialized randomly' here, rightly)
+    caplog.set_level(logging.INFO); caplog.clear()
+    load_model(checkpoint=run)
+    assert 'initialized randomly' not in caplog.text and 'random initialisation' not in caplog.text
+    caplog.clear()
+    load_model('powerclip-micro', seed=2)
+    assert 'initialized randomly' not in caplog.text
+    assert [r.getMessage() for r in caplog.records if 'random' in r.getMessage()] == \
+        ['no checkpoint given: powerclip-micro is a random initialisation (seed 2), an untrained model']
+    # the command line in a fresh process, as a user sees it
+    r = subprocess.run([sys.executable, '-m', 'powerclip.eval', 'run', '--checkpoint', str(run), '--data', str(tmp_path / 'w'),
+                        '--tasks', 'retrieval', '--out', str(tmp_path / 'res'), '--cache', 'none', '--no-progress'],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300) if write_world_benchmark(tmp_path / 'w', 8, extras=False) else None
+    assert r.returncode == 0, r.stderr
+    assert 'initialized randomly' not in r.stderr and 'random initialisation' not in r.stderr
+
+
+# ---- the command line convention (powerclip.cli) -----------------------------------------------------------------
+
+def test_usage_errors_are_one_line_before_any_model(world, tmp_path, capsys, monkeypatch):
+    import powerclip.model
+    from powerclip.cli import UsageError
+    def no_model(*a, **k): raise AssertionError('a model was built before the arguments were checked')
+    monkeypatch.setattr(powerclip.model, 'create_model', no_model)
+    (tmp_path / 'afile').write_text('x'); (tmp_path / 'empty').mkdir()
+    f, e, w, nope = str(tmp_path / 'afile'), str(tmp_path / 'empty'), str(world), str(tmp_path / 'nope')
+    cases = [
+        (['nosuch'], "argument cmd: invalid choice: 'nosuch'"),
+        (['run', '--data', w, '--nosuch'], 'unrecognized arguments: --nosuch'),
+        (['run'], 'the following arguments are required: --data'),
+        (['run', '--data', nope], f'--data: {nope} does not exist'),
+        (['run', '--data', e], 'no data set in a known layout'),
+        (['run', '--data', w, '--checkpoint', nope], f'--checkpoint: {nope} does not exist'),
+        (['run', '--data', w, '--checkpoint', e], '--checkpoint: run directory'),
+        (['run', '--data', w, '--checkpoint', f], f'--checkpoint: {f}: not a checkpoint torch can read'),
+        (['run', '--data', w, '--method', 'nosuch'], "--method: unknown method 'nosuch'; registered: ["),
+        (['run', '--data', w, '--model', 'nosuch'], "--model: unknown architecture 'nosuch'"),
+        (['run', '--data', w, '--out', f], f'--out: {f} is a file'),
+        (['run', '--data', w, '--cache', f], f'--cache: {f} is a file'),
+        (['run', '--data', w, '--tasks', 'retrieval', 'bogus'], "--tasks: unknown task 'bogus'"),
+        (['run', '--data', w, '--batch-size', '0'], 'argument --batch-size: 0 (an integer >= 1)'),
+        (['run', '--data', w, '--model-kwargs', '[1]'], 'argument --model-kwargs: a JSON object'),
+        (['run', '--data', w, '--device', 'nodevice'], "--device: 'nodevice' is not a device"),
+        (['run', '--data', w, '--precision', 'fp8'], "argument --precision: invalid choice: 'fp8'"),
+        (['run', '--data', w, '--label', 'a/b'], "--label: 'a/b' is not a folder name"),
+        (['run', '--data', w, '--images', nope], f'--images: {nope} is not a folder'),
+        (['suite', '--root', nope], f'--root: {nope} is not a folder'),
+        (['suite', '--root', e], f'--root: no benchmark folder under {e}'),
+        (['suite', '--root', e, '--benchmarks', 'nosuch'], "--benchmarks: unknown benchmark 'nosuch'"),
+        (['suite', '--root', e, '--benchmarks', 'cifar10'], '--benchmarks: cifar10 (CIFAR10): not found under'),
+        (['tables', nope], f'results: {nope} does not exist'),
+        (['tables', w, '--paper', 'x'], "--paper: 'x' is not LABEL=METHOD"),
+        (['table', nope], f'results: {nope} does not exist'),
+        (['make-world', f], f'out: {f} is a file'),
+        (['make-world', str(tmp_path / 'w'), '--n-images', '0'], 'argument --n-images: 0 (an integer >= 1)'),
+        (['clip-benchmark', 'eval', '--nosuch'], 'unrecognized arguments: --nosuch'),
+        (['clip-benchmark', 'eval', '--dataset', 'wds/x', '--model', 'powerclip-micro', '--pretrained', 'laion400m_e32'],
+         "--pretrained: 'laion400m_e32' is not a local checkpoint file"),
+        (['clip-benchmark', 'eval', '--model', 'nosuch', '--pretrained', f], "--model: unknown architecture 'nosuch'"),
+    ]
+    for argv, says in cases:
+        rc, stdout, err = _run(argv, capsys)
+        assert rc == 2 and err.startswith('powerclip-eval: error: ') and err.count('\n') == 1 and says in err, (argv, rc, err)
+    with pytest.raises(UsageError, match='does not exist'):          # --debug: the traceback
+        main(['run', '--data', nope, '--debug'])
+    # and as a process: exit status 2, one line on stderr, nothing on stdout
+    r = subprocess.run([sys.executable, '-m', 'powerclip.eval', 'run', '--data', e], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and r.stdout == '' and r.stderr.count('\n') == 1 and 'known layout' in r.stderr, r.stderr
+
+
+def test_bad_file_inside_a_webdataset_is_one_line(world, tmp_path, capsys):
+    "clip_benchmark's reader cannot skip a bad member of a shard: one line naming the shard and the key, not a bare DecodingError."
+    import io, shutil, tarfile
+    d = tmp_path / 'wds'; shutil.copytree(world / 'wds_shape', d)
+    with tarfile.open(d / 'test' / '0.tar') as tf: members = [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()]
+    with tarfile.open(d / 'test' / '0.tar', 'w') as tf:
+        for name, b in members:
+            if name == '000003.png': b = b[:len(b) // 2]
+            info = tarfile.TarInfo(name); info.size = len(b); tf.addfile(info, io.BytesIO(b))
+    rc, _, err = _run(['run', '--model', 'powerclip-micro', '--data', str(d), '--tasks', 'zeroshot', '--out', str(tmp_path / 'res'),
+                       '--cache', 'none', '--no-progress'], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and 'test/0.tar' in err and 'key 000003' in err, err
+    assert not (tmp_path / 'res').exists()
+
+
+def test_suite_writes_nothing_for_a_model_that_overflows(world, tmp_path, capsys):
+    "The suite scores every benchmark before it writes: a checkpoint whose features overflow leaves no result at all."
+    root = _bench_root(world, tmp_path / 'bench')
+    run = _overflow_bf16_run(tmp_path / 'overflow')
+    rc, stdout, err = _run(['suite', '--root', str(root), '--checkpoint', str(run), '--precision', 'bf16', '--out', str(tmp_path / 'res'),
+                            '--cache', 'none', '--no-progress'], capsys)
+    assert rc == 2 and stdout == '' and len(err.strip().splitlines()) == 1 and 'precision bf16' in err
+    assert not list((tmp_path / 'res').rglob('*.json'))

@@ -270,7 +270,8 @@ test_eq(winoground_scores(cases), dict(text=50.0, image=50.0, group=25.0, n=4))
 # (strong Wolfe line search) in float64. $\lambda$ runs over a log grid; the one with the best validation accuracy
 # wins (ties: the larger $\lambda$), the model is refit on train + val and scored on test. With scikit-learn,
 # $\lambda = 1/(nC)$ is `LogisticRegression(C=C)`; `tests/test_eval.py` checks both agree. Predictions are an
-# `argmax` of the probe's logits, whose ties have measure zero for a fitted probe.
+# `argmax` of the probe's logits, whose ties have measure zero for a fitted probe. `argmax` is no comparison that the
+# tie rule governs (it ranks NaN first), so features that are not finite are refused.
 
 # %%
 #| export
@@ -302,6 +303,8 @@ def linear_probe(train: tuple, val: tuple, test: tuple, n_classes: int, lambdas=
     "Each split a pair (features `(n, D)`, labels `(n,)`) -> test `acc` (%), chosen `lambda`, `val_acc` per lambda."
     for name, (x, y) in dict(train=train, val=val, test=test).items():
         if len(x) == 0 or len(x) != len(y): raise ValueError(f'{name} split: {len(x)} features, {len(y)} labels')
+        # argmax puts NaN first: a NaN probe would "predict" whatever class index a NaN lands on
+        if not torch.isfinite(torch.as_tensor(x)).all(): raise ValueError(f'{name} split: non-finite features')
     def acc(W, b, x, y): return 100 * ((x.double() @ W + b).argmax(1) == torch.as_tensor(y)).double().mean().item()
     val_acc = {}
     for lam in lambdas:
@@ -327,4 +330,5 @@ assert res['acc'] > 95, res
 noise = [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in (90, 60, 600)]
 res_noise = linear_probe(*noise, 3)
 assert 20 < res_noise['acc'] < 47, res_noise
+test_fail(lambda: linear_probe(*noise[:2], (torch.full((5, 8), float('nan')), torch.zeros(5, dtype=torch.long)), 3), contains='test split: non-finite')
 res['acc'], res['lambda'], res_noise['acc']

@@ -20,6 +20,7 @@
 #| export
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from powerclip.eval.data import MissingData
+from powerclip.eval.data import BadData, MissingData, read_image
 from powerclip.methods import GlobalScorer, Scorer, get_method
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,57 @@ from fastcore.test import test_eq, test_fail
 #
 # **Identity.** A checkpoint is its file's sha256, or `random-init-<arch>-seed<k>` (plus a hash of the model kwargs);
 # features are cached under it (below).
+#
+# **A broken checkpoint is refused before anything is built.** A diverged run saves NaN or infinite weights; scored,
+# such a model gets whatever the comparisons of NaN give (before the tie rule of `60_eval_metrics`, R@1 = 100 both
+# ways on coco_sample). Every float tensor of the state dict (and of the method's modules) is checked when the file is
+# read: a non-finite one stops with `NonFiniteWeights`, one line naming the checkpoint, how many tensors and which.
+# The other ways a checkpoint cannot be evaluated (no architecture named, weights that do not fit it, an unknown
+# method) are `CheckpointError`s too, so a command line can tell them from bugs.
+#
+# **What the log says.** open_clip logs "No pretrained weights loaded ... Model initialized randomly" whenever it
+# builds an architecture without one of its own pretrained tags, which is every time here, also just before the
+# checkpoint's weights are loaded: a user would read that the evaluated model is random. `load_model` drops that
+# line while it builds the model, and says in its own words, once, when the model really is a random initialisation.
 
 # %%
 #| export
+class CheckpointError(ValueError):
+    "A checkpoint that cannot be evaluated: no architecture named, weights that do not fit it, an unknown method, non-finite weights."
+
+class NonFiniteWeights(CheckpointError):
+    "A checkpoint holding NaN or infinite weights (a diverged run): it is never scored."
+
+def nonfinite_tensors(sd: dict) -> dict[str, str]:
+    "`{name: 'NaN' | 'Inf' | 'NaN and Inf'}` of the float tensors of a state dict that hold non-finite values."
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all():
+            nan, inf = bool(v.isnan().any()), bool(v.isinf().any())
+            out[k] = 'NaN and Inf' if nan and inf else 'NaN' if nan else 'Inf'
+    return out
+
+def check_finite(sd: dict, where: str):
+    "Raise `NonFiniteWeights` naming `where` and the tensors when a float tensor of `sd` is not finite."
+    bad = nonfinite_tensors(sd)
+    if bad:
+        n = sum(isinstance(v, torch.Tensor) and v.is_floating_point() for v in sd.values())
+        names = ', '.join(f'{k} ({w})' for k, w in list(bad.items())[:3]) + (', ..' if len(bad) > 3 else '')
+        raise NonFiniteWeights(f'{where} holds non-finite weights in {len(bad)} of {n} float tensors: {names}; '
+                               'the run diverged, and a model with such weights is never scored')
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str): super().__init__(); self.text = text
+    def filter(self, record): return self.text not in record.getMessage()
+
+@contextlib.contextmanager
+def _quiet_open_clip_random_init():
+    "While open_clip builds a model, drop its root-logger line 'No pretrained weights loaded ... initialized randomly'."
+    f, root = _DropMessage('initialized randomly'), logging.getLogger()
+    root.addFilter(f)
+    try: yield
+    finally: root.removeFilter(f)
+
 def sha256_file(path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, 'rb') as f:
@@ -118,7 +167,8 @@ def run_config(checkpoint, ck=None) -> dict:
 def _method(method: str | None, method_cfg: dict | None):
     if method is None: return None
     try: return get_method(method, method_cfg or {})
-    except KeyError as e: raise ValueError(e.args[0]) from None     # an unknown method: one line, not a KeyError repr
+    except KeyError as e: raise CheckpointError(e.args[0]) from None     # an unknown method: one line, not a KeyError repr
+    except (TypeError, ValueError) as e: raise CheckpointError(f'method {method!r} with config {method_cfg}: {e}') from None
 
 def method_modules(m, model, checkpoint=None, ck=None):
     """The method's own trained modules (`build_modules`, e.g. SPARC's pooling head, A-CLIP's EMA towers) with the run's
@@ -129,11 +179,12 @@ def method_modules(m, model, checkpoint=None, ck=None):
     if mods is None or checkpoint is None: return None if mods is None else mods.eval()
     sd = ck.get('method_modules') if isinstance(ck, dict) and isinstance(ck.get('method_modules'), dict) else None
     f = Path(checkpoint).parent / 'method_modules.pt'
-    if sd is None and f.is_file(): sd = torch.load(f, map_location='cpu', weights_only=True)
+    if sd is None and f.is_file(): sd, checkpoint = torch.load(f, map_location='cpu', weights_only=True), f
     if sd is None:
         log.info('no trained modules of method %s beside %s', type(m).__name__, checkpoint); return None
+    check_finite(sd, f'the method modules of {checkpoint}')
     try: mods.load_state_dict(sd)
-    except RuntimeError as e: raise ValueError(f'the method modules beside {checkpoint} do not fit {type(m).__name__}: {e}') from None
+    except RuntimeError as e: raise CheckpointError(f'the method modules of {checkpoint} do not fit {type(m).__name__}: {e}') from None
     return mods.eval()
 
 @dataclass
@@ -151,7 +202,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
                model_kwargs: dict | None = None, method: str | None = None, method_cfg: dict | None = None) -> LoadedModel:
     """Build the architecture and load a checkpoint file or run folder (None = random init from `seed`). The run's
     config (inside a trainer checkpoint, or `config.yaml` beside the file) names the architecture, its kwargs and
-    the method; `model_name` / `method` given here win."""
+    the method; `model_name` / `method` given here win. Raises `CheckpointError` (`NonFiniteWeights`) before building
+    anything for a checkpoint that cannot be evaluated."""
     import open_clip                                     # here, not at the top: `--help`, `table`, `make-world` stay fast
     from powerclip.model import create_model
     sd, run, ck = None, {}, None
@@ -160,28 +212,35 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
         try: ck = torch.load(checkpoint, map_location='cpu', weights_only=True)
         except Exception as e:   # the trainer's checkpoints also hold RNG states and configs
             log.info('weights_only load failed (%s); loading %s as a trusted local pickle', type(e).__name__, checkpoint)
-            ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
+            try: ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
+            except Exception as e2: raise CheckpointError(f'{checkpoint}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
+        if not isinstance(ck, dict): raise CheckpointError(f'{checkpoint}: not a state dict or a trainer checkpoint (a {type(ck).__name__})')
         sd, run = _state_dict(ck), run_config(checkpoint, ck)
+        check_finite(sd, f'checkpoint {checkpoint}')
     run_model = run.get('model') or {}
     name = model_name or run_model.get('name')
     if name is None:
-        raise ValueError('no model name given: pass --model' if checkpoint is None else
-                         f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
+        raise CheckpointError('no model name given: pass --model' if checkpoint is None else
+                              f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
     kw = dict(run_model.get('kwargs') or {}) if run_model.get('name') in (None, name) else {}
     kw.update(model_kwargs or {})
     method = method or run.get('method')
     if method_cfg is None: method_cfg = (run.get('method_cfg') or {}) if run.get('method') == method else {}
     m = _method(method, method_cfg)                      # an unknown method stops here, before the model is built
     torch.manual_seed(seed)
-    model, _, preprocess = create_model(name, **kw)
+    with _quiet_open_clip_random_init():
+        try: model, _, preprocess = create_model(name, **kw)
+        except ValueError as e: raise CheckpointError(str(e)) from None     # an unknown architecture name
     arch = name                                          # architecture names only (no aliases)
-    if sd is None: ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '')
+    if sd is None:
+        ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '')
+        log.warning('no checkpoint given: %s is a random initialisation (seed %d), an untrained model', arch, seed)
     else:
         ckpt_id = sha256_file(checkpoint)
         try: missing, unexpected = model.load_state_dict(sd, strict=False)
-        except RuntimeError as e: raise ValueError(f'{checkpoint} does not fit {arch} {kw}: {e}') from e   # shape mismatches
+        except RuntimeError as e: raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: {e}') from None   # shape mismatches
         if missing or unexpected:
-            raise ValueError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), unexpected {unexpected[:5]}.. ({len(unexpected)})')
+            raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), unexpected {unexpected[:5]}.. ({len(unexpected)})')
     tok = open_clip.get_tokenizer(arch, context_length=model.context_length)
     modules = method_modules(m, model, checkpoint, ck)
     if modules is not None: modules.to(device)
@@ -213,6 +272,7 @@ test_eq(load_model('powerclip-micro').ckpt_id, 'random-init-powerclip-micro-seed
 (d / 'bare').mkdir(); torch.save(_sd, d / 'bare' / 'model.pt')
 test_fail(lambda: load_model(checkpoint=d / 'bare' / 'model.pt'), contains='config.yaml')
 test_fail(lambda: load_model(checkpoint=d), contains='neither model.pt')
+(d / 'notes.pt').write_text('not a checkpoint'); test_fail(lambda: load_model('powerclip-micro', d / 'notes.pt'), contains='not a checkpoint torch can read')
 test_fail(lambda: load_model('powerclip-micro', method='nosuch'), contains='unknown method')
 test_fail(lambda: load_model(), contains='pass --model')
 
@@ -279,13 +339,25 @@ class FeatureCache:
 # (on the world's captions the same ids as the gold-tree tokens of training, `64_eval_tasks`).
 #
 # `device` 'cuda' moves batches there (default: where the model is); `precision` 'bf16' runs the towers under
-# `torch.autocast` (bfloat16, on CUDA or CPU) and caches its features apart from fp32 ones. Features that are not
-# finite (a diverged checkpoint) stop the evaluation with `NonFiniteFeatures`, one line naming the checkpoint and scorer.
+# `torch.autocast` (bfloat16, on CUDA or CPU) and caches its features apart from fp32 ones.
+#
+# **Nothing non-finite is scored.** Finite weights can still give non-finite features (a forward pass that overflows,
+# e.g. in bfloat16) or scores. Features are checked when computed and when read from the cache, scores when computed:
+# either stops the evaluation with `NonFiniteFeatures`, one line naming the checkpoint, the scorer and the precision.
+# An image file that does not decode at feature time (it changed after the readers checked it) stops with `BadData`
+# naming it; so does a bad file inside a data set read by clip_benchmark's readers (`dataset_features`), which cannot
+# skip it: the line names the data set and, for a webdataset, the shard and the sample's key.
 
 # %%
 #| export
 class NonFiniteFeatures(ValueError):
-    "A scorer returned NaN or infinite features: the checkpoint diverged (or holds NaN weights)."
+    "A scorer returned NaN or infinite features or scores (non-finite weights, or a forward pass that overflows)."
+
+def _reader_failed(e: Exception) -> str:
+    "One line for an error raised by a data set's own reader (clip_benchmark's; webdataset's DecodingError has no message, only where)."
+    where = {k: getattr(e, k) for k in ('url', 'key', 'k') if getattr(e, k, None)}
+    what = str(e) or ', '.join(f'{k} {v}' for k, v in where.items())
+    return f"the data set's reader failed on a file it holds ({type(e).__name__}: {what}); it cannot skip bad files: remove or fix it"
 
 def _rows(d: dict, idx) -> dict:
     "Rows `idx` (a slice or an index tensor) of every tensor of a feature dict."
@@ -337,14 +409,19 @@ class Evaluator:
     def _autocast(self):
         return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.precision == 'bf16')
 
+    def _finite(self, f: dict, what: str, scorer: str | None) -> dict:
+        "`f` itself, or `NonFiniteFeatures` when one of its float tensors is not finite."
+        bad = [k for k, v in f.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            hint = ('; in bfloat16 a forward pass overflows sooner: try --precision fp32' if self.precision == 'bf16' else '')
+            raise NonFiniteFeatures(f'non-finite {what} {bad} from checkpoint {self.ckpt_id[:16]} (scorer {scorer or self.headline!r}, '
+                                    f'precision {self.precision}): non-finite weights or a forward pass that overflows{hint}')
+        return f
+
     def _features(self, fn, x, what: str, scorer: str | None) -> dict:
         with torch.no_grad(), self._autocast():
             f = fn(self.model, x.to(self.device, non_blocking=True))
-        f = {k: (v.float() if v.is_floating_point() else v).cpu() for k, v in f.items()}
-        bad = [k for k, v in f.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-        if bad: raise NonFiniteFeatures(f'non-finite {what} features {bad} from checkpoint {self.ckpt_id[:16]} '
-                                        f'(scorer {scorer or self.headline!r}): the model diverged or holds NaN weights')
-        return f
+        return self._finite({k: (v.float() if v.is_floating_point() else v).cpu() for k, v in f.items()}, f'{what} features', scorer)
 
     def encode_images(self, x: torch.Tensor, scorer: str | None = None) -> dict:
         "`(B, 3, H, W)` preprocessed batch -> the scorer's image features, B rows each, float32 on the CPU."
@@ -360,10 +437,10 @@ class Evaluator:
         def compute():
             out = []
             for i in tqdm(range(0, len(paths), self.batch_size), desc='images', disable=not self.progress, leave=False):
-                x = torch.stack([self.preprocess(Image.open(p).convert('RGB')) for p in paths[i:i + self.batch_size]])
+                x = torch.stack([self.preprocess(read_image(p)) for p in paths[i:i + self.batch_size]])
                 out.append(self.encode_images(x, scorer))
             return _cat(out)
-        return self.cache.get(self._name('img', scorer), paths, compute)
+        return self._finite(self.cache.get(self._name('img', scorer), paths, compute), 'image features', scorer)
 
     def text_features(self, texts: list, scorer: str | None = None) -> dict:
         "Features of captions (cached)."
@@ -371,7 +448,7 @@ class Evaluator:
         def compute():
             return _cat([self.encode_texts(texts[i:i + self.batch_size], scorer)
                          for i in tqdm(range(0, len(texts), self.batch_size), desc='texts', disable=not self.progress, leave=False)])
-        return self.cache.get(self._name('txt', scorer), texts, compute)
+        return self._finite(self.cache.get(self._name('txt', scorer), texts, compute), 'text features', scorer)
 
     def dataset_features(self, make_ds, key: list, scorer: str | None = None, desc: str = 'images') -> tuple[dict, torch.Tensor]:
         """Features and labels `(n,)` of the torch data set `make_ds()` (yielding `(image tensor, label)`), cached under
@@ -380,20 +457,25 @@ class Evaluator:
             from torch.utils.data import DataLoader
             ds, xs, ys = make_ds(), [], []
             loader = DataLoader(ds, batch_size=self.batch_size, num_workers=self.workers, pin_memory=torch.device(self.device).type == 'cuda')
-            for x, y in tqdm(loader, desc=desc, disable=not self.progress, leave=False):
+            batches = iter(tqdm(loader, desc=desc, disable=not self.progress, leave=False))
+            while True:
+                try: x, y = next(batches)
+                except StopIteration: break
+                except Exception as e: raise BadData(f'{desc}: ' + _reader_failed(e)) from e   # a bad file inside a data set we do not read ourselves
                 xs.append(self.encode_images(x, scorer)); ys.append(torch.as_tensor(y).long().reshape(-1))
             if not xs: raise MissingData(f'{desc}: the data set yielded no image')
             return dict(x=_cat(xs), y=torch.cat(ys))
         d = self.cache.get(self._name('ds', scorer), key, compute)
-        return d['x'], d['y']
+        return self._finite(d['x'], 'image features', scorer), d['y']
 
     @torch.no_grad()
     def scores(self, img: dict, txt: dict, scorer: str | None = None) -> torch.Tensor:
         "Features of I images and T captions -> `(I, T)` float32 scores on the CPU, in blocks of `score_block` images."
         s, n = self.scorer(scorer), len(next(iter(img.values())))
         txt = {k: v.to(self.device) for k, v in txt.items()}
-        return torch.cat([s.scores({k: v.to(self.device) for k, v in _rows(img, slice(i, i + self.score_block)).items()}, txt).float().cpu()
-                          for i in range(0, n, self.score_block)]) if n else torch.zeros(0, len(next(iter(txt.values()))))
+        S = torch.cat([s.scores({k: v.to(self.device) for k, v in _rows(img, slice(i, i + self.score_block)).items()}, txt).float().cpu()
+                       for i in range(0, n, self.score_block)]) if n else torch.zeros(0, len(next(iter(txt.values()))))
+        return self._finite({'scores': S}, 'scores', scorer)['scores']
 
     def pair_scores(self, img: dict, txt: dict, rows, cols, scorer: str | None = None) -> torch.Tensor:
         "Scores `(n,)` of the pairs (image `rows[j]`, caption `cols[j]`), one block of images at a time."
@@ -455,10 +537,61 @@ test_eq((_fe.cache.misses, _fe.cache.hits), (4, 0))
 _fe.image_features(_paths, 'late'); test_eq(_fe.cache.hits, 1)
 test_fail(lambda: _fe.scorer('nosuch'), contains='not offered')
 
+
 # %% [markdown]
-# A diverged checkpoint (NaN weights) stops at its first batch, with one line:
+# A diverged checkpoint is refused when it is read: all weights NaN, one NaN tensor, one infinite value, in a plain
+# state dict or a trainer checkpoint, before a model is built. Finite weights that give non-finite features (here a
+# model modified in memory, and below one that overflows only in bfloat16) stop at the first batch; one line each.
 
 # %%
+def _broken(kind):
+    sd = {k: v.clone() for k, v in _sd.items()}
+    if kind == 'all NaN': sd = {k: torch.full_like(v, float('nan')) if v.is_floating_point() else v for k, v in sd.items()}
+    if kind == 'one NaN tensor': sd['visual.proj'].fill_(float('nan'))
+    if kind == 'one Inf value': sd['text_projection'][3, 1] = float('-inf')
+    return sd
+for _kind, _trainer in [('all NaN', False), ('one NaN tensor', True), ('one Inf value', False)]:
+    _f = d / f'broken-{_kind}.pt'
+    torch.save(dict(model=_broken(_kind), config=dict(model=dict(name='powerclip-micro'))) if _trainer else _broken(_kind), _f)
+    test_fail(lambda: load_model('powerclip-micro', _f), contains='non-finite weights')
+    try: load_model('powerclip-micro', _f)
+    except NonFiniteWeights as e: print(e)
 _bad = load_model('powerclip-micro')
 with torch.no_grad(): _bad.model.visual.proj.fill_(float('nan'))
 test_fail(lambda: Evaluator.of(_bad).encode_images(_x), contains='non-finite image features')
+
+
+# %% [markdown]
+# Finite weights whose features are finite in float32 but not in bfloat16: the last LayerNorm outputs a one-hot
+# vector (weight 0, bias $e_0$) and the projection's first row holds $3.4 \cdot 10^{38}$, below float32's largest
+# number but above bfloat16's ($3.39 \cdot 10^{38}$). In float32 the embedding's norm overflows and normalising
+# gives zeros (finite, and useless); autocast rounds the projection to bfloat16 infinities and the features are NaN.
+
+# %%
+def overflow_bf16(lm):
+    "Make a micro model's image features overflow in bfloat16 only (finite weights)."
+    with torch.no_grad():
+        v = lm.model.visual
+        v.ln_post.weight.zero_(); v.ln_post.bias.zero_(); v.ln_post.bias[0] = 1.0
+        v.proj.zero_(); v.proj[0] = 3.4e38
+    return lm
+_ov = overflow_bf16(load_model('powerclip-micro'))
+assert not nonfinite_tensors(_ov.model.state_dict())
+assert torch.isfinite(Evaluator.of(_ov).encode_images(_x)['image']).all()
+test_fail(lambda: Evaluator.of(_ov, precision='bf16').encode_images(_x), contains='try --precision fp32')
+
+# %% [markdown]
+# The log: loading a checkpoint says nothing about a random initialisation; a random initialisation says so once,
+# in our words.
+
+# %%
+import io as _io
+_h = logging.StreamHandler(_buf := _io.StringIO()); logging.getLogger().addHandler(_h)
+try:
+    load_model(checkpoint=d / 'run')
+    _loaded_log = _buf.getvalue(); _buf.truncate(0); _buf.seek(0)
+    load_model('powerclip-micro', seed=3)
+    _random_log = _buf.getvalue()
+finally: logging.getLogger().removeHandler(_h)
+assert 'initialized randomly' not in _loaded_log + _random_log and 'random initialisation' not in _loaded_log
+test_eq(_random_log.count('random initialisation (seed 3)'), 1)

@@ -20,6 +20,7 @@
 #| export
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from powerclip.eval.benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchmark_data, open_wds, select
-from powerclip.eval.data import (ClassificationSet, MissingData, RetrievalSet, load_classification, load_coco_sample,
+from powerclip.eval.data import (ClassificationSet, MissingData, RetrievalSet, Skips, load_classification, load_coco_sample,
                                  load_retrieval, load_sugarcrepe, load_winoground)
 from powerclip.eval.metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy, linear_probe,
                                     retrieval_recall, winoground_scores)
@@ -76,6 +77,9 @@ from fastcore.test import test_close, test_eq, test_fail
 #
 # **The linear probe** reads the global image embeddings whatever the method (every method offers `'global'`): it is
 # computed once, with the headline scorer's run, not once per scorer.
+#
+# **Skipped items.** Each task's numbers carry how many bad parts its reader dropped (`skipped`; SugarCrepe per
+# category, `<category>_skipped`); which ones and why go into the result JSON (`skipped_items`, below).
 
 # %%
 #| export
@@ -91,8 +95,9 @@ def _index(items: list) -> tuple[list, dict]:
     uniq = list(dict.fromkeys(items))
     return uniq, {x: i for i, x in enumerate(uniq)}
 
-def task_sugarcrepe(ev: Evaluator, data: dict, skipped: dict | None = None, scorer: str | None = None) -> dict:
-    "`data`: {category: [(image, caption, negative caption)]} -> accuracy (%) per category, `_n`, `_ties`, and their `mean`."
+def task_sugarcrepe(ev: Evaluator, data: dict, skipped: Skips | None = None, scorer: str | None = None) -> dict:
+    """`data`: {category: [(image, caption, negative caption)]}, `skipped`: the reader's `Skips` -> accuracy (%) per
+    category, `_n`, `_ties`, `_skipped`, and their `mean`."""
     rows = [r for rs in data.values() for r in rs]
     images, vi = _index([r[0] for r in rows])
     texts, ti = _index([t for r in rows for t in r[1:]])
@@ -104,7 +109,7 @@ def task_sugarcrepe(ev: Evaluator, data: dict, skipped: dict | None = None, scor
     for c, rs in data.items():
         a = hard_negative_accuracy(pos[start:start + len(rs)], neg[start:start + len(rs)]); start += len(rs)
         out.update({f'{c}': a['acc'], f'{c}_n': a['n'], f'{c}_ties': a['ties']})
-        if skipped: out[f'{c}_skipped'] = skipped.get(c, 0)
+        if skipped is not None: out[f'{c}_skipped'] = skipped.count(c)
     out['mean'] = float(np.mean([out[c] for c in data]))
     return out
 
@@ -131,7 +136,7 @@ def task_zeroshot(ev: Evaluator, data, split: str = 'test', scorer: str | None =
     logits = zeroshot_logits(ev, x, data.classnames, data.templates, scorer)                 # (n, K)
     return dict(classification_metrics(logits, y), n=len(y), n_classes=len(data.classnames),
                 chance_top1=100 * float(torch.bincount(y).max()) / len(y),
-                **(dict(layout=data.layout) if isinstance(data, BenchmarkData) else {}))
+                **(dict(layout=data.layout) if isinstance(data, BenchmarkData) else dict(skipped=data.skips.count(split))))
 
 def task_linear_probe(ev: Evaluator, data, lambdas=LAMBDAS, val_share: float = 0.2, seed: int = 0) -> dict:
     """A probe on the global image features. A `ClassificationSet` brings train/val/test splits; a clip_benchmark data
@@ -149,63 +154,78 @@ def task_linear_probe(ev: Evaluator, data, lambdas=LAMBDAS, val_share: float = 0
         tr, va = (x[perm[nv:]], y[perm[nv:]]), (x[perm[:nv]], y[perm[:nv]])
     r = linear_probe(tr, va, te, len(data.classnames), lambdas)
     return dict(acc=r['acc'], **{'lambda': r['lambda']}, n_train=r['n_train'], n_val=r['n_val'], n_test=r['n_test'],
-                **{f'val_acc@{k}': v for k, v in r['val_acc'].items()})
+                **{f'val_acc@{k}': v for k, v in r['val_acc'].items()},
+                **(dict(skipped=len(data.skips)) if isinstance(data, ClassificationSet) else {}))
 
-def task_winoground(ev: Evaluator, items: list, scorer: str | None = None) -> dict:
-    "`items`: [(image_0, image_1, caption_0, caption_1)] -> text, image and group scores (%)."
+def task_winoground(ev: Evaluator, items: list, skipped: Skips | None = None, scorer: str | None = None) -> dict:
+    "`items`: [(image_0, image_1, caption_0, caption_1)], `skipped`: the reader's `Skips` -> text, image and group scores (%)."
     n = len(items)
     I = ev.image_features([r[0] for r in items] + [r[1] for r in items], scorer)           # rows: i0 then i1
     C = ev.text_features([r[2] for r in items] + [r[3] for r in items], scorer)            # rows: c0 then c1
     k = torch.arange(n)
     s = lambda c, i: ev.pair_scores(I, C, k + i * n, k + c * n, scorer)                      # (n,) caption c, image i
-    return winoground_scores(torch.stack([torch.stack([s(0, 0), s(0, 1)], 1), torch.stack([s(1, 0), s(1, 1)], 1)], 1))  # (n, caption, image)
+    out = winoground_scores(torch.stack([torch.stack([s(0, 0), s(0, 1)], 1), torch.stack([s(1, 0), s(1, 1)], 1)], 1))  # (n, caption, image)
+    return dict(out, **(dict(skipped=len(skipped)) if skipped is not None else {}))
 
 
 # %% [markdown]
 # ## One run: checkpoint x data set x tasks
 #
 # `load_task_data` finds each task's files under a data root (a `coco_sample` folder, a world folder, a SugarCrepe
-# folder, a Winoground folder, a webdataset export). A task asked for by name whose files are absent stops with the
-# `MissingData` message; with `tasks='all'` it is skipped and the reason is written into the results. `evaluate`
-# runs the tasks with one scorer; `evaluate_scorers` with each scorer of the checkpoint's method, from the same loaded
-# data.
+# folder, a Winoground folder, a webdataset export). With `require` (tasks asked for by name) a task whose files are
+# absent stops with the `MissingData` message; otherwise (`tasks='all'`) it is skipped and the reason is written into
+# the results. With `strict` the readers stop at the first bad item (`BadData`, naming the file) instead of skipping
+# and counting it; `skip_report` gives what they dropped, per task, for the result JSON. `evaluate` runs the tasks
+# with one scorer; `evaluate_scorers` with each scorer of the checkpoint's method, from the same loaded data.
 
 # %%
 #| export
 TASKS = ('retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground')
 
-def load_task_data(task: str, root, image_root=None):
+def load_task_data(task: str, root, image_root=None, strict: bool = False) -> tuple:
+    "The arguments of task `task`'s runner (after the evaluator) read from `root`; `strict`: a bad item raises `BadData`."
     root = Path(root)
     if task == 'retrieval':
-        if (root / 'captions.jsonl').is_file(): return (load_coco_sample(root),)
-        if root.is_file(): return (load_retrieval(root, image_root),)
+        if (root / 'captions.jsonl').is_file(): return (load_coco_sample(root, strict=strict),)
+        if root.is_file(): return (load_retrieval(root, image_root, strict=strict),)
         for name in ('retrieval.json', 'dataset_coco.json', 'dataset_flickr30k.json', 'dataset_flickr8k.json'):
-            if (root / name).is_file(): return (load_retrieval(root / name, image_root),)
+            if (root / name).is_file(): return (load_retrieval(root / name, image_root, strict=strict),)
         raise MissingData(f'retrieval: expected {root}/retrieval.json ([{{"image", "caption": [..]}}], images in {root}/images), '
                           f"Karpathy's {root}/dataset_coco.json, or a coco_sample-style {root}/captions.jsonl")
-    if task == 'sugarcrepe': return load_sugarcrepe(root, image_root)
+    if task == 'sugarcrepe': return load_sugarcrepe(root, image_root, strict=strict)
     if task in ('zeroshot', 'linear_probe'):
         if (root / 'test' / 'nshards.txt').is_file(): return (open_wds(root),)     # clip_benchmark's webdataset export
-        return (load_classification(root),)
-    if task == 'winoground': return (load_winoground(root),)
+        return (load_classification(root, strict),)
+    if task == 'winoground': return load_winoground(root, strict)
     raise ValueError(f'unknown task {task!r}; known: {TASKS}')
+
+def item_skips(task: str, args: tuple) -> Skips:
+    "The `Skips` of a task's loaded data (`load_task_data`'s answer); empty for clip_benchmark's data sets."
+    if task == 'retrieval': return args[0].skips
+    if task in ('sugarcrepe', 'winoground'): return args[1]
+    return getattr(args[0], 'skips', None) or Skips()
+
+def skip_report(found: dict) -> dict:
+    "`{task: Skips.report()}` of the tasks whose reader dropped something: the result JSON's `skipped_items`."
+    return {t: item_skips(t, a).report() for t, a in found.items() if len(item_skips(t, a))}
 
 RUNNERS = dict(retrieval=task_retrieval, sugarcrepe=task_sugarcrepe, zeroshot=task_zeroshot,
                linear_probe=task_linear_probe, winoground=task_winoground)
 UNSCORED = ('linear_probe',)        # tasks that read the global image features whatever the scorer: run once
 
-def find_data(root, tasks=TASKS, image_root=None, strict: bool = True) -> tuple[dict, dict]:
-    "`({task: loaded data}, {task: reason skipped})`; `strict`: a task without data raises `MissingData`."
+def find_data(root, tasks=TASKS, image_root=None, require: bool = True, strict: bool = False) -> tuple[dict, dict]:
+    """`({task: loaded data}, {task: reason skipped})`; `require`: a task without data raises `MissingData`;
+    `strict`: a bad item raises `BadData` (else it is skipped and counted, `skip_report`)."""
     found, skipped = {}, {}
     for task in tasks:
         if task not in RUNNERS: raise ValueError(f'unknown task {task!r}; known: {TASKS}')
-        try: found[task] = load_task_data(task, root, image_root)
+        try: found[task] = load_task_data(task, root, image_root, strict)
         except MissingData as e:
-            if strict: raise
-            log.warning('%s skipped: %s', task, e); skipped[task] = str(e)
+            if require: raise
+            skipped[task] = str(e)          # not logged here: a command line validating its data prints one line, or none
     return found, skipped
 
-def _run_tasks(ev: Evaluator, data: dict, scorer: str, strict: bool = True) -> tuple[dict, dict]:
+def _run_tasks(ev: Evaluator, data: dict, scorer: str, require: bool = True) -> tuple[dict, dict]:
     "`{task: metrics}` of one scorer on loaded data, and `{task: reason}` of tasks whose data turned out to be missing."
     metrics, skipped = {}, {}
     for task, d in data.items():
@@ -213,20 +233,21 @@ def _run_tasks(ev: Evaluator, data: dict, scorer: str, strict: bool = True) -> t
         t0 = time.time()
         try: metrics[task] = RUNNERS[task](ev, *d) if task in UNSCORED else RUNNERS[task](ev, *d, scorer=scorer)
         except MissingData as e:           # e.g. a probe without a train split: the zero-shot number still counts
-            if strict: raise
+            if require: raise
             skipped[task] = str(e); continue
         metrics[task]['seconds'] = round(time.time() - t0, 3)
     return metrics, skipped
 
-def evaluate(ev: Evaluator, root, tasks=TASKS, image_root=None, strict: bool = True, found: tuple | None = None,
-             scorer: str | None = None) -> tuple[dict, dict]:
+def evaluate(ev: Evaluator, root, tasks=TASKS, image_root=None, require: bool = True, found: tuple | None = None,
+             scorer: str | None = None, strict: bool = False) -> tuple[dict, dict]:
     "`({task: metrics}, {task: reason skipped})` with one scorer (default: the headline); `found`: `find_data`'s answer when the caller has it."
-    data, skipped = found or find_data(root, tasks, image_root, strict)
+    data, skipped = found or find_data(root, tasks, image_root, require, strict)
     return _run_tasks(ev, data, scorer or ev.headline)[0], skipped
 
-def evaluate_scorers(ev: Evaluator, root, tasks=TASKS, image_root=None, strict: bool = True, found: tuple | None = None) -> tuple[dict, dict]:
+def evaluate_scorers(ev: Evaluator, root, tasks=TASKS, image_root=None, require: bool = True, found: tuple | None = None,
+                     strict: bool = False) -> tuple[dict, dict]:
     "`({scorer: {task: metrics}}, {task: reason skipped})` for every scorer of the checkpoint's method, the headline first."
-    found = found or find_data(root, tasks, image_root, strict)
+    found = found or find_data(root, tasks, image_root, require, strict)
     return {s: evaluate(ev, root, found=found, scorer=s)[0] for s in ev.scorers}, found[1]
 
 
@@ -249,6 +270,20 @@ print(f'first run {t1:.1f}s, cached rerun {t2:.1f}s ({ev2.cache.hits} cache hits
 {t: {k: round(v, 1) for k, v in d.items() if k in ('i2t_R@1', 't2i_R@1', 'chance_t2i_R@1', 'mean', 'top1', 'chance_top1', 'acc', 'text', 'image', 'group')} for t, d in m1.items()}
 
 # %% [markdown]
+# A model that gives NaN features (NaN weights put into a loaded model, past the loader's check) cannot produce a
+# number: every task stops with `NonFiniteFeatures`, and so does the world evaluation below, which runs them (a
+# checkpoint file with such weights is refused earlier, by `load_model`; `tests/test_eval.py` runs both ends).
+
+# %%
+from powerclip.eval.models import NonFiniteFeatures, load_model
+_nan = load_model('powerclip-micro')
+with torch.no_grad(): [q.fill_(float('nan')) for q in _nan.model.parameters()]
+_nev = Evaluator.of(_nan, progress=False)
+_found, _ = find_data(tmp / 'world')
+for _task, _args in _found.items():
+    test_fail(lambda: _run_tasks(_nev, {_task: _args}, 'global'), contains='non-finite')
+
+# %% [markdown]
 # The tasks through `pair_scores` give what the full score matrix gives: hard negatives and Winoground recomputed
 # from all-pairs cosines of the global features agree to rounding.
 
@@ -259,10 +294,10 @@ _V = ev.image_features([r[0] for r in _rows])['image']; _P, _N = (ev.text_featur
 _acc = [hard_negative_accuracy((_V * _P).sum(1)[a:a + len(rs)], (_V * _N).sum(1)[a:a + len(rs)])['acc']
         for a, rs in zip(np.cumsum([0] + [len(rs) for rs in sc.values()]), sc.values())]
 test_close(_acc, [m1['sugarcrepe'][c] for c in sc])
-wg = load_winoground(tmp / 'world')
+wg, _ = load_winoground(tmp / 'world')
 _i0, _i1 = (ev.image_features([r[k] for r in wg])['image'] for k in (0, 1)); _c0, _c1 = (ev.text_features([r[k] for r in wg])['text'] for k in (2, 3))
 _s = torch.stack([torch.stack([(_c0 * _i0).sum(1), (_c0 * _i1).sum(1)], 1), torch.stack([(_c1 * _i0).sum(1), (_c1 * _i1).sum(1)], 1)], 1)
-test_eq(winoground_scores(_s), {k: v for k, v in m1['winoground'].items() if k != 'seconds'})
+test_eq(winoground_scores(_s), {k: v for k, v in m1['winoground'].items() if k not in ('seconds', 'skipped')})
 
 # %% [markdown]
 # The same classification images through clip_benchmark's reader (the world set's webdataset export) and through
@@ -344,29 +379,63 @@ test_eq(fres['scorer'], 'late'); assert 'global:hn_mean' in fres and 'late:hn_me
 # %% [markdown]
 # ## Results on disk, and the suite
 #
-# `write_result` writes one JSON per (checkpoint, data set): the headline scorer's metrics (`metrics`), its name
-# (`scorer`) and the other scorers' metrics (`other_scorers`), the method, the checkpoint's path and sha256
-# (`random-init` for none), the model, the data root, the skipped tasks and the exact command. `65_eval_tables`
-# lays them out.
+# `write_result` writes one JSON per (checkpoint, data set), `<out>/<label>/<data set>.json`: the headline scorer's
+# metrics (`metrics`), its name (`scorer`) and the other scorers' metrics (`other_scorers`), the method, the
+# checkpoint's path and sha256 (`random-init` for none) and `checkpoint_id`, the model, the data root, the tasks
+# skipped for want of data (`skipped`, with the reason), the items the readers dropped (`skipped_items`: per task the
+# count per reason and the files, `Skips.report()`), and the exact command. `65_eval_tables` lays them out, one column
+# per label.
+#
+# **Two checkpoints never share a label.** The label defaults to the run's name: the folder's name for a run folder,
+# for its `model.pt` and for its `checkpoints/last.pt` (every run exports a `model.pt`, so the file's stem would be
+# `model` for all of them); else the checkpoint file's stem; `random-init` without a checkpoint. Before writing,
+# `result_label` looks at the results already under `<out>/<label>/`: if they belong to another checkpoint (another
+# `checkpoint_id`), this one is written under `<label>-<sha8>` (the first 8 hex digits of its sha256; of its id for a
+# random initialisation), and a warning says so. The same checkpoint evaluated again replaces its own results.
 #
 # `run_suite` evaluates the named benchmarks (default: all 28 of the paper, as 27 data sets since the linear probes
-# share CIFAR and ImageNet) found under `root/<folder>` (`63_eval_benchmarks`), writes one JSON per (checkpoint, data
-# set), and returns the reasons of those it skipped. Naming benchmarks explicitly (`strict`) stops at the first absent
-# one.
+# share CIFAR and ImageNet) found under `root/<folder>` (`63_eval_benchmarks`), and returns the reasons of those it
+# skipped. Naming benchmarks explicitly (`require`) stops at the first absent one. Its JSONs are written at the end,
+# when every benchmark has been scored: a checkpoint that stops the evaluation (non-finite features) leaves no result.
 
 # %%
 #| export
+def default_label(checkpoint) -> str:
+    "The run folder's name for a run folder, its `model.pt` or its `checkpoints/last.pt`; else the file's stem; 'random-init' for None."
+    if checkpoint is None: return 'random-init'
+    p = Path(checkpoint).resolve()
+    if p.is_dir(): return p.name
+    if p.name == 'model.pt': return p.parent.name
+    if p.name == 'last.pt': return p.parent.parent.name if p.parent.name == 'checkpoints' else p.parent.name
+    return p.stem
+
+def result_label(out_dir, label: str, ckpt_id: str) -> str:
+    "`label`, or `label-<sha8>` when results of another checkpoint already hold `out_dir/<label>/` (see above)."
+    others = set()
+    for f in sorted((Path(out_dir) / label).glob('*.json')):
+        try: r = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError): continue              # not a result of ours
+        if isinstance(r, dict) and 'metrics' in r: others.add(r.get('checkpoint_id') or r.get('sha256') or f'unknown ({f.name})')
+    others.discard(ckpt_id)
+    if not others: return label
+    sha8 = (ckpt_id if not ckpt_id.startswith('random-init') else hashlib.sha256(ckpt_id.encode()).hexdigest())[:8]
+    new = f'{label}-{sha8}'
+    log.warning('result label %r in %s holds another checkpoint (%s); this one (%s) is written under %r', label, out_dir,
+                ', '.join(sorted(o[:16] for o in others)), ckpt_id[:16], new)
+    return new
+
 def write_result(out_dir, metrics: dict, skipped: dict, *, model, checkpoint, ckpt_id: str, data_root,
                  name: str | None = None, label: str | None = None, command: str | None = None,
-                 method: str | None = None, scorer: str = 'global', other_scorers: dict | None = None) -> Path:
-    "`out_dir/<label>/<name>.json`; label defaults to the checkpoint's file stem (or 'random-init')."
-    label = label or (Path(checkpoint).stem if checkpoint else 'random-init')
+                 method: str | None = None, scorer: str = 'global', other_scorers: dict | None = None,
+                 skipped_items: dict | None = None) -> Path:
+    "`out_dir/<label>/<name>.json`; label: `label` or `default_label(checkpoint)`, made unique by `result_label`."
+    label = result_label(out_dir, label or default_label(checkpoint), ckpt_id)
     name = name or Path(data_root).name
     res = dict(checkpoint=None if checkpoint is None else str(checkpoint), label=label,
                sha256='random-init' if checkpoint is None else ckpt_id, checkpoint_id=ckpt_id, model=model, method=method,
                dataset=name, data_root=str(data_root), scorer=scorer, metrics=metrics, other_scorers=other_scorers or {},
-               skipped=skipped, command=command or shlex.join(sys.argv), time=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
-               torch=torch.__version__)
+               skipped=skipped, skipped_items=skipped_items or {}, command=command or shlex.join(sys.argv),
+               time=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()), torch=torch.__version__)
     f = Path(out_dir) / label / f'{name}.json'
     f.parent.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps(res, indent=1))
@@ -378,31 +447,48 @@ def write_scored(out_dir, ev: Evaluator, by_scorer: dict, skipped: dict, **kw) -
                         scorer=ev.headline, other_scorers={s: m for s, m in by_scorer.items() if s != ev.headline}, **kw)
 
 def run_suite(ev: Evaluator, root, names=('all',), out_dir='results/eval', label: str | None = None, checkpoint=None,
-              strict: bool = False, command: str | None = None) -> tuple[dict, dict]:
-    "`({benchmark: result JSON path}, {benchmark: reason skipped})`."
-    written, skipped = {}, {}
+              require: bool = False, command: str | None = None, strict: bool = False) -> tuple[dict, dict]:
+    "`({benchmark: result JSON path}, {benchmark: reason skipped})`; `require`: an absent benchmark raises; `strict`: a bad item raises."
+    results, skipped = {}, {}
     for name in tqdm(select(names), desc='benchmarks', disable=not ev.progress):
         b = BENCHMARKS[name]
-        try: data = benchmark_data(name, Path(root) / b.folder)
+        try: data = benchmark_data(name, Path(root) / b.folder, strict)
         except MissingData as e:
-            if strict: raise
+            if require: raise
             log.warning('%s skipped: %s', name, e); skipped[name] = str(e); continue
         by, task_skipped = {}, {}
         for s in ev.scorers:
-            by[s], sk = _run_tasks(ev, data, s, strict)
+            by[s], sk = _run_tasks(ev, data, s, require)
             task_skipped.update(sk)
             if name in KARPATHY_TEST_IMAGES and 'retrieval' in by[s]:
                 ok = by[s]['retrieval']['n_images'] == KARPATHY_TEST_IMAGES[name]
                 by[s]['retrieval']['karpathy_size_ok'] = ok
                 if not ok and s == ev.headline:
                     log.warning('%s: %d test images, the Karpathy test split has %d', name, by[s]['retrieval']['n_images'], KARPATHY_TEST_IMAGES[name])
-        written[name] = write_scored(out_dir, ev, by, task_skipped, checkpoint=checkpoint, data_root=Path(root) / b.folder,
-                                     name=b.folder, label=label, command=command)
+        results[name] = (by, task_skipped, skip_report(data))
+    written = {name: write_scored(out_dir, ev, by, task_skipped, checkpoint=checkpoint, data_root=Path(root) / BENCHMARKS[name].folder,
+                                  name=BENCHMARKS[name].folder, label=label, command=command, skipped_items=items)
+               for name, (by, task_skipped, items) in results.items()}
     return written, skipped
 
 
 # %%
 f1 = write_scored(tmp / 'results', fev, by, {}, checkpoint=tmp / 'filip' / 'model.pt', data_root=tmp / 'world', command='notebook')
 r1 = json.loads(f1.read_text())
-test_eq((r1['label'], r1['method'], r1['scorer'], list(r1['other_scorers'])), ('model', 'filip', 'late', ['global']))
+test_eq((r1['label'], r1['method'], r1['scorer'], list(r1['other_scorers'])), ('filip', 'filip', 'late', ['global']))
 test_eq(r1['metrics'], by['late']); test_eq(r1['sha256'], fev.ckpt_id)
+
+# %% [markdown]
+# Labels: a run folder, its `model.pt` and its `checkpoints/last.pt` are all the run's name. Another checkpoint under
+# the same label goes to `<label>-<sha8>`; the first one evaluated again keeps its label and replaces its result.
+
+# %%
+test_eq([default_label(x) for x in (tmp / 'filip', tmp / 'filip' / 'model.pt', tmp / 'r7' / 'checkpoints' / 'last.pt',
+                                    tmp / 'ck' / 'step_100.pt', None)], ['filip', 'filip', 'r7', 'step_100', 'random-init'])
+_other = dict(model=fev.spec, data_root=tmp / 'world', command='notebook')
+f2 = write_result(tmp / 'results', {}, {}, checkpoint=tmp / 'x' / 'filip' / 'model.pt', ckpt_id='ab' * 32, **_other)
+test_eq(f2.parent.name, 'filip-abababab')
+test_eq(write_scored(tmp / 'results', fev, by, {}, checkpoint=tmp / 'filip' / 'model.pt', data_root=tmp / 'world', command='notebook'), f1)
+test_eq(write_result(tmp / 'results', {}, {}, checkpoint=None, ckpt_id='random-init-powerclip-micro-seed1', **_other).parent.name, 'random-init')
+_f3 = write_result(tmp / 'results', {}, {}, checkpoint=None, ckpt_id='random-init-powerclip-micro-seed2', **_other)
+test_eq(_f3.parent.name, 'random-init-' + hashlib.sha256(b'random-init-powerclip-micro-seed2').hexdigest()[:8])

@@ -5,11 +5,14 @@
 # %% ../../nbs/63_eval_benchmarks.ipynb #4fbc9919
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cli import UsageError
 from .data import (MissingData, RetrievalSet, load_coco_karpathy, load_flickr_karpathy, load_retrieval,
                                  load_sugarcrepe, load_winoground)
 
@@ -195,26 +198,26 @@ def open_wds(root, name: str | None = None) -> BenchmarkData:
 # %% ../../nbs/63_eval_benchmarks.ipynb #f3e46b00
 COCO_OWN_CAPTIONS = ('annotations/captions_val2014.json', 'annotations/captions_val2017.json', 'captions_val2014.json', 'captions_val2017.json')
 
-def load_benchmark_retrieval(name: str, root) -> RetrievalSet:
-    "The Karpathy test split of `mscoco_captions`, `flickr8k` or `flickr30k` under `root`."
+def load_benchmark_retrieval(name: str, root, strict: bool = False) -> RetrievalSet:
+    "The Karpathy test split of `mscoco_captions`, `flickr8k` or `flickr30k` under `root` (`strict`: a bad item raises)."
     b, root = BENCHMARKS[name], Path(root)
     if name == 'mscoco_captions':
-        if (root / 'coco_test_karpathy.json').is_file(): return load_coco_karpathy(root / 'coco_test_karpathy.json', root / 'val2014')
-        if (root / 'dataset_coco.json').is_file(): return load_retrieval(root / 'dataset_coco.json', root / 'images')
+        if (root / 'coco_test_karpathy.json').is_file(): return load_coco_karpathy(root / 'coco_test_karpathy.json', root / 'val2014', strict)
+        if (root / 'dataset_coco.json').is_file(): return load_retrieval(root / 'dataset_coco.json', root / 'images', strict=strict)
         own = [p for p in COCO_OWN_CAPTIONS if (root / p).is_file()]
         trap = f"; found {own}: COCO's own caption files, which are not the Karpathy 5k test split of Table 2" if own else ''
         raise MissingData(f'{name} ({b.column}): expected under {root} {b.files}{trap}')
-    if (root / f'{name}_test_karpathy.txt').is_file(): return load_flickr_karpathy(root / f'{name}_test_karpathy.txt', root)
-    if (root / f'dataset_{name}.json').is_file(): return load_retrieval(root / f'dataset_{name}.json', root / 'images')
+    if (root / f'{name}_test_karpathy.txt').is_file(): return load_flickr_karpathy(root / f'{name}_test_karpathy.txt', root, strict)
+    if (root / f'dataset_{name}.json').is_file(): return load_retrieval(root / f'dataset_{name}.json', root / 'images', strict=strict)
     raise MissingData(f'{name} ({b.column}): expected under {root} {b.files}')
 
 # %% ../../nbs/63_eval_benchmarks.ipynb #82e9b2db
-def benchmark_data(name: str, root) -> dict:
-    "`{task: args}` of one benchmark under `root` (its own folder)."
+def benchmark_data(name: str, root, strict: bool = False) -> dict:
+    "`{task: args}` of one benchmark under `root` (its own folder); `strict`: a bad item of our readers raises `BadData`."
     b, root = BENCHMARKS[name], Path(root)
-    if b.tasks[0] == 'retrieval': return dict(retrieval=(load_benchmark_retrieval(name, root),))
-    if b.tasks[0] == 'sugarcrepe': return dict(sugarcrepe=load_sugarcrepe(root))
-    if b.tasks[0] == 'winoground': return dict(winoground=(load_winoground(root),))
+    if b.tasks[0] == 'retrieval': return dict(retrieval=(load_benchmark_retrieval(name, root, strict),))
+    if b.tasks[0] == 'sugarcrepe': return dict(sugarcrepe=load_sugarcrepe(root, strict=strict))
+    if b.tasks[0] == 'winoground': return dict(winoground=load_winoground(root, strict))
     d = open_benchmark(name, root)
     return {t: (d,) for t in b.tasks}
 
@@ -248,31 +251,89 @@ def _cb_expected(name: str, root: Path) -> str | None:
         return str(_missing(b, root))
     return None if root.exists() else f'{root} (clip_benchmark layout of {name})'
 
+def _cb_accuracy(output, target, topk=(1,)) -> list[float]:
+    "clip_benchmark's top-k `accuracy` (a share in [0, 1] per k), with `.item()` where it calls `float()` on a 1-element array."
+    pred = output.topk(max(topk), 1, True, True)[1].t()                       # (k, n) class indices, best first
+    correct = pred.eq(target.view(1, -1).expand_as(pred))
+    return [correct[:k].reshape(-1).float().sum().item() / len(target) for k in topk]
+
+@contextlib.contextmanager
+def _cb_patched():
+    "While clip_benchmark runs: its zero-shot and linear-probe modules use `_cb_accuracy`."
+    from clip_benchmark.metrics import linear_probe, zeroshot_classification
+    old = zeroshot_classification.accuracy, linear_probe.accuracy
+    zeroshot_classification.accuracy = linear_probe.accuracy = _cb_accuracy
+    try: yield
+    finally: zeroshot_classification.accuracy, linear_probe.accuracy = old
+
+def _cb_parse(cli, argv: list):
+    "clip_benchmark's own parser; its errors (usage text + exit 2) become one `UsageError` line; `--help` returns None."
+    old, sys.argv = sys.argv, ['clip-benchmark', *map(str, argv)]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err): return cli.get_parser_args()
+    except SystemExit as e:
+        if not e.code: return None                                          # --help: printed, done
+        lines = [l for l in err.getvalue().splitlines() if l.strip()]
+        raise UsageError((lines[-1].split('error: ', 1)[-1] if lines else f'exit status {e.code}') + ' (see powerclip-eval clip-benchmark eval --help)') from None
+    finally: sys.argv = old
+
+def _cb_models(base) -> list[tuple[str, str]]:
+    "The (model, pretrained) pairs of a clip_benchmark eval call, each a known architecture and a local file with finite weights."
+    import open_clip
+    import torch
+    from clip_benchmark.cli import get_model_collection_from_file, model_collection
+    from powerclip.eval.models import _state_dict, check_finite
+    models = []
+    for name in ([base.pretrained_model] if isinstance(base.pretrained_model, str) else base.pretrained_model) or []:
+        if not name: continue
+        if Path(name).is_file(): models += get_model_collection_from_file(name)
+        elif name in model_collection: raise UsageError(f'--pretrained_model: {name!r} is a collection of downloadable weights (nothing is downloaded here: give MODEL,CHECKPOINT_FILE)')
+        elif name.count(',') == 1: models.append(tuple(name.split(',')))
+        else: raise UsageError(f'--pretrained_model: {name!r} is not MODEL,CHECKPOINT_FILE')
+    models = models or [(m, p) for m in base.model for p in base.pretrained]
+    known = set(open_clip.list_models())
+    for m, p in models:
+        if m not in known: raise UsageError(f'--model: unknown architecture {m!r} (open_clip configs and the project\'s: powerclip-micro, powerclip-tiny, ViT-B-16, ..)')
+        if not Path(p).is_file(): raise UsageError(f'--pretrained: {p!r} is not a local checkpoint file (nothing is downloaded here)')
+    for p in dict.fromkeys(p for _, p in models):
+        try: sd = _state_dict(torch.load(p, map_location='cpu', weights_only=True))
+        except Exception as e: raise UsageError(f'--pretrained: {p} is not a checkpoint torch can read as weights ({type(e).__name__}: {e})') from None
+        try: check_finite(sd, f'--pretrained: checkpoint {p}')
+        except ValueError as e: raise UsageError(str(e)) from None
+    return models
+
 def clip_benchmark_cli(argv: list) -> int:
-    "clip_benchmark's `eval`/`build` command line with the project's configs registered, no downloads, and the output trap refused."
+    """clip_benchmark's `eval`/`build` command line with the project's configs registered, every model a local finite
+    checkpoint, no downloads, the output trap refused and its NumPy 2.4 crash patched; a mistake raises `UsageError`."""
     from powerclip.model import register_configs
     register_configs()
     from clip_benchmark import cli
     from clip_benchmark.datasets.builder import dataset_collection
-    old, sys.argv = sys.argv, ['clip_benchmark', *map(str, argv)]
-    try: parser, base = cli.get_parser_args()
-    finally: sys.argv = old
+    parsed = _cb_parse(cli, argv)
+    if parsed is None: return 0
+    parser, base = parsed
     which = getattr(base, 'which', None)
-    if which == 'build': cli.main_build(base); return 0
-    if which != 'eval': parser.print_help(); return 2
+    if which == 'build':
+        missing = [f for f in base.files if not Path(f).exists()]
+        if missing: raise UsageError(f'files: {missing[0]} does not exist (result JSONs of clip-benchmark eval, or folders of them)')
+        cli.main_build(base); return 0
+    if which != 'eval': raise UsageError("command: give 'eval' or 'build' (powerclip-eval clip-benchmark eval --help)")
     datasets = [d for n in base.dataset for d in dataset_collection.get(n, [n])]
-    models = base.pretrained_model or [(m, p) for m in base.model for p in base.pretrained]
+    models = _cb_models(base)
     if len(datasets) > 1 and '{dataset}' not in base.output:
-        print(f"error: {len(datasets)} data sets but --output {base.output!r} has no {{dataset}}: each run would overwrite the "
-              "last one's file (SugarCrepe keeps one category). Use e.g. --output 'results/{dataset}_{model}_{pretrained}.json'", file=sys.stderr)
-        return 2
+        raise UsageError(f"--output: {len(datasets)} data sets but {base.output!r} has no {{dataset}}: each run would overwrite the "
+                         "last one's file (SugarCrepe keeps one category); use e.g. --output 'results/{dataset}_{model}_{pretrained}.json'")
     if len(models) > 1 and '{model}' not in base.output and '{pretrained}' not in base.output:
-        print(f'error: several models but --output {base.output!r} has neither {{model}} nor {{pretrained}}', file=sys.stderr); return 2
+        raise UsageError(f'--output: several models but {base.output!r} has neither {{model}} nor {{pretrained}}')
     missing = {d: m for d in datasets
                if (m := _cb_expected(d, Path(base.dataset_root.format(dataset=d.removeprefix('wds/'), dataset_cleaned=d.removeprefix('wds/').replace('/', '-')))))}
     if missing:
-        print('missing data (nothing is downloaded):\n' + '\n'.join(f'  {d}: {m}' for d, m in missing.items()), file=sys.stderr); return 2
+        raise UsageError('--dataset_root: missing data (nothing is downloaded): ' + '; '.join(f'{d}: {m}' for d, m in missing.items()))
+    out_dir = Path(base.output).parent
+    if out_dir.exists() and not out_dir.is_dir(): raise UsageError(f'--output: {out_dir} is a file (the folder of the result JSONs)')
+    if '{' not in str(out_dir): out_dir.mkdir(parents=True, exist_ok=True)     # clip_benchmark opens the file without making its folder
     try:
-        with _NoDownload('clip_benchmark'): cli.main_eval(base)
-    except MissingData as e: print(f'missing data: {e}', file=sys.stderr); return 2
+        with _NoDownload('clip_benchmark'), _cb_patched(): cli.main_eval(base)
+    except MissingData as e: raise UsageError(f'missing data: {e}') from None
     return 0

@@ -5,6 +5,7 @@
 # %% ../../nbs/61_eval_data.ipynb #e4448c97
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -12,28 +13,133 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 
 from ..data import IMAGE_EXTS
+from ..parsing import caption_problem
 from ..world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'SUGARCREPE', 'WINOGROUND_HELP', 'WORLD_TEMPLATES', 'MissingData', 'RetrievalSet', 'load_retrieval',
-           'load_coco_sample', 'load_coco_karpathy', 'load_flickr_karpathy', 'load_sugarcrepe', 'ClassificationSet',
-           'classification_from_folders', 'load_classification', 'load_winoground', 'write_wds_classification',
-           'write_world_classification', 'write_world_winoground', 'write_world_benchmark']
+__all__ = ['log', 'SKIP_REASONS', 'SUGARCREPE', 'CLASSIFICATION_FORMAT', 'WINOGROUND_HELP', 'WORLD_TEMPLATES', 'MissingData',
+           'BadData', 'Skips', 'image_problem', 'read_image', 'check_image', 'check_caption', 'RetrievalSet',
+           'retrieval_set', 'load_retrieval', 'load_coco_sample', 'load_coco_karpathy', 'load_flickr_karpathy',
+           'load_sugarcrepe', 'ClassificationSet', 'classification_from_folders', 'load_classification',
+           'load_winoground', 'write_wds_classification', 'write_world_classification', 'write_world_winoground',
+           'write_world_benchmark']
 
 # %% ../../nbs/61_eval_data.ipynb #3bcf4fbc
 class MissingData(FileNotFoundError):
     "A data set (or one of its files) is absent; the message says what to put where (nothing is downloaded)."
 
+class BadData(ValueError):
+    "A data file that cannot be read as its format, or (strict mode) a bad item: one line naming the file."
+
+# %% ../../nbs/61_eval_data.ipynb #e7d9ad87
+SKIP_REASONS = ('missing_image', 'bad_image', 'bad_caption', 'bad_negative', 'no_caption')
+
+@dataclass
+class Skips:
+    "The items a reader dropped, `(reason, file, detail, group)` each; `strict`: the first one raises `BadData` instead."
+    strict: bool = False
+    items: list = field(default_factory=list)
+
+    def add(self, reason: str, file, detail: str = '', group: str | None = None):
+        if reason not in SKIP_REASONS: raise ValueError(f'unknown skip reason {reason!r}; known: {SKIP_REASONS}')
+        if self.strict: raise BadData(f'{file}: {reason.replace("_", " ")}' + (f' ({detail})' if detail else '') + ' [strict mode]')
+        self.items.append((reason, str(file), detail, group))
+
+    def __len__(self): return len(self.items)
+
+    def count(self, group: str | None = None) -> int:
+        "Items dropped (of `group`: a SugarCrepe category, a classification split)."
+        return sum(1 for it in self.items if group is None or it[3] == group)
+
+    def counts(self) -> dict[str, int]:
+        "`{reason: n}` of the reasons that occur, in `SKIP_REASONS` order."
+        n = {r: 0 for r in SKIP_REASONS}
+        for it in self.items: n[it[0]] += 1
+        return {r: k for r, k in n.items() if k}
+
+    def report(self, names: int = 100) -> dict:
+        "What the result JSON records: `n`, `counts` per reason, `items` (reason, file, detail, group; `names` per reason at most), `items_left_out`."
+        kept, per = [], {}
+        for r, f, d, g in self.items:
+            per[r] = per.get(r, 0) + 1
+            if per[r] <= names: kept.append(dict(reason=r, file=f, detail=d, **({'group': g} if g is not None else {})))
+        return dict(n=len(self), counts=self.counts(), items=kept, items_left_out=len(self) - len(kept))
+
+    def log(self, what: str, total: int | None = None):
+        if not self.items: return
+        r, f, d, _ = self.items[0]
+        among = f' in {total} items' if total is not None else ''
+        log.warning('%s: %d bad parts skipped%s (%s); first: %s %s (%s)', what, len(self), among,
+                    ', '.join(f'{k} {v}' for k, v in self.counts().items()), r, f, d)
+
+@functools.lru_cache(maxsize=1 << 20)
+def _decode_problem(path: str, size: int, mtime_ns: int) -> str | None:
+    "Why the image file at `path` (of this size and mtime: the memo's key) does not decode; None if it does."
+    if size == 0: return 'zero bytes'
+    truncated, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False   # a truncated file is bad, never padded
+    try:
+        with Image.open(path) as im:
+            im.draft('RGB', (64, 64))        # JPEG: decode at 1/8 scale; every byte of the stream is still read
+            im.load()
+    except Exception as e:                   # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError ..
+        return f'{type(e).__name__}: {e}'.replace(path, Path(path).name)
+    finally: ImageFile.LOAD_TRUNCATED_IMAGES = truncated
+    return None
+
+def image_problem(path) -> tuple[str, str] | None:
+    "`('missing_image' | 'bad_image', detail)` when the image file cannot be scored, None when it decodes."
+    p = Path(path)
+    if not p.is_file(): return 'missing_image', 'no such file'
+    st = p.stat()
+    bad = _decode_problem(str(p.resolve()), st.st_size, st.st_mtime_ns)
+    return None if bad is None else ('bad_image', bad)
+
+def read_image(path) -> Image.Image:
+    "An image file as RGB; a file that does not decode raises `BadData` naming it (not PIL's message alone)."
+    try:
+        with Image.open(path) as im: return im.convert('RGB')
+    except FileNotFoundError: raise MissingData(f'image file not found: {path}') from None
+    except Exception as e: raise BadData(f'{path}: bad image ({type(e).__name__}: {e})') from None
+
+def check_image(path, skips: Skips, group: str | None = None) -> bool:
+    "True if the image decodes; else the problem goes into `skips`."
+    bad = image_problem(path)
+    if bad: skips.add(bad[0], path, bad[1], group)
+    return bad is None
+
+def check_caption(text, skips: Skips, file, what: str = 'caption', reason: str = 'bad_caption', group: str | None = None) -> bool:
+    "True if `text` is a usable caption (`parsing.caption_problem`); else the problem goes into `skips`, under `file`."
+    why = caption_problem(text)
+    if why: skips.add(reason, file, f'{what}: {why}' + ('' if isinstance(text, str) or text is None else f' ({text!r:.40})'), group)
+    return why is None
+
+def _read_json(path: Path, jsonl: bool = False):
+    "A JSON (or JSON-lines) file; one that does not parse raises `BadData` naming it and the line."
+    text = path.read_text(encoding='utf-8', errors='replace')
+    try:
+        if not jsonl: return json.loads(text)
+        return [json.loads(l) for l in text.splitlines() if l.strip()]
+    except json.JSONDecodeError as e: raise BadData(f'{path}: not valid JSON{"-lines" if jsonl else ""} ({e})') from None
+
+def _field(row, key: str, path: Path, what: str):
+    "`row[key]`, or a `BadData` that names the file and says what a row should hold."
+    if not isinstance(row, dict) or key not in row: raise BadData(f'{path}: an item without {key!r} ({what}); got {str(row)[:80]}')
+    return row[key]
+
+# %% ../../nbs/61_eval_data.ipynb #082e448c
 @dataclass
 class RetrievalSet:
     images: list            # list[Path]
-    captions: list          # list[list[str]], one list per image
-    skipped: int = 0        # entries dropped (missing image, no caption)
+    captions: list          # list[list[str]], one list per image, every one non-empty
+    skips: Skips = field(default_factory=Skips)   # what the reader dropped (missing or bad image, bad caption, no caption)
+
+    @property
+    def skipped(self) -> int: return len(self.skips)
 
     def flat(self) -> tuple[list[str], torch.Tensor]:
         "All captions `(T,)` and the image index of each `(T,)`."
@@ -44,77 +150,89 @@ def _need(path: Path, what: str) -> Path:
     if not Path(path).exists(): raise MissingData(f'{what}: expected {path}')
     return Path(path)
 
-def _keep_existing(rows: list, image_of, what: str) -> tuple[list, int]:
-    keep = [r for r in rows if Path(image_of(r)).is_file()]
-    if len(keep) < len(rows): log.warning('%s: skipped %d of %d items whose image file is missing', what, len(rows) - len(keep), len(rows))
-    return keep, len(rows) - len(keep)
+def _as_list(caps) -> list:
+    "A row's captions as a list (a single string, or null, is one caption)."
+    return list(caps) if isinstance(caps, (list, tuple)) else [caps]
 
-def load_retrieval(path, image_root=None, split: str = 'test') -> RetrievalSet:
+def retrieval_set(rows: list, what: str, strict: bool = False, skips: Skips | None = None) -> RetrievalSet:
+    """`rows` `[(image path, [caption, ..])]` checked item by item (see the table above): bad captions removed, images
+    missing, bad or left without a caption dropped. Raises `MissingData` when nothing is left."""
+    skips = skips if skips is not None else Skips(strict)
+    images, captions = [], []
+    for img, caps in rows:
+        if not check_image(img, skips): continue
+        good = [c.strip() for j, c in enumerate(caps) if check_caption(c, skips, img, f'caption {j}')]
+        if not good: skips.add('no_caption', img, 'no usable caption: image dropped'); continue
+        images.append(Path(img)); captions.append(good)
+    skips.log(what, len(rows))
+    if not images: raise MissingData(f'{what}: no usable item ({len(rows)} listed; {skips.counts() or "none"})')
+    return RetrievalSet(images, captions, skips)
+
+def load_retrieval(path, image_root=None, split: str = 'test', strict: bool = False) -> RetrievalSet:
     """A Karpathy-style retrieval json: either a list `[{image, caption: [str, ..]}]` (clip_benchmark's
     flickr/coco format, what `write_world_benchmark` writes) or Karpathy's `dataset_*.json`
     (`{images: [{filename, filepath?, split, sentences: [{raw}]}]}`, rows of `split` only)."""
     path = _need(Path(path), 'retrieval captions (Karpathy json)')
     root = Path(image_root) if image_root else path.parent / 'images'
-    d = json.loads(path.read_text())
+    d = _read_json(path)
     if isinstance(d, dict) and 'images' in d:      # Karpathy's own file
-        rows = [(root / r.get('filepath', '') / r['filename'], [s['raw'] for s in r['sentences']]) for r in d['images'] if r.get('split') == split]
-    else:
-        rows = [(root / r['image'], [r['caption']] if isinstance(r['caption'], str) else list(r['caption'])) for r in d]
-    n = len(rows)
-    rows = [r for r in rows if r[1]]
-    rows, missing = _keep_existing(rows, lambda r: r[0], str(path))
-    if not rows: raise MissingData(f'{path}: no item has its image under {root}')
-    return RetrievalSet([r[0] for r in rows], [r[1] for r in rows], skipped=n - len(rows))
+        what = "Karpathy's {images: [{filename, split, sentences: [{raw}]}]}"
+        rows = [(root / (r.get('filepath') or '') / _field(r, 'filename', path, what),
+                 [s.get('raw') if isinstance(s, dict) else s for s in _as_list(_field(r, 'sentences', path, what))])
+                for r in _field(d, 'images', path, what) if r.get('split') == split]
+    elif isinstance(d, list):
+        what = '[{"image", "caption": [..]}]'
+        rows = [(root / str(_field(r, 'image', path, what)), _as_list(_field(r, 'caption', path, what))) for r in d]
+    else: raise BadData(f'{path}: expected a list [{{"image", "caption": [..]}}] or Karpathy\'s {{"images": [..]}}, got {type(d).__name__}')
+    return retrieval_set(rows, str(path), strict)
 
-def load_coco_sample(root, split: str | None = None) -> RetrievalSet:
+def load_coco_sample(root, split: str | None = None, strict: bool = False) -> RetrievalSet:
     "`coco_sample/captions.jsonl` (+ `images/`) as a retrieval set; `split` 'val2017' / 'train2017' / None (all)."
     root = Path(root)
-    rows = [json.loads(l) for l in _need(root / 'captions.jsonl', 'coco_sample').read_text().splitlines() if l.strip()]
-    rows = [r for r in rows if split is None or r['split'] == split]
-    n = len(rows)
-    rows, _ = _keep_existing([r for r in rows if r['captions']], lambda r: root / 'images' / r['file_name'], str(root))
-    return RetrievalSet([root / 'images' / r['file_name'] for r in rows], [list(r['captions']) for r in rows], skipped=n - len(rows))
+    f = _need(root / 'captions.jsonl', 'coco_sample')
+    rows = [r for r in _read_json(f, jsonl=True) if split is None or r.get('split') == split]
+    what = 'coco_sample rows {"file_name", "captions": [..]}'
+    return retrieval_set([(root / 'images' / str(_field(r, 'file_name', f, what)), _as_list(_field(r, 'captions', f, what))) for r in rows],
+                         str(root), strict)
 
-def load_coco_karpathy(ann, image_root) -> RetrievalSet:
+def load_coco_karpathy(ann, image_root, strict: bool = False) -> RetrievalSet:
     "clip_benchmark's `coco_test_karpathy.json` (COCO format: images `{id, file_name}`, annotations `{image_id, caption}`)."
-    d = json.loads(Path(ann).read_text())
+    ann = Path(ann); d = _read_json(ann)
+    what = 'COCO format {"images": [{"id", "file_name"}], "annotations": [{"image_id", "caption"}]}'
     caps = {}
-    for a in d['annotations']: caps.setdefault(a['image_id'], []).append(a['caption'].strip())
-    rows = [(Path(image_root) / im['file_name'], caps.get(im['id'], [])) for im in d['images']]
-    n = len(rows)
-    rows, _ = _keep_existing([r for r in rows if r[1]], lambda r: r[0], str(ann))
-    if not rows: raise MissingData(f'{ann}: no image found under {image_root}')
-    return RetrievalSet([r[0] for r in rows], [r[1] for r in rows], skipped=n - len(rows))
+    for a in _field(d, 'annotations', ann, what): caps.setdefault(_field(a, 'image_id', ann, what), []).append(a.get('caption'))
+    rows = [(Path(image_root) / str(_field(im, 'file_name', ann, what)), caps.get(_field(im, 'id', ann, what), [])) for im in _field(d, 'images', ann, what)]
+    return retrieval_set(rows, str(ann), strict)
 
-def load_flickr_karpathy(txt, image_root) -> RetrievalSet:
+def load_flickr_karpathy(txt, image_root, strict: bool = False) -> RetrievalSet:
     "clip_benchmark's `flickr{8k,30k}_test_karpathy.txt`: a header line, then `name.jpg,caption` lines."
-    caps = {}
-    for line in Path(txt).read_text().splitlines()[1:]:
-        if line.strip():
-            img, cap = line.strip().split('.jpg,', 1)      # captions may hold commas
-            caps.setdefault(img + '.jpg', []).append(cap)
-    rows = [(Path(image_root) / k, v) for k, v in caps.items()]
-    n = len(rows)
-    rows, _ = _keep_existing(rows, lambda r: r[0], str(txt))
-    if not rows: raise MissingData(f'{txt}: no image found under {image_root}')
-    return RetrievalSet([r[0] for r in rows], [r[1] for r in rows], skipped=n - len(rows))
+    caps, skips, txt = {}, Skips(strict), Path(txt)
+    for n, line in enumerate(txt.read_text(encoding='utf-8', errors='replace').splitlines()[1:], 2):
+        if not line.strip(): continue
+        if '.jpg,' not in line: skips.add('bad_caption', txt, f'line {n}: no "<name>.jpg," before the caption'); continue
+        img, cap = line.strip().split('.jpg,', 1)      # captions may hold commas
+        caps.setdefault(img + '.jpg', []).append(cap)
+    return retrieval_set([(Path(image_root) / k, v) for k, v in caps.items()], str(txt), strict, skips)
 
 # %% ../../nbs/61_eval_data.ipynb #9fd14420
 SUGARCREPE = ('add_att', 'add_obj', 'replace_att', 'replace_obj', 'replace_rel', 'swap_att', 'swap_obj')
 
-def load_sugarcrepe(root, image_root=None, categories=SUGARCREPE) -> tuple[dict, dict]:
-    """`{category: [(image path, caption, negative caption)]}` and `{category: skipped}` from `root/data/{category}.json`
-    (images in `image_root`, default `root/images`), from clip_benchmark's `root/{category}.json` (images in
-    `root/val2017`), or from `root/captions.jsonl` (coco_sample). Categories without an item are left out."""
+def load_sugarcrepe(root, image_root=None, categories=SUGARCREPE, strict: bool = False) -> tuple[dict, Skips]:
+    """`{category: [(image path, caption, negative caption)]}` and the `Skips` (grouped by category) from
+    `root/data/{category}.json` (images in `image_root`, default `root/images`), from clip_benchmark's
+    `root/{category}.json` (images in `root/val2017`), or from `root/captions.jsonl` (coco_sample). Categories without
+    an item are left out."""
     root = Path(root)
     image_root = Path(image_root) if image_root else root / 'images'
-    out, skipped = {}, {}
+    skips, out = Skips(strict), {}
+    what = 'SugarCrepe items {"filename", "caption", "negative_caption"}'
     if (root / 'captions.jsonl').is_file() and not (root / 'data').is_dir():
-        rows = [json.loads(l) for l in (root / 'captions.jsonl').read_text().splitlines() if l.strip()]
+        f = root / 'captions.jsonl'
         items = {c: [] for c in categories}
-        for r in rows:
+        for r in _read_json(f, jsonl=True):
             for s in r.get('sugarcrepe') or []:
-                if s['category'] in items: items[s['category']].append((image_root / r['file_name'], s['caption'], s['negative_caption']))
+                if s.get('category') in items:
+                    items[s['category']].append((image_root / str(_field(r, 'file_name', f, what)), s.get('caption'), s.get('negative_caption')))
     else:
         flat = any((root / f'{c}.json').is_file() for c in categories)       # clip_benchmark's layout: ROOT/{c}.json, ROOT/val2017/
         if flat and image_root == root / 'images' and not image_root.is_dir(): image_root = root / 'val2017'
@@ -125,12 +243,19 @@ def load_sugarcrepe(root, image_root=None, categories=SUGARCREPE) -> tuple[dict,
         items = {}
         for c, f in files.items():
             if not f.is_file(): log.warning('SugarCrepe: %s missing, category skipped', f); continue
-            items[c] = [(image_root / d['filename'], d['caption'], d['negative_caption']) for d in json.loads(f.read_text()).values()]
+            d = _read_json(f)
+            if not isinstance(d, dict): raise BadData(f'{f}: expected {{id: {{"filename", "caption", "negative_caption"}}}}, got {type(d).__name__}')
+            items[c] = [(image_root / str(_field(r, 'filename', f, what)), r.get('caption'), r.get('negative_caption')) for r in d.values()]
     for c, rows in items.items():
-        out[c], skipped[c] = _keep_existing(rows, lambda r: r[0], f'SugarCrepe {c}')
+        # an item needs its photo, its caption and its negative; the photo is checked first (the full benchmark's text
+        # against a subset of the photos: most items are missing_image, and their captions are not looked at)
+        out[c] = [(img, pos.strip(), neg.strip()) for img, pos, neg in rows
+                  if check_image(img, skips, c) and check_caption(pos, skips, img, f'{c} caption', group=c)
+                  and check_caption(neg, skips, img, f'{c} negative', 'bad_negative', c)]
+    skips.log(f'SugarCrepe under {root}', sum(map(len, items.values())))
     out = {c: v for c, v in out.items() if v}
-    if not out: raise MissingData(f'SugarCrepe under {root}: no item has its image in {image_root}')
-    return out, skipped
+    if not out: raise MissingData(f'SugarCrepe under {root}: no usable item (images looked for in {image_root}; {skips.counts() or "no item"})')
+    return out, skips
 
 # %% ../../nbs/61_eval_data.ipynb #48d3fdc6
 @dataclass
@@ -138,7 +263,7 @@ class ClassificationSet:
     classnames: list
     templates: list
     splits: dict            # split -> (list[Path], labels (n,) long)
-    skipped: dict = field(default_factory=dict)
+    skips: Skips = field(default_factory=Skips)   # images dropped (missing or bad), grouped by split
 
 
 def classification_from_folders(root) -> dict:
@@ -155,40 +280,48 @@ def classification_from_folders(root) -> dict:
                 for p in sorted((root / s / c).iterdir()) if p.suffix.lower() in IMAGE_EXTS] for s in splits}
     return dict(classnames=[c.replace('_', ' ') for c in folders], templates=templates, splits=rows)
 
-def load_classification(path) -> ClassificationSet:
-    "A `classification.json` (or a folder holding one), or an image-folder layout."
+CLASSIFICATION_FORMAT = 'classification set: {"classnames", "templates", "splits": {"train"|"val"|"test": [{"image", "label"}]}}'
+
+def load_classification(path, strict: bool = False) -> ClassificationSet:
+    "A `classification.json` (or a folder holding one), or an image-folder layout; images that are missing or bad are skipped per split."
     path = Path(path)
     if path.is_dir() and not (path / 'classification.json').is_file() and any((path / s).is_dir() for s in ('train', 'val', 'test')):
         d, path = classification_from_folders(path), path / 'classification.json'   # image paths relative to the folder
     else:
         if path.is_dir(): path = path / 'classification.json'
-        d = json.loads(_need(path, 'classification set: {"classnames", "templates", "splits": {"train"|"val"|"test": [{"image", "label"}]}}').read_text())
-    K, splits, skipped = len(d['classnames']), {}, {}
-    if not d['templates'] or any('{c}' not in t for t in d['templates']): raise ValueError(f'{path}: every template needs a {{c}} slot')
-    for name, rows in d['splits'].items():
-        bad = [r for r in rows if not 0 <= int(r['label']) < K]
-        if bad: raise ValueError(f'{path}: {len(bad)} labels of split {name} outside [0, {K})')
-        rows, skipped[name] = _keep_existing(rows, lambda r: path.parent / r['image'], f'{path} [{name}]')
-        splits[name] = ([path.parent / r['image'] for r in rows], torch.tensor([int(r['label']) for r in rows], dtype=torch.long))
-    return ClassificationSet(list(d['classnames']), list(d['templates']), splits, skipped)
+        d = _read_json(_need(path, CLASSIFICATION_FORMAT))
+    classnames, templates, rows_of = (_field(d, k, path, CLASSIFICATION_FORMAT) for k in ('classnames', 'templates', 'splits'))
+    K, splits, skips = len(classnames), {}, Skips(strict)
+    if not templates or any(not isinstance(t, str) or '{c}' not in t for t in templates): raise BadData(f'{path}: every template needs a {{c}} slot')
+    if any(caption_problem(c) for c in classnames): raise BadData(f'{path}: a class name that is not text: {next(c for c in classnames if caption_problem(c))!r}')
+    for name, rows in rows_of.items():
+        label = lambda r: _field(r, 'label', path, CLASSIFICATION_FORMAT)
+        bad = [r for r in rows if not (isinstance(label(r), int) and 0 <= label(r) < K)]
+        if bad: raise BadData(f'{path}: {len(bad)} labels of split {name} are not integers in [0, {K}), e.g. {label(bad[0])!r}')
+        rows = [r for r in rows if check_image(path.parent / str(_field(r, 'image', path, CLASSIFICATION_FORMAT)), skips, name)]
+        splits[name] = ([path.parent / r['image'] for r in rows], torch.tensor([r['label'] for r in rows], dtype=torch.long))
+    skips.log(str(path), sum(map(len, rows_of.values())))
+    return ClassificationSet(list(classnames), list(templates), splits, skips)
 
 WINOGROUND_HELP = ('Winoground is not on this machine and is never downloaded. Get it from '
                    'https://huggingface.co/datasets/facebook/winoground (accept its licence) and put '
                    '{root}/data/examples.jsonl and the images as {root}/data/images/<image_0|image_1>.png')
 
-def load_winoground(root) -> list[tuple[Path, Path, str, str]]:
-    "`[(image_0, image_1, caption_0, caption_1)]` from the Hugging Face layout under `root`."
+def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, str, str]], Skips]:
+    "`[(image_0, image_1, caption_0, caption_1)]` from the Hugging Face layout under `root`, and the `Skips` (an item needs both images and both captions)."
     root = Path(root)
     f = root / 'data' / 'examples.jsonl'
     if not f.is_file(): raise MissingData(WINOGROUND_HELP.format(root=root))
-    rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
-    img = lambda name: root / 'data' / 'images' / f'{name}.png'
-    items = [(img(r['image_0']), img(r['image_1']), r['caption_0'], r['caption_1']) for r in rows]
-    both = [r for r in items if r[0].is_file() and r[1].is_file()]             # a pair needs both images
-    if len(both) < len(items): log.warning('%s: skipped %d of %d pairs with a missing image', f, len(items) - len(both), len(items))
-    items = both
-    if not items: raise MissingData(WINOGROUND_HELP.format(root=root) + ' (examples.jsonl found, but none of its images)')
-    return items
+    what = 'Winoground rows {"image_0", "image_1", "caption_0", "caption_1"}'
+    img = lambda r, k: root / 'data' / 'images' / f'{_field(r, f"image_{k}", f, what)}.png'
+    rows = [(img(r, 0), img(r, 1), r.get('caption_0'), r.get('caption_1')) for r in _read_json(f, jsonl=True)]
+    skips = Skips(strict)
+    items = [(i0, i1, c0.strip(), c1.strip()) for i0, i1, c0, c1 in rows
+             if check_image(i0, skips) and check_image(i1, skips)
+             and check_caption(c0, skips, i0, 'caption_0') and check_caption(c1, skips, i1, 'caption_1')]
+    skips.log(str(f), len(rows))
+    if not items: raise MissingData(WINOGROUND_HELP.format(root=root) + f' (examples.jsonl found, but no usable pair: {skips.counts()})')
+    return items, skips
 
 # %% ../../nbs/61_eval_data.ipynb #721b973a
 def write_wds_classification(out_dir, cls: ClassificationSet, splits=('train', 'test')) -> dict:

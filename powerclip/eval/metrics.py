@@ -116,6 +116,8 @@ def linear_probe(train: tuple, val: tuple, test: tuple, n_classes: int, lambdas=
     "Each split a pair (features `(n, D)`, labels `(n,)`) -> test `acc` (%), chosen `lambda`, `val_acc` per lambda."
     for name, (x, y) in dict(train=train, val=val, test=test).items():
         if len(x) == 0 or len(x) != len(y): raise ValueError(f'{name} split: {len(x)} features, {len(y)} labels')
+        # argmax puts NaN first: a NaN probe would "predict" whatever class index a NaN lands on
+        if not torch.isfinite(torch.as_tensor(x)).all(): raise ValueError(f'{name} split: non-finite features')
     def acc(W, b, x, y): return 100 * ((x.double() @ W + b).argmax(1) == torch.as_tensor(y)).double().mean().item()
     val_acc = {}
     for lam in lambdas:

@@ -5,6 +5,7 @@
 # %% ../../nbs/62_eval_models.ipynb #4b7df0af
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -15,16 +16,53 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from .data import MissingData
+from .data import BadData, MissingData, read_image
 from ..methods import GlobalScorer, Scorer, get_method
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'sha256_file', 'checkpoint_file', 'run_config', 'method_modules', 'LoadedModel', 'load_model', 'FeatureCache',
-           'NonFiniteFeatures', 'Evaluator']
+__all__ = ['log', 'CheckpointError', 'NonFiniteWeights', 'nonfinite_tensors', 'check_finite', 'sha256_file', 'checkpoint_file',
+           'run_config', 'method_modules', 'LoadedModel', 'load_model', 'FeatureCache', 'NonFiniteFeatures',
+           'Evaluator']
 
 # %% ../../nbs/62_eval_models.ipynb #75f50b7d
+class CheckpointError(ValueError):
+    "A checkpoint that cannot be evaluated: no architecture named, weights that do not fit it, an unknown method, non-finite weights."
+
+class NonFiniteWeights(CheckpointError):
+    "A checkpoint holding NaN or infinite weights (a diverged run): it is never scored."
+
+def nonfinite_tensors(sd: dict) -> dict[str, str]:
+    "`{name: 'NaN' | 'Inf' | 'NaN and Inf'}` of the float tensors of a state dict that hold non-finite values."
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all():
+            nan, inf = bool(v.isnan().any()), bool(v.isinf().any())
+            out[k] = 'NaN and Inf' if nan and inf else 'NaN' if nan else 'Inf'
+    return out
+
+def check_finite(sd: dict, where: str):
+    "Raise `NonFiniteWeights` naming `where` and the tensors when a float tensor of `sd` is not finite."
+    bad = nonfinite_tensors(sd)
+    if bad:
+        n = sum(isinstance(v, torch.Tensor) and v.is_floating_point() for v in sd.values())
+        names = ', '.join(f'{k} ({w})' for k, w in list(bad.items())[:3]) + (', ..' if len(bad) > 3 else '')
+        raise NonFiniteWeights(f'{where} holds non-finite weights in {len(bad)} of {n} float tensors: {names}; '
+                               'the run diverged, and a model with such weights is never scored')
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str): super().__init__(); self.text = text
+    def filter(self, record): return self.text not in record.getMessage()
+
+@contextlib.contextmanager
+def _quiet_open_clip_random_init():
+    "While open_clip builds a model, drop its root-logger line 'No pretrained weights loaded ... initialized randomly'."
+    f, root = _DropMessage('initialized randomly'), logging.getLogger()
+    root.addFilter(f)
+    try: yield
+    finally: root.removeFilter(f)
+
 def sha256_file(path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, 'rb') as f:
@@ -66,7 +104,8 @@ def run_config(checkpoint, ck=None) -> dict:
 def _method(method: str | None, method_cfg: dict | None):
     if method is None: return None
     try: return get_method(method, method_cfg or {})
-    except KeyError as e: raise ValueError(e.args[0]) from None     # an unknown method: one line, not a KeyError repr
+    except KeyError as e: raise CheckpointError(e.args[0]) from None     # an unknown method: one line, not a KeyError repr
+    except (TypeError, ValueError) as e: raise CheckpointError(f'method {method!r} with config {method_cfg}: {e}') from None
 
 def method_modules(m, model, checkpoint=None, ck=None):
     """The method's own trained modules (`build_modules`, e.g. SPARC's pooling head, A-CLIP's EMA towers) with the run's
@@ -77,11 +116,12 @@ def method_modules(m, model, checkpoint=None, ck=None):
     if mods is None or checkpoint is None: return None if mods is None else mods.eval()
     sd = ck.get('method_modules') if isinstance(ck, dict) and isinstance(ck.get('method_modules'), dict) else None
     f = Path(checkpoint).parent / 'method_modules.pt'
-    if sd is None and f.is_file(): sd = torch.load(f, map_location='cpu', weights_only=True)
+    if sd is None and f.is_file(): sd, checkpoint = torch.load(f, map_location='cpu', weights_only=True), f
     if sd is None:
         log.info('no trained modules of method %s beside %s', type(m).__name__, checkpoint); return None
+    check_finite(sd, f'the method modules of {checkpoint}')
     try: mods.load_state_dict(sd)
-    except RuntimeError as e: raise ValueError(f'the method modules beside {checkpoint} do not fit {type(m).__name__}: {e}') from None
+    except RuntimeError as e: raise CheckpointError(f'the method modules of {checkpoint} do not fit {type(m).__name__}: {e}') from None
     return mods.eval()
 
 @dataclass
@@ -99,7 +139,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
                model_kwargs: dict | None = None, method: str | None = None, method_cfg: dict | None = None) -> LoadedModel:
     """Build the architecture and load a checkpoint file or run folder (None = random init from `seed`). The run's
     config (inside a trainer checkpoint, or `config.yaml` beside the file) names the architecture, its kwargs and
-    the method; `model_name` / `method` given here win."""
+    the method; `model_name` / `method` given here win. Raises `CheckpointError` (`NonFiniteWeights`) before building
+    anything for a checkpoint that cannot be evaluated."""
     import open_clip                                     # here, not at the top: `--help`, `table`, `make-world` stay fast
     from powerclip.model import create_model
     sd, run, ck = None, {}, None
@@ -108,28 +149,35 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
         try: ck = torch.load(checkpoint, map_location='cpu', weights_only=True)
         except Exception as e:   # the trainer's checkpoints also hold RNG states and configs
             log.info('weights_only load failed (%s); loading %s as a trusted local pickle', type(e).__name__, checkpoint)
-            ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
+            try: ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
+            except Exception as e2: raise CheckpointError(f'{checkpoint}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
+        if not isinstance(ck, dict): raise CheckpointError(f'{checkpoint}: not a state dict or a trainer checkpoint (a {type(ck).__name__})')
         sd, run = _state_dict(ck), run_config(checkpoint, ck)
+        check_finite(sd, f'checkpoint {checkpoint}')
     run_model = run.get('model') or {}
     name = model_name or run_model.get('name')
     if name is None:
-        raise ValueError('no model name given: pass --model' if checkpoint is None else
-                         f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
+        raise CheckpointError('no model name given: pass --model' if checkpoint is None else
+                              f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
     kw = dict(run_model.get('kwargs') or {}) if run_model.get('name') in (None, name) else {}
     kw.update(model_kwargs or {})
     method = method or run.get('method')
     if method_cfg is None: method_cfg = (run.get('method_cfg') or {}) if run.get('method') == method else {}
     m = _method(method, method_cfg)                      # an unknown method stops here, before the model is built
     torch.manual_seed(seed)
-    model, _, preprocess = create_model(name, **kw)
+    with _quiet_open_clip_random_init():
+        try: model, _, preprocess = create_model(name, **kw)
+        except ValueError as e: raise CheckpointError(str(e)) from None     # an unknown architecture name
     arch = name                                          # architecture names only (no aliases)
-    if sd is None: ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '')
+    if sd is None:
+        ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '')
+        log.warning('no checkpoint given: %s is a random initialisation (seed %d), an untrained model', arch, seed)
     else:
         ckpt_id = sha256_file(checkpoint)
         try: missing, unexpected = model.load_state_dict(sd, strict=False)
-        except RuntimeError as e: raise ValueError(f'{checkpoint} does not fit {arch} {kw}: {e}') from e   # shape mismatches
+        except RuntimeError as e: raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: {e}') from None   # shape mismatches
         if missing or unexpected:
-            raise ValueError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), unexpected {unexpected[:5]}.. ({len(unexpected)})')
+            raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), unexpected {unexpected[:5]}.. ({len(unexpected)})')
     tok = open_clip.get_tokenizer(arch, context_length=model.context_length)
     modules = method_modules(m, model, checkpoint, ck)
     if modules is not None: modules.to(device)
@@ -162,7 +210,13 @@ class FeatureCache:
 
 # %% ../../nbs/62_eval_models.ipynb #01ac9cfc
 class NonFiniteFeatures(ValueError):
-    "A scorer returned NaN or infinite features: the checkpoint diverged (or holds NaN weights)."
+    "A scorer returned NaN or infinite features or scores (non-finite weights, or a forward pass that overflows)."
+
+def _reader_failed(e: Exception) -> str:
+    "One line for an error raised by a data set's own reader (clip_benchmark's; webdataset's DecodingError has no message, only where)."
+    where = {k: getattr(e, k) for k in ('url', 'key', 'k') if getattr(e, k, None)}
+    what = str(e) or ', '.join(f'{k} {v}' for k, v in where.items())
+    return f"the data set's reader failed on a file it holds ({type(e).__name__}: {what}); it cannot skip bad files: remove or fix it"
 
 def _rows(d: dict, idx) -> dict:
     "Rows `idx` (a slice or an index tensor) of every tensor of a feature dict."
@@ -214,14 +268,19 @@ class Evaluator:
     def _autocast(self):
         return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.precision == 'bf16')
 
+    def _finite(self, f: dict, what: str, scorer: str | None) -> dict:
+        "`f` itself, or `NonFiniteFeatures` when one of its float tensors is not finite."
+        bad = [k for k, v in f.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            hint = ('; in bfloat16 a forward pass overflows sooner: try --precision fp32' if self.precision == 'bf16' else '')
+            raise NonFiniteFeatures(f'non-finite {what} {bad} from checkpoint {self.ckpt_id[:16]} (scorer {scorer or self.headline!r}, '
+                                    f'precision {self.precision}): non-finite weights or a forward pass that overflows{hint}')
+        return f
+
     def _features(self, fn, x, what: str, scorer: str | None) -> dict:
         with torch.no_grad(), self._autocast():
             f = fn(self.model, x.to(self.device, non_blocking=True))
-        f = {k: (v.float() if v.is_floating_point() else v).cpu() for k, v in f.items()}
-        bad = [k for k, v in f.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-        if bad: raise NonFiniteFeatures(f'non-finite {what} features {bad} from checkpoint {self.ckpt_id[:16]} '
-                                        f'(scorer {scorer or self.headline!r}): the model diverged or holds NaN weights')
-        return f
+        return self._finite({k: (v.float() if v.is_floating_point() else v).cpu() for k, v in f.items()}, f'{what} features', scorer)
 
     def encode_images(self, x: torch.Tensor, scorer: str | None = None) -> dict:
         "`(B, 3, H, W)` preprocessed batch -> the scorer's image features, B rows each, float32 on the CPU."
@@ -237,10 +296,10 @@ class Evaluator:
         def compute():
             out = []
             for i in tqdm(range(0, len(paths), self.batch_size), desc='images', disable=not self.progress, leave=False):
-                x = torch.stack([self.preprocess(Image.open(p).convert('RGB')) for p in paths[i:i + self.batch_size]])
+                x = torch.stack([self.preprocess(read_image(p)) for p in paths[i:i + self.batch_size]])
                 out.append(self.encode_images(x, scorer))
             return _cat(out)
-        return self.cache.get(self._name('img', scorer), paths, compute)
+        return self._finite(self.cache.get(self._name('img', scorer), paths, compute), 'image features', scorer)
 
     def text_features(self, texts: list, scorer: str | None = None) -> dict:
         "Features of captions (cached)."
@@ -248,7 +307,7 @@ class Evaluator:
         def compute():
             return _cat([self.encode_texts(texts[i:i + self.batch_size], scorer)
                          for i in tqdm(range(0, len(texts), self.batch_size), desc='texts', disable=not self.progress, leave=False)])
-        return self.cache.get(self._name('txt', scorer), texts, compute)
+        return self._finite(self.cache.get(self._name('txt', scorer), texts, compute), 'text features', scorer)
 
     def dataset_features(self, make_ds, key: list, scorer: str | None = None, desc: str = 'images') -> tuple[dict, torch.Tensor]:
         """Features and labels `(n,)` of the torch data set `make_ds()` (yielding `(image tensor, label)`), cached under
@@ -257,20 +316,25 @@ class Evaluator:
             from torch.utils.data import DataLoader
             ds, xs, ys = make_ds(), [], []
             loader = DataLoader(ds, batch_size=self.batch_size, num_workers=self.workers, pin_memory=torch.device(self.device).type == 'cuda')
-            for x, y in tqdm(loader, desc=desc, disable=not self.progress, leave=False):
+            batches = iter(tqdm(loader, desc=desc, disable=not self.progress, leave=False))
+            while True:
+                try: x, y = next(batches)
+                except StopIteration: break
+                except Exception as e: raise BadData(f'{desc}: ' + _reader_failed(e)) from e   # a bad file inside a data set we do not read ourselves
                 xs.append(self.encode_images(x, scorer)); ys.append(torch.as_tensor(y).long().reshape(-1))
             if not xs: raise MissingData(f'{desc}: the data set yielded no image')
             return dict(x=_cat(xs), y=torch.cat(ys))
         d = self.cache.get(self._name('ds', scorer), key, compute)
-        return d['x'], d['y']
+        return self._finite(d['x'], 'image features', scorer), d['y']
 
     @torch.no_grad()
     def scores(self, img: dict, txt: dict, scorer: str | None = None) -> torch.Tensor:
         "Features of I images and T captions -> `(I, T)` float32 scores on the CPU, in blocks of `score_block` images."
         s, n = self.scorer(scorer), len(next(iter(img.values())))
         txt = {k: v.to(self.device) for k, v in txt.items()}
-        return torch.cat([s.scores({k: v.to(self.device) for k, v in _rows(img, slice(i, i + self.score_block)).items()}, txt).float().cpu()
-                          for i in range(0, n, self.score_block)]) if n else torch.zeros(0, len(next(iter(txt.values()))))
+        S = torch.cat([s.scores({k: v.to(self.device) for k, v in _rows(img, slice(i, i + self.score_block)).items()}, txt).float().cpu()
+                       for i in range(0, n, self.score_block)]) if n else torch.zeros(0, len(next(iter(txt.values()))))
+        return self._finite({'scores': S}, 'scores', scorer)['scores']
 
     def pair_scores(self, img: dict, txt: dict, rows, cols, scorer: str | None = None) -> torch.Tensor:
         "Scores `(n,)` of the pairs (image `rows[j]`, caption `cols[j]`), one block of images at a time."

@@ -5,6 +5,7 @@
 # %% ../../nbs/64_eval_tasks.ipynb #09943d14
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchmark_data, open_wds, select
-from .data import (ClassificationSet, MissingData, RetrievalSet, load_classification, load_coco_sample,
+from .data import (ClassificationSet, MissingData, RetrievalSet, Skips, load_classification, load_coco_sample,
                                  load_retrieval, load_sugarcrepe, load_winoground)
 from .metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy, linear_probe,
                                     retrieval_recall, winoground_scores)
@@ -31,8 +32,9 @@ log = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['log', 'TASKS', 'RUNNERS', 'UNSCORED', 'WORLD_KEYS', 'task_retrieval', 'task_sugarcrepe', 'zeroshot_logits',
-           'task_zeroshot', 'task_linear_probe', 'task_winoground', 'load_task_data', 'find_data', 'evaluate',
-           'evaluate_scorers', 'evaluate_world', 'write_result', 'write_scored', 'run_suite']
+           'task_zeroshot', 'task_linear_probe', 'task_winoground', 'load_task_data', 'item_skips', 'skip_report',
+           'find_data', 'evaluate', 'evaluate_scorers', 'evaluate_world', 'default_label', 'result_label',
+           'write_result', 'write_scored', 'run_suite']
 
 # %% ../../nbs/64_eval_tasks.ipynb #6d618715
 def task_retrieval(ev: Evaluator, data: RetrievalSet, scorer: str | None = None, ks=(1, 5, 10)) -> dict:
@@ -47,8 +49,9 @@ def _index(items: list) -> tuple[list, dict]:
     uniq = list(dict.fromkeys(items))
     return uniq, {x: i for i, x in enumerate(uniq)}
 
-def task_sugarcrepe(ev: Evaluator, data: dict, skipped: dict | None = None, scorer: str | None = None) -> dict:
-    "`data`: {category: [(image, caption, negative caption)]} -> accuracy (%) per category, `_n`, `_ties`, and their `mean`."
+def task_sugarcrepe(ev: Evaluator, data: dict, skipped: Skips | None = None, scorer: str | None = None) -> dict:
+    """`data`: {category: [(image, caption, negative caption)]}, `skipped`: the reader's `Skips` -> accuracy (%) per
+    category, `_n`, `_ties`, `_skipped`, and their `mean`."""
     rows = [r for rs in data.values() for r in rs]
     images, vi = _index([r[0] for r in rows])
     texts, ti = _index([t for r in rows for t in r[1:]])
@@ -60,7 +63,7 @@ def task_sugarcrepe(ev: Evaluator, data: dict, skipped: dict | None = None, scor
     for c, rs in data.items():
         a = hard_negative_accuracy(pos[start:start + len(rs)], neg[start:start + len(rs)]); start += len(rs)
         out.update({f'{c}': a['acc'], f'{c}_n': a['n'], f'{c}_ties': a['ties']})
-        if skipped: out[f'{c}_skipped'] = skipped.get(c, 0)
+        if skipped is not None: out[f'{c}_skipped'] = skipped.count(c)
     out['mean'] = float(np.mean([out[c] for c in data]))
     return out
 
@@ -87,7 +90,7 @@ def task_zeroshot(ev: Evaluator, data, split: str = 'test', scorer: str | None =
     logits = zeroshot_logits(ev, x, data.classnames, data.templates, scorer)                 # (n, K)
     return dict(classification_metrics(logits, y), n=len(y), n_classes=len(data.classnames),
                 chance_top1=100 * float(torch.bincount(y).max()) / len(y),
-                **(dict(layout=data.layout) if isinstance(data, BenchmarkData) else {}))
+                **(dict(layout=data.layout) if isinstance(data, BenchmarkData) else dict(skipped=data.skips.count(split))))
 
 def task_linear_probe(ev: Evaluator, data, lambdas=LAMBDAS, val_share: float = 0.2, seed: int = 0) -> dict:
     """A probe on the global image features. A `ClassificationSet` brings train/val/test splits; a clip_benchmark data
@@ -105,52 +108,66 @@ def task_linear_probe(ev: Evaluator, data, lambdas=LAMBDAS, val_share: float = 0
         tr, va = (x[perm[nv:]], y[perm[nv:]]), (x[perm[:nv]], y[perm[:nv]])
     r = linear_probe(tr, va, te, len(data.classnames), lambdas)
     return dict(acc=r['acc'], **{'lambda': r['lambda']}, n_train=r['n_train'], n_val=r['n_val'], n_test=r['n_test'],
-                **{f'val_acc@{k}': v for k, v in r['val_acc'].items()})
+                **{f'val_acc@{k}': v for k, v in r['val_acc'].items()},
+                **(dict(skipped=len(data.skips)) if isinstance(data, ClassificationSet) else {}))
 
-def task_winoground(ev: Evaluator, items: list, scorer: str | None = None) -> dict:
-    "`items`: [(image_0, image_1, caption_0, caption_1)] -> text, image and group scores (%)."
+def task_winoground(ev: Evaluator, items: list, skipped: Skips | None = None, scorer: str | None = None) -> dict:
+    "`items`: [(image_0, image_1, caption_0, caption_1)], `skipped`: the reader's `Skips` -> text, image and group scores (%)."
     n = len(items)
     I = ev.image_features([r[0] for r in items] + [r[1] for r in items], scorer)           # rows: i0 then i1
     C = ev.text_features([r[2] for r in items] + [r[3] for r in items], scorer)            # rows: c0 then c1
     k = torch.arange(n)
     s = lambda c, i: ev.pair_scores(I, C, k + i * n, k + c * n, scorer)                      # (n,) caption c, image i
-    return winoground_scores(torch.stack([torch.stack([s(0, 0), s(0, 1)], 1), torch.stack([s(1, 0), s(1, 1)], 1)], 1))  # (n, caption, image)
+    out = winoground_scores(torch.stack([torch.stack([s(0, 0), s(0, 1)], 1), torch.stack([s(1, 0), s(1, 1)], 1)], 1))  # (n, caption, image)
+    return dict(out, **(dict(skipped=len(skipped)) if skipped is not None else {}))
 
 # %% ../../nbs/64_eval_tasks.ipynb #d408befe
 TASKS = ('retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground')
 
-def load_task_data(task: str, root, image_root=None):
+def load_task_data(task: str, root, image_root=None, strict: bool = False) -> tuple:
+    "The arguments of task `task`'s runner (after the evaluator) read from `root`; `strict`: a bad item raises `BadData`."
     root = Path(root)
     if task == 'retrieval':
-        if (root / 'captions.jsonl').is_file(): return (load_coco_sample(root),)
-        if root.is_file(): return (load_retrieval(root, image_root),)
+        if (root / 'captions.jsonl').is_file(): return (load_coco_sample(root, strict=strict),)
+        if root.is_file(): return (load_retrieval(root, image_root, strict=strict),)
         for name in ('retrieval.json', 'dataset_coco.json', 'dataset_flickr30k.json', 'dataset_flickr8k.json'):
-            if (root / name).is_file(): return (load_retrieval(root / name, image_root),)
+            if (root / name).is_file(): return (load_retrieval(root / name, image_root, strict=strict),)
         raise MissingData(f'retrieval: expected {root}/retrieval.json ([{{"image", "caption": [..]}}], images in {root}/images), '
                           f"Karpathy's {root}/dataset_coco.json, or a coco_sample-style {root}/captions.jsonl")
-    if task == 'sugarcrepe': return load_sugarcrepe(root, image_root)
+    if task == 'sugarcrepe': return load_sugarcrepe(root, image_root, strict=strict)
     if task in ('zeroshot', 'linear_probe'):
         if (root / 'test' / 'nshards.txt').is_file(): return (open_wds(root),)     # clip_benchmark's webdataset export
-        return (load_classification(root),)
-    if task == 'winoground': return (load_winoground(root),)
+        return (load_classification(root, strict),)
+    if task == 'winoground': return load_winoground(root, strict)
     raise ValueError(f'unknown task {task!r}; known: {TASKS}')
+
+def item_skips(task: str, args: tuple) -> Skips:
+    "The `Skips` of a task's loaded data (`load_task_data`'s answer); empty for clip_benchmark's data sets."
+    if task == 'retrieval': return args[0].skips
+    if task in ('sugarcrepe', 'winoground'): return args[1]
+    return getattr(args[0], 'skips', None) or Skips()
+
+def skip_report(found: dict) -> dict:
+    "`{task: Skips.report()}` of the tasks whose reader dropped something: the result JSON's `skipped_items`."
+    return {t: item_skips(t, a).report() for t, a in found.items() if len(item_skips(t, a))}
 
 RUNNERS = dict(retrieval=task_retrieval, sugarcrepe=task_sugarcrepe, zeroshot=task_zeroshot,
                linear_probe=task_linear_probe, winoground=task_winoground)
 UNSCORED = ('linear_probe',)        # tasks that read the global image features whatever the scorer: run once
 
-def find_data(root, tasks=TASKS, image_root=None, strict: bool = True) -> tuple[dict, dict]:
-    "`({task: loaded data}, {task: reason skipped})`; `strict`: a task without data raises `MissingData`."
+def find_data(root, tasks=TASKS, image_root=None, require: bool = True, strict: bool = False) -> tuple[dict, dict]:
+    """`({task: loaded data}, {task: reason skipped})`; `require`: a task without data raises `MissingData`;
+    `strict`: a bad item raises `BadData` (else it is skipped and counted, `skip_report`)."""
     found, skipped = {}, {}
     for task in tasks:
         if task not in RUNNERS: raise ValueError(f'unknown task {task!r}; known: {TASKS}')
-        try: found[task] = load_task_data(task, root, image_root)
+        try: found[task] = load_task_data(task, root, image_root, strict)
         except MissingData as e:
-            if strict: raise
-            log.warning('%s skipped: %s', task, e); skipped[task] = str(e)
+            if require: raise
+            skipped[task] = str(e)          # not logged here: a command line validating its data prints one line, or none
     return found, skipped
 
-def _run_tasks(ev: Evaluator, data: dict, scorer: str, strict: bool = True) -> tuple[dict, dict]:
+def _run_tasks(ev: Evaluator, data: dict, scorer: str, require: bool = True) -> tuple[dict, dict]:
     "`{task: metrics}` of one scorer on loaded data, and `{task: reason}` of tasks whose data turned out to be missing."
     metrics, skipped = {}, {}
     for task, d in data.items():
@@ -158,20 +175,21 @@ def _run_tasks(ev: Evaluator, data: dict, scorer: str, strict: bool = True) -> t
         t0 = time.time()
         try: metrics[task] = RUNNERS[task](ev, *d) if task in UNSCORED else RUNNERS[task](ev, *d, scorer=scorer)
         except MissingData as e:           # e.g. a probe without a train split: the zero-shot number still counts
-            if strict: raise
+            if require: raise
             skipped[task] = str(e); continue
         metrics[task]['seconds'] = round(time.time() - t0, 3)
     return metrics, skipped
 
-def evaluate(ev: Evaluator, root, tasks=TASKS, image_root=None, strict: bool = True, found: tuple | None = None,
-             scorer: str | None = None) -> tuple[dict, dict]:
+def evaluate(ev: Evaluator, root, tasks=TASKS, image_root=None, require: bool = True, found: tuple | None = None,
+             scorer: str | None = None, strict: bool = False) -> tuple[dict, dict]:
     "`({task: metrics}, {task: reason skipped})` with one scorer (default: the headline); `found`: `find_data`'s answer when the caller has it."
-    data, skipped = found or find_data(root, tasks, image_root, strict)
+    data, skipped = found or find_data(root, tasks, image_root, require, strict)
     return _run_tasks(ev, data, scorer or ev.headline)[0], skipped
 
-def evaluate_scorers(ev: Evaluator, root, tasks=TASKS, image_root=None, strict: bool = True, found: tuple | None = None) -> tuple[dict, dict]:
+def evaluate_scorers(ev: Evaluator, root, tasks=TASKS, image_root=None, require: bool = True, found: tuple | None = None,
+                     strict: bool = False) -> tuple[dict, dict]:
     "`({scorer: {task: metrics}}, {task: reason skipped})` for every scorer of the checkpoint's method, the headline first."
-    found = found or find_data(root, tasks, image_root, strict)
+    found = found or find_data(root, tasks, image_root, require, strict)
     return {s: evaluate(ev, root, found=found, scorer=s)[0] for s in ev.scorers}, found[1]
 
 # %% ../../nbs/64_eval_tasks.ipynb #10abb8ab
@@ -189,17 +207,42 @@ def evaluate_world(ev: Evaluator, root) -> dict:
     return out
 
 # %% ../../nbs/64_eval_tasks.ipynb #ed1f0e29
+def default_label(checkpoint) -> str:
+    "The run folder's name for a run folder, its `model.pt` or its `checkpoints/last.pt`; else the file's stem; 'random-init' for None."
+    if checkpoint is None: return 'random-init'
+    p = Path(checkpoint).resolve()
+    if p.is_dir(): return p.name
+    if p.name == 'model.pt': return p.parent.name
+    if p.name == 'last.pt': return p.parent.parent.name if p.parent.name == 'checkpoints' else p.parent.name
+    return p.stem
+
+def result_label(out_dir, label: str, ckpt_id: str) -> str:
+    "`label`, or `label-<sha8>` when results of another checkpoint already hold `out_dir/<label>/` (see above)."
+    others = set()
+    for f in sorted((Path(out_dir) / label).glob('*.json')):
+        try: r = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError): continue              # not a result of ours
+        if isinstance(r, dict) and 'metrics' in r: others.add(r.get('checkpoint_id') or r.get('sha256') or f'unknown ({f.name})')
+    others.discard(ckpt_id)
+    if not others: return label
+    sha8 = (ckpt_id if not ckpt_id.startswith('random-init') else hashlib.sha256(ckpt_id.encode()).hexdigest())[:8]
+    new = f'{label}-{sha8}'
+    log.warning('result label %r in %s holds another checkpoint (%s); this one (%s) is written under %r', label, out_dir,
+                ', '.join(sorted(o[:16] for o in others)), ckpt_id[:16], new)
+    return new
+
 def write_result(out_dir, metrics: dict, skipped: dict, *, model, checkpoint, ckpt_id: str, data_root,
                  name: str | None = None, label: str | None = None, command: str | None = None,
-                 method: str | None = None, scorer: str = 'global', other_scorers: dict | None = None) -> Path:
-    "`out_dir/<label>/<name>.json`; label defaults to the checkpoint's file stem (or 'random-init')."
-    label = label or (Path(checkpoint).stem if checkpoint else 'random-init')
+                 method: str | None = None, scorer: str = 'global', other_scorers: dict | None = None,
+                 skipped_items: dict | None = None) -> Path:
+    "`out_dir/<label>/<name>.json`; label: `label` or `default_label(checkpoint)`, made unique by `result_label`."
+    label = result_label(out_dir, label or default_label(checkpoint), ckpt_id)
     name = name or Path(data_root).name
     res = dict(checkpoint=None if checkpoint is None else str(checkpoint), label=label,
                sha256='random-init' if checkpoint is None else ckpt_id, checkpoint_id=ckpt_id, model=model, method=method,
                dataset=name, data_root=str(data_root), scorer=scorer, metrics=metrics, other_scorers=other_scorers or {},
-               skipped=skipped, command=command or shlex.join(sys.argv), time=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
-               torch=torch.__version__)
+               skipped=skipped, skipped_items=skipped_items or {}, command=command or shlex.join(sys.argv),
+               time=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()), torch=torch.__version__)
     f = Path(out_dir) / label / f'{name}.json'
     f.parent.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps(res, indent=1))
@@ -211,24 +254,26 @@ def write_scored(out_dir, ev: Evaluator, by_scorer: dict, skipped: dict, **kw) -
                         scorer=ev.headline, other_scorers={s: m for s, m in by_scorer.items() if s != ev.headline}, **kw)
 
 def run_suite(ev: Evaluator, root, names=('all',), out_dir='results/eval', label: str | None = None, checkpoint=None,
-              strict: bool = False, command: str | None = None) -> tuple[dict, dict]:
-    "`({benchmark: result JSON path}, {benchmark: reason skipped})`."
-    written, skipped = {}, {}
+              require: bool = False, command: str | None = None, strict: bool = False) -> tuple[dict, dict]:
+    "`({benchmark: result JSON path}, {benchmark: reason skipped})`; `require`: an absent benchmark raises; `strict`: a bad item raises."
+    results, skipped = {}, {}
     for name in tqdm(select(names), desc='benchmarks', disable=not ev.progress):
         b = BENCHMARKS[name]
-        try: data = benchmark_data(name, Path(root) / b.folder)
+        try: data = benchmark_data(name, Path(root) / b.folder, strict)
         except MissingData as e:
-            if strict: raise
+            if require: raise
             log.warning('%s skipped: %s', name, e); skipped[name] = str(e); continue
         by, task_skipped = {}, {}
         for s in ev.scorers:
-            by[s], sk = _run_tasks(ev, data, s, strict)
+            by[s], sk = _run_tasks(ev, data, s, require)
             task_skipped.update(sk)
             if name in KARPATHY_TEST_IMAGES and 'retrieval' in by[s]:
                 ok = by[s]['retrieval']['n_images'] == KARPATHY_TEST_IMAGES[name]
                 by[s]['retrieval']['karpathy_size_ok'] = ok
                 if not ok and s == ev.headline:
                     log.warning('%s: %d test images, the Karpathy test split has %d', name, by[s]['retrieval']['n_images'], KARPATHY_TEST_IMAGES[name])
-        written[name] = write_scored(out_dir, ev, by, task_skipped, checkpoint=checkpoint, data_root=Path(root) / b.folder,
-                                     name=b.folder, label=label, command=command)
+        results[name] = (by, task_skipped, skip_report(data))
+    written = {name: write_scored(out_dir, ev, by, task_skipped, checkpoint=checkpoint, data_root=Path(root) / BENCHMARKS[name].folder,
+                                  name=BENCHMARKS[name].folder, label=label, command=command, skipped_items=items)
+               for name, (by, task_skipped, items) in results.items()}
     return written, skipped
