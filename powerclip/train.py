@@ -260,14 +260,17 @@ def no_decay(name: str, p: torch.Tensor) -> bool:
 def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, modules: torch.nn.Module | None = None,
                    modules_lr: float | None = None) -> torch.optim.AdamW:
     """AdamW over the model (and a method's training-time `modules` at their own peak `modules_lr`), with and
-    without weight decay. The schedule scales every group's peak rate by the same factor."""
+    without weight decay. `modules` may carry its own `weight_decay` attribute (SmartCLIP's mask network: 0; None or
+    absent: the run's). The schedule scales every group's peak rate by the same factor."""
     groups = []
     for mod, lr in ((model, cfg.lr), (modules, cfg.lr if modules_lr is None else modules_lr)):
         if mod is None: continue
+        wd = getattr(mod, "weight_decay", None) if mod is modules else None
         decay, rest = [], []
         for n, p in mod.named_parameters():
             if p.requires_grad: (rest if no_decay(n, p) else decay).append(p)
-        groups += [dict(params=decay, weight_decay=cfg.weight_decay, lr=lr), dict(params=rest, weight_decay=0.0, lr=lr)]
+        groups += [dict(params=decay, weight_decay=cfg.weight_decay if wd is None else wd, lr=lr),
+                   dict(params=rest, weight_decay=0.0, lr=lr)]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 

@@ -47,10 +47,10 @@ def test_trainer_steps(tmp_path, method, terms):
     model = open_clip.create_model_and_transforms("powerclip-micro", pretrained=s["weights"])[0]  # plain open_clip
     own = torch.load(s["checkpoint"], weights_only=False)
     assert all(torch.equal(v, own["model"][k]) for k, v in model.state_dict().items())  # the final weights
-    assert (tmp_path / "method_modules.pt").is_file() == (method in ("smartclip", "c2lip")) == (own["method_modules"] is not None)
+    assert (tmp_path / "method_modules.pt").is_file() == (method in ("smartclip", "c2lip", "sparc")) == (own["method_modules"] is not None)
 
 
-@pytest.mark.parametrize("method", ["smartclip", "c2lip"])
+@pytest.mark.parametrize("method", ["smartclip", "c2lip", "sparc"])
 def test_resume_restores_method_modules(tmp_path, method):
     "A run stopped and resumed equals a straight run, for methods whose own modules (and their Adam state) resume too."
     import torch
@@ -74,3 +74,42 @@ def test_smartclip_mask_network_gets_its_own_learning_rate():
     assert {g["initial_lr"] for g in run.opt.param_groups} == {1e-6, 1e-3}
     mask = set(map(id, run.modules.parameters()))
     assert all(g["initial_lr"] == (1e-3 if id(g["params"][0]) in mask else 1e-6) for g in run.opt.param_groups)
+    # no weight decay on the mask network (issue 13: the authors' code); the towers' matrices keep the run's
+    assert all(g["weight_decay"] == 0.0 for g in run.opt.param_groups if id(g["params"][0]) in mask)
+    assert {g["weight_decay"] for g in run.opt.param_groups if id(g["params"][0]) not in mask} == {0.0, run.cfg.optim.weight_decay}
+    run = build_run(load_config("smoke", {"method_cfg.mask_weight_decay": None}, method="smartclip"), DistContext())
+    assert {g["weight_decay"] for g in run.opt.param_groups} == {0.0, run.cfg.optim.weight_decay} and len(run.opt.param_groups) == 4
+
+
+def test_finetune_from_plain_open_clip_weights(tmp_path):
+    """A fine-tune from a plain open_clip state dict (`model.pretrained=PATH`, as the fine-tuning presets ask): the towers
+    start from those weights, the method's own modules (SmartCLIP's mask network, C2LIP's t and b, SPARC's h_v) start
+    fresh, and the modules get their own learning rate."""
+    import torch
+    from powerclip.dist import DistContext
+    from powerclip.train import build_run, load_config
+    ref = build_run(load_config("smoke", {"seed": 7}, method="clip"), DistContext()).model
+    torch.save(ref.state_dict(), tmp_path / "clip.pt")
+    for method, extra in (("smartclip", {}), ("c2lip", {"method_cfg.modules_lr": 0.01}), ("sparc", {})):
+        cfgs = [load_config("smoke", {"model.pretrained": str(tmp_path / "clip.pt"), "seed": s, "optim.lr": 1e-5, **extra},
+                            method=method) for s in (0, 1)]
+        runs = [build_run(c, DistContext()) for c in cfgs]
+        for run in runs:
+            assert all(torch.equal(v, ref.state_dict()[k]) for k, v in run.model.state_dict().items()), method
+        m0, m1 = (run.modules.state_dict() for run in runs)     # fresh, from each run's own init stream
+        if method != "c2lip": assert any(not torch.equal(m0[k], m1[k]) for k in m0), method
+        lrs = {g["initial_lr"] for g in runs[0].opt.param_groups}
+        assert lrs == {1e-5, runs[0].method.modules_lr(1e-5)}, (method, lrs)
+        if method == "c2lip":   # t and b start at the configured init, not from the checkpoint (which has none)
+            t, b = runs[0].modules()
+            assert abs(t.item() - 10.0) < 1e-5 and b.item() == -10.0
+
+
+def test_smartclip_preset_is_the_finetuning_recipe(tmp_path):
+    "The smartclip preset is SmartCLIP's fine-tuning recipe (Sec. 6.1, Long-CLIP's settings elsewhere): it asks for weights."
+    from powerclip.train import load_config, train
+    cfg = load_config("smartclip", {"out_dir": str(tmp_path)})
+    assert cfg.method == "smartclip" and cfg.model.pretrained == "required" and cfg.global_batch_size == 1024
+    assert cfg.optim.lr == 1e-6 and cfg.method_cfg["mask_lr"] == 1e-3 and cfg.method_cfg["mask_weight_decay"] == 0.0
+    assert cfg.method_cfg["detach_mask_input"] is True
+    with pytest.raises(ValueError, match="model.pretrained="): train(cfg)

@@ -30,6 +30,8 @@ def test_registry_and_presets():
     assert cfg.method == "clip-pgs" and cfg.model.name == "ViT-B-16" and cfg.global_batch_size == 4096
     assert cfg.optim.lr == 1e-3 and cfg.optim.betas == (0.9, 0.98) and cfg.optim.weight_decay == 0.2 and cfg.epochs == 32
     assert load_config("clip-pgs", method="clip-pgs-0.3").method_cfg["lower"] == 0.3
+    # the authors' clip-train.sh warms up for 10,000 steps; PowerCLIP's paper adopts CLIP-PGS's setting (Sec. 5.1)
+    assert cfg.optim.warmup_steps == 10000 and load_config("paper").optim.warmup_steps == 10000
 
 
 def test_model_state_dict_unchanged():

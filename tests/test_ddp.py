@@ -3,7 +3,7 @@
 0. `powerclip.dist.gather` itself: tensors whose ragged dims (M, K) and row counts (packed tensors) differ between
    the processes arrive padded, in rank order, with the right offsets and row counts, and the gradient that comes
    back to each process is the sum over every process's loss.
-1. One step of every method (CLIP, PowerCLIP and the baselines, C2LIP in each of its variants) through the
+1. One step of every method (CLIP, PowerCLIP and the baselines, C2LIP, SPARC and SmartCLIP in their variants) through the
    trainer's own path (`powerclip.train.build_run` with precision fp64: MethodForward in DDP, the method's loss with
    its gathering): the mean loss and every parameter gradient (the method's own modules included) equal those of one
    process on the concatenated batch, in float64 to 1e-9. The run seed makes the two processes hold different numbers
@@ -22,10 +22,13 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 # case -> (method, its config for the test) (tau large enough that the NLAs are smooth at float64 precision)
 CASES = {"clip": ("clip", None), "powerclip": ("powerclip", {"tau": 0.05}), "filip": ("filip", {"clip_weight": 0.5}),
-         "sparc": ("sparc", None), "smartclip": ("smartclip", {"heads": 2}), "clip-pgs": ("clip-pgs", None),
+         "sparc": ("sparc", None), "sparc-cls-tokens": ("sparc", {"global_pool": "cls", "fine_norm": "tokens"}),
+         "smartclip": ("smartclip", {"heads": 2}), "smartclip-attached": ("smartclip", {"heads": 2, "detach_mask_input": False}),
+         "clip-pgs": ("clip-pgs", None),
          "clip-pgs-0.3": ("clip-pgs-0.3", None), "c2lip": ("c2lip", None), "c2lip-clip": ("c2lip", {"base": "clip"}),
          "c2lip-encode": ("c2lip", {"concept_embedding": "encode", "xac_weight": 0.5}),
          "c2lip-all-capped": ("c2lip", {"concepts": "all", "max_concepts": 2}),
+         "c2lip-concepts": ("c2lip", {"npc_norm": "concepts", "xac_normalize": False}),
          "powerclip-ragged-M": ("powerclip", {"tau": 0.05})}
 RAGGED = {"powerclip-ragged-M"}  # cases whose second process holds one region mask fewer (M = 4 and 3)
 B = 4  # rows per process
@@ -103,7 +106,7 @@ def test_two_processes_equal_one():
         loss2, grads2, _ = res[m]
         torch.testing.assert_close(loss2, loss1, rtol=0, atol=1e-9, msg=f"{m}: loss")
         assert grads1.keys() == grads2.keys() and len(grads1) > 10
-        if CASES[m][0] in ("c2lip", "smartclip"): assert any(n.startswith("modules_.") for n in grads1), m  # own modules
+        if CASES[m][0] in ("c2lip", "smartclip") or m == "sparc": assert any(n.startswith("modules_.") for n in grads1), m  # own modules
         for n in grads1:
             d = (grads2[n] - grads1[n]).abs().max() / grads1[n].abs().max().clamp_min(1e-12)
             assert d < 1e-9, f"{m}: grad of {n} differs by {float(d):.2e} relative to its largest entry"

@@ -61,10 +61,25 @@ from torch.testing import assert_close
 # of kept dimensions, $\lVert\hat m\rVert_1/D$ (the paper's $\lVert\hat m\rVert_1$ divided by $D$, so $\lambda_{\text{sparsity}}$
 # does not depend on the embedding size); the paper gives no value for $\lambda_{\text{sparsity}}$ here, our default
 # is 0.1. (3) The mask network reads the *projected* token embeddings of `encode` (dimension $D$), with padding
-# masked out. (4) The paper fine-tunes CLIP at lr $10^{-6}$ with the mask network at $10^{-3}$: the mask network is a
-# training-time module of the method, with its own peak rate `mask_lr` (default the paper's $10^{-3}$), on the
-# trainer's schedule. (5) A mask that selects no dimension of an image would make the cosine
+# masked out. (4) The paper fine-tunes CLIP at lr $10^{-6}$ with the mask network at $10^{-3}$ (Sec. 6.1): the mask
+# network is a training-time module of the method, with its own peak rate `mask_lr` (default the paper's
+# $10^{-3}$), on the trainer's schedule. (5) A mask that selects no dimension of an image would make the cosine
 # 0/0; the norm is clamped, so such a pair scores 0.
+#
+# **Two options from the authors' code, as the project's issue 13 reports it.** The authors' code
+# (github.com/Mid-Push/SmartCLIP) could not be read from here (no snapshot, not in the code index), so these two are
+# taken from the issue and are **not verified** against the code: (6) the mask network reads the token embeddings
+# *detached* (`detach_mask_input=True`, default): the mask network learns from the modular loss and the L1 penalty,
+# but its gradient does not reach the text tower, which the modular loss trains directly; (7) the mask network has
+# no weight decay (`mask_weight_decay=0.0`, default; None: the run's). The paper states neither.
+#
+# **The regime.** SmartCLIP is a fine-tuning recipe, not a pre-training method: "Following Long-CLIP, we finetune
+# the CLIP model on ShareGPT4V" (Sec. 6.1), batch 1024, lr $10^{-6}$ for CLIP and $10^{-3}$ for the mask network.
+# The `smartclip` preset (`powerclip/presets/smartclip.yaml`) is that recipe, with Long-CLIP's published settings
+# (its `train/train.md`: 6 epochs, 200 warm-up steps, weight decay 0.01, AdamW betas (0.9, 0.999), eps 1e-8) where
+# SmartCLIP gives none; it asks for a pretrained checkpoint (`model.pretrained=PATH`). The paper also uses Long-CLIP's
+# stretched positional embedding for 248 text tokens; the preset keeps open_clip ViT-B/16's 77 (long captions are cut
+# at 77 tokens) unless a 248-position checkpoint is given with a matching `model.kwargs.text_cfg`.
 
 # %% [markdown]
 # ## The modular similarity and loss
@@ -207,11 +222,15 @@ class SmartCLIPConfig:
     heads: int = 4                # attention heads of the mask network (not given in the paper)
     special_tokens: bool = True   # the mask network reads SOT and EOT too (EOT carries the sentence)
     mask_lr: float | None = 1e-3  # peak learning rate of the mask network (Sec. 6: 1e-3, CLIP 1e-6); None: the run's
+    mask_weight_decay: float | None = 0.0  # weight decay of the mask network (issue 13: the authors' code, 0); None: the run's
+    detach_mask_input: bool = True  # the mask network reads detached token embeddings (issue 13: the authors' code)
 
     def __post_init__(self):
         if self.lambda_align <= 0 or self.lambda_sparsity < 0:
             raise ValueError(f"need lambda_align > 0 and lambda_sparsity >= 0, got {self.lambda_align}, {self.lambda_sparsity}")
         if self.mask_lr is not None and self.mask_lr <= 0: raise ValueError(f"mask_lr must be > 0 or None, got {self.mask_lr}")
+        if self.mask_weight_decay is not None and self.mask_weight_decay < 0:
+            raise ValueError(f"mask_weight_decay must be >= 0 or None, got {self.mask_weight_decay}")
 
 
 @register("smartclip")
@@ -222,7 +241,9 @@ class SmartCLIP(Method):
     def build_modules(self, model) -> MaskNet:
         "The mask network, sized to the model's embedding width D (trained, saved and synced beside the model)."
         dim = model.text_projection.shape[1] if isinstance(model.text_projection, torch.Tensor) else model.text_projection.out_features
-        return MaskNet(dim, self.cfg.heads)
+        net = MaskNet(dim, self.cfg.heads)
+        net.weight_decay = self.cfg.mask_weight_decay   # read by the trainer's optimiser (None: the run's)
+        return net
 
     def modules_lr(self, lr: float) -> float:
         return lr if self.cfg.mask_lr is None else self.cfg.mask_lr
@@ -231,7 +252,8 @@ class SmartCLIP(Method):
         if not isinstance(modules, MaskNet): raise RuntimeError("SmartCLIP needs its mask network: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
         valid = text_token_mask(batch["tokens"], self.cfg.special_tokens)      # (C, L)
-        out["mask"], out["mask_prob"] = modules(out["tokens"], valid)         # (C, D) each
+        tokens = out["tokens"].detach() if self.cfg.detach_mask_input else out["tokens"]   # (C, L, D)
+        out["mask"], out["mask_prob"] = modules(tokens, valid)                # (C, D) each
         return out
 
     def loss(self, out, batch, dist: DistContext):
@@ -270,4 +292,14 @@ sum(v for k, v in _terms.items() if not k.startswith("_")).backward()
 assert _mask.head.weight.grad is not None and _model.visual.conv1.weight.grad is not None
 assert not any("mask" in k for k in _model.state_dict())       # the open_clip weights stay open_clip's
 assert _meth.modules_lr(1e-6) == 1e-3 and get_method("smartclip", {"mask_lr": None}).modules_lr(1e-6) == 1e-6
+assert _mask.weight_decay == 0.0 and get_method("smartclip", {"mask_weight_decay": None}).build_modules(_model).weight_decay is None
+# detached input: the mask network's gradient does not reach the text tower; attached, it does
+for _detach in (True, False):
+    _mt = get_method("smartclip", {"heads": 2, "detach_mask_input": _detach})
+    _mn = _mt.build_modules(_model)
+    _model.zero_grad()
+    _tt = _mt.loss(_mt.forward(_model, _batch, _mn), _batch, DistContext())
+    _tt["sparsity"].backward()                                 # the L1 term reaches the towers only through the mask net
+    _g = _model.token_embedding.weight.grad
+    assert (_g is None or _g.abs().sum() == 0) == _detach and _mn.head.weight.grad.abs().sum() > 0
 print({k: round(float(v.detach()), 4) for k, v in _terms.items()})

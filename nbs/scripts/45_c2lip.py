@@ -58,14 +58,23 @@ from torch.testing import assert_close
 # is image $i$'s patch embeddings $v'$ pooled with the concept as the attention query (Eq. 6, no new parameters).
 #
 # **Our choices, written down.** The attention uses the $1/\sqrt D$ scaling of dot-product attention (the paper
-# does not print one); $\hat v$ is not re-normalised, so $\hat v\cdot c=\sum_n w_n\,(c\cdot v'_n)$ and the
-# $(R, C, K, D)$ pooled tensor is never formed, only the $(R, C, K, N)$ scores. Concepts are passed padded,
-# $(C, K, D)$ with a validity mask $(C, K)$. The sum over concepts is not averaged (as Eq. 5), so the loss grows with
-# the number of concepts per batch. Data parallel: a process sums over its $R$ images against all gathered
-# concepts and divides by $R$; the mean over processes is the full-batch loss.
-# The authors' released code (SamsungLabs/concept_centric_clip, `C2LIP_Loss`) differs in details the paper does
-# not print: its attention has no $1/\sqrt D$ (softmax of raw dot products), it L2-normalises $\hat v$, and it
-# divides the sums by the number of concepts instead of $|B|$; we follow the paper's equations as printed.
+# does not print one; the authors' code has none: a softmax of raw dot products). $\hat v$ replaces $v$, which is
+# L2-normalised (Eq. 4 compares unit vectors), so by default $\hat v$ is L2-normalised too, as in the authors' code
+# (`xac_normalize=True`): $\hat v\cdot c=\sum_n w_n\,(c\cdot v'_n)\,/\,\lVert\hat v\rVert$ with
+# $\lVert\hat v\rVert^2=w^\top G\,w$ and $G=V'V'^\top$ the $(N, N)$ Gram matrix of the image's patches, so the
+# $(R, C, K, D)$ pooled tensor is never formed, only the $(R, C, K, N)$ scores. Without the normalisation the logits
+# grow with the patches' norms: fine-tuning the demo's CLIP checkpoint (below) starts at $\mathcal L_{xac}\approx 3000$,
+# which at $\lambda_{xac}=0.01$ is most of the loss. Concepts are passed padded, $(C, K, D)$ with a validity mask
+# $(C, K)$. The sum over concepts is not averaged, so the loss grows with the number of concepts per batch.
+#
+# **Normalisation of npc and xac** (`npc_norm`). The paper divides by the batch size, $1/|B|$ (Eqs. 5, 7:
+# `'batch'`, the default); the authors' code (SamsungLabs/concept_centric_clip, `src/open_clip/loss.py`, `C2LIP_Loss`)
+# divides the same sums by the number of noun-phrase concepts of the batch, $1/K$ (`'concepts'`), i.e. the loss
+# times $|B|/K$, smaller by the mean number of concepts per caption (its SigLIP term divides by $|B|$, as Eq. 4).
+# Data parallel: a process sums over its $R$ images against all gathered concepts and divides by $R$ (times $C/K$
+# for `'concepts'`, with $C$ and $K$ counted over the gathered batch); the mean over processes is the full-batch
+# loss. (The authors' code divides each process's sum by the gathered $K$, so its mean over processes is the
+# full-batch value divided by the number of processes; we keep the full-batch value.)
 
 # %%
 #| export
@@ -102,16 +111,25 @@ def npc_loss(
 
 def xac_loss(
     patches: torch.Tensor,        # (R, N, D) projected patch embeddings v' of the local images
-    concepts: torch.Tensor,       # (C, K, D) concept embeddings of all captions (padded)
+    concepts: torch.Tensor,       # (C, K, D) L2-normalised concept embeddings of all captions (padded)
     concept_valid: torch.Tensor,  # (C, K) bool
     scale: torch.Tensor, bias: torch.Tensor,
     offset: int = 0,
+    normalize: bool = True,       # L2-normalise v_hat(c) (as v in Eq. 5; the authors' code)
+    eps: float = 1e-8,            # floor of |v_hat|
 ) -> torch.Tensor:                # scalar
     "Cross-attended concept loss (Eqs. 6-7): the concept pools each image's patches as an attention query."
     s = torch.einsum("ind,jkd->ijkn", patches, concepts)                           # (R, C, K, N) c . v'_n
-    s = s.to(torch.promote_types(s.dtype, torch.float32))                          # softmax and sums in >= float32
-    w = (s / math.sqrt(patches.shape[-1])).softmax(-1)                             # (R, C, K, N) attention over patches
-    logits = scale * (w * s).sum(-1) + bias                                        # (R, C, K) v_hat(c) . c
+    with torch.autocast(patches.device.type, enabled=False):                       # softmax, sums, Gram in >= float32
+        s = s.to(torch.promote_types(s.dtype, torch.float32))
+        w = (s / math.sqrt(patches.shape[-1])).softmax(-1)                         # (R, C, K, N) attention over patches
+        dot = (w * s).sum(-1)                                                      # (R, C, K) v_hat(c) . c
+        if normalize:
+            p = patches.to(s.dtype)
+            G = p @ p.transpose(1, 2)                                              # (R, N, N) Gram of each image's patches
+            sq = (torch.einsum("ijkn,inm->ijkm", w, G) * w).sum(-1)                # (R, C, K) |v_hat(c)|^2 = w G w
+            dot = dot / sq.clamp_min(eps * eps).sqrt()
+        logits = scale * dot + bias
     return _sigmoid_nll(logits, concept_targets(patches.shape[0], concept_valid, offset))
 
 
@@ -120,7 +138,7 @@ def xac_loss(
 # pooling formed explicitly), `gradcheck`, two simulated processes, and bf16 autocast.
 
 # %%
-def _naive(image, patches, concepts, valid, t, b):
+def _naive(image, patches, concepts, valid, t, b, normalize=True):
     R, D = image.shape[0], image.shape[1]
     npc = xac = 0
     for i in range(R):
@@ -132,6 +150,7 @@ def _naive(image, patches, concepts, valid, t, b):
                 npc = npc - F.logsigmoid(z * (t * image[i] @ c + b))
                 w = torch.softmax(torch.stack([c @ patches[i, n] for n in range(patches.shape[1])]) / D ** 0.5, 0)
                 v_hat = sum(w[n] * patches[i, n] for n in range(patches.shape[1]))
+                if normalize: v_hat = v_hat / v_hat.norm()
                 xac = xac - F.logsigmoid(z * (t * v_hat @ c + b))
     return npc / R, xac / R
 
@@ -152,6 +171,8 @@ assert gradcheck(lambda i, p, c: npc_loss(i, c, _val, _t, _b) + xac_loss(p, c, _
 for f, x in ((npc_loss, _img), (xac_loss, _pat)):
     parts = [f(x[sl], _con, _val, _t, _b, off) for sl, off in ((slice(0, 2), 0), (slice(2, 4), 2))]
     assert_close(sum(parts) / 2, f(x, _con, _val, _t, _b))
+# the paper's printed Eq. 7 without the normalisation of v_hat (xac_normalize=False)
+assert_close(xac_loss(_pat, _con, _val, _t, _b, normalize=False), _naive(_img, _pat, _con, _val, _t, _b, normalize=False)[1])
 print(f"npc {float(_npc.detach()):.4f} (naive {float(_rn.detach()):.4f}), xac {float(_xac.detach()):.4f} (naive {float(_rx.detach()):.4f})")
 
 # %%
@@ -364,9 +385,11 @@ class C2LIPConfig:
     no_concept: str = "caption"    # caption without NP: its whole text (the authors' code) | 'none'
     max_concepts: int | None = None  # no cap in the paper; if set, the longest NPs are kept
     concept_embedding: str = "pool"  # 'pool' the caption's token outputs (Sec. 3.2, Fig. 1b) | 'encode' (authors' code)
-    init_scale: float = 10.0       # t = exp(t'), t' = log 10 at init (SigLIP, Zhai et al. 2023)
-    init_bias: float = -10.0       # b = -10 at init (SigLIP)
-    modules_lr: float | None = None  # peak lr of t and b (None: the run's; the paper trains all at 1e-5)
+    npc_norm: str = "batch"        # npc and xac divided by 'batch' |B| (Eqs. 5, 7) | 'concepts' K (authors' code)
+    xac_normalize: bool = True     # L2-normalise the concept-pooled v_hat(c) as v is (authors' code) | False
+    init_scale: float | str = 10.0 # t at init: SigLIP's 10 (Zhai et al. 2023) | 'model': the model's CLIP temperature
+    init_bias: float = -10.0       # b at init (SigLIP's -10)
+    modules_lr: float | None = 1e-3  # peak lr of t and b (ours, see "t and b" below); None: the run's
 
     def __post_init__(self):
         if self.base not in ("siglip", "clip"): raise ValueError(f"base must be 'siglip' or 'clip', got {self.base!r}")
@@ -376,7 +399,10 @@ class C2LIPConfig:
             raise ValueError(f"concept_embedding must be 'pool' or 'encode', got {self.concept_embedding!r}")
         if self.npc_weight < 0 or self.xac_weight < 0: raise ValueError("npc_weight and xac_weight must be >= 0")
         if self.max_concepts is not None and self.max_concepts < 1: raise ValueError("max_concepts must be >= 1 or None")
-        if self.init_scale <= 0: raise ValueError(f"init_scale must be > 0, got {self.init_scale}")
+        if self.npc_norm not in ("batch", "concepts"): raise ValueError(f"npc_norm must be 'batch' or 'concepts', got {self.npc_norm!r}")
+        if isinstance(self.init_scale, str):
+            if self.init_scale != "model": raise ValueError(f"init_scale must be a number > 0 or 'model', got {self.init_scale!r}")
+        elif self.init_scale <= 0: raise ValueError(f"init_scale must be > 0 or 'model', got {self.init_scale}")
         if self.modules_lr is not None and self.modules_lr <= 0: raise ValueError("modules_lr must be > 0 or None")
 
 
@@ -409,12 +435,14 @@ def c2lip_terms(
         # leave its bucket's gradients unsynchronised (and fail the next step). Its gradient is exactly 0.
         terms = {"siglip": siglip_loss(image, text, scale, bias, text_all, offset) + 0.0 * logit_scale}
     else: terms = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    # 'concepts': the authors' 1/K instead of Eq. 5's 1/|B|, both counted over the gathered batch
+    norm = 1.0 if cfg.npc_norm == "batch" else concept_valid.shape[0] / concept_valid.sum().clamp_min(1)
     if cfg.npc_weight > 0:
-        npc = npc_loss(image, concepts, concept_valid, scale, bias, offset)
+        npc = npc_loss(image, concepts, concept_valid, scale, bias, offset) * norm
         terms["npc"], terms["_npc"] = cfg.npc_weight * npc, npc.detach()
     if cfg.xac_weight > 0:
         if patches is None: raise ValueError("xac needs patch embeddings (patch dropout active?)")
-        xac = xac_loss(patches, concepts, concept_valid, scale, bias, offset)
+        xac = xac_loss(patches, concepts, concept_valid, scale, bias, offset, cfg.xac_normalize) * norm
         terms["xac"], terms["_xac"] = cfg.xac_weight * xac, xac.detach()
     return terms
 
@@ -437,7 +465,9 @@ class C2LIP(Method):
 
     def build_modules(self, model) -> SigmoidScaleBias | None:
         "t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict)."
-        return SigmoidScaleBias(self.cfg.init_scale, self.cfg.init_bias) if self._sigmoid else None
+        if not self._sigmoid: return None
+        t = float(model.logit_scale.detach().exp()) if self.cfg.init_scale == "model" else self.cfg.init_scale
+        return SigmoidScaleBias(t, self.cfg.init_bias)
 
     def modules_lr(self, lr: float) -> float:
         return lr if self.cfg.modules_lr is None else self.cfg.modules_lr

@@ -79,11 +79,15 @@ class SmartCLIPConfig:
     heads: int = 4                # attention heads of the mask network (not given in the paper)
     special_tokens: bool = True   # the mask network reads SOT and EOT too (EOT carries the sentence)
     mask_lr: float | None = 1e-3  # peak learning rate of the mask network (Sec. 6: 1e-3, CLIP 1e-6); None: the run's
+    mask_weight_decay: float | None = 0.0  # weight decay of the mask network (issue 13: the authors' code, 0); None: the run's
+    detach_mask_input: bool = True  # the mask network reads detached token embeddings (issue 13: the authors' code)
 
     def __post_init__(self):
         if self.lambda_align <= 0 or self.lambda_sparsity < 0:
             raise ValueError(f"need lambda_align > 0 and lambda_sparsity >= 0, got {self.lambda_align}, {self.lambda_sparsity}")
         if self.mask_lr is not None and self.mask_lr <= 0: raise ValueError(f"mask_lr must be > 0 or None, got {self.mask_lr}")
+        if self.mask_weight_decay is not None and self.mask_weight_decay < 0:
+            raise ValueError(f"mask_weight_decay must be >= 0 or None, got {self.mask_weight_decay}")
 
 
 @register("smartclip")
@@ -94,7 +98,9 @@ class SmartCLIP(Method):
     def build_modules(self, model) -> MaskNet:
         "The mask network, sized to the model's embedding width D (trained, saved and synced beside the model)."
         dim = model.text_projection.shape[1] if isinstance(model.text_projection, torch.Tensor) else model.text_projection.out_features
-        return MaskNet(dim, self.cfg.heads)
+        net = MaskNet(dim, self.cfg.heads)
+        net.weight_decay = self.cfg.mask_weight_decay   # read by the trainer's optimiser (None: the run's)
+        return net
 
     def modules_lr(self, lr: float) -> float:
         return lr if self.cfg.mask_lr is None else self.cfg.mask_lr
@@ -103,7 +109,8 @@ class SmartCLIP(Method):
         if not isinstance(modules, MaskNet): raise RuntimeError("SmartCLIP needs its mask network: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
         valid = text_token_mask(batch["tokens"], self.cfg.special_tokens)      # (C, L)
-        out["mask"], out["mask_prob"] = modules(out["tokens"], valid)         # (C, D) each
+        tokens = out["tokens"].detach() if self.cfg.detach_mask_input else out["tokens"]   # (C, L, D)
+        out["mask"], out["mask_prob"] = modules(tokens, valid)                # (C, D) each
         return out
 
     def loss(self, out, batch, dist: DistContext):

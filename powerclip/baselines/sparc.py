@@ -8,15 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from ..dist import DistContext, gather
+from ..dist import DistContext, all_sum, gather
 from ..loss import clip_loss
-from ..methods import Method, register
+from ..methods import GlobalScorer, Method, Scorer, register
 from ..model import text_token_mask
+from ..powerset import pool_normalize
 
 # %% auto #0
-__all__ = ['sparc_weights', 'grouped_embeddings', 'sparc_fine_loss', 'SPARCConfig', 'SPARC']
+__all__ = ['LAMBDA_FINE_SWEEP', 'sparc_weights', 'grouped_embeddings', 'sparc_fine_loss', 'vision_patch_features', 'SPARCHead',
+           'sparc_encode', 'SPARCScorer', 'SPARCConfig', 'SPARC']
 
 # %% ../../nbs/42_sparc.ipynb #7a69cfc4
 def sparc_weights(
@@ -54,8 +57,13 @@ def sparc_fine_loss(
     token_valid: torch.Tensor,   # (R, L) bool, every caption with at least one valid token
     scale: torch.Tensor | float, # 1/tau of the fine-grained InfoNCE
     threshold: float | None = None,  # sigma (None: 1/P)
-) -> torch.Tensor:               # scalar: mean over pairs of the token-averaged two-way InfoNCE
+    norm: str = "caption",       # 'caption': mean over each caption's tokens, then over captions (Eq. 6)
+                                 # 'tokens': sum over all tokens / their count (Listing 1)
+    token_count: torch.Tensor | float | None = None,  # 'tokens': the divisor, this process's share of the batch's
+                                 # token count (all_sum(count) / processes); None: this batch's own count
+) -> torch.Tensor:               # scalar: the two-way InfoNCE averaged as `norm` says, halved
     "SPARC's sequence-wise loss: each token against its language-grouped vision embedding, within its own pair."
+    if norm not in ("caption", "tokens"): raise ValueError(f"norm must be 'caption' or 'tokens', got {norm!r}")
     if not token_valid.any(-1).all(): raise ValueError("every caption needs at least one valid token")
     L = int(token_valid.any(0).nonzero().max()) + 1                             # trailing slots are padding everywhere
     tokens, token_valid = tokens[:, :L], token_valid[:, :L]                     # (R, L', D): exact, and cheaper
@@ -67,29 +75,100 @@ def sparc_fine_loss(
     lp_c2t = logits.masked_fill(pad, float("-inf")).log_softmax(-1).diagonal(dim1=1, dim2=2)       # (R, L)
     lp_t2c = logits.transpose(1, 2).masked_fill(pad, float("-inf")).log_softmax(-1).diagonal(dim1=1, dim2=2)
     per_tok = -(lp_c2t + lp_t2c).masked_fill(~token_valid, 0.0)                 # (R, L), padded rows dropped
-    return (per_tok.sum(-1) / token_valid.sum(-1)).mean() / 2
+    if norm == "caption": return (per_tok.sum(-1) / token_valid.sum(-1)).mean() / 2
+    return per_tok.sum() / (token_valid.sum() if token_count is None else token_count) / 2
 
 # %% ../../nbs/42_sparc.ipynb #820c7c37
+def vision_patch_features(model, image: torch.Tensor) -> torch.Tensor:
+    "image `(C, 3, H, W)` -> `(C, N, width)`: the patch tokens of the last block after `ln_post`, before `visual.proj`."
+    v = model.visual
+    x = v.forward_intermediates(image, indices=1, output_fmt="NLC", intermediates_only=True)["image_intermediates"][-1]
+    return v.ln_post(x)                                                   # (C, N, width) f_v(x_p)
+
+
+class SPARCHead(nn.Module):
+    "h_v of SPARC's image embedding: one linear layer of the vision width and a GELU (`(..., width) -> (..., width)`)."
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(x))
+
+
+def sparc_encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, head: SPARCHead | None) -> dict:
+    """As `powerclip.model.encode` (patches and tokens projected, not normalised; logit_scale), with `image` `(C, D)`
+    = normalise(g_v(h_v(mean_p f_v(x_p)))) and `text` `(C, D)` = normalise(mean of the projected tokens over the
+    caption's positions, padding excluded). A tower whose input is None is not run."""
+    from powerclip.model import encode                                    # late: importable without open_clip loaded
+    out = encode(model, None, tokens) if tokens is not None else dict(logit_scale=model.logit_scale.exp())
+    if tokens is not None:
+        pos = text_token_mask(tokens.to(out["tokens"].device), special_tokens=True)   # (C, L) SOT, words, EOT
+        out["text"] = pool_normalize(out["tokens"], pos[:, None, :])[:, 0]            # (C, D)
+    if image is not None:
+        if head is None: raise RuntimeError("SPARC's mean-pooled image embedding needs its head h_v (method.build_modules)")
+        f = vision_patch_features(model, image)                                        # (C, N, width)
+        proj = model.visual.proj
+        out["patches"] = f @ proj                                                      # (C, N, D) as encode's
+        out["image"] = F.normalize(head(f.mean(1)) @ proj.to(f.dtype), dim=-1)         # (C, D)
+    return out
+
+
+class SPARCScorer(Scorer):
+    "SPARC's own score at evaluation: the cosine of its mean-pooled global embeddings (with its trained h_v)."
+    name = "sparc"
+
+    def __init__(self, head: SPARCHead):
+        self.head = head
+
+    @torch.no_grad()
+    def image_features(self, model, images):
+        return {"image": sparc_encode(model, images, None, self.head)["image"].float()}   # (B, D)
+
+    @torch.no_grad()
+    def text_features(self, model, tokens):
+        return {"text": sparc_encode(model, None, tokens, None)["text"].float()}          # (B, D)
+
+    def scores(self, img, txt):
+        return img["image"] @ txt["text"].to(img["image"].device).T                      # (I, T)
+
+# %% ../../nbs/42_sparc.ipynb #5d4139a8
 @dataclass
 class SPARCConfig:
-    lambda_global: float = 1.0      # weight of the global CLIP loss (lambda_g)
-    lambda_fine: float = 1.0        # weight of the fine-grained loss (lambda_f)
+    lambda_global: float = 0.5      # lambda_g, App. D.4: 0.5
+    lambda_fine: float = 1.0        # lambda_f, App. D.4 sweeps {0.5, 1, 5, 10} (pick it on validation data)
+    global_pool: str = "mean"       # 'mean': Sec. 2's average-pooled embeddings, image through h_v | 'cls': CLS / EOT
+    fine_norm: str = "caption"      # 'caption': Eq. 6's per-caption token mean | 'tokens': Listing 1's token-weighted mean
     threshold: float | None = None  # sparsity threshold sigma (None: 1/P, the paper's choice)
-    fine_scale: float | None = None # fixed 1/tau of the fine loss (None: the model's learnable logit scale)
-    special_tokens: bool = False    # count SOT and EOT as caption tokens (default: words only)
+    fine_scale: float | None = None # fixed 1/tau of the fine loss (None: the model's learnable logit scale, one for both)
+    special_tokens: bool = False    # count SOT and EOT as caption tokens of the fine loss (default: words only)
 
     def __post_init__(self):
         if self.lambda_global < 0 or self.lambda_fine < 0 or self.lambda_global + self.lambda_fine == 0:
             raise ValueError(f"need lambda_global, lambda_fine >= 0, not both 0; got {self.lambda_global}, {self.lambda_fine}")
         if self.threshold is not None and not 0 <= self.threshold <= 1:
             raise ValueError(f"threshold must be in [0, 1] (min-max normalised similarities), got {self.threshold}")
+        if self.global_pool not in ("mean", "cls"): raise ValueError(f"global_pool must be 'mean' or 'cls', got {self.global_pool!r}")
+        if self.fine_norm not in ("caption", "tokens"): raise ValueError(f"fine_norm must be 'caption' or 'tokens', got {self.fine_norm!r}")
+
+
+LAMBDA_FINE_SWEEP = (0.5, 1.0, 5.0, 10.0)   # App. D.4: the values of lambda_f the paper sweeps (lambda_g = 0.5)
 
 
 @register("sparc")
 class SPARC(Method):
-    "SPARC (Bica et al. 2024): lambda_g * CLIP loss + lambda_f * sparse token-to-grouped-patches loss, config `SPARCConfig`."
+    "SPARC (Bica et al. 2024): lambda_g * CLIP loss on pooled embeddings + lambda_f * sparse fine-grained loss, config `SPARCConfig`."
     Config = SPARCConfig
     needs_patches = True
+
+    def build_modules(self, model) -> SPARCHead | None:
+        "h_v of the mean-pooled image embedding (None with `global_pool='cls'`)."
+        return SPARCHead(model.visual.proj.shape[0]) if self.cfg.global_pool == "mean" else None
+
+    def forward(self, model, batch, modules=None):
+        if self.cfg.global_pool == "cls": return super().forward(model, batch)
+        if not isinstance(modules, SPARCHead): raise RuntimeError("SPARC needs its head h_v: pass modules=method.build_modules(model)")
+        return sparc_encode(model, batch["image"], batch["tokens"], modules)
 
     def loss(self, out, batch, dist: DistContext):
         s = out["logit_scale"]
@@ -100,6 +179,15 @@ class SPARC(Method):
         if self.cfg.lambda_fine > 0:
             valid = text_token_mask(batch["tokens"].to(out["tokens"].device), self.cfg.special_tokens)  # (R, L)
             scale = s if self.cfg.fine_scale is None else self.cfg.fine_scale
-            terms["sparc_fine"] = self.cfg.lambda_fine * sparc_fine_loss(out["patches"], out["tokens"], valid, scale, self.cfg.threshold)
+            count = all_sum(valid.sum().to(s.dtype)) / dist.world_size if self.cfg.fine_norm == "tokens" else None
+            terms["sparc_fine"] = self.cfg.lambda_fine * sparc_fine_loss(out["patches"], out["tokens"], valid, scale,
+                                                                         self.cfg.threshold, self.cfg.fine_norm, count)
         terms["_logit_scale"] = s.detach()
         return terms
+
+    def scorers(self, modules=None) -> dict[str, Scorer]:
+        "SPARC's pooled embeddings first (what its paper evaluates), then open_clip's CLS/EOT cosine."
+        if self.cfg.global_pool == "cls": return {"global": GlobalScorer()}
+        if not isinstance(modules, SPARCHead):
+            raise ValueError("SPARC's scorer needs its trained head h_v (method_modules.pt beside model.pt, or the trainer checkpoint)")
+        return {"sparc": SPARCScorer(modules), "global": GlobalScorer()}
