@@ -983,7 +983,9 @@ class ACLIPModules(nn.Module):
 # 4. **Online pass**: the views of all images in one batch through the vision tower inside `select_patch_tokens`, and
 #    the captions once through the text tower; a hook on `ln_post` keeps each view's class token for the heads.
 #
-# `loss(out, batch, ctx)` then applies the heads (their BatchNorms need the process context) and returns the weighted
+# `loss(out, batch, ctx)` then applies the heads, which `forward` hands over as `out['heads']` (their BatchNorms need the
+# process context, which only `loss` receives; under DDP their parameters get their gradients all the same, as the
+# two-process test checks), and returns the weighted
 # terms `clip` ($\frac1V\sum_v$ CLIP of view $v$ against the texts, each gathered with gradient; the authors'
 # $0.5+0.5$), `simclr` ($\tau=0.1$, weight 1, views 1 against 2) and `byol` (weight 2), and logs each view's CLIP loss,
 # the momentum and the kept share. One `gather` carries the views' embeddings, the texts and the SimCLR outputs.
