@@ -115,30 +115,59 @@ class Encoder(nn.Module):
 # %% ../nbs/30_model.ipynb #d95057aa
 class PatchTokenSelect(nn.Module):
     "In place of open_clip's `visual.patch_dropout`: x `(C, 1 + N, width)` -> `(C, 1 + K, width)`, the class token and the patches `keep(x)` names."
-    def __init__(self, keep):
+    def __init__(self, keep, hide=None):
         super().__init__()
         self.keep = keep                                        # x (C, 1 + N, width) -> (C, K) long in [0, N)
+        self.hide = hide                                        # None | (C, K) bool | x -> (C, K) bool: kept but hidden
+        self.key_mask: torch.Tensor | None = None               # (C, 1 + K) bool of the last call, True: no query sees it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx = self.keep(x)                                      # (C, K)
         if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
             raise ValueError(f'keep must return (C, K) patch indices for C = {x.shape[0]}, got {tuple(idx.shape)}')
+        hide = self.hide(x) if callable(self.hide) else self.hide
+        if hide is None: self.key_mask = None
+        else:
+            if hide.shape != idx.shape or hide.dtype != torch.bool:
+                raise ValueError(f'hide must be (C, K) = {tuple(idx.shape)} bool, got {tuple(hide.shape)} {hide.dtype}')
+            cls = torch.zeros(x.shape[0], 1, dtype=torch.bool, device=x.device)
+            self.key_mask = torch.cat([cls, hide.to(x.device)], dim=1)      # (C, 1 + K), the class token always visible
         idx = (idx.to(x.device) + 1)[..., None].expand(-1, -1, x.shape[-1])   # (C, K, width), past the class token
         return torch.cat([x[:, :1], x.gather(1, idx)], dim=1)   # (C, 1 + K, width), class token first
 
 
+def _key_mask_bias(key_mask: torch.Tensor, heads: int, dtype) -> torch.Tensor:
+    "key_mask `(C, T)` bool (True: hidden) -> the additive attention mask `(C * heads, T, T)` of nn.MultiheadAttention."
+    C, T = key_mask.shape
+    bias = torch.zeros(C, T, dtype=dtype, device=key_mask.device).masked_fill(key_mask, float('-inf'))  # (C, T)
+    return bias[:, None, None, :].expand(C, heads, T, T).reshape(C * heads, T, T)        # row b * heads + h: image b
+
+
 @contextmanager
-def select_patch_tokens(model, keep):
-    "Within the block, the vision tower keeps the class token and the patch tokens `keep(x)` returns (see above)."
+def select_patch_tokens(model, keep, hide=None):
+    """Within the block, the vision tower keeps the class token and the patch tokens `keep(x)` returns; `hide`
+    (C, K) bool (or `hide(x)`) marks kept tokens that no query may attend to (see above)."""
     v = model.visual
     if getattr(v, 'class_embedding', None) is None or not hasattr(v, 'patch_dropout'):
         raise NotImplementedError("patch selection needs open_clip's VisionTransformer with a class token")
     old = v.patch_dropout
     if not isinstance(old, nn.Identity):
         raise ValueError(f'the vision tower already drops patches ({type(old).__name__}): one selection at a time')
-    v.patch_dropout = PatchTokenSelect(keep)
+    sel = v.patch_dropout = PatchTokenSelect(keep, hide)
+    tr, wrapped = v.transformer, []
+    if hide is not None:
+        heads = tr.resblocks[0].attn.num_heads
+        for name in ('forward', 'forward_intermediates'):      # the two ways open_clip's ViT enters its blocks
+            if name in vars(tr): raise ValueError(f'the vision transformer already has an instance-level {name}')
+            def masked(x, attn_mask=None, *args, _f=getattr(tr, name), **kw):
+                if attn_mask is not None: raise NotImplementedError('the vision transformer already has an attention mask')
+                m = None if sel.key_mask is None else _key_mask_bias(sel.key_mask, heads, x.dtype)
+                return _f(x, m, *args, **kw)
+            setattr(tr, name, masked); wrapped.append(name)
     try: yield
-    finally: v.patch_dropout = old
+    finally:
+        v.patch_dropout = old
+        for name in wrapped: delattr(tr, name)
 
 # %% ../nbs/30_model.ipynb #0189963b
 def text_token_mask(

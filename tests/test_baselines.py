@@ -1,9 +1,11 @@
-"""The baseline methods (FILIP, SPARC, FLIP, SmartCLIP, CLIP-PGS, C2LIP) through the trainer's own code paths.
+"""The baseline methods (FILIP, SPARC, FLIP, SmartCLIP, CLIP-PGS, C2LIP, A-CLIP, E-CLIP) through the trainer's own code paths.
 Their two-process (gloo) parity with one process is tested with every other method in tests/test_ddp.py.
 
 1. They are in the registry once `powerclip.baselines` modules are imported, and their configs reject bad options.
 2. A few trainer steps of each method on the built-in world run and log finite losses, and every method's
    exported weights (model.pt) load in plain open_clip, its own modules (if any) saved beside them.
+3. A run stopped and resumed equals a straight run, for the methods with modules of their own (SmartCLIP, C2LIP,
+   A-CLIP's EMA towers and heads) and for E-CLIP's hashed cluster draws; A-CLIP's EMA scorer reads the saved towers.
 """
 import math
 
@@ -15,25 +17,29 @@ from powerclip.methods import METHODS, get_method
 
 def test_registered_and_configs_checked():
     get_method("c2lip"); get_method("clip-pgs")  # imports every baseline module
-    assert {"filip", "sparc", "flip", "smartclip", "clip-pgs", "clip-pgs-0.3", "c2lip"} <= set(METHODS)
+    assert {"filip", "sparc", "flip", "smartclip", "clip-pgs", "clip-pgs-0.3", "c2lip", "aclip", "eclip"} <= set(METHODS)
     assert get_method("sparc", {"lambda_fine": 0.5}).cfg.lambda_fine == 0.5
     with pytest.raises(ValueError, match="unknown option"): get_method("filip", {"chunks": 2})
     with pytest.raises(ValueError, match="ratio"): get_method("flip", {"ratio": 1.0})
     with pytest.raises(ValueError, match="threshold"): get_method("sparc", {"threshold": 2.0})
+    with pytest.raises(ValueError, match="views"): get_method("aclip", {"views": 3})
+    with pytest.raises(ValueError, match="threshold"): get_method("eclip", {"threshold": 2.0})
 
 
 def test_registry_imports_baselines_on_demand():
     "The trainer imports only powerclip.methods: asking for a baseline by name must find it."
     import subprocess, sys
-    code = "from powerclip.methods import get_method; print(sorted(type(get_method(n)).__name__ for n in ('filip', 'sparc', 'flip', 'smartclip', 'c2lip')))"
+    code = ("from powerclip.methods import get_method; "
+            "print(sorted(type(get_method(n)).__name__ for n in ('filip', 'sparc', 'flip', 'smartclip', 'c2lip', 'aclip', 'eclip')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "['C2LIP', 'FILIP', 'FLIP', 'SPARC', 'SmartCLIP']"
+    assert r.stdout.strip() == "['ACLIP', 'C2LIP', 'ECLIP', 'FILIP', 'FLIP', 'SPARC', 'SmartCLIP']"
 
 
 @pytest.mark.parametrize("method,terms", [("filip", ["filip"]), ("sparc", ["clip", "sparc_fine"]), ("flip", ["clip"]),
                                           ("smartclip", ["modular", "sparsity"]), ("clip-pgs", ["clip"]),
-                                          ("c2lip", ["siglip", "npc", "xac"])])
+                                          ("c2lip", ["siglip", "npc", "xac"]), ("aclip", ["clip", "simclr", "byol"]),
+                                          ("eclip", ["clip", "_eclip_drop_ratio"])])
 def test_trainer_steps(tmp_path, method, terms):
     import open_clip, torch
     from powerclip.model import register_configs
@@ -47,12 +53,14 @@ def test_trainer_steps(tmp_path, method, terms):
     model = open_clip.create_model_and_transforms("powerclip-micro", pretrained=s["weights"])[0]  # plain open_clip
     own = torch.load(s["checkpoint"], weights_only=False)
     assert all(torch.equal(v, own["model"][k]) for k, v in model.state_dict().items())  # the final weights
-    assert (tmp_path / "method_modules.pt").is_file() == (method in ("smartclip", "c2lip", "sparc")) == (own["method_modules"] is not None)
+    assert (tmp_path / "method_modules.pt").is_file() == (method in ("smartclip", "c2lip", "sparc", "aclip")) == (own["method_modules"] is not None)
 
 
-@pytest.mark.parametrize("method", ["smartclip", "c2lip", "sparc"])
+@pytest.mark.parametrize("method", ["smartclip", "c2lip", "sparc", "aclip", "eclip"])
 def test_resume_restores_method_modules(tmp_path, method):
-    "A run stopped and resumed equals a straight run, for methods whose own modules (and their Adam state) resume too."
+    """A run stopped and resumed equals a straight run, for methods whose own modules (and their Adam state) resume too
+    (A-CLIP: the EMA towers, which have no gradient, and the heads; its momentum follows the trainer's step), and for
+    E-CLIP, whose clusters are drawn from (seed, step, sample id)."""
     import torch
     from powerclip.train import load_config, read_metrics, train
     ov = {"max_steps": 4, "log_every": 1, "optim.warmup_steps": 1, "progress": False, "tensorboard": False}
@@ -62,8 +70,11 @@ def test_resume_restores_method_modules(tmp_path, method):
     a, b = (read_metrics(tmp_path / d / "metrics.csv") for d in "ab")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) < 1e-6
+    if method == "eclip": return                                                    # no modules of its own
     ma, mb = (torch.load(tmp_path / d / "method_modules.pt") for d in "ab")
-    assert all(torch.allclose(ma[k], mb[k], atol=1e-6) for k in ma)
+    assert ma.keys() == mb.keys() and all(torch.allclose(ma[k], mb[k], atol=1e-6) for k in ma)
+    if method == "aclip":
+        assert any(k.startswith("visual_ema.") for k in ma) and [r["_momentum"] for r in a] == [r["_momentum"] for r in b]
 
 
 def test_smartclip_mask_network_gets_its_own_learning_rate():
@@ -113,3 +124,18 @@ def test_smartclip_preset_is_the_finetuning_recipe(tmp_path):
     assert cfg.optim.lr == 1e-6 and cfg.method_cfg["mask_lr"] == 1e-3 and cfg.method_cfg["mask_weight_decay"] == 0.0
     assert cfg.method_cfg["detach_mask_input"] is True
     with pytest.raises(ValueError, match="model.pretrained="): train(cfg)
+
+
+def test_aclip_ema_scorer_reads_the_saved_towers(tmp_path):
+    "The evaluator's loader brings A-CLIP's EMA towers back from method_modules.pt; its 'ema' scorer then differs from 'global'."
+    import torch
+    from powerclip.eval.models import load_model
+    from powerclip.train import load_config, train
+    train(load_config("smoke", {"out_dir": str(tmp_path), "max_steps": 3, "optim.warmup_steps": 1}, method="aclip"))
+    lm = load_model(checkpoint=tmp_path / "model.pt")
+    assert list(lm.scorers) == ["ema", "global"] and lm.modules is not None
+    saved = torch.load(tmp_path / "method_modules.pt")
+    assert all(torch.equal(v.cpu(), saved[k]) for k, v in lm.modules.state_dict().items())
+    img = torch.randn(2, 3, 32, 32)
+    e, g = (lm.scorers[k].image_features(lm.model, img)["image"] for k in ("ema", "global"))
+    assert e.shape == g.shape and not torch.allclose(e, g)        # the EMA lags the online model after 3 steps

@@ -311,35 +311,82 @@ assert len(g0) == sum(p.requires_grad for p in model.parameters())  # every para
 # how tokens are selected, with whatever context its rule needs (pixels, noise, the step) held by `keep`; outside
 # the block the model is plain open_clip, so evaluation, the `state_dict` and exported checkpoints never see a
 # selection. The selecting module has no parameters or buffers.
+#
+# **Hidden tokens.** A batch runs at one sequence length, so a method whose images should lose *different* numbers
+# of patches (E-CLIP: every patch of a random cluster) drops a common number and must hide the rest. `hide` marks
+# kept tokens `(C, K)` bool that no query may attend to: they stay in the sequence (their own queries still run,
+# see nothing of the hidden ones and feed nothing back), but every attention of the vision tower gives them a zero
+# weight, as a key-padding mask: with $m_k=-\infty$ for a hidden key $k$ and 0 otherwise,
+#
+# $$\mathrm{softmax}_k\big(q_i\cdot k_k/\sqrt{d}+m_k\big)\quad\text{for every query } i \text{ of every block and head}.$$
+#
+# The class token and the visible patches then never see a hidden token, in any layer, so the image embedding is
+# exactly that of the sequence with the hidden tokens removed (checked below): hiding is dropping, at the cost of
+# carrying the hidden tokens along. `hide` is a tensor, or a function called with the same `x` right after
+# `keep(x)` (for a rule that decides both at once inside the tower). The mask enters as the `attn_mask` argument of
+# the vision transformer's blocks (open_clip passes it to `nn.MultiheadAttention` as an additive mask,
+# `(C * heads, T, T)` with $-\infty$ on the hidden columns): within the block, the vision transformer's `forward` and
+# `forward_intermediates` pass it on. Being an argument of each block, it is saved with the block's inputs by
+# gradient checkpointing, so the recomputation in the backward pass, after the block has ended, masks alike (a hook
+# that lived only inside the block would not). The text tower is untouched.
 
 # %%
 #| export
 class PatchTokenSelect(nn.Module):
     "In place of open_clip's `visual.patch_dropout`: x `(C, 1 + N, width)` -> `(C, 1 + K, width)`, the class token and the patches `keep(x)` names."
-    def __init__(self, keep):
+    def __init__(self, keep, hide=None):
         super().__init__()
         self.keep = keep                                        # x (C, 1 + N, width) -> (C, K) long in [0, N)
+        self.hide = hide                                        # None | (C, K) bool | x -> (C, K) bool: kept but hidden
+        self.key_mask: torch.Tensor | None = None               # (C, 1 + K) bool of the last call, True: no query sees it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx = self.keep(x)                                      # (C, K)
         if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
             raise ValueError(f'keep must return (C, K) patch indices for C = {x.shape[0]}, got {tuple(idx.shape)}')
+        hide = self.hide(x) if callable(self.hide) else self.hide
+        if hide is None: self.key_mask = None
+        else:
+            if hide.shape != idx.shape or hide.dtype != torch.bool:
+                raise ValueError(f'hide must be (C, K) = {tuple(idx.shape)} bool, got {tuple(hide.shape)} {hide.dtype}')
+            cls = torch.zeros(x.shape[0], 1, dtype=torch.bool, device=x.device)
+            self.key_mask = torch.cat([cls, hide.to(x.device)], dim=1)      # (C, 1 + K), the class token always visible
         idx = (idx.to(x.device) + 1)[..., None].expand(-1, -1, x.shape[-1])   # (C, K, width), past the class token
         return torch.cat([x[:, :1], x.gather(1, idx)], dim=1)   # (C, 1 + K, width), class token first
 
 
+def _key_mask_bias(key_mask: torch.Tensor, heads: int, dtype) -> torch.Tensor:
+    "key_mask `(C, T)` bool (True: hidden) -> the additive attention mask `(C * heads, T, T)` of nn.MultiheadAttention."
+    C, T = key_mask.shape
+    bias = torch.zeros(C, T, dtype=dtype, device=key_mask.device).masked_fill(key_mask, float('-inf'))  # (C, T)
+    return bias[:, None, None, :].expand(C, heads, T, T).reshape(C * heads, T, T)        # row b * heads + h: image b
+
+
 @contextmanager
-def select_patch_tokens(model, keep):
-    "Within the block, the vision tower keeps the class token and the patch tokens `keep(x)` returns (see above)."
+def select_patch_tokens(model, keep, hide=None):
+    """Within the block, the vision tower keeps the class token and the patch tokens `keep(x)` returns; `hide`
+    (C, K) bool (or `hide(x)`) marks kept tokens that no query may attend to (see above)."""
     v = model.visual
     if getattr(v, 'class_embedding', None) is None or not hasattr(v, 'patch_dropout'):
         raise NotImplementedError("patch selection needs open_clip's VisionTransformer with a class token")
     old = v.patch_dropout
     if not isinstance(old, nn.Identity):
         raise ValueError(f'the vision tower already drops patches ({type(old).__name__}): one selection at a time')
-    v.patch_dropout = PatchTokenSelect(keep)
+    sel = v.patch_dropout = PatchTokenSelect(keep, hide)
+    tr, wrapped = v.transformer, []
+    if hide is not None:
+        heads = tr.resblocks[0].attn.num_heads
+        for name in ('forward', 'forward_intermediates'):      # the two ways open_clip's ViT enters its blocks
+            if name in vars(tr): raise ValueError(f'the vision transformer already has an instance-level {name}')
+            def masked(x, attn_mask=None, *args, _f=getattr(tr, name), **kw):
+                if attn_mask is not None: raise NotImplementedError('the vision transformer already has an attention mask')
+                m = None if sel.key_mask is None else _key_mask_bias(sel.key_mask, heads, x.dtype)
+                return _f(x, m, *args, **kw)
+            setattr(tr, name, masked); wrapped.append(name)
     try: yield
-    finally: v.patch_dropout = old
+    finally:
+        v.patch_dropout = old
+        for name in wrapped: delattr(tr, name)
 
 
 # %% [markdown]
@@ -363,6 +410,68 @@ assert_close(_seen[0], _seen[2][:, [0, 6, 1, 10]])
 assert _sel['patches'] is None and isinstance(model.visual.patch_dropout, nn.Identity)
 assert_close(_full['image'], enc['image']); assert not torch.allclose(_sel['image'], enc['image'])
 test_fail(lambda: PatchTokenSelect(lambda x: torch.zeros(3, dtype=torch.long))(torch.zeros(2, 5, 4)), contains='(C, K)')
+
+
+# %% [markdown]
+# Hidden tokens, against the attention written out by hand (float64, every block: `ln_1`, the heads' softmax with the
+# hidden keys at $-\infty$, `out_proj`, the MLP; then `ln_post` of the class token and `proj`); and against dropping
+# them: image 0 keeping patches `[5, 0, 9, 12]` with 0 and 12 hidden gives exactly the embedding of keeping `[5, 9]`
+# (image 1 likewise), while the mask does change the embedding (against keeping all four visible). With gradient
+# checkpointing the recomputation masks too; the text tower is untouched and nothing is left installed after the block.
+
+# %%
+def _manual_image(m, image, keep, hide):
+    "The vision tower by hand, with a key mask: (C, 3, H, W) -> (C, D) unnormalised."
+    v = m.visual
+    x = v.conv1(image).flatten(2).transpose(1, 2)                                         # (C, N, width)
+    x = torch.cat([v.class_embedding.expand(x.shape[0], 1, -1), x], 1) + v.positional_embedding   # (C, 1 + N, width)
+    x = torch.cat([x[:, :1], x[:, 1:].gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))], 1)  # (C, 1 + K, width)
+    x = v.ln_pre(x)
+    km = torch.cat([torch.zeros(x.shape[0], 1, dtype=torch.bool), hide], 1)              # (C, 1 + K)
+    for b in v.transformer.resblocks:
+        H, (C, T, W) = b.attn.num_heads, x.shape
+        q, k, val = F.linear(b.ln_1(x), b.attn.in_proj_weight, b.attn.in_proj_bias).chunk(3, -1)
+        q, k, val = (t.reshape(C, T, H, W // H).transpose(1, 2) for t in (q, k, val))   # (C, H, T, dh)
+        logits = (q @ k.transpose(-1, -2) / (W // H) ** 0.5).masked_fill(km[:, None, None, :], float('-inf'))
+        att = (logits.softmax(-1) @ val).transpose(1, 2).reshape(C, T, W)                # (C, T, width)
+        x = x + b.attn.out_proj(att)
+        x = x + b.mlp(b.ln_2(x))
+    return v.ln_post(x[:, 0]) @ v.proj
+
+_m64 = create_model('powerclip-tiny')[0].double().eval()
+_img64 = img.double()
+_kp = torch.tensor([[5, 0, 9, 12], [1, 2, 3, 60]])
+_hd = torch.tensor([[False, True, False, True], [True, False, False, False]])
+with torch.no_grad():
+    with select_patch_tokens(_m64, lambda x: _kp, hide=_hd):
+        _hid = encode(_m64, _img64, tt['tokens'], need_patches=False)
+    with select_patch_tokens(_m64, lambda x: _kp, hide=lambda x: _hd):          # hide as a function of x
+        _hid2 = encode(_m64, _img64, None, need_patches=False)
+    with select_patch_tokens(_m64, lambda x: _kp):
+        _vis = encode(_m64, _img64, None, need_patches=False)                    # nothing hidden
+    _drop = []                                                                   # the hidden ones removed instead
+    for c, kc in enumerate(([5, 9], [2, 3, 60])):
+        with select_patch_tokens(_m64, lambda x: torch.tensor([kc])):
+            _drop.append(encode(_m64, _img64[c:c + 1], None, need_patches=False)['image'])
+    _man = F.normalize(_manual_image(_m64, _img64, _kp, _hd), dim=-1)
+    _txt = encode(_m64, None, tt['tokens'])
+assert_close(_hid['image'], _man, rtol=0, atol=1e-12)                            # = the attention by hand
+assert torch.equal(_hid2['image'], _hid['image']) and torch.equal(_hid['text'], _txt['text'])
+assert_close(_hid['image'], torch.cat(_drop), rtol=0, atol=1e-12)                 # hiding = dropping, per image
+assert not torch.allclose(_vis['image'], _hid['image'])                          # the mask does act
+assert isinstance(_m64.visual.patch_dropout, nn.Identity)
+assert not {'forward', 'forward_intermediates'} & set(vars(_m64.visual.transformer))  # the class's methods again
+# gradient checkpointing: the recomputation in backward (after the block) masks too (same values, same gradients)
+_m64.train()
+def _hidden_grads(ckpt):
+    _m64.set_grad_checkpointing(ckpt); _m64.zero_grad()
+    with select_patch_tokens(_m64, lambda x: _kp, hide=_hd): e = encode(_m64, _img64, None, need_patches=False)
+    (e['image'] * torch.arange(e['image'].shape[1], dtype=torch.float64)).sum().backward()
+    return e['image'].detach(), _m64.visual.transformer.resblocks[0].attn.in_proj_weight.grad.clone()
+_e0, _g0 = _hidden_grads(False); _e1, _g1 = _hidden_grads(True)
+_m64.set_grad_checkpointing(False); _m64.eval()
+assert_close(_e0, _hid['image']); assert_close(_e1, _e0); assert_close(_g1, _g0)
+test_fail(lambda: PatchTokenSelect(lambda x: _kp, hide=_hd[:, :3])(torch.zeros(2, 65, 4)), contains='hide must be')
 
 
 # %% [markdown]

@@ -5,14 +5,24 @@
 # %% ../../nbs/47_aclip.ipynb #a4a2973d
 from __future__ import annotations
 
+import copy
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+from .clip_pgs import hash_uniform
+from ..dist import DistContext, gather
+from ..loss import clip_loss
+from ..methods import CLIP, GlobalScorer, register
 
 # %% auto #0
 __all__ = ['cls_attention', 'attentive_scores', 'transfer_scores', 'aclip_keep_count', 'block_scores', 'attentive_keep',
-           'ema_momentum', 'ema_update_', 'byol_loss', 'simclr_loss']
+           'ema_momentum', 'ema_update_', 'byol_loss', 'simclr_loss', 'crop_boxes', 'enclosing_box', 'crop_resize',
+           'color_augment', 'GlobalBatchNorm', 'Head', 'simclr_head', 'byol_mlp', 'head_dims', 'ACLIPModules',
+           'ACLIPConfig', 'EMAScorer', 'ACLIP']
 
 # %% ../../nbs/47_aclip.ipynb #8d679da2
 def cls_attention(
@@ -150,3 +160,436 @@ def simclr_loss(
         la = F.cross_entropy(torch.cat([ab, aa], 1), labels)
         lb = F.cross_entropy(torch.cat([ba, bb], 1), labels)
     return (la + lb) / 2
+
+# %% ../../nbs/47_aclip.ipynb #8144042e
+def crop_boxes(
+    u: torch.Tensor,                            # (C, 40) uniform noise in [0, 1): 10 attempts x (area, ratio, top, left)
+    size: tuple[int, int],                      # (H, W) of the image
+    scale: tuple[float, float] = (0.5, 1.0),    # area share of a crop (the authors' RandomResizedCrop scale)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),  # aspect ratio w / h (torchvision's default)
+) -> torch.Tensor:                              # (C, 4) float64 boxes (top, left, height, width), integer-valued
+    "torchvision's `RandomResizedCrop.get_params` for a batch, driven by the given noise."
+    H, W = size
+    C = u.shape[0]
+    if u.shape[1] < 40: raise ValueError(f"need 40 noise columns per crop, got {u.shape[1]}")
+    a = u[:, :40].double().reshape(C, 10, 4)                                            # (C, 10, 4)
+    target = H * W * (scale[0] + (scale[1] - scale[0]) * a[..., 0])                    # (C, 10)
+    lr0, lr1 = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(lr0 + (lr1 - lr0) * a[..., 1])
+    w, h = torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))  # (C, 10)
+    ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
+    first = ok.to(torch.uint8).argmax(1, keepdim=True)                                  # (C, 1) first attempt that fits
+    pick = lambda t: t.gather(1, first)[:, 0]                                           # (C,)
+    hh, ww = pick(h), pick(w)
+    top = torch.floor(pick(a[..., 2]) * (H - hh + 1)); left = torch.floor(pick(a[..., 3]) * (W - ww + 1))
+    in_ratio = W / H                                                                    # fallback: central crop
+    if in_ratio < min(ratio): fw, fh = W, int(round(W / min(ratio)))
+    elif in_ratio > max(ratio): fh, fw = H, int(round(H * max(ratio)))
+    else: fw, fh = W, H
+    fb = torch.tensor([(H - fh) // 2, (W - fw) // 2, fh, fw], dtype=torch.float64, device=u.device)
+    box = torch.stack([top, left, hh, ww], 1)                                           # (C, 4)
+    return torch.where(ok.any(1, keepdim=True), box, fb)
+
+
+def enclosing_box(
+    a: torch.Tensor, b: torch.Tensor,   # (C, 4) boxes (top, left, height, width)
+    u: torch.Tensor,                    # (C, 4) uniform noise: how far each side moves out
+    size: tuple[int, int],              # (H, W)
+) -> torch.Tensor:                      # (C, 4) float64: encloses a and b, inside the image
+    "The EMA's crop: the union of two boxes, each side moved towards the border by a uniform integer amount."
+    H, W = size
+    a, b, u = a.double(), b.double(), u.double()
+    t0, l0 = torch.minimum(a[:, 0], b[:, 0]), torch.minimum(a[:, 1], b[:, 1])
+    b0, r0 = torch.maximum(a[:, 0] + a[:, 2], b[:, 0] + b[:, 2]), torch.maximum(a[:, 1] + a[:, 3], b[:, 1] + b[:, 3])
+    t = torch.floor(u[:, 0] * (t0 + 1)); l = torch.floor(u[:, 1] * (l0 + 1))             # in [0, t0], [0, l0]
+    bt = b0 + torch.floor(u[:, 2] * (H - b0 + 1)); rt = r0 + torch.floor(u[:, 3] * (W - r0 + 1))   # in [b0, H], [r0, W]
+    return torch.stack([t, l, bt - t, rt - l], 1)
+
+
+def crop_resize(
+    image: torch.Tensor,       # (C, ch, H, W)
+    box: torch.Tensor,         # (C, 4) (top, left, height, width) in pixels, inside the image
+    out_hw: tuple[int, int],   # (oh, ow)
+) -> torch.Tensor:             # (C, ch, oh, ow): each box resized (bilinear, as F.interpolate of the crop)
+    "Crop a box of each image and resize it, batched: torchvision's tensor `resized_crop` (bilinear, no antialias)."
+    C, _, H, W = image.shape
+    oh, ow = out_hw
+    bx = box.to(torch.float64)
+    t, l, h, w = bx.unbind(1)                                                           # (C,) each
+    ys = t[:, None] + (torch.arange(oh, dtype=torch.float64, device=bx.device) + 0.5) * (h / oh)[:, None] - 0.5  # (C, oh)
+    xs = l[:, None] + (torch.arange(ow, dtype=torch.float64, device=bx.device) + 0.5) * (w / ow)[:, None] - 0.5
+    ys = torch.minimum(torch.maximum(ys, t[:, None]), (t + h - 1)[:, None])             # clamped to the box's pixels
+    xs = torch.minimum(torch.maximum(xs, l[:, None]), (l + w - 1)[:, None])
+    ny, nx = (2 * ys + 1) / H - 1, (2 * xs + 1) / W - 1                                 # align_corners=False coordinates
+    grid = torch.stack([nx[:, None, :].expand(C, oh, ow), ny[:, :, None].expand(C, oh, ow)], -1)  # (C, oh, ow, 2)
+    return F.grid_sample(image, grid.to(image.dtype), mode="bilinear", padding_mode="border", align_corners=False)
+
+# %% ../../nbs/47_aclip.ipynb #3f542643
+_GRAY = (0.2989, 0.587, 0.114)   # torchvision's rgb_to_grayscale weights
+
+
+def _gray(x: torch.Tensor) -> torch.Tensor:
+    "(C, 3, H, W) -> (C, 1, H, W)"
+    r, g, b = x.unbind(1)
+    return (_GRAY[0] * r + _GRAY[1] * g + _GRAY[2] * b)[:, None]
+
+
+def _blend(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    "torchvision's `_blend`: f x + (1 - f) y, clamped to [0, 1]; f (C,)."
+    f = f.to(x.dtype)[:, None, None, None]
+    return (f * x + (1 - f) * y).clamp(0, 1)
+
+
+def _rgb_to_hsv(x: torch.Tensor) -> torch.Tensor:
+    "torchvision's `_rgb2hsv`: (..., 3, H, W) in [0, 1] -> h, s, v in [0, 1]."
+    r, g, b = x.unbind(-3)
+    maxc, minc = x.max(-3).values, x.min(-3).values
+    eqc = maxc == minc
+    cr = maxc - minc
+    ones = torch.ones_like(maxc)
+    s = cr / torch.where(eqc, ones, maxc)
+    crd = torch.where(eqc, ones, cr)
+    rc, gc, bc = (maxc - r) / crd, (maxc - g) / crd, (maxc - b) / crd
+    h = (maxc == r) * (bc - gc) + ((maxc == g) & (maxc != r)) * (2.0 + rc - bc) + ((maxc != g) & (maxc != r)) * (4.0 + gc - rc)
+    return torch.stack([torch.fmod(h / 6.0 + 1.0, 1.0), s, maxc], -3)
+
+
+def _hsv_to_rgb(x: torch.Tensor) -> torch.Tensor:
+    "torchvision's `_hsv2rgb`."
+    h, s, v = x.unbind(-3)
+    i = torch.floor(h * 6.0)
+    f = h * 6.0 - i
+    i = i.to(torch.int32) % 6
+    p, q, t = ((v * (1.0 - s)).clamp(0, 1), (v * (1.0 - s * f)).clamp(0, 1), (v * (1.0 - s * (1.0 - f))).clamp(0, 1))
+    mask = (i[..., None, :, :] == torch.arange(6, device=i.device).view(-1, 1, 1)).to(x.dtype)   # (..., 6, H, W)
+    a = torch.stack([torch.stack(c, -3) for c in ((v, q, p, p, t, v), (t, v, v, q, p, p), (p, p, t, v, v, q))], -4)
+    return torch.einsum("...ijk,...xijk->...xjk", mask, a)
+
+
+def _jitter_op(x: torch.Tensor, op: int, f: torch.Tensor) -> torch.Tensor:
+    "One ColorJitter operation with per-image factors f (C,): 0 brightness, 1 contrast, 2 saturation, 3 hue."
+    if op == 0: return _blend(x, torch.zeros_like(x), f)
+    if op == 1: return _blend(x, _gray(x).mean(dim=(1, 2, 3), keepdim=True), f)
+    if op == 2: return _blend(x, _gray(x), f)
+    hsv = _rgb_to_hsv(x)
+    h = torch.remainder(hsv[:, 0] + f.to(x.dtype)[:, None, None], 1.0)
+    return _hsv_to_rgb(torch.stack([h, hsv[:, 1], hsv[:, 2]], 1))
+
+
+def _blur(x: torch.Tensor, sigma: torch.Tensor, k: int) -> torch.Tensor:
+    "Gaussian blur with a per-image sigma (C,), k taps, reflected borders: torchvision's `gaussian_blur`, batched."
+    C, ch, H, W = x.shape
+    t = torch.arange(k, dtype=x.dtype, device=x.device) - (k - 1) / 2
+    g = torch.exp(-0.5 * (t[None] / sigma.to(x.dtype)[:, None]) ** 2)
+    g = (g / g.sum(1, keepdim=True)).repeat_interleave(ch, 0)                            # (C ch, k)
+    y = F.pad(x.reshape(1, C * ch, H, W), (k // 2,) * 4, mode="reflect")
+    y = F.conv2d(y, g[:, None, :, None], groups=C * ch)                                   # vertical
+    y = F.conv2d(y, g[:, None, None, :], groups=C * ch)                                   # horizontal
+    return y.reshape(C, ch, H, W)
+
+
+@torch.no_grad()
+def color_augment(
+    x: torch.Tensor,   # (C, 3, H, W) images in [0, 1]
+    u: torch.Tensor,   # (C, 13) uniform noise
+    jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.2, 0.1),  # brightness, contrast, saturation, hue
+    p_jitter: float = 0.8, p_gray: float = 0.2, p_blur: float = 0.1, p_solarize: float = 0.2,
+    sigma: tuple[float, float] = (0.1, 2.0),   # blur sigma in pixels of a 224-pixel image
+) -> torch.Tensor:     # (C, 3, H, W) in [0, 1]
+    "A-CLIP's colour augmentation of the online views (ColorJitter, RandomGrayscale, GaussianBlur, Solarize), batched."
+    C, _, H, W = x.shape
+    u = u.to(torch.float64)
+    lo = torch.tensor([1 - jitter[0], 1 - jitter[1], 1 - jitter[2], -jitter[3]], dtype=torch.float64, device=u.device)
+    hi = torch.tensor([1 + jitter[0], 1 + jitter[1], 1 + jitter[2], jitter[3]], dtype=torch.float64, device=u.device)
+    lo[:3] = lo[:3].clamp_min(0)
+    fac = lo + (hi - lo) * u[:, 1:5]                                                       # (C, 4)
+    order = u[:, 5:9].argsort(1)                                                           # (C, 4) a random permutation
+    x = x.clone()
+    on = u[:, 0] < p_jitter
+    for pos in range(4):
+        for op in range(4):
+            rows = (on & (order[:, pos] == op)).nonzero()[:, 0]
+            if len(rows): x[rows] = _jitter_op(x[rows], op, fac[rows, op])
+    gray = (u[:, 9] < p_gray).nonzero()[:, 0]
+    if len(gray): x[gray] = _gray(x[gray]).expand(-1, 3, -1, -1)
+    scale = min(H, W) / 224
+    blur = (u[:, 10] < p_blur).nonzero()[:, 0]
+    if len(blur):
+        s = (sigma[0] + (sigma[1] - sigma[0]) * u[blur, 11]) * scale
+        x[blur] = _blur(x[blur], s, 2 * math.ceil(3 * sigma[1] * scale) + 1)
+    sol = (u[:, 12] < p_solarize).nonzero()[:, 0]
+    if len(sol): x[sol] = torch.where(x[sol] >= 128 / 255, 1 - x[sol], x[sol])
+    return x
+
+# %% ../../nbs/47_aclip.ipynb #0ecd62db
+class GlobalBatchNorm(nn.Module):
+    "BatchNorm1d in training mode with the statistics of the global batch (through `powerclip.dist.gather`), no running stats."
+    def __init__(self, dim: int, affine: bool = True, eps: float = 1e-5):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if affine else None
+
+    def forward(self, x: torch.Tensor, ctx: DistContext) -> torch.Tensor:   # (R, dim) -> (R, dim), at least float32
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        m = xf.mean(0)                                                                 # (dim,)
+        M = (xf - m).square().sum(0)                                                   # (dim,)
+        s = gather(ctx, {"stats": torch.cat([xf.new_full((1,), xf.shape[0]), m, M])[None]}).all["stats"]  # (G, 1 + 2 dim)
+        n, ms, Ms = s[:, :1], s[:, 1:1 + self.dim], s[:, 1 + self.dim:]
+        N = n.sum()
+        mu = (n * ms).sum(0) / N
+        var = (Ms + n * (ms - mu).square()).sum(0) / N
+        y = (xf - mu) * torch.rsqrt(var + self.eps)
+        return y if self.weight is None else y * self.weight + self.bias
+
+
+class Head(nn.Module):
+    "An MLP of Linear, ReLU and GlobalBatchNorm layers (the latter get the process context)."
+    def __init__(self, *layers: nn.Module):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+        for l in self.layers: x = l(x, ctx) if isinstance(l, GlobalBatchNorm) else l(x)
+        return x
+
+
+def simclr_head(dim: int, hidden: int, out: int) -> Head:
+    "SLIP's SimCLR head `_build_mlp`: Linear-BN-ReLU-Linear-BN-ReLU-Linear (with biases)."
+    return Head(nn.Linear(dim, hidden), GlobalBatchNorm(hidden), nn.ReLU(), nn.Linear(hidden, hidden), GlobalBatchNorm(hidden),
+                nn.ReLU(), nn.Linear(hidden, out))
+
+
+def byol_mlp(dim: int, hidden: int, out: int) -> Head:
+    "A-CLIP's `_build_mlp_byol(2, dim, hidden, out, last_bn=False)`: Linear-BN-ReLU-Linear, no biases."
+    return Head(nn.Linear(dim, hidden, bias=False), GlobalBatchNorm(hidden), nn.ReLU(), nn.Linear(hidden, out, bias=False))
+
+# %% ../../nbs/47_aclip.ipynb #9ce6122e
+def head_dims(width: int, embed_dim: int, hidden: int = 0, out: int = 0) -> tuple[int, int]:
+    "(hidden, out) of the heads: the authors' 4096 and 256 at width >= 768; else 4 * width and the embedding dim; non-zero given values win."
+    h, o = (4096, 256) if width >= 768 else (4 * width, embed_dim)
+    return hidden or h, out or o
+
+
+class ACLIPModules(nn.Module):
+    "A-CLIP's training-time modules: EMA towers (no gradient) and the SimCLR / BYOL heads (trained)."
+    def __init__(self, model, views: int = 2, hidden: int = 0, out: int = 0):
+        super().__init__()
+        v = model.visual
+        width, embed = v.transformer.width, v.output_dim
+        hidden, out = head_dims(width, embed, hidden, out)
+        self.visual_ema = copy.deepcopy(v)
+        self.transformer_ema = copy.deepcopy(model.transformer)
+        tp = model.text_projection
+        self.text_projection_ema = copy.deepcopy(tp) if isinstance(tp, nn.Module) else nn.Parameter(tp.detach().clone())
+        self.simclr = simclr_head(width, hidden, out) if views == 2 else None
+        self.byol_proj = byol_mlp(width, hidden, out)
+        self.byol_pred = byol_mlp(out, hidden, out)
+        self.byol_proj_ema = copy.deepcopy(self.byol_proj)
+        for p in self.ema_parameters(): p.requires_grad_(False)
+
+    def _pairs(self, model) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        "(name, EMA tensor, online tensor) of every parameter the EMA follows, matched by name."
+        tp = model.text_projection
+        mods = [(self.visual_ema, model.visual), (self.transformer_ema, model.transformer), (self.byol_proj_ema, self.byol_proj)]
+        if isinstance(tp, nn.Module): mods.append((self.text_projection_ema, tp))
+        out = []
+        for me, mo in mods:
+            e, o = dict(me.named_parameters()), dict(mo.named_parameters())
+            if list(e) != list(o): raise ValueError(f"EMA parameters {sorted(set(e) ^ set(o))} do not match the online ones")
+            out += [(n, e[n], o[n]) for n in e]
+        if not isinstance(tp, nn.Module): out.append(("text_projection", self.text_projection_ema, tp))
+        return out
+
+    def ema_parameters(self) -> list[nn.Parameter]:
+        ps = [*self.visual_ema.parameters(), *self.transformer_ema.parameters(), *self.byol_proj_ema.parameters()]
+        return ps + ([self.text_projection_ema] if isinstance(self.text_projection_ema, nn.Parameter) else [*self.text_projection_ema.parameters()])
+
+    @torch.no_grad()
+    def update(self, model, momentum: float) -> None:
+        "The EMA step: every EMA tensor <- m * EMA + (1 - m) * online."
+        pairs = self._pairs(model)
+        ema_update_([e for _, e, _ in pairs], [o.detach() for _, _, o in pairs], momentum)
+
+    @torch.no_grad()
+    def ema_attention(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        "images (C, 3, H, W) -> A-CLIP's patch scores (C, N) and the EMA class token after ln_post (C, width)."
+        v, rows, cls = self.visual_ema, [], []
+        def on_ln1(b):
+            return lambda mod, args, y: rows.append(cls_attention(y, b.attn.in_proj_weight, b.attn.in_proj_bias, b.attn.num_heads))
+        hooks = [b.ln_1.register_forward_hook(on_ln1(b)) for b in v.transformer.resblocks]
+        hooks.append(v.ln_post.register_forward_hook(lambda mod, args, y: cls.append(y[:, 0] if y.dim() == 3 else y)))
+        try: v(images)
+        finally:
+            for h in hooks: h.remove()
+        if len(rows) != len(v.transformer.resblocks) or len(cls) != 1: raise RuntimeError("EMA attention hooks fired unexpectedly")
+        return attentive_scores(torch.stack(rows)), cls[0]
+
+    def encode_text_ema(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        "open_clip's `encode_text` with the EMA transformer and projection (token/positional embedding, ln_final: the model's)."
+        from open_clip.transformer import text_global_pool
+        cast = self.transformer_ema.get_cast_dtype()
+        x = model.token_embedding(tokens).to(cast) + model.positional_embedding.to(cast)
+        x = model.ln_final(self.transformer_ema(x, attn_mask=model.attn_mask))
+        x = text_global_pool(x, tokens, model.text_pool_type, eos_token_id=getattr(model, "text_eos_id", None))
+        tp = self.text_projection_ema
+        return tp(x) if isinstance(tp, nn.Module) else x @ tp
+
+# %% ../../nbs/47_aclip.ipynb #b67919fb
+@dataclass
+class ACLIPConfig:
+    "A-CLIP's options: the authors' code (`microsoft/A-CLIP`) where it sets them."
+    keep_ratio: float = 0.5          # kept share of blocks of patches (get_att_mask ratio: 25 of 49 blocks, 100 of 196 tokens)
+    block: int = 2                   # side of the blocks chosen together (their 2 x 2)
+    views: int = 2                   # 2: two crops + the enclosing crop for the EMA (their "2x50%"); 1: the batch image ("1x50%")
+    crop_scale: tuple = (0.5, 1.0)   # area share of the two crops (GetThreeRandomResizedCrop(224, scale=(0.5, 1.0)))
+    color_aug: bool = True           # ColorJitter(0.4, 0.4, 0.2, 0.1) p 0.8, grayscale 0.2, blur 0.1, solarize 0.2 (main.py)
+    momentum: float = 0.996          # EMA momentum at step 0, cosine to 1 at the end (--momentum-ema)
+    clip_weight: float = 1.0         # weight of the mean over views of the CLIP loss (their 0.5 + 0.5)
+    simclr_weight: float = 1.0       # weight of SimCLR between the two views (their 1; --ssl-scale is unused)
+    simclr_tau: float = 0.1          # SimCLR temperature (--ssl-temp)
+    byol_weight: float = 2.0         # weight of the online-to-EMA (BYOL) term (their 2)
+    head_hidden: int = 0             # hidden width of the heads; 0: 4096 at width >= 768 (theirs), else 4 * width
+    head_out: int = 0                # output width of the heads; 0: 256 at width >= 768 (theirs), else the embedding dim
+    freeze_patch_embed: bool = True  # keep the patch projection at its initial weights (their MoCo-v3 trick)
+
+    def __post_init__(self):
+        self.crop_scale = tuple(self.crop_scale)
+        if not 0 < self.keep_ratio <= 1: raise ValueError(f"keep_ratio must be in (0, 1], got {self.keep_ratio}")
+        if self.block < 1: raise ValueError(f"block must be >= 1, got {self.block}")
+        if self.views not in (1, 2): raise ValueError(f"views must be 1 or 2, got {self.views}")
+        if len(self.crop_scale) != 2 or not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise ValueError(f"crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.crop_scale}")
+        if not 0 <= self.momentum <= 1: raise ValueError(f"momentum must be in [0, 1], got {self.momentum}")
+        if min(self.clip_weight, self.simclr_weight, self.byol_weight) < 0: raise ValueError("loss weights must be >= 0")
+        if self.simclr_tau <= 0: raise ValueError(f"simclr_tau must be > 0, got {self.simclr_tau}")
+        if self.head_hidden < 0 or self.head_out < 0: raise ValueError("head_hidden and head_out must be >= 0 (0: automatic)")
+
+
+_NOISE = 110   # hashed noise per sample and step: 2 x 40 crop draws, 4 for the EMA box, 2 x 13 colour draws
+
+
+class EMAScorer(GlobalScorer):
+    "A-CLIP's evaluation (their eval_zeroshot.py): cosine of the EMA towers' global embeddings."
+    name = "ema"
+
+    def __init__(self, modules: ACLIPModules | None):
+        self.modules = modules
+
+    def _mods(self) -> ACLIPModules:
+        if self.modules is None:
+            raise ValueError("A-CLIP's 'ema' scorer needs the trained EMA towers (method_modules.pt beside model.pt, or a "
+                             "trainer checkpoint); none were found: evaluate with the 'global' scorer or give the run folder")
+        return self.modules
+
+    @torch.no_grad()
+    def image_features(self, model, images):
+        return {"image": F.normalize(self._mods().visual_ema(images), dim=-1).float()}     # (B, D)
+
+    @torch.no_grad()
+    def text_features(self, model, tokens):
+        return {"text": F.normalize(self._mods().encode_text_ema(model, tokens), dim=-1).float()}   # (B, D)
+
+
+@register("aclip")
+class ACLIP(CLIP):
+    "A-CLIP: attentive token removal by an EMA encoder, two views, CLIP + SimCLR + BYOL losses; config `ACLIPConfig`."
+    Config = ACLIPConfig
+    needs_patches = False
+
+    def __init__(self, cfg=None, seed: int = 0):
+        super().__init__(cfg, seed)
+        self.step, self.total, self._hooked = 0, None, False
+        self.last: dict = {}   # boxes, kept patches and scores of the last training forward pass (checks, figures)
+
+    def setup_model(self, model) -> None:
+        if self.cfg.freeze_patch_embed:
+            for p in model.visual.conv1.parameters(): p.requires_grad_(False)
+
+    def build_modules(self, model) -> ACLIPModules:
+        return ACLIPModules(model, self.cfg.views, self.cfg.head_hidden, self.cfg.head_out)
+
+    def on_step(self, step: int, total: int) -> None:
+        "The trainer's step (0-based) and run length: the momentum schedule and the step of the noise stream."
+        self.step, self.total, self._hooked = int(step), int(total), True
+
+    @property
+    def momentum(self) -> float:
+        return ema_momentum(self.step, self.total, self.cfg.momentum) if self.total else self.cfg.momentum
+
+    def scorers(self, modules=None):
+        return {"ema": EMAScorer(modules), "global": GlobalScorer()}
+
+    def _views(self, model, image, u):
+        "The online views (V C, 3, H, W), the EMA's input (C, 3, H, W), the boxes [(C, 4)] * V and the EMA box (C, 4)."
+        cfg, (C, _, H, W) = self.cfg, image.shape
+        v = model.visual
+        mean = torch.tensor(getattr(v, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073), dtype=image.dtype, device=image.device)
+        std = torch.tensor(getattr(v, "image_std", None) or (0.26862954, 0.26130258, 0.27577711), dtype=image.dtype, device=image.device)
+        full = torch.tensor([0.0, 0.0, H, W], dtype=torch.float64, device=image.device).expand(C, 4)
+        if cfg.views == 2:
+            boxes = [crop_boxes(u[:, 40 * i:40 * (i + 1)], (H, W), cfg.crop_scale) for i in range(2)]
+            ema_box = enclosing_box(*boxes, u[:, 80:84], (H, W))
+            views = [crop_resize(image, b, (H, W)) for b in boxes]
+            ema_in = crop_resize(image, ema_box, (H, W))
+        else:
+            boxes, ema_box, views, ema_in = [full], full, [image], image
+        if cfg.color_aug:
+            un = lambda x: (x * std[:, None, None] + mean[:, None, None]).clamp(0, 1)     # the model's normalisation undone
+            views = [(color_augment(un(x), u[:, 84 + 13 * i:97 + 13 * i]) - mean[:, None, None]) / std[:, None, None]
+                     for i, x in enumerate(views)]
+        return torch.cat(views), ema_in, boxes, ema_box
+
+    def forward(self, model, batch, modules=None):
+        from powerclip.model import encode, grid_size, select_patch_tokens  # late: keeps this module importable without open_clip
+        image, tokens = batch["image"], batch["tokens"]
+        if not model.visual.training:                            # evaluation: the online model, every patch
+            return encode(model, image, tokens, need_patches=False)
+        if not isinstance(modules, ACLIPModules):
+            raise RuntimeError("A-CLIP needs its EMA towers and heads: pass modules=method.build_modules(model)")
+        cfg, C = self.cfg, image.shape[0]
+        m = self.momentum
+        modules.update(model, m)                                 # 1. the EMA step, before the EMA is read
+        keys = batch.get("index")
+        keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
+        u = hash_uniform(keys, self.step, self.seed, _NOISE)     # (C, 110)
+        gh, gw = grid_size(model)
+        with torch.no_grad():
+            with torch.autocast(image.device.type, enabled=False):                    # pixels in the batch's precision
+                views, ema_in, boxes, ema_box = self._views(model, image, u)        # 2. (V C, 3, H, W), (C, 3, H, W)
+            scores, cls_ema = modules.ema_attention(ema_in)                          # 3. (C, N), (C, width)
+            smap = scores.reshape(C, gh, gw)
+            keep = torch.cat([attentive_keep(transfer_scores(smap, ema_box, b, (gh, gw)).flatten(1), (gh, gw), cfg.keep_ratio, cfg.block)
+                              for b in boxes])                                       # (V C, K)
+        cls = []
+        hook = model.visual.ln_post.register_forward_hook(lambda mod, args, y: cls.append(y[:, 0] if y.dim() == 3 else y))
+        try:
+            with select_patch_tokens(model, lambda x: keep):                         # 4. the online views, selected
+                img = encode(model, views, None, need_patches=False)
+        finally: hook.remove()
+        txt = encode(model, None, tokens)
+        if not self._hooked: self.step += 1
+        self.last = dict(boxes=boxes, ema_box=ema_box, keep=keep, scores=scores, views=views, ema_in=ema_in)
+        return dict(image=img["image"], text=txt["text"], logit_scale=txt["logit_scale"], cls=cls[0], cls_ema=cls_ema,
+                    heads=modules, momentum=torch.tensor(m, device=image.device),
+                    keep_ratio=torch.tensor(keep.shape[1] / (gh * gw), device=image.device))
+
+    def loss(self, out, batch, dist):
+        cfg, mods = self.cfg, out["heads"]
+        V, C = cfg.views, out["text"].shape[0]
+        z = out["image"].reshape(V, C, -1)                                           # (V, C, D) each view's embeddings
+        pred = mods.byol_pred(mods.byol_proj(out["cls"], dist), dist).reshape(V, C, -1)   # (V, C, out)
+        with torch.no_grad(): target = mods.byol_proj_ema(out["cls_ema"].detach(), dist)  # (C, out)
+        send = {f"image{v}": z[v] for v in range(V)} | {"text": out["text"]}
+        if V == 2:
+            ssl = mods.simclr(out["cls"], dist).reshape(2, C, -1)                    # (2, C, out)
+            send |= {"ssl1": ssl[0], "ssl2": ssl[1]}
+        g = gather(dist, send)
+        a = g.all
+        clips = [clip_loss(z[v], out["text"], out["logit_scale"], a[f"image{v}"], a["text"], g.offset) for v in range(V)]
+        terms = {"clip": cfg.clip_weight * sum(clips) / V, "byol": cfg.byol_weight * byol_loss(pred, target)}
+        if V == 2:
+            terms["simclr"] = cfg.simclr_weight * simclr_loss(ssl[0], ssl[1], cfg.simclr_tau, a["ssl1"], a["ssl2"], g.offset)
+        terms |= {f"_clip_view{v + 1}": c.detach() for v, c in enumerate(clips)}
+        terms |= {"_momentum": out["momentum"], "_keep_ratio": out["keep_ratio"], "_logit_scale": out["logit_scale"].detach()}
+        return terms

@@ -11,11 +11,14 @@ from typing import Callable
 
 import torch
 
-from .clip_pgs import cosine_matrix, drop_count
+from .clip_pgs import cosine_matrix, drop_count, hash_uniform, mix_weight, patch_pixels
+from ..dist import all_max
+from ..methods import CLIP, register
 
 # %% auto #0
 __all__ = ['pixel_similarity', 'patch_similarity', 'anchor_count', 'draw_anchors', 'cluster_mask', 'cluster_drop_count',
-           'select_kept', 'effective_ratio', 'calibrate_threshold', 'ClusterMasking', 'cluster_masking']
+           'select_kept', 'effective_ratio', 'calibrate_threshold', 'ClusterMasking', 'cluster_masking', 'ECLIPConfig',
+           'ClusterSelector', 'ECLIP']
 
 # %% ../../nbs/48_eclip.ipynb #33673ec3
 def pixel_similarity(
@@ -149,3 +152,93 @@ def cluster_masking(
     n_drop = cluster_drop_count(int(m_min), masked.shape[1], min_ratio)
     keep, hidden = select_kept(masked, order_noise, n_drop)
     return ClusterMasking(keep, hidden, masked, anchors, n_drop)
+
+# %% ../../nbs/48_eclip.ipynb #a8028789
+@dataclass
+class ECLIPConfig:
+    "E-CLIP's options: the authors' README command where it sets them, their code's defaults otherwise."
+    anchor_ratio: float = 0.03   # share of anchor patches (--force-patch-dropout 0.03: 6 of 196), at least 1
+    threshold: float = 0.5       # cosine threshold of a cluster (the value their forward passes: target_mask_ratio 0.5)
+    min_ratio: float = 0.3       # least share of patches dropped per image (--min_mask_ratio 0.3)
+    hide_clusters: bool = True   # hide the cluster patches left after the common drop (the paper's intent); False:
+                                 # leave them visible (the released code, without its +1 attention bias)
+    use_embed: bool = False      # mix the token similarity in with weight alpha = progress (their use_embed; off)
+
+    def __post_init__(self):
+        if not 0 < self.anchor_ratio < 1: raise ValueError(f"anchor_ratio must be in (0, 1), got {self.anchor_ratio}")
+        if not -1 <= self.threshold <= 1: raise ValueError(f"threshold is a cosine, in [-1, 1]; got {self.threshold}")
+        if not 0 <= self.min_ratio < 1: raise ValueError(f"min_ratio must be in [0, 1), got {self.min_ratio}")
+
+
+def _all_min(t: torch.Tensor) -> torch.Tensor:
+    "Minimum of an integer count over the processes (a tensor, as `cluster_masking` passes it)."
+    return torch.tensor(-all_max(-int(t)))
+
+
+class ClusterSelector:
+    "The `keep` (and `hidden`) of `select_patch_tokens` for one forward pass: x `(C, 1 + N, width)` -> `(C, N - n_drop)`."
+    def __init__(self, cfg: ECLIPConfig, patch: int, image: torch.Tensor, noise: torch.Tensor, alpha: float):
+        self.cfg, self.patch, self.image, self.noise, self.alpha = cfg, patch, image, noise, alpha  # (C, 3, H, W), (C, 2N)
+        self.last: ClusterMasking | None = None   # the choice of the last call
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        N = x.shape[1] - 1
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            pix = patch_pixels(self.image, self.patch)                         # (C, N, 3 p^2)
+            if pix.shape[1] != N: raise ValueError(f"image has {pix.shape[1]} patches, the token sequence {N}")
+            emb = x[:, 1:].detach() if self.alpha > 0 else None                # (C, N, width) with position, as theirs
+            sim = patch_similarity(pix, emb, self.alpha)                       # (C, N, N)
+            self.last = cluster_masking(sim, self.noise[:, :N], self.noise[:, N:], anchor_count(N, self.cfg.anchor_ratio),
+                                        self.cfg.threshold, self.cfg.min_ratio, all_min=_all_min)
+        return self.last.keep
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        "The kept cluster patches `(C, N - n_drop)` bool of the last call (`hide` of `select_patch_tokens`)."
+        return self.last.hidden
+
+
+@register("eclip")
+class ECLIP(CLIP):
+    "E-CLIP: CLIP's loss with cluster masking of the patch tokens in training, config `ECLIPConfig`."
+    Config = ECLIPConfig
+    needs_patches = False
+
+    def __init__(self, cfg=None, seed: int = 0):
+        super().__init__(cfg, seed)
+        self.step, self.total, self._hooked = 0, None, False
+        self.last: ClusterMasking | None = None    # the masking of the last training forward pass
+
+    def on_step(self, step: int, total: int) -> None:
+        "The trainer's step (0-based) and run length: the step of the noise stream and the embedding weight."
+        self.step, self.total, self._hooked = int(step), int(total), True
+
+    @property
+    def alpha(self) -> float:
+        if not self.cfg.use_embed: return 0.0
+        return mix_weight(self.step / self.total if self.total else 0.0)
+
+    def forward(self, model, batch, modules=None):
+        from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+        image, v = batch["image"], model.visual
+        if not v.training:                                       # evaluation: every patch
+            return encode(model, image, batch["tokens"], need_patches=False)
+        patch = int(v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size)
+        C, N = image.shape[0], (image.shape[-2] // patch) * (image.shape[-1] // patch)
+        keys = batch.get("index")
+        keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
+        sel = ClusterSelector(self.cfg, patch, image, hash_uniform(keys, self.step, self.seed, 2 * N), self.alpha)
+        with select_patch_tokens(model, sel, hide=sel.hidden if self.cfg.hide_clusters else None):
+            out = encode(model, image, batch["tokens"], need_patches=False)
+        if not self._hooked: self.step += 1
+        self.last = m = sel.last
+        f = lambda x: torch.as_tensor(x, dtype=torch.float32, device=image.device)
+        out["eclip_drop_ratio"] = f(m.n_drop / N)
+        out["eclip_cluster_ratio"] = f(m.masked.sum(1).double().mean() / N)
+        out["eclip_hidden_ratio"] = f(m.hidden.sum(1).double().mean() / N if self.cfg.hide_clusters else 0.0)
+        return out
+
+    def loss(self, out, batch, dist):
+        terms = super().loss(out, batch, dist)
+        for k in ("eclip_drop_ratio", "eclip_cluster_ratio", "eclip_hidden_ratio"):
+            if k in out: terms[f"_{k}"] = out[k]
+        return terms
