@@ -330,6 +330,7 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
     if f.is_file():
         c = json.loads(f.read_text())
         if c.get("key") == key and c.get("weights_mtime_ns") == stamp: return c["results"]
+    t0 = time.time()
     lm = lm or load_model(checkpoint=folder, device=device)
     with tempfile.TemporaryDirectory() as d:         # features computed once for the numbers and the items
         res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, per_item=True)
@@ -338,6 +339,7 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
         cpu = lm if device == "cpu" else load_model(checkpoint=folder)              # the heat maps run on the CPU
         g = pointing_scenes(cpu.model, cpu.tokenizer, world, grounding)
         res["per_scene"]["pointing"] = g.pop("per_scene"); res.update(g)
+    res["eval_s"] = time.time() - t0
     folder.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
     return res
@@ -633,6 +635,8 @@ def _parser() -> ArgumentParser:
 def _main(argv: list[str]) -> int:
     with usage_errors():
         a = _parser().parse_intermixed_args(argv)
+        a.overrides += [r for r in a.runs if "=" in r]                   # key=value pairs right after --runs NAME ...
+        a.runs = [r for r in a.runs if "=" not in r] or ["demo"]
         runs = list(RUNS) if a.runs == ["all"] else list(DEMO_RUNS) if a.runs == ["demo"] else a.runs
         many = a.runs == ["all"] or (a.seeds is not None and len(a.seeds) > 1)
         seeds = a.seeds if a.seeds is not None else (list(COMPARE_SEEDS) if a.runs == ["all"] else [0])

@@ -46,6 +46,7 @@ from powerclip.world import WorldConfig, generate
 import contextlib, io
 from fastcore.test import test_close, test_eq, test_fail
 
+
 # %% [markdown]
 # # The comparison: every method on the world
 #
@@ -410,6 +411,7 @@ test_fail(lambda: make_plan(["CLIP"], preset="smoke", overrides={"optim.learning
 _q = make_plan(["CLIP", "A-CLIP"], preset="smoke", log=lambda m: None)   # kept once `aclip` is registered, left out before
 test_eq(("A-CLIP" in _q.runs, "A-CLIP" in _q.skipped), (_registered("aclip") is None, _registered("aclip") is not None))
 
+
 # %% [markdown]
 # ## Training, reused and resumed
 #
@@ -528,6 +530,7 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
     if f.is_file():
         c = json.loads(f.read_text())
         if c.get("key") == key and c.get("weights_mtime_ns") == stamp: return c["results"]
+    t0 = time.time()
     lm = lm or load_model(checkpoint=folder, device=device)
     with tempfile.TemporaryDirectory() as d:         # features computed once for the numbers and the items
         res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, per_item=True)
@@ -536,6 +539,7 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
         cpu = lm if device == "cpu" else load_model(checkpoint=folder)              # the heat maps run on the CPU
         g = pointing_scenes(cpu.model, cpu.tokenizer, world, grounding)
         res["per_scene"]["pointing"] = g.pop("per_scene"); res.update(g)
+    res["eval_s"] = time.time() - t0
     folder.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
     return res
@@ -556,6 +560,7 @@ test_eq(len(_r["per_scene"]["hn_mean"]), 40); test_eq(len(_r["per_scene"]["point
 _g = grounding_score(model_heat_fn(_lm.model, _lm.tokenizer), 6, _wcfg)
 test_close((_r["pointing"], _r["mean_iou"], _r["n_phrases"]), (_g["pointing"], _g["mean_iou"], _g["n_phrases"]), eps=1e-9)
 assert json.loads((_tmp / "untrained" / "eval.json").read_text())["results"] == _r == evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)
+
 
 # %% [markdown]
 # ## Statistics over seeds
@@ -636,6 +641,7 @@ _st = paired_stats(_ps)
 test_eq(_st["X"]["hn_mean"]["t"].verdict(), "better"); assert _st["X"]["hn_mean"]["boot"].n == 200
 test_eq(verdicts(_st), {"X": "better: HN mean"})
 assert _sm["X"]["hn_mean_sd"] > 9 and _st["X"]["hn_mean"]["t"].hi - _st["X"]["hn_mean"]["t"].lo < 2   # pairing removes the seed's share
+
 
 # %% [markdown]
 # ## Tables and the plot
@@ -911,6 +917,8 @@ def _parser() -> ArgumentParser:
 def _main(argv: list[str]) -> int:
     with usage_errors():
         a = _parser().parse_intermixed_args(argv)
+        a.overrides += [r for r in a.runs if "=" in r]                   # key=value pairs right after --runs NAME ...
+        a.runs = [r for r in a.runs if "=" not in r] or ["demo"]
         runs = list(RUNS) if a.runs == ["all"] else list(DEMO_RUNS) if a.runs == ["demo"] else a.runs
         many = a.runs == ["all"] or (a.seeds is not None and len(a.seeds) > 1)
         seeds = a.seeds if a.seeds is not None else (list(COMPARE_SEEDS) if a.runs == ["all"] else [0])
@@ -937,6 +945,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.compare` runs here
 if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
+
 
 # %% [markdown]
 # Mistakes are one line, exit status 2, before anything trains:
@@ -984,3 +993,19 @@ with contextlib.redirect_stderr(io.StringIO()):
 test_eq({p: p.stat().st_mtime_ns for p in _mtimes}, _mtimes)                      # nothing trained or evaluated again
 test_eq(json.dumps(_again.summary, sort_keys=True), json.dumps(_cmp.summary, sort_keys=True))
 print((_tmp / "mini" / "summary.md").read_text())
+
+# %% [markdown]
+# ## The comparison at its default budget
+#
+# `make compare` writes its tables and curves to `runs/compare`; this cell shows them when they are there (run it after
+# `make compare`, e.g. `make nbs NB=nbs/70_compare.ipynb`, to keep them in the notebook), and says so when not. It
+# reads what the comparison wrote and trains nothing.
+
+# %%
+#| slow
+from IPython.display import Image as _Image, display
+_root = Path("..") if Path("../runs").is_dir() else Path(".")
+_done = _root / "runs" / "compare" / "summary.md"
+if _done.is_file():
+    print(_done.read_text()); display(_Image(str(_done.parent / "curves.png")))
+else: print(f"no comparison in {_done.parent.resolve()} yet: `make compare` makes it, then this cell shows it")
