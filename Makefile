@@ -15,15 +15,21 @@ $(STAMP): constraints.txt settings.ini setup.py
 	$(BIN)/uv pip install --python $(BIN)/python -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-## The main job on its built-in default: CLIP vs PowerCLIP-R vs PowerCLIP-gold on the built-in world.
+## The main job on its built-in default: CLIP vs PowerCLIP-R vs PowerCLIP-gold on the built-in world, one seed.
 demo: install
-	$(BIN)/python -m powerclip.demo
+	$(BIN)/python -m powerclip.compare
 
-## Every method (CLIP, FLIP, CLIP-PGS, C2LIP, SmartCLIP, FILIP, SPARC, PowerCLIP-R, PowerCLIP-gold) on the world,
-## the same budget, 3 seeds: one table of means and spreads with time and memory relative to CLIP.
-STEPS ?= 100
+## Every method (CLIP, FLIP, CLIP-PGS, A-CLIP, E-CLIP, FILIP, SPARC, C2LIP, C2LIP-CLIP, SmartCLIP, PowerCLIP-R,
+## PowerCLIP-gold) on the world, each in its paper's regime, over seeds: means and spreads, paired differences to CLIP
+## with 95 % intervals, learning curves (runs/compare/summary.md, curves.png). About an hour on 2 CPU cores; a longer
+## budget or a GPU: make compare STEPS=2000 SEEDS="0 1 2 3 4" DEVICE=cuda PRECISION=bf16
+STEPS ?=
+SEEDS ?=
+DEVICE ?=
+PRECISION ?=
 compare: install
-	$(BIN)/python -m powerclip.demo --runs all --seeds 0 1 2 --steps $(STEPS)
+	$(BIN)/python -m powerclip.compare --runs all $(if $(STEPS),--steps $(STEPS)) $(if $(SEEDS),--seeds $(SEEDS)) \
+	  $(if $(DEVICE),--device $(DEVICE)) $(if $(PRECISION),--precision $(PRECISION))
 
 ## Every task type of powerclip-eval on the comparison's seed-0 checkpoints: the real COCO sample (retrieval,
 ## SugarCrepe; needs ../shared/data) and a held-out world folder (retrieval, hard negatives, zero-shot,

@@ -5,7 +5,7 @@
 # %% ../nbs/50_train.ipynb #1a4f0f8c
 from __future__ import annotations
 
-import contextlib, csv, dataclasses, math, os, random, re, sys, time, typing, warnings
+import contextlib, csv, dataclasses, json, math, os, random, re, sys, time, typing, warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,9 +24,9 @@ from .methods import METHODS, Method, get_method, method_config
 __all__ = ['PRECISIONS', 'PRESET_DIR', 'CHECKPOINT_KEYS', 'ModelConfig', 'OptimConfig', 'TrainConfig', 'from_dict', 'to_dict',
            'preset_path', 'set_dotted', 'parse_override', 'method_options', 'load_config', 'no_decay', 'make_optimizer',
            'lr_factor', 'make_scheduler', 'TrainState', 'rng_state', 'set_rng_state', 'seed_all', 'previous_checkpoint',
-           'save_checkpoint', 'export_weights', 'load_checkpoint', 'read_resume', 'MetricLogger', 'read_metrics',
-           'plot_metrics', 'MethodForward', 'method_forward', 'to_device', 'autocast_for', 'forward_loss', 'train_step',
-           'validate', 'Run', 'build_run', 'train', 'parse_args', 'main']
+           'save_checkpoint', 'export_weights', 'save_snapshot', 'load_checkpoint', 'read_resume', 'MetricLogger',
+           'read_metrics', 'plot_metrics', 'MethodForward', 'method_forward', 'to_device', 'autocast_for',
+           'forward_loss', 'train_step', 'validate', 'Run', 'build_run', 'train', 'parse_args', 'main']
 
 # %% ../nbs/50_train.ipynb #87126376
 @dataclass
@@ -92,6 +92,11 @@ class TrainConfig:
     progress: bool = True              # tqdm progress bar on the main process
     tensorboard: bool = True           # also write TensorBoard events to out_dir/tb
     find_unused_parameters: bool = False  # DDP option, for methods that leave parameters unused
+    snapshot_steps: tuple = ()         # after these steps also write snapshots/step{N}/ (model.pt, method_modules.pt,
+                                       # config.yaml, snapshot.json with the training seconds so far): learning curves,
+                                       # and the start of a fine-tune from the middle of a run
+    start_batch: int = 0               # the first batch is this batch of the run seed's data order (a fine-tune that
+                                       # continues its base run's data: the base run's step); the schedule starts at 0
 
     def __post_init__(self):
         # each message starts with the field's name (what the user typed: `precision=fp16`)
@@ -107,6 +112,11 @@ class TrainConfig:
             raise ValueError(f"device: must be cpu, cuda, cuda:N or null (cuda when available), got {self.device!r}")
         if not self.out_dir: raise ValueError("out_dir: needs a folder for the run's outputs")
         if not self.method: raise ValueError("method: needs a method name (e.g. powerclip, clip)")
+        if self.start_batch < 0: raise ValueError(f"start_batch: must be at least 0, got {self.start_batch}")
+        if self.start_batch and getattr(self.data, "source", None) == "wds":   # shards position by a checkpoint's StreamPosition
+            raise ValueError("start_batch: continues a run's data order on the built-in world only; on shards, resume the base run's checkpoint")
+        if any(int(n) != n or n < 1 for n in self.snapshot_steps):
+            raise ValueError(f"snapshot_steps: must be integers of at least 1, got {list(self.snapshot_steps)}")
 
 # %% ../nbs/50_train.ipynb #9cd90ed9
 def from_dict(cls, d: dict, path: str = ""):
@@ -295,6 +305,7 @@ class TrainState:
     bad_total: int = 0        # steps skipped for a non-finite loss or gradient
     bad_in_row: int = 0       # consecutive such steps
     skipped: dict = field(default_factory=dict)  # samples skipped in the finished epochs, by reason, over all processes
+    seconds: float = 0.0      # wall-clock seconds of the training loop so far, across resumes
 
 
 def rng_state() -> dict:
@@ -359,6 +370,18 @@ def export_weights(run_dir, model, modules: torch.nn.Module | None = None) -> di
     out = dict(model=_atomic_save(model.state_dict(), Path(run_dir) / "model.pt"))
     if modules is not None: out["method_modules"] = _atomic_save(modules.state_dict(), Path(run_dir) / "method_modules.pt")
     return out
+
+
+def save_snapshot(run_dir, step: int, seconds: float, model, modules: torch.nn.Module | None = None) -> Path:
+    """`run_dir/snapshots/step{step}/`: the weights as `export_weights` writes them, the run's `config.yaml` (so the
+    folder loads like a run folder) and, written last, `snapshot.json` (step, training seconds so far): a folder
+    without it is incomplete."""
+    d = Path(run_dir) / "snapshots" / f"step{step}"
+    export_weights(d, model, modules)
+    for name, text in (("config.yaml", (Path(run_dir) / "config.yaml").read_text()),
+                       ("snapshot.json", json.dumps(dict(step=step, seconds=seconds)))):
+        tmp = d / (name + ".tmp"); tmp.write_text(text); os.replace(tmp, d / name)
+    return d
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:
@@ -701,6 +724,9 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                                              "config above (a record: change seed or model, not these)\n"
                                              + yaml.safe_dump(dict(derived=run.derived()), sort_keys=False))
     state = TrainState()
+    if cfg.start_batch:  # a fine-tune continuing its base run's data order (a resumed run takes its checkpoint's place)
+        spe = steps_per_epoch(cfg.data, ctx.world_size)
+        state.epoch, state.step_in_epoch = divmod(cfg.start_batch, spe) if spe else (0, cfg.start_batch)
 
     if ck is not None:
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
@@ -732,6 +758,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
     bar = tqdm(total=total, initial=state.step, disable=not (ctx.is_main and cfg.progress), unit="step",
                dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
     t_start = t_last = time.time(); n_since, last_row, skipped = 0, {}, {}
+    seconds0, snapshots = state.seconds, set(cfg.snapshot_steps)
     mem = PeakMemory(ctx.device.type); mem.start()
     first_step = state.step
     global_batch = cfg.data.batch_size * ctx.world_size
@@ -743,6 +770,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
             method.on_step(state.step, total)
             out = run.step(run.prepare(batch), state)
             state.step += 1; state.step_in_epoch += 1; n_since += 1
+            state.seconds = seconds0 + time.time() - t_start
             if not out["ok"]:
                 _log(f"step {state.step}: non-finite loss or gradient, update skipped ({state.bad_in_row} in a row, {state.bad_total} in all)", ctx)
                 if state.bad_in_row >= cfg.max_bad_in_row:
@@ -758,6 +786,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                 logger.log(last_row)
                 bar.set_postfix(loss=f"{last_row['loss']:.4f}", img_s=f"{last_row['img_per_s']:.0f}", refresh=False)
                 t_last, n_since = now, 0
+            if state.step in snapshots and ctx.is_main: save_snapshot(run_dir, state.step, state.seconds, model, modules)
             if state.step % cfg.ckpt_every == 0 and state.step < total: checkpoint(loader.state())
             if state.step >= min(total, cfg.stop_at or total): break
         else:  # the epoch ran out

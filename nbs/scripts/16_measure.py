@@ -32,7 +32,7 @@ import torch
 
 # %% [markdown]
 # Three small tools, each used by more than one caller (the trainer reports a run's peak memory, the comparison in
-# `70_demo` trains each method in a fresh process, and every script in `benchmarks/` times and measures):
+# `70_compare` trains each method in a fresh process, and every script in `benchmarks/` times and measures):
 #
 # - `run_isolated(fn, *args)` runs `fn(*args) -> dict` in a freshly spawned process, so that what it measures (its
 #   peak memory above all) is its own and not the caller's; a child that dies without answering (killed for memory,

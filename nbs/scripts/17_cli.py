@@ -37,7 +37,7 @@ from fastcore.test import test_eq, test_fail
 # > One convention for every entry point: a user's mistake is one line on stderr naming the argument and what is allowed, exit status 2, before any model is built; `--debug` (or `POWERCLIP_DEBUG=1`) shows the traceback.
 
 # %% [markdown]
-# Every command of the project (`powerclip.train`, `powerclip-eval`, `powerclip-heatmaps`, `powerclip.demo`,
+# Every command of the project (`powerclip.train`, `powerclip-eval`, `powerclip-heatmaps`, `powerclip.compare`,
 # `data_prep/annotate_shards.py`, the benchmark scripts) follows the same rules:
 #
 # - **A mistake of the user's is one line.** An unknown method, a config key that does not exist, `optim.lr=abc`,

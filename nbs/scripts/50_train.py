@@ -20,7 +20,7 @@
 #| export
 from __future__ import annotations
 
-import contextlib, csv, dataclasses, math, os, random, re, sys, time, typing, warnings
+import contextlib, csv, dataclasses, json, math, os, random, re, sys, time, typing, warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +38,7 @@ from powerclip.methods import METHODS, Method, get_method, method_config
 # %%
 #| hide
 import tempfile
-from fastcore.test import test_eq, test_fail
+from fastcore.test import test_close, test_eq, test_fail
 from powerclip.data import write_shard
 from torch.testing import assert_close
 
@@ -135,6 +135,11 @@ class TrainConfig:
     progress: bool = True              # tqdm progress bar on the main process
     tensorboard: bool = True           # also write TensorBoard events to out_dir/tb
     find_unused_parameters: bool = False  # DDP option, for methods that leave parameters unused
+    snapshot_steps: tuple = ()         # after these steps also write snapshots/step{N}/ (model.pt, method_modules.pt,
+                                       # config.yaml, snapshot.json with the training seconds so far): learning curves,
+                                       # and the start of a fine-tune from the middle of a run
+    start_batch: int = 0               # the first batch is this batch of the run seed's data order (a fine-tune that
+                                       # continues its base run's data: the base run's step); the schedule starts at 0
 
     def __post_init__(self):
         # each message starts with the field's name (what the user typed: `precision=fp16`)
@@ -150,6 +155,11 @@ class TrainConfig:
             raise ValueError(f"device: must be cpu, cuda, cuda:N or null (cuda when available), got {self.device!r}")
         if not self.out_dir: raise ValueError("out_dir: needs a folder for the run's outputs")
         if not self.method: raise ValueError("method: needs a method name (e.g. powerclip, clip)")
+        if self.start_batch < 0: raise ValueError(f"start_batch: must be at least 0, got {self.start_batch}")
+        if self.start_batch and getattr(self.data, "source", None) == "wds":   # shards position by a checkpoint's StreamPosition
+            raise ValueError("start_batch: continues a run's data order on the built-in world only; on shards, resume the base run's checkpoint")
+        if any(int(n) != n or n < 1 for n in self.snapshot_steps):
+            raise ValueError(f"snapshot_steps: must be integers of at least 1, got {list(self.snapshot_steps)}")
 
 
 # %% [markdown]
@@ -428,6 +438,7 @@ class TrainState:
     bad_total: int = 0        # steps skipped for a non-finite loss or gradient
     bad_in_row: int = 0       # consecutive such steps
     skipped: dict = field(default_factory=dict)  # samples skipped in the finished epochs, by reason, over all processes
+    seconds: float = 0.0      # wall-clock seconds of the training loop so far, across resumes
 
 
 def rng_state() -> dict:
@@ -492,6 +503,18 @@ def export_weights(run_dir, model, modules: torch.nn.Module | None = None) -> di
     out = dict(model=_atomic_save(model.state_dict(), Path(run_dir) / "model.pt"))
     if modules is not None: out["method_modules"] = _atomic_save(modules.state_dict(), Path(run_dir) / "method_modules.pt")
     return out
+
+
+def save_snapshot(run_dir, step: int, seconds: float, model, modules: torch.nn.Module | None = None) -> Path:
+    """`run_dir/snapshots/step{step}/`: the weights as `export_weights` writes them, the run's `config.yaml` (so the
+    folder loads like a run folder) and, written last, `snapshot.json` (step, training seconds so far): a folder
+    without it is incomplete."""
+    d = Path(run_dir) / "snapshots" / f"step{step}"
+    export_weights(d, model, modules)
+    for name, text in (("config.yaml", (Path(run_dir) / "config.yaml").read_text()),
+                       ("snapshot.json", json.dumps(dict(step=step, seconds=seconds)))):
+        tmp = d / (name + ".tmp"); tmp.write_text(text); os.replace(tmp, d / name)
+    return d
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:
@@ -965,6 +988,9 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                                              "config above (a record: change seed or model, not these)\n"
                                              + yaml.safe_dump(dict(derived=run.derived()), sort_keys=False))
     state = TrainState()
+    if cfg.start_batch:  # a fine-tune continuing its base run's data order (a resumed run takes its checkpoint's place)
+        spe = steps_per_epoch(cfg.data, ctx.world_size)
+        state.epoch, state.step_in_epoch = divmod(cfg.start_batch, spe) if spe else (0, cfg.start_batch)
 
     if ck is not None:
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
@@ -996,6 +1022,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
     bar = tqdm(total=total, initial=state.step, disable=not (ctx.is_main and cfg.progress), unit="step",
                dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
     t_start = t_last = time.time(); n_since, last_row, skipped = 0, {}, {}
+    seconds0, snapshots = state.seconds, set(cfg.snapshot_steps)
     mem = PeakMemory(ctx.device.type); mem.start()
     first_step = state.step
     global_batch = cfg.data.batch_size * ctx.world_size
@@ -1007,6 +1034,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
             method.on_step(state.step, total)
             out = run.step(run.prepare(batch), state)
             state.step += 1; state.step_in_epoch += 1; n_since += 1
+            state.seconds = seconds0 + time.time() - t_start
             if not out["ok"]:
                 _log(f"step {state.step}: non-finite loss or gradient, update skipped ({state.bad_in_row} in a row, {state.bad_total} in all)", ctx)
                 if state.bad_in_row >= cfg.max_bad_in_row:
@@ -1022,6 +1050,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                 logger.log(last_row)
                 bar.set_postfix(loss=f"{last_row['loss']:.4f}", img_s=f"{last_row['img_per_s']:.0f}", refresh=False)
                 t_last, n_since = now, 0
+            if state.step in snapshots and ctx.is_main: save_snapshot(run_dir, state.step, state.seconds, model, modules)
             if state.step % cfg.ckpt_every == 0 and state.step < total: checkpoint(loader.state())
             if state.step >= min(total, cfg.stop_at or total): break
         else:  # the epoch ran out
@@ -1133,6 +1162,28 @@ _oc = open_clip.create_model_and_transforms("powerclip-micro", pretrained=_s["we
 _ck = load_checkpoint(_s["checkpoint"])
 assert all(torch.equal(_ck["model"][n], p) for n, p in _oc.state_dict().items()) and _ck["method_modules"] is None
 test_fail(lambda: train(_micro(_tmp / "ft", **{"model.pretrained": "required"})), contains="model.pretrained=")
+
+# %% [markdown]
+# ### Snapshots, and a fine-tune that continues its base run's data
+#
+# `snapshot_steps` makes a run also leave its weights at those steps, in `snapshots/step{N}/`, a folder that loads like a
+# run folder (`config.yaml` beside `model.pt`), with the training seconds so far in `snapshot.json` (the wall-clock of
+# the loop, summed across resumes): the learning curves of the comparison (`70_compare`) read them. A fine-tune starts
+# from one (`model.pretrained=.../snapshots/step{N}/model.pt`) with a schedule of its own, and `start_batch=N` makes it
+# read the batches its base run would have read next. Below, CLIP's snapshot at step 3 fine-tuned at learning rate 0:
+# its first loss is the base run's loss at step 4, the same weights on the same batch.
+
+# %%
+_clip = lambda out_dir, **kw: load_config("smoke", dict(out_dir=str(out_dir), **kw), method="clip")
+_base = train(_clip(_tmp / "base", snapshot_steps=[3, 6]))
+_snaps = {n: json.loads((_tmp / "base" / "snapshots" / f"step{n}" / "snapshot.json").read_text()) for n in (3, 6)}
+assert 0 < _snaps[3]["seconds"] < _snaps[6]["seconds"] and _snaps[6]["step"] == 6
+assert (_tmp / "base" / "snapshots" / "step3" / "config.yaml").is_file()
+assert all(torch.equal(v, torch.load(_tmp / "base" / "model.pt")[k]) for k, v in torch.load(_tmp / "base" / "snapshots" / "step6" / "model.pt").items())
+_ft = train(_clip(_tmp / "ft0", max_steps=2, start_batch=3, **{"optim.lr": 0.0,
+                  "model.pretrained": str(_tmp / "base" / "snapshots" / "step3" / "model.pt")}))
+test_close(read_metrics(_tmp / "ft0" / "metrics.csv")[0]["loss"], read_metrics(_tmp / "base" / "metrics.csv")[3]["loss"], eps=1e-6)
+test_fail(lambda: _micro(_tmp / "x", snapshot_steps=[0]), contains="snapshot_steps")
 
 # %% [markdown]
 # The paper preset's model (ViT-B/16 at 224 pixels, about 150 M parameters) takes one step on CPU at a batch

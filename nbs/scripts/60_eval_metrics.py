@@ -49,7 +49,7 @@ from fastcore.test import test_close, test_eq, test_fail
 # | `65_eval_tables` | `eval.tables` | result tables side by side and in the paper's layouts |
 # | `66_eval_cli`, `66a_eval_main` | `eval.cli`, `eval.__main__` | `powerclip-eval` / `python -m powerclip.eval` |
 #
-# The heatmaps (`67_heatmaps`) and the comparison (`70_demo`) come after and use these modules.
+# The heatmaps (`67_heatmaps`) and the comparison (`70_compare`) come after and use these modules.
 #
 # Every metric here takes **scores**, a higher score meaning "more similar", and never looks at how they were
 # made: the cosine of global embeddings, FILIP's late interaction, anything a method's `Scorer` returns

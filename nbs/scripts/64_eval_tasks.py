@@ -38,7 +38,7 @@ from powerclip.eval.benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, Benchmar
 from powerclip.eval.data import (ClassificationSet, MissingData, RetrievalSet, Skips, load_classification, load_coco_sample,
                                  load_retrieval, load_sugarcrepe, load_winoground)
 from powerclip.eval.metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy, linear_probe,
-                                    retrieval_recall, winoground_scores)
+                                    outranks, retrieval_recall, winoground_scores)
 from powerclip.eval.models import Evaluator
 from powerclip.methods import GlobalScorer
 from powerclip.world import NEGATIVE_KINDS
@@ -336,7 +336,7 @@ torch.testing.assert_close(zeroshot_logits(fev, _x, cls.classnames, cls.template
 # %% [markdown]
 # ## The world evaluation of the demo
 #
-# `evaluate_world` is what the comparison (`70_demo`) reports for each run on its held-out world folder
+# `evaluate_world` is what the comparison (`70_compare`) reports for each run on its held-out world folder
 # (`write_world_benchmark`): the hard-negative accuracy per kind (`hn_<kind>`, NaN when the folder has no item of that
 # kind) and their mean (`hn_mean`), and retrieval R@1 and R@5 both ways, all in percent. The headline scorer's numbers
 # carry these keys and `scorer` names it; the other scorers' numbers carry the same keys prefixed `<scorer>:`.
@@ -344,13 +344,53 @@ torch.testing.assert_close(zeroshot_logits(fev, _x, cls.classnames, cls.template
 # Captions go through the model's tokenizer. On the world's captions that gives exactly the ids of the gold-tree
 # tokens a run trains on (`parsing.tree_tokens`), checked below on every caption and negative of the folder, so the
 # evaluation reads captions as training does.
+#
+# **Per item.** With `per_item=True` the result also holds, under `items`, each scorer's answer item by item: for every
+# hard negative, every image (image to text) and every caption (text to image), the scene it belongs to (its image file)
+# and a hit (1) or a miss (0) under the same tie rule; the mean of the hits is the number above (per kind, R@1). The
+# comparison's bootstrap over held-out scenes (`69_stats`) resamples them. An evaluator with a feature cache computes
+# the features once for both.
 
 # %%
 #| export
 WORLD_KEYS = ('i2t_R@1', 'i2t_R@5', 't2i_R@1', 't2i_R@5')
 
-def evaluate_world(ev: Evaluator, root) -> dict:
-    "The demo's numbers (%) on a world benchmark folder, for every scorer: `hn_<kind>`, `hn_mean`, R@1/R@5 both ways (see above)."
+def recall1_hits(sim: torch.Tensor, text_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "Per-item R@1 of `retrieval_recall` (same ranks, same tie rule): `(I,)` image-to-text hits (images without a caption: False), `(T,)` text-to-image hits."
+    I, T = sim.shape
+    sim, text_image = sim.float(), torch.as_tensor(text_image, dtype=torch.long)
+    own = torch.zeros(I, T, dtype=torch.bool); own[text_image, torch.arange(T)] = True
+    pos_t = sim[text_image, torch.arange(T)]                                                   # (T,)
+    t2i = ((outranks(sim, pos_t[None]) & ~own).sum(0) < 1) & ~pos_t.isnan()                   # (T,)
+    best_i = sim.masked_fill(~own | sim.isnan(), -math.inf).max(1).values                     # (I,)
+    best_i = best_i.masked_fill(best_i == -math.inf, math.nan)
+    i2t = ((outranks(sim, best_i[:, None]) & ~own).sum(1) < 1) & ~best_i.isnan()              # (I,)
+    return i2t, t2i
+
+def world_items(ev: Evaluator, found: dict, scorer: str | None = None) -> dict:
+    """`evaluate_world`'s answers item by item (see above), from `find_data`'s loaded `found`:
+    `{'hn': {kind: {'image': [file name], 'hit': [0/1]}}, 'i2t_R@1': {...}, 't2i_R@1': {...}}`."""
+    sc, ret = found['sugarcrepe'][0], found['retrieval'][0]
+    rows = [r for rs in sc.values() for r in rs]
+    images, vi = _index([r[0] for r in rows])
+    texts, ti = _index([t for r in rows for t in r[1:]])
+    V, T = ev.image_features(images, scorer), ev.text_features(texts, scorer)
+    img = [vi[r[0]] for r in rows]
+    pos = ev.pair_scores(V, T, img, [ti[r[1]] for r in rows], scorer)                          # (n,)
+    neg = ev.pair_scores(V, T, img, [ti[r[2]] for r in rows], scorer)
+    hit, out, start = (~outranks(neg, pos)).int().tolist(), {'hn': {}}, 0
+    for c, rs in sc.items():
+        out['hn'][c] = dict(image=[Path(r[0]).name for r in rs], hit=hit[start:start + len(rs)]); start += len(rs)
+    captions, text_image = ret.flat()
+    i2t, t2i = recall1_hits(ev.scores(ev.image_features(ret.images, scorer), ev.text_features(captions, scorer), scorer), text_image)
+    has = torch.zeros(len(ret.images), dtype=torch.bool); has[torch.as_tensor(text_image, dtype=torch.long)] = True
+    names = [Path(p).name for p in ret.images]
+    out['i2t_R@1'] = dict(image=[n for n, h in zip(names, has.tolist()) if h], hit=i2t[has].int().tolist())
+    out['t2i_R@1'] = dict(image=[names[i] for i in torch.as_tensor(text_image).tolist()], hit=t2i.int().tolist())
+    return out
+
+def evaluate_world(ev: Evaluator, root, per_item: bool = False) -> dict:
+    "The comparison's numbers (%) on a world benchmark folder, for every scorer: `hn_<kind>`, `hn_mean`, R@1/R@5 both ways; `per_item`: also `items` (see above)."
     found = find_data(root, ('sugarcrepe', 'retrieval'))
     out = dict(scorer=ev.headline)
     for s in ev.scorers:
@@ -358,6 +398,7 @@ def evaluate_world(ev: Evaluator, root) -> dict:
         hn = {f'hn_{k}': m['sugarcrepe'].get(k, math.nan) for k in NEGATIVE_KINDS}
         res = {**hn, 'hn_mean': m['sugarcrepe']['mean'], **{k: m['retrieval'][k] for k in WORLD_KEYS}}
         out.update({(k if s == ev.headline else f'{s}:{k}'): v for k, v in res.items()})
+    if per_item: out['items'] = {s: world_items(ev, found[0], s) for s in ev.scorers}
     return out
 
 
@@ -371,8 +412,18 @@ res = evaluate_world(ev, tmp / 'world')
 test_eq(res['scorer'], 'global'); assert set(res) >= {'hn_swap_att', 'hn_mean', 'i2t_R@1', 't2i_R@5'}
 assert all(0 <= v <= 100 for v in res.values() if isinstance(v, float) and v == v)
 test_eq(res['hn_mean'], m1['sugarcrepe']['mean']); test_eq(res['i2t_R@5'], m1['retrieval']['i2t_R@5'])
-fres = evaluate_world(fev, tmp / 'world')
+fres = evaluate_world(fev, tmp / 'world', per_item=True)
 test_eq(fres['scorer'], 'late'); assert 'global:hn_mean' in fres and 'late:hn_mean' not in fres
+for _s, _pre in (('late', ''), ('global', 'global:')):             # the items' means are the numbers, for each scorer
+    _it = fres['items'][_s]
+    test_close([100 * np.mean(_it['hn'][k]['hit']) for k in _it['hn']], [fres[f'{_pre}hn_{k}'] for k in _it['hn']])
+    test_close(np.mean([100 * np.mean(_it['hn'][k]['hit']) for k in _it['hn']]), fres[f'{_pre}hn_mean'])
+    test_close([100 * np.mean(_it[k]['hit']) for k in ('i2t_R@1', 't2i_R@1')], [fres[f'{_pre}i2t_R@1'], fres[f'{_pre}t2i_R@1']])
+test_eq(len(fres['items']['late']['t2i_R@1']['image']), len(load_retrieval(tmp / 'world' / 'retrieval.json').flat()[0]))
+_sim, _ti = torch.tensor([[1.0, 1.0, 1.0], [0.0, 2.0, 1.0]]), torch.tensor([0, 1, 1])
+_i2t, _t2i = recall1_hits(_sim, _ti)                                 # ties count against: image 0 and caption 2 miss
+test_eq((_i2t.tolist(), _t2i.tolist()), ([False, True], [True, True, False]))
+test_close([100 * _i2t.float().mean().item(), 100 * _t2i.float().mean().item()], [retrieval_recall(_sim, _ti, (1,))[k] for k in ('i2t_R@1', 't2i_R@1')])
 {k: round(v, 1) for k, v in res.items() if k != 'scorer'}
 
 

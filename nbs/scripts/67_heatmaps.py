@@ -605,7 +605,7 @@ test_eq(_parse_checkpoint('random:powerclip-micro'), ('random:powerclip-micro', 
 # %% [markdown]
 # ## The demo checkpoints
 #
-# The three runs of `powerclip-demo` (`runs/demo/{CLIP,PowerCLIP-R,PowerCLIP-gold}`: a tiny ViT, 64 px, 8 x 8 patches,
+# The three runs of `make demo` (`runs/demo/{CLIP,PowerCLIP-R,PowerCLIP-gold}`: a tiny ViT, 64 px, 8 x 8 patches,
 # 360 steps on the world) are not in git; these cells skip when they are absent. They were trained on world scenes
 # only, so on COCO photos the maps show what such a model does out of its domain; on world scenes they show whether
 # a phrase lights up the object it names, and whether swapping the colours or the objects moves the map.
@@ -616,7 +616,7 @@ ROOT = Path('..') if Path('../runs/demo').is_dir() else Path('.')
 DEMO = ROOT / 'runs/demo'
 demo = {n: DEMO / n / 'checkpoints' / 'last.pt' for n in ('CLIP', 'PowerCLIP-R', 'PowerCLIP-gold')}
 have_demo = all(p.is_file() for p in demo.values())
-if not have_demo: print(f'skipped: the demo checkpoints are absent ({DEMO.resolve()}); run `powerclip-demo` to make them')
+if not have_demo: print(f'skipped: the demo checkpoints are absent ({DEMO.resolve()}); run `make demo` to make them')
 else:
     demo_models = {n: load_model(checkpoint=p) for n, p in demo.items()}
     sp = demo_models['CLIP'].spec

@@ -23,7 +23,7 @@ from .benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchma
 from .data import (ClassificationSet, MissingData, RetrievalSet, Skips, load_classification, load_coco_sample,
                                  load_retrieval, load_sugarcrepe, load_winoground)
 from .metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy, linear_probe,
-                                    retrieval_recall, winoground_scores)
+                                    outranks, retrieval_recall, winoground_scores)
 from .models import Evaluator
 from ..methods import GlobalScorer
 from ..world import NEGATIVE_KINDS
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 # %% auto #0
 __all__ = ['log', 'TASKS', 'RUNNERS', 'UNSCORED', 'WORLD_KEYS', 'task_retrieval', 'task_sugarcrepe', 'zeroshot_logits',
            'task_zeroshot', 'task_linear_probe', 'task_winoground', 'load_task_data', 'item_skips', 'skip_report',
-           'find_data', 'evaluate', 'evaluate_scorers', 'evaluate_world', 'default_label', 'result_label',
-           'write_result', 'write_scored', 'run_suite']
+           'find_data', 'evaluate', 'evaluate_scorers', 'recall1_hits', 'world_items', 'evaluate_world',
+           'default_label', 'result_label', 'write_result', 'write_scored', 'run_suite']
 
 # %% ../../nbs/64_eval_tasks.ipynb #6d618715
 def task_retrieval(ev: Evaluator, data: RetrievalSet, scorer: str | None = None, ks=(1, 5, 10)) -> dict:
@@ -195,8 +195,42 @@ def evaluate_scorers(ev: Evaluator, root, tasks=TASKS, image_root=None, require:
 # %% ../../nbs/64_eval_tasks.ipynb #10abb8ab
 WORLD_KEYS = ('i2t_R@1', 'i2t_R@5', 't2i_R@1', 't2i_R@5')
 
-def evaluate_world(ev: Evaluator, root) -> dict:
-    "The demo's numbers (%) on a world benchmark folder, for every scorer: `hn_<kind>`, `hn_mean`, R@1/R@5 both ways (see above)."
+def recall1_hits(sim: torch.Tensor, text_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "Per-item R@1 of `retrieval_recall` (same ranks, same tie rule): `(I,)` image-to-text hits (images without a caption: False), `(T,)` text-to-image hits."
+    I, T = sim.shape
+    sim, text_image = sim.float(), torch.as_tensor(text_image, dtype=torch.long)
+    own = torch.zeros(I, T, dtype=torch.bool); own[text_image, torch.arange(T)] = True
+    pos_t = sim[text_image, torch.arange(T)]                                                   # (T,)
+    t2i = ((outranks(sim, pos_t[None]) & ~own).sum(0) < 1) & ~pos_t.isnan()                   # (T,)
+    best_i = sim.masked_fill(~own | sim.isnan(), -math.inf).max(1).values                     # (I,)
+    best_i = best_i.masked_fill(best_i == -math.inf, math.nan)
+    i2t = ((outranks(sim, best_i[:, None]) & ~own).sum(1) < 1) & ~best_i.isnan()              # (I,)
+    return i2t, t2i
+
+def world_items(ev: Evaluator, found: dict, scorer: str | None = None) -> dict:
+    """`evaluate_world`'s answers item by item (see above), from `find_data`'s loaded `found`:
+    `{'hn': {kind: {'image': [file name], 'hit': [0/1]}}, 'i2t_R@1': {...}, 't2i_R@1': {...}}`."""
+    sc, ret = found['sugarcrepe'][0], found['retrieval'][0]
+    rows = [r for rs in sc.values() for r in rs]
+    images, vi = _index([r[0] for r in rows])
+    texts, ti = _index([t for r in rows for t in r[1:]])
+    V, T = ev.image_features(images, scorer), ev.text_features(texts, scorer)
+    img = [vi[r[0]] for r in rows]
+    pos = ev.pair_scores(V, T, img, [ti[r[1]] for r in rows], scorer)                          # (n,)
+    neg = ev.pair_scores(V, T, img, [ti[r[2]] for r in rows], scorer)
+    hit, out, start = (~outranks(neg, pos)).int().tolist(), {'hn': {}}, 0
+    for c, rs in sc.items():
+        out['hn'][c] = dict(image=[Path(r[0]).name for r in rs], hit=hit[start:start + len(rs)]); start += len(rs)
+    captions, text_image = ret.flat()
+    i2t, t2i = recall1_hits(ev.scores(ev.image_features(ret.images, scorer), ev.text_features(captions, scorer), scorer), text_image)
+    has = torch.zeros(len(ret.images), dtype=torch.bool); has[torch.as_tensor(text_image, dtype=torch.long)] = True
+    names = [Path(p).name for p in ret.images]
+    out['i2t_R@1'] = dict(image=[n for n, h in zip(names, has.tolist()) if h], hit=i2t[has].int().tolist())
+    out['t2i_R@1'] = dict(image=[names[i] for i in torch.as_tensor(text_image).tolist()], hit=t2i.int().tolist())
+    return out
+
+def evaluate_world(ev: Evaluator, root, per_item: bool = False) -> dict:
+    "The comparison's numbers (%) on a world benchmark folder, for every scorer: `hn_<kind>`, `hn_mean`, R@1/R@5 both ways; `per_item`: also `items` (see above)."
     found = find_data(root, ('sugarcrepe', 'retrieval'))
     out = dict(scorer=ev.headline)
     for s in ev.scorers:
@@ -204,6 +238,7 @@ def evaluate_world(ev: Evaluator, root) -> dict:
         hn = {f'hn_{k}': m['sugarcrepe'].get(k, math.nan) for k in NEGATIVE_KINDS}
         res = {**hn, 'hn_mean': m['sugarcrepe']['mean'], **{k: m['retrieval'][k] for k in WORLD_KEYS}}
         out.update({(k if s == ev.headline else f'{s}:{k}'): v for k, v in res.items()})
+    if per_item: out['items'] = {s: world_items(ev, found[0], s) for s in ev.scorers}
     return out
 
 # %% ../../nbs/64_eval_tasks.ipynb #ed1f0e29

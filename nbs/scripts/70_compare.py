@@ -1,0 +1,1011 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: nbs///ipynb,nbs/scripts///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+#| default_exp compare
+
+# %%
+#| export
+from __future__ import annotations
+
+import json, math, os, platform, shlex, statistics, sys, tempfile, time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.data import derive_seed, world_config
+from powerclip.eval.data import write_world_benchmark
+from powerclip.eval.models import Evaluator, load_model
+from powerclip.eval.tasks import evaluate_world
+from powerclip.heatmaps import heat_iou, model_heat_fn, np_phrases, pointing_hit, upsample
+from powerclip.measure import run_isolated
+from powerclip.methods import method_config
+from powerclip.model import model_geometry
+from powerclip.stats import Interval, bootstrap_paired, paired_difference
+from powerclip.train import TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, to_dict, train
+from powerclip.world import WorldConfig, generate
+
+# %%
+#| hide
+import contextlib, io
+from fastcore.test import test_close, test_eq, test_fail
+
+
+# %% [markdown]
+# # The comparison: every method on the world
+#
+# > CLIP, PowerCLIP and every baseline trained by the one trainer on the built-in world, each in its paper's regime (pre-trained at the same budget, or fine-tuned from CLIP's snapshot of the same seed), scored the way its paper scores, over several seeds: means and spreads, paired differences to CLIP with 95 % intervals, and learning curves against steps and wall-clock seconds.
+
+# %% [markdown]
+# `python -m powerclip.compare` is the main job of the repository (`make demo`: CLIP against PowerCLIP, one seed) and,
+# with `--runs all`, the comparison of every method (`make compare`). This notebook says what is compared, in which
+# regime, at which budget and with which statistics, then builds the runner: a function that takes named runs
+# (a method and its options), seeds and a budget, and returns per-seed results, learning curves and paired statistics
+# (`71` reuses it for the paper's analyses).
+#
+# ## What is compared
+#
+# Every row is an ordinary `powerclip.train` run on the `demo` preset (the `powerclip-demo` model: 3 + 3 layers of
+# width 128, 64-pixel scenes of the built-in world on an 8 x 8 patch grid, batches of 64, AdamW at $10^{-3}$, fp32).
+#
+# | row | method | regime | scored by | options (and where they come from) |
+# |---|---|---|---|---|
+# | CLIP | `clip` | pre-trained, $T$ steps | global cosine | the reference of every paired difference |
+# | FLIP | `flip` | pre-trained, $T$ | global | 50 % of the patches dropped in training (its paper's default) |
+# | CLIP-PGS | `clip-pgs-0.3` | pre-trained, $T$ | global | PGS$_{0.3}$: PowerCLIP's C-PGS numbers are the CLIP-PGS paper's PGS$_{0.3}$ rows (`46_clip_pgs`); PGS$_{0.5}$ stays available as `clip-pgs` |
+# | A-CLIP | `aclip` | pre-trained, $T$ | the method's | its config's defaults (`47_aclip`) |
+# | E-CLIP | `eclip` | pre-trained, $T$ | the method's | its config's defaults (`48_eclip`) |
+# | FILIP | `filip` | pre-trained, $T$ | **late interaction** (its paper's); the global cosine in its own column | |
+# | SPARC | `sparc` | pre-trained, $T$ | global | $\lambda_g = 0.5$, $\lambda_f$ chosen from $\{0.5, 1, 5, 10\}$ on the validation split (its App. D.4; below) |
+# | C2LIP | `c2lip` | **fine-tuned** $F$ steps from CLIP's snapshot at $T - F$ | global | SigLIP base + npc + xac; lr $10^{-5}$, weight decay 0.1, warm-up 50 of its ~19k steps (its script) |
+# | C2LIP-CLIP | `c2lip`, `base=clip` | fine-tuned, as C2LIP | global | CLIP's base loss, the loss the snapshot was trained with (below) |
+# | SmartCLIP | `smartclip` | **fine-tuned**, as C2LIP | global | backbone lr $10^{-6}$, mask network $10^{-3}$ (its config), weight decay 0.01 and warm-up 200 of ~2.4k steps (Long-CLIP's script, whose setting it follows) |
+# | PowerCLIP-R | `powerclip` | pre-trained, $T$ | global | 10 random boxes per image (the paper's PowerCLIP-R) |
+# | PowerCLIP-gold | `powerclip`, `masks=gold` | pre-trained, $T$ | global | the world's object masks (what a perfect segmenter would give) |
+#
+# A row whose method is not registered in this version (A-CLIP and E-CLIP until their methods land) is left out with one
+# line saying so. Every option not named here is the method's config default. `key=value` overrides on the command line
+# apply to every run; a `method_cfg.KEY` that a method does not have is an error, so give method options together with
+# `--runs` naming rows of that method.
+#
+# **Scoring.** The evaluator asks the method (`Method.scorers`): every number is computed for every scorer the
+# method offers, and the headline is the first, the one its paper reports. FILIP's is late interaction; it also offers
+# the global cosine, shown in its own column so that a reader sees what the choice of scorer does.
+#
+# ## Two regimes, one budget
+#
+# **Pre-training.** CLIP, FLIP, CLIP-PGS, A-CLIP, E-CLIP, FILIP, SPARC and PowerCLIP train from scratch for $T$ steps,
+# each from the same initial weights and on the same batches (both are functions of the run seed, `23_data`).
+#
+# **Fine-tuning.** C2LIP and SmartCLIP are fine-tuning recipes: C2LIP fine-tunes a trained SigLIP for 5 epochs of
+# CC3M (about 15 M pairs seen, learning rate $10^{-5}$), SmartCLIP fine-tunes OpenAI's CLIP (trained on 32 epochs of
+# 400 M pairs) on ShareGPT4V (1.2 M pairs) at $10^{-6}$ with its mask network at $10^{-3}$. Both are well under 1 % of
+# their base model's pre-training. Trained from scratch, as this comparison used to, they are other methods. So here
+# each seed's CLIP run leaves a snapshot at step $T - F$, and C2LIP and SmartCLIP start from it
+# (`model.pretrained=.../CLIP/snapshots/step{T-F}/model.pt`), train $F$ steps at their papers' learning rates with a
+# warm-up and cosine schedule of their own, and read exactly the batches CLIP reads in its last $F$ steps
+# (`start_batch=T-F`: the same data order continued). They are compared with CLIP at step $T$: the same total number
+# of steps, the same images and captions. Their wall-clock is CLIP's time at $T - F$ plus their own.
+#
+# **The share $F$.** At the papers' share (under 1 %) a fine-tune would be one or two steps of our budget, too few to
+# move a model measurably. We take **$F = 20\,\%$ of $T$** (`--finetune-share`), the same for both recipes: a
+# stated choice, far more than their papers' share, so that whatever the recipes do has room to show, while the base
+# still does most of the learning. Note what the papers' learning rates mean here: $10^{-5}$ is 1 % of the rate CLIP
+# trains at, $10^{-6}$ is 0.1 %: in $F$ steps the towers move little, and the learning curves show how little.
+#
+# **C2LIP-CLIP.** We keep the row with CLIP's base loss. C2LIP's own base loss is SigLIP's sigmoid loss, because its
+# base model is SigLIP; ours is a CLIP snapshot, trained with the softmax loss, and starting the sigmoid loss's scale and
+# bias from their initial values on it changes two things at once (the base loss and the concept terms). C2LIP-CLIP
+# changes only one: its difference to CLIP at $T$ is what the concept terms do. It costs $F$ steps per seed.
+#
+# ## SPARC's $\lambda_f$
+#
+# SPARC's paper sets $\lambda_g = 0.5$ and sweeps $\lambda_f \in \{0.5, 1, 5, 10\}$ (App. D.4) without saying which it
+# kept. We sweep the same values at the comparison's budget, train on the training scenes of the sweep seeds (default:
+# the first seed), score each run on the world's **validation** split (a held-out benchmark folder written from the
+# world's `val` scenes, never the test scenes of the table), and keep the value with the highest hard-negative mean
+# (the first listed on a tie). The comparison's SPARC row uses it; its run at a sweep seed is the sweep's run of that
+# value (the same config, so it is trained once). The sweep's table goes into `summary.md`.
+#
+# ## Learning curves
+#
+# Every run also leaves snapshots at 25, 50, 75 and 100 % of its steps (and CLIP-like runs at $T - F$); each is scored
+# on the held-out test scenes with the method's headline scorer (hard-negative mean; R@1, the mean of the two
+# directions) and plotted against steps and against the wall-clock seconds of training (the compute-matched view of the
+# PowerCLIP supplement's Fig. 8): one figure, every method, mean over seeds. A fine-tuned run's curve starts at its
+# base's snapshot. Seconds are those of the runs themselves, on whatever else the machine was doing.
+#
+# ## Statistics
+#
+# Every number is reported as its mean and sample standard deviation over seeds. For the headline numbers (hard-negative
+# mean, R@1 both ways, pointing) each row also gets its paired difference to CLIP on the same seed, with two 95 %
+# intervals (`69_stats`):
+#
+# - **the t interval over seeds** of the per-seed differences. **This is the verdict**: a row is *better* or *worse*
+#   than CLIP on a number only where this interval excludes 0. It answers the reader's question, "would another
+#   training run give the same sign?", because a seed redraws everything random in training (initial weights, data
+#   order, world scenes, region draws, method noise). With 3 seeds $t_{0.975,2} = 4.30$: only differences large
+#   against their spread over seeds pass;
+# - **the paired bootstrap over held-out scenes** (scenes resampled, the same draw for both rows and every seed): how
+#   much another draw of test scenes would move the difference. It knows nothing of training luck, so it is context,
+#   never the verdict. Each scene contributes its share of the number (its items' hits weighted as the number weights
+#   them: per kind for the hard-negative mean, per image or caption for R@1, per phrase for pointing), so the mean of the
+#   shares is the number itself.
+#
+# With one seed (the demo) there is no seed interval and no verdict; the bootstrap is still shown.
+#
+# ## Budget
+#
+# `make compare` is meant to take about an hour on 2 idle CPU cores. The measured time per step of each method
+# (`benchmarks/train_step_ratio.py --preset demo`, in the README) and the evaluation's cost fix the default
+# (`COMPARE_STEPS`, `COMPARE_SEEDS` below); `--steps`, `--seeds`, `--device cuda` and `--precision bf16` change it.
+# Each run trains in a fresh process (its peak memory is its own); a killed run resumes from its last checkpoint, and
+# finished runs and evaluations are reused (an evaluation is cached beside the weights it scored).
+
+# %% [markdown]
+# ## The rows
+
+# %%
+#| export
+@dataclass
+class RunSpec:
+    "One row of the comparison: a method, its options, and how it is trained."
+    method: str                                     # a name registered in powerclip.methods
+    overrides: dict = field(default_factory=dict)   # key=value of this row (method_cfg.*, optim.*): over the preset and
+                                                    # the user's overrides
+    base: str | None = None                         # fine-tune: the row whose snapshot at step T - F it starts from
+    warmup_share: float | None = None               # fine-tune: its warm-up as a share of its F steps (its recipe's)
+    sweep: tuple | None = None                      # (key, candidate values): the value kept is chosen on the validation split
+
+
+RUNS = {
+    "CLIP": RunSpec("clip"),
+    "FLIP": RunSpec("flip"),
+    "CLIP-PGS": RunSpec("clip-pgs-0.3"),
+    "A-CLIP": RunSpec("aclip"),
+    "E-CLIP": RunSpec("eclip"),
+    "FILIP": RunSpec("filip"),
+    "SPARC": RunSpec("sparc", {"method_cfg.lambda_global": 0.5}, sweep=("method_cfg.lambda_fine", (0.5, 1.0, 5.0, 10.0))),
+    # C2LIP's script: lr 1e-5, wd 0.1, 50 warm-up steps of 5 epochs of CC3M at batch 768 (~19k steps)
+    "C2LIP": RunSpec("c2lip", {"optim.lr": 1e-5, "optim.weight_decay": 0.1}, base="CLIP", warmup_share=50 / 19_000),
+    "C2LIP-CLIP": RunSpec("c2lip", {"method_cfg.base": "clip", "optim.lr": 1e-5, "optim.weight_decay": 0.1}, base="CLIP",
+                          warmup_share=50 / 19_000),
+    # SmartCLIP: CLIP at 1e-6, the mask network at 1e-3 (its config's mask_lr); wd 0.01 and 200 warm-up steps of
+    # 2 epochs of ShareGPT4V at batch 1024 (~2.4k steps): Long-CLIP's script, whose setting SmartCLIP follows
+    "SmartCLIP": RunSpec("smartclip", {"optim.lr": 1e-6, "optim.weight_decay": 0.01}, base="CLIP", warmup_share=200 / 2_400),
+    "PowerCLIP-R": RunSpec("powerclip", {"method_cfg.masks": "random"}),
+    "PowerCLIP-gold": RunSpec("powerclip", {"method_cfg.masks": "gold"}),
+}
+DEMO_RUNS = ("CLIP", "PowerCLIP-R", "PowerCLIP-gold")   # `make demo`: CLIP against PowerCLIP
+REFERENCE = "CLIP"                                      # every paired difference is to this row, same seed
+HEADLINE = ("hn_mean", "i2t_R@1", "t2i_R@1", "pointing")   # the numbers with paired differences and verdicts
+
+# %% [markdown]
+# ## The budget
+#
+# The defaults of `--runs all` (`make compare`), chosen from the measured step times so that the whole comparison takes
+# about an hour on 2 idle CPU cores (see the README's table), and of the evaluation.
+
+# %%
+#| export
+COMPARE_STEPS = 150               # T of `--runs all` (the demo keeps its preset's max_steps)
+COMPARE_SEEDS = (0, 1, 2)         # seeds of `--runs all`
+FINETUNE_SHARE = 0.2              # F = 20 % of T (see above)
+CURVE_POINTS = (0.25, 0.5, 0.75, 1.0)   # snapshots, as shares of a run's steps
+EVAL_IMAGES = 300                 # held-out test scenes (and validation scenes of a sweep)
+GROUNDING_SCENES = 200            # test scenes of the pointing game (0: none), `--runs all`
+
+
+def finetune_steps(steps: int, share: float = FINETUNE_SHARE) -> int:
+    "F: the steps of a fine-tune at `share` of the budget `steps` (at least 1, and T - F >= 1)."
+    F = max(1, round(share * steps))
+    if F >= steps: raise ValueError(f"--steps {steps} leaves no step before a fine-tune of {F} (--finetune-share {share}): give more steps")
+    return F
+
+
+def snapshot_steps(n: int, points=CURVE_POINTS, extra=()) -> list[int]:
+    "The steps (of a run of `n`) whose weights a run leaves: each curve point, `extra`, and the last."
+    return sorted({min(n, max(1, round(p * n))) for p in points} | {int(e) for e in extra} | {n})
+
+
+# %%
+test_eq(finetune_steps(150), 30); test_eq(finetune_steps(4), 1); test_fail(lambda: finetune_steps(1), contains="no step")
+test_eq(snapshot_steps(150, extra=[120]), [38, 75, 112, 120, 150]); test_eq(snapshot_steps(2), [1, 2])
+
+# %% [markdown]
+# ## The plan
+#
+# `make_plan` turns the rows, seeds and budget into one training config per (row, seed), and per candidate value for a
+# swept row: the preset, then the user's `key=value` overrides, then the row's own, then what the comparison fixes (seed,
+# steps, snapshots, folder; for a fine-tune its base snapshot, its first batch and its warm-up). It checks everything a
+# user can get wrong before anything trains: run names, seeds, override keys and values (`load_config` validates them
+# against the config dataclasses and the method's options), and folders that already hold a run of another config (a run
+# never resumes into a different budget). Rows whose method is not registered are skipped with their reason, and a
+# fine-tune's base row is added when it was not asked for.
+
+# %%
+#| export
+VOLATILE = ("progress", "tensorboard", "resume", "stop_at")   # config keys that do not change what a run computes
+
+
+@dataclass
+class Job:
+    "One training run of the plan."
+    name: str                    # the row
+    seed: int
+    cfg: TrainConfig
+    start: int = 0               # steps before its first (T - F for a fine-tune: where its curve starts)
+    value: object = None         # the candidate value of a swept row (None otherwise)
+
+    @property
+    def dir(self) -> Path: return Path(self.cfg.out_dir)
+
+
+@dataclass
+class Plan:
+    "Everything a comparison trains and evaluates, validated."
+    runs: dict                   # name -> RunSpec of the rows kept, in table order
+    skipped: dict                # name -> why the row is left out
+    seeds: list
+    steps: int                   # T
+    finetune: int                # F
+    jobs: dict                   # (name, seed, value) -> Job; value None unless the row is swept
+    sweep_seeds: list
+    out: Path
+    world: WorldConfig           # the held-out scenes (the world's default seed), at the model's geometry
+    eval_images: int = EVAL_IMAGES
+    grounding_scenes: int = 0
+    curve_points: tuple = CURVE_POINTS
+    device: str = "cpu"
+    isolate: bool = True
+    meta: dict = field(default_factory=dict)
+
+    def job(self, name: str, seed: int, chosen: dict | None = None) -> Job:
+        "The job of a row at a seed (a swept row: its chosen value)."
+        return self.jobs[(name, seed, (chosen or {}).get(name))]
+
+    @property
+    def test_root(self) -> Path: return self.out / "world_test"
+
+    @property
+    def val_root(self) -> Path: return self.out / "world_val"
+
+
+def _registered(method: str) -> str | None:
+    "None when the method is registered, else why not (one line)."
+    try: method_config(method, {})
+    except KeyError as e: return e.args[0]
+    return None
+
+
+def _dirname(name: str, spec: RunSpec, value) -> str:
+    return name if spec.sweep is None else f"{name}@{spec.sweep[0].split('.')[-1]}={value:g}"
+
+
+def _identity(d: dict) -> dict:
+    "A run config as plain data, without what does not change the run (and without config.yaml's derived record)."
+    d = to_dict(from_dict(TrainConfig, {k: v for k, v in d.items() if k != "derived"}))
+    return {k: v for k, v in d.items() if k not in VOLATILE}
+
+
+def _check_folder(cfg: TrainConfig) -> None:
+    "A folder holding a run of another config stops the plan (one line naming what differs)."
+    f = Path(cfg.out_dir) / "config.yaml"
+    if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir(): raise ValueError(f"{cfg.out_dir} is a file, not a run folder")
+    if not f.is_file(): return
+    new = _identity(to_dict(cfg))
+    try: old = _identity(yaml.safe_load(f.read_text()) or {})
+    except Exception as e: old = {"unreadable": str(e)}
+    if old != new:
+        flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(p + k, v)])}
+        a, b = flat(old), flat(new)
+        diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        raise ValueError(f"{cfg.out_dir} holds a run of another config ({'; '.join(diff[:3])}{' ...' if len(diff) > 3 else ''}): "
+                         "give another --out, or delete that folder")
+
+
+def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/demo", preset: str = "demo",
+              overrides: dict | None = None, finetune_share: float = FINETUNE_SHARE, curve_points=CURVE_POINTS,
+              eval_images: int = EVAL_IMAGES, grounding_scenes: int = 0, sweep_seeds=None, device: str | None = None,
+              precision: str | None = None, isolate: bool = True, log=None) -> Plan:
+    """Validate and plan a comparison (see above). `runs`: names of `RUNS`, or a dict name -> RunSpec; `steps`: T (None:
+    the preset's max_steps); `sweep_seeds`: the seeds of the sweeps (None: the first seed)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    specs = dict(runs) if isinstance(runs, dict) else {}
+    if not isinstance(runs, dict):
+        unknown = [r for r in runs if r not in RUNS]
+        if unknown: raise ValueError(f"--runs: unknown run(s) {unknown} (known: {', '.join(RUNS)}; or 'all', 'demo')")
+        specs = {r: RUNS[r] for r in runs}
+    for name, spec in list(specs.items()):       # a fine-tune needs its base row
+        if spec.base is not None and spec.base not in specs:
+            if spec.base not in RUNS: raise ValueError(f"run {name}: its base {spec.base!r} is not a run")
+            specs = {spec.base: RUNS[spec.base], **specs}
+            log(f"compare: {name} fine-tunes {spec.base}'s snapshot: {spec.base} is trained too")
+    seeds = [int(s) for s in seeds]
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: need distinct non-negative integers, got {seeds}")
+    sweep_seeds = [seeds[0]] if sweep_seeds is None else [int(s) for s in sweep_seeds]
+    if not sweep_seeds or any(s not in seeds for s in sweep_seeds):
+        raise ValueError(f"--sweep-seeds: need some of the comparison's seeds {seeds}, got {sweep_seeds}")
+    if not all(0 < float(p) <= 1 for p in curve_points): raise ValueError(f"--curve-points: need shares in (0, 1], got {list(curve_points)}")
+    if not 0 < finetune_share < 1: raise ValueError(f"--finetune-share: need a share in (0, 1), got {finetune_share}")
+    if eval_images < 2 or grounding_scenes < 0: raise ValueError(f"--eval-images: need at least 2 scenes (got {eval_images}); --grounding >= 0 (got {grounding_scenes})")
+    skipped = {}
+    for name, spec in list(specs.items()):
+        why = _registered(spec.method) or (f"its base {spec.base} is left out" if spec.base in skipped else None)
+        if why: skipped[name] = why; specs.pop(name); log(f"compare: {name} left out: {why}")
+    if not specs: raise ValueError(f"--runs: no run left to train ({'; '.join(f'{k}: {v}' for k, v in skipped.items())})")
+    user = dict(overrides or {})
+    if device is not None: user["device"] = device
+    if precision is not None: user["precision"] = precision
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir(): raise ValueError(f"--out: {out} is a file, not a folder")
+    T = steps if steps is not None else load_config(preset, user).max_steps
+    if T is None or T < 2: raise ValueError(f"--steps: need at least 2 steps, got {T}")
+    F = finetune_steps(T, finetune_share)    # every pre-trained run leaves a snapshot at T - F, fine-tunes asked for or not
+    jobs = {}
+    for name, spec in specs.items():
+        for value in (spec.sweep[1] if spec.sweep else (None,)):
+            for seed in seeds:
+                ov = {**user, **spec.overrides, "seed": seed, "out_dir": str(out / f"seed{seed}" / _dirname(name, spec, value))}
+                if spec.sweep: ov[spec.sweep[0]] = value
+                if spec.base is None:
+                    ov.update(max_steps=T, snapshot_steps=snapshot_steps(T, curve_points, [T - F]))
+                    start = 0
+                else:
+                    base = out / f"seed{seed}" / spec.base / "snapshots" / f"step{T - F}" / "model.pt"
+                    ov.update({"max_steps": F, "snapshot_steps": snapshot_steps(F, curve_points), "start_batch": T - F,
+                               "model.pretrained": str(base)})
+                    if spec.warmup_share is not None: ov["optim.warmup_steps"] = max(1, round(spec.warmup_share * F))
+                    start = T - F
+                cfg = load_config(preset, ov, spec.method)
+                if cfg.model.pretrained == "required" and spec.base is None:
+                    raise ValueError(f"run {name}: preset {preset!r} fine-tunes (model.pretrained: required); the comparison pre-trains it")
+                _check_folder(cfg)
+                jobs[(name, seed, value)] = Job(name, seed, cfg, start, value)
+    first = next(iter(jobs.values())).cfg
+    world = world_config(first.data, model_geometry(first.model.name, first.model.kwargs))
+    dev = first.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    meta = dict(preset=preset, overrides=user, steps=T, finetune_steps=F, finetune_share=finetune_share, seeds=seeds,
+                sweep_seeds=sweep_seeds, eval_images=eval_images, grounding_scenes=grounding_scenes,
+                curve_points=list(curve_points), skipped=skipped)
+    return Plan(specs, skipped, seeds, T, F, jobs, sweep_seeds, out, world, eval_images, grounding_scenes,
+                tuple(curve_points), dev, isolate, meta)
+
+
+# %% [markdown]
+# A plan of the smoke preset (the micro model, seconds a run): C2LIP brings its base CLIP along, its config starts
+# from CLIP's snapshot at $T - F$ with its recipe's learning rate; CLIP leaves that snapshot; a swept row has one
+# job per candidate. Mistakes stop here, with one line.
+
+# %%
+_tmp = Path(tempfile.mkdtemp())
+_p = make_plan(["SPARC", "C2LIP"], seeds=[0, 1], steps=10, out_dir=_tmp / "plan", preset="smoke", log=lambda m: None)
+test_eq(list(_p.runs), ["CLIP", "SPARC", "C2LIP"]); test_eq((_p.steps, _p.finetune), (10, 2))
+_c2 = _p.job("C2LIP", 1).cfg
+test_eq((_c2.max_steps, _c2.start_batch, _c2.optim.lr, _c2.seed), (2, 8, 1e-5, 1))
+test_eq(_c2.model.pretrained, str(_tmp / "plan" / "seed1" / "CLIP" / "snapshots" / "step8" / "model.pt"))
+assert 8 in _p.job("CLIP", 1).cfg.snapshot_steps and _p.job("CLIP", 0).cfg.max_steps == 10
+test_eq(sorted(v for (n, s, v) in _p.jobs if n == "SPARC" and s == 0), [0.5, 1.0, 5.0, 10.0])
+test_eq(_p.job("SPARC", 0, {"SPARC": 5.0}).cfg.method_cfg, {"lambda_global": 0.5, "lambda_fine": 5.0})
+test_eq(_p.job("SPARC", 0, {"SPARC": 5.0}).dir.name, "SPARC@lambda_fine=5")
+test_fail(lambda: make_plan(["CLIP", "NoSuch"]), contains="unknown run")
+test_fail(lambda: make_plan(["CLIP"], seeds=[0, 0]), contains="--seeds")
+test_fail(lambda: make_plan(["CLIP"], preset="smoke", overrides={"optim.learning_rate": 1}), contains="unknown key")
+_q = make_plan(["CLIP", "A-CLIP"], preset="smoke", log=lambda m: None)   # kept once `aclip` is registered, left out before
+test_eq(("A-CLIP" in _q.runs, "A-CLIP" in _q.skipped), (_registered("aclip") is None, _registered("aclip") is not None))
+
+
+# %% [markdown]
+# ## Training, reused and resumed
+#
+# A job trains in a fresh process (`run_isolated`: its peak memory is its own). When it finishes, `train.json` beside
+# its weights records what the comparison needs of it: its steps, its training seconds (the wall-clock of the loop,
+# across resumes: `snapshot.json` of its last step), its median time per step (the logged rows after the first) and its
+# peak memory. A job whose `train.json` describes the `model.pt` it sits beside is not trained again; one that was
+# killed resumes from its last checkpoint (the trainer's `resume='auto'`).
+
+# %%
+#| export
+def _train_from_dict(cfg_dict: dict) -> dict:
+    return train(from_dict(TrainConfig, cfg_dict))
+
+
+def train_isolated(cfg: TrainConfig) -> dict:
+    "`train(cfg)` in a fresh spawned process (its peak memory is its own); returns the trainer's summary."
+    res = run_isolated(_train_from_dict, to_dict(cfg))
+    if not res.pop("ok"): raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}; rerun to resume it")
+    return res
+
+
+def step_seconds(rows: list[dict], batch_size: int) -> float:
+    "Median seconds per step over the logged rows, leaving out the first (start-up and warm-up); `batch_size`: global."
+    s = [batch_size / r["img_per_s"] for r in rows[1:] if r.get("img_per_s")]
+    if not s: s = [batch_size / r["img_per_s"] for r in rows if r.get("img_per_s")]
+    return statistics.median(s) if s else float("nan")
+
+
+def _mtime(p: Path) -> int: return p.stat().st_mtime_ns
+
+
+def train_job(job: Job, isolate: bool = True, log=print) -> dict:
+    "Train a job (or reuse it, see above); returns its record (`train.json`)."
+    cfg, d = job.cfg, job.dir
+    rec, weights = d / "train.json", d / "model.pt"
+    if rec.is_file() and weights.is_file():
+        r = json.loads(rec.read_text())
+        if r.get("weights_mtime_ns") == _mtime(weights) and r.get("steps") == cfg.max_steps: return r
+    log(f"== seed {job.seed} {job.name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps"
+        + (f" from {Path(cfg.model.pretrained).parent}" if job.start else ""))
+    s = train_isolated(cfg) if isolate else train(cfg)
+    rows = read_metrics(d / "metrics.csv")
+    snap = json.loads((d / "snapshots" / f"step{cfg.max_steps}" / "snapshot.json").read_text())
+    r = dict(method=cfg.method, steps=s["steps"], train_s=snap["seconds"], s_per_step=step_seconds(rows, cfg.data.batch_size * s["world_size"]),
+             # a process's peak RSS only grows: in-process runs after the first have no peak of their own
+             peak_mib=s["peak_mib"] if isolate else float("nan"),
+             final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights))
+    rec.write_text(json.dumps(r, indent=1))
+    return r
+
+
+# %% [markdown]
+# ## Evaluation, per scene
+#
+# A folder with a `model.pt` (a run, or one of its snapshots) is scored on the held-out test scenes by the evaluation
+# package (`evaluate_world`, every scorer of its method, the headline first) and, when asked, by the pointing game of
+# `67_heatmaps` on the first scenes of the test split. Both also give each scene's share of the headline numbers, for
+# the bootstrap: `scene_shares` weights each item as its number does (a hard negative by one over its kind's count and
+# the number of kinds; an image or caption by one over their count) and `pointing_scenes` each phrase by one over the
+# phrases; scaled by the number of scenes, the mean of the shares is the number. The result is cached beside the
+# weights (`eval.json`, or `eval_val.json` on the validation split) and reused while the weights and the evaluation's
+# settings are those it describes.
+
+# %%
+#| export
+def scene_names(root) -> list[str]:
+    "The held-out scenes of a world benchmark folder: its image files, in order."
+    return sorted(p.name for p in (Path(root) / "images").glob("*.png"))
+
+
+def scene_shares(items: dict, scenes: list[str]) -> dict[str, list[float]]:
+    "Each scene's share (%) of `hn_mean`, `i2t_R@1`, `t2i_R@1` from `world_items`' answers; the mean over `scenes` is the number."
+    at, N = {s: i for i, s in enumerate(scenes)}, len(scenes)
+    def shares(pairs) -> list[float]:
+        c = np.zeros(N)
+        for scene, v in pairs: c[at[scene]] += v
+        return (100 * N * c).tolist()
+    hn = {k: v for k, v in items["hn"].items() if v["hit"]}
+    out = {"hn_mean": shares((im, h / (len(hn) * len(v["hit"]))) for v in hn.values() for im, h in zip(v["image"], v["hit"]))}
+    for m in ("i2t_R@1", "t2i_R@1"):
+        out[m] = shares((im, h / len(items[m]["hit"])) for im, h in zip(items[m]["image"], items[m]["hit"]))
+    return out
+
+
+@torch.no_grad()
+def pointing_scenes(model, tokenizer, cfg: WorldConfig, n_scenes: int, split: str = "test") -> dict:
+    """Pointing game and mean IoU (%) of a model's text-to-patch maps on the first `n_scenes` scenes of `split` (what
+    `67_heatmaps.grounding_score` computes), `n_phrases`, and `per_scene`: each scene's share of the pointing number."""
+    fn, hits, ious = model_heat_fn(model, tokenizer), [], []
+    for i in range(n_scenes):
+        s = generate(cfg, i, split)
+        phrases = np_phrases(s)
+        if not phrases: hits.append(torch.zeros(0, dtype=torch.float64)); continue
+        heat = fn(s["image"], [p for p, _ in phrases])                                  # (T, gh, gw)
+        if heat.shape[-2:] != (cfg.grid, cfg.grid): heat = upsample(heat, (cfg.grid, cfg.grid))
+        mask = torch.from_numpy(np.stack([m for _, m in phrases]))                      # (T, G*G)
+        hits.append(pointing_hit(heat, mask).double()); ious.append(heat_iou(heat, mask).double())
+    n = sum(len(h) for h in hits)
+    if n == 0: raise ValueError(f"no noun phrase with a mask in {n_scenes} {split} scenes")
+    return dict(pointing=100 * torch.cat(hits).mean().item(), mean_iou=100 * torch.cat(ious).mean().item(), n_phrases=n,
+                per_scene=[100 * n_scenes * h.sum().item() / n for h in hits])
+
+
+def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device: str = "cpu", cache: str = "eval.json",
+                    lm=None) -> dict:
+    """The numbers (%) of the weights in `folder` on the benchmark folder `root` (every scorer; `scorer` names the
+    headline), `per_scene` shares of the headline numbers, and with `grounding` the pointing game on that many scenes;
+    cached in `folder/cache`. `lm`: a loaded model instead of `folder/model.pt` (the untrained row; `folder` holds its cache)."""
+    folder, root = Path(folder), Path(root)
+    stamp = None if lm is not None else _mtime(folder / "model.pt")
+    key = dict(root=str(root.resolve()), summary=json.loads((root / "summary.json").read_text()).get("request"),
+               grounding=grounding, split=json.loads((root / "summary.json").read_text()).get("split"), eval=3,
+               model=getattr(lm, "ckpt_id", None))
+    f = folder / cache
+    if f.is_file():
+        c = json.loads(f.read_text())
+        if c.get("key") == key and c.get("weights_mtime_ns") == stamp: return c["results"]
+    t0 = time.time()
+    lm = lm or load_model(checkpoint=folder, device=device)
+    with tempfile.TemporaryDirectory() as d:         # features computed once for the numbers and the items
+        res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, per_item=True)
+    res["per_scene"] = scene_shares(res.pop("items")[res["scorer"]], scene_names(root))
+    if grounding:
+        cpu = lm if device == "cpu" else load_model(checkpoint=folder)              # the heat maps run on the CPU
+        g = pointing_scenes(cpu.model, cpu.tokenizer, world, grounding)
+        res["per_scene"]["pointing"] = g.pop("per_scene"); res.update(g)
+    res["eval_s"] = time.time() - t0
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
+    return res
+
+
+# %% [markdown]
+# The shares on a random micro model: their means are the evaluation package's numbers, and the pointing loop gives
+# `grounding_score`'s numbers.
+
+# %%
+from powerclip.heatmaps import grounding_score
+_lm = load_model("powerclip-micro", seed=3)
+_wcfg = world_config(load_config("smoke").data, model_geometry("powerclip-micro"))
+write_world_benchmark(_tmp / "wt", 40, _wcfg, split="test", extras=False)
+_r = evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)
+for _k in ("hn_mean", "i2t_R@1", "t2i_R@1", "pointing"): test_close(np.mean(_r["per_scene"][_k]), _r[_k], eps=1e-9)
+test_eq(len(_r["per_scene"]["hn_mean"]), 40); test_eq(len(_r["per_scene"]["pointing"]), 6)
+_g = grounding_score(model_heat_fn(_lm.model, _lm.tokenizer), 6, _wcfg)
+test_close((_r["pointing"], _r["mean_iou"], _r["n_phrases"]), (_g["pointing"], _g["mean_iou"], _g["n_phrases"]), eps=1e-9)
+assert json.loads((_tmp / "untrained" / "eval.json").read_text())["results"] == _r == evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)
+
+
+# %% [markdown]
+# ## Statistics over seeds
+#
+# `summarize_seeds` gives the mean and sample standard deviation over seeds of every number of every row, and each
+# row's time per step relative to the reference (the ratio taken within each seed, then averaged). `paired_stats` gives,
+# for each row and headline number, the t interval over seeds of the paired differences to the reference (`t`, the
+# verdict) and the paired bootstrap over scenes (`boot`).
+
+# %%
+#| export
+def summarize_seeds(per_seed: dict, base: str = REFERENCE) -> dict[str, dict]:
+    "Mean and sample sd (`_sd`) over seeds of every number of every row, and `time_ratio`: s/step relative to `base`, within each seed."
+    names = list(dict.fromkeys(n for res in per_seed.values() for n in res))
+    out = {}
+    for n in names:
+        rows = [res[n] for res in per_seed.values() if n in res]
+        keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)))
+        agg = dict(seeds=len(rows))
+        for k in ("scorer", "regime"):
+            if isinstance(rows[0].get(k), str): agg[k] = rows[0][k]
+        for k in keys:
+            v = [float(r[k]) for r in rows if k in r]
+            agg[k] = float(np.mean(v)); agg[k + "_sd"] = float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
+        v = [res[n]["s_per_step"] / res[base]["s_per_step"] for res in per_seed.values()
+             if n in res and base in res and res[n].get("s_per_step") and res[base].get("s_per_step")]
+        if v: agg["time_ratio"], agg["time_ratio_sd"] = float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
+        out[n] = agg
+    return out
+
+
+def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot: int = 2000) -> dict:
+    "{row: {metric: {'t': Interval over seeds, 'boot': Interval over scenes or None}}} of row - `base`, same seed."
+    names = list(dict.fromkeys(n for res in per_seed.values() for n in res if n != base))
+    out = {}
+    for n in names:
+        for m in metrics:
+            a = {s: r[n][m] for s, r in per_seed.items() if n in r and m in r[n]}
+            b = {s: r[base][m] for s, r in per_seed.items() if base in r and m in r[base]}
+            if not a or not b: continue
+            common = [s for s in sorted(set(a) & set(b)) if m in per_seed[s][n].get("per_scene", {}) and m in per_seed[s][base].get("per_scene", {})]
+            boot = None
+            if common:
+                x = np.array([per_seed[s][n]["per_scene"][m] for s in common]); y = np.array([per_seed[s][base]["per_scene"][m] for s in common])
+                if x.shape == y.shape: boot = bootstrap_paired(x, y, n_boot=n_boot)
+            out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot)
+    return out
+
+
+def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
+    "One phrase per row from the seed intervals: 'better: ...; worse: ...', or 'no difference shown'."
+    out = {}
+    for n, by in stats.items():
+        v = {m: by[m]["t"].verdict() for m in metrics if m in by}
+        better, worse = [_HEAD[m] for m, x in v.items() if x == "better"], [_HEAD[m] for m, x in v.items() if x == "worse"]
+        one = all(by[m]["t"].n < 2 for m in v)
+        out[n] = "one seed: no verdict" if one else "; ".join(p for p in (("better: " + ", ".join(better)) if better else "",
+                                                                           ("worse: " + ", ".join(worse)) if worse else "") if p) or "no difference shown"
+    return out
+
+
+_HEAD = {"hn_mean": "HN mean", "i2t_R@1": "i2t R@1", "t2i_R@1": "t2i R@1", "pointing": "pointing"}
+
+# %% [markdown]
+# On hand-made results: means and sample standard deviations, ratios to CLIP within each seed, a paired t interval
+# that sees a small difference which the seed spread hides, and a bootstrap over scenes.
+
+# %%
+_rng = np.random.default_rng(0)
+_scenes = lambda p: (100 * (_rng.random(200) < p)).tolist()
+_ps = {s: {"CLIP": dict(hn_mean=60.0 + 10 * s, s_per_step=1.0 + s, per_scene={"hn_mean": _scenes(0.6)}),
+           "X": dict(hn_mean=63.0 + 10 * s + 0.1 * (-1) ** s, s_per_step=2.0 + s, scorer="late", per_scene={"hn_mean": _scenes(0.7)})}
+       for s in range(3)}
+_sm = summarize_seeds(_ps)
+test_close((_sm["X"]["hn_mean"], _sm["X"]["hn_mean_sd"]), (np.mean([63.1, 72.9, 83.1]), np.std([63.1, 72.9, 83.1], ddof=1)))
+test_close(_sm["X"]["time_ratio"], np.mean([2 / 1, 3 / 2, 4 / 3])); test_eq(_sm["X"]["scorer"], "late")
+_st = paired_stats(_ps)
+test_eq(_st["X"]["hn_mean"]["t"].verdict(), "better"); assert _st["X"]["hn_mean"]["boot"].n == 200
+test_eq(verdicts(_st), {"X": "better: HN mean"})
+assert _sm["X"]["hn_mean_sd"] > 9 and _st["X"]["hn_mean"]["t"].hi - _st["X"]["hn_mean"]["t"].lo < 2   # pairing removes the seed's share
+
+
+# %% [markdown]
+# ## Tables and the plot
+#
+# `summary.md` holds, in this order: the headline table (what the README shows: mean ± sd over seeds of the headline
+# numbers, the paired differences to CLIP with their seed intervals, the verdict, time per step relative to CLIP), the
+# paired differences with the scene bootstrap, every hard-negative kind, the sweep, and the rows left out.
+
+# %%
+#| export
+def _cell(r: dict, k: str, fmt: str = "{:.1f}") -> str:
+    v, sd = r.get(k, float("nan")), r.get(k + "_sd", float("nan"))
+    if v is None or (isinstance(v, float) and math.isnan(v)): return "-"
+    return fmt.format(v) + ("" if sd is None or math.isnan(sd) else " ± " + fmt.format(sd))
+
+
+def _label(name: str, r: dict) -> str:
+    "A row's label, with its headline scorer when it is not the global cosine: 'FILIP [late]'."
+    return name if r.get("scorer", "global") == "global" else f"{name} [{r['scorer']}]"
+
+
+def _other(r: dict) -> str:
+    "The numbers of a second scorer, for rows whose headline is not the global cosine."
+    s = sorted({k.split(":")[0] for k in r if ":" in k and not k.endswith("_sd")})
+    return "; ".join(f"{x}: HN {_cell(r, x + ':hn_mean')}, i2t R@1 {_cell(r, x + ':i2t_R@1')}" for x in s) or ""
+
+
+def headline_table(summary: dict, stats: dict, base: str = REFERENCE) -> str:
+    "Markdown: mean ± sd over seeds, paired difference to `base` [95 % t interval over seeds], verdict, time per step."
+    v = verdicts(stats)
+    head = ["run", "regime", "HN mean", "i2t R@1", "t2i R@1", "pointing", f"Δ HN mean vs {base}", f"Δ i2t R@1 vs {base}",
+            f"Δ t2i R@1 vs {base}", f"Δ pointing vs {base}", "verdict (seed intervals)", f"time/step vs {base}", "other scorer"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * 8 + "---|---:|---|"]
+    for n, r in summary.items():
+        d = [stats.get(n, {}).get(m, {}).get("t") for m in HEADLINE]
+        cells = [_label(n, r), r.get("regime", ""), *(_cell(r, m) for m in HEADLINE),
+                 *("-" if x is None else x.format() for x in d), v.get(n, "reference" if n == base else "-"),
+                 _cell(r, "time_ratio", "{:.2f}") + ("x" if "time_ratio" in r else ""), _other(r)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bootstrap_table(stats: dict, base: str = REFERENCE) -> str:
+    "Markdown: paired differences to `base` with the 95 % bootstrap interval over held-out scenes."
+    lines = ["| run | " + " | ".join(f"Δ {_HEAD[m]}" for m in HEADLINE) + " |", "|---|" + "---:|" * len(HEADLINE)]
+    for n, by in stats.items():
+        lines.append(f"| {n} | " + " | ".join("-" if by.get(m, {}).get("boot") is None else by[m]["boot"].format() for m in HEADLINE) + " |")
+    return "\n".join(lines)
+
+
+def kinds_table(summary: dict) -> str:
+    "Markdown: mean ± sd over seeds of the hard-negative accuracy of every kind, R@5 both ways, IoU."
+    from powerclip.world import NEGATIVE_KINDS
+    cols = [(f"hn_{k}", k) for k in NEGATIVE_KINDS] + [("i2t_R@5", "i2t R@5"), ("t2i_R@5", "t2i R@5"), ("mean_iou", "IoU"),
+                                                         ("train_s_total", "train s")]
+    cols = [c for c in cols if any(c[0] in r for r in summary.values())]
+    lines = ["| run | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
+    lines += [f"| {_label(n, r)} | " + " | ".join(_cell(r, k, "{:.0f}" if k == "train_s_total" else "{:.1f}") for k, _ in cols) + " |"
+              for n, r in summary.items()]
+    return "\n".join(lines)
+
+
+def sweep_table(sweep: dict) -> str:
+    "Markdown: the validation numbers of each candidate value of a sweep, and the value kept."
+    lines = [f"| {sweep['key']} | val HN mean | val i2t R@1 | val t2i R@1 | seeds | kept |", "|---:|---:|---:|---:|---:|---|"]
+    for v, r in sweep["candidates"].items():
+        lines.append(f"| {v} | {_cell(r, 'hn_mean')} | {_cell(r, 'i2t_R@1')} | {_cell(r, 't2i_R@1')} | {r['seeds']} | "
+                     f"{'**kept**' if float(v) == float(sweep['chosen']) else ''} |")
+    return "\n".join(lines)
+
+
+def plot_curves(curves: dict, path=None, title: str = ""):
+    """Hard-negative mean and R@1 (mean of both directions) against steps and against training seconds, mean over
+    seeds: one figure, every row (a fine-tuned row's curve starts at its base's snapshot)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 6.4))
+    axes = fig.subplots(2, 2)
+    for name, pts in curves.items():
+        if not pts: continue
+        for i, (key, lab) in enumerate((("hn_mean", "hard-negative mean (%)"), ("R@1", "R@1, mean of both directions (%)"))):
+            for j, x in enumerate(("step", "seconds")):
+                axes[i][j].plot([p[x] for p in pts], [p[key] for p in pts], marker="o", ms=3, lw=1.2, label=name)
+                axes[i][j].set_ylabel(lab); axes[i][j].set_xlabel("training step" if x == "step" else "training wall-clock (s)")
+    axes[0][0].legend(fontsize=7, ncol=2)
+    if title: fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    if path is not None: fig.savefig(path, dpi=110)
+    return fig
+
+
+# %% [markdown]
+# ## The runner
+#
+# `run_plan` does the work, in this order: the held-out test folder (and the validation folder for a sweep); each
+# swept row's sweep (its candidates trained at the sweep seeds and scored on the validation scenes; the value kept);
+# then for every seed the rows, bases before the fine-tunes that start from them: train (or reuse), score the final
+# weights on the test scenes (with the pointing game) and every snapshot (without); the untrained model of each seed
+# (the chance line). Then the summary, the paired statistics, the curves, and the files: `summary.md`, `summary.json`,
+# `curves.png`, `loss_curves.png` (the first seed's training losses). `compare` = `make_plan` + `run_plan`.
+
+# %%
+#| export
+@dataclass
+class Comparison:
+    "What a comparison returns (and writes to `summary.json`)."
+    per_seed: dict                # {seed: {row: numbers of its final weights on the test scenes (with per_scene shares)}}
+    curves: dict                  # {row: [{step, seconds, hn_mean, R@1, ...} mean over seeds]}
+    summary: dict                 # {row: mean and sd over seeds}
+    stats: dict                   # {row: {metric: {'t': Interval, 'boot': Interval}}}
+    sweeps: dict                  # {row: {key, candidates, chosen}}
+    meta: dict
+
+
+def _curve_point(step: int, seconds: float, r: dict) -> dict:
+    return dict(step=step, seconds=seconds, hn_mean=r["hn_mean"], **{"i2t_R@1": r["i2t_R@1"], "t2i_R@1": r["t2i_R@1"]},
+                **{"R@1": (r["i2t_R@1"] + r["t2i_R@1"]) / 2})
+
+
+def _snapshot(job: Job, step: int) -> tuple[Path, float]:
+    d = job.dir / "snapshots" / f"step{step}"
+    return d, json.loads((d / "snapshot.json").read_text())["seconds"]
+
+
+def _mean_curve(per_seed: list[list[dict]]) -> list[dict]:
+    "Mean over seeds, point by point (the seeds' curves have the same steps)."
+    per_seed = [c for c in per_seed if c]
+    n = min(len(c) for c in per_seed) if per_seed else 0
+    return [{k: float(np.mean([c[i][k] for c in per_seed])) for k in per_seed[0][i]} for i in range(n)]
+
+
+def run_sweep(plan: Plan, name: str, log=print) -> dict:
+    "Train a swept row's candidates at the sweep seeds, score them on the validation scenes, keep the best HN mean."
+    spec = plan.runs[name]
+    key, values = spec.sweep
+    cand = {}
+    for v in values:
+        per = {}
+        for s in plan.sweep_seeds:
+            job = plan.jobs[(name, s, v)]
+            train_job(job, plan.isolate, log)
+            per[s] = evaluate_folder(job.dir, plan.val_root, plan.world, 0, plan.device, cache="eval_val.json")
+        m = {k: [r[k] for r in per.values()] for k in ("hn_mean", "i2t_R@1", "t2i_R@1")}
+        cand[f"{v:g}"] = dict(seeds=len(per), **{k: float(np.mean(x)) for k, x in m.items()},
+                              **{k + "_sd": float(np.std(x, ddof=1)) if len(x) > 1 else float("nan") for k, x in m.items()})
+    best = max(values, key=lambda v: (cand[f"{v:g}"]["hn_mean"], -values.index(v)))   # ties: the first listed
+    res = dict(key=key, candidates=cand, chosen=best, seeds=list(plan.sweep_seeds), criterion="highest validation HN mean")
+    log(f"compare: {name} sweep of {key}: " + ", ".join(f"{v} -> HN {c['hn_mean']:.1f}" for v, c in cand.items()) + f"; kept {best:g}")
+    return res
+
+
+def run_plan(plan: Plan, log=None) -> Comparison:
+    "Run a validated plan (see above); writes its files under `plan.out` and returns the `Comparison`."
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    t0, started = time.time(), time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    plan.out.mkdir(parents=True, exist_ok=True)
+    write_world_benchmark(plan.test_root, plan.eval_images, plan.world, split="test", extras=False)
+    sweeps = {}
+    for name, spec in plan.runs.items():
+        if spec.sweep:
+            write_world_benchmark(plan.val_root, plan.eval_images, plan.world, split="val", extras=False)
+            sweeps[name] = run_sweep(plan, name, log)
+    chosen = {n: s["chosen"] for n, s in sweeps.items()}
+    order = sorted(plan.runs, key=lambda n: plan.runs[n].base is not None)     # bases before their fine-tunes
+    per_seed, seed_curves, losses, train_s = {}, {}, {}, 0.0
+    for seed in plan.seeds:
+        res = {}
+        for name in order:
+            job = plan.job(name, seed, chosen)
+            rec = train_job(job, plan.isolate, log); train_s += rec["train_s"]
+            r = evaluate_folder(job.dir, plan.test_root, plan.world, plan.grounding_scenes, plan.device)
+            base = plan.runs[name].base
+            offset_s = _snapshot(plan.job(base, seed, chosen), job.start)[1] if base else 0.0
+            res[name] = dict(regime=f"fine-tune {job.cfg.max_steps} from {base}@{job.start}" if base else f"pre-train {job.cfg.max_steps}",
+                             **{k: v for k, v in rec.items() if k != "weights_mtime_ns"}, train_s_total=offset_s + rec["train_s"], **r)
+            pts = []
+            if base:                                  # the curve starts at the base's snapshot
+                d, s0 = _snapshot(plan.job(base, seed, chosen), job.start)
+                pts.append(_curve_point(job.start, s0, evaluate_folder(d, plan.test_root, plan.world, 0, plan.device)))
+            for step in job.cfg.snapshot_steps:
+                d, sec = _snapshot(job, step)
+                e = r if step == job.cfg.max_steps else evaluate_folder(d, plan.test_root, plan.world, 0, plan.device)
+                pts.append(_curve_point(job.start + step, offset_s + sec, e))
+            seed_curves.setdefault(name, []).append(pts)
+            if seed == plan.seeds[0]: losses[name] = read_metrics(job.dir / "metrics.csv")
+        first = plan.job(order[0], seed, chosen).cfg
+        lm = load_model(first.model.name, None, seed=derive_seed(seed, "init"), model_kwargs=first.model.kwargs)
+        per_seed[seed] = {"untrained": dict(regime="chance line", steps=0, **evaluate_folder(
+            plan.out / "untrained" / f"seed{seed}", plan.test_root, plan.world, plan.grounding_scenes, lm=lm)),
+            **{n: res[n] for n in plan.runs}}
+    curves = {n: _mean_curve(c) for n, c in seed_curves.items()}
+    summary = summarize_seeds(per_seed)
+    stats = paired_stats({s: {n: r for n, r in res.items() if n != "untrained"} for s, res in per_seed.items()}) \
+        if REFERENCE in plan.runs else {}
+    meta = dict(plan.meta, runs=list(plan.runs), chosen={n: float(v) for n, v in chosen.items()}, started=started,
+                seconds=round(time.time() - t0), train_seconds=round(train_s), device=plan.device,
+                machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__,
+                             gpu=torch.cuda.get_device_name() if plan.device.startswith("cuda") else None))
+    cmp = Comparison(per_seed, curves, summary, stats, sweeps, meta)
+    write_outputs(cmp, plan.out, losses)
+    log(f"compare: {meta['seconds']} s in all; {plan.out / 'summary.md'}, {plan.out / 'curves.png'}")
+    return cmp
+
+
+def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
+    "`summary.md`, `summary.json`, `curves.png` (and `loss_curves.png`) of a comparison."
+    out, m = Path(out), cmp.meta
+    head = (f"{len(m['seeds'])} seed(s) {m['seeds']}, T = {m['steps']} steps (fine-tunes: F = {m['finetune_steps']}), preset "
+            f"{m['preset']}{', overrides ' + str(m['overrides']) if m['overrides'] else ''}; {m['eval_images']} held-out test "
+            f"scenes, pointing on {m['grounding_scenes']}; {m['device']}, {m['machine']['cores']} cores, torch {m['machine']['torch']}; "
+            f"started {m['started']}, {m['seconds']} s (training loops of the table's runs: {m['train_seconds']} s, sweeps apart)"
+            + (f"; `{m['command']}`" if m.get("command") else ""))
+    parts = [head, "", "Mean ± sd over seeds (%); Δ: paired difference to CLIP on the same seed, mean [95 % t interval over "
+             "seeds]; the verdict reads the seed intervals (better/worse only where the interval excludes 0).", "",
+             headline_table(cmp.summary, cmp.stats)]
+    if cmp.stats: parts += ["", "Paired differences to CLIP with the 95 % bootstrap interval over held-out scenes (test-set "
+                            "sampling only; not the verdict):", "", bootstrap_table(cmp.stats)]
+    parts += ["", "Every hard-negative kind, R@5, IoU of the pointing maps, training seconds:", "", kinds_table(cmp.summary)]
+    for n, s in cmp.sweeps.items():
+        parts += ["", f"{n}: {s['key']} chosen on {m['eval_images']} validation scenes (seeds {s['seeds']}; {s['criterion']}):", "",
+                  sweep_table(s)]
+    if m.get("skipped"): parts += ["", "Left out: " + "; ".join(f"{k} ({v})" for k, v in m["skipped"].items())]
+    (out / "summary.md").write_text("\n".join(parts) + "\n")
+    plain = lambda x: asdict(x) if isinstance(x, Interval) else x
+    stats = {n: {k: {a: plain(b) for a, b in v.items()} for k, v in by.items()} for n, by in cmp.stats.items()}
+    numbers = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()} for s, res in cmp.per_seed.items()}
+    (out / "summary.json").write_text(json.dumps(dict(meta=m, summary=cmp.summary, stats=stats, sweeps=cmp.sweeps,
+                                                      curves=cmp.curves, per_seed=numbers), indent=1, default=str))
+    plot_curves(cmp.curves, out / "curves.png", title=f"mean over seeds {m['seeds']}; T = {m['steps']}")
+    if losses: plot_metrics(losses, out / "loss_curves.png", title=f"training loss, seed {m['seeds'][0]}")
+
+
+def compare(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/demo", **kw) -> Comparison:
+    "`make_plan(runs, seeds, steps, out_dir, **kw)` then `run_plan`: the comparison as a function (see `make_plan` for the options)."
+    return run_plan(make_plan(runs, seeds, steps, out_dir, **kw), kw.get("log"))
+
+
+# %% [markdown]
+# ## Command line
+#
+# `python -m powerclip.compare` (the console script `powerclip-compare`) follows the `powerclip.cli` convention: a
+# mistake (an unknown run, bad seeds, an unknown override key or value, a folder that holds another run) is one line and
+# exit status 2, before anything trains.
+#
+# ```bash
+# python -m powerclip.compare                                   # the demo: CLIP, PowerCLIP-R, PowerCLIP-gold; seed 0; 360 steps
+# python -m powerclip.compare --runs all                        # make compare: every row, COMPARE_SEEDS, COMPARE_STEPS
+# python -m powerclip.compare --runs all --steps 2000 --seeds 0 1 2 3 4 --device cuda --precision bf16   # longer, on a GPU
+# python -m powerclip.compare --runs CLIP SPARC C2LIP --steps 40 data.batch_size=32   # some rows, any override for all
+# ```
+
+# %%
+#| export
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m powerclip.compare", description="Train, evaluate and compare methods on the built-in world.")
+    ap.add_argument("--runs", nargs="+", default=["demo"], help=f"rows to train, 'demo' ({', '.join(DEMO_RUNS)}) or 'all': {', '.join(RUNS)}")
+    ap.add_argument("--seeds", nargs="+", type=int, default=None, help=f"run seeds (default: 0 for the demo, {' '.join(map(str, COMPARE_SEEDS))} for several rows)")
+    ap.add_argument("--steps", type=int, default=None, help=f"T, training steps per run (default: the preset's max_steps for the demo, {COMPARE_STEPS} for --runs all)")
+    ap.add_argument("--out", default=None, help="folder of the runs, tables and plots (default runs/demo, or runs/compare with several seeds or --runs all)")
+    ap.add_argument("--eval-images", type=int, default=EVAL_IMAGES, help="held-out test scenes (and validation scenes of a sweep)")
+    ap.add_argument("--grounding", type=int, default=None, help=f"test scenes of the pointing game (default: 0 for the demo, {GROUNDING_SCENES} for a comparison)")
+    ap.add_argument("--finetune-share", type=float, default=FINETUNE_SHARE, help="F / T: the fine-tunes' share of the budget")
+    ap.add_argument("--curve-points", nargs="+", type=float, default=list(CURVE_POINTS), help="snapshots, as shares of a run's steps")
+    ap.add_argument("--sweep-seeds", nargs="+", type=int, default=None, help="seeds of the sweeps (default: the first seed)")
+    ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
+    ap.add_argument("--precision", default=None, help="fp32 | bf16 | auto (default: the preset's)")
+    ap.add_argument("--preset", default="demo")
+    ap.add_argument("--in-process", action="store_true", help="train in this process (no per-run peak memory)")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
+    ap.add_argument("overrides", nargs="*", help="key=value for every run, e.g. data.batch_size=32")
+    return ap
+
+
+def _main(argv: list[str]) -> int:
+    with usage_errors():
+        a = _parser().parse_intermixed_args(argv)
+        a.overrides += [r for r in a.runs if "=" in r]                   # key=value pairs right after --runs NAME ...
+        a.runs = [r for r in a.runs if "=" not in r] or ["demo"]
+        runs = list(RUNS) if a.runs == ["all"] else list(DEMO_RUNS) if a.runs == ["demo"] else a.runs
+        many = a.runs == ["all"] or (a.seeds is not None and len(a.seeds) > 1)
+        seeds = a.seeds if a.seeds is not None else (list(COMPARE_SEEDS) if a.runs == ["all"] else [0])
+        steps = a.steps if a.steps is not None else (COMPARE_STEPS if a.runs == ["all"] else None)
+        if a.device is not None and a.device.split(":")[0] not in ("cpu", "cuda"): raise ValueError(f"--device: {a.device!r} (cpu or cuda)")
+        if a.device is not None and a.device.startswith("cuda") and not torch.cuda.is_available(): raise ValueError("--device: cuda asked for, but torch sees no GPU")
+        if a.precision is not None and a.precision not in ("fp32", "bf16", "auto"): raise ValueError(f"--precision: {a.precision!r} (fp32, bf16 or auto)")
+        ov = {}
+        for o in a.overrides:
+            k, v = parse_override(o); ov[k] = v
+        plan = make_plan(runs, seeds, steps, a.out or ("runs/compare" if many else "runs/demo"), a.preset, ov, a.finetune_share,
+                         tuple(a.curve_points), a.eval_images, a.grounding if a.grounding is not None else (GROUNDING_SCENES if many else 0),
+                         a.sweep_seeds, a.device, a.precision, not a.in_process)
+        plan.meta["command"] = shlex.join(["python", "-m", "powerclip.compare", *argv])
+    run_plan(plan)
+    print((plan.out / "summary.md").read_text())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    "`python -m powerclip.compare [--runs NAME ...|demo|all] [--seeds S ...] [--steps T] [...] [key=value ...]` (see above)."
+    return run_main(_main, argv, "python -m powerclip.compare")
+
+
+# a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.compare` runs here
+if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
+
+
+# %% [markdown]
+# Mistakes are one line, exit status 2, before anything trains:
+
+# %%
+def _cli(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()): rc = main(argv)
+    return rc, err.getvalue()
+
+for _argv, _msg in ((["--runs", "CLIP", "NoSuch"], "unknown run(s) ['NoSuch']"), (["--seeds", "0", "0"], "--seeds"),
+                    (["--seeds", "x"], "invalid int value"), (["--preset", "smoke", "optim.learning_rate=1"], "unknown key"),
+                    (["--steps", "1"], "--steps"), (["--device", "tpu"], "--device"), (["--out", str(_tmp / "wt" / "summary.json")], "is a file")):
+    _rc, _err = _cli(_argv)
+    assert _rc == 2 and _err.count("\n") == 1 and _msg in _err, (_argv, _rc, _err)
+print(_err.strip())
+
+# %% [markdown]
+# ## A miniature comparison
+#
+# The whole pipeline on the smoke preset (the micro model, 32-pixel scenes, 8 steps; a check that it runs, not a
+# result), in this process, two seeds: CLIP, a fine-tune from its snapshot, and a row swept over two values on the
+# validation scenes. Then the same call again: nothing is trained or evaluated twice.
+
+# %%
+_runs = {"CLIP": RunSpec("clip"), "C2LIP-CLIP": RUNS["C2LIP-CLIP"],
+         "SPARC": RunSpec("sparc", {"method_cfg.lambda_global": 0.5}, sweep=("method_cfg.lambda_fine", (1.0, 5.0)))}
+_kw = dict(preset="smoke", eval_images=24, grounding_scenes=4, isolate=False, curve_points=(0.5, 1.0), log=lambda m: None)
+with contextlib.redirect_stderr(io.StringIO()):
+    _cmp = compare(_runs, seeds=[0, 1], steps=8, out_dir=_tmp / "mini", **_kw)
+test_eq(list(_cmp.per_seed[0]), ["untrained", "CLIP", "C2LIP-CLIP", "SPARC"])
+test_eq(sorted(_cmp.sweeps["SPARC"]["candidates"]), ["1", "5"]); assert _cmp.sweeps["SPARC"]["chosen"] in (1.0, 5.0)
+assert (_tmp / "mini" / "seed0" / f"SPARC@lambda_fine={_cmp.sweeps['SPARC']['chosen']:g}" / "eval.json").is_file()
+_ft = _cmp.per_seed[1]["C2LIP-CLIP"]
+test_eq((_ft["steps"], _ft["regime"]), (2, "fine-tune 2 from CLIP@6"))
+test_eq([p["step"] for p in _cmp.curves["C2LIP-CLIP"]], [6, 7, 8]); test_eq([p["step"] for p in _cmp.curves["CLIP"]], [4, 6, 8])
+test_eq(_cmp.curves["C2LIP-CLIP"][0], _cmp.curves["CLIP"][1])                   # the fine-tune's curve starts at CLIP@6
+assert _ft["train_s_total"] > _ft["train_s"] > 0
+test_eq(set(_cmp.stats["SPARC"]), set(HEADLINE)); assert _cmp.stats["SPARC"]["hn_mean"]["t"].n == 2
+assert _cmp.stats["SPARC"]["pointing"]["boot"].n == 4 and _cmp.stats["SPARC"]["hn_mean"]["boot"].n == 24
+for _f in ("summary.md", "summary.json", "curves.png", "loss_curves.png"): assert (_tmp / "mini" / _f).is_file(), _f
+_mtimes = {p: p.stat().st_mtime_ns for p in (_tmp / "mini").rglob("*.json") if "world_" not in str(p) and p.name != "summary.json"}
+with contextlib.redirect_stderr(io.StringIO()):
+    _again = compare(_runs, seeds=[0, 1], steps=8, out_dir=_tmp / "mini", **_kw)
+test_eq({p: p.stat().st_mtime_ns for p in _mtimes}, _mtimes)                      # nothing trained or evaluated again
+test_eq(json.dumps(_again.summary, sort_keys=True), json.dumps(_cmp.summary, sort_keys=True))
+print((_tmp / "mini" / "summary.md").read_text())
+
+# %% [markdown]
+# ## The comparison at its default budget
+#
+# `make compare` writes its tables and curves to `runs/compare`; this cell shows them when they are there (run it after
+# `make compare`, e.g. `make nbs NB=nbs/70_compare.ipynb`, to keep them in the notebook), and says so when not. It
+# reads what the comparison wrote and trains nothing.
+
+# %%
+#| slow
+from IPython.display import Image as _Image, display
+_root = Path("..") if Path("../runs").is_dir() else Path(".")
+_done = _root / "runs" / "compare" / "summary.md"
+if _done.is_file():
+    print(_done.read_text()); display(_Image(str(_done.parent / "curves.png")))
+else: print(f"no comparison in {_done.parent.resolve()} yet: `make compare` makes it, then this cell shows it")
