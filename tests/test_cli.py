@@ -21,7 +21,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))            # the benchmark scripts import their `_checks` beside them
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: device=cuda is not a mistake here")
-OTHER_BRANCH = pytest.mark.xfail(strict=False, reason="converted on another branch")
 
 
 class Built(BaseException):
@@ -47,7 +46,7 @@ def tripwires(monkeypatch):
     monkeypatch.setattr(subprocess, "run", _tripwire("subprocess.run"))
     import data_prep.annotate_shards as ann
     monkeypatch.setattr(ann, "run", _tripwire("annotate_shards.run"))
-    for mod in ("powerclip.demo", "powerclip.eval.cli"):
+    for mod in ("powerclip.compare", "powerclip.eval.cli"):
         try: m = importlib.import_module(mod)
         except ImportError: continue
         for name in ("train", "run_isolated", "load_model"):
@@ -68,8 +67,7 @@ def _entry(kind):
     if kind == "annotate": from data_prep.annotate_shards import main; return main
     if kind == "eval": from powerclip.eval.cli import main; return main
     if kind == "demo":
-        import powerclip.demo as d
-        return getattr(d, "main", None) or d.demo_main
+        from powerclip.compare import main; return main
     return _bench(kind)
 
 
@@ -146,19 +144,19 @@ CASES = [
     ("world_throughput", ["--out", "{tmp}"], "--out"),
     ("annotate_throughput", ["--coco", "{tmp}/nope"], "--coco"),
     ("annotate_throughput", ["--regions", "sam9"], "--regions"),
-    # powerclip-eval and the demo: converted on other branches (the lead un-marks these after the merge)
-    ("eval", ["run", "--checkpoint", "{tmp}/nope.pt", "--data", "{tmp}", "--out", "{tmp}/res", "--cache", "none"], "--checkpoint", OTHER_BRANCH),
-    ("eval", ["run", "--model", "ViT-X", "--data", "{tmp}", "--out", "{tmp}/res", "--cache", "none"], "--model", OTHER_BRANCH),
-    ("eval", ["run", "--model", "powerclip-micro", "--data", "{tmp}/nope", "--out", "{tmp}/res"], "--data", OTHER_BRANCH),
-    ("eval", ["run", "--model", "powerclip-micro", "--data", "{tmp}", "--batch-size", "0"], "--batch-size", OTHER_BRANCH),
-    ("eval", ["tables", "{tmp}/nope.json"], "results", OTHER_BRANCH),
-    ("eval", ["run", "--model", "powerclip-micro", "--data", "{tmp}"], "--data", OTHER_BRANCH),        # no data set in it
-    ("demo", ["--out", "{tmp}/demo", "--runs", "nope"], "--runs", OTHER_BRANCH),
-    ("demo", ["--out", "{tmp}/demo", "--steps", "0"], "--steps", OTHER_BRANCH),
-    ("demo", ["--out", "{tmp}/demo", "optim.lr=abc"], "optim.lr", OTHER_BRANCH),
-    ("demo", ["--out", "{tmp}/demo", "--eval-images", "-1"], "--eval-images", OTHER_BRANCH),
-    ("demo", ["--out", "{tmp}/a_file"], "--out", OTHER_BRANCH),
-    ("demo", ["--out", "{tmp}/demo", "--preset", "nope"], "--preset", OTHER_BRANCH),
+    # powerclip-eval and the comparison (`make demo`, `make compare`)
+    ("eval", ["run", "--checkpoint", "{tmp}/nope.pt", "--data", "{tmp}", "--out", "{tmp}/res", "--cache", "none"], "--checkpoint"),
+    ("eval", ["run", "--model", "ViT-X", "--data", "{tmp}", "--out", "{tmp}/res", "--cache", "none"], "--model"),
+    ("eval", ["run", "--model", "powerclip-micro", "--data", "{tmp}/nope", "--out", "{tmp}/res"], "--data"),
+    ("eval", ["run", "--model", "powerclip-micro", "--data", "{tmp}", "--batch-size", "0"], "--batch-size"),
+    ("eval", ["tables", "{tmp}/nope.json"], "results"),
+    ("eval", ["run", "--model", "powerclip-micro", "--data", "{tmp}"], "--data"),        # no data set in it
+    ("demo", ["--out", "{tmp}/demo", "--runs", "nope"], "--runs"),
+    ("demo", ["--out", "{tmp}/demo", "--steps", "0"], "--steps"),
+    ("demo", ["--out", "{tmp}/demo", "optim.lr=abc"], "optim.lr"),
+    ("demo", ["--out", "{tmp}/demo", "--eval-images", "-1"], "--eval-images"),
+    ("demo", ["--out", "{tmp}/a_file"], "--out"),
+    ("demo", ["--out", "{tmp}/demo", "--preset", "nope"], "--preset"),
 ]
 
 
