@@ -17,7 +17,7 @@ from .powerset import phrase_embeddings, pool_normalize
 
 # %% auto #0
 __all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'PowerCLIPConfig', 'PowerCLIP',
-           'powerset_inputs', 'Scorer', 'GlobalScorer']
+           'powerset_inputs', 'word_nodes', 'Scorer', 'GlobalScorer']
 
 # %% ../nbs/40_methods.ipynb #a7a3846c
 @dataclass
@@ -143,10 +143,12 @@ class PowerCLIPConfig(PowerCLIPLossConfig):
     "The loss's options (`PowerCLIPLossConfig`) and the region masks PowerCLIP asks of the data."
     M: int = 10               # region masks per image (Sec. 5.1)
     masks: str = "random"     # 'random' boxes (PowerCLIP-R) | 'gold' world object masks | 'stored' shard masks (PowerCLIP-S)
+    nodes: str = "tree"       # 'tree' the parse tree's constituents (the paper) | 'words' each word alone ("w/o parse trees")
 
     def __post_init__(self):
         super().__post_init__()
         if self.M < 1: raise ValueError(f"M must be >= 1, got {self.M}")
+        if self.nodes not in ("tree", "words"): raise ValueError(f"nodes must be 'tree' or 'words', got {self.nodes!r}")
         BatchNeeds(tree=True, regions=self.M, region_source=self.masks)   # checks the mask source
 
 
@@ -160,6 +162,7 @@ class PowerCLIP(Method):
         return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
 
     def loss(self, out, batch, dist):
+        if self.cfg.nodes == "words": batch = word_nodes(batch)
         padded = powerset_inputs(out, batch)               # (R, M, D), (R, M), (R, K, D), (R, K)
         phrases, node_text = padded.packed()               # (P, D), (P,): the valid nodes only, text by text
         local = PowersetInputs(padded.regions, padded.region_valid, phrases, node_text=node_text)
@@ -192,6 +195,15 @@ def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
     phrases = phrase_embeddings(leaves, batch['incidence'].to(leaves.device))         # (C, K, D)
     return PowersetInputs(regions, batch['region_valid'].to(regions.device), phrases,
                           batch['node_valid'].to(phrases.device))
+
+
+def word_nodes(batch: dict) -> dict:
+    """The ablation "w/o parse trees": every word its own node. `incidence (C, W, W)` is the identity over each caption's
+    words (`leaf_tokens (C, W, L)` non-empty) and `node_valid (C, W)` those words; the rest of the batch is kept."""
+    words = batch['leaf_tokens'].any(-1)                                              # (C, W)
+    eye = torch.eye(words.shape[1], dtype=torch.bool, device=words.device)
+    inc = (eye & words[:, :, None]).to(batch['incidence'].dtype)                     # (C, W, W)
+    return {**batch, 'incidence': inc, 'node_valid': words}
 
 # %% ../nbs/40_methods.ipynb #17d60828
 class Scorer:

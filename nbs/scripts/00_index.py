@@ -24,13 +24,58 @@
 # the paper's non-linear aggregators (NLA-T1: softplus, NLA-T2: log-cosh) compute the same quantities, up to a
 # proven error, in $O(M)$.
 #
-# Read the notebooks in order:
+# Read the notebooks in order. A notebook imports only from lower-numbered notebooks (`.ci/check_notebooks.py`
+# checks it on every CI run), so reading in order never meets a name before it is explained.
 #
-# | notebooks | idea |
-# |---|---|
-# | `12_theory_t2r`, `13_theory_r2t`, `14_approximation` | the theory: LSE bound, softplus powerset expansion (Thm. 1), cosh powerset identity and sandwich (Thm. 2), the Fig. 5/7 experiment |
-# | `10_powerset`, `11_loss` | the loss as pure tensor functions, checked against exact enumeration |
-# | `20_parsing`, `21_regions`, `22_world`, `23_data` | what feeds the loss: parse trees, region masks, a built-in compositional world, shards |
-# | `30_model`, `50_train` | open_clip towers with patch and token embeddings; the one trainer |
+# | notebooks | module | idea |
+# |---|---|---|
+# | `10_powerset`, `10a_powerset_fast` | `powerset`, `powerset_fast` | the loss's math as pure tensor functions: exact $2^M$ enumeration (the oracle), the readable dense NLA form, and the fast path (packed nodes, blocked $\bar S$, analytic backward) checked against it in float64 |
+# | `11_loss` | `loss` | CLIP's InfoNCE in its data-parallel local-rows form (`contrastive_rows`), the PowerCLIP loss |
+# | `12_theory_t2r`, `13_theory_r2t`, `14_approximation` | `theory` | the theory: LSE bound, Thm. 1 (softplus), Thm. 2 (cosh), the Fig. 5/7 experiment, checked numerically |
+# | `15_dist`, `16_measure`, `17_cli` | `dist`, `measure`, `cli` | the whole distributed contract (`gather`: one collective for float tensors with gradient, one for masks, ragged dims padded); fresh-process runs and peak memory for benchmarks; one command-line convention (one line, exit 2, `--debug`) |
+# | `20_parsing`, `21_regions`, `22_world`, `23_data` | `parsing`, `regions`, `world`, `data` | what feeds the loss: parse trees and their token spans, region masks, a built-in compositional world, webdataset shards; `BatchNeeds` (a method asks, the pipeline builds only that), `Geometry` (from the model config), the one run seed and its derived streams |
+# | `30_model` | `model` | open_clip towers with patch and token embeddings, tiny configs, `select_patch_tokens` |
+# | `40_methods` ... `48_eclip` | `methods`, `baselines.*` | the `Method` interface and registry, CLIP and PowerCLIP; FILIP, SPARC, FLIP, SmartCLIP, C2LIP, CLIP-PGS, A-CLIP, E-CLIP, each from its paper, with the differences from the authors' code written down |
+# | `50_train` | `train` | the one trainer: `build_run` assembles model, method, forward, optimiser and schedule once (the trainer, the benchmarks and the DDP tests call it); exact resume |
+# | `60_eval_metrics` ... `66a_eval_main` | `eval.*` | the one evaluation path: metrics with one tie rule, data readers, the model loader and the method's scorers, clip_benchmark, tasks, tables, `powerclip-eval` |
+# | `67_heatmaps`, `69_stats` | `heatmaps`, `stats` | text-to-patch maps and the pointing game; intervals (paired t, bootstrap) and verdicts |
+# | `70_compare` | `compare` | `make demo` and `make compare`: every method in its paper's regime, paired statistics, learning curves |
+#
+# ## The map
+#
+# Imports point down this picture, never up (a module names only modules above it):
+#
+# ```
+#  powerset ── powerset_fast ── loss            theory          dist   measure   cli        (math, processes, commands)
+#      │                          │
+#  parsing ── regions ── world ── data ── model                                             (inputs, towers)
+#                                   │       │
+#                                methods ── baselines/*                                      (what a method adds)
+#                                   │
+#                                 train                eval/* ── heatmaps     stats         (one trainer, one evaluation)
+#                                   └────────── compare ─────────┘
+# ```
+#
+# - `dist` is the only module that touches `torch.distributed`; `loss.contrastive_rows` is the only InfoNCE skeleton.
+# - `train` knows no method by name: it asks the method for its needs, forward pass, loss terms, own modules and
+#   learning rates. `eval` knows no method by name either: it asks the method for its scorers (`Method.scorers`).
+#
+# ## Where new things go
+#
+# - **A new method** (a baseline): a notebook `4x_name` exporting `powerclip/baselines/name.py` with a config
+#   dataclass of its paper's defaults and a `Method` subclass registered by name (`@register("name")`). It declares what
+#   it needs of a batch (`needs()`), gathers through `dist.gather`, builds its InfoNCE from `loss.contrastive_rows`,
+#   keeps training-time modules in `build_modules` (saved beside the model as `method_modules.pt`) and says how it is
+#   scored (`scorers`). Add a preset of its paper's recipe in `powerclip/presets/`, a case in `tests/test_ddp.py`
+#   (two processes equal one) and in `tests/test_baselines.py` (trains by name, resumes exactly), and a row in
+#   `compare.RUNS` with its regime.
+# - **A new metric or benchmark data set**: the metric as a pure function in `60_eval_metrics` (ties count against
+#   the correct candidate); a reader in `61_eval_data`; a task in `64_eval_tasks` registered in the benchmark
+#   registry of `63_eval_benchmarks`; its table in `65_eval_tables`.
+# - **A speed or memory measurement**: a script in `benchmarks/` that reports a ratio against a baseline run in the
+#   same session (`measure.run_isolated`, `PeakMemory`), checks its arguments with `benchmarks/_checks.py` inside
+#   `cli.usage_errors()`, and writes its results to `benchmarks/results/`; never a timed test.
+# - **A data-preparation tool**: `data_prep/`, on the `cli` convention, writing webdataset shards.
+# - **Tests a notebook cell cannot hold** (several processes, a command line, a killed run): `tests/`.
 #
 # Set up and test with the two commands of the README (`make demo`, `make test`).

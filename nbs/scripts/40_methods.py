@@ -33,7 +33,7 @@ from powerclip.powerset import phrase_embeddings, pool_normalize
 # %%
 #| hide
 import torch.nn.functional as F
-from fastcore.test import test_fail
+from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
 
 
@@ -217,6 +217,13 @@ class CLIP(Method):
 # hands both to the pipeline, with the parse tree. Phrase embeddings of different
 # processes have different numbers of nodes $K$ (and region embeddings of $M$), so `gather` pads them to the
 # largest over the processes; all four float tensors travel in one collective, the two masks in another.
+#
+# **The ablation "w/o parse trees"** (Table 6) replaces the tree's constituents by the caption's words: `nodes='words'`
+# makes every word its own node (the incidence the identity over the caption's words), so the triplet loss aligns
+# region subsets with single words and never with a phrase. Our choice where the paper is silent on what stands in for
+# the tree: words rather than BPE tokens, because a word is the unit the tree's leaves already are (`20_parsing`), so
+# the ablation removes the tree's structure and nothing else. (`lam=0` is "w/o triplet loss", `region_sets=False`
+# "w/o region sets".)
 
 # %%
 #| export
@@ -225,10 +232,12 @@ class PowerCLIPConfig(PowerCLIPLossConfig):
     "The loss's options (`PowerCLIPLossConfig`) and the region masks PowerCLIP asks of the data."
     M: int = 10               # region masks per image (Sec. 5.1)
     masks: str = "random"     # 'random' boxes (PowerCLIP-R) | 'gold' world object masks | 'stored' shard masks (PowerCLIP-S)
+    nodes: str = "tree"       # 'tree' the parse tree's constituents (the paper) | 'words' each word alone ("w/o parse trees")
 
     def __post_init__(self):
         super().__post_init__()
         if self.M < 1: raise ValueError(f"M must be >= 1, got {self.M}")
+        if self.nodes not in ("tree", "words"): raise ValueError(f"nodes must be 'tree' or 'words', got {self.nodes!r}")
         BatchNeeds(tree=True, regions=self.M, region_source=self.masks)   # checks the mask source
 
 
@@ -242,6 +251,7 @@ class PowerCLIP(Method):
         return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
 
     def loss(self, out, batch, dist):
+        if self.cfg.nodes == "words": batch = word_nodes(batch)
         padded = powerset_inputs(out, batch)               # (R, M, D), (R, M), (R, K, D), (R, K)
         phrases, node_text = padded.packed()               # (P, D), (P,): the valid nodes only, text by text
         local = PowersetInputs(padded.regions, padded.region_valid, phrases, node_text=node_text)
@@ -287,6 +297,15 @@ def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
                           batch['node_valid'].to(phrases.device))
 
 
+def word_nodes(batch: dict) -> dict:
+    """The ablation "w/o parse trees": every word its own node. `incidence (C, W, W)` is the identity over each caption's
+    words (`leaf_tokens (C, W, L)` non-empty) and `node_valid (C, W)` those words; the rest of the batch is kept."""
+    words = batch['leaf_tokens'].any(-1)                                              # (C, W)
+    eye = torch.eye(words.shape[1], dtype=torch.bool, device=words.device)
+    inc = (eye & words[:, :, None]).to(batch['incidence'].dtype)                     # (C, W, W)
+    return {**batch, 'incidence': inc, 'node_valid': words}
+
+
 # %% [markdown]
 # On a model (the micro architecture, random weights, a $4\times4$ patch grid) and two parsed captions:
 
@@ -318,6 +337,10 @@ assert_close(_pi.phrases[0, 4], sum(_words))
 # caption 1 has one node; nodes 1..4 are padding: zero and invalid
 assert not _pi.phrases[1, 1:].any() and _pi.node_valid[1].tolist() == [True, False, False, False, False]
 test_fail(lambda: powerset_inputs(_enc, dict(_pb, region_masks=_masks[..., :10])), contains='patches')
+# w/o parse trees: the nodes are the words, each phrase embedding one normalised word embedding
+_pw = powerset_inputs(_enc, word_nodes(_pb))
+test_eq(_pw.node_valid.sum(1).tolist(), [8, 3])
+assert_close(_pw.phrases[0, 6], _words[1]); assert_close(_pw.phrases[1, 2], F.normalize(_enc['tokens'][1][_tt['leaf_tokens'][1, 2]].sum(0), dim=-1))
 
 # %% [markdown]
 # The whole path, from the model through the method's forward and loss, back-propagates into both towers:
@@ -328,6 +351,9 @@ _pm = get_method("powerclip")
 _terms = _pm.loss(_pm.forward(_model, dict(_pb, image=_img)), _pb, DistContext())
 _model.zero_grad(); (_terms['clip'] + _terms['powerset']).backward()
 assert _model.visual.conv1.weight.grad.abs().sum() > 0 and _model.token_embedding.weight.grad.abs().sum() > 0
+_tw = get_method("powerclip", {"nodes": "words"}).loss(_pm.forward(_model, dict(_pb, image=_img)), _pb, DistContext())
+assert_close(_tw['clip'], _terms['clip']); assert not torch.allclose(_tw['powerset'], _terms['powerset'])  # only the nodes differ
+test_fail(lambda: get_method("powerclip", {"nodes": "tokens"}), contains="nodes")
 _model.eval()
 print({k: round(float(v.detach()), 4) for k, v in _terms.items()})
 
