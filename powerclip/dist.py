@@ -55,8 +55,10 @@ def init_distributed(device: str | None = None, backend: str | None = None) -> D
 
 
 def cleanup(ctx: DistContext) -> None:
-    "Leave the process group (no-op in one process)."
-    if ctx.distributed and td.is_initialized(): td.destroy_process_group()
+    "Leave the process group (no-op in one process), after every process has arrived."
+    # The barrier first: a process that tears gloo's connections down while its peer is still in a collective makes
+    # the peer's background thread abort the process ("terminate called without an active exception", SIGABRT).
+    if ctx.distributed and td.is_initialized(): td.barrier(); td.destroy_process_group()
 
 # %% ../nbs/15_dist.ipynb #29eaebca
 _MAX_DIMS = 8  # tensors of up to 8 dimensions; the shape exchange has a fixed width

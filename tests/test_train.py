@@ -90,6 +90,7 @@ def test_presets_load():
     p = load_config("paper")
     assert (p.model.name, p.global_batch_size, p.optim.lr, p.optim.weight_decay, p.epochs) == ("ViT-B-16", 4096, 1e-3, 0.2, 32)
     assert p.method_cfg == {"lam": 0.1, "tau": 1e-3, "alpha": 0.75, "M": 10, "masks": "random"}
+    assert p.model.grad_checkpointing   # 512 local rows of ViT-B/16 fit 80 GB only so (benchmarks/results/paper_memory.md)
     d = load_config("demo", method="clip")
     assert d.method == "clip" and d.method_cfg == {} and d.data.source == "world"
 
