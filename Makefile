@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo compare eval-compare theory test check sync nbs export bench clean-venv
+.PHONY: install demo compare experiments eval-compare theory test check sync nbs export bench clean-venv
 
 install: $(STAMP)
 
@@ -77,6 +77,14 @@ export: install
 ## memory saved for backward, real CC3M node counts; writes benchmarks/results/powerset_scale_*.{md,json,png} (~40 min).
 bench: install
 	$(BIN)/python benchmarks/powerset_scale.py
+
+## The paper's ablations on the world (71_experiments): Tables 6, 7, 8, 10, 14, the margin, Fig. 8, Fig. 9; each writes
+## runs/experiments/NAME/summary.md with paired differences to its reference row. About 40 minutes per table on 2 CPU
+## cores; EXP picks some: make experiments EXP="table6 table14" STEPS=100 SEEDS="0 1 2"
+EXP ?= all
+experiments: install
+	$(BIN)/python -m powerclip.experiments $(EXP) $(if $(STEPS),--steps $(STEPS)) $(if $(SEEDS),--seeds $(SEEDS)) \
+	  $(if $(DEVICE),--device $(DEVICE)) $(if $(PRECISION),--precision $(PRECISION))
 
 clean-venv:
 	rm -rf $(VENV)

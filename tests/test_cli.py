@@ -46,7 +46,7 @@ def tripwires(monkeypatch):
     monkeypatch.setattr(subprocess, "run", _tripwire("subprocess.run"))
     import data_prep.annotate_shards as ann
     monkeypatch.setattr(ann, "run", _tripwire("annotate_shards.run"))
-    for mod in ("powerclip.compare", "powerclip.eval.cli"):
+    for mod in ("powerclip.compare", "powerclip.experiments", "powerclip.eval.cli"):
         try: m = importlib.import_module(mod)
         except ImportError: continue
         for name in ("train", "run_isolated", "load_model"):
@@ -68,6 +68,7 @@ def _entry(kind):
     if kind == "eval": from powerclip.eval.cli import main; return main
     if kind == "demo":
         from powerclip.compare import main; return main
+    if kind == "experiments": from powerclip.experiments import main; return main
     return _bench(kind)
 
 
@@ -157,6 +158,10 @@ CASES = [
     ("demo", ["--out", "{tmp}/demo", "--eval-images", "-1"], "--eval-images"),
     ("demo", ["--out", "{tmp}/a_file"], "--out"),
     ("demo", ["--out", "{tmp}/demo", "--preset", "nope"], "--preset"),
+    ("experiments", ["table99"], "table99"),
+    ("experiments", ["table14", "--steps", "0", "--out", "{tmp}/exp"], "--steps"),
+    ("experiments", ["table14", "optim.lr=abc", "--out", "{tmp}/exp"], "optim.lr"),
+    ("experiments", ["table14", "--seeds", "0", "0", "--out", "{tmp}/exp"], "--seeds"),
 ]
 
 

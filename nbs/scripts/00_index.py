@@ -40,6 +40,7 @@
 # | `60_eval_metrics` ... `66a_eval_main` | `eval.*` | the one evaluation path: metrics with one tie rule, data readers, the model loader and the method's scorers, clip_benchmark, tasks, tables, `powerclip-eval` |
 # | `67_heatmaps`, `69_stats` | `heatmaps`, `stats` | text-to-patch maps and the pointing game; intervals (paired t, bootstrap) and verdicts |
 # | `70_compare` | `compare` | `make demo` and `make compare`: every method in its paper's regime, paired statistics, learning curves |
+# | `71_experiments` | `experiments` | the paper's ablations (Tables 6, 7, 8, 10, 14, the margin, Fig. 8, Fig. 9) as comparisons against each table's reference row |
 #
 # ## The map
 #
@@ -54,6 +55,8 @@
 #                                   │
 #                                 train                eval/* ── heatmaps     stats         (one trainer, one evaluation)
 #                                   └────────── compare ─────────┘
+#                                                  │
+#                                             experiments
 # ```
 #
 # - `dist` is the only module that touches `torch.distributed`; `loss.contrastive_rows` is the only InfoNCE skeleton.

@@ -220,9 +220,9 @@ class CLIP(Method):
 #
 # **The ablation "w/o parse trees"** (Table 6) replaces the tree's constituents by the caption's words: `nodes='words'`
 # makes every word its own node (the incidence the identity over the caption's words), so the triplet loss aligns
-# region subsets with single words and never with a phrase. Our choice where the paper is silent on what stands in for
-# the tree: words rather than BPE tokens, because a word is the unit the tree's leaves already are (`20_parsing`), so
-# the ablation removes the tree's structure and nothing else. (`lam=0` is "w/o triplet loss", `region_sets=False`
+# region subsets with single words and never with a phrase. The paper says "individual tokens"; we take words, the unit
+# the tree's leaves already are (`20_parsing`), so that the ablation removes the tree's structure and nothing else (a
+# word split into several BPE pieces stays one node). (`lam=0` is "w/o triplet loss", `region_sets=False`
 # "w/o region sets".)
 
 # %%

@@ -172,6 +172,7 @@ class RunSpec:
     base: str | None = None                         # fine-tune: the row whose snapshot at step T - F it starts from
     warmup_share: float | None = None               # fine-tune: its warm-up as a share of its F steps (its recipe's)
     sweep: tuple | None = None                      # (key, candidate values): the value kept is chosen on the validation split
+    steps: int | None = None                        # a pre-trained row's own T (the plan's when None; `71_experiments`' Fig. 8)
 
 
 RUNS = {
@@ -323,9 +324,10 @@ def _check_folder(cfg: TrainConfig) -> None:
 def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/demo", preset: str = "demo",
               overrides: dict | None = None, finetune_share: float = FINETUNE_SHARE, curve_points=CURVE_POINTS,
               eval_images: int = EVAL_IMAGES, grounding_scenes: int = 0, sweep_seeds=None, device: str | None = None,
-              precision: str | None = None, isolate: bool = True, log=None) -> Plan:
+              precision: str | None = None, isolate: bool = True, log=None, reference: str = REFERENCE) -> Plan:
     """Validate and plan a comparison (see above). `runs`: names of `RUNS`, or a dict name -> RunSpec; `steps`: T (None:
-    the preset's max_steps); `sweep_seeds`: the seeds of the sweeps (None: the first seed)."""
+    the preset's max_steps); `sweep_seeds`: the seeds of the sweeps (None: the first seed); `reference`: the row every
+    paired difference is taken to (CLIP here; an experiment's own reference row in `71_experiments`)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     specs = dict(runs) if isinstance(runs, dict) else {}
     if not isinstance(runs, dict):
@@ -366,7 +368,8 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
                 ov = {**user, **spec.overrides, "seed": seed, "out_dir": str(out / f"seed{seed}" / _dirname(name, spec, value))}
                 if spec.sweep: ov[spec.sweep[0]] = value
                 if spec.base is None:
-                    ov.update(max_steps=T, snapshot_steps=snapshot_steps(T, curve_points, [T - F]))
+                    Tr = spec.steps or T
+                    ov.update(max_steps=Tr, snapshot_steps=snapshot_steps(Tr, curve_points, [T - F] if T - F <= Tr else []))
                     start = 0
                 else:
                     base = out / f"seed{seed}" / spec.base / "snapshots" / f"step{T - F}" / "model.pt"
@@ -384,7 +387,7 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     dev = first.device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(preset=preset, overrides=user, steps=T, finetune_steps=F, finetune_share=finetune_share, seeds=seeds,
                 sweep_seeds=sweep_seeds, eval_images=eval_images, grounding_scenes=grounding_scenes,
-                curve_points=list(curve_points), skipped=skipped)
+                curve_points=list(curve_points), skipped=skipped, reference=reference)
     return Plan(specs, skipped, seeds, T, F, jobs, sweep_seeds, out, world, eval_images, grounding_scenes,
                 tuple(curve_points), dev, isolate, meta)
 
@@ -832,9 +835,10 @@ def run_plan(plan: Plan, log=None) -> Comparison:
             plan.out / "untrained" / f"seed{seed}", plan.test_root, plan.world, plan.grounding_scenes, lm=lm)),
             **{n: res[n] for n in plan.runs}}
     curves = {n: _mean_curve(c) for n, c in seed_curves.items()}
-    summary = summarize_seeds(per_seed)
-    stats = paired_stats({s: {n: r for n, r in res.items() if n != "untrained"} for s, res in per_seed.items()}) \
-        if REFERENCE in plan.runs else {}
+    ref = plan.meta.get("reference", REFERENCE)
+    summary = summarize_seeds(per_seed, ref)
+    stats = paired_stats({s: {n: r for n, r in res.items() if n != "untrained"} for s, res in per_seed.items()}, ref) \
+        if ref in plan.runs else {}
     meta = dict(plan.meta, runs=list(plan.runs), chosen={n: float(v) for n, v in chosen.items()}, started=started,
                 seconds=round(time.time() - t0), train_seconds=round(train_s), device=plan.device,
                 machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__,
@@ -853,11 +857,12 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
             f"scenes, pointing on {m['grounding_scenes']}; {m['device']}, {m['machine']['cores']} cores, torch {m['machine']['torch']}; "
             f"started {m['started']}, {m['seconds']} s (training loops of the table's runs: {m['train_seconds']} s, sweeps apart)"
             + (f"; `{m['command']}`" if m.get("command") else ""))
-    parts = [head, "", "Mean ± sd over seeds (%); Δ: paired difference to CLIP on the same seed, mean [95 % t interval over "
+    ref = m.get("reference", REFERENCE)
+    parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t interval over "
              "seeds]; the verdict reads the seed intervals (better/worse only where the interval excludes 0).", "",
-             headline_table(cmp.summary, cmp.stats)]
-    if cmp.stats: parts += ["", "Paired differences to CLIP with the 95 % bootstrap interval over held-out scenes (test-set "
-                            "sampling only; not the verdict):", "", bootstrap_table(cmp.stats)]
+             headline_table(cmp.summary, cmp.stats, ref)]
+    if cmp.stats: parts += ["", f"Paired differences to {ref} with the 95 % bootstrap interval over held-out scenes (test-set "
+                            "sampling only; not the verdict):", "", bootstrap_table(cmp.stats, ref)]
     parts += ["", "Every hard-negative kind, R@5, IoU of the pointing maps, training seconds:", "", kinds_table(cmp.summary)]
     for n, s in cmp.sweeps.items():
         parts += ["", f"{n}: {s['key']} chosen on {m['eval_images']} validation scenes (seeds {s['seeds']}; {s['criterion']}):", "",
