@@ -367,6 +367,15 @@ assert _i[0][_v[0]].tolist() == [1]
 # the model, never inside the open_clip weights. (A pretrained SigLIP checkpoint carries its own $t, b$; the
 # towers here are CLIP's, whose checkpoint has none, so they start from SigLIP's init.)
 #
+# **t and b** (`modules_lr`, `init_scale`). Fresh $t, b$ trained at the fine-tune's learning rate cannot leave their
+# init: Adam moves $t'=\log t$ by at most about lr per step, so at C2LIP's $10^{-5}$ over a fine-tune of $10^4$ steps
+# $t$ stays within $e^{0.1}$ of 10, where a trained SigLIP sits near 100; and at $t=10, b=-10$ almost all of the npc
+# gradient comes from the positive pairs (pull only). A pretrained SigLIP would bring its own $t, b$; starting from
+# CLIP's towers we have none, so $t, b$ get their own learning rate, $10^{-3}$ by default (ours; `modules_lr=None`
+# gives them the run's), which lets them travel a factor $e$ in $10^3$ steps; `init_scale='model'` starts $t$ at the
+# model's CLIP temperature instead. The trainer logs them as `_t` and `_b` in `metrics.csv`, so a run shows whether
+# they move (the comparison's C2LIP rows, `70_compare`).
+#
 # **Across processes.** Each process pools its own captions' concepts; the number of concepts $K$ differs, so
 # they are padded to the largest $K$ over the processes and gathered, together with the image and text
 # embeddings, in one call (`powerclip.dist.gather`: one collective with gradient, the validity masks in one without).
