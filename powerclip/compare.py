@@ -172,10 +172,12 @@ def _check_folder(cfg: TrainConfig) -> None:
 def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/demo", preset: str = "demo",
               overrides: dict | None = None, finetune_share: float = FINETUNE_SHARE, curve_points=CURVE_POINTS,
               eval_images: int = EVAL_IMAGES, grounding_scenes: int = 0, sweep_seeds=None, device: str | None = None,
-              precision: str | None = None, isolate: bool = True, log=None, reference: str = REFERENCE) -> Plan:
+              precision: str | None = None, isolate: bool = True, log=None, reference: str = REFERENCE,
+              report_dir=None) -> Plan:
     """Validate and plan a comparison (see above). `runs`: names of `RUNS`, or a dict name -> RunSpec; `steps`: T (None:
     the preset's max_steps); `sweep_seeds`: the seeds of the sweeps (None: the first seed); `reference`: the row every
-    paired difference is taken to (CLIP here; an experiment's own reference row in `71_experiments`)."""
+    paired difference is taken to (CLIP here; an experiment's own reference row in `71_experiments`); `report_dir`: where
+    the tables and plots go (default `out_dir`; the runs always go under `out_dir`, so plans sharing it share runs)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     specs = dict(runs) if isinstance(runs, dict) else {}
     if not isinstance(runs, dict):
@@ -202,6 +204,8 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
         if why: skipped[name] = why; specs.pop(name); log(f"compare: {name} left out: {why}")
     if not specs: raise ValueError(f"--runs: no run left to train ({'; '.join(f'{k}: {v}' for k, v in skipped.items())})")
     user = dict(overrides or {})
+    if "global_batch_size" in user:   # the trainer resolves it into data.batch_size: reuse and s/step need the local size
+        raise ValueError("global_batch_size: give data.batch_size (images per step and process) to the comparison instead")
     if device is not None: user["device"] = device
     if precision is not None: user["precision"] = precision
     out = Path(out_dir)
@@ -235,7 +239,8 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     dev = first.device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(preset=preset, overrides=user, steps=T, finetune_steps=F, finetune_share=finetune_share, seeds=seeds,
                 sweep_seeds=sweep_seeds, eval_images=eval_images, grounding_scenes=grounding_scenes,
-                curve_points=list(curve_points), skipped=skipped, reference=reference)
+                curve_points=list(curve_points), skipped=skipped, reference=reference,
+                report=str(report_dir) if report_dir is not None else None)
     return Plan(specs, skipped, seeds, T, F, jobs, sweep_seeds, out, world, eval_images, grounding_scenes,
                 tuple(curve_points), dev, isolate, meta)
 
@@ -578,8 +583,9 @@ def run_plan(plan: Plan, log=None) -> Comparison:
                 machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__,
                              gpu=torch.cuda.get_device_name() if plan.device.startswith("cuda") else None))
     cmp = Comparison(per_seed, curves, summary, stats, sweeps, meta)
-    write_outputs(cmp, plan.out, losses)
-    log(f"compare: {meta['seconds']} s in all; {plan.out / 'summary.md'}, {plan.out / 'curves.png'}")
+    rep = Path(plan.meta.get("report") or plan.out); rep.mkdir(parents=True, exist_ok=True)
+    write_outputs(cmp, rep, losses)
+    log(f"compare: {meta['seconds']} s in all; {rep / 'summary.md'}, {rep / 'curves.png'}")
     return cmp
 
 
@@ -620,7 +626,7 @@ def compare(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m powerclip.compare", description="Train, evaluate and compare methods on the built-in world.")
     ap.add_argument("--runs", nargs="+", default=["demo"], help=f"rows to train, 'demo' ({', '.join(DEMO_RUNS)}) or 'all': {', '.join(RUNS)}")
-    ap.add_argument("--seeds", nargs="+", type=int, default=None, help=f"run seeds (default: 0 for the demo, {' '.join(map(str, COMPARE_SEEDS))} for several rows)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=None, help=f"run seeds (default: {' '.join(map(str, COMPARE_SEEDS))} for --runs all, else 0)")
     ap.add_argument("--steps", type=int, default=None, help=f"T, training steps per run (default: the preset's max_steps for the demo, {COMPARE_STEPS} for --runs all)")
     ap.add_argument("--out", default=None, help="folder of the runs, tables and plots (default runs/demo, or runs/compare with several seeds or --runs all)")
     ap.add_argument("--eval-images", type=int, default=EVAL_IMAGES, help="held-out test scenes (and validation scenes of a sweep)")

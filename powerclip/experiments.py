@@ -43,34 +43,33 @@ EXPERIMENTS = {
         "Table 7: mask source and number of masks M",
         "Random M = 5 / 10 / 15: 40.5 / 41.5 / 40.9 Cls, 45.5 / 45.8 / 43.9 Ret; SAM: 41.3 / 42.2 / 41.4, 45.2 / 47.0 / 44.9: "
         "M = 10 best, SAM a little above random boxes",
-        {"random M=10": _pc(M=10), "random M=5": _pc(M=5), "random M=15": _pc(M=15),
-         "gold M=5": _pc(M=5, masks="gold"), "gold M=10": _pc(M=10, masks="gold"), "gold M=15": _pc(M=15, masks="gold")},
-        "random M=10"),
+        {"PowerCLIP-R": _pc(), "M=5": _pc(M=5), "M=15": _pc(M=15), "gold masks": _pc(masks="gold")},
+        "PowerCLIP-R"),
     "table8": Experiment(
         "Table 8: the NLAs' activation functions",
         "Softplus/Tanh 42.2 / 47.0; ReLU/Tanh 40.2 / 45.0; GELU/Tanh 41.8 / 44.9; Swish/Tanh 41.1 / 45.3; "
         "Softplus/Sigmoid 40.5 / 45.0; Softplus/SoftSign 41.0 / 44.9: softplus and tanh best",
-        {"softplus/tanh": _pc(), "relu/tanh": _pc(t1_act="relu"), "gelu/tanh": _pc(t1_act="gelu"),
+        {"PowerCLIP-R": _pc(), "relu/tanh": _pc(t1_act="relu"), "gelu/tanh": _pc(t1_act="gelu"),
          "swish/tanh": _pc(t1_act="swish"), "softplus/sigmoid": _pc(t2_act="sigmoid"),
          "softplus/softsign": _pc(t2_act="softsign")},
-        "softplus/tanh"),
+        "PowerCLIP-R"),
     "table10": Experiment(
         "Table 10: alpha and tau, one at a time around alpha = 0.75, tau = 1e-3",
         "alpha 0 / .25 / .5 / .75 / 1: 40.7 / 41.8 / 42.3 / 42.2 / 42.0 Cls, 49.0 / 47.9 / 49.0 / 47.0 / 47.4 Ret; "
         "tau 1e-3 / 1e-2 / 1e-1: 42.2 / 41.7 / 40.7 Cls, 47.0 / 46.5 / 45.6 Ret",
-        {"alpha=0.75 tau=1e-3": _pc(), **{f"alpha={a:g}": _pc(alpha=a) for a in (0.0, 0.25, 0.5, 1.0)},
+        {"PowerCLIP-R": _pc(), **{f"alpha={a:g}": _pc(alpha=a) for a in (0.0, 0.25, 0.5, 1.0)},
          **{f"tau={t:g}": _pc(tau=t) for t in (1e-2, 1e-1)}},
-        "alpha=0.75 tau=1e-3"),
+        "PowerCLIP-R"),
     "table14": Experiment(
         "Table 14 (supplement): the weight lambda of the triplet loss",
         "lambda 0.1 / 0.2 / 0.3: 42.2 / 40.7 / 41.3 Cls, 47.0 / 47.6 / 47.1 Ret: 0.1 is kept",
-        {"lambda=0.1": _pc(), "lambda=0.2": _pc(lam=0.2), "lambda=0.3": _pc(lam=0.3)},
-        "lambda=0.1"),
+        {"PowerCLIP-R": _pc(), "lambda=0.2": _pc(lam=0.2), "lambda=0.3": _pc(lam=0.3)},
+        "PowerCLIP-R"),
     "margin": Experiment(
         "The triplet margin gamma (not given by the paper; our default 1)",
         "the paper gives no value",
-        {"gamma=1": _pc(), **{f"gamma={g:g}": _pc(gamma=g) for g in (0.0, 0.25, 0.5, 2.0)}},
-        "gamma=1"),
+        {"PowerCLIP-R": _pc(), **{f"gamma={g:g}": _pc(gamma=g) for g in (0.0, 0.25, 0.5, 2.0)}},
+        "PowerCLIP-R"),
     "fig8": Experiment(
         "Fig. 8 (supplement): CLIP given PowerCLIP's extra wall-clock",
         "PowerCLIP costs 1.72x CLIP per epoch; CLIP trained 1.72x longer (55 epochs) still stays below PowerCLIP",
@@ -81,16 +80,17 @@ EXPERIMENT_STEPS = 100           # T of every row (the comparison's runs take 15
 
 # %% ../nbs/71_experiments.ipynb #0f5c6046
 def _out(name: str, out_dir) -> Path:
+    "Where experiment `name` writes its tables; its runs live in `out_dir` itself, shared by every experiment."
     return Path(out_dir or "runs/experiments") / name
 
 
 def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS, out_dir=None, log=None, **kw) -> Comparison:
     """Train and compare the rows of `EXPERIMENTS[name]` (see `70_compare.make_plan` for `kw`: preset, overrides, device,
-    precision, eval_images, grounding_scenes, curve_points, isolate); writes `summary.md`, `summary.json` and
-    `curves.png` under `out_dir/name` (default `runs/experiments/NAME`)."""
+    precision, eval_images, grounding_scenes, curve_points, isolate); the runs go to `out_dir/seed{S}/ROW` (default
+    `runs/experiments`, shared by all experiments), `summary.md`, `summary.json` and `curves.png` to `out_dir/NAME`."""
     if name not in EXPERIMENTS: raise ValueError(f"experiment: unknown {name!r} (known: {', '.join([*EXPERIMENTS, 'fig9'])})")
-    e, out = EXPERIMENTS[name], _out(name, out_dir)
-    plan = make_plan(e.rows, seeds, steps, out, reference=e.reference, log=log, **kw)
+    e, root = EXPERIMENTS[name], Path(out_dir or "runs/experiments")
+    plan = make_plan(e.rows, seeds, steps, root, reference=e.reference, log=log, report_dir=_out(name, out_dir), **kw)
     cmp = run_plan(plan, log)
     if name != "fig8": return cmp
     # Fig. 8: CLIP again, for as many more steps as PowerCLIP's time per step asks (each seed's ratio, their mean)
@@ -99,14 +99,15 @@ def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS
     ratio = sum(ratios) / len(ratios)
     longer = round(steps * ratio)
     rows = {**e.rows, "CLIP-time-matched": RunSpec("clip", steps=longer)}
-    plan = make_plan(rows, seeds, steps, out, reference=e.reference, log=log, **kw)
+    plan = make_plan(rows, seeds, steps, root, reference=e.reference, log=log, report_dir=_out(name, out_dir), **kw)
     plan.meta["time_ratio"] = dict(per_seed=ratios, mean=ratio, steps=longer)
     return run_plan(plan, log)
 
 # %% ../nbs/71_experiments.ipynb #c8ae463f
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m powerclip.experiments", description="The paper's ablations on the built-in world.")
-    ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9, or all")
+    ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), or all "
+                    "(every table and fig8; not fig9); key=value pairs among them apply to every run")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(COMPARE_SEEDS))
     ap.add_argument("--steps", type=int, default=EXPERIMENT_STEPS, help="T, training steps of every row")
     ap.add_argument("--out", default="runs/experiments")
@@ -121,17 +122,17 @@ def _parser() -> ArgumentParser:
 
 def _main(argv: list[str]) -> int:
     with usage_errors():
-        a, rest = _parser().parse_known_intermixed_args(argv)
-        bad = [r for r in rest if "=" not in r]
-        if bad: raise ValueError(f"unrecognized arguments: {' '.join(bad)}")
-        ov = dict(parse_override(r) for r in rest)
+        a = _parser().parse_intermixed_args(argv)
+        ov = dict(parse_override(r) for r in a.names if "=" in r)     # key=value pairs among the names
+        a.names = [n for n in a.names if "=" not in n]
+        if not a.names: raise ValueError(f"names: give an experiment ({', '.join(EXPERIMENTS)}, fig9, or all)")
         names = list(EXPERIMENTS) if a.names == ["all"] else a.names
         unknown = [n for n in names if n not in EXPERIMENTS and n != "fig9"]
         if unknown: raise ValueError(f"names: unknown experiment(s) {unknown} (known: {', '.join(EXPERIMENTS)}, fig9, all)")
         kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images,
                   grounding_scenes=a.grounding)
         for n in names:                      # every plan validated before the first run trains
-            if n != "fig9": make_plan(EXPERIMENTS[n].rows, a.seeds, a.steps, _out(n, a.out), reference=EXPERIMENTS[n].reference,
+            if n != "fig9": make_plan(EXPERIMENTS[n].rows, a.seeds, a.steps, a.out, reference=EXPERIMENTS[n].reference,
                                       log=lambda m: None, **kw)
     for n in names:
         if n == "fig9":

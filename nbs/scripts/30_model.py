@@ -65,7 +65,7 @@ from torch.testing import assert_close
 #
 # ```python
 # powerclip.model.register_configs()
-# model, _, preprocess = open_clip.create_model_and_transforms('powerclip-demo', pretrained='runs/demo/CLIP/model.pt')
+# model, _, preprocess = open_clip.create_model_and_transforms('powerclip-demo', pretrained='runs/demo/seed0/CLIP/model.pt')
 # ```
 #
 # We chose files over inserting dicts into open_clip's private `_MODEL_CONFIGS`: `add_model_config` is

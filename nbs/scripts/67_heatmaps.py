@@ -487,7 +487,7 @@ show(fig)
 #
 # ```
 # python -m powerclip.heatmaps --image photo.jpg [--image other.jpg] --text "a dog on a red couch" [--text ...] \
-#     --checkpoint CLIP=runs/demo/CLIP/checkpoints/last.pt --checkpoint PowerCLIP=runs/demo/PowerCLIP-R \
+#     --checkpoint CLIP=runs/demo/seed0/CLIP --checkpoint PowerCLIP=runs/demo/seed0/PowerCLIP-R \
 #     [--checkpoint random=random:powerclip-tiny] [--edits] --out maps/
 # python -m powerclip.heatmaps --checkpoint ... --grounding 200 [--out maps/] [--threads 1]
 # ```
@@ -605,7 +605,7 @@ test_eq(_parse_checkpoint('random:powerclip-micro'), ('random:powerclip-micro', 
 # %% [markdown]
 # ## The demo checkpoints
 #
-# The three runs of `make demo` (`runs/demo/{CLIP,PowerCLIP-R,PowerCLIP-gold}`: a tiny ViT, 64 px, 8 x 8 patches,
+# The three runs of `make demo` (`runs/demo/seed0/{CLIP,PowerCLIP-R,PowerCLIP-gold}`: a tiny ViT, 64 px, 8 x 8 patches,
 # 360 steps on the world) are not in git; these cells skip when they are absent. They were trained on world scenes
 # only, so on COCO photos the maps show what such a model does out of its domain; on world scenes they show whether
 # a phrase lights up the object it names, and whether swapping the colours or the objects moves the map.
@@ -613,9 +613,9 @@ test_eq(_parse_checkpoint('random:powerclip-micro'), ('random:powerclip-micro', 
 # %%
 #| slow
 ROOT = Path('..') if Path('../runs/demo').is_dir() else Path('.')
-DEMO = ROOT / 'runs/demo'
-demo = {n: DEMO / n / 'checkpoints' / 'last.pt' for n in ('CLIP', 'PowerCLIP-R', 'PowerCLIP-gold')}
-have_demo = all(p.is_file() for p in demo.values())
+DEMO = ROOT / 'runs/demo/seed0'
+demo = {n: DEMO / n for n in ('CLIP', 'PowerCLIP-R', 'PowerCLIP-gold')}   # run folders: model.pt and config.yaml
+have_demo = all((p / 'model.pt').is_file() for p in demo.values())
 if not have_demo: print(f'skipped: the demo checkpoints are absent ({DEMO.resolve()}); run `make demo` to make them')
 else:
     demo_models = {n: load_model(checkpoint=p) for n, p in demo.items()}
@@ -642,8 +642,8 @@ else:
 
 # %% [markdown]
 # The number behind the pictures: pointing game and mean IoU on 200 world test scenes, for the three demo runs and
-# the chance rows. From the command line: `python -m powerclip.heatmaps --grounding 200 --checkpoint CLIP=runs/demo/CLIP
-# --checkpoint PowerCLIP-R=runs/demo/PowerCLIP-R --checkpoint PowerCLIP-gold=runs/demo/PowerCLIP-gold`.
+# the chance rows. From the command line: `python -m powerclip.heatmaps --grounding 200 --checkpoint CLIP=runs/demo/seed0/CLIP
+# --checkpoint PowerCLIP-R=runs/demo/seed0/PowerCLIP-R --checkpoint PowerCLIP-gold=runs/demo/seed0/PowerCLIP-gold`.
 
 # %%
 #| slow

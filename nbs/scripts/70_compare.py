@@ -69,18 +69,17 @@ from fastcore.test import test_close, test_eq, test_fail
 # | CLIP | `clip` | pre-trained, $T$ steps | global cosine | the reference of every paired difference |
 # | FLIP | `flip` | pre-trained, $T$ | global | 50 % of the patches dropped in training (its paper's default) |
 # | CLIP-PGS | `clip-pgs-0.3` | pre-trained, $T$ | global | PGS$_{0.3}$: PowerCLIP's C-PGS numbers are the CLIP-PGS paper's PGS$_{0.3}$ rows (`46_clip_pgs`); PGS$_{0.5}$ stays available as `clip-pgs` |
-# | A-CLIP | `aclip` | pre-trained, $T$ | the method's | its config's defaults (`47_aclip`) |
-# | E-CLIP | `eclip` | pre-trained, $T$ | the method's | its config's defaults (`48_eclip`) |
+# | A-CLIP | `aclip` | pre-trained, $T$ | `ema`: its EMA towers (its paper evaluates the EMA model); global in its own column | its config's defaults (`47_aclip`) |
+# | E-CLIP | `eclip` | pre-trained, $T$ | global | its config's defaults (`48_eclip`) |
 # | FILIP | `filip` | pre-trained, $T$ | **late interaction** (its paper's); the global cosine in its own column | |
-# | SPARC | `sparc` | pre-trained, $T$ | global | $\lambda_g = 0.5$, $\lambda_f$ chosen from $\{0.5, 1, 5, 10\}$ on the validation split (its App. D.4; below) |
+# | SPARC | `sparc` | pre-trained, $T$ | `sparc`: its mean-pooled embeddings (its paper's); global in its own column | $\lambda_g = 0.5$, $\lambda_f$ chosen from $\{0.5, 1, 5, 10\}$ on the validation split (its App. D.4; below) |
 # | C2LIP | `c2lip` | **fine-tuned** $F$ steps from CLIP's snapshot at $T - F$ | global | SigLIP base + npc + xac; lr $10^{-5}$, weight decay 0.1, warm-up 50 of its ~19k steps (its script) |
 # | C2LIP-CLIP | `c2lip`, `base=clip` | fine-tuned, as C2LIP | global | CLIP's base loss, the loss the snapshot was trained with (below) |
 # | SmartCLIP | `smartclip` | **fine-tuned**, as C2LIP | global | backbone lr $10^{-6}$, mask network $10^{-3}$ (its config), weight decay 0.01 and warm-up 200 of ~2.4k steps (Long-CLIP's script, whose setting it follows) |
 # | PowerCLIP-R | `powerclip` | pre-trained, $T$ | global | 10 random boxes per image (the paper's PowerCLIP-R) |
 # | PowerCLIP-gold | `powerclip`, `masks=gold` | pre-trained, $T$ | global | the world's object masks (what a perfect segmenter would give) |
 #
-# A row whose method is not registered in this version (A-CLIP and E-CLIP until their methods land) is left out with one
-# line saying so. Every option not named here is the method's config default. `key=value` overrides on the command line
+# A row whose method is not registered in this version is left out with one line saying so. Every option not named here is the method's config default. `key=value` overrides on the command line
 # apply to every run; a `method_cfg.KEY` that a method does not have is an error, so give method options together with
 # `--runs` naming rows of that method.
 #
@@ -153,7 +152,7 @@ from fastcore.test import test_close, test_eq, test_fail
 # ## Budget
 #
 # `make compare` is meant to take about an hour on 2 idle CPU cores. The measured time per step of each method
-# (`benchmarks/train_step_ratio.py --preset demo`, in the README) and the evaluation's cost fix the default
+# (`benchmarks/train_step_ratio.py --preset demo`, `benchmarks/results/train_step_ratio_demo_cpu_B64_fp32.md`) and the evaluation's cost fix the default
 # (`COMPARE_STEPS`, `COMPARE_SEEDS` below); `--steps`, `--seeds`, `--device cuda` and `--precision bf16` change it.
 # Each run trains in a fresh process (its peak memory is its own); a killed run resumes from its last checkpoint, and
 # finished runs and evaluations are reused (an evaluation is cached beside the weights it scored).
@@ -201,7 +200,7 @@ HEADLINE = ("hn_mean", "i2t_R@1", "t2i_R@1", "pointing")   # the numbers with pa
 # ## The budget
 #
 # The defaults of `--runs all` (`make compare`), chosen from the measured step times so that the whole comparison takes
-# about an hour on 2 idle CPU cores (see the README's table), and of the evaluation.
+# about an hour on 2 idle CPU cores (`benchmarks/results/train_step_ratio_demo_cpu_B64_fp32.md`), and of the evaluation.
 
 # %%
 #| export
@@ -324,10 +323,12 @@ def _check_folder(cfg: TrainConfig) -> None:
 def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/demo", preset: str = "demo",
               overrides: dict | None = None, finetune_share: float = FINETUNE_SHARE, curve_points=CURVE_POINTS,
               eval_images: int = EVAL_IMAGES, grounding_scenes: int = 0, sweep_seeds=None, device: str | None = None,
-              precision: str | None = None, isolate: bool = True, log=None, reference: str = REFERENCE) -> Plan:
+              precision: str | None = None, isolate: bool = True, log=None, reference: str = REFERENCE,
+              report_dir=None) -> Plan:
     """Validate and plan a comparison (see above). `runs`: names of `RUNS`, or a dict name -> RunSpec; `steps`: T (None:
     the preset's max_steps); `sweep_seeds`: the seeds of the sweeps (None: the first seed); `reference`: the row every
-    paired difference is taken to (CLIP here; an experiment's own reference row in `71_experiments`)."""
+    paired difference is taken to (CLIP here; an experiment's own reference row in `71_experiments`); `report_dir`: where
+    the tables and plots go (default `out_dir`; the runs always go under `out_dir`, so plans sharing it share runs)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     specs = dict(runs) if isinstance(runs, dict) else {}
     if not isinstance(runs, dict):
@@ -354,6 +355,8 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
         if why: skipped[name] = why; specs.pop(name); log(f"compare: {name} left out: {why}")
     if not specs: raise ValueError(f"--runs: no run left to train ({'; '.join(f'{k}: {v}' for k, v in skipped.items())})")
     user = dict(overrides or {})
+    if "global_batch_size" in user:   # the trainer resolves it into data.batch_size: reuse and s/step need the local size
+        raise ValueError("global_batch_size: give data.batch_size (images per step and process) to the comparison instead")
     if device is not None: user["device"] = device
     if precision is not None: user["precision"] = precision
     out = Path(out_dir)
@@ -387,7 +390,8 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     dev = first.device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(preset=preset, overrides=user, steps=T, finetune_steps=F, finetune_share=finetune_share, seeds=seeds,
                 sweep_seeds=sweep_seeds, eval_images=eval_images, grounding_scenes=grounding_scenes,
-                curve_points=list(curve_points), skipped=skipped, reference=reference)
+                curve_points=list(curve_points), skipped=skipped, reference=reference,
+                report=str(report_dir) if report_dir is not None else None)
     return Plan(specs, skipped, seeds, T, F, jobs, sweep_seeds, out, world, eval_images, grounding_scenes,
                 tuple(curve_points), dev, isolate, meta)
 
@@ -844,8 +848,9 @@ def run_plan(plan: Plan, log=None) -> Comparison:
                 machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__,
                              gpu=torch.cuda.get_device_name() if plan.device.startswith("cuda") else None))
     cmp = Comparison(per_seed, curves, summary, stats, sweeps, meta)
-    write_outputs(cmp, plan.out, losses)
-    log(f"compare: {meta['seconds']} s in all; {plan.out / 'summary.md'}, {plan.out / 'curves.png'}")
+    rep = Path(plan.meta.get("report") or plan.out); rep.mkdir(parents=True, exist_ok=True)
+    write_outputs(cmp, rep, losses)
+    log(f"compare: {meta['seconds']} s in all; {rep / 'summary.md'}, {rep / 'curves.png'}")
     return cmp
 
 
@@ -902,7 +907,7 @@ def compare(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m powerclip.compare", description="Train, evaluate and compare methods on the built-in world.")
     ap.add_argument("--runs", nargs="+", default=["demo"], help=f"rows to train, 'demo' ({', '.join(DEMO_RUNS)}) or 'all': {', '.join(RUNS)}")
-    ap.add_argument("--seeds", nargs="+", type=int, default=None, help=f"run seeds (default: 0 for the demo, {' '.join(map(str, COMPARE_SEEDS))} for several rows)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=None, help=f"run seeds (default: {' '.join(map(str, COMPARE_SEEDS))} for --runs all, else 0)")
     ap.add_argument("--steps", type=int, default=None, help=f"T, training steps per run (default: the preset's max_steps for the demo, {COMPARE_STEPS} for --runs all)")
     ap.add_argument("--out", default=None, help="folder of the runs, tables and plots (default runs/demo, or runs/compare with several seeds or --runs all)")
     ap.add_argument("--eval-images", type=int, default=EVAL_IMAGES, help="held-out test scenes (and validation scenes of a sweep)")

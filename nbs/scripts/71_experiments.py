@@ -84,34 +84,33 @@ EXPERIMENTS = {
         "Table 7: mask source and number of masks M",
         "Random M = 5 / 10 / 15: 40.5 / 41.5 / 40.9 Cls, 45.5 / 45.8 / 43.9 Ret; SAM: 41.3 / 42.2 / 41.4, 45.2 / 47.0 / 44.9: "
         "M = 10 best, SAM a little above random boxes",
-        {"random M=10": _pc(M=10), "random M=5": _pc(M=5), "random M=15": _pc(M=15),
-         "gold M=5": _pc(M=5, masks="gold"), "gold M=10": _pc(M=10, masks="gold"), "gold M=15": _pc(M=15, masks="gold")},
-        "random M=10"),
+        {"PowerCLIP-R": _pc(), "M=5": _pc(M=5), "M=15": _pc(M=15), "gold masks": _pc(masks="gold")},
+        "PowerCLIP-R"),
     "table8": Experiment(
         "Table 8: the NLAs' activation functions",
         "Softplus/Tanh 42.2 / 47.0; ReLU/Tanh 40.2 / 45.0; GELU/Tanh 41.8 / 44.9; Swish/Tanh 41.1 / 45.3; "
         "Softplus/Sigmoid 40.5 / 45.0; Softplus/SoftSign 41.0 / 44.9: softplus and tanh best",
-        {"softplus/tanh": _pc(), "relu/tanh": _pc(t1_act="relu"), "gelu/tanh": _pc(t1_act="gelu"),
+        {"PowerCLIP-R": _pc(), "relu/tanh": _pc(t1_act="relu"), "gelu/tanh": _pc(t1_act="gelu"),
          "swish/tanh": _pc(t1_act="swish"), "softplus/sigmoid": _pc(t2_act="sigmoid"),
          "softplus/softsign": _pc(t2_act="softsign")},
-        "softplus/tanh"),
+        "PowerCLIP-R"),
     "table10": Experiment(
         "Table 10: alpha and tau, one at a time around alpha = 0.75, tau = 1e-3",
         "alpha 0 / .25 / .5 / .75 / 1: 40.7 / 41.8 / 42.3 / 42.2 / 42.0 Cls, 49.0 / 47.9 / 49.0 / 47.0 / 47.4 Ret; "
         "tau 1e-3 / 1e-2 / 1e-1: 42.2 / 41.7 / 40.7 Cls, 47.0 / 46.5 / 45.6 Ret",
-        {"alpha=0.75 tau=1e-3": _pc(), **{f"alpha={a:g}": _pc(alpha=a) for a in (0.0, 0.25, 0.5, 1.0)},
+        {"PowerCLIP-R": _pc(), **{f"alpha={a:g}": _pc(alpha=a) for a in (0.0, 0.25, 0.5, 1.0)},
          **{f"tau={t:g}": _pc(tau=t) for t in (1e-2, 1e-1)}},
-        "alpha=0.75 tau=1e-3"),
+        "PowerCLIP-R"),
     "table14": Experiment(
         "Table 14 (supplement): the weight lambda of the triplet loss",
         "lambda 0.1 / 0.2 / 0.3: 42.2 / 40.7 / 41.3 Cls, 47.0 / 47.6 / 47.1 Ret: 0.1 is kept",
-        {"lambda=0.1": _pc(), "lambda=0.2": _pc(lam=0.2), "lambda=0.3": _pc(lam=0.3)},
-        "lambda=0.1"),
+        {"PowerCLIP-R": _pc(), "lambda=0.2": _pc(lam=0.2), "lambda=0.3": _pc(lam=0.3)},
+        "PowerCLIP-R"),
     "margin": Experiment(
         "The triplet margin gamma (not given by the paper; our default 1)",
         "the paper gives no value",
-        {"gamma=1": _pc(), **{f"gamma={g:g}": _pc(gamma=g) for g in (0.0, 0.25, 0.5, 2.0)}},
-        "gamma=1"),
+        {"PowerCLIP-R": _pc(), **{f"gamma={g:g}": _pc(gamma=g) for g in (0.0, 0.25, 0.5, 2.0)}},
+        "PowerCLIP-R"),
     "fig8": Experiment(
         "Fig. 8 (supplement): CLIP given PowerCLIP's extra wall-clock",
         "PowerCLIP costs 1.72x CLIP per epoch; CLIP trained 1.72x longer (55 epochs) still stays below PowerCLIP",
@@ -121,16 +120,28 @@ EXPERIMENTS = {
 EXPERIMENT_STEPS = 100           # T of every row (the comparison's runs take 150; see "Budget" below)
 
 # %% [markdown]
+# Every row is named by what it changes against PowerCLIP-R, the reference of every table (`alpha=0` is the same run
+# wherever it appears), and all experiments keep their runs in one folder, so a row shared by several tables (the
+# reference above all) trains once:
+
+# %%
+assert all(e.reference == "PowerCLIP-R" and e.rows["PowerCLIP-R"] == RUNS["PowerCLIP-R"] for e in EXPERIMENTS.values())
+_names = {}
+for _x in EXPERIMENTS.values():
+    for _n, _r in _x.rows.items(): assert _names.setdefault(_n, _r) == _r, _n      # one name, one config
+
+# %% [markdown]
 # Choices written down:
 #
 # - **Table 6.** The reference is PowerCLIP-R (random boxes): the world has no SAM masks; Table 7 checks the world's
 #   gold object masks instead. "w/o parse trees" makes every word its own node (`PowerCLIPConfig.nodes='words'`,
 #   `40_methods`; the paper says "individual tokens": a word of several BPE pieces stays one node).
-# - **Table 7.** SAM masks stand for good object masks; the world's **gold** masks are better than any SAM could be,
-#   so they bound what better masks can give here. Superpixels are not a mask source of the trainer; they are left out.
-#   A world scene has fewer objects than 10: gold `M=10` and `M=15` pad with empty masks, which the loss ignores.
+# - **Table 7.** M in {5, 10, 15} with random boxes, and the world's **gold** object masks standing for SAM's: better
+#   than any SAM could be, so they bound what better masks can give here. A world scene has at most 3 objects, so
+#   gold masks at any M are the same (at most 3) masks padded with empty ones, which the loss ignores: one gold row, not
+#   a gold M sweep. Superpixels are not a mask source of the trainer; they are left out.
 # - **Fig. 8.** The paper trains CLIP 1.72x longer. Here `fig8` first trains PowerCLIP-R and CLIP at T (the same runs
-#   as the other experiments'), measures PowerCLIP's time per step against CLIP's on each seed (the mean ratio), then
+#   as the other experiments', reused), measures PowerCLIP's time per step against CLIP's on each seed (the mean ratio), then
 #   trains *CLIP-time-matched* for T x ratio steps, and compares the three; the learning curves against seconds
 #   (`curves.png`) show the same thing over the whole run.
 # - **Fig. 9** is a benchmark, not training: `fig9` runs `benchmarks/powerset_scale.py` (`10a_powerset_fast` shows it).
@@ -141,16 +152,17 @@ EXPERIMENT_STEPS = 100           # T of every row (the comparison's runs take 15
 # %%
 #| export
 def _out(name: str, out_dir) -> Path:
+    "Where experiment `name` writes its tables; its runs live in `out_dir` itself, shared by every experiment."
     return Path(out_dir or "runs/experiments") / name
 
 
 def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS, out_dir=None, log=None, **kw) -> Comparison:
     """Train and compare the rows of `EXPERIMENTS[name]` (see `70_compare.make_plan` for `kw`: preset, overrides, device,
-    precision, eval_images, grounding_scenes, curve_points, isolate); writes `summary.md`, `summary.json` and
-    `curves.png` under `out_dir/name` (default `runs/experiments/NAME`)."""
+    precision, eval_images, grounding_scenes, curve_points, isolate); the runs go to `out_dir/seed{S}/ROW` (default
+    `runs/experiments`, shared by all experiments), `summary.md`, `summary.json` and `curves.png` to `out_dir/NAME`."""
     if name not in EXPERIMENTS: raise ValueError(f"experiment: unknown {name!r} (known: {', '.join([*EXPERIMENTS, 'fig9'])})")
-    e, out = EXPERIMENTS[name], _out(name, out_dir)
-    plan = make_plan(e.rows, seeds, steps, out, reference=e.reference, log=log, **kw)
+    e, root = EXPERIMENTS[name], Path(out_dir or "runs/experiments")
+    plan = make_plan(e.rows, seeds, steps, root, reference=e.reference, log=log, report_dir=_out(name, out_dir), **kw)
     cmp = run_plan(plan, log)
     if name != "fig8": return cmp
     # Fig. 8: CLIP again, for as many more steps as PowerCLIP's time per step asks (each seed's ratio, their mean)
@@ -159,7 +171,7 @@ def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS
     ratio = sum(ratios) / len(ratios)
     longer = round(steps * ratio)
     rows = {**e.rows, "CLIP-time-matched": RunSpec("clip", steps=longer)}
-    plan = make_plan(rows, seeds, steps, out, reference=e.reference, log=log, **kw)
+    plan = make_plan(rows, seeds, steps, root, reference=e.reference, log=log, report_dir=_out(name, out_dir), **kw)
     plan.meta["time_ratio"] = dict(per_seed=ratios, mean=ratio, steps=longer)
     return run_plan(plan, log)
 
@@ -173,13 +185,15 @@ _tmp = Path(tempfile.mkdtemp())
 _kw = dict(preset="smoke", eval_images=24, grounding_scenes=0, isolate=False, curve_points=(0.5, 1.0), log=lambda m: None)
 with contextlib.redirect_stderr(io.StringIO()):
     _e = run_experiment("table14", seeds=[0, 1], steps=4, out_dir=_tmp, **_kw)
-test_eq(list(_e.summary), ["untrained", "lambda=0.1", "lambda=0.2", "lambda=0.3"])
+test_eq(list(_e.summary), ["untrained", "PowerCLIP-R", "lambda=0.2", "lambda=0.3"])
 test_eq(set(_e.stats), {"lambda=0.2", "lambda=0.3"})                               # differences to the reference row
 _md = (_tmp / "table14" / "summary.md").read_text()
-assert "paired difference to lambda=0.1" in _md and "| lambda=0.1 |" in _md
+assert "paired difference to PowerCLIP-R" in _md and "| PowerCLIP-R |" in _md
 with contextlib.redirect_stderr(io.StringIO()):
     _f8 = run_experiment("fig8", seeds=[0, 1], steps=4, out_dir=_tmp, **_kw)
 _tm = _f8.meta["time_ratio"]
+assert (_tmp / "fig8" / "summary.md").is_file() and not (_tmp / "summary.md").exists()
+test_eq(_f8.per_seed[1]["PowerCLIP-R"]["i2t_R@1"], _e.per_seed[1]["PowerCLIP-R"]["i2t_R@1"])    # one run, reused
 test_eq(_f8.per_seed[0]["CLIP-time-matched"]["steps"], _tm["steps"]); test_eq(_tm["steps"], round(4 * _tm["mean"]))
 test_fail(lambda: run_experiment("table99"), contains="unknown")
 print(_md)
@@ -188,14 +202,15 @@ print(_md)
 # ## The command line
 #
 # `python -m powerclip.experiments NAME ... [--seeds S ...] [--steps T] [--device cuda] [--precision bf16] [key=value ...]`
-# (`make experiments EXP="table6 table10"`); `all` runs every table in turn, `fig9` the cost benchmark. Mistakes are one
-# line before anything trains (`17_cli`).
+# (`make experiments EXP="table6 table10"`); `all` runs every table and `fig8` in turn, `fig9` (named alone) the cost
+# benchmark. Mistakes are one line before anything trains (`17_cli`); a good `key=value` reaches every run's config.
 
 # %%
 #| export
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m powerclip.experiments", description="The paper's ablations on the built-in world.")
-    ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9, or all")
+    ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), or all "
+                    "(every table and fig8; not fig9); key=value pairs among them apply to every run")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(COMPARE_SEEDS))
     ap.add_argument("--steps", type=int, default=EXPERIMENT_STEPS, help="T, training steps of every row")
     ap.add_argument("--out", default="runs/experiments")
@@ -210,17 +225,17 @@ def _parser() -> ArgumentParser:
 
 def _main(argv: list[str]) -> int:
     with usage_errors():
-        a, rest = _parser().parse_known_intermixed_args(argv)
-        bad = [r for r in rest if "=" not in r]
-        if bad: raise ValueError(f"unrecognized arguments: {' '.join(bad)}")
-        ov = dict(parse_override(r) for r in rest)
+        a = _parser().parse_intermixed_args(argv)
+        ov = dict(parse_override(r) for r in a.names if "=" in r)     # key=value pairs among the names
+        a.names = [n for n in a.names if "=" not in n]
+        if not a.names: raise ValueError(f"names: give an experiment ({', '.join(EXPERIMENTS)}, fig9, or all)")
         names = list(EXPERIMENTS) if a.names == ["all"] else a.names
         unknown = [n for n in names if n not in EXPERIMENTS and n != "fig9"]
         if unknown: raise ValueError(f"names: unknown experiment(s) {unknown} (known: {', '.join(EXPERIMENTS)}, fig9, all)")
         kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images,
                   grounding_scenes=a.grounding)
         for n in names:                      # every plan validated before the first run trains
-            if n != "fig9": make_plan(EXPERIMENTS[n].rows, a.seeds, a.steps, _out(n, a.out), reference=EXPERIMENTS[n].reference,
+            if n != "fig9": make_plan(EXPERIMENTS[n].rows, a.seeds, a.steps, a.out, reference=EXPERIMENTS[n].reference,
                                       log=lambda m: None, **kw)
     for n in names:
         if n == "fig9":
@@ -246,6 +261,15 @@ for _argv, _msg in ((["table99"], "table99"), (["table14", "--steps", "x"], "--s
     _err = io.StringIO()
     with contextlib.redirect_stderr(_err): _rc = main(_argv + ["--out", str(_tmp / "cli")])
     assert _rc == 2 and _err.getvalue().count("\n") == 1 and _msg in _err.getvalue(), (_argv, _rc, _err.getvalue())
+# a good key=value reaches the runs: `run_experiment` replaced for a moment (the plan is validated, nothing trains)
+_seen, _orig = [], run_experiment
+run_experiment = lambda n, seeds, steps, out, **kw: _seen.append(kw["overrides"])
+try:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(["table14", "data.batch_size=8", "--preset", "smoke", "--out", str(_tmp / "cli"), "--seeds", "0"])
+except FileNotFoundError: pass                                  # the summary it would print was not written
+finally: run_experiment = _orig
+test_eq(_seen, [{"data.batch_size": 8}])
 
 # %% [markdown]
 # ## Budget, and what was run
