@@ -78,9 +78,9 @@ export: install
 bench: install
 	$(BIN)/python benchmarks/powerset_scale.py
 
-## The paper's ablations on the world (71_experiments): Tables 6, 7, 8, 10, 14, the margin, Fig. 8, Fig. 9; each writes
-## runs/experiments/NAME/summary.md with paired differences to its reference row. About 40 minutes per table on 2 CPU
-## cores; EXP picks some: make experiments EXP="table6 table14" STEPS=100 SEEDS="0 1 2"
+## The paper's ablations on the world (71_experiments): Tables 6, 7, 8, 10, 14, the margin and Fig. 8 (EXP=all), each
+## writing runs/experiments/NAME/summary.md with paired differences to PowerCLIP-R; EXP=fig9 runs the cost benchmark.
+## Up to ~40 minutes per table on 2 CPU cores (shared rows train once); make experiments EXP="table6 table14" SEEDS="0 1 2"
 EXP ?= all
 experiments: install
 	$(BIN)/python -m powerclip.experiments $(EXP) $(if $(STEPS),--steps $(STEPS)) $(if $(SEEDS),--seeds $(SEEDS)) \
