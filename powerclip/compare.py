@@ -473,11 +473,14 @@ def plot_curves(curves: dict, path=None, title: str = ""):
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 6.4))
     axes = fig.subplots(2, 2)
-    for name, pts in curves.items():
+    import matplotlib
+    colours = matplotlib.colormaps["tab20"].colors   # 20 distinct colours: the default cycle repeats after 10 rows
+    for k, (name, pts) in enumerate(curves.items()):
         if not pts: continue
+        style = dict(color=colours[(2 * k) % 20 + (k // 10) % 2], ls="-" if k < 10 else "--", marker="o", ms=3, lw=1.2, label=name)
         for i, (key, lab) in enumerate((("hn_mean", "hard-negative mean (%)"), ("R@1", "R@1, mean of both directions (%)"))):
             for j, x in enumerate(("step", "seconds")):
-                axes[i][j].plot([p[x] for p in pts], [p[key] for p in pts], marker="o", ms=3, lw=1.2, label=name)
+                axes[i][j].plot([p[x] for p in pts], [p[key] for p in pts], **style)
                 axes[i][j].set_ylabel(lab); axes[i][j].set_xlabel("training step" if x == "step" else "training wall-clock (s)")
     axes[0][0].legend(fontsize=7, ncol=2)
     if title: fig.suptitle(title, fontsize=9)

@@ -88,7 +88,8 @@ class PowerCLIPLossConfig:
     exact: bool = False       # True: exact powerset enumeration instead of the NLAs (O(2^M))
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
     region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
-    impl: str = "fast"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K) reference
+    impl: str = "auto"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K) reference;
+                              # 'auto': dense when its scores fit in block_bytes (small batches: fewer, larger kernels), else fast
     block_bytes: int = 16 << 20  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient memory
 
     def __post_init__(self):
@@ -96,8 +97,8 @@ class PowerCLIPLossConfig:
             raise ValueError("at least one of use_t2r / use_r2t must be on (set lam=0 to drop the triplet loss)")
         if self.tau <= 0 or not 0 <= self.alpha <= 1:
             raise ValueError(f"need tau > 0 and alpha in [0, 1], got tau={self.tau}, alpha={self.alpha}")
-        if self.impl not in ("fast", "dense") or self.block_bytes < 1:
-            raise ValueError(f"need impl 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, block_bytes={self.block_bytes}")
+        if self.impl not in ("auto", "fast", "dense") or self.block_bytes < 1:
+            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, block_bytes={self.block_bytes}")
 
     def sbar_spec(self) -> SbarSpec:
         "The switches of S-bar, for the fast path."
@@ -135,6 +136,10 @@ def powerset_similarity(
     cfg: PowerCLIPLossConfig,
 ) -> torch.Tensor:            # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
+    if cfg.impl == "auto" and not cfg.exact:   # the dense scores' bytes against one block of the fast path
+        K = texts.node_valid.shape[1] if texts.node_valid is not None else int(torch.bincount(texts.node_text).max())
+        dense = images.regions.shape[0] * texts.regions.shape[0] * images.regions.shape[1] * K * 4
+        cfg = dataclasses.replace(cfg, impl="dense" if dense <= cfg.block_bytes else "fast")
     if cfg.impl == "fast" and not cfg.exact:
         phrases, node_text = texts.packed()
         return sbar_blocked(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0], cfg.sbar_spec())

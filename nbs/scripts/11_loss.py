@@ -189,7 +189,7 @@ assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone
 # | `use_t2r`, `use_r2t` | True | Table 6 ablations "w/o T2R agg.", "w/o R2T agg." |
 # | `region_sets` | True | False: Table 6 ablation "w/o region sets", single regions with a hard max (`10_powerset`) |
 # | `exact` | False | enumerate the $2^M$ subsets instead of the NLAs (small $M$ only; Fig. 9 "without approximation") |
-# | `impl`, `block_bytes` | `'fast'`, 16 MiB | how $\bar S$ is computed: blocked from packed nodes (`10a_powerset_fast`), or the dense reference |
+# | `impl`, `block_bytes` | `'auto'`, 16 MiB | how $\bar S$ is computed: blocked from packed nodes (`10a_powerset_fast`), the dense reference, or `'auto'`: dense when its $(C_i, C_j, M, K)$ scores fit in one block, else blocked |
 
 # %%
 #| export
@@ -206,7 +206,8 @@ class PowerCLIPLossConfig:
     exact: bool = False       # True: exact powerset enumeration instead of the NLAs (O(2^M))
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
     region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
-    impl: str = "fast"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K) reference
+    impl: str = "auto"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K) reference;
+                              # 'auto': dense when its scores fit in block_bytes (small batches: fewer, larger kernels), else fast
     block_bytes: int = 16 << 20  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient memory
 
     def __post_init__(self):
@@ -214,8 +215,8 @@ class PowerCLIPLossConfig:
             raise ValueError("at least one of use_t2r / use_r2t must be on (set lam=0 to drop the triplet loss)")
         if self.tau <= 0 or not 0 <= self.alpha <= 1:
             raise ValueError(f"need tau > 0 and alpha in [0, 1], got tau={self.tau}, alpha={self.alpha}")
-        if self.impl not in ("fast", "dense") or self.block_bytes < 1:
-            raise ValueError(f"need impl 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, block_bytes={self.block_bytes}")
+        if self.impl not in ("auto", "fast", "dense") or self.block_bytes < 1:
+            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, block_bytes={self.block_bytes}")
 
     def sbar_spec(self) -> SbarSpec:
         "The switches of S-bar, for the fast path."
@@ -253,6 +254,10 @@ def powerset_similarity(
     cfg: PowerCLIPLossConfig,
 ) -> torch.Tensor:            # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
+    if cfg.impl == "auto" and not cfg.exact:   # the dense scores' bytes against one block of the fast path
+        K = texts.node_valid.shape[1] if texts.node_valid is not None else int(torch.bincount(texts.node_text).max())
+        dense = images.regions.shape[0] * texts.regions.shape[0] * images.regions.shape[1] * K * 4
+        cfg = dataclasses.replace(cfg, impl="dense" if dense <= cfg.block_bytes else "fast")
     if cfg.impl == "fast" and not cfg.exact:
         phrases, node_text = texts.packed()
         return sbar_blocked(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0], cfg.sbar_spec())
@@ -397,6 +402,13 @@ for kw in (dict(tau=0.05), dict(tau=0.05, t1_act="gelu", t2_act="softsign"), dic
             for a, b in zip(got, ref):
                 assert_close(a, b, rtol=0, atol=1e-9, msg=lambda m: f"{kw} packed={packed} two={two}: {m}")
 print("fast == dense through powerclip_loss (padded and packed nodes, one and two processes)")
+# 'auto' (the default) is one of the two, picked by the size of the dense scores: here they fit one block (dense);
+# with a 1-byte block they do not (fast). Bitwise the same numbers as the path it picked.
+for _bb, _path in ((16 << 20, "dense"), (1, "fast")):
+    for packed in (False, True):
+        got = _grads(PowerCLIPLossConfig(impl="auto", gamma=5.0, tau=0.05, block_bytes=_bb), packed, False)
+        want = _grads(PowerCLIPLossConfig(impl=_path, gamma=5.0, tau=0.05, block_bytes=_bb), packed, False)
+        for a, b in zip(got, want): assert torch.equal(a, b), (_bb, _path, packed)
 try: PowersetInputs(_inp.regions, _inp.region_valid, _inp.phrases); raise AssertionError
 except ValueError as e: assert "exactly one" in str(e)
 try: PowerCLIPLossConfig(impl="cuda"); raise AssertionError

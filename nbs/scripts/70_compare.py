@@ -151,7 +151,8 @@ from fastcore.test import test_close, test_eq, test_fail
 #
 # ## Budget
 #
-# `make compare` is meant to take about an hour on 2 idle CPU cores. The measured time per step of each method
+# `make compare` takes about an hour on 2 CPU cores (measured: 3,592 s for the 12 rows over 3 seeds, the SPARC sweep
+# included; `benchmarks/results/compare_cpu/summary.md`). The measured time per step of each method
 # (`benchmarks/train_step_ratio.py --preset demo`, `benchmarks/results/train_step_ratio_demo_cpu_B64_fp32.md`) and the evaluation's cost fix the default
 # (`COMPARE_STEPS`, `COMPARE_SEEDS` below); `--steps`, `--seeds`, `--device cuda` and `--precision bf16` change it.
 # Each run trains in a fresh process (its peak memory is its own); a killed run resumes from its last checkpoint, and
@@ -726,11 +727,14 @@ def plot_curves(curves: dict, path=None, title: str = ""):
     from matplotlib.figure import Figure
     fig = Figure(figsize=(10, 6.4))
     axes = fig.subplots(2, 2)
-    for name, pts in curves.items():
+    import matplotlib
+    colours = matplotlib.colormaps["tab20"].colors   # 20 distinct colours: the default cycle repeats after 10 rows
+    for k, (name, pts) in enumerate(curves.items()):
         if not pts: continue
+        style = dict(color=colours[(2 * k) % 20 + (k // 10) % 2], ls="-" if k < 10 else "--", marker="o", ms=3, lw=1.2, label=name)
         for i, (key, lab) in enumerate((("hn_mean", "hard-negative mean (%)"), ("R@1", "R@1, mean of both directions (%)"))):
             for j, x in enumerate(("step", "seconds")):
-                axes[i][j].plot([p[x] for p in pts], [p[key] for p in pts], marker="o", ms=3, lw=1.2, label=name)
+                axes[i][j].plot([p[x] for p in pts], [p[key] for p in pts], **style)
                 axes[i][j].set_ylabel(lab); axes[i][j].set_xlabel("training step" if x == "step" else "training wall-clock (s)")
     axes[0][0].legend(fontsize=7, ncol=2)
     if title: fig.suptitle(title, fontsize=9)
@@ -1007,15 +1011,17 @@ print((_tmp / "mini" / "summary.md").read_text())
 # %% [markdown]
 # ## The comparison at its default budget
 #
-# `make compare` writes its tables and curves to `runs/compare`; this cell shows them when they are there (run it after
-# `make compare`, e.g. `make nbs NB=nbs/70_compare.ipynb`, to keep them in the notebook), and says so when not. It
-# reads what the comparison wrote and trains nothing.
+# `make compare` writes its tables and curves to `runs/compare`; this cell shows them when they are there, else the
+# copy of the measured run kept in `benchmarks/results/compare_cpu` (the README reads it). It reads what the comparison
+# wrote and trains nothing.
 
 # %%
 #| slow
 from IPython.display import Image as _Image, display
 _root = Path("..") if Path("../runs").is_dir() else Path(".")
-_done = _root / "runs" / "compare" / "summary.md"
-if _done.is_file():
+_done = next((d / "summary.md" for d in (_root / "runs" / "compare", _root / "benchmarks" / "results" / "compare_cpu")
+              if (d / "summary.md").is_file()), None)
+if _done is not None:
+    print(f"{_done.parent}:\n")
     print(_done.read_text()); display(_Image(str(_done.parent / "curves.png")))
-else: print(f"no comparison in {_done.parent.resolve()} yet: `make compare` makes it, then this cell shows it")
+else: print("no comparison yet: `make compare` makes it, then this cell shows it")
