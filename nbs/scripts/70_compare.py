@@ -1018,7 +1018,7 @@ print((_tmp / "mini" / "summary.md").read_text())
 # %%
 #| slow
 from IPython.display import Image as _Image, display
-_root = Path("..") if Path("../runs").is_dir() else Path(".")
+_root = Path("..") if Path("../settings.ini").is_file() else Path(".")   # the repository root, from nbs/ or from it
 _done = next((d / "summary.md" for d in (_root / "runs" / "compare", _root / "benchmarks" / "results" / "compare_cpu")
               if (d / "summary.md").is_file()), None)
 if _done is not None:

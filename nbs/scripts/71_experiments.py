@@ -285,7 +285,7 @@ test_eq(_seen, [{"data.batch_size": 8}])
 
 # %%
 #| slow
-_root = Path("..") if Path("../runs").is_dir() else Path(".")
+_root = Path("..") if Path("../settings.ini").is_file() else Path(".")   # the repository root, from nbs/ or from it
 for _n, _x in EXPERIMENTS.items():
     _s = _root / "runs" / "experiments" / _n / "summary.md"
     print(f"## {_n}: {_x.title}\npaper: {_x.paper}\n")
