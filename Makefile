@@ -80,7 +80,7 @@ bench: install
 
 ## The paper's ablations on the world (71_experiments): Tables 6, 7, 8, 10, 14, the margin and Fig. 8 (EXP=all), each
 ## writing runs/experiments/NAME/summary.md with paired differences to PowerCLIP-R; EXP=fig9 runs the cost benchmark.
-## Up to ~40 minutes per table on 2 CPU cores (shared rows train once); make experiments EXP="table6 table14" SEEDS="0 1 2"
+## About 20 minutes per table on 2 CPU cores (shared rows train once); make experiments EXP="table6 table14" SEEDS="0 1 2"
 EXP ?= all
 experiments: install
 	$(BIN)/python -m powerclip.experiments $(EXP) $(if $(STEPS),--steps $(STEPS)) $(if $(SEEDS),--seeds $(SEEDS)) \
