@@ -137,8 +137,12 @@ def powerset_similarity(
 ) -> torch.Tensor:            # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
     if cfg.impl == "auto" and not cfg.exact:   # the dense scores' bytes against one block of the fast path
-        K = texts.node_valid.shape[1] if texts.node_valid is not None else int(torch.bincount(texts.node_text).max())
-        dense = images.regions.shape[0] * texts.regions.shape[0] * images.regions.shape[1] * K * 4
+        Ci, M = images.regions.shape[:2]
+        if texts.node_valid is not None: dense = Ci * texts.regions.shape[0] * M * texts.node_valid.shape[1] * 4
+        else:   # packed: K_max >= P / Cj, so Ci * M * P bounds the dense bytes from below without reading the counts,
+                # and the host sync of K_max is paid only where the dense path may be taken (small batches)
+            dense = Ci * M * texts.node_text.shape[0] * 4
+            if dense <= cfg.block_bytes: dense = Ci * texts.regions.shape[0] * M * int(torch.bincount(texts.node_text).max()) * 4
         cfg = dataclasses.replace(cfg, impl="dense" if dense <= cfg.block_bytes else "fast")
     if cfg.impl == "fast" and not cfg.exact:
         phrases, node_text = texts.packed()
