@@ -19,13 +19,16 @@ upper bound of what a GPU keeps; the loss's bytes are the same tensors on any de
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+import _checks
+from powerclip.cli import ArgumentParser, run_main, usage_errors
 
 OUT = Path(__file__).parent / "results"
 
@@ -74,68 +77,63 @@ def loss_bytes(R: int, C: int, M: int, precision: str, block_mib: int, counts: l
 
 
 def main(argv=None):
-    from powerclip.cli import ArgumentParser, run_main, usage_errors
-
-    def _main(argv):
-        ap = ArgumentParser(prog="paper_memory.py", description=__doc__.split("\n")[0])
-        ap.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory (GiB)")
-        ap.add_argument("--reserve", type=float, default=0.10, help="share kept for the allocator and the CUDA context")
-        ap.add_argument("--M", type=int, nargs="+", default=[10, 15, 32])
-        ap.add_argument("--R", type=int, default=512, help="local rows at which the loss is measured (the paper: 4096 / 8)")
-        ap.add_argument("--block-mib", type=int, default=16)
-        ap.add_argument("--threads", type=int, default=None)
-        ap.add_argument("--debug", action="store_true")
-        with usage_errors():
-            a = ap.parse_args(argv)
-            if a.R < 1 or a.gpu_gib <= 0 or not 0 <= a.reserve < 1 or any(m < 1 for m in a.M):
-                raise ValueError("--R and --M must be >= 1, --gpu-gib > 0, --reserve in [0, 1)")
-            hist = OUT / "cc3m_node_counts.json"
-            if not hist.is_file(): raise FileNotFoundError(f"{hist} is missing: run benchmarks/powerset_scale.py once (it parses CC3M captions)")
-        if a.threads: torch.set_num_threads(a.threads)
-        counts = [int(k) for k, n in json.loads(hist.read_text())["hist"].items() for _ in range(n)]   # the parsed captions' K
-        rows, towers = [], {}
-        for prec in ("fp32", "bf16"):
+    ap = ArgumentParser(prog="paper_memory.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory (GiB)")
+    ap.add_argument("--reserve", type=float, default=0.10, help="share kept for the allocator and the CUDA context")
+    ap.add_argument("--M", type=int, nargs="+", default=[10, 15, 32])
+    ap.add_argument("--R", type=int, default=512, help="local rows at which the loss is measured (the paper: 4096 / 8)")
+    ap.add_argument("--block-mib", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 1, "R", "M", "block-mib")
+        if a.gpu_gib <= 0 or not 0 <= a.reserve < 1: raise ValueError("--gpu-gib must be > 0 and --reserve in [0, 1)")
+        hist = OUT / "cc3m_node_counts.json"
+        if not hist.is_file(): raise FileNotFoundError(f"{hist} is missing: run benchmarks/powerset_scale.py once (it parses CC3M captions)")
+    if a.threads: torch.set_num_threads(a.threads)
+    counts = [int(k) for k, n in json.loads(hist.read_text())["hist"].items() for _ in range(n)]   # the parsed captions' K
+    rows, towers = [], {}
+    for prec in ("fp32", "bf16"):
+        for ck in (False, True):
+            towers[(prec, ck)] = tower_bytes(prec, ck)
+            print(f"towers {prec} checkpointing={ck}: {towers[(prec, ck)]['per_sample'] / 2**20:.1f} MiB per sample", flush=True)
+    params = towers[("fp32", False)]["params"]
+    weights = 16 * params                                       # fp32 weights + grads + AdamW m, v
+    budget = a.gpu_gib * 2**30 * (1 - a.reserve)
+    for prec in ("fp32", "bf16"):
+        for M in a.M:
+            lb = loss_bytes(a.R, 8 * a.R, M, prec, a.block_mib, counts)
+            print(f"loss {prec} M={M} R={a.R} C={8 * a.R}: {lb['saved'] / 2**30:.2f} GiB saved ({lb['seconds']:.0f} s)", flush=True)
+            # the loss's bytes grow as R*C = 8 R^2 (tables) and C*(M + K)*D (gathered inputs): scale from the measurement
+            per_rc = lb["beyond_inputs"] / (a.R * 8 * a.R)
+            per_c = lb["inputs"] / (8 * a.R)
             for ck in (False, True):
-                towers[(prec, ck)] = tower_bytes(prec, ck)
-                print(f"towers {prec} checkpointing={ck}: {towers[(prec, ck)]['per_sample'] / 2**20:.1f} MiB per sample", flush=True)
-        params = towers[("fp32", False)]["params"]
-        weights = 16 * params                                       # fp32 weights + grads + AdamW m, v
-        budget = a.gpu_gib * 2**30 * (1 - a.reserve)
-        for prec in ("fp32", "bf16"):
-            for M in a.M:
-                lb = loss_bytes(a.R, 8 * a.R, M, prec, a.block_mib, counts)
-                print(f"loss {prec} M={M} R={a.R} C={8 * a.R}: {lb['saved'] / 2**30:.2f} GiB saved ({lb['seconds']:.0f} s)", flush=True)
-                # the loss's bytes grow as R*C = 8 R^2 (tables) and C*(M + K)*D (gathered inputs): scale from the measurement
-                per_rc = lb["beyond_inputs"] / (a.R * 8 * a.R)
-                per_c = lb["inputs"] / (8 * a.R)
-                for ck in (False, True):
-                    t = towers[(prec, ck)]["per_sample"]
-                    total = lambda R: weights + R * t + per_rc * R * 8 * R + per_c * 8 * R + (a.block_mib << 20)
-                    R = 1
-                    while total(R + 1) <= budget: R += 1
-                    rows.append(dict(precision=prec, checkpointing=ck, M=M, towers_mib_per_sample=t / 2**20,
-                                     loss_gib_at_R=lb["saved"] / 2**30, R_measured=a.R, total_gib_at_R=total(a.R) / 2**30,
-                                     fits_at_R=total(a.R) <= budget, max_local_batch=R))
-        meta = dict(machine=platform.processor() or platform.machine(), torch=torch.__version__, params=params,
-                    weights_gib=weights / 2**30, gpu_gib=a.gpu_gib, reserve=a.reserve, block_mib=a.block_mib,
-                    mean_nodes=lb["mean_nodes"])
-        OUT.mkdir(exist_ok=True)
-        (OUT / "paper_memory.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        lines = [f"# PowerCLIP with ViT-B/16 on one {a.gpu_gib:.0f} GB GPU (8 GPUs: C = 8 R), from saved-for-backward bytes measured on the CPU",
-                 "", f"{params / 1e6:.1f} M parameters: weights + gradients + AdamW moments {weights / 2**30:.2f} GiB; "
-                 f"budget {budget / 2**30:.1f} GiB ({a.reserve:.0%} kept back); loss measured at R = {a.R}, C = {8 * a.R}, "
-                 f"mean {lb['mean_nodes']:.1f} nodes per caption (CC3M); block budget {a.block_mib} MiB. Towers: CPU attention "
-                 "kernels (an upper bound of a GPU's flash/memory-efficient attention).", "",
-                 "| precision | grad ckpt | M | towers MiB/sample | loss GiB at R | total GiB at R | fits at R | largest local batch |",
-                 "|---|---|---:|---:|---:|---:|---|---:|"]
-        for r in rows:
-            lines.append(f"| {r['precision']} | {'yes' if r['checkpointing'] else 'no'} | {r['M']} | {r['towers_mib_per_sample']:.1f} | "
-                         f"{r['loss_gib_at_R']:.2f} | {r['total_gib_at_R']:.1f} | {'yes' if r['fits_at_R'] else 'no'} | {r['max_local_batch']} |")
-        (OUT / "paper_memory.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
-
-    return run_main(_main, argv, prog="paper_memory.py")
+                t = towers[(prec, ck)]["per_sample"]
+                total = lambda R: weights + R * t + per_rc * R * 8 * R + per_c * 8 * R + (a.block_mib << 20)
+                R = 1
+                while total(R + 1) <= budget: R += 1
+                rows.append(dict(precision=prec, checkpointing=ck, M=M, towers_mib_per_sample=t / 2**20,
+                                 loss_gib_at_R=lb["saved"] / 2**30, R_measured=a.R, total_gib_at_R=total(a.R) / 2**30,
+                                 fits_at_R=total(a.R) <= budget, max_local_batch=R))
+    meta = dict(machine=platform.processor() or platform.machine(), torch=torch.__version__, params=params,
+                weights_gib=weights / 2**30, gpu_gib=a.gpu_gib, reserve=a.reserve, block_mib=a.block_mib,
+                mean_nodes=lb["mean_nodes"])
+    OUT.mkdir(exist_ok=True)
+    (OUT / "paper_memory.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# PowerCLIP with ViT-B/16 on one {a.gpu_gib:.0f} GB GPU (8 GPUs: C = 8 R), from saved-for-backward bytes measured on the CPU",
+             "", f"{params / 1e6:.1f} M parameters: weights + gradients + AdamW moments {weights / 2**30:.2f} GiB; "
+             f"budget {budget / 2**30:.1f} GiB ({a.reserve:.0%} kept back); loss measured at R = {a.R}, C = {8 * a.R}, "
+             f"mean {lb['mean_nodes']:.1f} nodes per caption (CC3M); block budget {a.block_mib} MiB. Towers: CPU attention "
+             "kernels (an upper bound of a GPU's flash/memory-efficient attention).", "",
+             "| precision | grad ckpt | M | towers MiB/sample | loss GiB at R | total GiB at R | fits at R | largest local batch |",
+             "|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        lines.append(f"| {r['precision']} | {'yes' if r['checkpointing'] else 'no'} | {r['M']} | {r['towers_mib_per_sample']:.1f} | "
+                     f"{r['loss_gib_at_R']:.2f} | {r['total_gib_at_R']:.1f} | {'yes' if r['fits_at_R'] else 'no'} | {r['max_local_batch']} |")
+    (OUT / "paper_memory.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_main(main, prog="paper_memory.py"))

@@ -254,6 +254,7 @@ def main(argv=None):
     ap.add_argument("--cc3m", type=Path, default=CC3M, help="CC3M validation TSV for the node counts")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--report-only", action="store_true", help="rewrite the md and png from results/powerset_scale_TAG.json")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     with usage_errors():
         a = ap.parse_args(argv)
         _checks.at_least(a, 1, "R", "C", "M", "dim", "reps", "block-mib", "threads")
