@@ -79,9 +79,14 @@ EXPERIMENTS = {
 EXPERIMENT_STEPS = 100           # T of every row (the comparison's runs take 150; see "Budget" below)
 
 # %% ../nbs/71_experiments.ipynb #0f5c6046
+def _runs_root(out_dir) -> Path:
+    "Where every experiment keeps its runs (shared, so a row in several tables trains once)."
+    return Path(out_dir or "runs/experiments")
+
+
 def _out(name: str, out_dir) -> Path:
-    "Where experiment `name` writes its tables; its runs live in `out_dir` itself, shared by every experiment."
-    return Path(out_dir or "runs/experiments") / name
+    "Where experiment `name` writes its tables."
+    return _runs_root(out_dir) / name
 
 
 def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS, out_dir=None, log=None, **kw) -> Comparison:
@@ -89,7 +94,7 @@ def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS
     precision, eval_images, grounding_scenes, curve_points, isolate); the runs go to `out_dir/seed{S}/ROW` (default
     `runs/experiments`, shared by all experiments), `summary.md`, `summary.json` and `curves.png` to `out_dir/NAME`."""
     if name not in EXPERIMENTS: raise ValueError(f"experiment: unknown {name!r} (known: {', '.join([*EXPERIMENTS, 'fig9'])})")
-    e, root = EXPERIMENTS[name], Path(out_dir or "runs/experiments")
+    e, root = EXPERIMENTS[name], _runs_root(out_dir)
     plan = make_plan(e.rows, seeds, steps, root, reference=e.reference, log=log, report_dir=_out(name, out_dir), **kw)
     cmp = run_plan(plan, log)
     if name != "fig8": return cmp
@@ -138,7 +143,7 @@ def _main(argv: list[str]) -> int:
         if n == "fig9":
             bench = Path(__file__).resolve().parents[1] / "benchmarks" / "powerset_scale.py"
             subprocess.run([sys.executable, str(bench)], check=True); continue
-        cmp = run_experiment(n, a.seeds, a.steps, a.out, **kw)
+        run_experiment(n, a.seeds, a.steps, a.out, **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")
         print((_out(n, a.out) / "summary.md").read_text())
     return 0
