@@ -16,8 +16,8 @@ from .loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 from .powerset import phrase_embeddings, pool_normalize
 
 # %% auto #0
-__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'PowerCLIPConfig', 'PowerCLIP',
-           'powerset_inputs', 'word_nodes', 'Scorer', 'GlobalScorer']
+__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'StepClock', 'PowerCLIPConfig',
+           'PowerCLIP', 'powerset_inputs', 'word_nodes', 'Scorer', 'GlobalScorer']
 
 # %% ../nbs/40_methods.ipynb #a7a3846c
 @dataclass
@@ -136,6 +136,20 @@ class CLIP(Method):
         g = gather(dist, {"image": out["image"], "text": out["text"]})   # (C, D) each
         return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], g.all["image"], g.all["text"], g.offset),
                 "_logit_scale": out["logit_scale"].detach()}
+
+# %% ../nbs/40_methods.ipynb #95d03d11
+class StepClock:
+    "Mixin: `step` and `total` from the trainer's `on_step`, or counted by `tick()` when no trainer calls it."
+    step: int = 0
+    total: int | None = None
+    _hooked: bool = False     # set by on_step: the trainer owns the clock
+
+    def on_step(self, step: int, total: int) -> None:
+        self.step, self.total, self._hooked = int(step), int(total), True
+
+    def tick(self) -> None:
+        "After a training forward pass: one step more, unless the trainer sets the clock."
+        if not self._hooked: self.step += 1
 
 # %% ../nbs/40_methods.ipynb #e434784b
 @dataclass

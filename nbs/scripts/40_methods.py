@@ -208,6 +208,33 @@ class CLIP(Method):
 
 
 # %% [markdown]
+# Methods whose schedule or noise follows the training step (CLIP-PGS's mixing weight and seed stream, A-CLIP's EMA
+# momentum, E-CLIP's cluster noise) mix in `StepClock`: the trainer's `on_step(step, total)` sets the clock, so a
+# resumed run continues it exactly; called outside the trainer (a notebook, a test), `tick()` after each training
+# forward pass counts the steps instead.
+
+# %%
+#| export
+class StepClock:
+    "Mixin: `step` and `total` from the trainer's `on_step`, or counted by `tick()` when no trainer calls it."
+    step: int = 0
+    total: int | None = None
+    _hooked: bool = False     # set by on_step: the trainer owns the clock
+
+    def on_step(self, step: int, total: int) -> None:
+        self.step, self.total, self._hooked = int(step), int(total), True
+
+    def tick(self) -> None:
+        "After a training forward pass: one step more, unless the trainer sets the clock."
+        if not self._hooked: self.step += 1
+
+
+# %%
+_c = StepClock(); _c.tick(); _c.tick(); test_eq((_c.step, _c.total), (2, None))
+_c.on_step(5, 10); _c.tick(); test_eq((_c.step, _c.total), (5, 10))
+
+
+# %% [markdown]
 # ## PowerCLIP
 #
 # CLIP plus $\lambda$ times the powerset triplet loss between the image's region masks and the caption's tree

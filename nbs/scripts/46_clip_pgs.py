@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from powerclip.dist import all_sum
-from powerclip.methods import CLIP, register
+from powerclip.methods import CLIP, StepClock, register
 
 # %%
 #| hide
@@ -615,19 +615,15 @@ class PGSSelector:
 # %%
 #| export
 @register("clip-pgs")
-class CLIPPGS(CLIP):
+class CLIPPGS(StepClock, CLIP):
     "CLIP-PGS_0.5: CLIP's loss with patch generation-to-selection in the vision tower during training, config `PGSConfig`."
     Config = PGSConfig
     needs_patches = False
 
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
-        self.step, self.total, self._hooked = 0, None, False
         self.last: Selection | None = None     # the selection of the last training forward pass
 
-    def on_step(self, step: int, total: int) -> None:
-        "The trainer's step (0-based) and run length: the schedule of alpha and the step of the seed stream."
-        self.step, self.total, self._hooked = int(step), int(total), True
 
     @property
     def alpha(self) -> float:
@@ -647,7 +643,7 @@ class CLIPPGS(CLIP):
                           pos=v.positional_embedding.detach())
         with select_patch_tokens(model, sel):
             out = encode(model, image, batch["tokens"], need_patches=False)
-        if not self._hooked: self.step += 1
+        self.tick()
         self.last = sel.last
         out["pgs_drop_ratio"] = torch.tensor(sel.last.n_drop / N, device=image.device)
         return out

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from powerclip.baselines.clip_pgs import hash_uniform
 from powerclip.dist import DistContext, gather
 from powerclip.loss import clip_loss
-from powerclip.methods import CLIP, GlobalScorer, register
+from powerclip.methods import CLIP, GlobalScorer, StepClock, register
 
 # %%
 #| hide
@@ -1058,14 +1058,13 @@ class EMAScorer(GlobalScorer):
 
 
 @register("aclip")
-class ACLIP(CLIP):
+class ACLIP(StepClock, CLIP):
     "A-CLIP: attentive token removal by an EMA encoder, two views, CLIP + SimCLR + BYOL losses; config `ACLIPConfig`."
     Config = ACLIPConfig
     needs_patches = False
 
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
-        self.step, self.total, self._hooked = 0, None, False
         self.last: dict = {}   # boxes, kept patches and scores of the last training forward pass (checks, figures)
 
     def setup_model(self, model) -> None:
@@ -1075,9 +1074,6 @@ class ACLIP(CLIP):
     def build_modules(self, model) -> ACLIPModules:
         return ACLIPModules(model, self.cfg.views, self.cfg.head_hidden, self.cfg.head_out)
 
-    def on_step(self, step: int, total: int) -> None:
-        "The trainer's step (0-based) and run length: the momentum schedule and the step of the noise stream."
-        self.step, self.total, self._hooked = int(step), int(total), True
 
     @property
     def momentum(self) -> float:
@@ -1134,7 +1130,7 @@ class ACLIP(CLIP):
                 img = encode(model, views, None, need_patches=False)
         finally: hook.remove()
         txt = encode(model, None, tokens)
-        if not self._hooked: self.step += 1
+        self.tick()
         self.last = dict(boxes=boxes, ema_box=ema_box, keep=keep, scores=scores, views=views, ema_in=ema_in)
         return dict(image=img["image"], text=txt["text"], logit_scale=txt["logit_scale"], cls=cls[0], cls_ema=cls_ema,
                     heads=modules, momentum=torch.tensor(m, device=image.device),

@@ -13,7 +13,7 @@ import torch
 
 from .clip_pgs import cosine_matrix, drop_count, hash_uniform, mix_weight, patch_pixels
 from ..dist import all_max
-from ..methods import CLIP, register
+from ..methods import CLIP, StepClock, register
 
 # %% auto #0
 __all__ = ['pixel_similarity', 'patch_similarity', 'anchor_count', 'draw_anchors', 'cluster_mask', 'cluster_drop_count',
@@ -198,19 +198,15 @@ class ClusterSelector:
 
 
 @register("eclip")
-class ECLIP(CLIP):
+class ECLIP(StepClock, CLIP):
     "E-CLIP: CLIP's loss with cluster masking of the patch tokens in training, config `ECLIPConfig`."
     Config = ECLIPConfig
     needs_patches = False
 
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
-        self.step, self.total, self._hooked = 0, None, False
         self.last: ClusterMasking | None = None    # the masking of the last training forward pass
 
-    def on_step(self, step: int, total: int) -> None:
-        "The trainer's step (0-based) and run length: the step of the noise stream and the embedding weight."
-        self.step, self.total, self._hooked = int(step), int(total), True
 
     @property
     def alpha(self) -> float:
@@ -229,7 +225,7 @@ class ECLIP(CLIP):
         sel = ClusterSelector(self.cfg, patch, image, hash_uniform(keys, self.step, self.seed, 2 * N), self.alpha)
         with select_patch_tokens(model, sel, hide=sel.hidden if self.cfg.hide_clusters else None):
             out = encode(model, image, batch["tokens"], need_patches=False)
-        if not self._hooked: self.step += 1
+        self.tick()
         self.last = m = sel.last
         f = lambda x: torch.as_tensor(x, dtype=torch.float32, device=image.device)
         out["eclip_drop_ratio"] = f(m.n_drop / N)
