@@ -521,7 +521,6 @@ class ECLIP(StepClock, CLIP):
         super().__init__(cfg, seed)
         self.last: ClusterMasking | None = None    # the masking of the last training forward pass
 
-
     @property
     def alpha(self) -> float:
         if not self.cfg.use_embed: return 0.0

@@ -233,7 +233,6 @@ class CLIPPGS(StepClock, CLIP):
         super().__init__(cfg, seed)
         self.last: Selection | None = None     # the selection of the last training forward pass
 
-
     @property
     def alpha(self) -> float:
         progress = self.step / max(1, self.total - 1) if self.total else 0.0
