@@ -79,7 +79,8 @@ bench: install
 	$(BIN)/python benchmarks/powerset_scale.py
 
 ## The paper's ablations on the world (71_experiments): Tables 6, 7, 8, 10, 14, the margin and Fig. 8 (EXP=all), each
-## writing runs/experiments/NAME/summary.md with paired differences to PowerCLIP-R; EXP=fig9 runs the cost benchmark.
+## writing runs/experiments/NAME/summary.md with paired differences to PowerCLIP-R; EXP=fig9 runs the cost benchmark,
+## EXP=anatomy measures why PowerCLIP-R loses here (gradients of the two terms, S-bar against the margin, mask coverage).
 ## About 20 minutes per table on 2 CPU cores (shared rows train once); make experiments EXP="table6 table14" SEEDS="0 1 2"
 EXP ?= all
 experiments: install

@@ -5,7 +5,7 @@
 # %% ../nbs/70_compare.ipynb #6e30da41
 from __future__ import annotations
 
-import json, math, os, platform, shlex, statistics, sys, tempfile, time
+import json, math, os, platform, re, shlex, statistics, sys, tempfile, time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -143,8 +143,13 @@ def _registered(method: str) -> str | None:
     return None
 
 
+def _folder(name: str) -> str:
+    "A row's name as one folder name: 'w/o region sets' -> 'w_o_region_sets' (a '/' would nest folders, spaces need quotes)."
+    return re.sub(r"[^A-Za-z0-9._=@+-]+", "_", name).strip("_") or "_"
+
+
 def _dirname(name: str, spec: RunSpec, value) -> str:
-    return name if spec.sweep is None else f"{name}@{spec.sweep[0].split('.')[-1]}={value:g}"
+    return _folder(name if spec.sweep is None else f"{name}@{spec.sweep[0].split('.')[-1]}={value:g}")
 
 
 def _identity(d: dict) -> dict:
@@ -224,7 +229,7 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
                     ov.update(max_steps=Tr, snapshot_steps=snapshot_steps(Tr, curve_points, [T - F] if T - F <= Tr else []))
                     start = 0
                 else:
-                    base = out / f"seed{seed}" / spec.base / "snapshots" / f"step{T - F}" / "model.pt"
+                    base = out / f"seed{seed}" / _folder(spec.base) / "snapshots" / f"step{T - F}" / "model.pt"
                     ov.update({"max_steps": F, "snapshot_steps": snapshot_steps(F, curve_points), "start_batch": T - F,
                                "model.pretrained": str(base)})
                     if spec.warmup_share is not None: ov["optim.warmup_steps"] = max(1, round(spec.warmup_share * F))
@@ -234,6 +239,10 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
                     raise ValueError(f"run {name}: preset {preset!r} fine-tunes (model.pretrained: required); the comparison pre-trains it")
                 _check_folder(cfg)
                 jobs[(name, seed, value)] = Job(name, seed, cfg, start, value)
+    folders = {}
+    for (name, seed, value), job in jobs.items():   # two rows must never share a folder (their names differ only in symbols)
+        other = folders.setdefault(job.cfg.out_dir, name)
+        if other != name: raise ValueError(f"runs {other!r} and {name!r} would share the folder {job.cfg.out_dir}: rename one")
     first = next(iter(jobs.values())).cfg
     world = world_config(first.data, model_geometry(first.model.name, first.model.kwargs))
     dev = first.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_
 
 from .parsing import (ParsedCaption, TreeTokens, caption_problem, collate_trees, default_tokenizer, parse_caption,
                                tree_problems, tree_tokens)
-from .regions import decode_regions, random_box_masks, select_masks
+from .regions import GridConfig, decode_regions, random_box_masks, select_masks, superpixel_masks
 from .world import WorldConfig, WorldDataset
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class Geometry:
     def grid(self) -> int: return self.image_size // self.patch_size
 
 
-REGION_SOURCES = ('random', 'gold', 'stored')
+REGION_SOURCES = ('random', 'gold', 'superpixel', 'stored')
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ class BatchNeeds:
     tree: bool = False             # leaf_tokens, leaf_valid, incidence, node_valid (the caption's parse tree)
     node_np: bool = False          # node_np: which nodes are noun phrases (needs tree)
     regions: int = 0               # M region masks per image (0: none)
-    region_source: str = 'random'  # 'random' boxes | 'gold' world object masks | 'stored' {key}.regions.npz masks
+    region_source: str = 'random'  # 'random' boxes | 'gold' world object masks | 'superpixel' SLIC segments of the world
+                                   # image | 'stored' {key}.regions.npz masks
 
     def __post_init__(self):
         if self.node_np and not self.tree: raise ValueError('node_np needs tree=True (the labels are the parse tree\'s)')
@@ -107,7 +108,8 @@ class BatchSpec:
 
     def __post_init__(self):
         src, n = self.needs.region_source, self.needs.regions
-        if n and src == 'gold' and self.data.source != 'world': raise ValueError("region masks 'gold' need data.source='world'")
+        if n and src in ('gold', 'superpixel') and self.data.source != 'world':
+            raise ValueError(f"region masks {src!r} need data.source='world' (for shards, store masks: data_prep, masks 'stored')")
         if n and src == 'stored' and self.data.source != 'wds': raise ValueError("region masks 'stored' need data.source='wds'")
 
     @property
@@ -241,14 +243,20 @@ class WorldItems(Dataset):
     "Map-style dataset of batch items from the world; item i is a pure function of (spec, epoch, i)."
     def __init__(self, spec: BatchSpec, epoch: int = 0, split: str = 'train'):
         self.spec, self.epoch = spec, epoch
-        self.world = WorldDataset(world_config(spec.data, spec.geometry, spec.world_seed), spec.data.world_length, split)
+        src = spec.needs.region_source if spec.needs.regions else None
+        self.world = WorldDataset(world_config(spec.data, spec.geometry, spec.world_seed), spec.data.world_length, split,
+                                  rgb=src == 'superpixel')
 
     def __len__(self): return len(self.world)
 
     def __getitem__(self, i: int) -> dict:
         s = self.world[i]
         n = self.spec.needs
-        pool = s['masks'][s['mask_valid']] if n.regions and n.region_source == 'gold' else None   # (R, N) valid gold masks
+        pool = None
+        if n.regions and n.region_source == 'gold': pool = s['masks'][s['mask_valid']]              # (R, N) valid gold masks
+        if n.regions and n.region_source == 'superpixel':                                          # (R, N) SLIC segments
+            g = self.spec.geometry.grid
+            pool = superpixel_masks(s['rgb'].numpy(), GridConfig(g, g, crop='full')).masks
         return make_item(s['image'], s['text'], s['parsed'], int(s['index']), self.spec, self.epoch, pool)
 
 # %% ../nbs/23_data.ipynb #b71d5504

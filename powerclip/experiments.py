@@ -5,16 +5,29 @@
 # %% ../nbs/71_experiments.ipynb #6bf10f00
 from __future__ import annotations
 
-import subprocess, sys
+import csv, itertools, subprocess, sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+import yaml
+
 from .cli import ArgumentParser, run_main, usage_errors
 from .compare import COMPARE_SEEDS, RUNS, Comparison, RunSpec, make_plan, run_plan
-from .train import parse_override
+from .data import region_masks, sample_generator, steps_per_epoch, world_config
+from .dist import DistContext
+from .loss import powerset_similarity
+from .methods import powerset_inputs, word_nodes
+from .model import model_geometry
+from .regions import GridConfig, superpixel_masks
+from .stats import t_interval
+from .train import TrainConfig, build_run, forward_loss, from_dict, load_config, parse_override
+from .world import WorldDataset
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'EXPERIMENT_STEPS', 'Experiment', 'run_experiment', 'main']
+__all__ = ['EXPERIMENTS', 'EXPERIMENT_STEPS', 'Experiment', 'run_experiment', 'term_gradients', 'loss_anatomy', 'best_cover',
+           'mask_coverage', 'anatomy', 'main']
 
 # %% ../nbs/71_experiments.ipynb #edeec095
 @dataclass
@@ -43,7 +56,8 @@ EXPERIMENTS = {
         "Table 7: mask source and number of masks M",
         "Random M = 5 / 10 / 15: 40.5 / 41.5 / 40.9 Cls, 45.5 / 45.8 / 43.9 Ret; SAM: 41.3 / 42.2 / 41.4, 45.2 / 47.0 / 44.9: "
         "M = 10 best, SAM a little above random boxes",
-        {"PowerCLIP-R": _pc(), "M=5": _pc(M=5), "M=15": _pc(M=15), "gold masks": _pc(masks="gold")},
+        {"PowerCLIP-R": _pc(), "M=5": _pc(M=5), "M=15": _pc(M=15),
+         **{f"superpixels M={m}": _pc(masks="superpixel", M=m) for m in (5, 10, 15)}, "gold masks": _pc(masks="gold")},
         "PowerCLIP-R"),
     "table8": Experiment(
         "Table 8: the NLAs' activation functions",
@@ -108,11 +122,162 @@ def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS
     plan.meta["time_ratio"] = dict(per_seed=ratios, mean=ratio, steps=longer)
     return run_plan(plan, log)
 
+# %% ../nbs/71_experiments.ipynb #e793abf6
+def _parts(model: torch.nn.Module) -> dict[str, list]:
+    "Trainable parameters by part: the image tower ('visual.*'), the temperature and bias, and the text tower (the rest)."
+    parts = {"image": [], "text": [], "scale": []}
+    for n, p in model.named_parameters():
+        if p.requires_grad: parts["image" if n.startswith("visual.") else "scale" if n in ("logit_scale", "logit_bias") else "text"].append(p)
+    return parts
+
+
+def term_gradients(run, batch: dict) -> dict[str, float]:
+    """One prepared batch through a PowerCLIP run (`train.build_run`): norms of the gradients of the CLIP term and of
+    lam * triplet over the image tower, the text tower and all parameters, the cosine between the two, the terms'
+    values, S-bar's mean positive and mean hardest negative (image rows), and the share of rows whose hinge is active."""
+    cfg = run.method.cfg
+    out = run.fwd(batch)
+    terms = run.method.loss(out, batch, run.ctx)
+    if "powerset" not in terms: raise ValueError("term_gradients: the run has no triplet term (lam = 0)")
+    parts = _parts(run.model)
+    params = [p for ps in parts.values() for p in ps]
+    g = {k: torch.autograd.grad(terms[k], params, retain_graph=True, allow_unused=True) for k in ("clip", "powerset")}
+    g = {k: [torch.zeros_like(p) if d is None else d for d, p in zip(v, params)] for k, v in g.items()}
+    res, i = {k: float(terms[k].detach()) for k in ("clip", "powerset")}, 0
+    flat = {k: [] for k in g}
+    for part, ps in [*parts.items()]:
+        a, b = (torch.cat([x.flatten().double() for x in g[k][i:i + len(ps)]] or [torch.zeros(1)]) for k in ("clip", "powerset"))
+        i += len(ps)
+        flat["clip"].append(a); flat["powerset"].append(b)
+        if part == "scale": continue
+        res[f"{part}_gclip"], res[f"{part}_gpow"] = float(a.norm()), float(b.norm())
+        res[f"{part}_cos"] = float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30))
+    a, b = torch.cat(flat["clip"]), torch.cat(flat["powerset"])
+    res.update(all_gclip=float(a.norm()), all_gpow=float(b.norm()), all_cos=float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30)))
+    res["all_ratio"] = res["all_gpow"] / max(res["all_gclip"], 1e-30)
+    with torch.no_grad():   # S-bar of the local batch, as the loss sees it (single process: local = gathered)
+        b_ = word_nodes(batch) if cfg.nodes == "words" else batch
+        x = powerset_inputs({k: v.detach() if torch.is_tensor(v) else v for k, v in out.items()}, b_)
+        S = powerset_similarity(x, x, cfg).double()                          # (C, C)
+        eye = torch.eye(S.shape[0], dtype=torch.bool)
+        pos = S.diagonal()
+        neg_i, neg_t = S.masked_fill(eye, -torch.inf).amax(1), S.masked_fill(eye, -torch.inf).amax(0)
+        res.update(sbar_pos=float(pos.mean()), sbar_hardneg=float(neg_i.mean()), sbar_gap=float((pos - neg_i).mean()),
+                   hinge_active=float(torch.cat([neg_i - pos + cfg.gamma, neg_t - pos + cfg.gamma]).gt(0).double().mean()))
+    return res
+
+
+def loss_anatomy(run_dir, batches: int = 4, device: str = "cpu") -> list[dict]:
+    """`term_gradients` of a finished PowerCLIP run at its initial weights (step 0) and at each snapshot, averaged over
+    `batches` batches of its own data stream that it did not train on (those after its last step)."""
+    run_dir = Path(run_dir)
+    d = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    cfg = from_dict(TrainConfig, {**{k: v for k, v in d.items() if k != "derived"}, "device": device, "progress": False})
+    if cfg.method != "powerclip": raise ValueError(f"{run_dir}: loss_anatomy reads PowerCLIP runs, this one is {cfg.method!r}")
+    snaps = sorted(run_dir.glob("snapshots/step*/model.pt"), key=lambda p: int(p.parent.name[4:]))
+    if not snaps: raise ValueError(f"{run_dir}: no snapshots (train it first)")
+    run = build_run(cfg, DistContext(device=torch.device(device)))
+    spe = steps_per_epoch(cfg.data) or cfg.max_steps + batches
+    start = max(0, min(cfg.max_steps, spe - batches))
+    data = [run.prepare(b) for b in itertools.islice(run.loader(0, start), batches)]
+    rows = []
+    for step, path in [(0, None), *((int(p.parent.name[4:]), p) for p in snaps)]:
+        if path is not None: run.model.load_state_dict(torch.load(path, map_location=device))
+        per = [term_gradients(run, b) for b in data]
+        rows.append({"step": step, **{k: float(np.mean([r[k] for r in per])) for k in per[0]}})
+    return rows
+
+# %% ../nbs/71_experiments.ipynb #18fec316
+def _bits(masks: np.ndarray) -> np.ndarray:
+    "(R, N) bool with N <= 64 -> (R,) uint64, bit n set when patch n is in the mask."
+    if masks.shape[-1] > 64: raise ValueError(f"_bits: at most 64 patches, got {masks.shape[-1]}")
+    w = np.left_shift(np.uint64(1), np.arange(masks.shape[-1], dtype=np.uint64))
+    return np.bitwise_or.reduce(np.where(masks, w, np.uint64(0)), axis=-1).astype(np.uint64)
+
+
+def best_cover(masks: np.ndarray, target: np.ndarray) -> tuple[float, float]:
+    """Best IoU with `target` `(N,)` of one of `masks` `(M, N)` bool, and of the union of any non-empty subset of them
+    (exact over all 2^M - 1 subsets; N <= 64)."""
+    b, t = _bits(np.asarray(masks, bool)), _bits(np.asarray(target, bool)[None])[0]
+    iou = lambda u: np.bitwise_count(u & t) / np.maximum(np.bitwise_count(u | t), 1)
+    if len(b) == 0: return 0.0, 0.0
+    u = np.zeros(1, np.uint64)
+    for x in b: u = np.concatenate([u, u | x])                        # (2^M,) unions, u[0] the empty set
+    return float(iou(b).max()), float(iou(u[1:]).max())
+
+
+def mask_coverage(source: str, M: int, world, scenes: int = 200, seed: int = 0) -> dict:
+    """Mean over the gold objects of `scenes` held-out world scenes (`world`: a WorldConfig) of `best_cover` of M region
+    masks from `source` ('random' | 'superpixel' | 'gold'), and the share of objects whose best subset reaches IoU 0.5."""
+    ds, grid = WorldDataset(world, scenes, "test", rgb=True), world.image_size // world.patch_size
+    one, best = [], []
+    for i in range(scenes):
+        s = ds[i]
+        gold = s["masks"][s["mask_valid"]]
+        pool = {"gold": gold, "random": None,
+                "superpixel": None if source != "superpixel" else superpixel_masks(s["rgb"].numpy(), GridConfig(grid, grid, crop="full")).masks}[source]
+        m, v = region_masks(source, grid, M, sample_generator(seed, 0, i), pool)
+        for obj in gold.numpy():
+            a, b = best_cover(m[v].numpy(), obj)
+            one.append(a); best.append(b)
+    best = np.array(best)
+    return dict(source=source, M=M, objects=len(best), one_mask=float(np.mean(one)), best_subset=float(best.mean()),
+                reach_half=float((best >= 0.5).mean()))
+
+# %% ../nbs/71_experiments.ipynb #bf04bb05
+def _fmt(x: list[float], digits: int = 3) -> str:
+    i = t_interval(x)
+    return f"{i.mean:.{digits}f}" if len(x) < 2 else f"{i.mean:.{digits}f} [{i.lo:.{digits}f}, {i.hi:.{digits}f}]"
+
+
+def anatomy(seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS, out_dir=None, batches: int = 4, scenes: int = 200,
+            log=None, **kw) -> dict:
+    """The three measurements above for PowerCLIP-R's runs on `seeds` (trained or reused through `run_experiment`'s
+    plan; `kw` as there) and the mask coverage of random boxes, superpixels and gold masks at M in {5, 10, 15};
+    tables and plot to `out_dir/anatomy`."""
+    root, out = _runs_root(out_dir), _out("anatomy", out_dir)
+    plan = make_plan({"PowerCLIP-R": RUNS["PowerCLIP-R"]}, seeds, steps, root, reference="PowerCLIP-R", log=log,
+                     report_dir=out, **kw)
+    run_plan(plan, log)
+    per_seed = {s: loss_anatomy(plan.job("PowerCLIP-R", s).dir, batches, plan.device) for s in seeds}
+    cover = [mask_coverage(src, M, plan.world, scenes) for src in ("random", "superpixel", "gold") for M in (5, 10, 15)]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "anatomy.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["seed", *per_seed[seeds[0]][0]]); w.writeheader()
+        for s, rows in per_seed.items(): w.writerows({"seed": s, **r} for r in rows)
+    with open(out / "coverage.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, list(cover[0])); w.writeheader(); w.writerows(cover)
+    steps_ = [r["step"] for r in per_seed[seeds[0]]]
+    col = lambda k: [[per_seed[s][j][k] for s in seeds] for j in range(len(steps_))]   # per step, the seeds' values
+    keys = ("clip", "powerset", "all_ratio", "image_gpow", "image_gclip", "text_gpow", "text_gclip", "all_cos", "image_cos",
+            "text_cos", "sbar_pos", "sbar_hardneg", "sbar_gap", "hinge_active")
+    md = [f"# PowerCLIP-R's loss anatomy ({len(seeds)} seeds, T = {steps}, {batches} unseen batches per snapshot; mean [95 % t interval])\n",
+          "| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    md += [f"| {st} | " + " | ".join(_fmt(col(k)[j]) for k in keys) + " |" for j, st in enumerate(steps_)]
+    md += ["", f"## Best IoU of the region masks with each gold object ({cover[0]['objects']} objects of {scenes} test scenes)", "",
+           "| masks | M | one mask | best subset (powerset) | objects with best subset IoU >= 0.5 |", "|---|---|---|---|---|"]
+    md += [f"| {c['source']} | {c['M']} | {c['one_mask']:.3f} | {c['best_subset']:.3f} | {100 * c['reach_half']:.1f} % |" for c in cover]
+    (out / "anatomy.md").write_text("\n".join(md) + "\n")
+    import matplotlib; matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for k, lab in (("all_ratio", "all"), ("image", "image tower"), ("text", "text tower")):
+        y = np.array(col(k) if k == "all_ratio" else [[a / max(b, 1e-30) for a, b in zip(p, q)] for p, q in zip(col(f"{k}_gpow"), col(f"{k}_gclip"))])
+        ax[0].plot(steps_, y.mean(1), marker="o", label=lab)
+    ax[0].set(title="|g_pow| / |g_clip| (mean over seeds)", xlabel="step", yscale="log"); ax[0].axhline(1, c="grey", lw=0.5)
+    ax[0].legend()
+    for k in ("all_cos", "image_cos", "text_cos"): ax[1].plot(steps_, np.mean(col(k), 1), marker="o", label=k[:-4])
+    ax[1].set(title="cosine(g_clip, g_pow)", xlabel="step"); ax[1].axhline(0, c="grey", lw=0.5); ax[1].legend()
+    for k in ("sbar_pos", "sbar_hardneg", "hinge_active"): ax[2].plot(steps_, np.mean(col(k), 1), marker="o", label=k)
+    ax[2].set(title="S-bar and the hinge", xlabel="step"); ax[2].legend()
+    fig.tight_layout(); fig.savefig(out / "anatomy.png", dpi=100); plt.close(fig)
+    return dict(per_seed=per_seed, coverage=cover)
+
 # %% ../nbs/71_experiments.ipynb #c8ae463f
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m powerclip.experiments", description="The paper's ablations on the built-in world.")
-    ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), or all "
-                    "(every table and fig8; not fig9); key=value pairs among them apply to every run")
+    ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), anatomy "
+                    "(why PowerCLIP-R loses here), or all (every table and fig8); key=value pairs among them apply to every run")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(COMPARE_SEEDS))
     ap.add_argument("--steps", type=int, default=EXPERIMENT_STEPS, help="T, training steps of every row")
     ap.add_argument("--out", default="runs/experiments")
@@ -130,19 +295,22 @@ def _main(argv: list[str]) -> int:
         a = _parser().parse_intermixed_args(argv)
         ov = dict(parse_override(r) for r in a.names if "=" in r)     # key=value pairs among the names
         a.names = [n for n in a.names if "=" not in n]
-        if not a.names: raise ValueError(f"names: give an experiment ({', '.join(EXPERIMENTS)}, fig9, or all)")
+        if not a.names: raise ValueError(f"names: give an experiment ({', '.join(EXPERIMENTS)}, fig9, anatomy, or all)")
         names = list(EXPERIMENTS) if a.names == ["all"] else a.names
-        unknown = [n for n in names if n not in EXPERIMENTS and n != "fig9"]
-        if unknown: raise ValueError(f"names: unknown experiment(s) {unknown} (known: {', '.join(EXPERIMENTS)}, fig9, all)")
+        unknown = [n for n in names if n not in EXPERIMENTS and n not in ("fig9", "anatomy")]
+        if unknown: raise ValueError(f"names: unknown experiment(s) {unknown} (known: {', '.join(EXPERIMENTS)}, fig9, anatomy, all)")
         kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images,
                   grounding_scenes=a.grounding)
         for n in names:                      # every plan validated before the first run trains
-            if n != "fig9": make_plan(EXPERIMENTS[n].rows, a.seeds, a.steps, a.out, reference=EXPERIMENTS[n].reference,
-                                      log=lambda m: None, **kw)
+            rows = {"PowerCLIP-R": RUNS["PowerCLIP-R"]} if n == "anatomy" else EXPERIMENTS.get(n) and EXPERIMENTS[n].rows
+            if rows: make_plan(rows, a.seeds, a.steps, a.out, reference="PowerCLIP-R", log=lambda m: None, **kw)
     for n in names:
         if n == "fig9":
             bench = Path(__file__).resolve().parents[1] / "benchmarks" / "powerset_scale.py"
             subprocess.run([sys.executable, str(bench)], check=True); continue
+        if n == "anatomy":
+            anatomy(a.seeds, a.steps, a.out, **kw)
+            print((_out(n, a.out) / "anatomy.md").read_text()); continue
         run_experiment(n, a.seeds, a.steps, a.out, **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")
         print((_out(n, a.out) / "summary.md").read_text())

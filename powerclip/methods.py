@@ -156,7 +156,8 @@ class StepClock:
 class PowerCLIPConfig(PowerCLIPLossConfig):
     "The loss's options (`PowerCLIPLossConfig`) and the region masks PowerCLIP asks of the data."
     M: int = 10               # region masks per image (Sec. 5.1)
-    masks: str = "random"     # 'random' boxes (PowerCLIP-R) | 'gold' world object masks | 'stored' shard masks (PowerCLIP-S)
+    masks: str = "random"     # 'random' boxes (PowerCLIP-R) | 'gold' world object masks | 'superpixel' world SLIC segments
+                              # | 'stored' shard masks (PowerCLIP-S)
     nodes: str = "tree"       # 'tree' the parse tree's constituents (the paper) | 'words' each word alone ("w/o parse trees")
 
     def __post_init__(self):

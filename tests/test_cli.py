@@ -162,6 +162,8 @@ CASES = [
     ("experiments", ["table14", "--steps", "0", "--out", "{tmp}/exp"], "--steps"),
     ("experiments", ["table14", "optim.lr=abc", "--out", "{tmp}/exp"], "optim.lr"),
     ("experiments", ["table14", "--seeds", "0", "0", "--out", "{tmp}/exp"], "--seeds"),
+    ("experiments", ["anatomy", "--steps", "1", "--out", "{tmp}/exp"], "--steps"),
+    ("experiments", ["anatomy", "--seeds", "-1", "--out", "{tmp}/exp"], "--seeds"),
 ]
 
 

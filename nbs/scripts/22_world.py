@@ -530,19 +530,22 @@ def to_clip_tensor(img: np.ndarray) -> torch.Tensor:
 
 class WorldDataset(torch.utils.data.Dataset):
     "Map-style dataset of `length` world samples of one split; item i is a pure function of (cfg.seed, split, i)."
-    def __init__(self, cfg: WorldConfig | None = None, length: int = 1_000_000, split: str = 'train', full: bool = False):
-        self.cfg, self.length, self.split, self.full = cfg or WorldConfig(), length, split, full
+    def __init__(self, cfg: WorldConfig | None = None, length: int = 1_000_000, split: str = 'train', full: bool = False,
+                 rgb: bool = False):   # rgb: also the rendered pixels (for what segments the image, e.g. superpixels)
+        self.cfg, self.length, self.split, self.full, self.rgb = cfg or WorldConfig(), length, split, full, rgb
         sample_rng(self.cfg, split, 0)   # fail early on a bad split
     def __len__(self): return self.length
     def __getitem__(self, i: int) -> dict:
         """image (3, H, W) float, text str, parsed ParsedCaption, masks (M, N) bool, mask_valid (M,) bool,
-        attrs (M, 3) long, mention_nodes (M,) long, index int."""
+        attrs (M, 3) long, mention_nodes (M,) long, index int; with `rgb`, rgb (H, W, 3) uint8."""
         i = operator.index(i)   # ints, numpy ints, 0-d tensors
         if not -self.length <= i < self.length: raise IndexError(f'index {i} out of range for {self.length} samples')
         s = generate(self.cfg, i % self.length, self.split, self.full)
-        return dict(image=to_clip_tensor(s['image']), text=s['text'], parsed=s['parsed'],
-                    masks=torch.from_numpy(s['masks']), mask_valid=torch.from_numpy(s['mask_valid']),
-                    attrs=torch.from_numpy(s['attrs']), mention_nodes=torch.from_numpy(s['mention_nodes']), index=s['index'])
+        out = dict(image=to_clip_tensor(s['image']), text=s['text'], parsed=s['parsed'],
+                   masks=torch.from_numpy(s['masks']), mask_valid=torch.from_numpy(s['mask_valid']),
+                   attrs=torch.from_numpy(s['attrs']), mention_nodes=torch.from_numpy(s['mention_nodes']), index=s['index'])
+        if self.rgb: out['rgb'] = torch.from_numpy(s['image'])
+        return out
 
 def collate_world(batch: list[dict]) -> dict:
     "Stack the tensors (image (C, 3, H, W), masks (C, M, N), ...); text and parsed stay lists."

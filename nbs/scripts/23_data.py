@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_
 
 from powerclip.parsing import (ParsedCaption, TreeTokens, caption_problem, collate_trees, default_tokenizer, parse_caption,
                                tree_problems, tree_tokens)
-from powerclip.regions import decode_regions, random_box_masks, select_masks
+from powerclip.regions import GridConfig, decode_regions, random_box_masks, select_masks, superpixel_masks
 from powerclip.world import WorldConfig, WorldDataset
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class Geometry:
     def grid(self) -> int: return self.image_size // self.patch_size
 
 
-REGION_SOURCES = ('random', 'gold', 'stored')
+REGION_SOURCES = ('random', 'gold', 'superpixel', 'stored')
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,8 @@ class BatchNeeds:
     tree: bool = False             # leaf_tokens, leaf_valid, incidence, node_valid (the caption's parse tree)
     node_np: bool = False          # node_np: which nodes are noun phrases (needs tree)
     regions: int = 0               # M region masks per image (0: none)
-    region_source: str = 'random'  # 'random' boxes | 'gold' world object masks | 'stored' {key}.regions.npz masks
+    region_source: str = 'random'  # 'random' boxes | 'gold' world object masks | 'superpixel' SLIC segments of the world
+                                   # image | 'stored' {key}.regions.npz masks
 
     def __post_init__(self):
         if self.node_np and not self.tree: raise ValueError('node_np needs tree=True (the labels are the parse tree\'s)')
@@ -179,7 +180,8 @@ class BatchSpec:
 
     def __post_init__(self):
         src, n = self.needs.region_source, self.needs.regions
-        if n and src == 'gold' and self.data.source != 'world': raise ValueError("region masks 'gold' need data.source='world'")
+        if n and src in ('gold', 'superpixel') and self.data.source != 'world':
+            raise ValueError(f"region masks {src!r} need data.source='world' (for shards, store masks: data_prep, masks 'stored')")
         if n and src == 'stored' and self.data.source != 'wds': raise ValueError("region masks 'stored' need data.source='wds'")
 
     @property
@@ -443,14 +445,20 @@ class WorldItems(Dataset):
     "Map-style dataset of batch items from the world; item i is a pure function of (spec, epoch, i)."
     def __init__(self, spec: BatchSpec, epoch: int = 0, split: str = 'train'):
         self.spec, self.epoch = spec, epoch
-        self.world = WorldDataset(world_config(spec.data, spec.geometry, spec.world_seed), spec.data.world_length, split)
+        src = spec.needs.region_source if spec.needs.regions else None
+        self.world = WorldDataset(world_config(spec.data, spec.geometry, spec.world_seed), spec.data.world_length, split,
+                                  rgb=src == 'superpixel')
 
     def __len__(self): return len(self.world)
 
     def __getitem__(self, i: int) -> dict:
         s = self.world[i]
         n = self.spec.needs
-        pool = s['masks'][s['mask_valid']] if n.regions and n.region_source == 'gold' else None   # (R, N) valid gold masks
+        pool = None
+        if n.regions and n.region_source == 'gold': pool = s['masks'][s['mask_valid']]              # (R, N) valid gold masks
+        if n.regions and n.region_source == 'superpixel':                                          # (R, N) SLIC segments
+            g = self.spec.geometry.grid
+            pool = superpixel_masks(s['rgb'].numpy(), GridConfig(g, g, crop='full')).masks
         return make_item(s['image'], s['text'], s['parsed'], int(s['index']), self.spec, self.epoch, pool)
 
 
@@ -784,6 +792,16 @@ s0 = WorldDataset(world_config(wspec.data, _geo, wspec.world_seed), 40)[int(b['i
 gold = {tuple(r.tolist()) for r in s0['masks'][s0['mask_valid']]}
 assert {tuple(r.tolist()) for r in b['region_masks'][0][b['region_valid'][0]]} <= gold
 test_eq(sorted(torch.cat([x['index'] for x in full]).tolist()), list(range(40)))          # an epoch is a permutation
+# superpixels: M of the image's SLIC segments on the patch grid (Table 7's third mask source); shards store theirs
+_sp = BatchSpec(wspec.data, _geo, BatchNeeds(tree=True, regions=4, region_source='superpixel'))
+bs = next(iter(make_loader(_sp, epoch=0)))
+s0 = WorldDataset(world_config(wspec.data, _geo, wspec.world_seed), 40, rgb=True)[int(bs['index'][0])]
+test_eq(s0['rgb'].shape, (64, 64, 3)); test_eq(s0['rgb'].dtype, torch.uint8)
+segs = {tuple(r.tolist()) for r in superpixel_masks(s0['rgb'].numpy(), GridConfig(8, 8, crop='full')).masks}
+assert len(segs) > 4 and {tuple(r.tolist()) for r in bs['region_masks'][0][bs['region_valid'][0]]} <= segs
+test_eq(bs['region_valid'].all(), True)
+test_fail(lambda: BatchSpec(DataConfig(source='wds', shards='x.tar'), _geo, BatchNeeds(regions=4, region_source='superpixel')),
+          contains="need data.source='world'")
 def same(xs, ys): return len(xs) == len(ys) and all(torch.equal(x[k], y[k]) for x, y in zip(xs, ys) for k in x)
 assert same(list(make_loader(wspec, 0, start_step=2)), full[2:])                          # exact resume
 _w2 = BatchSpec(DataConfig(batch_size=8, workers=2, world_length=40), _geo, _gold)
