@@ -5,7 +5,7 @@
 # %% ../nbs/70_compare.ipynb #6e30da41
 from __future__ import annotations
 
-import json, math, os, platform, re, shlex, statistics, sys, tempfile, time
+import csv, json, math, os, platform, re, shlex, statistics, sys, tempfile, time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,8 +31,8 @@ __all__ = ['RUNS', 'DEMO_RUNS', 'REFERENCE', 'HEADLINE', 'COMPARE_STEPS', 'COMPA
            'EVAL_IMAGES', 'GROUNDING_SCENES', 'VOLATILE', 'RunSpec', 'finetune_steps', 'snapshot_steps', 'Job', 'Plan',
            'make_plan', 'train_isolated', 'step_seconds', 'train_job', 'scene_names', 'scene_shares', 'pointing_scenes',
            'evaluate_folder', 'summarize_seeds', 'paired_stats', 'verdicts', 'headline_table', 'bootstrap_table',
-           'kinds_table', 'sweep_table', 'plot_curves', 'Comparison', 'run_sweep', 'run_plan', 'write_outputs',
-           'compare', 'main']
+           'kinds_table', 'sweep_table', 'plot_curves', 'Comparison', 'run_sweep', 'run_plan', 'summary_rows',
+           'write_outputs', 'compare', 'main']
 
 # %% ../nbs/70_compare.ipynb #30cd359a
 @dataclass
@@ -601,8 +601,21 @@ def run_plan(plan: Plan, log=None) -> Comparison:
     return cmp
 
 
+def summary_rows(cmp: Comparison) -> list[dict]:
+    "The headline table as tidy rows (run, metric): mean, sd and seeds, and the paired difference to the reference with its t interval."
+    ref, rows = cmp.meta.get("reference", REFERENCE), []
+    for n, r in cmp.summary.items():
+        for m in HEADLINE:
+            if m not in r: continue
+            t = cmp.stats.get(n, {}).get(m, {}).get("t")
+            rows.append(dict(run=n, regime=r.get("regime", ""), metric=m, mean=r[m], sd=r.get(m + "_sd"), seeds=r["seeds"],
+                             reference=ref, delta=t.mean if t else None, lo=t.lo if t else None, hi=t.hi if t else None,
+                             verdict=t.verdict() if t else ("reference" if n == ref else "")))
+    return rows
+
+
 def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
-    "`summary.md`, `summary.json`, `curves.png` (and `loss_curves.png`) of a comparison."
+    "`summary.md`, `summary.csv`, `summary.json`, `curves.png` (and `loss_curves.png`) of a comparison."
     out, m = Path(out), cmp.meta
     head = (f"{len(m['seeds'])} seed(s) {m['seeds']}, T = {m['steps']} steps (fine-tunes: F = {m['finetune_steps']}), preset "
             f"{m['preset']}{', overrides ' + str(m['overrides']) if m['overrides'] else ''}; {m['eval_images']} held-out test "
@@ -621,6 +634,9 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
                   sweep_table(s)]
     if m.get("skipped"): parts += ["", "Left out: " + "; ".join(f"{k} ({v})" for k, v in m["skipped"].items())]
     (out / "summary.md").write_text("\n".join(parts) + "\n")
+    rows = summary_rows(cmp)
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]) if rows else ["run"]); w.writeheader(); w.writerows(rows)
     plain = lambda x: asdict(x) if isinstance(x, Interval) else x
     stats = {n: {k: {a: plain(b) for a, b in v.items()} for k, v in by.items()} for n, by in cmp.stats.items()}
     numbers = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()} for s, res in cmp.per_seed.items()}

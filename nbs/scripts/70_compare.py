@@ -20,7 +20,7 @@
 #| export
 from __future__ import annotations
 
-import json, math, os, platform, re, shlex, statistics, sys, tempfile, time
+import csv, json, math, os, platform, re, shlex, statistics, sys, tempfile, time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -764,7 +764,8 @@ def plot_curves(curves: dict, path=None, title: str = ""):
 # swept row's sweep (its candidates trained at the sweep seeds and scored on the validation scenes; the value kept);
 # then for every seed the rows, bases before the fine-tunes that start from them: train (or reuse), score the final
 # weights on the test scenes (with the pointing game) and every snapshot (without); the untrained model of each seed
-# (the chance line). Then the summary, the paired statistics, the curves, and the files: `summary.md`, `summary.json`,
+# (the chance line). Then the summary, the paired statistics, the curves, and the files: `summary.md`, `summary.csv` (the
+# headline table as tidy rows, for a spreadsheet or pandas), `summary.json`,
 # `curves.png`, `loss_curves.png` (the first seed's training losses). `compare` = `make_plan` + `run_plan`.
 
 # %%
@@ -872,8 +873,21 @@ def run_plan(plan: Plan, log=None) -> Comparison:
     return cmp
 
 
+def summary_rows(cmp: Comparison) -> list[dict]:
+    "The headline table as tidy rows (run, metric): mean, sd and seeds, and the paired difference to the reference with its t interval."
+    ref, rows = cmp.meta.get("reference", REFERENCE), []
+    for n, r in cmp.summary.items():
+        for m in HEADLINE:
+            if m not in r: continue
+            t = cmp.stats.get(n, {}).get(m, {}).get("t")
+            rows.append(dict(run=n, regime=r.get("regime", ""), metric=m, mean=r[m], sd=r.get(m + "_sd"), seeds=r["seeds"],
+                             reference=ref, delta=t.mean if t else None, lo=t.lo if t else None, hi=t.hi if t else None,
+                             verdict=t.verdict() if t else ("reference" if n == ref else "")))
+    return rows
+
+
 def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
-    "`summary.md`, `summary.json`, `curves.png` (and `loss_curves.png`) of a comparison."
+    "`summary.md`, `summary.csv`, `summary.json`, `curves.png` (and `loss_curves.png`) of a comparison."
     out, m = Path(out), cmp.meta
     head = (f"{len(m['seeds'])} seed(s) {m['seeds']}, T = {m['steps']} steps (fine-tunes: F = {m['finetune_steps']}), preset "
             f"{m['preset']}{', overrides ' + str(m['overrides']) if m['overrides'] else ''}; {m['eval_images']} held-out test "
@@ -892,6 +906,9 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
                   sweep_table(s)]
     if m.get("skipped"): parts += ["", "Left out: " + "; ".join(f"{k} ({v})" for k, v in m["skipped"].items())]
     (out / "summary.md").write_text("\n".join(parts) + "\n")
+    rows = summary_rows(cmp)
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]) if rows else ["run"]); w.writeheader(); w.writerows(rows)
     plain = lambda x: asdict(x) if isinstance(x, Interval) else x
     stats = {n: {k: {a: plain(b) for a, b in v.items()} for k, v in by.items()} for n, by in cmp.stats.items()}
     numbers = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()} for s, res in cmp.per_seed.items()}
@@ -1014,7 +1031,11 @@ test_eq(_cmp.curves["C2LIP-CLIP"][0], _cmp.curves["CLIP"][1])                   
 assert _ft["train_s_total"] > _ft["train_s"] > 0
 test_eq(set(_cmp.stats["SPARC"]), set(HEADLINE)); assert _cmp.stats["SPARC"]["hn_mean"]["t"].n == 2
 assert _cmp.stats["SPARC"]["pointing"]["boot"].n == 4 and _cmp.stats["SPARC"]["hn_mean"]["boot"].n == 24
-for _f in ("summary.md", "summary.json", "curves.png", "loss_curves.png"): assert (_tmp / "mini" / _f).is_file(), _f
+for _f in ("summary.md", "summary.csv", "summary.json", "curves.png", "loss_curves.png"): assert (_tmp / "mini" / _f).is_file(), _f
+with open(_tmp / "mini" / "summary.csv") as _fh: _csv = list(csv.DictReader(_fh))   # the headline table, tidy
+_row = next(r for r in _csv if r["run"] == "SPARC" and r["metric"] == "hn_mean")
+assert abs(float(_row["delta"]) - _cmp.stats["SPARC"]["hn_mean"]["t"].mean) < 1e-9 and _row["seeds"] == "2"
+test_eq(next(r for r in _csv if r["run"] == "CLIP")["verdict"], "reference")
 _mtimes = {p: p.stat().st_mtime_ns for p in (_tmp / "mini").rglob("*.json") if "world_" not in str(p) and p.name != "summary.json"}
 with contextlib.redirect_stderr(io.StringIO()):
     _again = compare(_runs, seeds=[0, 1], steps=8, out_dir=_tmp / "mini", **_kw)
