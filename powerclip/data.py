@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 __all__ = ['logger', 'REGION_SOURCES', 'SEED_STREAMS', 'SKIP_REASONS', 'IMAGE_EXTS', 'DataConfig', 'Geometry', 'BatchNeeds',
            'BatchSpec', 'mix_seed', 'key_index', 'derive_seed', 'run_seeds', 'sample_generator', 'SkipCounter',
            'add_counts', 'caption_tokens', 'region_masks', 'make_item', 'collate', 'EpochBatchSampler', 'world_config',
-           'WorldItems', 'shard_urls', 'eval_transform', 'decode_sample', 'read_shard', 'StreamPosition', 'n_streams',
-           'WdsItems', 'Loader', 'steps_per_epoch', 'make_loader', 'write_shard']
+           'WorldItems', 'world_region_pool', 'shard_urls', 'eval_transform', 'decode_sample', 'read_shard',
+           'StreamPosition', 'n_streams', 'WdsItems', 'Loader', 'steps_per_epoch', 'make_loader', 'write_shard']
 
 # %% ../nbs/23_data.ipynb #041e8a8c
 @dataclass
@@ -251,13 +251,16 @@ class WorldItems(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         s = self.world[i]
-        n = self.spec.needs
-        pool = None
-        if n.regions and n.region_source == 'gold': pool = s['masks'][s['mask_valid']]              # (R, N) valid gold masks
-        if n.regions and n.region_source == 'superpixel':                                          # (R, N) SLIC segments
-            g = self.spec.geometry.grid
-            pool = superpixel_masks(s['rgb'].numpy(), GridConfig(g, g, crop='full')).masks
+        pool = world_region_pool(s, self.spec.needs.region_source, self.spec.geometry.grid) if self.spec.needs.regions else None
         return make_item(s['image'], s['text'], s['parsed'], int(s['index']), self.spec, self.epoch, pool)
+
+
+def world_region_pool(sample: dict, source: str, grid: int) -> torch.Tensor | None:
+    """The masks `(R, N)` a world sample offers to `region_masks`: its valid gold object masks ('gold'), the SLIC
+    segments of its pixels on the `grid x grid` patch grid ('superpixel'; the sample needs `rgb`), None for 'random'."""
+    if source == 'gold': return sample['masks'][sample['mask_valid']]
+    if source == 'superpixel': return superpixel_masks(sample['rgb'].numpy(), GridConfig(grid, grid, crop='full')).masks
+    return None
 
 # %% ../nbs/23_data.ipynb #b71d5504
 IMAGE_EXTS = ('.jpg', '.jpeg', '.png', '.webp', '.bmp')   # image file suffixes; a shard member's key is the suffix without its dot

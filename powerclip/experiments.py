@@ -15,14 +15,13 @@ import yaml
 
 from .cli import ArgumentParser, run_main, usage_errors
 from .compare import COMPARE_SEEDS, RUNS, Comparison, RunSpec, make_plan, run_plan
-from .data import region_masks, sample_generator, steps_per_epoch, world_config
+from .data import region_masks, sample_generator, steps_per_epoch, world_config, world_region_pool
 from .dist import DistContext
 from .loss import powerset_similarity
 from .methods import powerset_inputs, word_nodes
 from .model import model_geometry
-from .regions import GridConfig, superpixel_masks
 from .stats import t_interval
-from .train import TrainConfig, build_run, forward_loss, from_dict, load_config, parse_override
+from .train import TrainConfig, build_run, from_dict, load_config, parse_override
 from .world import WorldDataset
 
 # %% auto #0
@@ -145,7 +144,7 @@ def term_gradients(run, batch: dict) -> dict[str, float]:
     g = {k: [torch.zeros_like(p) if d is None else d for d, p in zip(v, params)] for k, v in g.items()}
     res, i = {k: float(terms[k].detach()) for k in ("clip", "powerset")}, 0
     flat = {k: [] for k in g}
-    for part, ps in [*parts.items()]:
+    for part, ps in parts.items():
         a, b = (torch.cat([x.flatten().double() for x in g[k][i:i + len(ps)]] or [torch.zeros(1)]) for k in ("clip", "powerset"))
         i += len(ps)
         flat["clip"].append(a); flat["powerset"].append(b)
@@ -159,7 +158,7 @@ def term_gradients(run, batch: dict) -> dict[str, float]:
         b_ = word_nodes(batch) if cfg.nodes == "words" else batch
         x = powerset_inputs({k: v.detach() if torch.is_tensor(v) else v for k, v in out.items()}, b_)
         S = powerset_similarity(x, x, cfg).double()                          # (C, C)
-        eye = torch.eye(S.shape[0], dtype=torch.bool)
+        eye = torch.eye(S.shape[0], dtype=torch.bool, device=S.device)
         pos = S.diagonal()
         neg_i, neg_t = S.masked_fill(eye, -torch.inf).amax(1), S.masked_fill(eye, -torch.inf).amax(0)
         res.update(sbar_pos=float(pos.mean()), sbar_hardneg=float(neg_i.mean()), sbar_gap=float((pos - neg_i).mean()),
@@ -213,11 +212,8 @@ def mask_coverage(source: str, M: int, world, scenes: int = 200, seed: int = 0) 
     one, best = [], []
     for i in range(scenes):
         s = ds[i]
-        gold = s["masks"][s["mask_valid"]]
-        pool = {"gold": gold, "random": None,
-                "superpixel": None if source != "superpixel" else superpixel_masks(s["rgb"].numpy(), GridConfig(grid, grid, crop="full")).masks}[source]
-        m, v = region_masks(source, grid, M, sample_generator(seed, 0, i), pool)
-        for obj in gold.numpy():
+        m, v = region_masks(source, grid, M, sample_generator(seed, 0, i), world_region_pool(s, source, grid))
+        for obj in s["masks"][s["mask_valid"]].numpy():
             a, b = best_cover(m[v].numpy(), obj)
             one.append(a); best.append(b)
     best = np.array(best)
@@ -302,8 +298,9 @@ def _main(argv: list[str]) -> int:
         kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images,
                   grounding_scenes=a.grounding)
         for n in names:                      # every plan validated before the first run trains
-            rows = {"PowerCLIP-R": RUNS["PowerCLIP-R"]} if n == "anatomy" else EXPERIMENTS.get(n) and EXPERIMENTS[n].rows
-            if rows: make_plan(rows, a.seeds, a.steps, a.out, reference="PowerCLIP-R", log=lambda m: None, **kw)
+            if n == "fig9": continue
+            rows = {"PowerCLIP-R": RUNS["PowerCLIP-R"]} if n == "anatomy" else EXPERIMENTS[n].rows
+            make_plan(rows, a.seeds, a.steps, a.out, reference="PowerCLIP-R", log=lambda m: None, **kw)
     for n in names:
         if n == "fig9":
             bench = Path(__file__).resolve().parents[1] / "benchmarks" / "powerset_scale.py"
