@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo compare experiments eval-compare theory test check sync nbs export bench clean-venv
+.PHONY: install demo compare experiments eval-compare theory test check docs sync nbs export bench clean-venv
 
 install: $(STAMP)
 
@@ -48,14 +48,20 @@ eval-compare: install
 theory: install
 	$(BIN)/python -m powerclip.theory
 
-## Everything CI runs: the notebooks/scripts/package agree, every notebook cell runs, pytest passes.
-test: install check
+## Everything CI runs: notebooks, scripts and package agree, the docs site builds, every cell runs, pytest passes.
+test: install check docs
 	$(BIN)/nbdev_test --n_workers 2 --timing
 	$(BIN)/python -m pytest -q tests
 
 ## Paired scripts and notebooks in sync, notebooks clean, and `nbdev_export` changes nothing.
 check: install
 	$(BIN)/python .ci/check_notebooks.py
+
+## The docs site, offline: every notebook a page (prose, math, code, committed outputs; nothing executed) and the
+## module reference from the docstrings, into _site/ (open _site/index.html). Fails on a broken page or link. About a
+## minute on 2 CPU cores. docs/build_site.py says how; _quarto.yml stays for `nbdev_docs` with Quarto.
+docs: install
+	$(BIN)/python docs/build_site.py
 
 ## After editing nbs/scripts/*.py: refresh the paired notebooks, export the package.
 sync: install

@@ -5,7 +5,7 @@
 # %% ../nbs/71_experiments.ipynb #6bf10f00
 from __future__ import annotations
 
-import csv, itertools, subprocess, sys
+import csv, itertools, json, subprocess, sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +25,9 @@ from .train import TrainConfig, build_run, from_dict, load_config, parse_overrid
 from .world import WorldDataset
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'EXPERIMENT_STEPS', 'Experiment', 'run_experiment', 'term_gradients', 'loss_anatomy', 'best_cover',
-           'mask_coverage', 'anatomy', 'main']
+__all__ = ['EXPERIMENTS', 'EXPERIMENT_STEPS', 'BUDGET_STEPS', 'PLATEAU_ROWS', 'PLATEAU_METRICS', 'GROUNDING_SCENES', 'Experiment',
+           'run_experiment', 'term_gradients', 'loss_anatomy', 'best_cover', 'mask_coverage', 'anatomy', 'find_plateau',
+           'budget', 'plateau', 'main']
 
 # %% ../nbs/71_experiments.ipynb #edeec095
 @dataclass
@@ -269,21 +270,104 @@ def anatomy(seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS, out_dir=None, ba
     fig.tight_layout(); fig.savefig(out / "anatomy.png", dpi=100); plt.close(fig)
     return dict(per_seed=per_seed, coverage=cover)
 
+# %% ../nbs/71_experiments.ipynb #45af1da8
+BUDGET_STEPS = (400, 800, 1600)   # CLIP alone at each T (each the double of the one before)
+PLATEAU_ROWS = ("CLIP", "CLIP (avg)", "PowerCLIP-R", "PowerCLIP-R (avg)", "PowerCLIP-gold (avg)")   # rows of RUNS
+PLATEAU_METRICS = ("hn_mean", "i2t_R@1", "t2i_R@1")   # the numbers whose moving decides T*
+GROUNDING_SCENES = 200             # the pointing game's scenes in the budget and the plateau (as in the comparison)
+
+
+def _plateau_root(out_dir) -> Path:
+    return Path(out_dir or "runs/plateau")
+
+
+def find_plateau(points: dict, sd: dict, metrics=PLATEAU_METRICS) -> int | None:
+    """T*: the smallest T of `points` ({T: {metric: value}}, each T the double of the one before) whose every metric
+    at 2T is within `sd[metric]` of its value at T; None when no T is."""
+    Ts = sorted(points)
+    if any(b != 2 * a for a, b in zip(Ts, Ts[1:])): raise ValueError(f"budget: each T must double the one before, got {Ts}")
+    return next((a for a, b in zip(Ts, Ts[1:]) if all(abs(points[b][m] - points[a][m]) <= sd[m] for m in metrics)), None)
+
+
+def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw) -> dict:
+    """CLIP alone at each T of `steps` on the first seed, and at the first T on every seed of `seeds` (the spread);
+    T* (`find_plateau`); `budget.md` and `budget.json` in `out_dir` (default runs/plateau), the runs in `out_dir/T{T}`."""
+    root, seeds, points, runs = _plateau_root(out_dir), list(seeds), {}, {}
+    for i, T in enumerate(steps):
+        plan = make_plan({"CLIP": RUNS["CLIP"]}, seeds if i == 0 else seeds[:1], T, root / f"T{T}", log=log, **kw)
+        cmp = run_plan(plan, log)
+        runs[T] = dict(summary=cmp.summary["CLIP"], seed0={k: v for k, v in cmp.per_seed[seeds[0]]["CLIP"].items()
+                                                           if isinstance(v, (int, float))})
+        points[T] = runs[T]["seed0"]
+    first = runs[steps[0]]["summary"]
+    sd = {m: first.get(m + "_sd", float("nan")) for m in PLATEAU_METRICS}
+    if len(seeds) < 2 or any(np.isnan(v) for v in sd.values()):
+        raise ValueError(f"budget: the spread needs at least 2 seeds at T = {steps[0]}, got {seeds}")
+    T_star = find_plateau(points, sd)
+    res = dict(steps=list(steps), seeds=seeds, sd=sd, points=points, first=first, T_star=T_star)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "budget.json").write_text(json.dumps(res, indent=1, default=float))
+    head = {"hn_mean": "HN mean", "i2t_R@1": "i2t R@1", "t2i_R@1": "t2i R@1", "pointing": "pointing"}
+    md = [f"# CLIP's budget: seed {seeds[0]} at T = {', '.join(map(str, steps))}; the spread over seeds {seeds} at T = {steps[0]}", "",
+          "| T | " + " | ".join(head.values()) + " | moved by doubling T (HN / i2t / t2i) |", "|---:" * 5 + "|---|"]
+    for a, b in zip([*steps], [*steps[1:], None]):
+        moved = "" if b is None else " / ".join(f"{points[b][m] - points[a][m]:+.1f}" for m in PLATEAU_METRICS)
+        md.append(f"| {a} | " + " | ".join(f"{points[a].get(m, float('nan')):.1f}" for m in head) + f" | {moved} |")
+    md += ["", f"One seed's sd at T = {steps[0]} ({len(seeds)} seeds): " + ", ".join(f"{head[m]} {v:.1f}" for m, v in sd.items()),
+           "", f"T* = {T_star}" if T_star else f"No T* within {steps[-1]} steps: CLIP still moves by more than a seed's sd "
+           "when its budget doubles"]
+    (root / "budget.md").write_text("\n".join(md) + "\n")
+    return res
+
+
+def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches: int = 4, log=None, **kw) -> Comparison:
+    """The rows `PLATEAU_ROWS` at T* (`steps`, or the budget's T* from `out_dir/budget.json`), paired differences to CLIP;
+    runs and `summary.md` in `out_dir/T{T}`, the anatomy of PowerCLIP-R under both poolings in `anatomy.md` there."""
+    root = _plateau_root(out_dir)
+    if steps is None:
+        f = root / "budget.json"
+        if not f.is_file(): raise ValueError(f"--steps: give T, or run `budget` first (no {f})")
+        steps = json.loads(f.read_text())["T_star"] or json.loads(f.read_text())["steps"][-1]
+    plan = make_plan({n: RUNS[n] for n in PLATEAU_ROWS}, seeds, steps, root / f"T{steps}", log=log, **kw)
+    cmp = run_plan(plan, log)
+    rows = {n: {s: loss_anatomy(plan.job(n, s).dir, batches, plan.device) for s in plan.seeds}
+            for n in ("PowerCLIP-R", "PowerCLIP-R (avg)")}
+    keys = ("all_ratio", "all_cos", "image_cos", "text_cos", "sbar_gap", "hinge_active")
+    md = [f"# PowerCLIP-R's loss anatomy at T = {steps} by pooling ({len(plan.seeds)} seeds, {batches} unseen batches per "
+          "snapshot; mean [95 % t interval])", "", "| pooling | step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    for n, per in rows.items():
+        for j, r in enumerate(per[plan.seeds[0]]):
+            md.append(f"| {'avg' if 'avg' in n else 'tok'} | {r['step']} | "
+                      + " | ".join(_fmt([per[s][j][k] for s in plan.seeds]) for k in keys) + " |")
+    (plan.out / "anatomy.md").write_text("\n".join(md) + "\n")
+    with open(plan.out / "anatomy.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["row", "seed", *rows["PowerCLIP-R"][plan.seeds[0]][0]]); w.writeheader()
+        for n, per in rows.items():
+            for s, rs in per.items(): w.writerows({"row": n, "seed": s, **r} for r in rs)
+    return cmp
+
 # %% ../nbs/71_experiments.ipynb #c8ae463f
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m powerclip.experiments", description="The paper's ablations on the built-in world.")
     ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), anatomy "
-                    "(why PowerCLIP-R loses here), or all (every table and fig8); key=value pairs among them apply to every run")
+                    "(why PowerCLIP-R loses here), budget (where CLIP stops improving), plateau (the comparison there, "
+                    "both poolings), or all (every table and fig8); key=value pairs among them apply to every run")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(COMPARE_SEEDS))
-    ap.add_argument("--steps", type=int, default=EXPERIMENT_STEPS, help="T, training steps of every row")
-    ap.add_argument("--out", default="runs/experiments")
+    ap.add_argument("--steps", type=int, default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); budget: the first "
+                    f"of three doubling T (default {' '.join(map(str, BUDGET_STEPS))}); plateau: default the budget's T*")
+    ap.add_argument("--out", default=None, help="runs and tables (default runs/experiments; budget, plateau: runs/plateau)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
     ap.add_argument("--precision", default=None, help="fp32 | bf16 | auto")
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--eval-images", type=int, default=300)
-    ap.add_argument("--grounding", type=int, default=0, help="test scenes of the pointing game (0: none)")
+    ap.add_argument("--grounding", type=int, default=None, help="test scenes of the pointing game (default 0; budget, "
+                    f"plateau: {GROUNDING_SCENES})")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     return ap
+
+
+_PLATEAU = ("budget", "plateau")
+_ALONE = ("fig9", "anatomy", *_PLATEAU)      # named on their own, not part of `all`
 
 
 def _main(argv: list[str]) -> int:
@@ -291,26 +375,57 @@ def _main(argv: list[str]) -> int:
         a = _parser().parse_intermixed_args(argv)
         ov = dict(parse_override(r) for r in a.names if "=" in r)     # key=value pairs among the names
         a.names = [n for n in a.names if "=" not in n]
-        if not a.names: raise ValueError(f"names: give an experiment ({', '.join(EXPERIMENTS)}, fig9, anatomy, or all)")
+        known = f"{', '.join(EXPERIMENTS)}, {', '.join(_ALONE)}, or all"
+        if not a.names: raise ValueError(f"names: give an experiment ({known})")
         names = list(EXPERIMENTS) if a.names == ["all"] else a.names
-        unknown = [n for n in names if n not in EXPERIMENTS and n not in ("fig9", "anatomy")]
-        if unknown: raise ValueError(f"names: unknown experiment(s) {unknown} (known: {', '.join(EXPERIMENTS)}, fig9, anatomy, all)")
-        kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images,
-                  grounding_scenes=a.grounding)
+        unknown = [n for n in names if n not in EXPERIMENTS and n not in _ALONE]
+        if unknown: raise ValueError(f"names: unknown experiment(s) {unknown} (known: {known})")
+        if a.steps is not None and a.steps < 2: raise ValueError(f"--steps: need at least 2 steps, got {a.steps}")
+        kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images)
+        ground = lambda n: a.grounding if a.grounding is not None else (GROUNDING_SCENES if n in _PLATEAU else 0)
+        out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else "runs/experiments")
+        budget_steps = (a.steps, 2 * a.steps, 4 * a.steps) if a.steps else BUDGET_STEPS
         for n in names:                      # every plan validated before the first run trains
             if n == "fig9": continue
+            if n == "budget":
+                for T in budget_steps:
+                    make_plan({"CLIP": RUNS["CLIP"]}, a.seeds, T, Path(out(n)) / f"T{T}", log=lambda m: None,
+                              grounding_scenes=ground(n), **kw)
+                continue
+            if n == "plateau":
+                if a.steps is None and "budget" not in names and not (Path(out(n)) / "budget.json").is_file():
+                    raise ValueError(f"--steps: give T, or run budget first (no {Path(out(n)) / 'budget.json'})")
+                if a.steps is not None:
+                    make_plan({r: RUNS[r] for r in PLATEAU_ROWS}, a.seeds, a.steps, Path(out(n)) / f"T{a.steps}",
+                              log=lambda m: None, grounding_scenes=ground(n), **kw)
+                continue
             rows = {"PowerCLIP-R": RUNS["PowerCLIP-R"]} if n == "anatomy" else EXPERIMENTS[n].rows
-            make_plan(rows, a.seeds, a.steps, a.out, reference="PowerCLIP-R", log=lambda m: None, **kw)
+            ref = "PowerCLIP-R" if n == "anatomy" else EXPERIMENTS[n].reference
+            make_plan(rows, a.seeds, a.steps or EXPERIMENT_STEPS, out(n), reference=ref, log=lambda m: None,
+                      grounding_scenes=ground(n), **kw)
     for n in names:
+        kw["grounding_scenes"] = ground(n)
         if n == "fig9":
             bench = Path(__file__).resolve().parents[1] / "benchmarks" / "powerset_scale.py"
-            subprocess.run([sys.executable, str(bench)], check=True); continue
+            subprocess.run([sys.executable, str(bench)], check=True)
+            continue
         if n == "anatomy":
-            anatomy(a.seeds, a.steps, a.out, **kw)
-            print((_out(n, a.out) / "anatomy.md").read_text()); continue
-        run_experiment(n, a.seeds, a.steps, a.out, **kw)
+            anatomy(a.seeds, a.steps or EXPERIMENT_STEPS, out(n), **kw)
+            print((_out(n, out(n)) / "anatomy.md").read_text())
+            continue
+        if n == "budget":
+            budget(budget_steps, a.seeds, out(n), **kw)
+            print((Path(out(n)) / "budget.md").read_text())
+            continue
+        if n == "plateau":
+            cmp = plateau(a.steps, a.seeds, out(n), **kw)
+            folder = Path(out(n)) / f"T{cmp.meta['steps']}"
+            print((folder / "summary.md").read_text())
+            print((folder / "anatomy.md").read_text())
+            continue
+        run_experiment(n, a.seeds, a.steps or EXPERIMENT_STEPS, out(n), **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")
-        print((_out(n, a.out) / "summary.md").read_text())
+        print((_out(n, out(n)) / "summary.md").read_text())
     return 0
 
 

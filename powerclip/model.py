@@ -5,6 +5,7 @@
 # %% ../nbs/30_model.ipynb #26982252
 from __future__ import annotations
 
+import types
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 from .data import Geometry
 
 # %% auto #0
-__all__ = ['config_dir', 'register_configs', 'create_model', 'model_geometry', 'geometry_of', 'grid_size', 'encode', 'Encoder',
-           'PatchTokenSelect', 'select_patch_tokens', 'text_token_mask']
+__all__ = ['POOLS', 'config_dir', 'register_configs', 'arch_pool', 'token_mean', 'patch_mean', 'set_pool', 'pool_of',
+           'create_model', 'model_geometry', 'geometry_of', 'grid_size', 'encode', 'Encoder', 'PatchTokenSelect',
+           'select_patch_tokens', 'text_token_mask']
 
 # %% ../nbs/30_model.ipynb #f840a85b
 def config_dir() -> Path:
@@ -32,17 +34,74 @@ def register_configs() -> list[str]:
     return names
 
 # %% ../nbs/30_model.ipynb #58b5ac40
+POOLS = ('tok', 'avg')    # class token / EOT (CLIP) | mean of the patch tokens / of the caption's tokens (PowerCLIP's authors)
+
+def arch_pool(name: str, kwargs: dict | None = None) -> str:
+    "The pooling architecture `name` (with `kwargs`) asks for: its vision config's `pool_type`, 'tok' when not given."
+    v = {**open_clip.get_model_config(name), **(kwargs or {})}.get('vision_cfg') or {}
+    pool = v.get('pool_type', 'tok')
+    if pool not in POOLS: raise NotImplementedError(f"{name}: vision pool_type {pool!r} (supported: {', '.join(POOLS)})")
+    return pool
+
+def token_mean(
+    tokens: torch.Tensor,  # (C, L, D) projected token embeddings
+    ids: torch.Tensor,     # (C, L) long open_clip ids, 0 = padding
+) -> torch.Tensor:         # (C, D)
+    "The mean over each caption's tokens, SOT and EOT included, padding excluded (the text tower's 'avg' pooling)."
+    w = (ids != 0).to(tokens.dtype)                                           # (C, L)
+    return (tokens * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
+
+def patch_mean(
+    patches: torch.Tensor,                # (C, N, D) projected patch embeddings
+    visible: torch.Tensor | None = None,  # (C, N) bool: the patches that count (hidden tokens do not), None: all
+) -> torch.Tensor:                        # (C, D)
+    "The mean over each image's (visible) patch embeddings (the image tower's 'avg' pooling)."
+    if visible is None: return patches.mean(1)
+    w = visible.to(patches.dtype)
+    return (patches * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
+
+def _encode_text_avg(self, text: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+    "open_clip's `encode_text` with 'avg' pooling: text `(C, L)` -> `(C, D)` (set on a model by `set_pool`)."
+    y = self.forward_intermediates(None, text, text_indices=1, intermediates_only=True)['text_intermediates'][-1]
+    x = token_mean(_text_proj(self, self.ln_final(y)), text)                 # (C, D)
+    return F.normalize(x, dim=-1) if normalize else x
+
+def set_pool(model, pool: str):
+    """Make both towers of an open_clip CLIP pool by `pool` ('tok' or 'avg'), in place: the image tower by open_clip's
+    own `visual.pool_type`, the text tower by an instance-level `encode_text`; the weights are untouched."""
+    if pool not in POOLS: raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
+    if not isinstance(model, open_clip.CLIP) or not hasattr(model.visual, 'pool_type'):
+        raise NotImplementedError(f'set_pool supports open_clip.CLIP with a ViT, got {type(model).__name__}')
+    model.visual.pool_type = pool
+    if pool == 'avg': model.encode_text = types.MethodType(_encode_text_avg, model)
+    else: vars(model).pop('encode_text', None)
+    return model
+
+def pool_of(model) -> str:
+    "How `model` pools, 'tok' or 'avg'; a model whose two towers pool differently is refused."
+    text = 'avg' if getattr(vars(model).get('encode_text'), '__func__', None) is _encode_text_avg else 'tok'
+    if model.visual.pool_type != text:
+        raise NotImplementedError(f"the image tower pools by {model.visual.pool_type!r}, the text tower by {text!r}: "
+                                  "set_pool(model, pool) sets both")
+    return text
+
+# %% ../nbs/30_model.ipynb #dc539648
 def _known(name: str) -> None:
     register_configs()
     if name not in open_clip.list_models():
         raise ValueError(f'unknown model {name!r}: an open_clip architecture, e.g. ViT-B-16 or ours {sorted(p.stem for p in config_dir().glob("*.json"))}')
 
-def create_model(name: str, pretrained: str | Path | None = None, **kw):
-    "`(model, preprocess_train, preprocess_val)` for an architecture name; `pretrained`: None or a local file."
+def create_model(name: str, pretrained: str | Path | None = None, pool: str | None = None, **kw):
+    """`(model, preprocess_train, preprocess_val)` for an architecture name; `pretrained`: None or a local file;
+    `pool`: 'tok' or 'avg' for both towers (see "Pooling" below), None: the architecture's own (`arch_pool`)."""
     _known(name)
+    if pool is not None and pool not in POOLS: raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
     if pretrained is not None and not Path(pretrained).is_file():
         raise FileNotFoundError(f'pretrained must be a local checkpoint file (nothing is downloaded), got {pretrained!r}')
-    return open_clip.create_model_and_transforms(name, pretrained=None if pretrained is None else str(pretrained), **kw)
+    model, pre_train, pre_val = open_clip.create_model_and_transforms(
+        name, pretrained=None if pretrained is None else str(pretrained), **kw)
+    set_pool(model, pool or arch_pool(name, kw))
+    return model, pre_train, pre_val
 
 def _side(x, what: str) -> int:
     "An open_clip size (int or (h, w)) as one int; non-square sizes are not supported."
@@ -69,25 +128,34 @@ def grid_size(model) -> tuple[int, int]:
     return tuple(model.visual.grid_size)
 
 # %% ../nbs/30_model.ipynb #bd82e372
-def _check_heads(model):
+def _check_heads(model) -> str:
+    "The model's pooling ('tok' or 'avg'), after checking that its heads are the ones `encode` knows how to project."
     v = model.visual
     if not isinstance(model, open_clip.CLIP):
         raise TypeError(f'encode supports open_clip.CLIP models, got {type(model).__name__}')
-    if getattr(v, 'attn_pool', None) is not None or v.final_ln_after_pool or v.pool_type != 'tok' or v.proj is None:
-        raise NotImplementedError('encode needs the standard ViT head (class token, ln_post before pooling, proj)')
+    if getattr(v, 'attn_pool', None) is not None or v.final_ln_after_pool or v.pool_type not in POOLS or v.proj is None:
+        raise NotImplementedError('encode needs the standard ViT head (class token or average pooling, ln_post before '
+                                  'pooling, proj)')
     if model.text_pool_type != 'argmax' or model.text_projection is None:
         raise NotImplementedError('encode needs the standard CLIP text head (EOT pooling, text_projection)')
+    return pool_of(model)
 
 def _text_proj(model, x: torch.Tensor) -> torch.Tensor:
     p = model.text_projection
     return p(x) if isinstance(p, nn.Linear) else x @ p
 
+def _visible(model) -> torch.Tensor | None:
+    "`(C, N')` bool: the patch tokens of the last forward pass that no selection hid (None: all of them)."
+    sel = model.visual.patch_dropout
+    mask = sel.key_mask if isinstance(sel, PatchTokenSelect) else None       # (C, 1 + n), True: hidden
+    return None if mask is None else ~mask[:, 1:]
+
 def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_patches: bool = True) -> dict:
     """One forward pass per tower. image `(C, 3, H, W)`, tokens `(C, L)` ->
-    image `(C, D)`, text `(C, D)` (L2-normalised), patches `(C, N, D)`, tokens `(C, L, D)` (projected, not
-    normalised; patches None unless `need_patches`), logit_scale `()` (exponentiated).
+    image `(C, D)`, text `(C, D)` (L2-normalised, pooled as the model pools: `pool_of`), patches `(C, N, D)`,
+    tokens `(C, L, D)` (projected, not normalised; patches None unless `need_patches`), logit_scale `()` (exponentiated).
     A tower whose input is None is not run: its keys are absent (the evaluator encodes images and texts apart)."""
-    _check_heads(model)
+    pool = _check_heads(model)
     out = model.forward_intermediates(image, tokens, image_indices=1, text_indices=1, normalize=True,
                                       image_output_fmt='NLC', output_logit_scale_bias=True)
     enc = dict(logit_scale=out['logit_scale'])
@@ -96,11 +164,15 @@ def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_
         if need_patches and x.shape[1] != grid_size(model)[0] * grid_size(model)[1]:
             raise ValueError(f'{x.shape[1]} patch tokens reached the transformer, the grid has '
                              f'{grid_size(model)[0] * grid_size(model)[1]}: selected patches are off the grid (need_patches=False)')
-        enc.update(image=out['image_features'],
-                   patches=model.visual.ln_post(x) @ model.visual.proj if need_patches else None)  # (C, N, D)
+        p = model.visual.ln_post(x) @ model.visual.proj if need_patches or pool == 'avg' else None   # (C, N', D)
+        # 'tok': open_clip's pooled class token; 'avg': the mean of the patch embeddings a selection left visible
+        img = out['image_features'] if pool == 'tok' else F.normalize(patch_mean(p, _visible(model)), dim=-1)
+        enc.update(image=img, patches=p if need_patches else None)
     if tokens is not None:
         y = out['text_intermediates'][-1]                    # (C, L, width_t) last block
-        enc.update(text=out['text_features'], tokens=_text_proj(model, model.ln_final(y)))  # (C, L, D)
+        t = _text_proj(model, model.ln_final(y))             # (C, L, D)
+        txt = out['text_features'] if pool == 'tok' else F.normalize(token_mean(t, tokens), dim=-1)
+        enc.update(text=txt, tokens=t)
     return enc
 
 # %% ../nbs/30_model.ipynb #7835c8b2

@@ -36,8 +36,12 @@ class Interval:
         return "better" if (self.mean > 0) == higher_is_better else "worse"
 
     def format(self, scale: float = 1.0, digits: int = 1) -> str:
-        "'+2.1 [-0.5, +4.7]' (scaled, e.g. 100 for percent)."
-        f = lambda v: "nan" if math.isnan(v) else f"{scale * v:+.{digits}f}"
+        "'+2.1 [-0.5, +4.7]' (scaled, e.g. 100 for percent); '+2.1 [-]' without an interval (one seed); '-' without a mean."
+        f = lambda v: f"{scale * v:+.{digits}f}"
+        if math.isnan(self.mean):
+            return "-"
+        if math.isnan(self.lo) or math.isnan(self.hi):
+            return f"{f(self.mean)} [-]"
         return f"{f(self.mean)} [{f(self.lo)}, {f(self.hi)}]"
 
 

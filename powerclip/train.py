@@ -35,6 +35,9 @@ class ModelConfig:
     pretrained: str | None = None      # a local checkpoint file, or None (random init); nothing is downloaded.
                                        # 'required': the preset fine-tunes (C2LIP, SmartCLIP): the run stops
                                        # until model.pretrained=PATH is given
+    pool: str | None = None            # 'tok' (class token / EOT, CLIP) | 'avg' (mean of the patch / caption tokens,
+                                       # the PowerCLIP authors' model) for both towers; None: the architecture's
+                                       # (`30_model`, "Pooling": 'tok', 'avg' for ViT-B-16-avg)
     grad_checkpointing: bool = False   # recompute activations in backward (less memory, ~30% more time)
     compile: bool = False              # torch.compile the forward pass
     kwargs: dict = field(default_factory=dict)  # open_clip model_kwargs overriding the architecture's config
@@ -43,6 +46,8 @@ class ModelConfig:
 
     def __post_init__(self):
         if not self.name: raise ValueError("name: needs an open_clip architecture name (e.g. ViT-B-16, powerclip-tiny)")
+        if self.pool not in (None, "tok", "avg"):
+            raise ValueError(f"pool: must be tok, avg or null (the architecture's), got {self.pool!r}")
 
 
 @dataclass
@@ -592,9 +597,13 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Geometry:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0: raise ValueError(f"device: {cfg.device!r} asks for a GPU and none is available (device=cpu, or null: a GPU when there is one)")
         if ":" in cfg.device and int(cfg.device[5:]) >= n: raise ValueError(f"device: {cfg.device!r}, but there are {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
-    from powerclip.model import model_geometry   # imports open_clip: seconds
-    try: geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
+    from powerclip.model import arch_pool, model_geometry   # imports open_clip: seconds
+    try:
+        geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
+        pool = cfg.model.pool or arch_pool(cfg.model.name, cfg.model.kwargs)
     except (ValueError, TypeError, NotImplementedError) as e: raise ValueError(f"model: {e}") from None
+    if pool not in method.pools:
+        raise ValueError(f"model.pool: method {cfg.method!r} pools by {' or '.join(method.pools)}, not {pool!r} (see its notebook)")
     try: BatchSpec(data, geometry, method.needs(), cfg.seed)
     except ValueError as e: raise ValueError(f"method_cfg: {e}") from None      # e.g. stored masks on the world
     if data.source == "world":
@@ -650,7 +659,7 @@ def build_run(cfg: TrainConfig, ctx: pdist.DistContext, total: int | None = None
     geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
     spec = BatchSpec(cfg.data, geometry, method.needs(), cfg.seed)
     seed_all(seeds["init"])  # the same initial weights on every process
-    model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, **cfg.model.kwargs)
+    model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, cfg.model.pool, **cfg.model.kwargs)
     if geometry_of(model) != geometry: raise RuntimeError(f"model geometry {geometry_of(model)} is not its config's {geometry}")
     model.to(ctx.device)
     if cfg.precision == "fp64": model.double()

@@ -91,6 +91,7 @@ def test_presets_load():
     assert (p.model.name, p.global_batch_size, p.optim.lr, p.optim.weight_decay, p.epochs) == ("ViT-B-16", 4096, 1e-3, 0.2, 32)
     assert p.method_cfg == {"lam": 0.1, "tau": 1e-3, "alpha": 0.75, "M": 10, "masks": "random"}
     assert p.model.grad_checkpointing   # 512 local rows of ViT-B/16 fit 80 GB only so (benchmarks/results/paper_memory.md)
+    assert p.model.pool == "avg"        # the authors' model: average pooling in both towers (30_model, "Pooling")
     d = load_config("demo", method="clip")
     assert d.method == "clip" and d.method_cfg == {} and d.data.source == "world"
 
@@ -101,3 +102,31 @@ def test_run_isolated_returns_result_or_error():
     assert run_isolated(dict, [("a", 1)]) == {"ok": True, "a": 1}
     bad = run_isolated(dict, 5)
     assert bad["ok"] is False and bad["error"].startswith("TypeError")
+
+
+@pytest.mark.parametrize("method", ["clip", "powerclip"])
+def test_pooling_trained_is_pooling_scored(tmp_path, method):
+    """A run trained with average pooling is evaluated with average pooling: the evaluator's global scorer (which calls
+    open_clip's encode_image / encode_text) gives the embeddings the training forward pass (`encode`) computes, and they
+    are the means of the projected patch and token embeddings, not the class token and EOT."""
+    from powerclip.eval.models import load_model
+    from powerclip.model import encode, pool_of
+    cfg = load_config("smoke", {"out_dir": str(tmp_path), "max_steps": 2, "model.pool": "avg", "progress": False,
+                                "tensorboard": False}, method=method)
+    train(cfg)
+    lm = load_model(checkpoint=tmp_path)
+    assert pool_of(lm.model) == "avg" and lm.spec["pool"] == "avg" and lm.ckpt_id.endswith("-avg")
+    torch.manual_seed(0)
+    x = torch.randn(3, 3, 32, 32)
+    tok = lm.tokenizer(["a red circle", "a blue square left of a green cross", "two crosses"])
+    g = lm.scorers["global"]
+    with torch.no_grad():
+        e = encode(lm.model, x, tok)
+        torch.testing.assert_close(g.image_features(lm.model, x)["image"], e["image"])
+        torch.testing.assert_close(g.text_features(lm.model, tok)["text"], e["text"])
+        w = (tok != 0).float()[..., None]
+        torch.testing.assert_close(e["image"], torch.nn.functional.normalize(e["patches"].mean(1), dim=-1))
+        torch.testing.assert_close(e["text"], torch.nn.functional.normalize((e["tokens"] * w).sum(1) / w.sum(1), dim=-1))
+    tok_model = load_model(checkpoint=tmp_path, pool="tok").model          # the same weights read the other way differ
+    with torch.no_grad():
+        assert not torch.allclose(tok_model.encode_text(tok, normalize=True), e["text"], atol=1e-3)

@@ -42,6 +42,10 @@
 # | `70_compare` | `compare` | `make demo` and `make compare`: every method in its paper's regime, paired statistics, learning curves |
 # | `71_experiments` | `experiments` | the paper's ablations (Tables 6, 7, 8, 10, 14, the margin, Fig. 8, Fig. 9) as comparisons against each table's reference row |
 #
+# Where the papers are ambiguous, the choice is written where it is made: the R2T normaliser $1/2^M$, the empty
+# subset counted, leaves = words (`10_powerset`); $\lambda = 0.1$, margin $\gamma = 1$ (`11_loss`); NLA-T2's
+# $-\tau Z$ bias kept (`14_approximation`, "Ambiguities and our choices").
+#
 # ## The map
 #
 # Imports point down this picture, never up (a module names only modules above it):
@@ -81,4 +85,28 @@
 # - **A data-preparation tool**: `data_prep/`, on the `cli` convention, writing webdataset shards.
 # - **Tests a notebook cell cannot hold** (several processes, a command line, a killed run): `tests/`.
 #
-# Set up and test with the two commands of the README (`make demo`, `make test`).
+# ## Working on the notebooks
+#
+# Every notebook `nbs/NAME.ipynb` is paired (jupytext, `jupytext.toml`) with a percent script `nbs/scripts/NAME.py`.
+# Edit either, then:
+#
+# ```bash
+# make sync                            # jupytext --sync, nbdev_clean, nbdev_export
+# make nbs NB=nbs/10_powerset.ipynb    # re-execute a notebook so that its committed plots and tables are current
+# make check                           # what CI checks first: pairs in sync, notebooks clean, the export current
+# make docs                            # this site: every notebook a page, the module reference; offline, into _site/
+# ```
+#
+# `nbdev_test` runs every cell of every notebook except those flagged `#| slow` (minutes on a CPU) or `#| cuda`
+# (needs a GPU); `.venv/bin/nbdev_test --flags "slow cuda"` runs those too. The docs site (`docs/build_site.py`)
+# shows each notebook with the outputs committed with it and runs nothing; this notebook is its home page.
+# `nbdev_docs` renders the same notebooks with Quarto (`_quarto.yml`) for those who install it. `README.md` is
+# written by hand: `settings.ini` keeps `nbdev_readme` from rendering this notebook over it.
+#
+# ## House rules
+#
+# Lines are at most 120 characters long, in the notebooks, the package, the benchmarks and the tests. Where there is
+# logic, one statement per line: an `if` that raises gets its own lines, and a docstring says one thing. ruff formats
+# and lints the notebooks and the modules, and `make check` runs it. A measured number is written with the command
+# that measured it and the machine it ran on. Set up and test with the two commands of the README (`make demo`,
+# `make test`).

@@ -516,9 +516,12 @@ _ = print_r_table(FULL_P0); _ = print_r_table(FULL_P1); print(f"({time.time() - 
 # %% [markdown]
 # ## The command-line check
 #
-# `python -m powerclip.theory` (`make demo`, or the console script `powerclip-theory`) runs the float64 checks
+# `python -m powerclip.theory` (`make theory`, or the console script `powerclip-theory`) runs the float64 checks
 # of all three notebooks at a reduced number of cases and prints one table; it exits with status 1 if any
-# check fails. (The Fig. 5 correlations are measurements, not theorems, so they are not in the table.)
+# check fails. (The Fig. 5 correlations are measurements, not theorems, so they are not in the table.) The checks:
+# Lemma A.1, the softplus and cosh powerset identities, Theorems 1-2, the $\alpha^\ast$ solve and the loss's Lipschitz
+# bound, each against exact enumeration of up to $2^{12}$ subsets; the table gives per check the cases, the largest
+# error, the bound and PASS or FAIL. It took 8 s on this repository's 2-core CPU, beside other jobs.
 
 # %%
 #| export theory

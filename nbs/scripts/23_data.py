@@ -82,9 +82,10 @@ from fastcore.test import test_eq, test_fail
 # Two sources feed it. **The world** (`22_world`): sample $i$ is a pure function of `(seed, i)`, with a gold
 # parse tree and gold object masks, so training on it is exactly reproducible and resumable. **Shards**: CC12M
 # as img2dataset writes it (`{key}.jpg`, `{key}.txt`, `{key}.json` in tar files), optionally annotated by
-# `data_prep` with `{key}.tree.json` (a `ParsedCaption.to_dict()`) and `{key}.regions.npz` (segmentation
-# masks on the patch grid, `regions.encode_regions`). Web data is dirty: every sample that cannot be used is
-# **skipped, counted by reason and logged**, never a crash in the middle of an epoch.
+# `data_prep` (`data_prep/README.md`: from CC12M's url list to annotated shards) with `{key}.tree.json` (a
+# `ParsedCaption.to_dict()`) and `{key}.regions.npz` (segmentation masks on the patch grid,
+# `regions.encode_regions`). Web data is dirty: every sample that cannot be used is **skipped, counted by reason and
+# logged**, never a crash in the middle of an epoch.
 #
 # Region masks come from one of three places: `random` boxes (PowerCLIP-R, Sec. 3.2), `gold` world object
 # masks, or `stored` segmentation masks of which $M$ are drawn at random (PowerCLIP-S, Sec. 5.1). Random

@@ -20,6 +20,7 @@
 #| export
 from __future__ import annotations
 
+import types
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -103,12 +104,72 @@ test_eq(open_clip.get_model_config('ViT-B-16')['text_cfg'] | {}, dict(context_le
 # `create_model` builds a model by architecture name (an open_clip config: the paper's `ViT-B-16`, or one of ours).
 # It never downloads: `pretrained` is `None` (random initialisation) or a path to a local checkpoint, and a
 # pretrained *tag* is refused with a clear error. It returns open_clip's triple `(model, preprocess_train,
-# preprocess_val)`.
+# preprocess_val)`, the model pooling as `pool` says (below: "Pooling").
 #
 # **Geometry.** The image size, the patch size and the text context length are the model's, and the data pipeline
 # must produce exactly those. `model_geometry` reads them from the architecture's config and the run's
 # `model.kwargs` (which replace whole entries, as open_clip's `model_kwargs` do), *before* the model is built, so
 # that the loader and the model are made from the same numbers and nothing has to reconcile them afterwards.
+
+# %% [markdown]
+# **Pooling** (the section "Pooling: class token or average" below says what and why): a model pools both towers the
+# same way, `'tok'` (CLIP: the class token and the caption's end token) or `'avg'` (the PowerCLIP authors' model: the
+# mean of the patch tokens and of the caption's tokens). These are the helpers `create_model` applies; the checks
+# come after `encode`.
+
+# %%
+#| export
+POOLS = ('tok', 'avg')    # class token / EOT (CLIP) | mean of the patch tokens / of the caption's tokens (PowerCLIP's authors)
+
+def arch_pool(name: str, kwargs: dict | None = None) -> str:
+    "The pooling architecture `name` (with `kwargs`) asks for: its vision config's `pool_type`, 'tok' when not given."
+    v = {**open_clip.get_model_config(name), **(kwargs or {})}.get('vision_cfg') or {}
+    pool = v.get('pool_type', 'tok')
+    if pool not in POOLS: raise NotImplementedError(f"{name}: vision pool_type {pool!r} (supported: {', '.join(POOLS)})")
+    return pool
+
+def token_mean(
+    tokens: torch.Tensor,  # (C, L, D) projected token embeddings
+    ids: torch.Tensor,     # (C, L) long open_clip ids, 0 = padding
+) -> torch.Tensor:         # (C, D)
+    "The mean over each caption's tokens, SOT and EOT included, padding excluded (the text tower's 'avg' pooling)."
+    w = (ids != 0).to(tokens.dtype)                                           # (C, L)
+    return (tokens * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
+
+def patch_mean(
+    patches: torch.Tensor,                # (C, N, D) projected patch embeddings
+    visible: torch.Tensor | None = None,  # (C, N) bool: the patches that count (hidden tokens do not), None: all
+) -> torch.Tensor:                        # (C, D)
+    "The mean over each image's (visible) patch embeddings (the image tower's 'avg' pooling)."
+    if visible is None: return patches.mean(1)
+    w = visible.to(patches.dtype)
+    return (patches * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
+
+def _encode_text_avg(self, text: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+    "open_clip's `encode_text` with 'avg' pooling: text `(C, L)` -> `(C, D)` (set on a model by `set_pool`)."
+    y = self.forward_intermediates(None, text, text_indices=1, intermediates_only=True)['text_intermediates'][-1]
+    x = token_mean(_text_proj(self, self.ln_final(y)), text)                 # (C, D)
+    return F.normalize(x, dim=-1) if normalize else x
+
+def set_pool(model, pool: str):
+    """Make both towers of an open_clip CLIP pool by `pool` ('tok' or 'avg'), in place: the image tower by open_clip's
+    own `visual.pool_type`, the text tower by an instance-level `encode_text`; the weights are untouched."""
+    if pool not in POOLS: raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
+    if not isinstance(model, open_clip.CLIP) or not hasattr(model.visual, 'pool_type'):
+        raise NotImplementedError(f'set_pool supports open_clip.CLIP with a ViT, got {type(model).__name__}')
+    model.visual.pool_type = pool
+    if pool == 'avg': model.encode_text = types.MethodType(_encode_text_avg, model)
+    else: vars(model).pop('encode_text', None)
+    return model
+
+def pool_of(model) -> str:
+    "How `model` pools, 'tok' or 'avg'; a model whose two towers pool differently is refused."
+    text = 'avg' if getattr(vars(model).get('encode_text'), '__func__', None) is _encode_text_avg else 'tok'
+    if model.visual.pool_type != text:
+        raise NotImplementedError(f"the image tower pools by {model.visual.pool_type!r}, the text tower by {text!r}: "
+                                  "set_pool(model, pool) sets both")
+    return text
+
 
 # %%
 #| export
@@ -117,12 +178,17 @@ def _known(name: str) -> None:
     if name not in open_clip.list_models():
         raise ValueError(f'unknown model {name!r}: an open_clip architecture, e.g. ViT-B-16 or ours {sorted(p.stem for p in config_dir().glob("*.json"))}')
 
-def create_model(name: str, pretrained: str | Path | None = None, **kw):
-    "`(model, preprocess_train, preprocess_val)` for an architecture name; `pretrained`: None or a local file."
+def create_model(name: str, pretrained: str | Path | None = None, pool: str | None = None, **kw):
+    """`(model, preprocess_train, preprocess_val)` for an architecture name; `pretrained`: None or a local file;
+    `pool`: 'tok' or 'avg' for both towers (see "Pooling" below), None: the architecture's own (`arch_pool`)."""
     _known(name)
+    if pool is not None and pool not in POOLS: raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
     if pretrained is not None and not Path(pretrained).is_file():
         raise FileNotFoundError(f'pretrained must be a local checkpoint file (nothing is downloaded), got {pretrained!r}')
-    return open_clip.create_model_and_transforms(name, pretrained=None if pretrained is None else str(pretrained), **kw)
+    model, pre_train, pre_val = open_clip.create_model_and_transforms(
+        name, pretrained=None if pretrained is None else str(pretrained), **kw)
+    set_pool(model, pool or arch_pool(name, kw))
+    return model, pre_train, pre_val
 
 def _side(x, what: str) -> int:
     "An open_clip size (int or (h, w)) as one int; non-square sizes are not supported."
@@ -184,25 +250,34 @@ test_eq(model_geometry('powerclip-tiny', _kw), Geometry(64, 8, 32))
 
 # %%
 #| export
-def _check_heads(model):
+def _check_heads(model) -> str:
+    "The model's pooling ('tok' or 'avg'), after checking that its heads are the ones `encode` knows how to project."
     v = model.visual
     if not isinstance(model, open_clip.CLIP):
         raise TypeError(f'encode supports open_clip.CLIP models, got {type(model).__name__}')
-    if getattr(v, 'attn_pool', None) is not None or v.final_ln_after_pool or v.pool_type != 'tok' or v.proj is None:
-        raise NotImplementedError('encode needs the standard ViT head (class token, ln_post before pooling, proj)')
+    if getattr(v, 'attn_pool', None) is not None or v.final_ln_after_pool or v.pool_type not in POOLS or v.proj is None:
+        raise NotImplementedError('encode needs the standard ViT head (class token or average pooling, ln_post before '
+                                  'pooling, proj)')
     if model.text_pool_type != 'argmax' or model.text_projection is None:
         raise NotImplementedError('encode needs the standard CLIP text head (EOT pooling, text_projection)')
+    return pool_of(model)
 
 def _text_proj(model, x: torch.Tensor) -> torch.Tensor:
     p = model.text_projection
     return p(x) if isinstance(p, nn.Linear) else x @ p
 
+def _visible(model) -> torch.Tensor | None:
+    "`(C, N')` bool: the patch tokens of the last forward pass that no selection hid (None: all of them)."
+    sel = model.visual.patch_dropout
+    mask = sel.key_mask if isinstance(sel, PatchTokenSelect) else None       # (C, 1 + n), True: hidden
+    return None if mask is None else ~mask[:, 1:]
+
 def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_patches: bool = True) -> dict:
     """One forward pass per tower. image `(C, 3, H, W)`, tokens `(C, L)` ->
-    image `(C, D)`, text `(C, D)` (L2-normalised), patches `(C, N, D)`, tokens `(C, L, D)` (projected, not
-    normalised; patches None unless `need_patches`), logit_scale `()` (exponentiated).
+    image `(C, D)`, text `(C, D)` (L2-normalised, pooled as the model pools: `pool_of`), patches `(C, N, D)`,
+    tokens `(C, L, D)` (projected, not normalised; patches None unless `need_patches`), logit_scale `()` (exponentiated).
     A tower whose input is None is not run: its keys are absent (the evaluator encodes images and texts apart)."""
-    _check_heads(model)
+    pool = _check_heads(model)
     out = model.forward_intermediates(image, tokens, image_indices=1, text_indices=1, normalize=True,
                                       image_output_fmt='NLC', output_logit_scale_bias=True)
     enc = dict(logit_scale=out['logit_scale'])
@@ -211,11 +286,15 @@ def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_
         if need_patches and x.shape[1] != grid_size(model)[0] * grid_size(model)[1]:
             raise ValueError(f'{x.shape[1]} patch tokens reached the transformer, the grid has '
                              f'{grid_size(model)[0] * grid_size(model)[1]}: selected patches are off the grid (need_patches=False)')
-        enc.update(image=out['image_features'],
-                   patches=model.visual.ln_post(x) @ model.visual.proj if need_patches else None)  # (C, N, D)
+        p = model.visual.ln_post(x) @ model.visual.proj if need_patches or pool == 'avg' else None   # (C, N', D)
+        # 'tok': open_clip's pooled class token; 'avg': the mean of the patch embeddings a selection left visible
+        img = out['image_features'] if pool == 'tok' else F.normalize(patch_mean(p, _visible(model)), dim=-1)
+        enc.update(image=img, patches=p if need_patches else None)
     if tokens is not None:
         y = out['text_intermediates'][-1]                    # (C, L, width_t) last block
-        enc.update(text=out['text_features'], tokens=_text_proj(model, model.ln_final(y)))  # (C, L, D)
+        t = _text_proj(model, model.ln_final(y))             # (C, L, D)
+        txt = out['text_features'] if pool == 'tok' else F.normalize(token_mean(t, tokens), dim=-1)
+        enc.update(text=txt, tokens=t)
     return enc
 
 
@@ -472,6 +551,84 @@ _e0, _g0 = _hidden_grads(False); _e1, _g1 = _hidden_grads(True)
 _m64.set_grad_checkpointing(False); _m64.eval()
 assert_close(_e0, _hid['image']); assert_close(_e1, _e0); assert_close(_g1, _g0)
 test_fail(lambda: PatchTokenSelect(lambda x: _kp, hide=_hd[:, :3])(torch.zeros(2, 65, 4)), contains='hide must be')
+
+
+# %% [markdown]
+# ## Pooling: class token or average
+#
+# CLIP's image embedding is the class token of the last block, projected ($\mathrm{proj}(\mathrm{LN}(x_{\text{cls}}))$),
+# and its text embedding the end token's ($\mathrm{proj}(\mathrm{LN}(y_{\text{eot}}))$). The PowerCLIP authors' code
+# (github.com/Masakichi210/PowerCLIP, its README) says their model uses **average pooling for both the vision and the
+# text encoder** instead. With `pool='avg'` the two global embeddings are
+#
+# $$\bar v=\frac1N\sum_{n=1}^N v_n,\qquad \bar t=\frac1{|\mathcal T|}\sum_{l\in\mathcal T} t_l,$$
+#
+# (then L2-normalised), the means of the same projected patch and token embeddings $v_n$, $t_l$ that PowerCLIP's
+# region and phrase embeddings sum under masks (Eqs. 2-4). This is why pooling is not a detail for this method: under
+# average pooling the global image embedding is the region embedding of the mask that covers the whole grid, so the
+# CLIP term and the triplet term act on one representation; under class-token pooling they meet only through the shared
+# trunk. `71_experiments`' anatomy measures what that does to their gradients.
+#
+# **Which tokens count in $\mathcal T$.** Every token of the caption but padding: the start token (SOT), the word
+# pieces and the end token (EOT). This is a choice (their README does not say): a mean over the attention mask, SOT to
+# EOT, is what an average pooling written for open_clip's tokenizer gives (the tokenizer pads with 0, and every other
+# position is attended to), and it is the variant measured first on the world (the issue that asked for it). The
+# alternative, the word pieces only, would make $\bar t$ the root node's phrase embedding exactly. If the authors'
+# checkpoint pooled over the words only, evaluating it here would not fall to chance: SOT's output is the same for every
+# caption and EOT's is close to the mean, so retrieval would lose a little, not everything. A first zero-shot number
+# far below the paper's is the sign to try the other set.
+#
+# **How it is built.** open_clip has average pooling for the image tower (`vision_cfg.pool_type: avg`: the mean of
+# the patch tokens after `ln_post`, then `proj`, which is linear, so it is the mean of the projected $v_n$); a model
+# config that sets it loads in plain open_clip with the right image embedding. open_clip's text tower has no average
+# pooling (`text_global_pool` knows first, last, argmax and eos), so `set_pool` gives the model an instance-level
+# `encode_text` that takes the mean: every caller of `model.encode_text` (the evaluator's global scorer, the heat maps,
+# C2LIP's concept embeddings, clip_benchmark's zero-shot classifier) then pools the same way, and `encode` (training)
+# computes the same means from its projected tokens. A checkpoint trained with `'avg'` must therefore be loaded through
+# `powerclip.model` (`create_model(name, pool='avg')`, or a run folder, whose `config.yaml` says `model.pool`): plain
+# open_clip would pool its text tower by EOT.
+#
+# `ViT-B-16-avg` (in `model_configs/`) is the paper's ViT-B/16 with average pooling: `create_model('ViT-B-16-avg')`
+# pools both towers by the mean, and it is the architecture to evaluate the authors' released checkpoints with.
+#
+# A method that hides tokens (E-CLIP's clusters) keeps them in the sequence: under `'avg'` `encode` averages the
+# patches a selection left visible, which is what dropping the hidden ones would give. A-CLIP keeps class-token pooling
+# (its EMA towers re-implement the CLIP heads, and its paper pools by the class token): it refuses `'avg'`.
+#
+# The checks: under `'avg'`, `encode`'s embeddings equal the means written out by hand, open_clip's own `encode_image`
+# and the installed `encode_text` (what the evaluator calls), in float64; the pooling survives `copy.deepcopy` (A-CLIP's
+# and the EMA's way of copying a model) and a state-dict round trip changes nothing (the weights are the same, only
+# the heads' reading differs); hidden tokens do not count; a model whose towers disagree is refused.
+
+# %%
+import copy
+_ma = create_model('powerclip-tiny', pool='avg')[0].double().eval()
+_mt = create_model('powerclip-tiny')[0].double().eval()
+_mt.load_state_dict(_ma.state_dict())
+test_eq((pool_of(_ma), pool_of(_mt), arch_pool('ViT-B-16-avg'), arch_pool('ViT-B-16')), ('avg', 'tok', 'avg', 'tok'))
+with torch.no_grad():
+    _ea, _et = encode(_ma, img.double(), tt['tokens']), encode(_mt, img.double(), tt['tokens'])
+    _L = (tt['tokens'] != 0).double()                                                       # (C, L)
+    _t_hand = F.normalize((_et['tokens'] * _L[..., None]).sum(1) / _L.sum(1, keepdim=True), dim=-1)
+    assert_close(_ea['image'], F.normalize(_et['patches'].mean(1), dim=-1), rtol=0, atol=1e-12)   # mean of the v_n
+    assert_close(_ea['text'], _t_hand, rtol=0, atol=1e-12)                                      # mean of the t_l
+    assert_close(_ea['image'], _ma.encode_image(img.double(), normalize=True), rtol=0, atol=1e-12)   # open_clip's avg
+    assert_close(_ea['text'], _ma.encode_text(tt['tokens'], normalize=True), rtol=0, atol=1e-12)     # the installed one
+    assert torch.equal(_ea['patches'], _et['patches']) and torch.equal(_ea['tokens'], _et['tokens'])
+    assert not torch.allclose(_ea['image'], _et['image']) and not torch.allclose(_ea['text'], _et['text'])
+    _cp = copy.deepcopy(_ma)
+    test_eq(pool_of(_cp), 'avg'); assert_close(_cp.encode_text(tt['tokens']), _ma.encode_text(tt['tokens']), rtol=0, atol=0)
+    # hidden tokens do not count: hiding patches 0 and 12 of [5, 0, 9, 12] averages over 5 and 9 alone
+    with select_patch_tokens(_ma, lambda x: _kp, hide=_hd):
+        _h = encode(_ma, img.double(), None, need_patches=False)['image']
+    for c, kc in enumerate(([5, 9], [2, 3, 60])):
+        with select_patch_tokens(_ma, lambda x: torch.tensor([kc])):
+            assert_close(_h[c:c + 1], encode(_ma, img.double()[c:c + 1], None, need_patches=False)['image'], rtol=0, atol=1e-12)
+set_pool(_mt, 'avg'); test_eq(pool_of(_mt), 'avg'); set_pool(_mt, 'tok'); test_eq(pool_of(_mt), 'tok')
+assert 'encode_text' not in vars(_mt)                                                     # back to open_clip's own
+_mt.visual.pool_type = 'avg'                                                              # one tower changed by hand
+test_fail(lambda: encode(_mt, img.double(), None), contains='set_pool(model, pool) sets both')
+test_fail(lambda: create_model('powerclip-tiny', pool='mean'), contains='pool: must be one of')
 
 
 # %% [markdown]

@@ -131,6 +131,7 @@ class Method:
         return encode(model, batch["image"], batch["tokens"], need_patches=self.needs_patches)
 
     needs_patches: bool = False  # the default forward asks `encode` for patch embeddings (losses that read them)
+    pools: tuple = ("tok", "avg")  # the model poolings (`model.pool`, `30_model`) the method works with
 
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError

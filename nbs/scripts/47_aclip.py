@@ -35,6 +35,7 @@ from powerclip.methods import CLIP, GlobalScorer, StepClock, register
 
 # %%
 #| hide
+from fastcore.test import test_close, test_eq
 from torch.autograd import gradcheck
 from torch.testing import assert_close
 
@@ -206,8 +207,8 @@ def transfer_scores(
     C, gh, gw = scores.shape
     oh, ow = out_hw
     src, dst = src_box.to(torch.float64), dst_box.to(torch.float64)
-    ys = (torch.arange(oh, dtype=torch.float64) + 0.5) / oh                                # (oh,) in [0, 1] of dst
-    xs = (torch.arange(ow, dtype=torch.float64) + 0.5) / ow
+    ys = (torch.arange(oh, dtype=torch.float64, device=dst.device) + 0.5) / oh             # (oh,) in [0, 1] of dst
+    xs = (torch.arange(ow, dtype=torch.float64, device=dst.device) + 0.5) / ow
     py = dst[:, 0, None] + ys[None] * dst[:, 2, None]                                       # (C, oh) image pixels
     px = dst[:, 1, None] + xs[None] * dst[:, 3, None]                                       # (C, ow)
     ny = 2 * (py - src[:, 0, None]) / src[:, 2, None] - 1                                   # (C, oh) in [-1, 1] of src
@@ -999,6 +1000,22 @@ class ACLIPModules(nn.Module):
 # **Scoring.** `scorers(modules)` gives `'ema'` first (the authors' `eval_zeroshot.py` scores with the EMA towers),
 # then `'global'` (the online model, what their checkpoint selection and linear probe read). The EMA scorer needs the
 # trained modules; without them (no `method_modules.pt` beside `model.pt`) it stops with one line.
+#
+# **The EMA's horizon in a short run.** The momentum schedule $0.996\to1$ was set for the authors' run of about 90k
+# steps (SLIP's recipe, which A-CLIP's code follows: 25 epochs of YFCC-15M at batch 4096). Squeezed into a run of $T$
+# steps it averages over far more of the run: the weight an EMA still gives its initial copy after the whole cosine
+# schedule is $\prod_t m_t$, which at $T=150$ is $\exp(-0.3)\approx 74\,\%$ (measured: the comparison's EMA
+# scorer read near chance). `momentum_steps` rescales the schedule so that the EMA averages over the same **share** of
+# the run as in the paper: $1-m_0$ becomes $(1-m_0)\,\frac{\texttt{momentum\_steps}}{T}$ (at most 1, i.e.
+# $m_0 \ge 0$), with the same cosine to 1. At the paper's own length it changes nothing. Near the end of the paper's
+# run the EMA's weights are on average 13 % of the run old (the mean age, over the run, of the online weights it
+# averages: $1-m_t$ falls as $(\pi s/T)^2$ at $s$ steps from the end, so the last steps barely move it); rescaled,
+# a run of 400 steps has the same 13 %, one of 150 steps 18 % (the cap at $m_0=0$), against 69 % unscaled (checked
+# below). The comparison sets `momentum_steps=90_000` (`70_compare`);
+# the default `None` keeps the authors' schedule unscaled.
+#
+# **Pooling.** A-CLIP pools by the class token and EOT (its paper and code; its EMA text tower, above, re-implements
+# that head): it refuses `model.pool=avg` (`30_model`, "Pooling").
 
 # %%
 #| export
@@ -1011,6 +1028,9 @@ class ACLIPConfig:
     crop_scale: tuple = (0.5, 1.0)   # area share of the two crops (GetThreeRandomResizedCrop(224, scale=(0.5, 1.0)))
     color_aug: bool = True           # ColorJitter(0.4, 0.4, 0.2, 0.1) p 0.8, grayscale 0.2, blur 0.1, solarize 0.2 (main.py)
     momentum: float = 0.996          # EMA momentum at step 0, cosine to 1 at the end (--momentum-ema)
+    momentum_steps: int | None = None  # the run length `momentum` was set for (the paper's ~90k steps): 1 - momentum
+                                     # is scaled by momentum_steps / T (m0 >= 0), the EMA's horizon the same share
+                                     # of the run (above); None: unscaled
     clip_weight: float = 1.0         # weight of the mean over views of the CLIP loss (their 0.5 + 0.5)
     simclr_weight: float = 1.0       # weight of SimCLR between the two views (their 1; --ssl-scale is unused)
     simclr_tau: float = 0.1          # SimCLR temperature (--ssl-temp)
@@ -1027,6 +1047,8 @@ class ACLIPConfig:
         if len(self.crop_scale) != 2 or not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
             raise ValueError(f"crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.crop_scale}")
         if not 0 <= self.momentum <= 1: raise ValueError(f"momentum must be in [0, 1], got {self.momentum}")
+        if self.momentum_steps is not None and self.momentum_steps < 1:
+            raise ValueError(f"momentum_steps must be at least 1 or None, got {self.momentum_steps}")
         if min(self.clip_weight, self.simclr_weight, self.byol_weight) < 0: raise ValueError("loss weights must be >= 0")
         if self.simclr_tau <= 0: raise ValueError(f"simclr_tau must be > 0, got {self.simclr_tau}")
         if self.head_hidden < 0 or self.head_out < 0: raise ValueError("head_hidden and head_out must be >= 0 (0: automatic)")
@@ -1062,6 +1084,7 @@ class ACLIP(StepClock, CLIP):
     "A-CLIP: attentive token removal by an EMA encoder, two views, CLIP + SimCLR + BYOL losses; config `ACLIPConfig`."
     Config = ACLIPConfig
     needs_patches = False
+    pools = ("tok",)       # its paper's class-token / EOT pooling, which its EMA towers re-implement
 
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
@@ -1076,8 +1099,15 @@ class ACLIP(StepClock, CLIP):
 
 
     @property
+    def start_momentum(self) -> float:
+        "m0 of the schedule: the config's, rescaled to this run's length when `momentum_steps` is given (above)."
+        m0, ref = self.cfg.momentum, self.cfg.momentum_steps
+        if ref is None or not self.total: return m0
+        return max(0.0, 1.0 - (1.0 - m0) * ref / self.total)
+
+    @property
     def momentum(self) -> float:
-        return ema_momentum(self.step, self.total, self.cfg.momentum) if self.total else self.cfg.momentum
+        return ema_momentum(self.step, self.total, self.start_momentum) if self.total else self.cfg.momentum
 
     def scorers(self, modules=None):
         return {"ema": EMAScorer(modules), "global": GlobalScorer()}
@@ -1156,6 +1186,30 @@ class ACLIP(StepClock, CLIP):
         terms |= {"_momentum": out["momentum"], "_keep_ratio": out["keep_ratio"], "_logit_scale": out["logit_scale"].detach()}
         return terms
 
+
+# %% [markdown]
+# The EMA's horizon (above): the share of the initial weights left in the EMA after a run, and the mean age of the
+# online weights it averages, as a share of the run, for the authors' run, for a 150-step run unscaled, and rescaled.
+
+# %%
+def _ema_age(T: int, m0: float) -> tuple[float, float]:
+    "(initial weights' share, mean age / T) of the EMA at the end of a T-step run whose momentum goes m0 -> 1."
+    m = torch.tensor([ema_momentum(t, T, m0) for t in range(T)], dtype=torch.float64)    # (T,) update t uses m_t
+    later = torch.cat([m.flip(0).cumprod(0).flip(0)[1:], torch.ones(1, dtype=torch.float64)])   # prod_{s > t} m_s
+    w = (1 - m) * later                                                                  # the weight of step t's online
+    return float(m.prod()), float((w * (T - torch.arange(T))).sum() / w.sum() / T)
+
+_a = ACLIP(ACLIPConfig(momentum_steps=90_000)); _a.on_step(0, 150)
+test_eq((_a.start_momentum, _a.momentum), (0.0, 0.0))                                   # capped: m0 = 0 at T = 150
+_a.on_step(0, 90_000); test_close(_a.start_momentum, 0.996, eps=1e-12)                   # the paper's length: unchanged
+_a.on_step(0, 400); test_close(_a.start_momentum, 1 - 0.004 * 90_000 / 400, eps=1e-12)
+test_eq(ACLIP(ACLIPConfig()).start_momentum, 0.996)                                     # None: the authors' schedule
+_paper, _short, _scaled = _ema_age(90_000, 0.996), _ema_age(150, 0.996), _ema_age(150, 0.0)
+test_close(_short[0], 0.739, eps=1e-3)                                                  # 74 % initial weights unscaled
+assert _paper[0] < 1e-50 and _scaled[0] == 0.0
+test_close((_paper[1], _ema_age(400, 1 - 0.004 * 90_000 / 400)[1]), (0.135, 0.134), eps=2e-3)   # the same share
+test_close((_short[1], _scaled[1]), (0.687, 0.179), eps=2e-3)
+print(f"mean age / T: paper {_paper[1]:.3f}, T = 150 unscaled {_short[1]:.3f}, rescaled {_scaled[1]:.3f}")
 
 # %% [markdown]
 # ### Checks on a model

@@ -78,6 +78,9 @@ class ModelConfig:
     pretrained: str | None = None      # a local checkpoint file, or None (random init); nothing is downloaded.
                                        # 'required': the preset fine-tunes (C2LIP, SmartCLIP): the run stops
                                        # until model.pretrained=PATH is given
+    pool: str | None = None            # 'tok' (class token / EOT, CLIP) | 'avg' (mean of the patch / caption tokens,
+                                       # the PowerCLIP authors' model) for both towers; None: the architecture's
+                                       # (`30_model`, "Pooling": 'tok', 'avg' for ViT-B-16-avg)
     grad_checkpointing: bool = False   # recompute activations in backward (less memory, ~30% more time)
     compile: bool = False              # torch.compile the forward pass
     kwargs: dict = field(default_factory=dict)  # open_clip model_kwargs overriding the architecture's config
@@ -86,6 +89,8 @@ class ModelConfig:
 
     def __post_init__(self):
         if not self.name: raise ValueError("name: needs an open_clip architecture name (e.g. ViT-B-16, powerclip-tiny)")
+        if self.pool not in (None, "tok", "avg"):
+            raise ValueError(f"pool: must be tok, avg or null (the architecture's), got {self.pool!r}")
 
 
 @dataclass
@@ -276,6 +281,12 @@ assert isinstance(from_dict(TrainConfig, {"optim": {"weight_decay": 0}}).optim.w
 # own `config.yaml` is a preset too; its `derived` section (what the run computed from the seed and the model) is a
 # record and is not read back. The method's options go through the same checks, against the method's config
 # dataclass: `method_cfg.tau=-1` is refused by that dataclass, with the key named.
+#
+# The presets: `smoke` (the micro model, seconds: the tests), `demo` (the tiny model on the world, 2 CPU cores),
+# `paper` (Sec. 5.1: ViT-B/16 at 224 px on CC12M shards, global batch 4096, AdamW at $10^{-3}$, weight decay 0.2,
+# 32 epochs, 10,000 warm-up steps, $M = 10$, $\tau = 10^{-3}$, $\alpha = 0.75$, $\lambda = 0.1$), and one per baseline
+# whose paper gives its own recipe (`clip-pgs`, `aclip`, `eclip`, `c2lip`, `smartclip`). Each preset's comments say
+# where its values come from.
 
 # %%
 #| export
@@ -424,8 +435,9 @@ assert _f[0] == 0.1 and _f[9] == 1.0 and abs(_f[-1]) < 1e-3 and all(a >= b for a
 # **Written so that it can always be read.** A checkpoint is written to a temporary file, flushed to the disk
 # (`fsync`), and renamed over `last.pt`; the `last.pt` it replaces becomes `prev.pt`. A kill during the write leaves
 # both intact. A `last.pt` that cannot be read all the same (a full disk, a file copied over it, a zero-byte file)
-# is reported in one line and the run resumes from `prev.pt`; if neither can be read, the run stops with one line
-# saying so and how to start afresh. Both are read *before* the model is built.
+# is reported in one line, set aside as `last.pt.damaged`, and the run resumes from `prev.pt`; if neither can be read,
+# the run stops with one line saying so and how to start afresh (`resume=never`). Both are read *before* the model is
+# built. Resume with the same number of processes and the same `data.workers`: the data streams are split by both.
 
 # %%
 #| export
@@ -793,9 +805,13 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Geometry:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0: raise ValueError(f"device: {cfg.device!r} asks for a GPU and none is available (device=cpu, or null: a GPU when there is one)")
         if ":" in cfg.device and int(cfg.device[5:]) >= n: raise ValueError(f"device: {cfg.device!r}, but there are {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
-    from powerclip.model import model_geometry   # imports open_clip: seconds
-    try: geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
+    from powerclip.model import arch_pool, model_geometry   # imports open_clip: seconds
+    try:
+        geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
+        pool = cfg.model.pool or arch_pool(cfg.model.name, cfg.model.kwargs)
     except (ValueError, TypeError, NotImplementedError) as e: raise ValueError(f"model: {e}") from None
+    if pool not in method.pools:
+        raise ValueError(f"model.pool: method {cfg.method!r} pools by {' or '.join(method.pools)}, not {pool!r} (see its notebook)")
     try: BatchSpec(data, geometry, method.needs(), cfg.seed)
     except ValueError as e: raise ValueError(f"method_cfg: {e}") from None      # e.g. stored masks on the world
     if data.source == "world":
@@ -813,9 +829,12 @@ with tempfile.TemporaryDirectory() as d:
                     ({"resume": f"{d}/none.pt"}, "resume: no checkpoint"), ({"global_batch_size": 9}, None),
                     ({"model.name": "ViT-X"}, "model: unknown model 'ViT-X'"), ({"method_cfg.masks": "stored"}, "method_cfg: region masks 'stored'"),
                     ({"data.source": "wds", "data.shards": f"{d}/{{0..3}}.tar"}, "data.shards: 4 of 4 shard file(s) do not exist"),
-                    ({"data.world": {"max_objectz": 2}}, "data.world: "), ({"model.pretrained": "required"}, "model.pretrained=/path")]:
+                    ({"data.world": {"max_objectz": 2}}, "data.world: "), ({"model.pretrained": "required"}, "model.pretrained=/path"),
+                    ({"model.pool": "mean"}, "model.pool: must be tok, avg or null")]:
         if msg: test_fail(lambda: validate(load_config("smoke", ov)), contains=msg)
     test_fail(lambda: validate(load_config("smoke", {"global_batch_size": 9}), world_size=2), contains="global_batch_size: 9 is not divisible by the 2")
+    # a method that works with one pooling refuses the other (A-CLIP's EMA towers pool by the class token)
+    test_fail(lambda: validate(load_config("smoke", {"model.pool": "avg"}, "aclip")), contains="model.pool: method 'aclip' pools by tok")
     if not torch.cuda.is_available(): test_fail(lambda: validate(load_config("smoke", {"device": "cuda"})), contains="device: 'cuda' asks for a GPU")
     for n in range(4): write_shard(Path(d) / f"{n}.tar", [])
     test_fail(lambda: validate(load_config("smoke", {"data.source": "wds", "data.shards": f"{d}/{{0..3}}.tar", "max_steps": None})),
@@ -889,7 +908,7 @@ def build_run(cfg: TrainConfig, ctx: pdist.DistContext, total: int | None = None
     geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
     spec = BatchSpec(cfg.data, geometry, method.needs(), cfg.seed)
     seed_all(seeds["init"])  # the same initial weights on every process
-    model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, **cfg.model.kwargs)
+    model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, cfg.model.pool, **cfg.model.kwargs)
     if geometry_of(model) != geometry: raise RuntimeError(f"model geometry {geometry_of(model)} is not its config's {geometry}")
     model.to(ctx.device)
     if cfg.precision == "fp64": model.double()
@@ -1082,6 +1101,34 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
 # project (`17_cli`), it reads and checks the arguments, the config and its paths (`load_config`, `validate`) before it
 # builds anything: a mistake is one line, `powerclip-train: error: <key>: <what is wrong> (<what is allowed>)`, and exit
 # status 2; `--debug` (or `POWERCLIP_DEBUG=1`) shows its traceback.
+#
+# ```bash
+# python -m powerclip.train --preset demo                       # PowerCLIP-R, the tiny model on the built-in world
+# python -m powerclip.train --preset demo --method clip         # the same budget without the powerset loss
+# python -m powerclip.train --preset demo --method sparc method_cfg.lambda_fine=0.5   # any method, any option
+# python -m powerclip.train --preset demo method_cfg.masks=gold out_dir=runs/gold   # PowerCLIP on the world's masks
+# torchrun --nproc_per_node 8 -m powerclip.train --preset paper data.shards='cc12m_annotated/{00000..01242}.tar'
+# torchrun --nproc_per_node 8 -m powerclip.train --preset paper data.shards='cc12m_sam2/{00000..01242}.tar' \
+#     method_cfg.masks=stored                                   # PowerCLIP-S, on SAM2 masks (data_prep/README.md)
+# ```
+#
+# The methods (`--method`), each a class in its notebook with a config dataclass of its paper's defaults:
+#
+# | method | notebook | what it adds to CLIP | preset for its paper's recipe |
+# |---|---|---|---|
+# | `clip` | `40_methods` | symmetric InfoNCE, learnable temperature, local loss + gather with gradient | `paper --method clip` |
+# | `powerclip` | `11_loss` | powerset triplet loss (NLA-T1 + NLA-T2) between region subsets and parse-tree nodes | `paper` |
+# | `flip` | `43_flip` | 50 % of the patches dropped at random in training | `paper --method flip` |
+# | `clip-pgs`, `clip-pgs-0.3` | `46_clip_pgs` | 50 % / 30-50 % of the patches removed by edge-aware, Sinkhorn-normalised similarity growth | `clip-pgs` |
+# | `c2lip` | `45_c2lip` | SigLIP (or `method_cfg.base=clip`) + noun-phrase and cross-attended concept losses (1.0, 0.01); sigmoid t, b beside the model | `c2lip` (fine-tunes) |
+# | `smartclip` | `44_smartclip` | text-conditioned binary mask over embedding dimensions, modular loss + L1 sparsity; mask net at lr $10^{-3}$, no weight decay | `smartclip` (fine-tunes) |
+# | `filip` | `41_filip` | token-wise late interaction (mean of max similarities) | `paper --method filip` |
+# | `sparc` | `42_sparc` | 0.5 x global InfoNCE on average-pooled embeddings (image through a GELU layer) + $\lambda_f$ x per-pair sparse token-to-patch grouping loss | `paper --method sparc` |
+# | `aclip` | `47_aclip` | half the patches kept (2x2 blocks) by an EMA encoder's class-token attention, two crops; + SimCLR between the views (1) and BYOL to the EMA (2); scored with the EMA towers | `aclip` |
+# | `eclip` | `48_eclip` | clusters of similar patches (3 % anchors, pixel correlation > 0.5) removed, at least 30 % per image; leftover cluster patches hidden from attention | `eclip` |
+#
+# A run writes to its `out_dir`: `config.yaml` (with what was derived from it), `checkpoints/last.pt` and `prev.pt`,
+# `metrics.csv`, TensorBoard logs, a plot of the curves and, at the end, `model.pt` (below).
 
 # %%
 #| export
@@ -1151,8 +1198,11 @@ assert_close(torch.tensor([r["loss"] for r in _b]), torch.tensor([r["loss"] for 
 
 # %% [markdown]
 # Whatever the method, the run leaves `model.pt`: the open_clip weights alone, which plain open_clip loads (the
-# project's configs registered), so that evaluation treats every method alike. A preset that fine-tunes says
-# `model.pretrained: required` and stops until it gets a local file.
+# project's configs registered), so that evaluation treats every method alike. A method's training-time modules
+# (SmartCLIP's mask network, C2LIP's sigmoid temperature and bias, SPARC's pooling layer) go to `method_modules.pt`
+# beside it, never inside. A preset that fine-tunes says `model.pretrained: required` and stops until it gets a local
+# open_clip state dict (`model.pretrained=/path/to/weights.pt`); nothing is downloaded. The towers start from those
+# weights; the method's own modules start fresh and train at the method's own learning rate (`modules_lr`).
 
 # %%
 import open_clip
@@ -1197,3 +1247,15 @@ _p = load_config("paper", {"data.source": "world", "data.shards": "", "data.batc
 _s = train(_p)
 print({k: round(v, 4) for k, v in _s["last"].items()})
 assert _s["steps"] == 1 and math.isfinite(_s["last"]["loss"]) and _s["last"]["bad_total"] == 0
+
+# %% [markdown]
+# ## Same command, same numbers?
+#
+# On one machine with the same number of threads, yes: two runs of the same command and seed are bitwise equal (every
+# random stream derives from the run seed, and resume is exact). Across thread counts or machines, no: floating-point
+# sums are reduced in another order. Measured on the 2-core CPU with the `demo` preset, the training losses of a run
+# with `OMP_NUM_THREADS=1` and one with 2 threads differ by about $10^{-7}$ (relative) after a few steps, for CLIP and
+# PowerCLIP alike. Like any chaotic optimisation, the difference then grows over training, so a single run's metrics
+# on another machine land elsewhere within the spread over seeds. How far that moves the comparison's table on another
+# machine has not been measured; this is why every claim of `70_compare` rests on paired differences over seeds, not
+# on one run. On a GPU, cuDNN and cuBLAS choices add the same kind of difference.

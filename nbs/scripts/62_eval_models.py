@@ -193,19 +193,21 @@ class LoadedModel:
     preprocess: object      # the architecture's validation transform
     tokenizer: object       # open_clip tokenizer at the model's context length
     ckpt_id: str            # sha256 of the checkpoint file, or 'random-init-<arch>-seed<k>'
-    spec: dict              # name and open_clip model_kwargs the model was built with
+    spec: dict              # name, open_clip model_kwargs and pooling ('tok' | 'avg') the model was built with
     method: str | None = None                              # the training method, when known
     scorers: dict = field(default_factory=lambda: {'global': GlobalScorer()})   # name -> Scorer, the headline first
     modules: object = None  # the method's trained modules (`method_modules`), when it has any
 
 def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, device: str = 'cpu',
-               model_kwargs: dict | None = None, method: str | None = None, method_cfg: dict | None = None) -> LoadedModel:
+               model_kwargs: dict | None = None, method: str | None = None, method_cfg: dict | None = None,
+               pool: str | None = None) -> LoadedModel:
     """Build the architecture and load a checkpoint file or run folder (None = random init from `seed`). The run's
-    config (inside a trainer checkpoint, or `config.yaml` beside the file) names the architecture, its kwargs and
-    the method; `model_name` / `method` given here win. Raises `CheckpointError` (`NonFiniteWeights`) before building
+    config (inside a trainer checkpoint, or `config.yaml` beside the file) names the architecture, its kwargs, its
+    pooling (`model.pool`) and the method; `model_name` / `method` / `pool` given here win (a pool None and none in the
+    run: the architecture's, `30_model`). Raises `CheckpointError` (`NonFiniteWeights`) before building
     anything for a checkpoint that cannot be evaluated."""
     import open_clip                                     # here, not at the top: `--help`, `table`, `make-world` stay fast
-    from powerclip.model import create_model
+    from powerclip.model import create_model, pool_of
     sd, run, ck = None, {}, None
     if checkpoint is not None:
         checkpoint = checkpoint_file(checkpoint)
@@ -224,19 +226,25 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
                               f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
     kw = dict(run_model.get('kwargs') or {}) if run_model.get('name') in (None, name) else {}
     kw.update(model_kwargs or {})
+    if pool is None and run_model.get('name') in (None, name): pool = run_model.get('pool')
     method = method or run.get('method')
     if method_cfg is None: method_cfg = (run.get('method_cfg') or {}) if run.get('method') == method else {}
     m = _method(method, method_cfg)                      # an unknown method stops here, before the model is built
     torch.manual_seed(seed)
     with _quiet_open_clip_random_init():
-        try: model, _, preprocess = create_model(name, **kw)
+        try: model, _, preprocess = create_model(name, pool=pool, **kw)
         except ValueError as e: raise CheckpointError(str(e)) from None     # an unknown architecture name
     arch = name                                          # architecture names only (no aliases)
+    pooled = pool_of(model)
+    if m is not None and pooled not in m.pools:
+        raise CheckpointError(f"method {method!r} pools by {' or '.join(m.pools)}, the model by {pooled!r}")
+    # the same weights pooled another way are another model: its features must not share the cache ('tok' ids unchanged)
+    tag = '' if pooled == 'tok' else f'-{pooled}'
     if sd is None:
-        ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '')
+        ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '') + tag
         log.warning('no checkpoint given: %s is a random initialisation (seed %d), an untrained model', arch, seed)
     else:
-        ckpt_id = sha256_file(checkpoint)
+        ckpt_id = sha256_file(checkpoint) + tag
         try: missing, unexpected = model.load_state_dict(sd, strict=False)
         except RuntimeError as e: raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: {e}') from None   # shape mismatches
         if missing or unexpected:
@@ -245,7 +253,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     modules = method_modules(m, model, checkpoint, ck)
     if modules is not None: modules.to(device)
     scorers = {'global': GlobalScorer()} if m is None else dict(m.scorers(modules))
-    return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw), method, scorers, modules)
+    return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw, pool=pooled), method,
+                       scorers, modules)
 
 
 # %% [markdown]
@@ -275,6 +284,41 @@ test_fail(lambda: load_model(checkpoint=d), contains='neither model.pt')
 (d / 'notes.pt').write_text('not a checkpoint'); test_fail(lambda: load_model('powerclip-micro', d / 'notes.pt'), contains='not a checkpoint torch can read')
 test_fail(lambda: load_model('powerclip-micro', method='nosuch'), contains='unknown method')
 test_fail(lambda: load_model(), contains='pass --model')
+
+# %% [markdown]
+# **Pooling and the authors' checkpoints.** How the model pools (`'tok'`: class token and EOT; `'avg'`: the mean of
+# the patch and caption tokens, the PowerCLIP authors' model; `30_model`, "Pooling") comes from the run's
+# `model.pool`, else from the architecture (`ViT-B-16-avg` pools by the mean), and `pool=` (`--pool`) wins. It reaches
+# every scorer, because they read `encode_image` / `encode_text` or `encode`, which all pool the model's way; the
+# checkpoint id of an `'avg'` model carries `-avg`, so the same weights pooled two ways never share cached features.
+# The PowerCLIP authors trained with open_clip's training script, whose checkpoints are `epoch_N.pt` files holding
+# `{'epoch', 'name', 'state_dict', 'optimizer', ...}` with `module.` in front of every key under DDP: that form loads
+# as it is (`powerclip-eval suite --model ViT-B-16-avg --checkpoint epoch_32.pt`; a state dict saved alone too). Below,
+# a synthetic checkpoint written in that form (the micro model stands in for ViT-B/16; nothing downloads), evaluated
+# with average pooling: the global scorer gives the means, not the class token.
+
+# %%
+from powerclip.model import encode, pool_of
+torch.manual_seed(2); _avg = create_model('powerclip-micro', pool='avg')[0].eval()
+(d / 'authors').mkdir()
+torch.save(dict(epoch=32, name='powerclip-micro-avg', state_dict={f'module.{k}': v for k, v in _avg.state_dict().items()},
+                optimizer={'state': {}, 'param_groups': []}), d / 'authors' / 'epoch_32.pt')
+_la = load_model('powerclip-micro', d / 'authors' / 'epoch_32.pt', pool='avg')
+test_eq((pool_of(_la.model), _la.spec['pool'], _la.ckpt_id[-4:], list(_la.scorers)), ('avg', 'avg', '-avg', ['global']))
+assert all(torch.equal(v, _avg.state_dict()[k]) for k, v in _la.model.state_dict().items())
+_lt = load_model('powerclip-micro', d / 'authors' / 'epoch_32.pt')                     # the same weights, class token
+test_eq((pool_of(_lt.model), _lt.ckpt_id, _la.ckpt_id), ('tok', _la.ckpt_id[:-4], _lt.ckpt_id + '-avg'))
+_x = torch.randn(2, 3, 32, 32); _tk = _la.tokenizer(['a red circle', 'two blue squares'])
+with torch.no_grad():
+    _e = encode(_avg, _x, _tk)
+    torch.testing.assert_close(_la.scorers['global'].image_features(_la.model, _x)['image'], _e['image'])
+    torch.testing.assert_close(_la.scorers['global'].text_features(_la.model, _tk)['text'], _e['text'])
+    assert not torch.allclose(_lt.scorers['global'].text_features(_lt.model, _tk)['text'], _e['text'])
+# a run folder's config.yaml says how it pools; a method that cannot pool that way is refused
+(d / 'avgrun').mkdir(); torch.save(_avg.state_dict(), d / 'avgrun' / 'model.pt')
+(d / 'avgrun' / 'config.yaml').write_text('model: {name: powerclip-micro, pool: avg}\nmethod: clip\nmethod_cfg: {}\n')
+test_eq(pool_of(load_model(checkpoint=d / 'avgrun').model), 'avg')
+test_fail(lambda: load_model(checkpoint=d / 'avgrun', method='aclip'), contains="method 'aclip' pools by tok")
 
 # %% [markdown]
 # A method with modules of its own (SmartCLIP's mask network here) gets them back with the run's weights, from
@@ -496,9 +540,10 @@ class Evaluator:
 
     @classmethod
     def build(cls, model_name: str | None, checkpoint=None, cache_dir=None, seed: int = 0, device: str = 'cpu',
-              model_kwargs: dict | None = None, method: str | None = None, **kw) -> 'Evaluator':
+              model_kwargs: dict | None = None, method: str | None = None, pool: str | None = None, **kw) -> 'Evaluator':
         "`load_model` then `of`."
-        return cls.of(load_model(model_name, checkpoint, seed, device, model_kwargs, method), cache_dir, device=device, **kw)
+        lm = load_model(model_name, checkpoint, seed, device, model_kwargs, method, pool=pool)
+        return cls.of(lm, cache_dir, device=device, **kw)
 
 
 # %% [markdown]

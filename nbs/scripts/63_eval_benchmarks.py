@@ -451,7 +451,8 @@ def _cb_models(base) -> list[tuple[str, str]]:
     import open_clip
     import torch
     from clip_benchmark.cli import get_model_collection_from_file, model_collection
-    from powerclip.eval.models import _state_dict, check_finite
+    from powerclip.eval.models import _state_dict, check_finite, run_config
+    from powerclip.model import arch_pool
     models = []
     for name in ([base.pretrained_model] if isinstance(base.pretrained_model, str) else base.pretrained_model) or []:
         if not name: continue
@@ -464,6 +465,9 @@ def _cb_models(base) -> list[tuple[str, str]]:
     for m, p in models:
         if m not in known: raise UsageError(f'--model: unknown architecture {m!r} (open_clip configs and the project\'s: powerclip-micro, powerclip-tiny, ViT-B-16, ..)')
         if not Path(p).is_file(): raise UsageError(f'--pretrained: {p!r} is not a local checkpoint file (nothing is downloaded here)')
+        if ((run_config(p).get('model') or {}).get('pool') or arch_pool(m)) != 'tok':   # 30_model, "Pooling"
+            raise UsageError(f"--pretrained: {p} pools by the mean (model.pool avg), which only powerclip's loader knows "
+                             "(clip_benchmark's pools the text tower by EOT): run `powerclip-eval suite` on the same data sets")
     for p in dict.fromkeys(p for _, p in models):
         try: sd = _state_dict(torch.load(p, map_location='cpu', weights_only=True))
         except Exception as e: raise UsageError(f'--pretrained: {p} is not a checkpoint torch can read as weights ({type(e).__name__}: {e})') from None
@@ -521,3 +525,11 @@ if np.lib.NumpyVersion(np.__version__) < '2.4.0': test_eq(_cb_accuracy(_logits, 
 test_fail(lambda: clip_benchmark_cli(['eval', '--nosuch']), contains='unrecognized arguments: --nosuch')
 test_fail(lambda: clip_benchmark_cli(['eval', '--dataset', 'cifar10', '--model', 'powerclip-micro', '--pretrained', 'laion400m_e32']),
           contains='not a local checkpoint file')
+# an average-pooled model (30_model, "Pooling") only pools right through powerclip's loader: refused here with one line
+import tempfile
+from powerclip.model import create_model
+with tempfile.TemporaryDirectory() as _d:
+    torch.save(create_model('powerclip-micro')[0].state_dict(), f'{_d}/model.pt')
+    open(f'{_d}/config.yaml', 'w').write('model: {name: powerclip-micro, pool: avg}\n')
+    test_fail(lambda: clip_benchmark_cli(['eval', '--dataset', 'cifar10', '--model', 'powerclip-micro', '--pretrained', f'{_d}/model.pt']),
+              contains='powerclip-eval suite')

@@ -105,6 +105,8 @@ def _model_args(r):
     r.add_argument('--model', default=None, help="architecture: 'powerclip-tiny', 'powerclip-micro', 'ViT-B-16', .. "
                    "(default: the one the run's config names)")
     r.add_argument('--model-kwargs', default=None, type=_json_dict, help='JSON open_clip model_kwargs overriding the config')
+    r.add_argument('--pool', default=None, choices=('tok', 'avg'), help="pooling of both towers: 'tok' class token / EOT, "
+                   "'avg' mean of the patch and caption tokens (default: the run's model.pool, else the architecture's)")
     r.add_argument('--checkpoint', default=None, help='checkpoint file or run folder; omitted = random init (tests)')
     r.add_argument('--method', default=None, help="training method whose scorers to use, e.g. 'filip' (default: the one the "
                    "run's config names; none known: the global cosine)")
@@ -202,8 +204,8 @@ def _check_paths(flag: str, paths: list, what: str):
 #| export
 def _make_evaluator(a) -> Evaluator:
     "The checkpoint loaded (a checkpoint that cannot be scored is the user's: one line)."
-    kw = dict(model_kwargs=a.model_kwargs, method=a.method, batch_size=a.batch_size, progress=not a.no_progress,
-              precision=a.precision, workers=a.workers)
+    kw = dict(model_kwargs=a.model_kwargs, method=a.method, pool=a.pool, batch_size=a.batch_size,
+              progress=not a.no_progress, precision=a.precision, workers=a.workers)
     try: return Evaluator.build(a.model, a.checkpoint, None if a.cache == 'none' else a.cache, a.seed, a.device, **kw)
     except CheckpointError as e: raise UsageError(f"{'--checkpoint' if a.checkpoint else '--model'}: {e}") from e
 
@@ -331,3 +333,35 @@ for _argv, _says in [(['run', '--model', 'powerclip-micro', '--data', str(tmp / 
     _rc, _msg = _err(_argv)
     assert _rc == 2 and _msg.startswith('powerclip-eval: error: ') and _msg.count('\n') == 1 and _says in _msg, (_argv, _rc, _msg)
 test_fail(lambda: main(['run', '--data', str(tmp / 'nothing'), '--debug']), contains='does not exist')   # --debug: the traceback
+
+# %% [markdown]
+# ## Evaluating a trained model
+#
+# The evaluation package is notebooks `60`-`66a`: metrics with one tie rule (`60_eval_metrics`), readers of benchmark
+# folders and the world's benchmark writer (`61_eval_data`), the one model loader and the method's scorers
+# (`62_eval_models`), the paper's benchmarks through clip_benchmark (`63_eval_benchmarks`), the tasks, the suite and
+# the result files (`64_eval_tasks`), the tables (`65_eval_tables`), and this command line. The comparison, the
+# heatmaps and `powerclip-eval` all go through it.
+#
+# **Where the data goes.** Nothing is downloaded. Put each data set under `ROOT/<clip_benchmark name>/` (for example
+# `ROOT/cifar10`, `ROOT/vtab-resisc45`, `ROOT/imagenet-a`), in clip_benchmark's webdataset export (`test/nshards.txt`,
+# `test/*.tar`, `classnames.txt`, `zeroshot_classification_templates.txt`) or in the raw layout its builders read
+# (`63_eval_benchmarks`). Retrieval needs Karpathy's test splits: `mscoco_captions/coco_test_karpathy.json` with
+# `val2014/`, or `dataset_coco.json` with `images/`; `flickr8k/flickr8k_test_karpathy.txt` with the photos beside it.
+# SugarCrepe goes in `sugar_crepe/{add_att,...,swap_obj}.json` with `sugar_crepe/val2017/`; Winoground in
+# `winoground/data/examples.jsonl` with `winoground/data/images/`. A data set that is missing stops with a message
+# naming the files to put where.
+#
+# ```bash
+# powerclip-eval suite --checkpoint runs/paper --root ROOT --label powerclip-r --device cuda --precision bf16 \
+#     --workers 8
+# powerclip-eval tables results/eval --out results/eval/tables --paper powerclip-r=PowerCLIP-R   # Tables 1-5, 9
+# powerclip-eval run --checkpoint runs/demo/seed0/CLIP --data ../shared/data/coco_sample   # model, method from config
+# powerclip-eval make-world runs/eval_world --n-images 200
+# powerclip-eval run --checkpoint runs/compare/seed0/FILIP --data runs/eval_world
+# powerclip-eval table results/eval --out results/eval/table                       # side by side, every scorer
+# ```
+#
+# `make eval-compare` runs every task type on the seed-0 runs of the comparison (`70_compare`): the real COCO sample
+# (retrieval, SugarCrepe; it needs `../shared/data`) and a held-out world folder (retrieval, hard negatives,
+# zero-shot, linear probe, Winoground), with the tables side by side in `runs/eval/`.

@@ -85,8 +85,12 @@ class Interval:
         return "better" if (self.mean > 0) == higher_is_better else "worse"
 
     def format(self, scale: float = 1.0, digits: int = 1) -> str:
-        "'+2.1 [-0.5, +4.7]' (scaled, e.g. 100 for percent)."
-        f = lambda v: "nan" if math.isnan(v) else f"{scale * v:+.{digits}f}"
+        "'+2.1 [-0.5, +4.7]' (scaled, e.g. 100 for percent); '+2.1 [-]' without an interval (one seed); '-' without a mean."
+        f = lambda v: f"{scale * v:+.{digits}f}"
+        if math.isnan(self.mean):
+            return "-"
+        if math.isnan(self.lo) or math.isnan(self.hi):
+            return f"{f(self.mean)} [-]"
         return f"{f(self.mean)} [{f(self.lo)}, {f(self.hi)}]"
 
 
@@ -117,6 +121,7 @@ print(f"coverage of the t interval with 3 seeds: {_cover:.4f}; t_0.975,2 = {_st.
 
 # %%
 assert math.isnan(t_interval([0.3]).lo) and t_interval([0.3]).mean == 0.3   # one seed: no interval
+assert t_interval([0.3]).format(100) == "+30.0 [-]" and t_interval([]).format() == "-"   # printed without NaN
 assert t_interval([2.0, 2.0, 2.0]).lo == 2.0 and t_interval([2.0, 2.0, 2.0]).excludes_zero  # no spread
 assert t_interval([1.0, -1.0, 0.5]).verdict() == "no difference shown"
 assert t_interval([0.10, 0.12, 0.11]).verdict() == "better" and t_interval([-0.10, -0.12, -0.11]).verdict() == "worse"

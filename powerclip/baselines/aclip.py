@@ -61,8 +61,8 @@ def transfer_scores(
     C, gh, gw = scores.shape
     oh, ow = out_hw
     src, dst = src_box.to(torch.float64), dst_box.to(torch.float64)
-    ys = (torch.arange(oh, dtype=torch.float64) + 0.5) / oh                                # (oh,) in [0, 1] of dst
-    xs = (torch.arange(ow, dtype=torch.float64) + 0.5) / ow
+    ys = (torch.arange(oh, dtype=torch.float64, device=dst.device) + 0.5) / oh             # (oh,) in [0, 1] of dst
+    xs = (torch.arange(ow, dtype=torch.float64, device=dst.device) + 0.5) / ow
     py = dst[:, 0, None] + ys[None] * dst[:, 2, None]                                       # (C, oh) image pixels
     px = dst[:, 1, None] + xs[None] * dst[:, 3, None]                                       # (C, ow)
     ny = 2 * (py - src[:, 0, None]) / src[:, 2, None] - 1                                   # (C, oh) in [-1, 1] of src
@@ -445,6 +445,9 @@ class ACLIPConfig:
     crop_scale: tuple = (0.5, 1.0)   # area share of the two crops (GetThreeRandomResizedCrop(224, scale=(0.5, 1.0)))
     color_aug: bool = True           # ColorJitter(0.4, 0.4, 0.2, 0.1) p 0.8, grayscale 0.2, blur 0.1, solarize 0.2 (main.py)
     momentum: float = 0.996          # EMA momentum at step 0, cosine to 1 at the end (--momentum-ema)
+    momentum_steps: int | None = None  # the run length `momentum` was set for (the paper's ~90k steps): 1 - momentum
+                                     # is scaled by momentum_steps / T (m0 >= 0), the EMA's horizon the same share
+                                     # of the run (above); None: unscaled
     clip_weight: float = 1.0         # weight of the mean over views of the CLIP loss (their 0.5 + 0.5)
     simclr_weight: float = 1.0       # weight of SimCLR between the two views (their 1; --ssl-scale is unused)
     simclr_tau: float = 0.1          # SimCLR temperature (--ssl-temp)
@@ -461,6 +464,8 @@ class ACLIPConfig:
         if len(self.crop_scale) != 2 or not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
             raise ValueError(f"crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.crop_scale}")
         if not 0 <= self.momentum <= 1: raise ValueError(f"momentum must be in [0, 1], got {self.momentum}")
+        if self.momentum_steps is not None and self.momentum_steps < 1:
+            raise ValueError(f"momentum_steps must be at least 1 or None, got {self.momentum_steps}")
         if min(self.clip_weight, self.simclr_weight, self.byol_weight) < 0: raise ValueError("loss weights must be >= 0")
         if self.simclr_tau <= 0: raise ValueError(f"simclr_tau must be > 0, got {self.simclr_tau}")
         if self.head_hidden < 0 or self.head_out < 0: raise ValueError("head_hidden and head_out must be >= 0 (0: automatic)")
@@ -496,6 +501,7 @@ class ACLIP(StepClock, CLIP):
     "A-CLIP: attentive token removal by an EMA encoder, two views, CLIP + SimCLR + BYOL losses; config `ACLIPConfig`."
     Config = ACLIPConfig
     needs_patches = False
+    pools = ("tok",)       # its paper's class-token / EOT pooling, which its EMA towers re-implement
 
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
@@ -510,8 +516,15 @@ class ACLIP(StepClock, CLIP):
 
 
     @property
+    def start_momentum(self) -> float:
+        "m0 of the schedule: the config's, rescaled to this run's length when `momentum_steps` is given (above)."
+        m0, ref = self.cfg.momentum, self.cfg.momentum_steps
+        if ref is None or not self.total: return m0
+        return max(0.0, 1.0 - (1.0 - m0) * ref / self.total)
+
+    @property
     def momentum(self) -> float:
-        return ema_momentum(self.step, self.total, self.cfg.momentum) if self.total else self.cfg.momentum
+        return ema_momentum(self.step, self.total, self.start_momentum) if self.total else self.cfg.momentum
 
     def scorers(self, modules=None):
         return {"ema": EMAScorer(modules), "global": GlobalScorer()}

@@ -16,9 +16,9 @@ from ..dist import all_sum
 from ..methods import CLIP, StepClock, register
 
 # %% auto #0
-__all__ = ['patch_pixels', 'sobel_patch_edges', 'cosine_matrix', 'mix_weight', 'sinkhorn', 'hash_uniform', 'drop_count',
-           'edge_protected', 'Selection', 'select_patches', 'PGSConfig', 'PGSSelector', 'CLIPPGS', 'PGS03Config',
-           'CLIPPGS03']
+__all__ = ['WORLD_SIM_THRESHOLD', 'patch_pixels', 'sobel_patch_edges', 'cosine_matrix', 'mix_weight', 'sinkhorn', 'hash_uniform',
+           'drop_count', 'edge_protected', 'Selection', 'select_patches', 'PGSConfig', 'PGSSelector', 'CLIPPGS',
+           'PGS03Config', 'CLIPPGS03']
 
 # %% ../../nbs/46_clip_pgs.ipynb #92e258d9
 def patch_pixels(image: torch.Tensor, patch: int) -> torch.Tensor:
@@ -168,6 +168,9 @@ def select_patches(sim: torch.Tensor, edges: torch.Tensor | None, n_seed: int, n
     keep_mask.scatter_(1, order[:, :n_drop], False)
     keep = keep_mask.nonzero()[:, 1].reshape(C, N - n_drop)              # row-major: ascending per image
     return Selection(keep, order, counts, n_drop, seeds, prot)
+
+# %% ../../nbs/46_clip_pgs.ipynb #74f76c62
+WORLD_SIM_THRESHOLD = 0.984   # PGS_0.3's sim_threshold on the built-in world at the demo model's 8 x 8 grid (below)
 
 # %% ../../nbs/46_clip_pgs.ipynb #14912883
 @dataclass

@@ -283,7 +283,8 @@ def _cb_models(base) -> list[tuple[str, str]]:
     import open_clip
     import torch
     from clip_benchmark.cli import get_model_collection_from_file, model_collection
-    from powerclip.eval.models import _state_dict, check_finite
+    from powerclip.eval.models import _state_dict, check_finite, run_config
+    from powerclip.model import arch_pool
     models = []
     for name in ([base.pretrained_model] if isinstance(base.pretrained_model, str) else base.pretrained_model) or []:
         if not name: continue
@@ -296,6 +297,9 @@ def _cb_models(base) -> list[tuple[str, str]]:
     for m, p in models:
         if m not in known: raise UsageError(f'--model: unknown architecture {m!r} (open_clip configs and the project\'s: powerclip-micro, powerclip-tiny, ViT-B-16, ..)')
         if not Path(p).is_file(): raise UsageError(f'--pretrained: {p!r} is not a local checkpoint file (nothing is downloaded here)')
+        if ((run_config(p).get('model') or {}).get('pool') or arch_pool(m)) != 'tok':   # 30_model, "Pooling"
+            raise UsageError(f"--pretrained: {p} pools by the mean (model.pool avg), which only powerclip's loader knows "
+                             "(clip_benchmark's pools the text tower by EOT): run `powerclip-eval suite` on the same data sets")
     for p in dict.fromkeys(p for _, p in models):
         try: sd = _state_dict(torch.load(p, map_location='cpu', weights_only=True))
         except Exception as e: raise UsageError(f'--pretrained: {p} is not a checkpoint torch can read as weights ({type(e).__name__}: {e})') from None

@@ -51,6 +51,8 @@ def _model_args(r):
     r.add_argument('--model', default=None, help="architecture: 'powerclip-tiny', 'powerclip-micro', 'ViT-B-16', .. "
                    "(default: the one the run's config names)")
     r.add_argument('--model-kwargs', default=None, type=_json_dict, help='JSON open_clip model_kwargs overriding the config')
+    r.add_argument('--pool', default=None, choices=('tok', 'avg'), help="pooling of both towers: 'tok' class token / EOT, "
+                   "'avg' mean of the patch and caption tokens (default: the run's model.pool, else the architecture's)")
     r.add_argument('--checkpoint', default=None, help='checkpoint file or run folder; omitted = random init (tests)')
     r.add_argument('--method', default=None, help="training method whose scorers to use, e.g. 'filip' (default: the one the "
                    "run's config names; none known: the global cosine)")
@@ -136,8 +138,8 @@ def _check_paths(flag: str, paths: list, what: str):
 # %% ../../nbs/66_eval_cli.ipynb #02d7f1d1
 def _make_evaluator(a) -> Evaluator:
     "The checkpoint loaded (a checkpoint that cannot be scored is the user's: one line)."
-    kw = dict(model_kwargs=a.model_kwargs, method=a.method, batch_size=a.batch_size, progress=not a.no_progress,
-              precision=a.precision, workers=a.workers)
+    kw = dict(model_kwargs=a.model_kwargs, method=a.method, pool=a.pool, batch_size=a.batch_size,
+              progress=not a.no_progress, precision=a.precision, workers=a.workers)
     try: return Evaluator.build(a.model, a.checkpoint, None if a.cache == 'none' else a.cache, a.seed, a.device, **kw)
     except CheckpointError as e: raise UsageError(f"{'--checkpoint' if a.checkpoint else '--model'}: {e}") from e
 

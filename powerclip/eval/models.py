@@ -130,19 +130,21 @@ class LoadedModel:
     preprocess: object      # the architecture's validation transform
     tokenizer: object       # open_clip tokenizer at the model's context length
     ckpt_id: str            # sha256 of the checkpoint file, or 'random-init-<arch>-seed<k>'
-    spec: dict              # name and open_clip model_kwargs the model was built with
+    spec: dict              # name, open_clip model_kwargs and pooling ('tok' | 'avg') the model was built with
     method: str | None = None                              # the training method, when known
     scorers: dict = field(default_factory=lambda: {'global': GlobalScorer()})   # name -> Scorer, the headline first
     modules: object = None  # the method's trained modules (`method_modules`), when it has any
 
 def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, device: str = 'cpu',
-               model_kwargs: dict | None = None, method: str | None = None, method_cfg: dict | None = None) -> LoadedModel:
+               model_kwargs: dict | None = None, method: str | None = None, method_cfg: dict | None = None,
+               pool: str | None = None) -> LoadedModel:
     """Build the architecture and load a checkpoint file or run folder (None = random init from `seed`). The run's
-    config (inside a trainer checkpoint, or `config.yaml` beside the file) names the architecture, its kwargs and
-    the method; `model_name` / `method` given here win. Raises `CheckpointError` (`NonFiniteWeights`) before building
+    config (inside a trainer checkpoint, or `config.yaml` beside the file) names the architecture, its kwargs, its
+    pooling (`model.pool`) and the method; `model_name` / `method` / `pool` given here win (a pool None and none in the
+    run: the architecture's, `30_model`). Raises `CheckpointError` (`NonFiniteWeights`) before building
     anything for a checkpoint that cannot be evaluated."""
     import open_clip                                     # here, not at the top: `--help`, `table`, `make-world` stay fast
-    from powerclip.model import create_model
+    from powerclip.model import create_model, pool_of
     sd, run, ck = None, {}, None
     if checkpoint is not None:
         checkpoint = checkpoint_file(checkpoint)
@@ -161,19 +163,25 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
                               f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
     kw = dict(run_model.get('kwargs') or {}) if run_model.get('name') in (None, name) else {}
     kw.update(model_kwargs or {})
+    if pool is None and run_model.get('name') in (None, name): pool = run_model.get('pool')
     method = method or run.get('method')
     if method_cfg is None: method_cfg = (run.get('method_cfg') or {}) if run.get('method') == method else {}
     m = _method(method, method_cfg)                      # an unknown method stops here, before the model is built
     torch.manual_seed(seed)
     with _quiet_open_clip_random_init():
-        try: model, _, preprocess = create_model(name, **kw)
+        try: model, _, preprocess = create_model(name, pool=pool, **kw)
         except ValueError as e: raise CheckpointError(str(e)) from None     # an unknown architecture name
     arch = name                                          # architecture names only (no aliases)
+    pooled = pool_of(model)
+    if m is not None and pooled not in m.pools:
+        raise CheckpointError(f"method {method!r} pools by {' or '.join(m.pools)}, the model by {pooled!r}")
+    # the same weights pooled another way are another model: its features must not share the cache ('tok' ids unchanged)
+    tag = '' if pooled == 'tok' else f'-{pooled}'
     if sd is None:
-        ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '')
+        ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '') + tag
         log.warning('no checkpoint given: %s is a random initialisation (seed %d), an untrained model', arch, seed)
     else:
-        ckpt_id = sha256_file(checkpoint)
+        ckpt_id = sha256_file(checkpoint) + tag
         try: missing, unexpected = model.load_state_dict(sd, strict=False)
         except RuntimeError as e: raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: {e}') from None   # shape mismatches
         if missing or unexpected:
@@ -182,7 +190,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     modules = method_modules(m, model, checkpoint, ck)
     if modules is not None: modules.to(device)
     scorers = {'global': GlobalScorer()} if m is None else dict(m.scorers(modules))
-    return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw), method, scorers, modules)
+    return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw, pool=pooled), method,
+                       scorers, modules)
 
 # %% ../../nbs/62_eval_models.ipynb #86051135
 class FeatureCache:
@@ -355,6 +364,7 @@ class Evaluator:
 
     @classmethod
     def build(cls, model_name: str | None, checkpoint=None, cache_dir=None, seed: int = 0, device: str = 'cpu',
-              model_kwargs: dict | None = None, method: str | None = None, **kw) -> 'Evaluator':
+              model_kwargs: dict | None = None, method: str | None = None, pool: str | None = None, **kw) -> 'Evaluator':
         "`load_model` then `of`."
-        return cls.of(load_model(model_name, checkpoint, seed, device, model_kwargs, method), cache_dir, device=device, **kw)
+        lm = load_model(model_name, checkpoint, seed, device, model_kwargs, method, pool=pool)
+        return cls.of(lm, cache_dir, device=device, **kw)
