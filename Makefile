@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo compare experiments eval-compare theory test check docs sync nbs export bench clean-venv
+.PHONY: install demo compare experiments eval-compare theory test check docs sync nbs export bench gpu-check clean-venv
 
 install: $(STAMP)
 
@@ -83,6 +83,15 @@ export: install
 ## memory saved for backward, real CC3M node counts; writes benchmarks/results/powerset_scale_*.{md,json,png} (~40 min).
 bench: install
 	$(BIN)/python benchmarks/powerset_scale.py
+
+## On a machine with a GPU: everything it can show, one part at a time (each at most 10 minutes, resumable; --force
+## redoes): loss parity against float64, PowerCLIP's ViT-B/16 bf16 step against CLIP's (256 and 512 local), memory
+## measured beside the CPU projection, the loss's paths at R = 512, C = 4096, torch.compile, the comparison at 2000
+## steps; writes benchmarks/results/gpu_<device>/ and prints one table. Without a GPU: one line, exit status 2
+## (GPU_CHECK="--dry-run" runs every part on the CPU at toy sizes). make gpu-check GPU_CHECK="--parts parity step-B256"
+GPU_CHECK ?=
+gpu-check: install
+	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK)
 
 ## The paper's ablations on the world (71_experiments): Tables 6, 7, 8, 10, 14, the margin and Fig. 8 (EXP=all), each
 ## writing runs/experiments/NAME/summary.md with paired differences to PowerCLIP-R; EXP=fig9 runs the cost benchmark,

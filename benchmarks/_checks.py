@@ -1,7 +1,7 @@
-"""Argument checks shared by the benchmark scripts (the project's command-line convention, `powerclip.cli`).
+"""Argument checks shared by the benchmark scripts (the project's command-line convention, `powerclip.commandline`).
 
 Each raises a ValueError whose message starts with the argument; a script calls them inside
-`powerclip.cli.usage_errors()`, so a mistake is one line on stderr and exit status 2 before anything is measured.
+`powerclip.commandline.usage_errors()`, so a mistake is one line on stderr and exit status 2 before anything is measured.
 """
 from pathlib import Path
 
@@ -15,15 +15,10 @@ def at_least(args, lo: int, *names: str) -> None:
 
 
 def device(name: str):
-    "A torch device that exists here: `--device` cpu, cuda, cuda:N (a GPU must be present)."
+    "A torch device that exists here: `--device` cpu, cuda, cuda:N (a GPU must be present; `powerclip.commandline.check_device`)."
     import torch
-    try: d = torch.device(name)
-    except RuntimeError: raise ValueError(f'--device: {name!r} is not a device (cpu, cuda, cuda:N)') from None
-    if d.type == 'cuda':
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0: raise ValueError(f'--device: {name!r} asks for a GPU and none is available (cpu)')
-        if d.index is not None and d.index >= n: raise ValueError(f'--device: {name!r}, but there are {n} GPU(s)')
-    return d
+    from powerclip.commandline import check_device
+    return torch.device(check_device('--device', name))
 
 
 def arch(flag: str, name: str) -> None:
@@ -46,3 +41,11 @@ def output(flag: str, path) -> None:
     p = Path(path)
     if p.is_dir(): raise ValueError(f'{flag}: {str(p)!r} is a folder (give a file name)')
     if any(a.exists() and not a.is_dir() for a in p.parents): raise ValueError(f'{flag}: {str(p)!r} is inside a file')
+
+
+def out_dir(flag: str, path) -> Path:
+    "A folder for outputs (created later when missing): not a file, not inside a file."
+    p = Path(path)
+    if p.exists() and not p.is_dir(): raise ValueError(f"{flag}: {str(p)!r} is a file (give a folder)")
+    if any(a.exists() and not a.is_dir() for a in p.parents): raise ValueError(f"{flag}: {str(p)!r} is inside a file")
+    return p

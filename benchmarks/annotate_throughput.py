@@ -19,7 +19,7 @@ from pathlib import Path
 import webdataset as wds
 
 import _checks
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 COCO = ROOT.parent / 'shared' / 'data' / 'coco_sample'

@@ -17,7 +17,7 @@ from powerclip.baselines.filip import filip_loss
 from powerclip.baselines.smartclip import modular_loss
 from powerclip.baselines.sparc import sparc_fine_loss
 from powerclip.loss import clip_loss
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 from powerclip.model import text_token_mask
 
 

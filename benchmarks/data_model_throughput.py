@@ -9,7 +9,7 @@ import time
 import torch
 
 import _checks
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 from powerclip.data import BatchNeeds, BatchSpec, DataConfig, make_loader
 from powerclip.loss import PowerCLIPLossConfig, powerclip_loss
 from powerclip.methods import powerset_inputs

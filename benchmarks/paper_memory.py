@@ -16,6 +16,10 @@ A GPU's attention kernels (flash / memory-efficient SDPA) save less than the CPU
 upper bound of what a GPU keeps; the loss's bytes are the same tensors on any device.
 
     python benchmarks/paper_memory.py                 # about 2-4 minutes on 2 CPU cores
+    python benchmarks/paper_memory.py --device cuda --out benchmarks/results/gpu_x   # measured on a GPU (gpu_check.py)
+
+On a GPU (`--device cuda`) the same bytes are counted there (its attention kernels, its layouts), and the peak memory
+CUDA's allocator reached in each measurement is recorded beside them.
 """
 from __future__ import annotations
 
@@ -28,52 +32,58 @@ from pathlib import Path
 import torch
 
 import _checks
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 
 OUT = Path(__file__).parent / "results"
 
 
-def tower_bytes(precision: str, checkpointing: bool, b: int = 2) -> dict:
-    "Saved-for-backward bytes of ViT-B/16 `encode` (images and texts, patch and token embeddings) per sample."
-    from powerclip.model import create_model, encode
+def tower_bytes(precision: str, checkpointing: bool, b: int = 2, arch: str = "ViT-B-16", device: str = "cpu") -> dict:
+    "Saved-for-backward bytes of `encode` (images and texts, patch and token embeddings) per sample; the peak (MiB)."
+    from powerclip.measure import PeakMemory
+    from powerclip.model import create_model, encode, geometry_of
     from powerclip.powerset_fast import saved_tensor_bytes
     torch.manual_seed(0)
-    model = create_model("ViT-B-16")[0].train()
+    model = create_model(arch)[0].train().to(device)
     model.set_grad_checkpointing(checkpointing)
-    img, tok = torch.randn(b, 3, 224, 224), torch.randint(1, 49000, (b, 77))
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else torch.autocast("cpu", enabled=False)
+    geo = geometry_of(model)
+    img = torch.randn(b, 3, geo.image_size, geo.image_size, device=device)
+    tok = torch.randint(1, min(49000, getattr(model, "vocab_size", 49408) - 1), (b, geo.context_length), device=device)
+    ctx = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    mem = PeakMemory(device); mem.start()
     t0 = time.perf_counter()
     with saved_tensor_bytes() as n, ctx:
         out = encode(model, img, tok, need_patches=True)
     inputs = img.untyped_storage().nbytes() + tok.untyped_storage().nbytes()
     sum(v.float().sum() for k, v in out.items() if k != "logit_scale").backward()
     params = sum(p.numel() for p in model.parameters())
-    return dict(per_sample=(n["bytes"] - inputs) / b, params=params, seconds=time.perf_counter() - t0)
+    return dict(per_sample=(n["bytes"] - inputs) / b, params=params, seconds=time.perf_counter() - t0, peak_mib=mem.mib(), b=b)
 
 
-def loss_bytes(R: int, C: int, M: int, precision: str, block_mib: int, counts: list[int], D: int = 512) -> dict:
-    "Saved-for-backward bytes of the PowerCLIP loss (fast path, both directions, CLIP loss included) at R x C."
+def loss_bytes(R: int, C: int, M: int, precision: str, block_mib: int, counts: list[int], D: int = 512, device: str = "cpu") -> dict:
+    "Saved-for-backward bytes of the PowerCLIP loss (fast path, both directions, CLIP loss included) at R x C; the peak (MiB)."
     from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, powerclip_loss
+    from powerclip.measure import PeakMemory
     from powerclip.powerset_fast import saved_tensor_bytes
     g = torch.Generator().manual_seed(0)
     K = torch.tensor(counts)[torch.randint(len(counts), (C,), generator=g)].clamp_min(1)   # (C,) nodes per text
     dt = torch.bfloat16 if precision == "bf16" else torch.float32                        # what autocast hands the loss
-    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=g), dim=-1).to(dt).requires_grad_()
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=g), dim=-1).to(device, dt).requires_grad_()
     img_all, txt_all, reg_all = unit(C, D), unit(C, D), unit(C, M, D)
     phr_all = unit(int(K.sum()), D)
-    node_text = torch.arange(C).repeat_interleave(K)
-    rv = torch.ones(C, M, dtype=torch.bool)
+    node_text = torch.arange(C).repeat_interleave(K).to(device)
+    rv = torch.ones(C, M, dtype=torch.bool, device=device)
     local_nodes = int(K[:R].sum())
     local = PowersetInputs(reg_all[:R], rv[:R], phr_all[:local_nodes], node_text=node_text[:local_nodes])
     gathered = PowersetInputs(reg_all, rv, phr_all, node_text=node_text)
     cfg = PowerCLIPLossConfig(block_bytes=block_mib << 20)
+    mem = PeakMemory(device); mem.start()
     t0 = time.perf_counter()
     with saved_tensor_bytes() as n:
-        terms = powerclip_loss(img_all[:R], txt_all[:R], torch.tensor(50.0), local, cfg, img_all, txt_all, gathered, 0)
+        terms = powerclip_loss(img_all[:R], txt_all[:R], torch.tensor(50.0, device=device), local, cfg, img_all, txt_all, gathered, 0)
     held = sum(t.untyped_storage().nbytes() for t in (img_all, txt_all, reg_all, phr_all, node_text, rv))
     (terms["clip"] + terms["powerset"]).backward()
     return dict(saved=n["bytes"], beyond_inputs=n["bytes"] - held, inputs=held, mean_nodes=float(K.float().mean()),
-                seconds=time.perf_counter() - t0)
+                seconds=time.perf_counter() - t0, peak_mib=mem.mib())
 
 
 def main(argv=None):
@@ -84,11 +94,15 @@ def main(argv=None):
     ap.add_argument("--R", type=int, default=512, help="local rows at which the loss is measured (the paper: 4096 / 8)")
     ap.add_argument("--block-mib", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="where the bytes are measured: cpu | cuda | cuda:N")
+    ap.add_argument("--arch", default="ViT-B-16", help="the towers' architecture (a small one only to check the script)")
+    ap.add_argument("--out", type=Path, default=OUT, help="folder of the results (paper_memory.{json,md})")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     with usage_errors():
         a = ap.parse_args(argv)
         _checks.at_least(a, 1, "R", "M", "block-mib")
         if a.gpu_gib <= 0 or not 0 <= a.reserve < 1: raise ValueError("--gpu-gib must be > 0 and --reserve in [0, 1)")
+        _checks.device(a.device); _checks.arch("--arch", a.arch); _checks.out_dir("--out", a.out)
         hist = OUT / "cc3m_node_counts.json"
         if not hist.is_file(): raise FileNotFoundError(f"{hist} is missing: run benchmarks/powerset_scale.py once (it parses CC3M captions)")
     if a.threads: torch.set_num_threads(a.threads)
@@ -96,14 +110,14 @@ def main(argv=None):
     rows, towers = [], {}
     for prec in ("fp32", "bf16"):
         for ck in (False, True):
-            towers[(prec, ck)] = tower_bytes(prec, ck)
+            towers[(prec, ck)] = tower_bytes(prec, ck, arch=a.arch, device=a.device)
             print(f"towers {prec} checkpointing={ck}: {towers[(prec, ck)]['per_sample'] / 2**20:.1f} MiB per sample", flush=True)
     params = towers[("fp32", False)]["params"]
     weights = 16 * params                                       # fp32 weights + grads + AdamW m, v
     budget = a.gpu_gib * 2**30 * (1 - a.reserve)
     for prec in ("fp32", "bf16"):
         for M in a.M:
-            lb = loss_bytes(a.R, 8 * a.R, M, prec, a.block_mib, counts)
+            lb = loss_bytes(a.R, 8 * a.R, M, prec, a.block_mib, counts, device=a.device)
             print(f"loss {prec} M={M} R={a.R} C={8 * a.R}: {lb['saved'] / 2**30:.2f} GiB saved ({lb['seconds']:.0f} s)", flush=True)
             # the loss's bytes grow as R*C = 8 R^2 (tables) and C*(M + K)*D (gathered inputs): scale from the measurement
             per_rc = lb["beyond_inputs"] / (a.R * 8 * a.R)
@@ -115,23 +129,27 @@ def main(argv=None):
                 while total(R + 1) <= budget: R += 1
                 rows.append(dict(precision=prec, checkpointing=ck, M=M, towers_mib_per_sample=t / 2**20,
                                  loss_gib_at_R=lb["saved"] / 2**30, R_measured=a.R, total_gib_at_R=total(a.R) / 2**30,
-                                 fits_at_R=total(a.R) <= budget, max_local_batch=R))
+                                 fits_at_R=total(a.R) <= budget, max_local_batch=R,
+                                 towers_peak_mib=towers[(prec, ck)]["peak_mib"], towers_peak_b=towers[(prec, ck)]["b"],
+                                 loss_peak_gib=lb["peak_mib"] / 2**10))
+    on = torch.cuda.get_device_name(torch.device(a.device)) if a.device.startswith("cuda") else "the CPU"
     meta = dict(machine=platform.processor() or platform.machine(), torch=torch.__version__, params=params,
                 weights_gib=weights / 2**30, gpu_gib=a.gpu_gib, reserve=a.reserve, block_mib=a.block_mib,
-                mean_nodes=lb["mean_nodes"])
-    OUT.mkdir(exist_ok=True)
-    (OUT / "paper_memory.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"# PowerCLIP with ViT-B/16 on one {a.gpu_gib:.0f} GB GPU (8 GPUs: C = 8 R), from saved-for-backward bytes measured on the CPU",
+                mean_nodes=lb["mean_nodes"], device=a.device, measured_on=on, arch=a.arch)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "paper_memory.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# PowerCLIP with {a.arch} on one {a.gpu_gib:.0f} GB GPU (8 GPUs: C = 8 R), from saved-for-backward bytes measured on {on}",
              "", f"{params / 1e6:.1f} M parameters: weights + gradients + AdamW moments {weights / 2**30:.2f} GiB; "
              f"budget {budget / 2**30:.1f} GiB ({a.reserve:.0%} kept back); loss measured at R = {a.R}, C = {8 * a.R}, "
-             f"mean {lb['mean_nodes']:.1f} nodes per caption (CC3M); block budget {a.block_mib} MiB. Towers: CPU attention "
-             "kernels (an upper bound of a GPU's flash/memory-efficient attention).", "",
+             f"mean {lb['mean_nodes']:.1f} nodes per caption (CC3M); block budget {a.block_mib} MiB. "
+             + ("Towers: CPU attention kernels (an upper bound of a GPU's flash/memory-efficient attention)." if on == "the CPU"
+                else "Measured with this GPU's kernels."), "",
              "| precision | grad ckpt | M | towers MiB/sample | loss GiB at R | total GiB at R | fits at R | largest local batch |",
              "|---|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         lines.append(f"| {r['precision']} | {'yes' if r['checkpointing'] else 'no'} | {r['M']} | {r['towers_mib_per_sample']:.1f} | "
                      f"{r['loss_gib_at_R']:.2f} | {r['total_gib_at_R']:.1f} | {'yes' if r['fits_at_R'] else 'no'} | {r['max_local_batch']} |")
-    (OUT / "paper_memory.md").write_text("\n".join(lines) + "\n")
+    (a.out / "paper_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -12,9 +12,10 @@ import os, platform, sys, time
 from pathlib import Path
 
 import _checks
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 
-from powerclip.parsing import ParserConfig, default_tokenizer, load_pipeline, parse_captions, resolve_parser, tree_tokens
+from powerclip.parsing import ParserConfig, load_pipeline, parse_captions, resolve_parser
+from powerclip.tokens import default_tokenizer, tree_tokens
 
 TSV = Path(__file__).resolve().parents[1] / '..' / 'shared' / 'data' / 'cc3m_validation' / 'Validation_GCC-1.1.0-Validation.tsv'
 

@@ -15,7 +15,7 @@ import json, platform, statistics, sys, time
 import torch
 
 import _checks
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 
 
 def _median_time(fn, repeats):

@@ -22,6 +22,11 @@ synthetic distribution instead. Every configuration runs in a fresh process (`is
 
     python benchmarks/powerset_scale.py                          # the full grid (see --help), about an hour
     python benchmarks/powerset_scale.py --R 64 --C 512 --M 5 10 --precision fp32 --tag quick
+    python benchmarks/powerset_scale.py --device cuda --R 512 --C 4096 --M 5 10 32 --K 16 --impl fast dense auto clip \
+        --precision bf16 --tag gpu_K16 --out benchmarks/results/gpu_x     # a GPU (benchmarks/gpu_check.py)
+
+`auto` is the loss's default (`PowerCLIPLossConfig.impl='auto'`: dense when its scores fit one block, else fast);
+`--K` gives every caption K nodes instead of the CC3M counts. Results: `--out`/powerset_scale_TAG.{md,json,png}.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import _checks
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 
 OUT = Path(__file__).parent / "results"
 CC3M = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cc3m_validation" / "Validation_GCC-1.1.0-Validation.tsv"
@@ -54,7 +59,8 @@ def node_count_hist(tsv: Path = CC3M, n_captions: int = 4000, seed: int = 0) -> 
         return json.loads(cache.read_text())
     if not tsv.exists():
         return dict(source=SYNTHETIC, hist=None)
-    from powerclip.parsing import parse_captions, tree_tokens
+    from powerclip.parsing import parse_captions
+    from powerclip.tokens import tree_tokens
     lines = [l.split("\t")[0] for l in tsv.read_text(encoding="utf-8").splitlines() if l.strip()]
     texts = random.Random(seed).sample(lines, min(n_captions, len(lines)))
     t0 = time.perf_counter()
@@ -82,7 +88,7 @@ def draw_counts(hist: dict | None, C: int, seed: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- one configuration
-def _inputs(R, C, M, D, counts, impl, seed=0):
+def _inputs(R, C, M, D, counts, impl, seed=0, device="cpu"):
     "Local (R rows) and gathered (C rows) embeddings with grad, as the loss receives them in a DDP step."
     from powerclip.loss import PowersetInputs
     g = torch.Generator().manual_seed(seed)
@@ -94,9 +100,10 @@ def _inputs(R, C, M, D, counts, impl, seed=0):
     leaves = dict(image_all=unit(C, D), text_all=unit(C, D), regions_all=unit(C, M, D), phrases_all=phrases)
     leaves.update(image=leaves["image_all"][:R].clone(), text=leaves["text_all"][:R].clone(),
                   regions=leaves["regions_all"][:R].clone(), phrases=phrases[node_text < R].clone())
+    leaves, node_text = {k: v.to(device) for k, v in leaves.items()}, node_text.to(device)   # drawn on the CPU: the same on any device
     for t in leaves.values(): t.requires_grad_()
-    rv_all = torch.ones(C, M, dtype=torch.bool)  # random boxes: every region valid (PowerCLIP-R)
-    if impl == "fast":
+    rv_all = torch.ones(C, M, dtype=torch.bool, device=device)  # random boxes: every region valid (PowerCLIP-R)
+    if impl in ("fast", "auto"):
         local = PowersetInputs(leaves["regions"], rv_all[:R], leaves["phrases"], node_text=node_text[node_text < R])
         gathered = PowersetInputs(leaves["regions_all"], rv_all, leaves["phrases_all"], node_text=node_text)
     else:  # padded to the longest caption: locally of the local batch, gathered of the global one
@@ -110,20 +117,20 @@ def _inputs(R, C, M, D, counts, impl, seed=0):
     return leaves, local, gathered, [t for t in others if t is not None]
 
 
-def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0):
+def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0, device="cpu"):
     "In a fresh process: time, saved-for-backward bytes and peak memory of forward + backward of the loss."
     from powerclip.loss import PowerCLIPLossConfig, clip_loss, powerclip_loss
     from powerclip.powerset_fast import saved_tensor_bytes
-    from powerclip.measure import PeakMemory
-    leaves, local, gathered, others = _inputs(R, C, M, D, counts, impl, seed)
-    cfg = PowerCLIPLossConfig(impl="dense" if impl in ("dense", "exact") else "fast", exact=impl == "exact",
+    from powerclip.measure import PeakMemory, sync
+    leaves, local, gathered, others = _inputs(R, C, M, D, counts, impl, seed, device)
+    cfg = PowerCLIPLossConfig(impl={"dense": "dense", "exact": "dense", "auto": "auto"}.get(impl, "fast"), exact=impl == "exact",
                               block_bytes=block_bytes)
-    scale = torch.tensor(100.0)
+    scale = torch.tensor(100.0, device=device)
     inputs = {t.untyped_storage().data_ptr() for t in [*leaves.values(), *others]}
 
     def step():
         for t in leaves.values(): t.grad = None
-        with saved_tensor_bytes() as n, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with saved_tensor_bytes() as n, torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             if impl == "clip":
                 loss = clip_loss(leaves["image"], leaves["text"], scale, leaves["image_all"], leaves["text_all"], 0)
             else:
@@ -134,11 +141,11 @@ def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0):
         assert torch.isfinite(loss) and all(torch.isfinite(t.grad).all() for t in leaves.values() if t.grad is not None)
         return n
 
-    mem = PeakMemory("cpu"); mem.start()
-    t0 = time.perf_counter(); n = step(); first = time.perf_counter() - t0  # warm-up
+    mem = PeakMemory(device); mem.start()
+    t0 = time.perf_counter(); n = step(); sync(device); first = time.perf_counter() - t0  # warm-up
     times = []
     for _ in range(reps if first < 30 else 1):  # a step of minutes is timed once
-        t0 = time.perf_counter(); step(); times.append(time.perf_counter() - t0)
+        sync(device); t0 = time.perf_counter(); step(); sync(device); times.append(time.perf_counter() - t0)
     saved_inputs = sum(b for p, b in n["storages"].items() if p in inputs)
     return dict(time_s=statistics.median(times), reps=len(times), saved_bytes=n["bytes"],
                 saved_input_bytes=saved_inputs, saved_other_bytes=n["bytes"] - saved_inputs, peak_mib=mem.mib())
@@ -156,7 +163,7 @@ def predicted_gib(impl, R, C, M, kmax) -> float:
 def run_one(impl, R, C, M, precision, counts, a) -> dict:
     "One configuration in a fresh process (the one place that calls the fresh-process runner)."
     from powerclip.measure import run_isolated
-    return run_isolated(measure, impl, R, C, M, a.dim, counts, precision, a.reps, a.block_mib << 20, threads=a.threads)
+    return run_isolated(measure, impl, R, C, M, a.dim, counts, precision, a.reps, a.block_mib << 20, 0, a.device, threads=a.threads)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -164,9 +171,9 @@ def _fmt_ms(r): return "-" if r is None else (f"{r['time_s'] * 1e3:.0f}" if r.ge
 def _fmt_mib(r, k="saved_bytes"): return "-" if r is None or not r.get("ok") else f"{r[k] / 2**20:.1f}"
 
 
-def report(rows, meta, tag):
-    OUT.mkdir(exist_ok=True)
-    (OUT / f"powerset_scale_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+def report(rows, meta, tag, out=OUT):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"powerset_scale_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     get = lambda impl, R, C, M, p: next((r for r in rows if (r["impl"], r["R"], r["C"], r["M"], r["precision"]) == (impl, R, C, M, p)), None)
     nc = meta["node_counts"]
     lines = [f"# The powerset loss at scale ({meta['machine']})", "",
@@ -192,9 +199,9 @@ def report(rows, meta, tag):
         lines.append(f"| {p} | {R} | {C} | {M} | {kmax} | {_fmt_ms(f)} | {_fmt_ms(d)} | {_fmt_ms(x)} | {_fmt_ms(c)} | {ratio} "
                      f"| {fs} | {_fmt_mib(d)} | {_fmt_mib(x)} | {_fmt_mib(c)} | {peak(f)} | {peak(d)} |")
     lines += ["", "## Targets (issue 15, this CPU)", ""] + targets(get)
-    (OUT / f"powerset_scale_{tag}.md").write_text("\n".join(lines) + "\n")
+    (out / f"powerset_scale_{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(rows, meta, OUT / f"powerset_scale_{tag}.png")
+    plot(rows, meta, out / f"powerset_scale_{tag}.png")
 
 
 def targets(get) -> list[str]:
@@ -244,7 +251,10 @@ def main(argv=None):
     ap.add_argument("--C", type=int, nargs="+", default=[512, 2048], help="gathered columns (global batch)")
     ap.add_argument("--M", type=int, nargs="+", default=[5, 10, 15, 32], help="regions per image")
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    ap.add_argument("--impl", nargs="+", default=["fast", "dense", "exact", "clip"], choices=["fast", "dense", "exact", "clip"])
+    ap.add_argument("--impl", nargs="+", default=["fast", "dense", "exact", "clip"], choices=["fast", "dense", "exact", "clip", "auto"])
+    ap.add_argument("--K", type=int, default=None, help="nodes per caption, the same for every caption (default: real CC3M counts)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--out", type=Path, default=OUT, help="folder of the results")
     ap.add_argument("--dim", type=int, default=256, help="embedding width D")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block-mib", type=int, default=16, help="fast path: PowerCLIPLossConfig.block_bytes in MiB")
@@ -258,18 +268,22 @@ def main(argv=None):
     with usage_errors():
         a = ap.parse_args(argv)
         _checks.at_least(a, 1, "R", "C", "M", "dim", "reps", "block-mib", "threads")
+        if a.K is not None: _checks.at_least(a, 1, "K")
         if a.budget_gib <= 0: raise ValueError(f"--budget-gib: must be > 0, got {a.budget_gib}")
+        _checks.device(a.device); _checks.out_dir("--out", a.out)
         if a.report_only:
-            _checks.existing("--tag", OUT / f"powerset_scale_{a.tag}.json", hint="run without --report-only first")
+            _checks.existing("--tag", a.out / f"powerset_scale_{a.tag}.json", hint="run without --report-only first")
     if a.report_only:
-        data = json.loads((OUT / f"powerset_scale_{a.tag}.json").read_text())
-        return report(data["rows"], data["meta"], a.tag)
+        data = json.loads((a.out / f"powerset_scale_{a.tag}.json").read_text())
+        return report(data["rows"], data["meta"], a.tag, a.out)
 
-    nc = node_count_hist(a.cc3m)
+    nc = node_count_hist(a.cc3m) if a.K is None else dict(source=f"fixed: K = {a.K} nodes per caption", hist=None)
     print("node counts:", nc["source"])
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
                 if l.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
+    if a.device.startswith("cuda"): cpu = f"{torch.cuda.get_device_name(torch.device(a.device))} (host: {cpu})"
     meta = dict(machine=f"{cpu}, {os.cpu_count()} cores, {a.threads} thread(s) per run", threads=a.threads, torch=torch.__version__,
+                device=a.device,
                 args={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
                 node_counts={k: v for k, v in nc.items() if k != "hist"} | {"hist": bool(nc.get("hist"))})
     rows = []
@@ -277,7 +291,7 @@ def main(argv=None):
         for R in a.R:
             for C in a.C:
                 if R > C: continue
-                counts = draw_counts(nc.get("hist"), C, seed=C)
+                counts = [a.K] * C if a.K else draw_counts(nc.get("hist"), C, seed=C)
                 kmax = max(counts)
                 for M in a.M:
                     for impl in a.impl:
@@ -296,7 +310,7 @@ def main(argv=None):
                             f"{r['time_s'] * 1e3:8.0f} ms  saved {r['saved_bytes'] / 2**20:8.1f} MiB "
                             f"(beyond inputs {r['saved_other_bytes'] / 2**20:7.1f})  peak {r['peak_mib']:7.0f} MiB"
                             if r.get("ok") else r.get("error", r.get("why"))), flush=True)
-    report(rows, meta, a.tag)
+    report(rows, meta, a.tag, a.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from PIL import Image
 
 import _checks
 from powerclip import regions as R
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 

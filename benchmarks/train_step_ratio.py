@@ -9,8 +9,10 @@ that a drift in machine load hits all alike. The time per step is the median ove
     python benchmarks/train_step_ratio.py                                   # CPU: the demo preset's tiny model
     python benchmarks/train_step_ratio.py --preset paper --device cuda --batch 256 --precision bf16   # ViT-B/16
     python benchmarks/train_step_ratio.py --methods clip flip clip-pgs c2lip c2lip:base=clip smartclip filip sparc powerclip
+    python benchmarks/train_step_ratio.py --preset paper --device cuda --batch 256 --precision bf16 --set model.compile=true
 
-A method may carry options after a colon: `c2lip:base=clip,concept_embedding=encode`.
+A method may carry options after a colon: `c2lip:base=clip,concept_embedding=encode`; `--set key=value` overrides the
+config of every method (`benchmarks/gpu_check.py` uses it for `torch.compile`). Results: `--out`/train_step_ratio_TAG.*
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 import _checks
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 from powerclip.measure import PeakMemory, run_isolated, sync
 
 OUT = Path(__file__).parent / "results"
@@ -44,7 +46,7 @@ def config(method, a):
     # the built-in world in the preset's model geometry (the paper preset reads shards: use the world instead)
     over = [f"data.batch_size={a.batch}", f"precision={a.precision}", "data.source=world", "data.workers=0",
             f"data.world_length={max(a.batch * (a.warmup + a.steps), 64)}", "global_batch_size=null",
-            f"max_steps={a.warmup + a.steps + 10}", "resume=never"]
+            f"max_steps={a.warmup + a.steps + 10}", "resume=never", *a.set]
     name, opts = _spec(method)
     return load_config(a.preset, over + opts + [f"model.grad_checkpointing={a.grad_checkpointing}"], method=name)
 
@@ -67,7 +69,10 @@ def measure(method, a):
         sync(a.device); t0 = time.perf_counter()
         run.step(b, state)
         sync(a.device); times.append(time.perf_counter() - t0)
-    return dict(times=times, peak_mib=mem.mib(), model=cfg.model.name, params=sum(p.numel() for p in run.model.parameters()))
+    # on a GPU also the whole peak: weights, gradients, AdamW's moments and the prepared batches included
+    total = torch.cuda.max_memory_allocated(torch.device(a.device)) / 2**20 if a.device.startswith("cuda") else float("nan")
+    return dict(times=times, peak_mib=mem.mib(), peak_total_mib=total, model=cfg.model.name,
+                params=sum(p.numel() for p in run.model.parameters()))
 
 
 def main(argv=None):
@@ -81,11 +86,15 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--grad-checkpointing", action="store_true")
     ap.add_argument("--methods", nargs="+", default=["clip", "powerclip"])
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides for every method (model.compile=true)")
+    ap.add_argument("--out", type=Path, default=OUT, help="folder of the results")
+    ap.add_argument("--tag", default=None, help="name of the results (default: PRESET_DEVICE_BBATCH_PRECISION)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     with usage_errors():     # every method's whole config is checked here, before any process builds a model
         a = ap.parse_args(argv)
         _checks.at_least(a, 1, "batch", "steps", "rounds"); _checks.at_least(a, 0, "warmup")
         _checks.device(a.device)
+        _checks.out_dir("--out", a.out)
         from powerclip.train import validate
         for m in a.methods:
             try: validate(config(m, a), world_size=1)
@@ -104,21 +113,22 @@ def main(argv=None):
     for m in a.methods:
         t = statistics.median([x for o in res[m] for x in o["times"]])
         mem = max(o["peak_mib"] for o in res[m])
-        summary[m] = dict(ms_per_step=t * 1e3, images_per_s=a.batch / t, peak_mib=mem)
+        summary[m] = dict(ms_per_step=t * 1e3, images_per_s=a.batch / t, peak_mib=mem,
+                          peak_total_mib=max(o.get("peak_total_mib", float("nan")) for o in res[m]))
     for m in a.methods:
         summary[m]["time_ratio"] = summary[m]["ms_per_step"] / summary[base]["ms_per_step"]
         summary[m]["mem_ratio"] = summary[m]["peak_mib"] / max(summary[base]["peak_mib"], 1e-9)
     meta = dict(preset=a.preset, model=res[base][0]["model"], params=res[base][0]["params"], device=a.device,
-                gpu=torch.cuda.get_device_name() if a.device == "cuda" else None, cpu=platform.processor() or platform.machine(),
-                cores=os.cpu_count(), torch=torch.__version__, args=vars(a))
-    OUT.mkdir(exist_ok=True)
-    tag = f"{a.preset}_{a.device}_B{a.batch}_{a.precision}"
-    (OUT / f"train_step_ratio_{tag}.json").write_text(json.dumps(dict(meta=meta, summary=summary), indent=1))
+                gpu=torch.cuda.get_device_name(torch.device(a.device)) if a.device.startswith("cuda") else None, cpu=platform.processor() or platform.machine(),
+                cores=os.cpu_count(), torch=torch.__version__, args={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()})
+    a.out.mkdir(parents=True, exist_ok=True)
+    tag = a.tag or f"{a.preset}_{a.device}_B{a.batch}_{a.precision}"
+    (a.out / f"train_step_ratio_{tag}.json").write_text(json.dumps(dict(meta=meta, summary=summary), indent=1))
     lines = [f"# Train step: {meta['model']} ({a.preset} preset), {a.device}, batch {a.batch}, {a.precision}", "",
              f"| method | ms/step | images/s | peak MiB | time / {base} | memory / {base} |", "|---|---|---|---|---|---|"]
     lines += [f"| {m} | {s['ms_per_step']:.1f} | {s['images_per_s']:.1f} | {s['peak_mib']:.1f} | {s['time_ratio']:.2f}x | {s['mem_ratio']:.2f}x |"
               for m, s in summary.items()]
-    (OUT / f"train_step_ratio_{tag}.md").write_text("\n".join(lines) + "\n")
+    (a.out / f"train_step_ratio_{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

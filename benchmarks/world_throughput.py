@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import _checks
-from powerclip.cli import ArgumentParser, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
 
 from powerclip.world import WorldConfig, WorldDataset, collate_world, generate
 

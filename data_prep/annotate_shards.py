@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from powerclip.cli import ArgumentParser, UsageError, run_main, usage_errors   # the project's command-line convention
+from powerclip.commandline import ArgumentParser, UsageError, run_main, usage_errors   # the project's command-line convention
 
 OURS = ('tree.json', 'regions.npz')             # members this tool writes (replaced if the input has them)
 STATS_VERSION = 2                               # 2: trees hold the caption as given + word offsets; caption_problem
@@ -503,7 +503,7 @@ def parse_args(argv=None) -> tuple[list[Path], AnnotateConfig, bool]:
 
 def main(argv=None) -> int:
     """The command line: 0 done, 1 some shard failed, 2 a usage error (one line on stderr; --debug or POWERCLIP_DEBUG=1:
-    the traceback), as every command of the project (`powerclip.cli`)."""
+    the traceback), as every command of the project (`powerclip.commandline`)."""
     return run_main(_main, argv, 'annotate_shards')
 
 

@@ -25,6 +25,9 @@ BIN = Path(sys.executable).parent
 # Navigation sections by the tens of the notebook number (the groups of 00_index's reading-order table).
 SECTIONS = {1: "Loss, theory, processes", 2: "Inputs", 3: "Model", 4: "Methods", 5: "Training", 6: "Evaluation",
             7: "Comparison and experiments"}
+# Notebooks numbered just below a group because they come before it in reading order, but belong to it: the trainer's
+# config and checkpoints (read before `50_train`), the comparison's report (read before `70_compare`).
+SECTION_OF = {"49a_config": 5, "49b_checkpoint": 5, "69a_report": 7}
 
 # MathJax 2 as jupyter-server-mathjax ships it has the STIX-Web fonts only (MathJax's default is its TeX fonts);
 # mkdocs.yml's custom_mathjax_url loads this file after the combined config.
@@ -126,7 +129,7 @@ def prepare() -> list:
         if p.stem == "00_index":
             home = {"Home": "index.ipynb"}
             continue
-        sec = SECTIONS.get(int(p.stem[0]), "Other")
+        sec = SECTIONS.get(SECTION_OF.get(p.stem, int(p.stem[0])), "Other")
         label = p.stem.split("_")[0] + " · " + re.sub(r"[$\\`]", "", title)   # no LaTeX in the navigation
         sections.setdefault(sec, []).append({label: f"{p.stem}.ipynb"})
     ref = []

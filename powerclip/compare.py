@@ -5,8 +5,8 @@
 # %% ../nbs/70_compare.ipynb #6e30da41
 from __future__ import annotations
 
-import csv, json, math, os, platform, re, shlex, statistics, sys, tempfile, time
-from dataclasses import asdict, dataclass, field
+import json, os, platform, re, shlex, statistics, sys, time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -14,26 +14,23 @@ import torch
 import yaml
 
 from .baselines.clip_pgs import WORLD_SIM_THRESHOLD
-from .cli import ArgumentParser, run_main, usage_errors
+from .commandline import ArgumentParser, check_device, run_main, usage_errors
+from .config import PRECISIONS, TrainConfig, check_precision, from_dict, load_config, parse_override, to_dict
 from .data import derive_seed, world_config
 from .eval.data import write_world_benchmark
-from .eval.models import Evaluator, load_model
-from .eval.tasks import evaluate_world
-from .heatmaps import heat_iou, model_heat_fn, np_phrases, pointing_hit, upsample
+from .eval.models import load_model
+from .eval.world_scores import FOLDER_HEADLINE, HEADLINE, evaluate_folder
 from .measure import run_isolated
 from .methods import method_config
 from .model import model_geometry
-from .stats import Interval, bootstrap_paired, paired_difference
-from .train import TrainConfig, from_dict, load_config, parse_override, plot_metrics, read_metrics, to_dict, train
-from .world import WorldConfig, generate
+from .report import REFERENCE, Comparison, paired_stats, summarize_seeds, write_outputs
+from .train import read_metrics, train
+from .world import WorldConfig
 
 # %% auto #0
-__all__ = ['RUNS', 'DEMO_RUNS', 'REFERENCE', 'HEADLINE', 'COMPARE_STEPS', 'COMPARE_SEEDS', 'FINETUNE_SHARE', 'CURVE_POINTS',
-           'EVAL_IMAGES', 'GROUNDING_SCENES', 'VOLATILE', 'RunSpec', 'finetune_steps', 'snapshot_steps', 'Job', 'Plan',
-           'make_plan', 'train_isolated', 'step_seconds', 'train_job', 'scene_names', 'scene_shares', 'pointing_scenes',
-           'evaluate_folder', 'summarize_seeds', 'paired_stats', 'verdicts', 'headline_table', 'bootstrap_table',
-           'kinds_table', 'sweep_table', 'plot_curves', 'Comparison', 'run_sweep', 'run_plan', 'summary_rows',
-           'write_outputs', 'compare', 'main']
+__all__ = ['RUNS', 'DEMO_RUNS', 'COMPARE_STEPS', 'COMPARE_SEEDS', 'FINETUNE_SHARE', 'CURVE_POINTS', 'EVAL_IMAGES',
+           'GROUNDING_SCENES', 'VOLATILE', 'SWEEP_BY', 'RunSpec', 'finetune_steps', 'snapshot_steps', 'Job', 'Plan',
+           'make_plan', 'train_isolated', 'step_seconds', 'train_job', 'run_sweep', 'run_plan', 'compare', 'main']
 
 # %% ../nbs/70_compare.ipynb #30cd359a
 @dataclass
@@ -74,8 +71,8 @@ RUNS = {
     "PowerCLIP-gold (avg)": RunSpec("powerclip", {"method_cfg.masks": "gold", "model.pool": "avg"}),
 }
 DEMO_RUNS = ("CLIP", "PowerCLIP-R", "PowerCLIP-gold")   # `make demo`: CLIP against PowerCLIP
-REFERENCE = "CLIP"                                      # every paired difference is to this row, same seed
-HEADLINE = ("hn_mean", "i2t_R@1", "t2i_R@1", "pointing")   # the numbers with paired differences and verdicts
+# REFERENCE ("CLIP": every paired difference is to this row, same seed) is the report's (`69a_report`); the numbers with
+# paired differences and verdicts are the world evaluation's HEADLINE (`68_eval_world_scores`)
 
 # %% ../nbs/70_compare.ipynb #93ccb296
 COMPARE_STEPS = 150               # T of `--runs all` (the demo keeps its preset's max_steps)
@@ -219,8 +216,8 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     user = dict(overrides or {})
     if "global_batch_size" in user:   # the trainer resolves it into data.batch_size: reuse and s/step need the local size
         raise ValueError("global_batch_size: give data.batch_size (images per step and process) to the comparison instead")
-    if device is not None: user["device"] = device
-    if precision is not None: user["precision"] = precision
+    if device is not None: user["device"] = check_device("--device", device)
+    if precision is not None: user["precision"] = check_precision("--precision", precision)
     out = Path(out_dir)
     if out.exists() and not out.is_dir(): raise ValueError(f"--out: {out} is a file, not a folder")
     T = steps if steps is not None else load_config(preset, user).max_steps
@@ -302,224 +299,10 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
     rec.write_text(json.dumps(r, indent=1))
     return r
 
-# %% ../nbs/70_compare.ipynb #586eb208
-def scene_names(root) -> list[str]:
-    "The held-out scenes of a world benchmark folder: its image files, in order."
-    return sorted(p.name for p in (Path(root) / "images").glob("*.png"))
-
-
-def scene_shares(items: dict, scenes: list[str]) -> dict[str, list[float]]:
-    "Each scene's share (%) of `hn_mean`, `i2t_R@1`, `t2i_R@1` from `world_items`' answers; the mean over `scenes` is the number."
-    at, N = {s: i for i, s in enumerate(scenes)}, len(scenes)
-    def shares(pairs) -> list[float]:
-        c = np.zeros(N)
-        for scene, v in pairs: c[at[scene]] += v
-        return (100 * N * c).tolist()
-    hn = {k: v for k, v in items["hn"].items() if v["hit"]}
-    out = {"hn_mean": shares((im, h / (len(hn) * len(v["hit"]))) for v in hn.values() for im, h in zip(v["image"], v["hit"]))}
-    for m in ("i2t_R@1", "t2i_R@1"):
-        out[m] = shares((im, h / len(items[m]["hit"])) for im, h in zip(items[m]["image"], items[m]["hit"]))
-    return out
-
-
-@torch.no_grad()
-def pointing_scenes(model, tokenizer, cfg: WorldConfig, n_scenes: int, split: str = "test") -> dict:
-    """Pointing game and mean IoU (%) of a model's text-to-patch maps on the first `n_scenes` scenes of `split` (what
-    `67_heatmaps.grounding_score` computes), `n_phrases`, and `per_scene`: each scene's share of the pointing number."""
-    fn, hits, ious = model_heat_fn(model, tokenizer), [], []
-    for i in range(n_scenes):
-        s = generate(cfg, i, split)
-        phrases = np_phrases(s)
-        if not phrases: hits.append(torch.zeros(0, dtype=torch.float64)); continue
-        heat = fn(s["image"], [p for p, _ in phrases])                                  # (T, gh, gw)
-        if heat.shape[-2:] != (cfg.grid, cfg.grid): heat = upsample(heat, (cfg.grid, cfg.grid))
-        mask = torch.from_numpy(np.stack([m for _, m in phrases]))                      # (T, G*G)
-        hits.append(pointing_hit(heat, mask).double()); ious.append(heat_iou(heat, mask).double())
-    n = sum(len(h) for h in hits)
-    if n == 0: raise ValueError(f"no noun phrase with a mask in {n_scenes} {split} scenes")
-    return dict(pointing=100 * torch.cat(hits).mean().item(), mean_iou=100 * torch.cat(ious).mean().item(), n_phrases=n,
-                per_scene=[100 * n_scenes * h.sum().item() / n for h in hits])
-
-
-def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device: str = "cpu", cache: str = "eval.json",
-                    lm=None) -> dict:
-    """The numbers (%) of the weights in `folder` on the benchmark folder `root` (every scorer; `scorer` names the
-    headline), `per_scene` shares of the headline numbers, and with `grounding` the pointing game on that many scenes;
-    cached in `folder/cache`. `lm`: a loaded model instead of `folder/model.pt` (the untrained row; `folder` holds its cache)."""
-    folder, root = Path(folder), Path(root)
-    stamp = None if lm is not None else _mtime(folder / "model.pt")
-    key = dict(root=str(root.resolve()), summary=json.loads((root / "summary.json").read_text()).get("request"),
-               grounding=grounding, split=json.loads((root / "summary.json").read_text()).get("split"), eval=3,
-               model=getattr(lm, "ckpt_id", None))
-    f = folder / cache
-    if f.is_file():
-        c = json.loads(f.read_text())
-        if c.get("key") == key and c.get("weights_mtime_ns") == stamp: return c["results"]
-    t0 = time.time()
-    lm = lm or load_model(checkpoint=folder, device=device)
-    with tempfile.TemporaryDirectory() as d:         # features computed once for the numbers and the items
-        res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, per_item=True)
-    res["per_scene"] = scene_shares(res.pop("items")[res["scorer"]], scene_names(root))
-    if grounding:
-        cpu = lm if device == "cpu" else load_model(checkpoint=folder)              # the heat maps run on the CPU
-        g = pointing_scenes(cpu.model, cpu.tokenizer, world, grounding)
-        res["per_scene"]["pointing"] = g.pop("per_scene"); res.update(g)
-    res["eval_s"] = time.time() - t0
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
-    return res
-
-# %% ../nbs/70_compare.ipynb #66dc9df4
-def summarize_seeds(per_seed: dict, base: str = REFERENCE) -> dict[str, dict]:
-    "Mean and sample sd (`_sd`) over seeds of every number of every row, and `time_ratio`: s/step relative to `base`, within each seed."
-    names = list(dict.fromkeys(n for res in per_seed.values() for n in res))
-    out = {}
-    for n in names:
-        rows = [res[n] for res in per_seed.values() if n in res]
-        keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)))
-        agg = dict(seeds=len(rows))
-        for k in ("scorer", "regime"):
-            if isinstance(rows[0].get(k), str): agg[k] = rows[0][k]
-        for k in keys:
-            v = [float(r[k]) for r in rows if k in r]
-            agg[k] = float(np.mean(v)); agg[k + "_sd"] = float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
-        v = [res[n]["s_per_step"] / res[base]["s_per_step"] for res in per_seed.values()
-             if n in res and base in res and res[n].get("s_per_step") and res[base].get("s_per_step")]
-        if v: agg["time_ratio"], agg["time_ratio_sd"] = float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
-        out[n] = agg
-    return out
-
-
-def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot: int = 2000) -> dict:
-    "{row: {metric: {'t': Interval over seeds, 'boot': Interval over scenes or None}}} of row - `base`, same seed."
-    names = list(dict.fromkeys(n for res in per_seed.values() for n in res if n != base))
-    out = {}
-    for n in names:
-        for m in metrics:
-            a = {s: r[n][m] for s, r in per_seed.items() if n in r and m in r[n]}
-            b = {s: r[base][m] for s, r in per_seed.items() if base in r and m in r[base]}
-            if not a or not b: continue
-            common = [s for s in sorted(set(a) & set(b)) if m in per_seed[s][n].get("per_scene", {}) and m in per_seed[s][base].get("per_scene", {})]
-            boot = None
-            if common:
-                x = np.array([per_seed[s][n]["per_scene"][m] for s in common]); y = np.array([per_seed[s][base]["per_scene"][m] for s in common])
-                if x.shape == y.shape: boot = bootstrap_paired(x, y, n_boot=n_boot)
-            out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot)
-    return out
-
-
-def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
-    "One phrase per row from the seed intervals: 'better: ...; worse: ...', or 'no difference shown'."
-    out = {}
-    for n, by in stats.items():
-        v = {m: by[m]["t"].verdict() for m in metrics if m in by}
-        better, worse = [_HEAD[m] for m, x in v.items() if x == "better"], [_HEAD[m] for m, x in v.items() if x == "worse"]
-        one = all(by[m]["t"].n < 2 for m in v)
-        out[n] = "one seed: no verdict" if one else "; ".join(p for p in (("better: " + ", ".join(better)) if better else "",
-                                                                           ("worse: " + ", ".join(worse)) if worse else "") if p) or "no difference shown"
-    return out
-
-
-_HEAD = {"hn_mean": "HN mean", "i2t_R@1": "i2t R@1", "t2i_R@1": "t2i R@1", "pointing": "pointing"}
-
-# %% ../nbs/70_compare.ipynb #6438d4f7
-def _cell(r: dict, k: str, fmt: str = "{:.1f}") -> str:
-    v, sd = r.get(k, float("nan")), r.get(k + "_sd", float("nan"))
-    if v is None or (isinstance(v, float) and math.isnan(v)): return "-"
-    return fmt.format(v) + ("" if sd is None or math.isnan(sd) else " ± " + fmt.format(sd))
-
-
-def _label(name: str, r: dict) -> str:
-    "A row's label, with its headline scorer when it is not the global cosine: 'FILIP [late]'."
-    return name if r.get("scorer", "global") == "global" else f"{name} [{r['scorer']}]"
-
-
-def _other(r: dict) -> str:
-    "The numbers of a second scorer, for rows whose headline is not the global cosine."
-    s = sorted({k.split(":")[0] for k in r if ":" in k and not k.endswith("_sd")})
-    return "; ".join(f"{x}: HN {_cell(r, x + ':hn_mean')}, i2t R@1 {_cell(r, x + ':i2t_R@1')}" for x in s) or ""
-
-
-def headline_table(summary: dict, stats: dict, base: str = REFERENCE) -> str:
-    "Markdown: mean ± sd over seeds, paired difference to `base` [95 % t interval over seeds], verdict, time per step."
-    v = verdicts(stats)
-    head = ["run", "regime", "HN mean", "i2t R@1", "t2i R@1", "pointing", f"Δ HN mean vs {base}", f"Δ i2t R@1 vs {base}",
-            f"Δ t2i R@1 vs {base}", f"Δ pointing vs {base}", "verdict (seed intervals)", f"time/step vs {base}", "other scorer"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * 8 + "---|---:|---|"]
-    for n, r in summary.items():
-        d = [stats.get(n, {}).get(m, {}).get("t") for m in HEADLINE]
-        cells = [_label(n, r), r.get("regime", ""), *(_cell(r, m) for m in HEADLINE),
-                 *("-" if x is None else x.format() for x in d), v.get(n, "reference" if n == base else "-"),
-                 _cell(r, "time_ratio", "{:.2f}") + ("x" if "time_ratio" in r else ""), _other(r)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def bootstrap_table(stats: dict, base: str = REFERENCE) -> str:
-    "Markdown: paired differences to `base` with the 95 % bootstrap interval over held-out scenes."
-    lines = ["| run | " + " | ".join(f"Δ {_HEAD[m]}" for m in HEADLINE) + " |", "|---|" + "---:|" * len(HEADLINE)]
-    for n, by in stats.items():
-        lines.append(f"| {n} | " + " | ".join("-" if by.get(m, {}).get("boot") is None else by[m]["boot"].format() for m in HEADLINE) + " |")
-    return "\n".join(lines)
-
-
-def kinds_table(summary: dict) -> str:
-    "Markdown: mean ± sd over seeds of the hard-negative accuracy of every kind, R@5 both ways, IoU."
-    from powerclip.world import NEGATIVE_KINDS
-    cols = [(f"hn_{k}", k) for k in NEGATIVE_KINDS] + [("i2t_R@5", "i2t R@5"), ("t2i_R@5", "t2i R@5"), ("mean_iou", "IoU"),
-                                                         ("train_s_total", "train s")]
-    cols = [c for c in cols if any(c[0] in r for r in summary.values())]
-    lines = ["| run | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
-    lines += [f"| {_label(n, r)} | " + " | ".join(_cell(r, k, "{:.0f}" if k == "train_s_total" else "{:.1f}") for k, _ in cols) + " |"
-              for n, r in summary.items()]
-    return "\n".join(lines)
-
-
-def sweep_table(sweep: dict) -> str:
-    "Markdown: the validation numbers of each candidate value of a sweep, and the value kept."
-    lines = [f"| {sweep['key']} | val HN mean | val i2t R@1 | val t2i R@1 | seeds | kept |", "|---:|---:|---:|---:|---:|---|"]
-    for v, r in sweep["candidates"].items():
-        lines.append(f"| {v} | {_cell(r, 'hn_mean')} | {_cell(r, 'i2t_R@1')} | {_cell(r, 't2i_R@1')} | {r['seeds']} | "
-                     f"{'**kept**' if float(v) == float(sweep['chosen']) else ''} |")
-    return "\n".join(lines)
-
-
-def plot_curves(curves: dict, path=None, title: str = ""):
-    """Hard-negative mean and R@1 (mean of both directions) against steps and against training seconds, mean over
-    seeds: one figure, every row (a fine-tuned row's curve starts at its base's snapshot)."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(10, 6.4))
-    axes = fig.subplots(2, 2)
-    import matplotlib
-    colours = matplotlib.colormaps["tab20"].colors   # 20 distinct colours: the default cycle repeats after 10 rows
-    for k, (name, pts) in enumerate(curves.items()):
-        if not pts: continue
-        style = dict(color=colours[(2 * k) % 20 + (k // 10) % 2], ls="-" if k < 10 else "--", marker="o", ms=3, lw=1.2, label=name)
-        for i, (key, lab) in enumerate((("hn_mean", "hard-negative mean (%)"), ("R@1", "R@1, mean of both directions (%)"))):
-            for j, x in enumerate(("step", "seconds")):
-                axes[i][j].plot([p[x] for p in pts], [p[key] for p in pts], **style)
-                axes[i][j].set_ylabel(lab); axes[i][j].set_xlabel("training step" if x == "step" else "training wall-clock (s)")
-    axes[0][0].legend(fontsize=7, ncol=2)
-    if title: fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    if path is not None: fig.savefig(path, dpi=110)
-    return fig
-
 # %% ../nbs/70_compare.ipynb #2a4c4c6b
-@dataclass
-class Comparison:
-    "What a comparison returns (and writes to `summary.json`)."
-    per_seed: dict                # {seed: {row: numbers of its final weights on the test scenes (with per_scene shares)}}
-    curves: dict                  # {row: [{step, seconds, hn_mean, R@1, ...} mean over seeds]}
-    summary: dict                 # {row: mean and sd over seeds}
-    stats: dict                   # {row: {metric: {'t': Interval, 'boot': Interval}}}
-    sweeps: dict                  # {row: {key, candidates, chosen}}
-    meta: dict
-
-
 def _curve_point(step: int, seconds: float, r: dict) -> dict:
-    return dict(step=step, seconds=seconds, hn_mean=r["hn_mean"], **{"i2t_R@1": r["i2t_R@1"], "t2i_R@1": r["t2i_R@1"]},
-                **{"R@1": (r["i2t_R@1"] + r["t2i_R@1"]) / 2})
+    "A point of a learning curve: the folder's headline numbers, and R@1 as the mean of its two directions."
+    return dict(step=step, seconds=seconds, **{k: r[k] for k in FOLDER_HEADLINE}, **{"R@1": (r["i2t_R@1"] + r["t2i_R@1"]) / 2})
 
 
 def _snapshot(job: Job, step: int) -> tuple[Path, float]:
@@ -534,8 +317,11 @@ def _mean_curve(per_seed: list[list[dict]]) -> list[dict]:
     return [{k: float(np.mean([c[i][k] for c in per_seed])) for k in per_seed[0][i]} for i in range(n)]
 
 
+SWEEP_BY = "hn_mean"   # a sweep keeps the candidate with the highest validation number of this headline key
+
+
 def run_sweep(plan: Plan, name: str, log=print) -> dict:
-    "Train a swept row's candidates at the sweep seeds, score them on the validation scenes, keep the best HN mean."
+    "Train a swept row's candidates at the sweep seeds, score them on the validation scenes, keep the best by `SWEEP_BY`."
     spec = plan.runs[name]
     key, values = spec.sweep
     cand = {}
@@ -545,12 +331,13 @@ def run_sweep(plan: Plan, name: str, log=print) -> dict:
             job = plan.jobs[(name, s, v)]
             train_job(job, plan.isolate, log)
             per[s] = evaluate_folder(job.dir, plan.val_root, plan.world, 0, plan.device, cache="eval_val.json")
-        m = {k: [r[k] for r in per.values()] for k in ("hn_mean", "i2t_R@1", "t2i_R@1")}
+        m = {k: [r[k] for r in per.values()] for k in FOLDER_HEADLINE}
         cand[f"{v:g}"] = dict(seeds=len(per), **{k: float(np.mean(x)) for k, x in m.items()},
                               **{k + "_sd": float(np.std(x, ddof=1)) if len(x) > 1 else float("nan") for k, x in m.items()})
-    best = max(values, key=lambda v: (cand[f"{v:g}"]["hn_mean"], -values.index(v)))   # ties: the first listed
-    res = dict(key=key, candidates=cand, chosen=best, seeds=list(plan.sweep_seeds), criterion="highest validation HN mean")
-    log(f"compare: {name} sweep of {key}: " + ", ".join(f"{v} -> HN {c['hn_mean']:.1f}" for v, c in cand.items()) + f"; kept {best:g}")
+    best = max(values, key=lambda v: (cand[f"{v:g}"][SWEEP_BY], -values.index(v)))   # ties: the first listed
+    res = dict(key=key, candidates=cand, chosen=best, seeds=list(plan.sweep_seeds), criterion=f"highest validation {HEADLINE[SWEEP_BY]}")
+    log(f"compare: {name} sweep of {key}: " + ", ".join(f"{v} -> {HEADLINE[SWEEP_BY]} {c[SWEEP_BY]:.1f}" for v, c in cand.items())
+        + f"; kept {best:g}")
     return res
 
 
@@ -609,51 +396,6 @@ def run_plan(plan: Plan, log=None) -> Comparison:
     return cmp
 
 
-def summary_rows(cmp: Comparison) -> list[dict]:
-    "The headline table as tidy rows (run, metric): mean, sd and seeds, and the paired difference to the reference with its t interval."
-    ref, rows = cmp.meta.get("reference", REFERENCE), []
-    for n, r in cmp.summary.items():
-        for m in HEADLINE:
-            if m not in r: continue
-            t = cmp.stats.get(n, {}).get(m, {}).get("t")
-            rows.append(dict(run=n, regime=r.get("regime", ""), metric=m, mean=r[m], sd=r.get(m + "_sd"), seeds=r["seeds"],
-                             reference=ref, delta=t.mean if t else None, lo=t.lo if t else None, hi=t.hi if t else None,
-                             verdict=t.verdict() if t else ("reference" if n == ref else "")))
-    return rows
-
-
-def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
-    "`summary.md`, `summary.csv`, `summary.json`, `curves.png` (and `loss_curves.png`) of a comparison."
-    out, m = Path(out), cmp.meta
-    head = (f"{len(m['seeds'])} seed(s) {m['seeds']}, T = {m['steps']} steps (fine-tunes: F = {m['finetune_steps']}), preset "
-            f"{m['preset']}{', overrides ' + str(m['overrides']) if m['overrides'] else ''}; {m['eval_images']} held-out test "
-            f"scenes, pointing on {m['grounding_scenes']}; {m['device']}, {m['machine']['cores']} cores, torch {m['machine']['torch']}; "
-            f"started {m['started']}, {m['seconds']} s (training loops of the table's runs: {m['train_seconds']} s, sweeps apart)"
-            + (f"; `{m['command']}`" if m.get("command") else ""))
-    ref = m.get("reference", REFERENCE)
-    parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t interval over "
-             "seeds]; the verdict reads the seed intervals (better/worse only where the interval excludes 0).", "",
-             headline_table(cmp.summary, cmp.stats, ref)]
-    if cmp.stats: parts += ["", f"Paired differences to {ref} with the 95 % bootstrap interval over held-out scenes (test-set "
-                            "sampling only; not the verdict):", "", bootstrap_table(cmp.stats, ref)]
-    parts += ["", "Every hard-negative kind, R@5, IoU of the pointing maps, training seconds:", "", kinds_table(cmp.summary)]
-    for n, s in cmp.sweeps.items():
-        parts += ["", f"{n}: {s['key']} chosen on {m['eval_images']} validation scenes (seeds {s['seeds']}; {s['criterion']}):", "",
-                  sweep_table(s)]
-    if m.get("skipped"): parts += ["", "Left out: " + "; ".join(f"{k} ({v})" for k, v in m["skipped"].items())]
-    (out / "summary.md").write_text("\n".join(parts) + "\n")
-    rows = summary_rows(cmp)
-    with open(out / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]) if rows else ["run"]); w.writeheader(); w.writerows(rows)
-    plain = lambda x: asdict(x) if isinstance(x, Interval) else x
-    stats = {n: {k: {a: plain(b) for a, b in v.items()} for k, v in by.items()} for n, by in cmp.stats.items()}
-    numbers = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()} for s, res in cmp.per_seed.items()}
-    (out / "summary.json").write_text(json.dumps(dict(meta=m, summary=cmp.summary, stats=stats, sweeps=cmp.sweeps,
-                                                      curves=cmp.curves, per_seed=numbers), indent=1, default=str))
-    plot_curves(cmp.curves, out / "curves.png", title=f"mean over seeds {m['seeds']}; T = {m['steps']}")
-    if losses: plot_metrics(losses, out / "loss_curves.png", title=f"training loss, seed {m['seeds'][0]}")
-
-
 def compare(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/demo", **kw) -> Comparison:
     "`make_plan(runs, seeds, steps, out_dir, **kw)` then `run_plan`: the comparison as a function (see `make_plan` for the options)."
     return run_plan(make_plan(runs, seeds, steps, out_dir, **kw), kw.get("log"))
@@ -671,7 +413,7 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--curve-points", nargs="+", type=float, default=list(CURVE_POINTS), help="snapshots, as shares of a run's steps")
     ap.add_argument("--sweep-seeds", nargs="+", type=int, default=None, help="seeds of the sweeps (default: the first seed)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
-    ap.add_argument("--precision", default=None, help="fp32 | bf16 | auto (default: the preset's)")
+    ap.add_argument("--precision", default=None, help=f"{' | '.join(PRECISIONS)} (default: the preset's)")
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--in-process", action="store_true", help="train in this process (no per-run peak memory)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
@@ -688,9 +430,6 @@ def _main(argv: list[str]) -> int:
         many = a.runs == ["all"] or (a.seeds is not None and len(a.seeds) > 1)
         seeds = a.seeds if a.seeds is not None else (list(COMPARE_SEEDS) if a.runs == ["all"] else [0])
         steps = a.steps if a.steps is not None else (COMPARE_STEPS if a.runs == ["all"] else None)
-        if a.device is not None and a.device.split(":")[0] not in ("cpu", "cuda"): raise ValueError(f"--device: {a.device!r} (cpu or cuda)")
-        if a.device is not None and a.device.startswith("cuda") and not torch.cuda.is_available(): raise ValueError("--device: cuda asked for, but torch sees no GPU")
-        if a.precision is not None and a.precision not in ("fp32", "bf16", "auto"): raise ValueError(f"--precision: {a.precision!r} (fp32, bf16 or auto)")
         ov = {}
         for o in a.overrides:
             k, v = parse_override(o); ov[k] = v

@@ -20,19 +20,20 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
-from .parsing import (ParsedCaption, TreeTokens, caption_problem, collate_trees, default_tokenizer, parse_caption,
-                               tree_problems, tree_tokens)
+from .parsing import ParsedCaption, caption_problem, parse_caption, tree_problems
+from .tokens import TreeTokens, collate_trees, default_tokenizer, tree_tokens
 from .regions import GridConfig, decode_regions, random_box_masks, select_masks, superpixel_masks
 from .world import WorldConfig, WorldDataset
 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'REGION_SOURCES', 'SEED_STREAMS', 'SKIP_REASONS', 'IMAGE_EXTS', 'DataConfig', 'Geometry', 'BatchNeeds',
-           'BatchSpec', 'mix_seed', 'key_index', 'derive_seed', 'run_seeds', 'sample_generator', 'SkipCounter',
-           'add_counts', 'caption_tokens', 'region_masks', 'make_item', 'collate', 'EpochBatchSampler', 'world_config',
-           'WorldItems', 'world_region_pool', 'shard_urls', 'eval_transform', 'decode_sample', 'read_shard',
-           'StreamPosition', 'n_streams', 'WdsItems', 'Loader', 'steps_per_epoch', 'make_loader', 'write_shard']
+__all__ = ['logger', 'REGION_SOURCES', 'SEED_STREAMS', 'SAMPLE_SKIP_REASONS', 'IMAGE_EXTS', 'DataConfig', 'Geometry',
+           'BatchNeeds', 'BatchSpec', 'mix_seed', 'key_index', 'derive_seed', 'run_seeds', 'sample_generator',
+           'SampleSkipCounter', 'add_counts', 'caption_tokens', 'region_masks', 'make_item', 'collate',
+           'EpochBatchSampler', 'world_config', 'WorldItems', 'world_region_pool', 'shard_urls', 'eval_transform',
+           'decode_sample', 'read_shard', 'StreamPosition', 'n_streams', 'WdsItems', 'Loader', 'steps_per_epoch',
+           'make_loader', 'write_shard']
 
 # %% ../nbs/23_data.ipynb #041e8a8c
 @dataclass
@@ -144,26 +145,26 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(mix_seed(seed, epoch, index))
 
 # %% ../nbs/23_data.ipynb #008ccf5f
-SKIP_REASONS = ('shard_error',   # unreadable / truncated tar or a read error inside it
-                'no_image',      # no member with an image extension (IMAGE_EXTS)
-                'bad_image',     # the image bytes do not decode
-                'no_caption',    # missing .txt, or a caption parsing.caption_problem rejects (not UTF-8, no letter or digit)
-                'bad_tree',      # tree needed: unparsable .tree.json, a tree without a valid node, or no tree when parsing is off
-                'no_regions',    # stored masks needed: no .regions.npz or no non-empty mask in it
-                'bad_regions')   # stored masks needed: masks on another grid or unreadable
+SAMPLE_SKIP_REASONS = ('shard_error',   # unreadable / truncated tar or a read error inside it
+                       'no_image',      # no member with an image extension (IMAGE_EXTS)
+                       'bad_image',     # the image bytes do not decode
+                       'no_caption',    # missing .txt, or a caption parsing.caption_problem rejects (not UTF-8, no letter or digit)
+                       'bad_tree',      # tree needed: unparsable .tree.json, a tree without a valid node, or no tree when parsing is off
+                       'no_regions',    # stored masks needed: no .regions.npz or no non-empty mask in it
+                       'bad_regions')   # stored masks needed: masks on another grid or unreadable
 
-class SkipCounter:
+class SampleSkipCounter:
     "Per-reason counts of the samples one stream skipped; each skip is also logged with its key and reason."
-    def __init__(self): self.counts = dict.fromkeys(SKIP_REASONS, 0)
+    def __init__(self): self.counts = dict.fromkeys(SAMPLE_SKIP_REASONS, 0)
 
     def add(self, reason: str, key: str = '', detail: str = ''):
-        if reason not in self.counts: raise ValueError(f'unknown skip reason {reason!r}; reasons: {SKIP_REASONS}')
+        if reason not in self.counts: raise ValueError(f'unknown skip reason {reason!r}; reasons: {SAMPLE_SKIP_REASONS}')
         self.counts[reason] += 1
         logger.warning('skipped sample %r: %s %s', key, reason, detail)
 
     def take(self) -> dict[str, int]:
         "The counts since the last `take` (and start again from zero)."
-        out, self.counts = self.counts, dict.fromkeys(SKIP_REASONS, 0)
+        out, self.counts = self.counts, dict.fromkeys(SAMPLE_SKIP_REASONS, 0)
         return out
 
     def total(self) -> int: return sum(self.counts.values())
@@ -171,7 +172,7 @@ class SkipCounter:
 
 def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     "Reason-wise sum of two skip counts."
-    return {k: a.get(k, 0) + b.get(k, 0) for k in dict.fromkeys([*SKIP_REASONS, *a, *b])}
+    return {k: a.get(k, 0) + b.get(k, 0) for k in dict.fromkeys([*SAMPLE_SKIP_REASONS, *a, *b])}
 
 # %% ../nbs/23_data.ipynb #05a184ef
 def caption_tokens(text: str, context_length: int) -> torch.Tensor:
@@ -276,7 +277,7 @@ def eval_transform(image_size: int):
     from open_clip import image_transform
     return image_transform(image_size, is_train=False)
 
-def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: SkipCounter) -> dict | None:
+def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: SampleSkipCounter) -> dict | None:
     """A raw webdataset sample (bytes per extension) -> a batch item, or None (counted and logged) when unusable.
     Reads a tree (stored, or parsed on the fly) and stored masks only when the method needs them."""
     key, needs, cfg, geo = s.get('__key__', '?'), spec.needs, spec.data, spec.geometry
@@ -395,7 +396,7 @@ class WdsItems(IterableDataset):
         K = max(1, self.cfg.shuffle_buffer)
         p0, head = P.pos[w], list(P.at[w])
         j, end = p0 // K, p0                     # block of the first output due; outputs of the stream so far
-        raw, skips, items = self.raw(self.shards(w), head), SkipCounter(), []
+        raw, skips, items = self.raw(self.shards(w), head), SampleSkipCounter(), []
         while block := list(itertools.islice(raw, K)):
             start, head = head, block[-1][1]      # where block j starts, and where block j + 1 does
             order = list(range(len(block)))

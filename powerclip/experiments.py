@@ -5,7 +5,7 @@
 # %% ../nbs/71_experiments.ipynb #6bf10f00
 from __future__ import annotations
 
-import csv, itertools, json, subprocess, sys
+import csv, itertools, json, math, subprocess, sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,21 +13,24 @@ import numpy as np
 import torch
 import yaml
 
-from .cli import ArgumentParser, run_main, usage_errors
-from .compare import COMPARE_SEEDS, RUNS, Comparison, RunSpec, make_plan, run_plan
+from .commandline import ArgumentParser, run_main, usage_errors
+from .compare import COMPARE_SEEDS, RUNS, RunSpec, make_plan, run_plan
+from .config import PRECISIONS, TrainConfig, from_dict, load_config, parse_override
 from .data import region_masks, sample_generator, steps_per_epoch, world_config, world_region_pool
 from .dist import DistContext
 from .loss import powerset_similarity
 from .methods import powerset_inputs, word_nodes
 from .model import model_geometry
 from .stats import t_interval
-from .train import TrainConfig, build_run, from_dict, load_config, parse_override
+from .eval.world_scores import FOLDER_HEADLINE, HEADLINE
+from .report import Comparison
+from .train import build_run
 from .world import WorldDataset
 
 # %% auto #0
 __all__ = ['EXPERIMENTS', 'EXPERIMENT_STEPS', 'BUDGET_STEPS', 'PLATEAU_ROWS', 'PLATEAU_METRICS', 'GROUNDING_SCENES', 'Experiment',
-           'run_experiment', 'term_gradients', 'loss_anatomy', 'best_cover', 'mask_coverage', 'anatomy', 'find_plateau',
-           'budget', 'plateau', 'main']
+           'run_experiment', 'term_gradients', 'loss_anatomy', 'best_cover', 'mask_coverage', 'anatomy', 'seed_sd',
+           'find_plateau', 'budget', 'plateau', 'main']
 
 # %% ../nbs/71_experiments.ipynb #edeec095
 @dataclass
@@ -273,7 +276,7 @@ def anatomy(seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS, out_dir=None, ba
 # %% ../nbs/71_experiments.ipynb #45af1da8
 BUDGET_STEPS = (400, 800, 1600)   # CLIP alone at each T (each the double of the one before)
 PLATEAU_ROWS = ("CLIP", "CLIP (avg)", "PowerCLIP-R", "PowerCLIP-R (avg)", "PowerCLIP-gold (avg)")   # rows of RUNS
-PLATEAU_METRICS = ("hn_mean", "i2t_R@1", "t2i_R@1")   # the numbers whose moving decides T*
+PLATEAU_METRICS = tuple(FOLDER_HEADLINE)   # the numbers whose moving decides T* (hard-negative mean, R@1 both ways)
 GROUNDING_SCENES = 200             # the pointing game's scenes in the budget and the plateau (as in the comparison)
 
 
@@ -281,12 +284,17 @@ def _plateau_root(out_dir) -> Path:
     return Path(out_dir or "runs/plateau")
 
 
-def find_plateau(points: dict, sd: dict, metrics=PLATEAU_METRICS) -> int | None:
+def seed_sd(sd: dict, metrics=PLATEAU_METRICS) -> float:
+    "One seed's standard deviation, pooled over `metrics`: the root mean square of their sds (`sd` {metric: sd})."
+    return math.sqrt(sum(sd[m] ** 2 for m in metrics) / len(metrics))
+
+
+def find_plateau(points: dict, sd: float, metrics=PLATEAU_METRICS) -> int | None:
     """T*: the smallest T of `points` ({T: {metric: value}}, each T the double of the one before) whose every metric
-    at 2T is within `sd[metric]` of its value at T; None when no T is."""
+    at 2T is within `sd` (one seed's, `seed_sd`) of its value at T; None when no T is."""
     Ts = sorted(points)
     if any(b != 2 * a for a, b in zip(Ts, Ts[1:])): raise ValueError(f"budget: each T must double the one before, got {Ts}")
-    return next((a for a, b in zip(Ts, Ts[1:]) if all(abs(points[b][m] - points[a][m]) <= sd[m] for m in metrics)), None)
+    return next((a for a, b in zip(Ts, Ts[1:]) if all(abs(points[b][m] - points[a][m]) <= sd for m in metrics)), None)
 
 
 def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw) -> dict:
@@ -303,17 +311,18 @@ def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw
     sd = {m: first.get(m + "_sd", float("nan")) for m in PLATEAU_METRICS}
     if len(seeds) < 2 or any(np.isnan(v) for v in sd.values()):
         raise ValueError(f"budget: the spread needs at least 2 seeds at T = {steps[0]}, got {seeds}")
-    T_star = find_plateau(points, sd)
-    res = dict(steps=list(steps), seeds=seeds, sd=sd, points=points, first=first, T_star=T_star)
+    T_star = find_plateau(points, seed_sd(sd))
+    res = dict(steps=list(steps), seeds=seeds, sd=sd, seed_sd=seed_sd(sd), points=points, first=first, T_star=T_star)
     root.mkdir(parents=True, exist_ok=True)
     (root / "budget.json").write_text(json.dumps(res, indent=1, default=float))
-    head = {"hn_mean": "HN mean", "i2t_R@1": "i2t R@1", "t2i_R@1": "t2i R@1", "pointing": "pointing"}
+    head = HEADLINE
     md = [f"# CLIP's budget: seed {seeds[0]} at T = {', '.join(map(str, steps))}; the spread over seeds {seeds} at T = {steps[0]}", "",
           "| T | " + " | ".join(head.values()) + " | moved by doubling T (HN / i2t / t2i) |", "|---:" * 5 + "|---|"]
     for a, b in zip([*steps], [*steps[1:], None]):
         moved = "" if b is None else " / ".join(f"{points[b][m] - points[a][m]:+.1f}" for m in PLATEAU_METRICS)
         md.append(f"| {a} | " + " | ".join(f"{points[a].get(m, float('nan')):.1f}" for m in head) + f" | {moved} |")
-    md += ["", f"One seed's sd at T = {steps[0]} ({len(seeds)} seeds): " + ", ".join(f"{head[m]} {v:.1f}" for m, v in sd.items()),
+    md += ["", f"One seed's sd at T = {steps[0]} ({len(seeds)} seeds): " + ", ".join(f"{head[m]} {v:.1f}" for m, v in sd.items())
+           + f"; pooled over the three (the yardstick of T*): {seed_sd(sd):.2f}",
            "", f"T* = {T_star}" if T_star else f"No T* within {steps[-1]} steps: CLIP still moves by more than a seed's sd "
            "when its budget doubles"]
     (root / "budget.md").write_text("\n".join(md) + "\n")
@@ -357,7 +366,7 @@ def _parser() -> ArgumentParser:
                     f"of three doubling T (default {' '.join(map(str, BUDGET_STEPS))}); plateau: default the budget's T*")
     ap.add_argument("--out", default=None, help="runs and tables (default runs/experiments; budget, plateau: runs/plateau)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
-    ap.add_argument("--precision", default=None, help="fp32 | bf16 | auto")
+    ap.add_argument("--precision", default=None, help=" | ".join(PRECISIONS))
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--eval-images", type=int, default=300)
     ap.add_argument("--grounding", type=int, default=None, help="test scenes of the pointing game (default 0; budget, "

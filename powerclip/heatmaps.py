@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .cli import ArgumentParser, run_main, usage_errors
+from .commandline import ArgumentParser, check_device, run_main, usage_errors
 from .eval.models import LoadedModel, load_model
 from .world import WorldConfig, generate, to_clip_tensor
 
@@ -27,13 +27,14 @@ __all__ = ['log', 'text_patch_heatmaps', 'upsample', 'pointing_hit', 'normalise0
 # %% ../nbs/67_heatmaps.ipynb #ee8f96ab
 @torch.no_grad()
 def text_patch_heatmaps(model, image: torch.Tensor, texts: list, tokenizer) -> torch.Tensor:
-    "image `(3, H, W)` (CLIP-normalised, model resolution), texts: T strings -> cosines `(T, gh, gw)`."
+    "image `(3, H, W)` (CLIP-normalised, model resolution), texts: T strings -> cosines `(T, gh, gw)` on the CPU."
     from powerclip.model import encode, grid_size
-    tok = tokenizer(texts)                                                      # (T, L)
+    dev = next(model.parameters()).device                                       # inputs go where the model is
+    tok, image = tokenizer(texts).to(dev), image.to(dev)                        # (T, L), (3, H, W)
     # patches from one image (the text row of `encode` is not used), texts through the text tower alone
     p = F.normalize(encode(model, image[None], tok[:1])['patches'][0], dim=-1)  # (N, D)
     t = F.normalize(model.encode_text(tok), dim=-1)                             # (T, D)
-    return (t @ p.T).view(len(texts), *grid_size(model))
+    return (t @ p.T).view(len(texts), *grid_size(model)).cpu()                 # beside the gold masks and the plots
 
 def upsample(heat: torch.Tensor, size: tuple) -> torch.Tensor:
     "`(T, gh, gw)` -> `(T, *size)` bilinear (for overlays and for resampling to another grid)."
@@ -87,27 +88,32 @@ def centre_heat(image: np.ndarray, texts: list, grid: int = 8) -> torch.Tensor:
     return (-(c[:, None] ** 2 + c[None] ** 2).sqrt())[None].expand(len(texts), -1, -1).clone()
 
 @torch.no_grad()
-def grounding_score(heat_fn, n_scenes: int = 100, cfg: WorldConfig | None = None, split: str = 'test') -> dict:
-    "Pointing-game accuracy, its chance level, pointing at any object, inverted pointing and mean IoU (%) over the NPs of `n_scenes` world scenes."
+def grounding_score(heat_fn, n_scenes: int = 100, cfg: WorldConfig | None = None, split: str = 'test',
+                    per_scene: bool = False) -> dict:
+    """Pointing-game accuracy, its chance level, pointing at any object, inverted pointing and mean IoU (%) over the NPs
+    of `n_scenes` world scenes; `per_scene`: also each scene's share of the pointing number (a phrase weighs one over
+    the phrases, a scene without one shares 0), whose mean over the scenes is `pointing` (the comparison's bootstrap)."""
     cfg = cfg or WorldConfig()
-    hits, any_hits, inv_hits, ious, chance = [], [], [], [], []
+    hits, any_hits, inv_hits, ious, chance, scenes = [], [], [], [], [], []
     for i in range(n_scenes):
         s = generate(cfg, i, split)
         phrases = np_phrases(s)
-        if not phrases: continue
+        if not phrases: scenes.append(torch.zeros(0)); continue
         heat = heat_fn(s['image'], [p for p, _ in phrases])
         if heat.shape[-2:] != (cfg.grid, cfg.grid): heat = upsample(heat, (cfg.grid, cfg.grid))
         mask = torch.from_numpy(np.stack([m for _, m in phrases]))              # (T, G*G)
         objects = torch.from_numpy(s['masks'][s['mask_valid']].any(0))[None].expand_as(mask)   # any object of the scene
         hits.append(pointing_hit(heat, mask)); any_hits.append(pointing_hit(heat, objects))
-        inv_hits.append(pointing_hit(-heat, mask))
+        inv_hits.append(pointing_hit(-heat, mask)); scenes.append(hits[-1])
         ious.append(heat_iou(heat, mask)); chance.append(mask.float().mean(1))
     if not hits: raise ValueError(f'no noun phrase with a mask in {n_scenes} {split} scenes')
     pct = lambda xs: 100 * torch.cat(xs).double().mean().item()
-    p, a = pct(hits), pct(any_hits)
-    return dict(pointing=p, pointing_chance=pct(chance), pointing_any_object=a,
-                named_given_object=100 * p / a if a > 0 else float('nan'),
-                pointing_inverted=pct(inv_hits), mean_iou=pct(ious), n_phrases=len(torch.cat(hits)))
+    p, a, n = pct(hits), pct(any_hits), len(torch.cat(hits))
+    out = dict(pointing=p, pointing_chance=pct(chance), pointing_any_object=a,
+               named_given_object=100 * p / a if a > 0 else float('nan'),
+               pointing_inverted=pct(inv_hits), mean_iou=pct(ious), n_phrases=n)
+    if per_scene: out['per_scene'] = [100 * n_scenes * h.double().sum().item() / n for h in scenes]
+    return out
 
 # %% ../nbs/67_heatmaps.ipynb #12d2b374
 def _loaded(spec, device: str = 'cpu') -> LoadedModel:
@@ -286,7 +292,7 @@ def save_grids(images: list, texts: list, models: dict, out_dir, edits: bool = F
     return paths
 
 def _check_args(a) -> dict:
-    """The command line's mistakes, found before a model is built (`17_cli`): a ValueError naming the argument.
+    """The command line's mistakes, found before a model is built (`17_commandline`): a ValueError naming the argument.
     Returns {column name: checkpoint spec}."""
     from PIL import Image
     from powerclip.eval.models import checkpoint_file
@@ -311,13 +317,11 @@ def _check_args(a) -> dict:
             with Image.open(im) as x: x.verify()
         except Exception as e: raise ValueError(f'--image: {im!r} is not an image ({type(e).__name__})') from None
     if a.out and Path(a.out).exists() and not Path(a.out).is_dir(): raise ValueError(f'--out: {a.out!r} is a file (give a folder)')
-    try: dev = torch.device(a.device)
-    except RuntimeError: raise ValueError(f"--device: {a.device!r} is not a device (cpu, cuda, cuda:N)") from None
-    if dev.type == 'cuda' and not torch.cuda.is_available(): raise ValueError(f'--device: {a.device!r} asks for a GPU and none is available (cpu)')
+    check_device('--device', a.device)
     return specs
 
 def main(argv=None) -> int:
-    "The command line (None: sys.argv): exit status 0, or 2 with one line on stderr for a mistake in the arguments (`17_cli`)."
+    "The command line (None: sys.argv): exit status 0, or 2 with one line on stderr for a mistake in the arguments (`17_commandline`)."
     return run_main(_main, argv, 'powerclip-heatmaps')
 
 def _main(argv) -> int:

@@ -238,6 +238,24 @@ class Scorer:
         "Features of I images and T captions -> `(I, T)` scores, higher is more similar."
         raise NotImplementedError
 
+    @torch.no_grad()
+    def region_features(self, model, images: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        "images `(B, 3, H, W)`, masks `(B, R, N)` bool on the patch grid -> `(B, R, D)` unit region embeddings (Eq. 2)."
+        from powerclip.model import encode   # late: methods stay importable without open_clip loaded
+        return pool_normalize(encode(model, images, None)["patches"], masks.to(images.device)).float()
+
+    @torch.no_grad()
+    def crop_features(self, model, images: torch.Tensor) -> torch.Tensor:
+        "crops `(B, 3, H, W)` -> `(B, D)` unit image embeddings (the model's pooling)."
+        from powerclip.model import encode
+        return encode(model, images, None, need_patches=False)["image"].float()
+
+    @torch.no_grad()
+    def class_features(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        "prompts `(B, L)` -> `(B, D)` unit text embeddings (the model's pooling)."
+        from powerclip.model import encode
+        return encode(model, None, tokens)["text"].float()
+
 
 class GlobalScorer(Scorer):
     "CLIP's score: the dot product of L2-normalised `encode_image` and `encode_text` (the cosine)."

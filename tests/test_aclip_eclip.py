@@ -14,7 +14,8 @@ from powerclip.methods import METHODS, get_method
 
 
 def _rows(tmp_path, method, preset="smoke", **over):
-    from powerclip.train import load_config, read_metrics, train
+    from powerclip.config import load_config
+    from powerclip.train import read_metrics, train
     cfg = {"out_dir": str(tmp_path), "progress": False, "tensorboard": False, "log_every": 1, **over}
     train(load_config(preset, cfg, method=method))
     return read_metrics(tmp_path / "metrics.csv")
@@ -22,7 +23,7 @@ def _rows(tmp_path, method, preset="smoke", **over):
 
 def test_registry_and_presets():
     import powerclip.baselines.aclip as aclip, powerclip.baselines.eclip as eclip
-    from powerclip.train import load_config
+    from powerclip.config import load_config
     assert METHODS["aclip"] is aclip.ACLIP and METHODS["eclip"] is eclip.ECLIP
     a = load_config("aclip")
     assert (a.method, a.model.name, a.global_batch_size, a.epochs) == ("aclip", "ViT-B-16", 4096, 25)

@@ -43,7 +43,8 @@ def test_registry_imports_baselines_on_demand():
 def test_trainer_steps(tmp_path, method, terms):
     import open_clip, torch
     from powerclip.model import register_configs
-    from powerclip.train import load_config, read_metrics, train
+    from powerclip.config import load_config
+    from powerclip.train import read_metrics, train
     s = train(load_config("smoke", {"out_dir": str(tmp_path), "max_steps": 2, "optim.warmup_steps": 1}, method=method))
     rows = read_metrics(tmp_path / "metrics.csv")
     assert [r["step"] for r in rows] == [1, 2]
@@ -62,7 +63,8 @@ def test_resume_restores_method_modules(tmp_path, method):
     (A-CLIP: the EMA towers, which have no gradient, and the heads; its momentum follows the trainer's step), and for
     E-CLIP, whose clusters are drawn from (seed, step, sample id)."""
     import torch
-    from powerclip.train import load_config, read_metrics, train
+    from powerclip.config import load_config
+    from powerclip.train import read_metrics, train
     ov = {"max_steps": 4, "log_every": 1, "optim.warmup_steps": 1, "progress": False, "tensorboard": False}
     train(load_config("smoke", {**ov, "out_dir": str(tmp_path / "a")}, method=method))
     train(load_config("smoke", {**ov, "out_dir": str(tmp_path / "b"), "stop_at": 2}, method=method))
@@ -80,7 +82,8 @@ def test_resume_restores_method_modules(tmp_path, method):
 def test_smartclip_mask_network_gets_its_own_learning_rate():
     "The trainer's optimiser gives SmartCLIP's mask network its peak rate (paper: 1e-3) and the towers theirs."
     from powerclip.dist import DistContext
-    from powerclip.train import build_run, load_config
+    from powerclip.train import build_run
+    from powerclip.config import load_config
     run = build_run(load_config("smoke", {"optim.lr": 1e-6}, method="smartclip"), DistContext())
     assert {g["initial_lr"] for g in run.opt.param_groups} == {1e-6, 1e-3}
     mask = set(map(id, run.modules.parameters()))
@@ -98,7 +101,8 @@ def test_finetune_from_plain_open_clip_weights(tmp_path):
     fresh, and the modules get their own learning rate."""
     import torch
     from powerclip.dist import DistContext
-    from powerclip.train import build_run, load_config
+    from powerclip.train import build_run
+    from powerclip.config import load_config
     ref = build_run(load_config("smoke", {"seed": 7}, method="clip"), DistContext()).model
     torch.save(ref.state_dict(), tmp_path / "clip.pt")
     for method, extra in (("smartclip", {}), ("c2lip", {"method_cfg.modules_lr": 0.01}), ("sparc", {})):
@@ -118,7 +122,8 @@ def test_finetune_from_plain_open_clip_weights(tmp_path):
 
 def test_smartclip_preset_is_the_finetuning_recipe(tmp_path):
     "The smartclip preset is SmartCLIP's fine-tuning recipe (Sec. 6.1, Long-CLIP's settings elsewhere): it asks for weights."
-    from powerclip.train import load_config, train
+    from powerclip.config import load_config
+    from powerclip.train import train
     cfg = load_config("smartclip", {"out_dir": str(tmp_path)})
     assert cfg.method == "smartclip" and cfg.model.pretrained == "required" and cfg.global_batch_size == 1024
     assert cfg.optim.lr == 1e-6 and cfg.method_cfg["mask_lr"] == 1e-3 and cfg.method_cfg["mask_weight_decay"] == 0.0
@@ -130,7 +135,8 @@ def test_aclip_ema_scorer_reads_the_saved_towers(tmp_path):
     "The evaluator's loader brings A-CLIP's EMA towers back from method_modules.pt; its 'ema' scorer then differs from 'global'."
     import torch
     from powerclip.eval.models import load_model
-    from powerclip.train import load_config, train
+    from powerclip.config import load_config
+    from powerclip.train import train
     train(load_config("smoke", {"out_dir": str(tmp_path), "max_steps": 3, "optim.warmup_steps": 1}, method="aclip"))
     lm = load_model(checkpoint=tmp_path / "model.pt")
     assert list(lm.scorers) == ["ema", "global"] and lm.modules is not None

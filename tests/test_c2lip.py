@@ -17,7 +17,8 @@ import powerclip.baselines.c2lip  # noqa: F401 (registers 'c2lip')
 
 
 def _run(tmp_path, overrides, method_cfg=None, preset="demo"):
-    from powerclip.train import load_config, read_metrics, train
+    from powerclip.config import load_config
+    from powerclip.train import read_metrics, train
     ov = {"out_dir": str(tmp_path), "data.batch_size": 16, "max_steps": 6, "optim.warmup_steps": 1, "log_every": 1,
           "progress": False, "tensorboard": False, "data.workers": 0, **overrides}
     for k, v in (method_cfg or {}).items(): ov[f"method_cfg.{k}"] = v
@@ -47,7 +48,8 @@ def test_trainer_steps_bf16(tmp_path):
 
 
 def test_preset_needs_pretrained(tmp_path):
-    from powerclip.train import load_config, train
+    from powerclip.config import load_config
+    from powerclip.train import train
     cfg = load_config("c2lip", {"out_dir": str(tmp_path)})
     assert cfg.method == "c2lip" and cfg.model.pretrained == "required" and cfg.optim.lr == 1e-5
     assert cfg.global_batch_size == 768 and cfg.epochs == 5

@@ -1,9 +1,9 @@
 """Every command line answers a user's mistake with one line on stderr naming the argument, exit status 2, before any
-model is built (the convention of `powerclip.cli`, nbs/17_cli).
+model is built (the convention of `powerclip.commandline`, nbs/17_commandline).
 
 One table of cases over all entry points: powerclip.train, powerclip-heatmaps, data_prep/annotate_shards.py, the
 benchmark scripts, powerclip-eval and the demo. Each case runs in this process through the command's own `main`
-(which goes through `powerclip.cli.run_main`), with every way of building a model or starting the work replaced by a
+(which goes through `powerclip.commandline.run_main`), with every way of building a model or starting the work replaced by a
 tripwire: a case that gets that far fails, whatever it would have printed later. A few cases run as real commands in
 a fresh process, to check the exit status and the single line end to end (a model built there would add open_clip's
 "No pretrained weights loaded" warning line), and that they answer within the time of a process start.
@@ -55,7 +55,7 @@ def tripwires(monkeypatch):
 
 def _bench(name):
     "A benchmark script as its command line runs it: `run_main(main, argv, prog)`."
-    from powerclip.cli import run_main
+    from powerclip.commandline import run_main
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
     return lambda argv: run_main(mod.main, argv, f"{name}.py")
@@ -141,6 +141,18 @@ CASES = [
     ("train_step_ratio", ["--methods", "powerclip:M=0"], "method_cfg.M"),
     ("train_step_ratio", ["--preset", "nope"], "--preset"),
     ("train_step_ratio", ["--batch", "0"], "--batch"),
+    ("train_step_ratio", ["--out", "{tmp}/a_file"], "--out"),
+    ("powerset_scale", ["--K", "0"], "--K"),
+    ("powerset_scale", ["--device", "cuda"], "--device", NO_GPU),
+    ("paper_memory", ["--arch", "ViT-X"], "--arch"),
+    ("paper_memory", ["--device", "cuda"], "--device", NO_GPU),
+    ("gpu_check", [], "--device", NO_GPU),                                     # no GPU here: one line, before anything
+    ("gpu_check", ["--device", "cpu"], "--device"),
+    ("gpu_check", ["--parts", "parity", "nope"], "--parts"),
+    ("gpu_check", ["--dry-run", "--methods", "nope"], "--methods"),
+    ("gpu_check", ["--dry-run", "--part-timeout", "0"], "--part-timeout"),
+    ("gpu_check", ["--dry-run", "--compare-steps", "0"], "--compare-steps"),
+    ("gpu_check", ["--dry-run", "--out", "{tmp}/a_file"], "--out"),
     ("world_throughput", ["--workers", "-1"], "--workers"),
     ("world_throughput", ["--out", "{tmp}"], "--out"),
     ("annotate_throughput", ["--coco", "{tmp}/nope"], "--coco"),
@@ -210,7 +222,7 @@ def test_mistake_is_one_line_before_any_model(kind, argv, key, tmp, tripwires, m
 
 
 def test_debug_shows_the_traceback(tmp, tripwires, capsys):
-    from powerclip.cli import UsageError
+    from powerclip.commandline import UsageError
     from powerclip.train import main
     with pytest.raises(UsageError, match="optim.lr"): main([*T, "optim.lr=abc", "--debug"])
     with pytest.raises(UsageError, match="--checkpoint"): _entry("heatmaps")(["--grounding", "2", "--debug"])

@@ -14,7 +14,8 @@ from powerclip.methods import METHODS, get_method
 
 
 def _rows(tmp_path, method, preset="smoke", **over):
-    from powerclip.train import load_config, read_metrics, train
+    from powerclip.config import load_config
+    from powerclip.train import read_metrics, train
     cfg = {"out_dir": str(tmp_path), "progress": False, "tensorboard": False, **over}
     train(load_config(preset, cfg, method=method))
     return read_metrics(tmp_path / "metrics.csv")
@@ -25,7 +26,7 @@ def test_registry_and_presets():
     assert METHODS["clip-pgs"] is pgs.CLIPPGS and METHODS["clip-pgs-0.3"] is pgs.CLIPPGS03
     assert (get_method("clip-pgs").cfg.lower, get_method("clip-pgs-0.3").cfg.lower) == (0.5, 0.3)
     with pytest.raises(ValueError, match="lower"): get_method("clip-pgs", {"lower": 0.7})
-    from powerclip.train import load_config
+    from powerclip.config import load_config
     cfg = load_config("clip-pgs")
     assert cfg.method == "clip-pgs" and cfg.model.name == "ViT-B-16" and cfg.global_batch_size == 4096
     assert cfg.optim.lr == 1e-3 and cfg.optim.betas == (0.9, 0.98) and cfg.optim.weight_decay == 0.2 and cfg.epochs == 32
@@ -94,7 +95,8 @@ def _pgs03_batch():
 
 
 def _pgs03_step(batch, ctx):
-    from powerclip.train import build_run, forward_loss, load_config
+    from powerclip.train import build_run, forward_loss
+    from powerclip.config import load_config
     run = build_run(load_config("smoke", {"precision": "fp64", "max_steps": 1}, method="clip-pgs-0.3"), ctx)
     loss, terms = forward_loss(run.fwd, run.method, run.prepare(batch), ctx, run.cfg.precision)
     loss.backward()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from powerclip.data import BatchNeeds, BatchSpec, DataConfig, Geometry, SkipCounter, make_loader, write_shard
+from powerclip.data import BatchNeeds, BatchSpec, DataConfig, Geometry, SampleSkipCounter, make_loader, write_shard
 from powerclip.parsing import ParsedCaption
 from powerclip.regions import encode_regions
 
@@ -151,7 +151,7 @@ def test_wds_ranks_and_epoch_cap(tmp_path):
 
 
 def test_skip_counter():
-    c = SkipCounter()
+    c = SampleSkipCounter()
     c.add('bad_image', 'k'); c.add('bad_image', 'k2')
     assert c.take()['bad_image'] == 2 and c.total() == 0
     with pytest.raises(ValueError, match='unknown skip reason'): c.add('nope')

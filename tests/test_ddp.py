@@ -70,7 +70,8 @@ def _ragged(batch, rows: slice, drop: bool):
 
 def _step(case, batch, ctx):
     "Loss and gradients of one step, exactly as powerclip.train computes them (the smoke preset's model, in float64)."
-    from powerclip.train import build_run, forward_loss, load_config
+    from powerclip.train import build_run, forward_loss
+    from powerclip.config import load_config
     method, mcfg = CASES[case]
     ov = {"precision": "fp64", "max_steps": 1, "seed": SEED, **{f"method_cfg.{k}": v for k, v in (mcfg or {}).items()}}
     run = build_run(load_config("smoke", ov, method=method), ctx)  # same init seed: the same weights on every process

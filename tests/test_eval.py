@@ -131,7 +131,7 @@ def test_trainer_checkpoint_with_model_overrides(tmp_path):
     f = tmp_path / 'last.pt'
     torch.save(dict(model=model.state_dict(), config=dict(model=dict(name='powerclip-micro', pretrained=None, kwargs=kw))), f)
     m = load_model(None, f)
-    assert m.spec == dict(name='powerclip-micro', kwargs=kw) and m.model.context_length == 32
+    assert m.spec == dict(name='powerclip-micro', kwargs=kw, pool='tok') and m.model.context_length == 32
     assert m.tokenizer(['a red circle']).shape == (1, 32)
     for k, v in model.state_dict().items(): torch.testing.assert_close(m.model.state_dict()[k], v)
     with pytest.raises(ValueError, match='does not fit'):
@@ -374,7 +374,7 @@ class _Constant(Scorer):
 def test_world_evaluation_counts_ties_against(world):
     "The demo's world numbers follow the one tie rule: a model whose scores are all equal gets 0 everywhere (topk gave hits)."
     from dataclasses import replace
-    from powerclip.eval.tasks import evaluate_world
+    from powerclip.eval.world_scores import evaluate_world
     lm = load_model('powerclip-micro')
     ev = Evaluator.of(replace(lm, scorers={'constant': _Constant(), 'global': GlobalScorer()}), progress=False)
     res = evaluate_world(ev, world)
@@ -532,7 +532,8 @@ def test_clip_benchmark_cli_sugarcrepe_trap(world, tmp_path, capsys):
 # ---- issue 14: a broken model never gets a score ----------------------------------------------------------------
 
 from powerclip.eval.models import NonFiniteFeatures, NonFiniteWeights
-from powerclip.eval.tasks import evaluate_world, find_data, _run_tasks
+from powerclip.eval.tasks import find_data, _run_tasks
+from powerclip.eval.world_scores import evaluate_world
 
 
 def _broken_state(kind):
@@ -820,11 +821,11 @@ def test_no_false_random_init_line(tmp_path, caplog, capsys):
     assert 'initialized randomly' not in r.stderr and 'random initialisation' not in r.stderr
 
 
-# ---- the command line convention (powerclip.cli) -----------------------------------------------------------------
+# ---- the command line convention (powerclip.commandline) -----------------------------------------------------------------
 
 def test_usage_errors_are_one_line_before_any_model(world, tmp_path, capsys, monkeypatch):
     import powerclip.model
-    from powerclip.cli import UsageError
+    from powerclip.commandline import UsageError
     def no_model(*a, **k): raise AssertionError('a model was built before the arguments were checked')
     monkeypatch.setattr(powerclip.model, 'create_model', no_model)
     (tmp_path / 'afile').write_text('x'); (tmp_path / 'empty').mkdir()

@@ -1,5 +1,5 @@
 """Bad input, serialisation, truncation, collation, failure injection, multi-process parsing and real captions
-for powerclip.parsing (what notebook cells cannot cover comfortably)."""
+for powerclip.parsing and powerclip.tokens (what notebook cells cannot cover comfortably)."""
 import json, logging, time
 from pathlib import Path
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from powerclip import parsing
-from powerclip.parsing import (ParsedCaption, ParserConfig, ParserUnavailable, caption_problem, collate_trees,
-                               default_tokenizer, parse_caption, parse_captions, tree_problems, tree_tokens)
+from powerclip.parsing import (ParsedCaption, ParserConfig, ParserUnavailable, caption_problem, parse_caption,
+                               parse_captions, tree_problems)
+from powerclip.tokens import collate_trees, default_tokenizer, tree_tokens
 
 DATA = Path(__file__).resolve().parents[1] / '..' / 'shared' / 'data'
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from powerclip.methods import CLIP, METHODS, register
-from powerclip.train import TrainConfig, load_config, main, read_metrics, train
+from powerclip.config import TrainConfig, load_config
+from powerclip.train import main, read_metrics, train
 
 
 class _NanAt(CLIP):
@@ -73,7 +74,7 @@ def test_config_errors_are_clear():
 
 
 def test_from_dict_checks_scalar_types():
-    from powerclip.train import from_dict
+    from powerclip.config import from_dict
     ok = from_dict(TrainConfig, {"seed": 3, "device": None, "progress": False, "optim": {"lr": 1, "grad_clip": "0.5"},
                                  "out_dir": 2024, "data": {"samples_per_epoch": 10.0}})
     assert (ok.optim.lr, ok.optim.grad_clip, ok.out_dir, ok.data.samples_per_epoch) == (1.0, 0.5, "2024", 10)

@@ -215,7 +215,7 @@ def test_damaged_last_checkpoint_falls_back_to_the_previous(tmp_path, shards, sh
     assert len(warn) == 1 and "last.pt" in warn[0] and "prev.pt (step 4)" in warn[0], err
     _assert_same_run(shard_straight[2], tmp_path)                    # resuming from step 4 is exact too
     assert ck.joinpath("last.pt.damaged").is_file()                 # set aside, not pushed over the good prev.pt
-    from powerclip.train import load_checkpoint
+    from powerclip.checkpoint import load_checkpoint
     assert load_checkpoint(ck / "prev.pt")["state"]["step"] == SHARD_N - SHARD_N % 2 - 2
     # both damaged: one line saying so and how to start afresh, exit status 2
     ck.joinpath("last.pt").write_bytes(b""); ck.joinpath("prev.pt").write_bytes(b"PK\x03\x04 torn")

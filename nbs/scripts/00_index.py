@@ -32,14 +32,15 @@
 # | `10_powerset`, `10a_powerset_fast` | `powerset`, `powerset_fast` | the loss's math as pure tensor functions: exact $2^M$ enumeration (the oracle), the readable dense NLA form, and the fast path (packed nodes, blocked $\bar S$, analytic backward) checked against it in float64 |
 # | `11_loss` | `loss` | CLIP's InfoNCE in its data-parallel local-rows form (`contrastive_rows`), the PowerCLIP loss |
 # | `12_theory_t2r`, `13_theory_r2t`, `14_approximation` | `theory` | the theory: LSE bound, Thm. 1 (softplus), Thm. 2 (cosh), the Fig. 5/7 experiment, checked numerically |
-# | `15_dist`, `16_measure`, `17_cli` | `dist`, `measure`, `cli` | the whole distributed contract (`gather`: one collective for float tensors with gradient, one for masks, ragged dims padded); fresh-process runs and peak memory for benchmarks; one command-line convention (one line, exit 2, `--debug`) |
-# | `20_parsing`, `21_regions`, `22_world`, `23_data` | `parsing`, `regions`, `world`, `data` | what feeds the loss: parse trees and their token spans, region masks, a built-in compositional world, webdataset shards; `BatchNeeds` (a method asks, the pipeline builds only that), `Geometry` (from the model config), the one run seed and its derived streams |
+# | `15_dist`, `16_measure`, `17_commandline` | `dist`, `measure`, `commandline` | the whole distributed contract (`gather`: one collective for float tensors with gradient, one for masks, ragged dims padded); fresh-process runs and peak memory for benchmarks; one command-line convention (one line, exit 2, `--debug`) and the one device check (`check_device`) |
+# | `20_parsing`, `20a_tokens`, `21_regions`, `22_world`, `23_data` | `parsing`, `tokens`, `regions`, `world`, `data` | what feeds the loss: parse trees (`parsing`) and their token spans (`tokens`), region masks, a built-in compositional world, webdataset shards; `BatchNeeds` (a method asks, the pipeline builds only that), `Geometry` (from the model config), the one run seed and its derived streams |
 # | `30_model` | `model` | open_clip towers with patch and token embeddings, tiny configs, `select_patch_tokens` |
 # | `40_methods` ... `48_eclip` | `methods`, `baselines.*` | the `Method` interface and registry, CLIP and PowerCLIP; FILIP, SPARC, FLIP, SmartCLIP, C2LIP, CLIP-PGS, A-CLIP, E-CLIP, each from its paper, with the differences from the authors' code written down |
-# | `50_train` | `train` | the one trainer: `build_run` assembles model, method, forward, optimiser and schedule once (the trainer, the benchmarks and the DDP tests call it); exact resume |
-# | `60_eval_metrics` ... `66a_eval_main` | `eval.*` | the one evaluation path: metrics with one tie rule, data readers, the model loader and the method's scorers, clip_benchmark, tasks, tables, `powerclip-eval` |
-# | `67_heatmaps`, `69_stats` | `heatmaps`, `stats` | text-to-patch maps and the pointing game; intervals (paired t, bootstrap) and verdicts |
-# | `70_compare` | `compare` | `make demo` and `make compare`: every method in its paper's regime, paired statistics, learning curves |
+# | `49a_config`, `49b_checkpoint` | `config`, `checkpoint` | the run's config: a dataclass per component, presets and `key=value` overrides with every key and type checked; checkpoints that resume exactly (written atomically, the previous one kept), the open_clip weights alone, snapshots, the reading of a checkpoint to resume from |
+# | `50_train` | `train` | the one trainer: `validate` checks a run and builds what needs no model, `build_run` assembles model, method, forward, optimiser and schedule once from it (the trainer, the benchmarks and the DDP tests call it); the step, metrics, the loop, `powerclip-train` |
+# | `60_eval_metrics` ... `66a_eval_main` | `eval.*` | the one evaluation path: metrics with one tie rule (one rank function under recall and its per-item hits), data readers, the model loader and the method's scorers, clip_benchmark, the task registry (`TASKS`), tables, `powerclip-eval` |
+# | `67_heatmaps`, `68_eval_world_scores`, `69_stats` | `heatmaps`, `eval.world_scores`, `stats` | text-to-patch maps and the pointing game; a run's numbers on the world's held-out scenes with each scene's share, cached (the comparison's `HEADLINE`); intervals (paired t, bootstrap) and verdicts |
+# | `69a_report`, `70_compare` | `report`, `compare` | `make demo` and `make compare`: every method planned and trained in its paper's regime (`compare`); statistics over seeds, paired differences, tables, csv and learning curves (`report`) |
 # | `71_experiments` | `experiments` | the paper's ablations (Tables 6, 7, 8, 10, 14, the margin, Fig. 8, Fig. 9) as comparisons against each table's reference row |
 #
 # Where the papers are ambiguous, the choice is written where it is made: the R2T normaliser $1/2^M$, the empty
@@ -51,19 +52,22 @@
 # Imports point down this picture, never up (a module names only modules above it):
 #
 # ```
-#  powerset ── powerset_fast ── loss            theory          dist   measure   cli        (math, processes, commands)
+#  powerset ── powerset_fast ── loss         theory        dist   measure   commandline      (math, processes, commands)
 #      │                          │
-#  parsing ── regions ── world ── data ── model                                             (inputs, towers)
-#                                   │       │
-#                                methods ── baselines/*                                      (what a method adds)
-#                                   │
-#                                 train                eval/* ── heatmaps     stats         (one trainer, one evaluation)
-#                                   └────────── compare ─────────┘
-#                                                  │
-#                                             experiments
+#  parsing ── tokens ── regions ── world ── data ── model                                    (inputs, towers)
+#                                             │       │
+#                                          methods ── baselines/*                            (what a method adds)
+#                                             │
+#                          config ── checkpoint ── train      eval/* ── heatmaps ── eval.world_scores    stats
+#                                                    │                                  │  (one trainer, one evaluation)
+#                                                    └─────────── report ── compare ────┘
+#                                                                              │
+#                                                                         experiments
 # ```
 #
-# - `dist` is the only module that touches `torch.distributed`; `loss.contrastive_rows` is the only InfoNCE skeleton.
+# - `dist` is the only module that touches `torch.distributed`; `loss.contrastive_rows` is the only InfoNCE skeleton;
+#   `commandline.check_device` checks every device a command or a run asks for (one that is there), and
+#   `config.check_precision` every precision a run is given (the trainer's, the comparison's, the experiments').
 # - `train` knows no method by name: it asks the method for its needs, forward pass, loss terms, own modules and
 #   learning rates. `eval` knows no method by name either: it asks the method for its scorers (`Method.scorers`).
 #
@@ -77,12 +81,16 @@
 #   (two processes equal one) and in `tests/test_baselines.py` (trains by name, resumes exactly), and a row in
 #   `compare.RUNS` with its regime.
 # - **A new metric or benchmark data set**: the metric as a pure function in `60_eval_metrics` (ties count against
-#   the correct candidate); a reader in `61_eval_data`; a task in `64_eval_tasks` registered in the benchmark
-#   registry of `63_eval_benchmarks`; its table in `65_eval_tables`.
+#   the correct candidate); a reader in `61_eval_data`; a paper benchmark in the registry of `63_eval_benchmarks`.
+# - **A new evaluation task**: its runner (an `Evaluator`, the reader's data, a scorer -> numbers in percent) and one
+#   `Task` record registered in `64_eval_tasks` (`register_task`: its loader, runner, skip rule, headline metrics with
+#   their display names, whether it is scored per scorer). `--tasks`, the runs, the skip report and the side-by-side
+#   table read the registry; a paper table of it is one function in `PAPER_LAYOUTS` (`65_eval_tables`). The
+#   comparison's numbers on the world are `68_eval_world_scores`' (`WORLD_TASKS`, `HEADLINE`).
 # - **A speed or memory measurement**: a script in `benchmarks/` that reports a ratio against a baseline run in the
 #   same session (`measure.run_isolated`, `PeakMemory`), checks its arguments with `benchmarks/_checks.py` inside
-#   `cli.usage_errors()`, and writes its results to `benchmarks/results/`; never a timed test.
-# - **A data-preparation tool**: `data_prep/`, on the `cli` convention, writing webdataset shards.
+#   `commandline.usage_errors()`, and writes its results to `benchmarks/results/`; never a timed test.
+# - **A data-preparation tool**: `data_prep/`, on the `commandline` convention, writing webdataset shards.
 # - **Tests a notebook cell cannot hold** (several processes, a command line, a killed run): `tests/`.
 #
 # ## Working on the notebooks

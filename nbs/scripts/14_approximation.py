@@ -86,6 +86,7 @@ from powerclip.theory import (
 # | $\bar Q$ before the loss | Eq. 8 and Eq. 16 | $\bar Q=Q^{\rightarrow}+Q^{\leftarrow}$, one triplet loss on the sum, in both directions | as written in Eqs. 8, 16 |
 # | $\Phi_\gamma(Q)$, $\Phi_\gamma(Q^\top)$ in Sec. 5.3 | the "two triplet loss terms" | $\Phi_\gamma(\bar Q)$ and $\Phi_\gamma(\bar Q^\top)$ of Eq. 8 | the only two loss terms there are |
 # | random inputs of Fig. 5/7 | "randomly generated input vectors [...] all parameters initialized randomly" | (a) and (b) above | both readings; results differ, see below |
+# | NLA-T2's $\zeta_\alpha$ | Definition 2 (Eq. 15): $\zeta_\alpha(x)=x+\alpha\int\mathrm{Act}(x)\,dx$, with tanh $x+\alpha\log\cosh x$; Sec. 5.1: "the function $\zeta_\alpha(x)$ is given by $\log\cosh(x)$" | $x+\alpha\log\cosh x$ (`10_powerset`, `13_theory_r2t`) | Sec. 5.1 names the antiderivative of tanh, the part that the activation decides; read alone it would drop the residual $x$ and the weight $\alpha$, which Sec. 5.1 sets to 0.75 in the same sentence and Theorem 2's sandwich needs ($\zeta_\alpha'(x)=1+\alpha\tanh x\ge 1-\alpha$) |
 
 # %% [markdown]
 # ## What the loss can and cannot see: a Lipschitz bound

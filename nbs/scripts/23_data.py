@@ -35,8 +35,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
-from powerclip.parsing import (ParsedCaption, TreeTokens, caption_problem, collate_trees, default_tokenizer, parse_caption,
-                               tree_problems, tree_tokens)
+from powerclip.parsing import ParsedCaption, caption_problem, parse_caption, tree_problems
+from powerclip.tokens import TreeTokens, collate_trees, default_tokenizer, tree_tokens
 from powerclip.regions import GridConfig, decode_regions, random_box_masks, select_masks, superpixel_masks
 from powerclip.world import WorldConfig, WorldDataset
 
@@ -75,7 +75,7 @@ from fastcore.test import test_eq, test_fail
 # | `node_np` | `(C, K)` bool | `node_np` | the node's label is `NP` (the noun-phrase concepts of C2LIP, `45_c2lip`); pads False |
 # | `region_masks`, `region_valid` | `(C, M, N)`, `(C, M)` bool | `regions = M` | region masks $R_m$ on the row-major patch grid (Eq. 2) |
 #
-# With a tree the tokens are built by `parsing.tree_tokens`, so each word's BPE positions are known; without one the
+# With a tree the tokens are built by `tokens.tree_tokens`, so each word's BPE positions are known; without one the
 # caption is tokenised as it stands by the model's tokenizer (`caption_tokens`), and on shards no caption is parsed
 # at all. A CLIP run therefore draws no region mask and parses nothing.
 #
@@ -264,32 +264,32 @@ test_eq(derive_seed(0, 'data'), _rs['data']); test_fail(lambda: derive_seed(0, '
 # ## Skip accounting
 #
 # Every sample that cannot be used is skipped under one of the reasons below, logged with its key, and counted.
-# A `SkipCounter` counts the skips of one stream (one worker of one process); the loader adds the counts to the
+# A `SampleSkipCounter` counts the skips of one stream (one worker of one process); the loader adds the counts to the
 # batches, so that a count is part of what the main process *consumed*, not of what the workers happened to have
 # decoded ahead of it (see "Counting skips" below).
 
 # %%
 #| export
-SKIP_REASONS = ('shard_error',   # unreadable / truncated tar or a read error inside it
-                'no_image',      # no member with an image extension (IMAGE_EXTS)
-                'bad_image',     # the image bytes do not decode
-                'no_caption',    # missing .txt, or a caption parsing.caption_problem rejects (not UTF-8, no letter or digit)
-                'bad_tree',      # tree needed: unparsable .tree.json, a tree without a valid node, or no tree when parsing is off
-                'no_regions',    # stored masks needed: no .regions.npz or no non-empty mask in it
-                'bad_regions')   # stored masks needed: masks on another grid or unreadable
+SAMPLE_SKIP_REASONS = ('shard_error',   # unreadable / truncated tar or a read error inside it
+                       'no_image',      # no member with an image extension (IMAGE_EXTS)
+                       'bad_image',     # the image bytes do not decode
+                       'no_caption',    # missing .txt, or a caption parsing.caption_problem rejects (not UTF-8, no letter or digit)
+                       'bad_tree',      # tree needed: unparsable .tree.json, a tree without a valid node, or no tree when parsing is off
+                       'no_regions',    # stored masks needed: no .regions.npz or no non-empty mask in it
+                       'bad_regions')   # stored masks needed: masks on another grid or unreadable
 
-class SkipCounter:
+class SampleSkipCounter:
     "Per-reason counts of the samples one stream skipped; each skip is also logged with its key and reason."
-    def __init__(self): self.counts = dict.fromkeys(SKIP_REASONS, 0)
+    def __init__(self): self.counts = dict.fromkeys(SAMPLE_SKIP_REASONS, 0)
 
     def add(self, reason: str, key: str = '', detail: str = ''):
-        if reason not in self.counts: raise ValueError(f'unknown skip reason {reason!r}; reasons: {SKIP_REASONS}')
+        if reason not in self.counts: raise ValueError(f'unknown skip reason {reason!r}; reasons: {SAMPLE_SKIP_REASONS}')
         self.counts[reason] += 1
         logger.warning('skipped sample %r: %s %s', key, reason, detail)
 
     def take(self) -> dict[str, int]:
         "The counts since the last `take` (and start again from zero)."
-        out, self.counts = self.counts, dict.fromkeys(SKIP_REASONS, 0)
+        out, self.counts = self.counts, dict.fromkeys(SAMPLE_SKIP_REASONS, 0)
         return out
 
     def total(self) -> int: return sum(self.counts.values())
@@ -297,11 +297,11 @@ class SkipCounter:
 
 def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     "Reason-wise sum of two skip counts."
-    return {k: a.get(k, 0) + b.get(k, 0) for k in dict.fromkeys([*SKIP_REASONS, *a, *b])}
+    return {k: a.get(k, 0) + b.get(k, 0) for k in dict.fromkeys([*SAMPLE_SKIP_REASONS, *a, *b])}
 
 
 # %%
-sc = SkipCounter()
+sc = SampleSkipCounter()
 sc.add('bad_image', 'k1', 'test'); sc.add('shard_error', 'a.tar', "ReadError('unexpected end of data')")
 test_eq(sc.total(), 2); _t = sc.take()
 test_eq((_t['bad_image'], _t['shard_error'], sc.total()), (1, 1, 0))
@@ -314,7 +314,7 @@ test_fail(lambda: sc.add('no_such_reason'), contains='unknown skip reason')
 # `make_item` turns what a source knows about a sample (a normalised image tensor, its caption, its parse tree
 # when the method needs one, optionally a pool of candidate masks) into the per-sample part of the batch:
 #
-# - tokens: with a tree, `parsing.tree_tokens` (the word positions come with them); without, `caption_tokens`,
+# - tokens: with a tree, `tokens.tree_tokens` (the word positions come with them); without, `caption_tokens`,
 #   the caption as the model's tokenizer encodes it;
 # - region masks, when asked for: `random` gives $M$ boxes (`regions.random_box_masks`), all valid; `gold` and
 #   `stored` draw $\min(R, M)$ of the pool uniformly without replacement (`regions.select_masks`), padded with
@@ -559,7 +559,7 @@ def eval_transform(image_size: int):
     from open_clip import image_transform
     return image_transform(image_size, is_train=False)
 
-def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: SkipCounter) -> dict | None:
+def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: SampleSkipCounter) -> dict | None:
     """A raw webdataset sample (bytes per extension) -> a batch item, or None (counted and logged) when unusable.
     Reads a tree (stored, or parsed on the fly) and stored masks only when the method needs them."""
     key, needs, cfg, geo = s.get('__key__', '?'), spec.needs, spec.data, spec.geometry
@@ -678,7 +678,7 @@ class WdsItems(IterableDataset):
         K = max(1, self.cfg.shuffle_buffer)
         p0, head = P.pos[w], list(P.at[w])
         j, end = p0 // K, p0                     # block of the first output due; outputs of the stream so far
-        raw, skips, items = self.raw(self.shards(w), head), SkipCounter(), []
+        raw, skips, items = self.raw(self.shards(w), head), SampleSkipCounter(), []
         while block := list(itertools.islice(raw, K)):
             start, head = head, block[-1][1]      # where block j starts, and where block j + 1 does
             order = list(range(len(block)))

@@ -322,7 +322,8 @@ class Encoder(nn.Module):
 # block and finding the patch embedding that changes first-most. Everything in `eval()` mode.
 
 # %%
-from powerclip.parsing import ParsedCaption, collate_trees, tree_tokens
+from powerclip.parsing import ParsedCaption
+from powerclip.tokens import collate_trees, tree_tokens
 model.eval()
 C = 2
 img = torch.randn(C, 3, 64, 64, generator=torch.Generator().manual_seed(0))
@@ -673,7 +674,7 @@ test_eq(text_token_mask(_ids, special_tokens=True).tolist(), (_ids != 0).tolist(
 test_fail(lambda: text_token_mask(torch.zeros(2, 4, dtype=torch.long)), contains='no token at all')
 
 # %% [markdown]
-# On the batch contract's own tokens (`powerclip.parsing.tree_tokens`), the counted tokens are exactly the BPE
+# On the batch contract's own tokens (`powerclip.tokens.tree_tokens`), the counted tokens are exactly the BPE
 # pieces of the caption's words, `leaf_tokens.any(0)`:
 
 # %%

@@ -340,7 +340,8 @@ def word_nodes(batch: dict) -> dict:
 
 # %%
 from powerclip.model import create_model, encode, grid_size
-from powerclip.parsing import ParsedCaption, collate_trees, tree_tokens
+from powerclip.parsing import ParsedCaption
+from powerclip.tokens import collate_trees, tree_tokens
 
 torch.manual_seed(0)
 _model = create_model("powerclip-micro")[0].eval()
@@ -402,6 +403,15 @@ print({k: round(float(v.detach()), 4) for k, v in _terms.items()})
 #
 # A method that trains modules of its own beside the model (`build_modules`) may score with them: the evaluator
 # loads them with the run (`method_modules.pt` beside `model.pt`) and passes them to `scorers(modules)`.
+#
+# **Regions.** The region task (`63a_eval_regions`) asks a scorer for three more things, each a unit vector per row so
+# that a cosine compares them: `region_features`, one embedding per region mask on the patch grid; `crop_features`,
+# the embedding of a region cropped and encoded as an image; and `class_features`, the text embedding of a class
+# prompt. By default they are PowerCLIP's region embedding (Eq. 2: the normalised mean of the projected patch
+# embeddings inside the mask, `powerset.pool_normalize`, the representation PowerCLIP trains), the model's own image
+# embedding and its own text embedding (each pooled as the model pools, `30_model`). A method whose paper pools a
+# region otherwise overrides them (SPARC: its head on the mean of the patch tokens; A-CLIP's EMA scorer: its EMA towers
+# for crops and prompts).
 
 # %%
 #| export
@@ -420,6 +430,24 @@ class Scorer:
     def scores(self, img: dict[str, torch.Tensor], txt: dict[str, torch.Tensor]) -> torch.Tensor:
         "Features of I images and T captions -> `(I, T)` scores, higher is more similar."
         raise NotImplementedError
+
+    @torch.no_grad()
+    def region_features(self, model, images: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        "images `(B, 3, H, W)`, masks `(B, R, N)` bool on the patch grid -> `(B, R, D)` unit region embeddings (Eq. 2)."
+        from powerclip.model import encode   # late: methods stay importable without open_clip loaded
+        return pool_normalize(encode(model, images, None)["patches"], masks.to(images.device)).float()
+
+    @torch.no_grad()
+    def crop_features(self, model, images: torch.Tensor) -> torch.Tensor:
+        "crops `(B, 3, H, W)` -> `(B, D)` unit image embeddings (the model's pooling)."
+        from powerclip.model import encode
+        return encode(model, images, None, need_patches=False)["image"].float()
+
+    @torch.no_grad()
+    def class_features(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        "prompts `(B, L)` -> `(B, D)` unit text embeddings (the model's pooling)."
+        from powerclip.model import encode
+        return encode(model, None, tokens)["text"].float()
 
 
 class GlobalScorer(Scorer):
@@ -509,3 +537,22 @@ with torch.no_grad():
     _ref = F.cosine_similarity(_model.encode_image(_imgs)[:, None], _model.encode_text(_ids)[None], dim=-1)  # (3, 4)
 assert _S.shape == (3, 4)
 assert_close(_S, _ref)
+
+# %% [markdown]
+# The region readings by default: a mask of one patch gives that patch's normalised embedding (what the heat maps of
+# `67_heatmaps` compare a phrase with); under average pooling the mask of the whole grid gives the image embedding
+# itself (the global embedding *is* the region embedding of the whole image, `30_model`); crops and prompts are the
+# model's own image and text embeddings.
+
+# %%
+from powerclip.model import encode, set_pool
+_g = _sc["global"]
+with torch.no_grad():
+    _e = encode(_model, _imgs, _ids[:3])
+    _one = torch.eye(16, dtype=torch.bool)[None].expand(3, -1, -1)                      # (3, 16, 16) one patch each
+    assert_close(_g.region_features(_model, _imgs, _one), F.normalize(_e["patches"], dim=-1))
+    assert_close(_g.crop_features(_model, _imgs), _e["image"]); assert_close(_g.class_features(_model, _ids[:3]), _e["text"])
+    set_pool(_model, "avg")
+    _all = torch.ones(3, 1, 16, dtype=torch.bool)
+    assert_close(_g.region_features(_model, _imgs, _all)[:, 0], _model.encode_image(_imgs, normalize=True))
+    set_pool(_model, "tok")

@@ -317,7 +317,8 @@ def concept_token_ids(
 
 
 # %%
-from powerclip.parsing import collate_trees, default_tokenizer, parse_caption, tree_tokens
+from powerclip.parsing import parse_caption
+from powerclip.tokens import collate_trees, default_tokenizer, tree_tokens
 _caps = ["a dog sitting on a red chair", "A woman wearing red dress stands next to a fireplace at a university",
          "two cats", "sitting quietly", ""]
 _pcs = [parse_caption(c) for c in _caps]
@@ -490,7 +491,7 @@ class C2LIP(Method):
         batch = dict(batch, concept_tokens=concept_token_masks(batch["incidence"], batch["leaf_tokens"], idx, valid),
                      concept_valid=valid)
         if self.cfg.concept_embedding == "encode":
-            from powerclip.parsing import default_tokenizer
+            from powerclip.tokens import default_tokenizer
             tok = default_tokenizer()
             batch["concept_ids"] = concept_token_ids(batch["tokens"], batch["concept_tokens"], tok.sot_token_id, tok.eot_token_id)
         return batch

@@ -32,6 +32,7 @@ from powerclip.baselines.clip_pgs import hash_uniform
 from powerclip.dist import DistContext, gather
 from powerclip.loss import clip_loss
 from powerclip.methods import CLIP, GlobalScorer, StepClock, register
+from powerclip.powerset import pool_normalize
 
 # %%
 #| hide
@@ -1077,6 +1078,21 @@ class EMAScorer(GlobalScorer):
     @torch.no_grad()
     def text_features(self, model, tokens):
         return {"text": F.normalize(self._mods().encode_text_ema(model, tokens), dim=-1).float()}   # (B, D)
+
+    @torch.no_grad()
+    def region_features(self, model, images, masks):
+        "Regions of the EMA image tower: its projected patch embeddings pooled as PowerCLIP's Eq. 2, `(B, R, D)`."
+        v = self._mods().visual_ema
+        x = v.forward_intermediates(images, indices=1, output_fmt="NLC", intermediates_only=True)["image_intermediates"][-1]
+        return pool_normalize(v.ln_post(x) @ v.proj, masks.to(x.device)).float()
+
+    @torch.no_grad()
+    def crop_features(self, model, images):
+        return self.image_features(model, images)["image"]
+
+    @torch.no_grad()
+    def class_features(self, model, tokens):
+        return self.text_features(model, tokens)["text"]
 
 
 @register("aclip")

@@ -20,8 +20,8 @@
 #| export
 from __future__ import annotations
 
-import contextlib, csv, dataclasses, json, math, os, random, re, sys, time, typing, warnings
-from dataclasses import asdict, dataclass, field
+import contextlib, csv, dataclasses, math, os, sys, time, warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,15 +29,18 @@ import torch
 import yaml
 
 from powerclip import dist as pdist
-from powerclip.data import (SKIP_REASONS, BatchNeeds, BatchSpec, DataConfig, Geometry, Loader, StreamPosition, add_counts, make_loader,
-                            mix_seed, n_streams, run_seeds, shard_urls, steps_per_epoch, world_config)
-from powerclip.cli import ArgumentParser, UsageError, run_main, usage_errors
+from powerclip.checkpoint import (TrainState, export_weights, load_checkpoint, previous_checkpoint, read_resume, resume_position,
+                                  rng_state, save_checkpoint, save_snapshot, seed_all, set_rng_state)
+from powerclip.commandline import ArgumentParser, check_device, run_main, usage_errors
+from powerclip.config import OptimConfig, TrainConfig, load_config, method_options, to_dict
+from powerclip.data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader, mix_seed,
+                            run_seeds, shard_urls, steps_per_epoch, world_config)
 from powerclip.measure import PeakMemory
-from powerclip.methods import METHODS, Method, get_method, method_config
+from powerclip.methods import Method, get_method
 
 # %%
 #| hide
-import tempfile
+import json, tempfile
 from fastcore.test import test_close, test_eq, test_fail
 from powerclip.data import write_shard
 from torch.testing import assert_close
@@ -63,309 +66,10 @@ from torch.testing import assert_close
 #   through `powerclip.measure`.
 #
 # `build_run(cfg, ctx)` assembles these once, for the trainer, `benchmarks/train_step_ratio.py` and
-# `tests/test_ddp.py` alike. The run's config is one dataclass of dataclasses, read from a small YAML preset plus
-# `key=value` overrides, and written next to the run's outputs with what was derived from it (every random stream's
-# seed, the geometry, the method's batch needs).
-
-# %% [markdown]
-# ## Configuration
-
-# %%
-#| export
-@dataclass
-class ModelConfig:
-    name: str = "powerclip-tiny"       # open_clip architecture name (ViT-B-16, or powerclip/model_configs/*.json)
-    pretrained: str | None = None      # a local checkpoint file, or None (random init); nothing is downloaded.
-                                       # 'required': the preset fine-tunes (C2LIP, SmartCLIP): the run stops
-                                       # until model.pretrained=PATH is given
-    pool: str | None = None            # 'tok' (class token / EOT, CLIP) | 'avg' (mean of the patch / caption tokens,
-                                       # the PowerCLIP authors' model) for both towers; None: the architecture's
-                                       # (`30_model`, "Pooling": 'tok', 'avg' for ViT-B-16-avg)
-    grad_checkpointing: bool = False   # recompute activations in backward (less memory, ~30% more time)
-    compile: bool = False              # torch.compile the forward pass
-    kwargs: dict = field(default_factory=dict)  # open_clip model_kwargs overriding the architecture's config
-                                       # (whole entries, e.g. a text_cfg with a shorter context_length); the
-                                       # geometry of the data follows it
-
-    def __post_init__(self):
-        if not self.name: raise ValueError("name: needs an open_clip architecture name (e.g. ViT-B-16, powerclip-tiny)")
-        if self.pool not in (None, "tok", "avg"):
-            raise ValueError(f"pool: must be tok, avg or null (the architecture's), got {self.pool!r}")
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 5e-4                   # peak learning rate
-    betas: tuple = (0.9, 0.98)         # AdamW betas (open_clip / CLIP)
-    eps: float = 1e-6                  # AdamW eps
-    weight_decay: float = 0.2          # not applied to biases, norms, logit_scale and embeddings
-    warmup_steps: int = 100            # linear warm-up from lr/warmup to lr, then cosine to min_lr
-    min_lr: float = 0.0                # end of the cosine
-    grad_clip: float | None = None     # clip the global gradient norm (None: no clipping, norm still checked)
-
-    def __post_init__(self):
-        for k in ("lr", "weight_decay", "min_lr", "warmup_steps"):
-            if getattr(self, k) < 0: raise ValueError(f"{k}: must be at least 0, got {getattr(self, k)}")
-        if self.eps <= 0: raise ValueError(f"eps: must be above 0, got {self.eps}")
-        if self.grad_clip is not None and self.grad_clip <= 0: raise ValueError(f"grad_clip: must be above 0 or null (no clipping), got {self.grad_clip}")
-        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas: must be two numbers in [0, 1), got {list(self.betas)}")
-
-
-PRECISIONS = ("fp32", "bf16", "auto", "fp64")
-
-
-@dataclass
-class TrainConfig:
-    "A whole run. `method_cfg` holds the options of `method` (see `powerclip.methods`)."
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    method: str = "powerclip"          # a name registered in powerclip.methods
-    method_cfg: dict = field(default_factory=dict)  # options of that method (e.g. lam, tau, alpha)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    epochs: int = 1                    # passes over the data (an epoch = steps_per_epoch(data))
-    max_steps: int | None = None       # stop after this many steps (overrides epochs; needed for unsized shards)
-    stop_at: int | None = None         # leave early after this step, with a checkpoint (time-limited jobs); the
-                                       # schedule still runs to the full length, and resuming continues it
-    global_batch_size: int | None = None  # if set: data.batch_size = global_batch_size / processes
-    precision: str = "auto"            # 'fp32' | 'bf16' (autocast) | 'auto' (bf16 on GPU, fp32 on CPU) | 'fp64' (exactness checks)
-    seed: int = 0                      # the run seed: every random stream (init, data order, world scenes, region
-                                       # draws, method noise, forward pass) derives from it by name (config.yaml)
-    out_dir: str = "runs/run"          # config.yaml, metrics.csv, tb/, checkpoints/, loss.png
-    log_every: int = 10                # steps between metric rows
-    ckpt_every: int = 500              # steps between checkpoints (and one at the end)
-    resume: str = "auto"               # 'auto' (out_dir/checkpoints/last.pt, else prev.pt, if present) | 'never' | a checkpoint path
-    max_bad_in_row: int = 20           # abort after this many consecutive non-finite steps
-    device: str | None = None          # 'cpu' | 'cuda' | 'cuda:N' | None (cuda when available)
-    progress: bool = True              # tqdm progress bar on the main process
-    tensorboard: bool = True           # also write TensorBoard events to out_dir/tb
-    find_unused_parameters: bool = False  # DDP option, for methods that leave parameters unused
-    snapshot_steps: tuple = ()         # after these steps also write snapshots/step{N}/ (model.pt, method_modules.pt,
-                                       # config.yaml, snapshot.json with the training seconds so far): learning curves,
-                                       # and the start of a fine-tune from the middle of a run
-    start_batch: int = 0               # the first batch is this batch of the run seed's data order (a fine-tune that
-                                       # continues its base run's data: the base run's step); the schedule starts at 0
-
-    def __post_init__(self):
-        # each message starts with the field's name (what the user typed: `precision=fp16`)
-        if self.precision not in PRECISIONS: raise ValueError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.resume not in ("auto", "never") and not str(self.resume).endswith(".pt"):
-            raise ValueError(f"resume: must be auto, never or a .pt checkpoint path, got {self.resume!r}")
-        for k in ("epochs", "log_every", "ckpt_every", "max_bad_in_row"):
-            if getattr(self, k) < 1: raise ValueError(f"{k}: must be at least 1, got {getattr(self, k)}")
-        for k in ("max_steps", "stop_at", "global_batch_size"):
-            if getattr(self, k) is not None and getattr(self, k) < 1: raise ValueError(f"{k}: must be at least 1 or null, got {getattr(self, k)}")
-        if self.seed < 0: raise ValueError(f"seed: must be at least 0, got {self.seed}")
-        if self.device is not None and not (self.device in ("cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
-            raise ValueError(f"device: must be cpu, cuda, cuda:N or null (cuda when available), got {self.device!r}")
-        if not self.out_dir: raise ValueError("out_dir: needs a folder for the run's outputs")
-        if not self.method: raise ValueError("method: needs a method name (e.g. powerclip, clip)")
-        if self.start_batch < 0: raise ValueError(f"start_batch: must be at least 0, got {self.start_batch}")
-        if self.start_batch and getattr(self.data, "source", None) == "wds":   # shards position by a checkpoint's StreamPosition
-            raise ValueError("start_batch: continues a run's data order on the built-in world only; on shards, resume the base run's checkpoint")
-        if any(int(n) != n or n < 1 for n in self.snapshot_steps):
-            raise ValueError(f"snapshot_steps: must be integers of at least 1, got {list(self.snapshot_steps)}")
-
-
-# %% [markdown]
-# Configs travel as plain nested dicts (YAML). `from_dict` builds the dataclasses back, checking every key and the type
-# of every scalar, so a typo in a preset or an override is an error, never a silently ignored option, and the error
-# names the dotted key the user typed: `optim.lr: must be a number, got 'abc'`. A dataclass's own checks
-# (`__post_init__`) start their messages with the field's name, and `from_dict` puts the section in front.
-
-# %%
-#| export
-def from_dict(cls, d: dict, path: str = ""):
-    """A (nested) config dataclass from a plain dict. An unknown key, a scalar of the wrong type (float, int, bool, str,
-    None: YAML's own) or a value the dataclass refuses is a ValueError naming the dotted key; lists become tuples where
-    typed so. `path`: the dotted name of `d` in the whole config ('' for the top)."""
-    where = f"{path}." if path else ""
-    if not isinstance(d, dict): raise ValueError(f"{path or cls.__name__}: must be a section of key: value entries, got {d!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for k in d:
-        if k not in names: raise ValueError(f"{where}{k}: unknown key (known: {', '.join(sorted(names))})")
-    kw = {k: _typed(hints[k], v, where + k) for k, v in d.items()}
-    try: return cls(**kw)
-    except (ValueError, TypeError) as e: raise ValueError(_name_key(cls, str(e), path, kw)) from None
-
-
-def _name_key(cls, msg: str, path: str, kw: dict) -> str:
-    """A dataclass check's message with the dotted key in front: the field its message starts with, else the one given
-    value the dataclass refuses on its own (the others at their defaults), else the section."""
-    where = f"{path}." if path else ""
-    if msg.split(":", 1)[0].strip() in kw: return where + msg
-    def refused(k):
-        try: cls(**{k: kw[k]}); return False
-        except (ValueError, TypeError): return True
-    alone = [k for k in kw if refused(k)]
-    if len(alone) == 1: return f"{where}{alone[0]}: {msg}"
-    return f"{path}: {msg}" if path else msg
-
-
-_TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "text", tuple: "a list", list: "a list",
-               dict: "a section of key: value entries"}
-
-
-def _typed(t, v, key: str):
-    "`v` as the annotation `t` wants it, or a ValueError naming `key` (see `from_dict`)."
-    if dataclasses.is_dataclass(t): return from_dict(t, v, key)
-    opts = _types(t)
-    if v is None:
-        if type(None) in opts or t is typing.Any: return None
-        raise ValueError(f"{key}: may not be null (give {' or '.join(_TYPE_WORDS.get(o, str(o)) for o in opts)})")
-    for o in opts:
-        o = typing.get_origin(o) or o
-        if o is bool and isinstance(v, bool): return v
-        if o is int and not isinstance(v, bool):
-            if isinstance(v, int): return v
-            n = _number(v)
-            if n is not None and n.is_integer(): return int(n)
-        if o is float and _number(v) is not None: return _number(v)
-        if o is str and isinstance(v, str): return v
-        if o is str and isinstance(v, (int, float)) and not isinstance(v, bool): return str(v)   # out_dir=2024
-        if o in (tuple, list) and isinstance(v, (list, tuple)): return o(v)
-        if o is dict and isinstance(v, dict): return v
-        if o not in _TYPE_WORDS and o is not type(None): return v                                 # not checked here
-    want = " or ".join(_TYPE_WORDS.get(typing.get_origin(o) or o, str(o)) for o in opts if o is not type(None))
-    raise ValueError(f"{key}: must be {want}{' or null' if type(None) in opts else ''}, got {v!r}")
-
-
-def _number(v) -> float | None:
-    "A number as float (YAML 1.1 reads '1e-3' as a string), or None."
-    if isinstance(v, bool): return None
-    if isinstance(v, (int, float)): return float(v)
-    if isinstance(v, str):
-        try: return float(v)
-        except ValueError: return None
-    return None
-
-
-def _types(t) -> tuple:
-    return typing.get_args(t) if typing.get_origin(t) in (typing.Union, getattr(__import__("types"), "UnionType", None)) else (t,)
-
-
-def to_dict(cfg) -> dict:
-    "Plain nested dict of a config (tuples as lists: what YAML writes)."
-    def plain(x):
-        if isinstance(x, dict): return {k: plain(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)): return [plain(v) for v in x]
-        return x
-    return plain(asdict(cfg))
-
-
-# %%
-_c = from_dict(TrainConfig, {"optim": {"lr": "1e-3", "betas": [0.9, 0.95]}, "data": {"batch_size": 8}, "method": "clip"})
-test_eq((_c.optim.lr, _c.optim.betas, _c.data.batch_size, _c.method), (1e-3, (0.9, 0.95), 8, "clip"))
-test_eq(from_dict(TrainConfig, to_dict(_c)), _c)
-test_fail(lambda: from_dict(TrainConfig, {"optim": {"learning_rate": 1.0}}), contains="optim.learning_rate: unknown key")
-# every message names the dotted key
-for d, msg in [({"optim": {"lr": "abc"}}, "optim.lr: must be a number, got 'abc'"),
-               ({"data": {"batch_size": 0}}, "data.batch_size: must be at least 1, got 0"),
-               ({"data": {"workers": 1.5}}, "data.workers: must be an integer, got 1.5"),
-               ({"max_steps": -1}, "max_steps: must be at least 1 or null, got -1"),
-               ({"progress": "maybe"}, "progress: must be true or false, got 'maybe'"),
-               ({"precision": "fp16"}, "precision: must be one of fp32, bf16, auto, fp64, got 'fp16'"),
-               ({"optim": 3}, "optim: must be a section"), ({"model": {"kwargs": [1]}}, "model.kwargs: must be a section")]:
-    test_fail(lambda: from_dict(TrainConfig, d), contains=msg)
-test_eq(from_dict(TrainConfig, {"max_steps": "1e3", "optim": {"weight_decay": 0}}).max_steps, 1000)  # YAML 1.1 strings
-assert isinstance(from_dict(TrainConfig, {"optim": {"weight_decay": 0}}).optim.weight_decay, float)
-
-# %% [markdown]
-# ### Presets and overrides
-#
-# Presets are small YAML files in `powerclip/presets/`. A preset may hold a `method_cfgs` table with the
-# options of several methods; the run picks the entry of its `method`, so `--method clip` on the PowerCLIP
-# preset is a fair CLIP baseline with everything else equal. Overrides are `key=value` with dotted keys,
-# values read as YAML (`optim.lr=1e-3`, `method_cfg.masks=gold`, `method_cfg.lam=0.2`, `max_steps=null`). A run's
-# own `config.yaml` is a preset too; its `derived` section (what the run computed from the seed and the model) is a
-# record and is not read back. The method's options go through the same checks, against the method's config
-# dataclass: `method_cfg.tau=-1` is refused by that dataclass, with the key named.
-#
-# The presets: `smoke` (the micro model, seconds: the tests), `demo` (the tiny model on the world, 2 CPU cores),
-# `paper` (Sec. 5.1: ViT-B/16 at 224 px on CC12M shards, global batch 4096, AdamW at $10^{-3}$, weight decay 0.2,
-# 32 epochs, 10,000 warm-up steps, $M = 10$, $\tau = 10^{-3}$, $\alpha = 0.75$, $\lambda = 0.1$), and one per baseline
-# whose paper gives its own recipe (`clip-pgs`, `aclip`, `eclip`, `c2lip`, `smartclip`). Each preset's comments say
-# where its values come from.
-
-# %%
-#| export
-PRESET_DIR = Path(__import__("powerclip").__file__).parent / "presets"  # shipped as package data
-
-
-def preset_path(name: str) -> Path:
-    "A preset name ('demo', 'paper') or a path to a YAML file."
-    p = Path(name)
-    known = ", ".join(sorted(q.stem for q in PRESET_DIR.glob("*.yaml")))
-    if p.suffix in (".yaml", ".yml"):
-        if p.is_file(): return p
-        raise FileNotFoundError(f"--preset: no file {name!r} (a preset name: {known}; or a path to a .yaml file)")
-    p = PRESET_DIR / f"{name}.yaml"
-    if not p.is_file(): raise FileNotFoundError(f"--preset: no preset {name!r} (known: {known}; or a path to a .yaml file)")
-    return p
-
-
-def set_dotted(d: dict, key: str, value) -> None:
-    "d['a']['b'] = value for key 'a.b' (creating the inner dicts)."
-    *head, last = key.split(".")
-    if not all(head + [last]): raise ValueError(f"{key}: not a dotted key (e.g. optim.lr)")
-    for i, k in enumerate(head):
-        d = d.setdefault(k, {})
-        if not isinstance(d, dict): raise ValueError(f"{key}: {'.'.join(head[:i + 1])} is not a section of the config")
-    d[last] = value
-
-
-def parse_override(s: str) -> tuple[str, object]:
-    "'key=value' -> (key, value read as YAML; a value YAML cannot read stays the text given)."
-    if "=" not in s or not s.split("=", 1)[0].strip():
-        raise ValueError(f"override {s!r}: not key=value (e.g. optim.lr=1e-3 data.batch_size=32)")
-    k, v = s.split("=", 1)
-    try: v = yaml.safe_load(v)
-    except yaml.YAMLError: pass
-    return k.strip(), v
-
-
-def method_options(method: str, cfg: dict) -> dict:
-    """The options of `method` checked against its config dataclass (unknown keys, types, the dataclass's own checks:
-    a ValueError naming `method_cfg.KEY`), with values as the dataclass typed them."""
-    try: cls = type(method_config(method))
-    except KeyError: raise ValueError(f"method: unknown method {method!r} (registered: {', '.join(sorted(METHODS))})") from None
-    opts = from_dict(cls, dict(cfg or {}), "method_cfg")
-    return {k: getattr(opts, k) for k in (cfg or {})}
-
-
-def load_config(preset: str | None = "demo", overrides: list[str] | dict | None = (), method: str | None = None) -> TrainConfig:
-    "TrainConfig from a preset, a method name and `key=value` overrides (applied in that order)."
-    d = {}
-    if preset:
-        path = preset_path(preset)
-        try: d = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e: raise ValueError(f"--preset: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(d, dict): raise ValueError(f"--preset: {path} must hold key: value entries, got {type(d).__name__}")
-    d.pop("derived", None)  # a run's record of what it derived (seeds, geometry, needs): recomputed, never read
-    method_cfgs = d.pop("method_cfgs", {}) or {}
-    if method: d["method"] = method
-    m = d.get("method", TrainConfig.method)
-    d["method_cfg"] = {**(method_cfgs.get(m) or {}), **(d.get("method_cfg") or {})}
-    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or ())
-    for k, v in items: set_dotted(d, k, v)
-    cfg = from_dict(TrainConfig, d)
-    cfg.method_cfg = method_options(cfg.method, cfg.method_cfg)  # an unknown method or option fails here, not after the model is built
-    return cfg
-
-
-# %%
-_c = load_config("demo", ["optim.lr=2e-3", "method_cfg.masks=gold", "method_cfg.lam=0.3"])
-test_eq((_c.optim.lr, _c.method_cfg["masks"], _c.method, _c.method_cfg["lam"]), (2e-3, "gold", "powerclip", 0.3))
-test_eq(load_config("demo", method="clip").method_cfg, {})
-test_fail(lambda: load_config("nope"), contains="known")
-for ov, msg in [(["method_cfg.lamda=1"], "method_cfg.lamda: unknown key"), (["method_cfg.tau=-1"], "method_cfg.tau: need tau > 0"),
-                (["method_cfg.M=0"], "method_cfg.M: M must be >= 1"), (["method_cfg.tau=abc"], "method_cfg.tau: must be a number"),
-                (["lr"], "override 'lr': not key=value"), (["optim.lr.x=1"], "optim.lr.x: optim.lr is not a section")]:
-    test_fail(lambda: load_config("demo", ov), contains=msg)
-test_fail(lambda: load_config("demo", method="nope"), contains="method: unknown method 'nope' (registered: ")
-print(preset_path("demo").read_text())
-
+# `tests/test_ddp.py` alike. The run's config is one dataclass of dataclasses (`49a_config`), read from a small YAML
+# preset plus `key=value` overrides, and written next to the run's outputs with what was derived from it (every random
+# stream's seed, the geometry, the method's batch needs). What a run writes and reads back, checkpoints, weights and
+# snapshots, is `49b_checkpoint`.
 
 # %% [markdown]
 # ## Optimiser and schedule
@@ -420,176 +124,6 @@ assert not any(n.endswith("attn.in_proj_weight") or n.endswith("mlp.c_fc.weight"
 print(f"{len(_opt.param_groups[0]['params'])} tensors with weight decay, {len(_nd)} without")
 _f = [lr_factor(s, 100, 10) for s in range(100)]
 assert _f[0] == 0.1 and _f[9] == 1.0 and abs(_f[-1]) < 1e-3 and all(a >= b for a, b in zip(_f[9:], _f[10:]))
-
-
-# %% [markdown]
-# ## Checkpoints that resume exactly
-#
-# A run killed at any moment and resumed from its last checkpoint must continue as if it had never stopped.
-# So a checkpoint holds, besides the weights: the optimiser's moments, the scheduler's position, every random
-# generator (Python, NumPy, torch, CUDA; one set per process), the step and epoch, and each process's data position
-# (`powerclip.data.StreamPosition`: on the world its step in the epoch, from which `make_loader` regenerates exactly the
-# batches not yet seen; on shards also where every worker's stream stands, see `23_data`), and the skip counts of the
-# epochs already done.
-#
-# **Written so that it can always be read.** A checkpoint is written to a temporary file, flushed to the disk
-# (`fsync`), and renamed over `last.pt`; the `last.pt` it replaces becomes `prev.pt`. A kill during the write leaves
-# both intact. A `last.pt` that cannot be read all the same (a full disk, a file copied over it, a zero-byte file)
-# is reported in one line, set aside as `last.pt.damaged`, and the run resumes from `prev.pt`; if neither can be read,
-# the run stops with one line saying so and how to start afresh (`resume=never`). Both are read *before* the model is
-# built. Resume with the same number of processes and the same `data.workers`: the data streams are split by both.
-
-# %%
-#| export
-@dataclass
-class TrainState:
-    "Where a run is; saved in every checkpoint."
-    step: int = 0             # optimiser steps taken (skipped bad steps included: data was consumed)
-    epoch: int = 0            # current epoch
-    step_in_epoch: int = 0    # batches of this epoch already consumed (per process)
-    bad_total: int = 0        # steps skipped for a non-finite loss or gradient
-    bad_in_row: int = 0       # consecutive such steps
-    skipped: dict = field(default_factory=dict)  # samples skipped in the finished epochs, by reason, over all processes
-    seconds: float = 0.0      # wall-clock seconds of the training loop so far, across resumes
-
-
-def rng_state() -> dict:
-    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def set_rng_state(s: dict) -> None:
-    random.setstate(s["python"]); np.random.set_state(s["numpy"]); torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
-
-
-def previous_checkpoint(path) -> Path:
-    "Where the checkpoint that `path` replaced is kept: `prev.pt` beside `last.pt` (`NAME.prev.pt` beside another name)."
-    path = Path(path)
-    return path.with_name("prev.pt" if path.name == "last.pt" else f"{path.stem}.prev{path.suffix}")
-
-
-def _fsync_dir(d: Path) -> None:
-    "Make a rename in folder `d` durable (where the file system lets a folder be opened)."
-    try: fd = os.open(d, os.O_RDONLY)
-    except OSError: return
-    try: os.fsync(fd)
-    except OSError: pass
-    finally: os.close(fd)
-
-
-def _atomic_save(obj, path: Path, keep_previous: bool = False) -> Path:
-    """torch.save to a temporary name, fsync, then rename: a kill or a crash mid-write leaves the previous file intact.
-    `keep_previous`: the file replaced is kept as `previous_checkpoint(path)`."""
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush(); os.fsync(f.fileno())   # on the disk before the rename makes it the checkpoint
-    if keep_previous and path.exists(): os.replace(path, previous_checkpoint(path))
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return path
-
-
-def save_checkpoint(path, model, opt, sched, state: TrainState, cfg: TrainConfig, rngs: list[dict], scaler=None,
-                    modules: torch.nn.Module | None = None, loader: list[dict] | None = None) -> Path:
-    """Atomic, fsynced write of everything needed to resume (`rngs`: one RNG state per process; `loader`: one data
-    position per process, `StreamPosition.to_dict()`); the checkpoint it replaces becomes `prev.pt`. The open_clip
-    weights (`model`) and a method's training-time modules (`method_modules`) are separate entries."""
-    ckpt = dict(model=model.state_dict(), method_modules=None if modules is None else modules.state_dict(),
-                optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                scaler=None if scaler is None else scaler.state_dict(), state=asdict(state), rng=rngs, loader=loader,
-                config=to_dict(cfg), torch_version=torch.__version__)
-    return _atomic_save(ckpt, path, keep_previous=True)
-
-
-def export_weights(run_dir, model, modules: torch.nn.Module | None = None) -> dict[str, Path]:
-    """`run_dir/model.pt`: the open_clip state dict alone, which plain open_clip loads
-    (`open_clip.create_model_and_transforms(name, pretrained=path)` after `powerclip.model.register_configs()`),
-    whatever the method; `run_dir/method_modules.pt` beside it when the method trained modules of its own."""
-    out = dict(model=_atomic_save(model.state_dict(), Path(run_dir) / "model.pt"))
-    if modules is not None: out["method_modules"] = _atomic_save(modules.state_dict(), Path(run_dir) / "method_modules.pt")
-    return out
-
-
-def save_snapshot(run_dir, step: int, seconds: float, model, modules: torch.nn.Module | None = None) -> Path:
-    """`run_dir/snapshots/step{step}/`: the weights as `export_weights` writes them, the run's `config.yaml` (so the
-    folder loads like a run folder) and, written last, `snapshot.json` (step, training seconds so far): a folder
-    without it is incomplete."""
-    d = Path(run_dir) / "snapshots" / f"step{step}"
-    export_weights(d, model, modules)
-    for name, text in (("config.yaml", (Path(run_dir) / "config.yaml").read_text()),
-                       ("snapshot.json", json.dumps(dict(step=step, seconds=seconds)))):
-        tmp = d / (name + ".tmp"); tmp.write_text(text); os.replace(tmp, d / name)
-    return d
-
-
-def load_checkpoint(path, map_location="cpu") -> dict:
-    # our own file: it holds Python and NumPy RNG states, which the weights-only loader refuses
-    return torch.load(path, map_location=map_location, weights_only=False)
-
-
-CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "state", "rng")
-
-
-def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True) -> tuple[Path | None, dict | None]:
-    """The checkpoint a run resumes from, read (on the CPU): `last.pt` (or the `resume` path), else, with a warning, the
-    checkpoint it replaced; (None, None) to start afresh. Neither readable: a `UsageError` saying how to start afresh.
-    `set_aside` (the main process): an unreadable `last.pt` becomes `last.pt.damaged`, so that the next checkpoint
-    does not push it over the good `prev.pt`."""
-    if cfg.resume == "never": return None, None
-    last = Path(cfg.out_dir) / "checkpoints" / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
-    prev = previous_checkpoint(last)
-    if not last.is_file() and not prev.is_file():
-        if cfg.resume == "auto": return None, None
-        raise UsageError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
-    problems = []
-    for p in (last, prev):
-        if not p.is_file(): problems.append(f"{p} is missing"); continue
-        try:
-            ck = load_checkpoint(p)
-            if not isinstance(ck, dict) or not set(CHECKPOINT_KEYS) <= set(ck): raise ValueError("not a trainer checkpoint")
-        except Exception as e:   # a torn or foreign file: say what, then try the older one
-            problems.append(f"{p} cannot be read ({type(e).__name__}: {str(e).strip().split('. ')[0][:120]})"); continue
-        if problems:
-            kept = ""
-            if set_aside and last.is_file():
-                os.replace(last, last.with_name(last.name + ".damaged")); kept = f" ({last.name} kept as {last.name}.damaged)"
-            warn(f"{problems[0]}: resuming from the previous checkpoint {p} (step {ck['state']['step']}){kept}")
-        return p, ck
-    raise UsageError(f"resume: {'; '.join(problems)}; no checkpoint to resume from. Start afresh with resume=never "
-                     f"(or move {last.parent} away)")
-
-
-# %%
-with tempfile.TemporaryDirectory() as d:
-    seed_all(3); _s0 = rng_state(); _a = (random.random(), np.random.rand(), torch.rand(1))
-    set_rng_state(_s0); assert (random.random(), np.random.rand(), torch.rand(1)) == _a
-    _sch = make_scheduler(_opt, OptimConfig(warmup_steps=2), 10); _opt.step(); _sch.step()
-    p = save_checkpoint(Path(d) / "checkpoints" / "last.pt", _m, _opt, _sch, TrainState(step=1), TrainConfig(), [_s0])
-    ck = load_checkpoint(p)
-    test_eq(ck["state"]["step"], 1); test_eq(ck["scheduler"]["last_epoch"], 1)
-    assert_close(ck["model"]["logit_scale"], _m.logit_scale.detach())
-    assert not list(Path(d, "checkpoints").glob("*.tmp"))
-    # the second save keeps the first as prev.pt; a damaged last.pt falls back to it, with one line
-    save_checkpoint(p, _m, _opt, _sch, TrainState(step=2), TrainConfig(), [_s0])
-    test_eq(load_checkpoint(Path(d) / "checkpoints" / "prev.pt")["state"]["step"], 1)
-    _cfg = TrainConfig(out_dir=d); _said = []
-    test_eq(read_resume(_cfg, _said.append)[1]["state"]["step"], 2); test_eq(_said, [])
-    p.write_bytes(p.read_bytes()[:1000])                      # a torn last.pt
-    _path, _ck = read_resume(_cfg, _said.append)
-    test_eq((_path.name, _ck["state"]["step"]), ("prev.pt", 1))
-    assert len(_said) == 1 and "last.pt cannot be read" in _said[0] and "step 1" in _said[0], _said
-    assert not p.exists() and p.with_name("last.pt.damaged").is_file()   # set aside: the next save keeps prev.pt
-    p.write_bytes(b"")                                                   # a zero-byte last.pt and prev.pt:
-    (Path(d) / "checkpoints" / "prev.pt").write_bytes(b"")              # nothing to resume from
-    test_fail(lambda: read_resume(_cfg), contains="resume=never")
-    test_eq(read_resume(TrainConfig(out_dir=d, resume="never")), (None, None))
 
 
 # %% [markdown]
@@ -760,19 +294,34 @@ def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: Trai
 # geometry (from its config file, `powerclip.model.model_geometry`) and a pretrained file; the batch against the
 # data (the world's `world_length`, or for shards every shard path, which must exist unless it is a url, and an epoch
 # length); the global batch against the processes; the output folder (not a file) and the checkpoint to resume from;
-# a GPU when `device` asks for one. `build_run` calls it first, and the command line inside `usage_errors()`, where
-# its message becomes the one line of a usage error (`17_cli`).
+# a GPU when `device` asks for one (`check_device`). `build_run` calls it first, and the command line inside
+# `usage_errors()`, where its message becomes the one line of a usage error (`17_commandline`).
+#
+# On its way `validate` builds what needs no model: the run's seeds, the method (with its own random stream), the
+# geometry and the loader's `BatchSpec`. It returns them (`Checked`), and `build_run` assembles the run from them.
 
 # %%
 #| export
 def _is_url(u: str) -> bool: return "://" in u or u.startswith("pipe:")
 
 
-def validate(cfg: TrainConfig, world_size: int | None = None) -> Geometry:
-    """Check a run before its model is built (see above); a ValueError naming the key, else the model's geometry.
-    `world_size`: processes (None: torchrun's WORLD_SIZE, else 1). The checks that need no import come first."""
+@dataclass
+class Checked:
+    "What `validate` built on its way, for `build_run`: everything of a run that needs no model."
+    cfg: TrainConfig       # a copy of the config, data.batch_size per process (global_batch_size resolved)
+    seeds: dict            # every random stream's seed, derived from cfg.seed by name
+    method: Method         # the method, with its own random stream (seeds['method'])
+    geometry: Geometry     # the model's image size, patch size, context length, from its config
+    spec: BatchSpec        # what the loader builds (data config, geometry, the method's needs, the run seed)
+
+
+def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
+    """Check a run before its model is built (see above); a ValueError naming the key, else what was built on the way
+    (`Checked`). `world_size`: processes (None: torchrun's WORLD_SIZE, else 1). The checks that need no import come first."""
     G = world_size or int(os.environ.get("WORLD_SIZE", 1))
-    method = get_method(cfg.method, method_options(cfg.method, cfg.method_cfg))
+    method_options(cfg.method, cfg.method_cfg)       # an unknown method or option: a ValueError naming the key
+    seeds = run_seeds(cfg.seed)
+    method = get_method(cfg.method, cfg.method_cfg, seed=seeds["method"])
     B = cfg.data.batch_size
     if cfg.global_batch_size is not None:
         if cfg.global_batch_size % G: raise ValueError(f"global_batch_size: {cfg.global_batch_size} is not divisible by the {G} processes (give a multiple of {G})")
@@ -801,10 +350,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Geometry:
     if any(a.exists() and not a.is_dir() for a in out.parents): raise ValueError(f"out_dir: {cfg.out_dir!r} is inside a file (give a folder)")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file() and not previous_checkpoint(cfg.resume).is_file():
         raise ValueError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
-    if cfg.device is not None and cfg.device.startswith("cuda"):
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0: raise ValueError(f"device: {cfg.device!r} asks for a GPU and none is available (device=cpu, or null: a GPU when there is one)")
-        if ":" in cfg.device and int(cfg.device[5:]) >= n: raise ValueError(f"device: {cfg.device!r}, but there are {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
+    if cfg.device is not None: check_device("device", cfg.device, hint="device=cpu, or null: a GPU when there is one")
     from powerclip.model import arch_pool, model_geometry   # imports open_clip: seconds
     try:
         geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
@@ -812,18 +358,19 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Geometry:
     except (ValueError, TypeError, NotImplementedError) as e: raise ValueError(f"model: {e}") from None
     if pool not in method.pools:
         raise ValueError(f"model.pool: method {cfg.method!r} pools by {' or '.join(method.pools)}, not {pool!r} (see its notebook)")
-    try: BatchSpec(data, geometry, method.needs(), cfg.seed)
+    try: spec = BatchSpec(data, geometry, method.needs(), cfg.seed)
     except ValueError as e: raise ValueError(f"method_cfg: {e}") from None      # e.g. stored masks on the world
     if data.source == "world":
         try: world_config(data, geometry)
         except (TypeError, ValueError) as e: raise ValueError(f"data.world: {e}") from None
-    return geometry
+    return Checked(dataclasses.replace(cfg, data=data), seeds, method, geometry, spec)
 
 
 # %%
 with tempfile.TemporaryDirectory() as d:
     _file = Path(d) / "a_file"; _file.write_text("")
-    test_eq(validate(load_config("smoke")), Geometry(32, 8, 77))
+    _ck = validate(load_config("smoke", {"global_batch_size": 16}), world_size=2)
+    test_eq((_ck.geometry, _ck.cfg.data.batch_size, _ck.spec.data.batch_size, _ck.method.name), (Geometry(32, 8, 77), 8, 8, "powerclip"))
     for ov, msg in [({"data.batch_size": 65}, "data.batch_size: 65 per process x 1 process(es) is more than data.world_length=64"),
                     ({"out_dir": str(_file)}, "out_dir: "), ({"out_dir": str(_file / "x")}, "is inside a file"),
                     ({"resume": f"{d}/none.pt"}, "resume: no checkpoint"), ({"global_batch_size": 9}, None),
@@ -844,7 +391,8 @@ with tempfile.TemporaryDirectory() as d:
 # %% [markdown]
 # ## A run, assembled once
 #
-# `build_run(cfg, ctx)` checks the config (`validate`), then turns it into everything a step needs, in this order:
+# `build_run(cfg, ctx)` checks the config (`validate`), which gives it the first three of what a step needs, then
+# builds the rest, in this order:
 #
 # 1. the **seeds**: every random stream of the run derived from `cfg.seed` by name (`powerclip.data.run_seeds`);
 # 2. the **method** (with its own seed) and what it needs of a batch;
@@ -899,14 +447,9 @@ class Run:
 
 def build_run(cfg: TrainConfig, ctx: pdist.DistContext, total: int | None = None) -> Run:
     "Model, method, forward, modules, optimiser and schedule of a run, assembled once (see above). `total`: schedule length (None: from cfg)."
-    from powerclip.model import create_model, geometry_of, model_geometry
-    validate(cfg, ctx.world_size)  # everything that can be checked before the model is built
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data))  # never mutate the caller's config
-    if cfg.global_batch_size is not None: cfg.data.batch_size = cfg.global_batch_size // ctx.world_size
-    seeds = run_seeds(cfg.seed)
-    method = get_method(cfg.method, cfg.method_cfg, seed=seeds["method"])
-    geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
-    spec = BatchSpec(cfg.data, geometry, method.needs(), cfg.seed)
+    from powerclip.model import create_model, geometry_of
+    ok = validate(cfg, ctx.world_size)  # everything that can be checked before the model is built, and built on the way
+    cfg, seeds, method, geometry, spec = ok.cfg, ok.seeds, ok.method, ok.geometry, ok.spec   # cfg: a copy, batch per process
     seed_all(seeds["init"])  # the same initial weights on every process
     model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, cfg.model.pool, **cfg.model.kwargs)
     if geometry_of(model) != geometry: raise RuntimeError(f"model geometry {geometry_of(model)} is not its config's {geometry}")
@@ -956,30 +499,12 @@ assert _out["ok"] and set(_run.derived()) == {"seeds", "geometry", "needs"} and 
 
 # %%
 #| export
-def _resume_position(cfg: TrainConfig, ctx: pdist.DistContext, ck: dict | None, path: Path | None) -> dict | None:
-    "This process's data position in the checkpoint `ck` (None: from the step alone); one line if shards cannot resume from it."
-    if ck is None: return None
-    positions, step = ck.get("loader"), ck["state"]["step_in_epoch"]
-    ok = positions is not None and len(positions) == ctx.world_size and positions[ctx.rank] is not None
-    if cfg.data.source != "wds" or (step == 0 and not ok): return positions[ctx.rank] if ok else None
-    if positions is None:
-        raise UsageError(f"resume: {path} holds no data position (written before shard runs resumed exactly): resume=never starts afresh")
-    if len(positions) != ctx.world_size:
-        raise UsageError(f"resume: {path} was written by {len(positions)} process(es), this run has {ctx.world_size}: shards are split by "
-                         f"process, so resume with {len(positions)}")
-    if positions[ctx.rank]["workers"] != n_streams(cfg.data):
-        w = positions[ctx.rank]["workers"]
-        raise UsageError(f"data.workers: {path} was written with {w} worker stream(s); shards are split by worker, so resume with "
-                         f"data.workers={w}" + (" (or 0)" if w == 1 else ""))
-    return positions[ctx.rank]
-
-
 def _skip_columns(epoch: dict, before: dict, ctx: pdist.DistContext) -> dict:
     "The metrics row's skip columns: this epoch's and the run's counts, each summed over the processes."
-    n = pdist.all_sum(torch.tensor([epoch.get(k, 0) for k in SKIP_REASONS], device=ctx.device)).tolist()
-    ep = dict(zip(SKIP_REASONS, n)); cum = add_counts(before, ep)
-    return dict(skipped=sum(ep.values()), skipped_cum=sum(cum[k] for k in SKIP_REASONS),
-                **{f"skipped_{k}": ep[k] for k in SKIP_REASONS}, **{f"skipped_cum_{k}": cum[k] for k in SKIP_REASONS})
+    n = pdist.all_sum(torch.tensor([epoch.get(k, 0) for k in SAMPLE_SKIP_REASONS], device=ctx.device)).tolist()
+    ep = dict(zip(SAMPLE_SKIP_REASONS, n)); cum = add_counts(before, ep)
+    return dict(skipped=sum(ep.values()), skipped_cum=sum(cum[k] for k in SAMPLE_SKIP_REASONS),
+                **{f"skipped_{k}": ep[k] for k in SAMPLE_SKIP_REASONS}, **{f"skipped_cum_{k}": cum[k] for k in SAMPLE_SKIP_REASONS})
 
 
 def _log(msg: str, ctx: pdist.DistContext):
@@ -997,7 +522,7 @@ def train(cfg: TrainConfig) -> dict:
 
 def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
     ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main)   # before the model: a damaged checkpoint is one line
-    position = _resume_position(cfg, ctx, ck, ck_path)
+    position = resume_position(cfg, ctx, ck, ck_path)
     run = build_run(cfg, ctx)
     cfg, model, method, modules, opt, sched, total = run.cfg, run.model, run.method, run.modules, run.opt, run.sched, run.total
     run_dir = Path(cfg.out_dir)
@@ -1076,8 +601,8 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
             if n_batches == 0 and state.step_in_epoch == 0:
                 raise RuntimeError(f"epoch {state.epoch} yielded no batch: too little data for batch_size {cfg.data.batch_size}")
             if cfg.data.source == "wds":   # the finished epoch's skips, over all processes, join the run's count
-                state.skipped = add_counts(state.skipped, dict(zip(SKIP_REASONS, pdist.all_sum(
-                    torch.tensor([loader.skipped()[k] for k in SKIP_REASONS], device=ctx.device)).tolist())))
+                state.skipped = add_counts(state.skipped, dict(zip(SAMPLE_SKIP_REASONS, pdist.all_sum(
+                    torch.tensor([loader.skipped()[k] for k in SAMPLE_SKIP_REASONS], device=ctx.device)).tolist())))
             state.epoch += 1; state.step_in_epoch = 0; loader = None
         position = None if loader is None else loader.state()
     bar.close()
@@ -1098,7 +623,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
 #
 # `python -m powerclip.train --preset demo [--method clip] [key=value ...]`, or the console script
 # `powerclip-train`. Under `torchrun --nproc_per_node G` the same command trains data-parallel. As every command of the
-# project (`17_cli`), it reads and checks the arguments, the config and its paths (`load_config`, `validate`) before it
+# project (`17_commandline`), it reads and checks the arguments, the config and its paths (`load_config`, `validate`) before it
 # builds anything: a mistake is one line, `powerclip-train: error: <key>: <what is wrong> (<what is allowed>)`, and exit
 # status 2; `--debug` (or `POWERCLIP_DEBUG=1`) shows its traceback.
 #
@@ -1144,7 +669,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def _main(argv: list[str]) -> int:
-    with usage_errors():     # the user's mistakes, found before the model is built: one line (powerclip.cli)
+    with usage_errors():     # the user's mistakes, found before the model is built: one line (powerclip.commandline)
         cfg = parse_args(argv)
         validate(cfg)
     summary = train(cfg)
@@ -1160,7 +685,6 @@ def main(argv: list[str] | None = None) -> int:
 # a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.train` trains here
 if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
 
-
 # %%
 import contextlib as _cl, io as _io
 def _cli(*argv):
@@ -1174,6 +698,7 @@ for argv, key in [(["optim.lr=abc"], "optim.lr: must be a number, got 'abc'"), (
     assert rc == 2 and err.count("\n") == 1 and err.startswith("powerclip-train: error: ") and key in err, (argv, err)
 rc, err = _cli("--preset", "nope"); assert rc == 2 and "--preset: no preset 'nope'" in err, err
 test_fail(lambda: main(["--preset", "smoke", "optim.lr=abc", "--debug"]), contains="optim.lr")    # --debug: the traceback
+
 
 # %% [markdown]
 # ## A short run

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ from fastcore.test import test_close, test_eq, test_fail
 # %% [markdown]
 # # Evaluation metrics
 #
-# > One implementation of each metric the project reports (retrieval recall, classification accuracy, hard-negative accuracy, Winoground scores, the linear probe), with one rule for ties and NaNs, in percent.
+# > One implementation of each metric the project reports (retrieval recall, classification accuracy, hard-negative accuracy, Winoground scores, region classification, the linear probe), with one rule for ties and NaNs, in percent.
 
 # %% [markdown]
 # The evaluation package `powerclip.eval` is read in this order:
@@ -45,11 +46,12 @@ from fastcore.test import test_close, test_eq, test_fail
 # | `61_eval_data` | `eval.data` | readers of benchmark folders on disk, and the one writer of the world's benchmark folder |
 # | `62_eval_models` | `eval.models` | the one model loader, the scorers a method offers, the feature cache, the `Evaluator` |
 # | `63_eval_benchmarks` | `eval.benchmarks` | the paper's 28 benchmarks: registry, clip_benchmark's readers and CLI, with downloads refused |
-# | `64_eval_tasks` | `eval.tasks` | the five tasks on an `Evaluator`, one run (checkpoint x data x tasks), the suite, the world evaluation |
+# | `64_eval_tasks` | `eval.tasks` | the tasks on an `Evaluator`, each a record of the task registry; one run (checkpoint x data x tasks), the suite |
 # | `65_eval_tables` | `eval.tables` | result tables side by side and in the paper's layouts |
 # | `66_eval_cli`, `66a_eval_main` | `eval.cli`, `eval.__main__` | `powerclip-eval` / `python -m powerclip.eval` |
 #
-# The heatmaps (`67_heatmaps`) and the comparison (`70_compare`) come after and use these modules.
+# After the heatmaps (`67_heatmaps`), `68_eval_world_scores` (`eval.world_scores`) scores a run on the world's held-out
+# scenes as the comparison (`70_compare`) reports it, from the tasks above and the heatmaps' pointing game.
 #
 # Every metric here takes **scores**, a higher score meaning "more similar", and never looks at how they were
 # made: the cosine of global embeddings, FILIP's late interaction, anything a method's `Scorer` returns
@@ -94,9 +96,17 @@ test_eq(outranks(torch.tensor([0.1, 0.5, 0.9, float('nan'), 0.2]), torch.tensor(
 
 # %%
 #| export
-def retrieval_recall(sim: torch.Tensor, text_image: torch.Tensor, ks=(1, 5, 10)) -> dict[str, float]:
-    """sim `(I, T)` image-caption scores, text_image `(T,)` long: the image of each caption.
-    Returns `i2t_R@k` and `t2i_R@k` in percent (see the tie rule above)."""
+class RetrievalRanks(NamedTuple):
+    "Each image's and each caption's rank under the tie rule (`retrieval_ranks`)."
+    rank_i: torch.Tensor   # (I,) long: wrong captions that outrank the image's best caption
+    hit_i: torch.Tensor    # (I,) bool: the image has a best caption (one with a caption that is not NaN)
+    rank_t: torch.Tensor   # (T,) long: wrong images that outrank the caption's own image
+    hit_t: torch.Tensor    # (T,) bool: the caption's score with its own image is not NaN
+    has: torch.Tensor      # (I,) bool: the image has a caption (images without one are text->image distractors only)
+
+def retrieval_ranks(sim: torch.Tensor, text_image: torch.Tensor) -> RetrievalRanks:
+    """sim `(I, T)` image-caption scores, text_image `(T,)` long: the image of each caption. The ranks of both
+    directions (see above), the one rank computation under `retrieval_recall` and `recall_hits`."""
     I, T = sim.shape
     text_image = torch.as_tensor(text_image, dtype=torch.long)
     if text_image.shape != (T,): raise ValueError(f'text_image must be ({T},), got {tuple(text_image.shape)}')
@@ -114,10 +124,23 @@ def retrieval_recall(sim: torch.Tensor, text_image: torch.Tensor, ks=(1, 5, 10))
     best_i = best_i.masked_fill(best_i == -math.inf, math.nan)                  # every caption NaN: no best caption
     rank_i = (outranks(sim, best_i[:, None]) & ~own).sum(1)                     # (I,)
     hit_i = ~best_i.isnan()                                                     # (I,)
+    return RetrievalRanks(rank_i, hit_i, rank_t, hit_t, has)
+
+def retrieval_recall(sim: torch.Tensor, text_image: torch.Tensor, ks=(1, 5, 10)) -> dict[str, float]:
+    """sim `(I, T)` image-caption scores, text_image `(T,)` long: the image of each caption.
+    Returns `i2t_R@k` and `t2i_R@k` in percent (see the tie rule above)."""
+    r = retrieval_ranks(sim, text_image)
     out = {}
-    for k in ks: out[f'i2t_R@{k}'] = 100 * ((rank_i < k) & hit_i)[has].double().mean().item()
-    for k in ks: out[f't2i_R@{k}'] = 100 * ((rank_t < k) & hit_t).double().mean().item()
+    for k in ks: out[f'i2t_R@{k}'] = 100 * ((r.rank_i < k) & r.hit_i)[r.has].double().mean().item()
+    for k in ks: out[f't2i_R@{k}'] = 100 * ((r.rank_t < k) & r.hit_t).double().mean().item()
     return out
+
+def recall_hits(sim: torch.Tensor, text_image: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """R@k item by item, from the same ranks as `retrieval_recall`: `(I,)` image-to-text hits (an image without a
+    caption: False) and `(T,)` text-to-image hits. Their means over the images with a caption and over the captions
+    are `retrieval_recall`'s numbers (/ 100)."""
+    r = retrieval_ranks(sim, text_image)
+    return (r.rank_i < k) & r.hit_i, (r.rank_t < k) & r.hit_t
 
 def chance_recall(n_images: int, captions_per_image: int, ks=(1, 5, 10)) -> dict[str, float]:
     "Expected R@k (%) of random scores with `captions_per_image` captions for each of `n_images` images."
@@ -145,6 +168,12 @@ sim = torch.tensor([[0.9, 0.0], [0.8, 0.0], [0.7, 0.2], [0.4, 0.3]])   # caption
 test_eq(retrieval_recall(sim, torch.tensor([2, 3]), ks=(1, 2, 3)), {'i2t_R@1': 50.0, 'i2t_R@2': 100.0, 'i2t_R@3': 100.0,
                                                                     't2i_R@1': 50.0, 't2i_R@2': 50.0, 't2i_R@3': 100.0})
 test_fail(lambda: retrieval_recall(torch.ones(3, 0), torch.zeros(0, dtype=torch.long)), contains='no image has a caption')
+# per item (the world evaluation's bootstrap resamples them): ties count against, an image without a caption misses
+_sim, _ti = torch.tensor([[1.0, 1.0, 1.0], [0.0, 2.0, 1.0], [0.0, 0.0, 0.0]]), torch.tensor([0, 1, 1])
+_i2t, _t2i = recall_hits(_sim, _ti)
+test_eq((_i2t.tolist(), _t2i.tolist()), ([False, True, False], [True, True, False]))
+test_close([100 * _i2t[:2].float().mean().item(), 100 * _t2i.float().mean().item()],
+           [retrieval_recall(_sim, _ti, (1,))[k] for k in ('i2t_R@1', 't2i_R@1')])
 test_close(chance_recall(100, 1, ks=(1,))['i2t_R@1'], 1.0)
 test_close(chance_recall(239, 5)['t2i_R@5'], 500 / 239)
 # Monte-Carlo check of the image->text formula
@@ -189,6 +218,13 @@ assert all(v == 0 for v in retrieval_recall(torch.full((3, 3), float('nan')), to
 
 # %%
 #| export
+def true_class_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    "logits `(n, K)`, labels `(n,)` -> `(n,)` long: the other classes that outrank the true one (K when its logit is NaN)."
+    true = logits.gather(1, labels[:, None])                                    # (n, 1)
+    other = torch.ones_like(logits, dtype=torch.bool).scatter(1, labels[:, None], False)   # (n, K)
+    rank = (outranks(logits, true) & other).sum(1)                              # (n,)
+    return rank.masked_fill(true[:, 0].isnan(), logits.shape[1])                # a NaN true logit is never a hit
+
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)) -> dict[str, float]:
     "logits `(n, K)`, labels `(n,)` long -> `top{k}` accuracy and `mean_per_class_recall` in percent."
     n, K = logits.shape
@@ -196,10 +232,7 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)
     if labels.shape != (n,): raise ValueError(f'labels must be ({n},), got {tuple(labels.shape)}')
     if n == 0: raise ValueError('no samples')
     if labels.min() < 0 or labels.max() >= K: raise ValueError(f'labels outside [0, {K})')
-    true = logits.gather(1, labels[:, None])                                    # (n, 1)
-    other = torch.ones_like(logits, dtype=torch.bool).scatter(1, labels[:, None], False)   # (n, K)
-    rank = (outranks(logits, true) & other).sum(1)                              # (n,) other classes that outrank the true one
-    rank = rank.masked_fill(true[:, 0].isnan(), K)                              # a NaN true logit is never a hit
+    rank = true_class_rank(logits, labels)                                      # (n,)
     out = {f'top{k}': 100 * (rank < k).double().mean().item() for k in ks if k < K}   # top-K is always 100: left out
     hit = (rank == 0).double()
     out['mean_per_class_recall'] = 100 * torch.stack([hit[labels == c].mean() for c in labels.unique()]).mean().item()
@@ -260,6 +293,135 @@ test_eq([winoground_scores(c[None]) for c in cases][:3],
         [dict(text=100.0, image=100.0, group=100.0, n=1), dict(text=100.0, image=0.0, group=0.0, n=1),
          dict(text=0.0, image=100.0, group=0.0, n=1)])
 test_eq(winoground_scores(cases), dict(text=50.0, image=50.0, group=25.0, n=4))
+
+
+# %% [markdown]
+# ## Region classification
+#
+# The region task (`64_eval_tasks`) scores each ground-truth region of an image against a text embedding of every
+# class name: logits $\ell_{rk}$ for region $r$ and class $k$, labels $y_r$. Three numbers come from them:
+#
+# - **top-1 accuracy** and **mean per-class recall** (`classification_metrics`, the tie rule above: a true class tied
+#   with another is not a hit);
+# - **AP50 with ground-truth boxes** (`ap50`): each region is a detection of every class with the score
+#   $p_{rk}=\mathrm{softmax}_k(\ell_{rk})$, the probability a detector's classification head would give it; for each class
+#   $k$ with at least one region, the detections of $k$ are ranked over the whole set by $p_{rk}$ and a detection is a
+#   true positive when $y_r=k$; the average precision is COCO's (precision made monotone from the right, read at the
+#   101 recalls $0, 0.01, \dots, 1$); `ap50` is its mean over the classes that have regions, in percent.
+#
+# **How it relates to the paper's detector AP50** (Table 15, OV-COCO): a detector proposes boxes and is scored with
+# COCO's AP at IoU $\ge 0.5$; here the proposals are the ground-truth boxes themselves, so every box matches its own
+# object at IoU 1, no object is missed and no box is a duplicate. What is left is exactly the classification half of
+# detection AP50: whether, for each class, the regions of that class get higher scores than the regions of the others.
+# It is the "zero-shot inference with ground-truth boxes" that RegionCLIP and CLIM report for region representations
+# without a trained detector; it is an upper bound on what the same representation could give inside a detector (which
+# also misses and mislocates), and its numbers are not the paper's detector numbers.
+#
+# **Ties.** The same pessimistic rule as everywhere: within a tie of scores the negatives come first (a detection tied
+# with a wrong one is ranked below it); a NaN-scored wrong detection outranks everything and a NaN-scored right one is
+# never found (its precision counts as 0). **Groups.** With `groups` (OV-COCO's `base` and `novel` classes), top-1 and
+# AP50 are also reported over the regions (for top-1) and the classes (for AP50) of each group, the classifier still
+# choosing among all classes (the "generalized" setting of OV-COCO).
+
+# %%
+#| export
+RECALL_POINTS = torch.linspace(0, 1, 101, dtype=torch.float64)   # COCO's 101 recall thresholds
+
+def average_precision(scores: torch.Tensor, positive: torch.Tensor) -> float:
+    """scores `(n,)`, positive `(n,)` bool -> COCO's 101-point interpolated average precision (%) of ranking by
+    score (ties: negatives first; NaN: a negative first, a positive never found); NaN when there is no positive."""
+    s, pos = torch.as_tensor(scores).double(), torch.as_tensor(positive, dtype=torch.bool)
+    if s.shape != pos.shape or s.ndim != 1:
+        raise ValueError(f'scores and positive must be (n,), got {tuple(s.shape)}, {tuple(pos.shape)}')
+    P = int(pos.sum())
+    if P == 0: return math.nan
+    key = torch.where(pos, s.nan_to_num(-math.inf), s.nan_to_num(math.inf))     # NaN: negatives first, positives last
+    first = torch.argsort(pos.long(), stable=True)                              # negatives before positives ...
+    order = first[torch.argsort(-key[first], stable=True)]                      # ... within each tie of scores
+    tp = (pos & ~s.isnan())[order].double()                                     # (n,) a NaN positive is never found
+    fp = (~pos)[order].double()
+    ctp = tp.cumsum(0)
+    recall, precision = ctp / P, ctp / (ctp + fp.cumsum(0)).clamp_min(1)
+    precision = precision.flip(0).cummax(0).values.flip(0)                      # monotone from the right
+    at = torch.searchsorted(recall, RECALL_POINTS, side='left')                 # first rank reaching each recall
+    reached = at < len(recall)
+    return 100 * float(torch.where(reached, precision[at.clamp_max(len(recall) - 1)], 0.0).mean())
+
+def region_classification_metrics(logits: torch.Tensor, labels: torch.Tensor, groups: dict | None = None) -> dict:
+    """logits `(R, K)` of R regions against K classes, labels `(R,)` long -> `top1`, `mean_per_class_recall`, `ap50`
+    (mean over classes with regions of `average_precision` of the softmax scores), `n_regions`, `n_classes` (with
+    regions), `ap_per_class` ({class index: AP}); with `groups` ({name: class indices}) also `top1_{name}`,
+    `ap50_{name}` and `n_regions_{name}`. In percent."""
+    logits = torch.as_tensor(logits).double()
+    R, K = logits.shape
+    labels = torch.as_tensor(labels, dtype=torch.long)
+    if labels.shape != (R,): raise ValueError(f'labels must be ({R},), got {tuple(labels.shape)}')
+    if R == 0: raise ValueError('no regions')
+    if K < 2: raise ValueError(f'need at least 2 classes, got {K}')
+    out = classification_metrics(logits, labels, ks=(1,))
+    prob = logits.softmax(1)                                                    # (R, K) a detector's class scores
+    ap = {k: average_precision(prob[:, k], labels == k) for k in labels.unique().tolist()}
+    out.update(ap50=float(sum(ap.values()) / len(ap)), n_regions=R, n_classes=len(ap), ap_per_class=ap)
+    hit = true_class_rank(logits, labels) == 0                                  # (R,) top-1 hits, the tie rule
+    for name, classes in (groups or {}).items():
+        cls = [int(c) for c in classes]
+        inside = torch.isin(labels, torch.tensor(cls, dtype=torch.long))
+        aps = [ap[c] for c in cls if c in ap]
+        out[f'n_regions_{name}'] = int(inside.sum())
+        out[f'top1_{name}'] = 100 * hit[inside].double().mean().item() if inside.any() else math.nan
+        out[f'ap50_{name}'] = float(sum(aps) / len(aps)) if aps else math.nan
+    return out
+
+
+# %% [markdown]
+# The checks, on hand-made scores: a perfect ranking, one positive under two negatives, the tie rules, a class with no
+# region (left out of the mean), a single region, groups; then `average_precision` against the definition written out
+# in plain Python floats (rank by the tie rule, precision at each rank, made monotone, read at 101 recalls) on random
+# cases with ties.
+
+# %%
+_ap = average_precision
+test_eq(_ap(torch.tensor([0.9, 0.8, 0.1]), torch.tensor([True, True, False])), 100.0)
+test_close(_ap(torch.tensor([0.9, 0.8, 0.7]), torch.tensor([False, False, True])), 100 / 3, eps=1e-9)
+test_eq(_ap(torch.tensor([0.5, 0.5]), torch.tensor([True, False])), 50.0)            # a tie: the negative first
+test_eq(_ap(torch.zeros(4), torch.tensor([True, False, True, False])), 50.0)        # all tied: 1/3, 2/4 -> 1/2
+test_eq(_ap(torch.tensor([float('nan'), 0.3]), torch.tensor([True, False])), 0.0)   # a NaN positive is never found
+test_eq(_ap(torch.tensor([float('nan'), 0.3]), torch.tensor([False, True])), 50.0)  # a NaN negative comes first
+assert math.isnan(_ap(torch.tensor([0.1, 0.2]), torch.tensor([False, False])))        # no positive: no AP
+test_fail(lambda: _ap(torch.zeros(3), torch.zeros(2, dtype=torch.bool)), contains='must be (n,)')
+
+_L = torch.tensor([[5., 1., 0., 0.],     # region 0, class 0: right
+                   [0., 4., 4., 0.],     # region 1, class 1: tied with class 2, so not a top-1 hit
+                   [0., 0., 3., 1.]])    # region 2, class 2: right; class 3 has no region
+_m = region_classification_metrics(_L, torch.tensor([0, 1, 2]), groups={'base': [0, 1], 'novel': [2, 3]})
+test_close(_m['top1'], 200 / 3, eps=1e-9); test_eq((_m['n_regions'], _m['n_classes']), (3, 3))
+test_eq(sorted(_m['ap_per_class']), [0, 1, 2])                                       # class 3 left out of the mean
+test_close(_m['ap50'], sum(_m['ap_per_class'].values()) / 3, eps=1e-12)
+test_eq((_m['top1_base'], _m['top1_novel'], _m['n_regions_novel']), (50.0, 100.0, 1))
+test_eq(_m['ap50_novel'], _m['ap_per_class'][2])
+_one = region_classification_metrics(torch.tensor([[0.1, 2.0, 0.3]]), torch.tensor([1]))   # one region
+test_eq((_one['top1'], _one['ap50'], _one['n_classes']), (100.0, 100.0, 1))
+test_fail(lambda: region_classification_metrics(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)), contains='no regions')
+
+def _ap_reference(scores: list, positive: list) -> float:
+    "The definition in plain floats: rank (score down, negatives first on ties), precision, monotone, 101 recalls."
+    key = [(-float('inf') if p else float('inf')) if math.isnan(x) else x for x, p in zip(scores, positive)]
+    order = sorted(range(len(scores)), key=lambda i: (-key[i], positive[i]))
+    P, tp, fp, prec, rec = sum(positive), 0, 0, [], []
+    for i in order:
+        found = positive[i] and not math.isnan(scores[i])
+        tp, fp = tp + found, fp + (not positive[i])
+        prec.append(tp / max(tp + fp, 1)); rec.append(tp / P)
+    for j in range(len(prec) - 2, -1, -1): prec[j] = max(prec[j], prec[j + 1])
+    return 100 * sum(next((prec[j] for j in range(len(rec)) if rec[j] >= r / 100 - 1e-12), 0.0) for r in range(101)) / 101
+
+_g = torch.Generator().manual_seed(0)
+for _ in range(200):
+    n = int(torch.randint(1, 30, (), generator=_g))
+    sc = torch.randint(0, 5, (n,), generator=_g).double() / 4                          # few values: many ties
+    pos = torch.rand(n, generator=_g) < 0.4
+    if not pos.any(): pos[0] = True
+    test_close(_ap(sc, pos), _ap_reference(sc.tolist(), pos.tolist()), eps=1e-9)
 
 
 # %% [markdown]

@@ -24,15 +24,17 @@ import functools
 import io
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image, ImageFile
 
 from powerclip.data import IMAGE_EXTS
 from powerclip.parsing import caption_problem
-from powerclip.world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate
+from powerclip.world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate, render
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ from fastcore.test import test_eq, test_fail
 # Readers return plain lists of absolute paths and strings; nothing is downloaded. A missing data set stops with
 # `MissingData`, whose message names the files to put where; a bad *item* inside an existing data set (an image file
 # that is missing or does not decode, a caption that is not text) is skipped, counted by reason and named
-# (`Skips`, below), or, in strict mode, stops with one line naming the file.
+# (`ItemSkips`, below), or, in strict mode, stops with one line naming the file.
 #
 # | task | data (local files) |
 # |---|---|
@@ -86,13 +88,18 @@ class BadData(ValueError):
 # | `bad_caption` | a caption that `parsing.caption_problem` refuses (null, not a string, empty, no letter or digit): the rule training uses |
 # | `bad_negative` | a SugarCrepe item whose negative caption is refused by the same rule |
 # | `no_caption` | an image left without any usable caption: dropped from retrieval |
+# | `bad_region` | a region annotation with an empty area or segmentation, a degenerate box (no width or height) or a box outside its image |
+# | `unknown_category` | a region whose category id the file's `categories` do not list |
+# | `crowd_region` | a COCO crowd region (`iscrowd`: many objects in one mask; COCO's evaluation ignores them too) |
+# | `outside_vocabulary` | a region of a category outside the chosen vocabulary (OV-COCO's 65 classes leave out 15 of COCO's 80) |
+# | `outside_view` | a region the model does not see (outside the centred square its preprocessing crops) |
 #
 # **Retrieval's ground truth stays consistent.** A bad caption is removed from its image's list; an image whose
 # captions are all bad is dropped (`no_caption`), not kept as a text→image distractor, so every image in the set has
 # a caption and both directions score the same images (and `chance_recall`'s formula applies when every image keeps
 # the same number). A SugarCrepe or Winoground item needs all its parts: any bad part drops the item.
 #
-# `Skips` holds the records; its `report()` goes into the result JSON (`skipped_items`: counts per reason and the
+# `ItemSkips` holds the records; its `report()` goes into the result JSON (`skipped_items`: counts per reason and the
 # items, file and detail, up to 100 names per reason). With `strict=True` the first bad item raises `BadData`
 # instead, one line naming the file and the reason. Images are checked by decoding them fully (PIL's `load()`,
 # JPEGs at reduced DCT scale, which still reads every byte), with truncated images never padded, and the verdict is
@@ -100,16 +107,17 @@ class BadData(ValueError):
 
 # %%
 #| export
-SKIP_REASONS = ('missing_image', 'bad_image', 'bad_caption', 'bad_negative', 'no_caption')
+ITEM_SKIP_REASONS = ('missing_image', 'bad_image', 'bad_caption', 'bad_negative', 'no_caption', 'bad_region',
+                     'unknown_category', 'crowd_region', 'outside_vocabulary', 'outside_view')
 
 @dataclass
-class Skips:
+class ItemSkips:
     "The items a reader dropped, `(reason, file, detail, group)` each; `strict`: the first one raises `BadData` instead."
     strict: bool = False
     items: list = field(default_factory=list)
 
     def add(self, reason: str, file, detail: str = '', group: str | None = None):
-        if reason not in SKIP_REASONS: raise ValueError(f'unknown skip reason {reason!r}; known: {SKIP_REASONS}')
+        if reason not in ITEM_SKIP_REASONS: raise ValueError(f'unknown skip reason {reason!r}; known: {ITEM_SKIP_REASONS}')
         if self.strict: raise BadData(f'{file}: {reason.replace("_", " ")}' + (f' ({detail})' if detail else '') + ' [strict mode]')
         self.items.append((reason, str(file), detail, group))
 
@@ -120,8 +128,8 @@ class Skips:
         return sum(1 for it in self.items if group is None or it[3] == group)
 
     def counts(self) -> dict[str, int]:
-        "`{reason: n}` of the reasons that occur, in `SKIP_REASONS` order."
-        n = {r: 0 for r in SKIP_REASONS}
+        "`{reason: n}` of the reasons that occur, in `ITEM_SKIP_REASONS` order."
+        n = {r: 0 for r in ITEM_SKIP_REASONS}
         for it in self.items: n[it[0]] += 1
         return {r: k for r, k in n.items() if k}
 
@@ -169,13 +177,13 @@ def read_image(path) -> Image.Image:
     except FileNotFoundError: raise MissingData(f'image file not found: {path}') from None
     except Exception as e: raise BadData(f'{path}: bad image ({type(e).__name__}: {e})') from None
 
-def check_image(path, skips: Skips, group: str | None = None) -> bool:
+def check_image(path, skips: ItemSkips, group: str | None = None) -> bool:
     "True if the image decodes; else the problem goes into `skips`."
     bad = image_problem(path)
     if bad: skips.add(bad[0], path, bad[1], group)
     return bad is None
 
-def check_caption(text, skips: Skips, file, what: str = 'caption', reason: str = 'bad_caption', group: str | None = None) -> bool:
+def check_caption(text, skips: ItemSkips, file, what: str = 'caption', reason: str = 'bad_caption', group: str | None = None) -> bool:
     "True if `text` is a usable caption (`parsing.caption_problem`); else the problem goes into `skips`, under `file`."
     why = caption_problem(text)
     if why: skips.add(reason, file, f'{what}: {why}' + ('' if isinstance(text, str) or text is None else f' ({text!r:.40})'), group)
@@ -204,7 +212,7 @@ def _field(row, key: str, path: Path, what: str):
 class RetrievalSet:
     images: list            # list[Path]
     captions: list          # list[list[str]], one list per image, every one non-empty
-    skips: Skips = field(default_factory=Skips)   # what the reader dropped (missing or bad image, bad caption, no caption)
+    skips: ItemSkips = field(default_factory=ItemSkips)   # what the reader dropped (missing or bad image, bad caption, no caption)
 
     @property
     def skipped(self) -> int: return len(self.skips)
@@ -222,10 +230,10 @@ def _as_list(caps) -> list:
     "A row's captions as a list (a single string, or null, is one caption)."
     return list(caps) if isinstance(caps, (list, tuple)) else [caps]
 
-def retrieval_set(rows: list, what: str, strict: bool = False, skips: Skips | None = None) -> RetrievalSet:
+def retrieval_set(rows: list, what: str, strict: bool = False, skips: ItemSkips | None = None) -> RetrievalSet:
     """`rows` `[(image path, [caption, ..])]` checked item by item (see the table above): bad captions removed, images
     missing, bad or left without a caption dropped. Raises `MissingData` when nothing is left."""
-    skips = skips if skips is not None else Skips(strict)
+    skips = skips if skips is not None else ItemSkips(strict)
     images, captions = [], []
     for img, caps in rows:
         if not check_image(img, skips): continue
@@ -274,7 +282,7 @@ def load_coco_karpathy(ann, image_root, strict: bool = False) -> RetrievalSet:
 
 def load_flickr_karpathy(txt, image_root, strict: bool = False) -> RetrievalSet:
     "clip_benchmark's `flickr{8k,30k}_test_karpathy.txt`: a header line, then `name.jpg,caption` lines."
-    caps, skips, txt = {}, Skips(strict), Path(txt)
+    caps, skips, txt = {}, ItemSkips(strict), Path(txt)
     for n, line in enumerate(txt.read_text(encoding='utf-8', errors='replace').splitlines()[1:], 2):
         if not line.strip(): continue
         if '.jpg,' not in line: skips.add('bad_caption', txt, f'line {n}: no "<name>.jpg," before the caption'); continue
@@ -293,14 +301,14 @@ def load_flickr_karpathy(txt, image_root, strict: bool = False) -> RetrievalSet:
 #| export
 SUGARCREPE = ('add_att', 'add_obj', 'replace_att', 'replace_obj', 'replace_rel', 'swap_att', 'swap_obj')
 
-def load_sugarcrepe(root, image_root=None, categories=SUGARCREPE, strict: bool = False) -> tuple[dict, Skips]:
-    """`{category: [(image path, caption, negative caption)]}` and the `Skips` (grouped by category) from
+def load_sugarcrepe(root, image_root=None, categories=SUGARCREPE, strict: bool = False) -> tuple[dict, ItemSkips]:
+    """`{category: [(image path, caption, negative caption)]}` and the `ItemSkips` (grouped by category) from
     `root/data/{category}.json` (images in `image_root`, default `root/images`), from clip_benchmark's
     `root/{category}.json` (images in `root/val2017`), or from `root/captions.jsonl` (coco_sample). Categories without
     an item are left out."""
     root = Path(root)
     image_root = Path(image_root) if image_root else root / 'images'
-    skips, out = Skips(strict), {}
+    skips, out = ItemSkips(strict), {}
     what = 'SugarCrepe items {"filename", "caption", "negative_caption"}'
     if (root / 'captions.jsonl').is_file() and not (root / 'data').is_dir():
         f = root / 'captions.jsonl'
@@ -351,7 +359,7 @@ class ClassificationSet:
     classnames: list
     templates: list
     splits: dict            # split -> (list[Path], labels (n,) long)
-    skips: Skips = field(default_factory=Skips)   # images dropped (missing or bad), grouped by split
+    skips: ItemSkips = field(default_factory=ItemSkips)   # images dropped (missing or bad), grouped by split
 
 
 def classification_from_folders(root) -> dict:
@@ -379,7 +387,7 @@ def load_classification(path, strict: bool = False) -> ClassificationSet:
         if path.is_dir(): path = path / 'classification.json'
         d = _read_json(_need(path, CLASSIFICATION_FORMAT))
     classnames, templates, rows_of = (_field(d, k, path, CLASSIFICATION_FORMAT) for k in ('classnames', 'templates', 'splits'))
-    K, splits, skips = len(classnames), {}, Skips(strict)
+    K, splits, skips = len(classnames), {}, ItemSkips(strict)
     if not templates or any(not isinstance(t, str) or '{c}' not in t for t in templates): raise BadData(f'{path}: every template needs a {{c}} slot')
     if any(caption_problem(c) for c in classnames): raise BadData(f'{path}: a class name that is not text: {next(c for c in classnames if caption_problem(c))!r}')
     for name, rows in rows_of.items():
@@ -395,15 +403,15 @@ WINOGROUND_HELP = ('Winoground is not on this machine and is never downloaded. G
                    'https://huggingface.co/datasets/facebook/winoground (accept its licence) and put '
                    '{root}/data/examples.jsonl and the images as {root}/data/images/<image_0|image_1>.png')
 
-def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, str, str]], Skips]:
-    "`[(image_0, image_1, caption_0, caption_1)]` from the Hugging Face layout under `root`, and the `Skips` (an item needs both images and both captions)."
+def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, str, str]], ItemSkips]:
+    "`[(image_0, image_1, caption_0, caption_1)]` from the Hugging Face layout under `root`, and the `ItemSkips` (an item needs both images and both captions)."
     root = Path(root)
     f = root / 'data' / 'examples.jsonl'
     if not f.is_file(): raise MissingData(WINOGROUND_HELP.format(root=root))
     what = 'Winoground rows {"image_0", "image_1", "caption_0", "caption_1"}'
     img = lambda r, k: root / 'data' / 'images' / f'{_field(r, f"image_{k}", f, what)}.png'
     rows = [(img(r, 0), img(r, 1), r.get('caption_0'), r.get('caption_1')) for r in _read_json(f, jsonl=True)]
-    skips = Skips(strict)
+    skips = ItemSkips(strict)
     items = [(i0, i1, c0.strip(), c1.strip()) for i0, i1, c0, c1 in rows
              if check_image(i0, skips) and check_image(i1, skips)
              and check_caption(c0, skips, i0, 'caption_0') and check_caption(c1, skips, i1, 'caption_1')]
@@ -461,6 +469,145 @@ test_fail(lambda: load_retrieval(_bd / 'broken.json'), contains='broken.json: no
 
 
 # %% [markdown]
+# ### Regions
+#
+# The region task (`64_eval_tasks`) classifies ground-truth regions: every annotated object of an image, its box, its
+# mask and its class. It reads the **COCO instances format** (`instances_*.json`: `images` with `id`, `file_name`,
+# `width`, `height`; `annotations` with `image_id`, `category_id`, `bbox` as `[x, y, w, h]`, `segmentation` as polygons
+# or RLE, `area`, `iscrowd`; `categories` with `id`, `name`), whatever wrote it: COCO itself, `coco_sample`'s two files,
+# a user's own detection set, or the world's benchmark folder (below), which writes its objects in the same format.
+# Images are looked for in `image_root`, else in `images/` or the folder named like the file's split (`val2017/`)
+# beside the `annotations/` folder.
+#
+# **The vocabulary.** By default every category in the file is a class. `vocabulary='ov-coco'` keeps the 65 classes
+# of the open-vocabulary COCO split of Zareian et al. (OVR-CNN, CVPR 2021), which RegionCLIP, CLIM and the PowerCLIP
+# paper's Table 15 use: 48 **base** classes (seen in detector training) and 17 **novel** ones (never seen), the other
+# 15 COCO classes left out (counted as `outside_vocabulary`). Whenever the classes include OV-COCO's, the set carries
+# the two groups so that novel classes are reported apart.
+
+# %%
+#| export
+OV_COCO_BASE = ('person', 'bicycle', 'car', 'motorcycle', 'train', 'truck', 'boat', 'bench', 'bird', 'horse', 'sheep',
+                'bear', 'zebra', 'giraffe', 'backpack', 'handbag', 'suitcase', 'frisbee', 'skis', 'kite', 'surfboard',
+                'bottle', 'fork', 'spoon', 'bowl', 'banana', 'apple', 'sandwich', 'orange', 'broccoli', 'carrot', 'pizza',
+                'donut', 'chair', 'bed', 'toilet', 'tv', 'laptop', 'mouse', 'remote', 'microwave', 'oven', 'toaster',
+                'refrigerator', 'book', 'clock', 'vase', 'toothbrush')        # 48 (OVR-CNN's split)
+OV_COCO_NOVEL = ('airplane', 'bus', 'cat', 'dog', 'cow', 'elephant', 'umbrella', 'tie', 'snowboard', 'skateboard', 'cup',
+                 'knife', 'cake', 'couch', 'keyboard', 'sink', 'scissors')   # 17
+REGION_TEMPLATES = ('a photo of a {c}.', 'a photo of the {c}.', 'a cropped photo of a {c}.', 'a {c}.')
+
+@dataclass
+class RegionSet:
+    "Ground-truth regions to classify: the images, and per region its image, box, segmentation and class."
+    images: list            # [Path]
+    sizes: list             # [(width, height)] of each image, as the annotations say
+    regions: list           # [dict(image=i, box=(x0, y0, x1, y1) pixels, segmentation=COCO's, label=k, id=annotation id)]
+    classnames: list        # [str] K class names
+    templates: list         # prompt templates with '{c}'
+    groups: dict            # {'base': [k..], 'novel': [k..]} when the classes include OV-COCO's, else {}
+    skips: ItemSkips            # the annotations and images left out, by reason
+
+def _region_images(path: Path, image_root) -> Path:
+    "Where the images of an instances file are: `image_root`, else `images/` or `<split>/` beside `annotations/`."
+    if image_root is not None: return _need(Path(image_root), 'the images folder of the instances file')
+    base = path.parent.parent if path.parent.name == 'annotations' else path.parent
+    split = path.stem.split('_', 1)[-1]                                          # instances_val2017 -> val2017
+    for d in (base / 'images', base / split):
+        if d.is_dir(): return d
+    raise MissingData(f'{path}: no images folder found (looked for {base / "images"} and {base / split}): pass image_root')
+
+def _bad_box(box, width: int, height: int) -> str | None:
+    "Why a COCO box `[x, y, w, h]` cannot be a region of a `width x height` image (None: it can)."
+    if not (isinstance(box, (list, tuple)) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
+        return f'box {box!r:.40} is not [x, y, w, h]'
+    x, y, w, h = map(float, box)
+    if not all(math.isfinite(v) for v in (x, y, w, h)): return f'box {box} is not finite'
+    if w <= 0 or h <= 0: return f'degenerate box {box} (no width or height)'
+    if x < -1 or y < -1 or x + w > width + 1 or y + h > height + 1: return f'box {box} outside the {width}x{height} image'
+    return None
+
+def load_regions(path, image_root=None, vocabulary: str = 'all', templates=REGION_TEMPLATES, strict: bool = False) -> RegionSet:
+    """The regions of a COCO-format instances file (see above); `vocabulary` 'all' (every category of the file) or
+    'ov-coco' (OV-COCO's 48 base + 17 novel classes). Bad annotations are skipped, counted and named (`ItemSkips`)."""
+    path = _need(Path(path), 'a COCO-format instances file (instances_*.json)')
+    if vocabulary not in ('all', 'ov-coco'): raise ValueError(f"vocabulary must be 'all' or 'ov-coco', got {vocabulary!r}")
+    d = _read_json(path)
+    what = 'COCO instances: {"images", "annotations", "categories"}'
+    cats = {c['id']: c['name'] for c in _field(d, 'categories', path, what) if isinstance(c, dict) and 'id' in c and 'name' in c}
+    names = list(dict.fromkeys(cats.values())) if vocabulary == 'all' else [*OV_COCO_BASE, *OV_COCO_NOVEL]
+    if vocabulary == 'ov-coco' and not set(names) <= set(cats.values()):
+        raise BadData(f'{path}: vocabulary ov-coco needs COCO category names; missing {sorted(set(names) - set(cats.values()))[:5]}')
+    index = {n: k for k, n in enumerate(names)}
+    root, skips = _region_images(path, image_root), ItemSkips(strict)
+    images, sizes, at, bad_images = [], [], {}, set()
+    for im in _field(d, 'images', path, what):
+        f = root / str(_field(im, 'file_name', path, what))
+        if not check_image(f, skips): bad_images.add(im.get('id')); continue
+        at[im.get('id')] = len(images)
+        images.append(f); sizes.append((int(im.get('width', 0)), int(im.get('height', 0))))
+    regions = []
+    for a in _field(d, 'annotations', path, what):
+        if not isinstance(a, dict) or a.get('image_id') in bad_images: continue          # its image is already counted
+        where = f"{path.name} annotation {a.get('id')}"
+        if a.get('image_id') not in at: skips.add('missing_image', where, f"image id {a.get('image_id')} not listed"); continue
+        i = at[a['image_id']]
+        if a.get('category_id') not in cats: skips.add('unknown_category', where, f"category id {a.get('category_id')}"); continue
+        if a.get('iscrowd'): skips.add('crowd_region', where, cats[a['category_id']]); continue
+        if cats[a['category_id']] not in index: skips.add('outside_vocabulary', where, cats[a['category_id']]); continue
+        why = _bad_box(a.get('bbox'), *sizes[i])
+        seg = a.get('segmentation')
+        if why is None and (not seg or float(a.get('area', 1)) <= 0): why = 'empty area or segmentation'
+        if why is None and isinstance(seg, dict) and isinstance(seg.get('counts'), str):
+            why = 'compressed RLE segmentation (a string of counts; this reader decodes polygons and uncompressed RLE)'
+        if why: skips.add('bad_region', where, why); continue
+        x, y, w, h = map(float, a['bbox'])
+        regions.append(dict(image=i, box=(x, y, x + w, y + h), segmentation=a['segmentation'], label=index[cats[a['category_id']]],
+                            id=a.get('id')))
+    groups = {}
+    if set(OV_COCO_BASE) | set(OV_COCO_NOVEL) <= set(names):
+        groups = {g: [index[n] for n in ns] for g, ns in (('base', OV_COCO_BASE), ('novel', OV_COCO_NOVEL))}
+    skips.log(str(path), len(d.get('annotations') or []))
+    if not regions: raise MissingData(f'{path}: no usable region ({skips.counts() or "no annotations"})')
+    return RegionSet(images, sizes, regions, names, list(templates), groups, skips)
+
+
+# %% [markdown]
+# Every kind of bad annotation in one hand-written file: an empty segmentation, a degenerate box, a box outside its
+# image, an unknown category id, a crowd region, an annotation of an image that is not listed, and one whose image
+# file is missing (its image counted once). The good regions stay, with their boxes in pixels; strict mode stops at
+# the first bad one. With the OV-COCO vocabulary the classes are the split's 65 and the groups index them.
+
+# %%
+_rd = Path(tempfile.mkdtemp()); (_rd / 'images').mkdir(); (_rd / 'annotations').mkdir()
+for _n in ('a', 'b'): Image.new('RGB', (40, 30)).save(_rd / 'images' / f'{_n}.png')
+_sq = [[2, 2, 12, 2, 12, 12, 2, 12]]                                             # a 10 x 10 square polygon
+_ann = [dict(id=1, image_id=1, category_id=1, bbox=[2, 2, 10, 10], segmentation=_sq, area=100, iscrowd=0),
+        dict(id=2, image_id=1, category_id=2, bbox=[20, 5, 8, 6], segmentation=_sq, area=48, iscrowd=0),
+        dict(id=3, image_id=1, category_id=1, bbox=[2, 2, 10, 10], segmentation=[], area=0, iscrowd=0),      # empty
+        dict(id=4, image_id=1, category_id=1, bbox=[5, 5, 0, 4], segmentation=_sq, area=10, iscrowd=0),      # degenerate
+        dict(id=5, image_id=2, category_id=2, bbox=[35, 20, 20, 20], segmentation=_sq, area=10, iscrowd=0),  # outside
+        dict(id=6, image_id=2, category_id=9, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=0),      # unknown cat
+        dict(id=7, image_id=2, category_id=1, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=1),      # crowd
+        dict(id=8, image_id=7, category_id=1, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=0),      # no such image
+        dict(id=9, image_id=3, category_id=1, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=0),      # image file gone
+        dict(id=10, image_id=2, category_id=2, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=0)]
+(_rd / 'annotations' / 'instances_val.json').write_text(json.dumps(dict(
+    images=[dict(id=1, file_name='a.png', width=40, height=30), dict(id=2, file_name='b.png', width=40, height=30),
+            dict(id=3, file_name='c.png', width=40, height=30)],
+    annotations=_ann, categories=[dict(id=1, name='dog'), dict(id=2, name='red circle')])))
+_rs = load_regions(_rd / 'annotations' / 'instances_val.json')
+test_eq([(r['id'], r['image'], r['box'], r['label']) for r in _rs.regions],
+        [(1, 0, (2.0, 2.0, 12.0, 12.0), 0), (2, 0, (20.0, 5.0, 28.0, 11.0), 1), (10, 1, (1.0, 1.0, 6.0, 6.0), 1)])
+test_eq((_rs.classnames, _rs.groups, [p.name for p in _rs.images]), (['dog', 'red circle'], {}, ['a.png', 'b.png']))
+test_eq(_rs.skips.counts(), dict(missing_image=2, bad_region=3, unknown_category=1, crowd_region=1))
+test_eq(sorted(i['detail'] for i in _rs.skips.report()['items'] if i['reason'] == 'bad_region'),
+        ['box [35, 20, 20, 20] outside the 40x30 image', 'degenerate box [5, 5, 0, 4] (no width or height)', 'empty area or segmentation'])
+test_fail(lambda: load_regions(_rd / 'annotations' / 'instances_val.json', strict=True), contains='c.png: missing image')
+test_fail(lambda: load_regions(_rd / 'annotations' / 'instances_val.json', vocabulary='ov-coco'), contains='needs COCO category names')
+test_fail(lambda: load_regions(_rd / 'nothing.json'), contains='instances_*.json')
+
+
+# %% [markdown]
 # ## The world's benchmark folder
 #
 # `write_world_benchmark` writes held-out scenes of the built-in world (`world.benchmark_scene`) in the formats above,
@@ -472,6 +619,10 @@ test_fail(lambda: load_retrieval(_bd / 'broken.json'), contains='broken.json: no
 # - `retrieval.json`, `[{"image": filename, "caption": [captions]}]` with `captions_per_image` full captions; a
 #   caption text that another image already has is dropped, so every caption belongs to one image (an image left
 #   with none is skipped and counted);
+# - `annotations/instances_shape.json` and `annotations/instances_colour_shape.json`, every object of every scene in
+#   the COCO instances format (box, pixel mask as uncompressed RLE), labelled by its shape ("circle") or by its colour
+#   and shape ("red circle": the attribute-bound, compositional vocabulary): the region task's data, read by
+#   `load_regions` like any COCO file;
 # - `scenes.json`, per file name its `index`, scene, gold tree and gold patch masks, and `parses.json`, the gold tree
 #   of every caption and negative;
 # - `config.json`, the `WorldConfig`, and `summary.json`, the counts and what was asked for.
@@ -542,10 +693,39 @@ def write_world_winoground(out_dir, n_pairs: int = 50, cfg: WorldConfig | None =
     (out / 'data' / 'examples.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     return len(rows)
 
+def rle_counts(mask: np.ndarray) -> list[int]:
+    "A `(H, W)` bool mask as COCO's uncompressed RLE counts: run lengths in column-major order, starting with zeros."
+    flat = np.asarray(mask, bool).T.reshape(-1)
+    bounds = np.concatenate([[0], np.flatnonzero(np.diff(flat.astype(np.int8))) + 1, [flat.size]])
+    runs = np.diff(bounds).astype(int).tolist()
+    return ([0] + runs) if flat.size and flat[0] else runs
+
+WORLD_REGION_VOCABULARIES = ('shape', 'colour_shape')   # the world's region classes: 'circle', or 'red circle'
+
+def _world_instances(images: list, objects: list, cfg: WorldConfig) -> dict:
+    """COCO-format instances of the world's objects, one file per vocabulary: `images` [(id, file, W, H)], `objects`
+    [(image id, WorldObject, pixel mask (H, W) bool)]."""
+    names = dict(shape=list(cfg.shapes), colour_shape=[f'{c} {s}' for c in cfg.colours for s in cfg.shapes])
+    out = {}
+    for vocab, cats in names.items():
+        ids = {n: k + 1 for k, n in enumerate(cats)}
+        ann = []
+        for j, (im, o, m) in enumerate(objects):
+            rows, cols = np.nonzero(m)
+            box = [int(cols.min()), int(rows.min()), int(cols.max() - cols.min() + 1), int(rows.max() - rows.min() + 1)]
+            name = o.shape if vocab == 'shape' else f'{o.colour} {o.shape}'
+            ann.append(dict(id=j + 1, image_id=im, category_id=ids[name], bbox=box, area=int(m.sum()), iscrowd=0,
+                            segmentation=dict(counts=rle_counts(m), size=list(m.shape))))
+        out[vocab] = dict(images=[dict(id=i, file_name=f, width=w, height=h) for i, f, w, h in images], annotations=ann,
+                          categories=[dict(id=k, name=n) for n, k in ids.items()])
+    return out
+
 def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captions_per_image: int) -> dict:
-    "Images, hard negatives, retrieval list, scenes and gold trees of `n_images` scenes; returns their counts."
+    "Images, hard negatives, retrieval list, regions, scenes and gold trees of `n_images` scenes; returns their counts."
     (out / 'images').mkdir(parents=True, exist_ok=True); (out / 'data').mkdir(exist_ok=True)
+    (out / 'annotations').mkdir(exist_ok=True)
     sugar = {k: {} for k in NEGATIVE_KINDS}
+    images, objects = [], []
     retrieval, scenes, parses, seen = [], {}, {}, set()
     dropped_captions = skipped_images = 0
     for i in range(n_images):
@@ -554,6 +734,8 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
         Image.fromarray(s['image']).save(out / 'images' / fname)
         scenes[fname] = dict(index=i, split=split, caption=s['text'], tree=s['parsed'].to_dict(), scene=s['scene'].to_dict(),
                              order=s['order'], masks=s['masks'][s['mask_valid']].astype(int).tolist())
+        images.append((i, fname, s['image'].shape[1], s['image'].shape[0]))
+        objects += [(i, o, m) for o, m in zip(s['scene'].objects, render(s['scene'], cfg)[1]) if m.any()]
         parses[s['text']] = s['parsed'].to_dict()
         for kind, neg in b['negatives'].items():
             parses[neg.text] = neg.to_dict()
@@ -567,7 +749,8 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
     def dump(obj, name): (out / name).write_text(json.dumps(obj, indent=1))
     for kind, items in sugar.items(): dump(items, f'data/{kind}.json')
     dump(retrieval, 'retrieval.json'); dump(scenes, 'scenes.json'); dump(parses, 'parses.json')
-    return dict(sugarcrepe={k: len(v) for k, v in sugar.items()},
+    for vocab, inst in _world_instances(images, objects, cfg).items(): dump(inst, f'annotations/instances_{vocab}.json')
+    return dict(sugarcrepe={k: len(v) for k, v in sugar.items()}, regions=len(objects),
                 retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
                 retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
 
@@ -578,7 +761,7 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
     that already holds this request is left as it is."""
     cfg, out = cfg or WorldConfig(), Path(out_dir)
     request = json.loads(json.dumps(dict(n_images=n_images, split=split, extras=extras, captions_per_image=captions_per_image,
-                                         config=asdict(cfg))))
+                                         config=asdict(cfg), regions=1)))   # regions: folders written before them are redone
     if (out / 'summary.json').is_file():
         old = json.loads((out / 'summary.json').read_text())
         if old.get('request') == request: return old
@@ -628,6 +811,19 @@ test_eq(write_world_benchmark(tmp / 'world', n_images=60), world_summary)       
 test_eq((tmp / 'world' / 'retrieval.json').stat().st_mtime_ns, _mtime)
 test_fail(lambda: load_winoground(tmp / 'nowhere'), contains='data/examples.jsonl')
 test_fail(lambda: load_sugarcrepe(tmp / 'nowhere'), contains='sugar-crepe')
+# the regions: every object of every scene, its pixel mask and box, under both vocabularies
+from powerclip.regions import coco_mask
+_wr = {v: load_regions(tmp / 'world' / 'annotations' / f'instances_{v}.json') for v in WORLD_REGION_VOCABULARIES}
+test_eq(len(_wr['shape'].regions), world_summary['regions']); test_eq(len(_wr['colour_shape'].classnames), 35)
+for _r0, _r1 in zip(_wr['shape'].regions[:20], _wr['colour_shape'].regions[:20]):
+    _im = _wr['shape'].images[_r0['image']]
+    _sc = Scene.from_dict(scenes[_im.name]['scene'])
+    _m = coco_mask(_r0['segmentation'], 64, 64)
+    _k = next(k for k, m in enumerate(render(_sc, cfg)[1]) if np.array_equal(m, _m))   # the object it is
+    _o = _sc.objects[_k]
+    test_eq((_wr['shape'].classnames[_r0['label']], _wr['colour_shape'].classnames[_r1['label']]), (_o.shape, f'{_o.colour} {_o.shape}'))
+    _rows, _cols = np.nonzero(_m)
+    test_eq(_r0['box'], (float(_cols.min()), float(_rows.min()), float(_cols.max() + 1), float(_rows.max() + 1)))
 {k: v for k, v in world_summary.items() if k != 'request'}, cls.classnames, len(wg)
 
 # %% [markdown]
@@ -647,4 +843,12 @@ if (DATA / 'coco_sample').is_dir():
     test_eq(set(next(iter(real.values()))), set(json.loads((tmp / 'world' / 'data' / 'swap_att.json').read_text())['0']))
     test_eq((coco.skipped, full_skipped.counts()), (0, {'missing_image': 7511 - 211}))
     print({c: len(v) for c, v in coco_sc.items()}, 'full benchmark kept', sum(map(len, full_sc.values())), 'skipped', full_skipped.counts())
+    # the real regions: COCO's instance annotations of the sample's photos, all 80 classes and OV-COCO's 65
+    for _split in ('val2017', 'train2017'):
+        for _v in ('all', 'ov-coco'):
+            _cr = load_regions(DATA / 'coco_sample' / 'annotations' / f'instances_{_split}.json', vocabulary=_v)
+            assert _cr.regions and all(0 <= r['label'] < len(_cr.classnames) for r in _cr.regions)
+            test_eq(sorted(_cr.groups), ['base', 'novel']); test_eq(len(_cr.groups['novel']), 17)
+            print(f"{_split} {_v}: {len(_cr.regions)} regions of {len(_cr.classnames)} classes on {len(_cr.images)} photos, "
+                  f"novel {sum(r['label'] in _cr.groups['novel'] for r in _cr.regions)}; left out {_cr.skips.counts()}")
 else: print('skipped: ../shared/data is absent')

@@ -380,7 +380,7 @@ class FeatureCache:
 # cached), `dataset_features` for a torch data set of `(image, label)` (clip_benchmark's readers), `scores(img, txt)`
 # `(I, T)` computed in blocks of images, and `pair_scores` for a list of (image, caption) pairs (hard negatives,
 # Winoground) without the full matrix. Images go through the model's own `preprocess`; captions through its tokenizer
-# (on the world's captions the same ids as the gold-tree tokens of training, `64_eval_tasks`).
+# (on the world's captions the same ids as the gold-tree tokens of training, `68_eval_world_scores`).
 #
 # `device` 'cuda' moves batches there (default: where the model is); `precision` 'bf16' runs the towers under
 # `torch.autocast` (bfloat16, on CUDA or CPU) and caches its features apart from fp32 ones.

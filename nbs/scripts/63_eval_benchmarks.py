@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from powerclip.cli import UsageError
+from powerclip.commandline import UsageError
 from powerclip.eval.data import (MissingData, RetrievalSet, load_coco_karpathy, load_flickr_karpathy, load_retrieval,
                                  load_sugarcrepe, load_winoground)
 
@@ -397,7 +397,7 @@ test_eq(list(benchmark_data('cifar10', tmp / 'world' / 'wds_shape')), ['zeroshot
 #   lacks `{dataset}` is refused, since each run would overwrite the previous one's file;
 # - its `accuracy` (zero-shot and linear probe) is replaced, while it runs, by `_cb_accuracy`, the same numbers
 #   without the `float()` of a 1-element array that NumPy 2.4 refuses;
-# - each mistake is one line (its own argparse errors too) raised as the project's `UsageError` (`17_cli`).
+# - each mistake is one line (its own argparse errors too) raised as the project's `UsageError` (`17_commandline`).
 
 # %%
 #| export

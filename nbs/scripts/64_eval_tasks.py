@@ -23,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -35,13 +36,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from powerclip.eval.benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchmark_data, open_wds, select
-from powerclip.eval.data import (ClassificationSet, MissingData, RetrievalSet, Skips, load_classification, load_coco_sample,
-                                 load_retrieval, load_sugarcrepe, load_winoground)
+from powerclip.eval.data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, RetrievalSet, load_classification,
+                                 load_coco_sample, load_retrieval, load_sugarcrepe, load_winoground)
 from powerclip.eval.metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy, linear_probe,
-                                    outranks, retrieval_recall, winoground_scores)
+                                    retrieval_recall, winoground_scores)
 from powerclip.eval.models import Evaluator
 from powerclip.methods import GlobalScorer
-from powerclip.world import NEGATIVE_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ from fastcore.test import test_close, test_eq, test_fail
 # %% [markdown]
 # # Evaluation tasks
 #
-# > The five tasks (retrieval, hard negatives, zero-shot classification, linear probe, Winoground) on an `Evaluator`, for each scorer the checkpoint's method offers; one run of a checkpoint on a data folder, the suite of the paper's benchmarks, and the world evaluation of the demo.
+# > The five tasks (retrieval, hard negatives, zero-shot classification, linear probe, Winoground) on an `Evaluator`, for each scorer the checkpoint's method offers, each one record of the task registry; one run of a checkpoint on a data folder, and the suite of the paper's benchmarks.
 
 # %% [markdown]
 # ## The five tasks
@@ -90,17 +90,17 @@ def task_retrieval(ev: Evaluator, data: RetrievalSet, scorer: str | None = None,
     return dict(retrieval_recall(sim, text_image, ks), n_images=len(data.images), n_texts=len(texts), skipped=data.skipped,
                 **{f'chance_{k}': v for k, v in chance_recall(len(data.images), round(per), ks).items()} if per == round(per) else {})
 
-def _index(items: list) -> tuple[list, dict]:
+def unique_index(items: list) -> tuple[list, dict]:
     "The distinct items (categories share photos and captions, each is embedded once) and item -> row."
     uniq = list(dict.fromkeys(items))
     return uniq, {x: i for i, x in enumerate(uniq)}
 
-def task_sugarcrepe(ev: Evaluator, data: dict, skipped: Skips | None = None, scorer: str | None = None) -> dict:
-    """`data`: {category: [(image, caption, negative caption)]}, `skipped`: the reader's `Skips` -> accuracy (%) per
+def task_sugarcrepe(ev: Evaluator, data: dict, skipped: ItemSkips | None = None, scorer: str | None = None) -> dict:
+    """`data`: {category: [(image, caption, negative caption)]}, `skipped`: the reader's `ItemSkips` -> accuracy (%) per
     category, `_n`, `_ties`, `_skipped`, and their `mean`."""
     rows = [r for rs in data.values() for r in rs]
-    images, vi = _index([r[0] for r in rows])
-    texts, ti = _index([t for r in rows for t in r[1:]])
+    images, vi = unique_index([r[0] for r in rows])
+    texts, ti = unique_index([t for r in rows for t in r[1:]])
     V, T = ev.image_features(images, scorer), ev.text_features(texts, scorer)
     img = [vi[r[0]] for r in rows]
     pos = ev.pair_scores(V, T, img, [ti[r[1]] for r in rows], scorer)          # (n,) all categories at once
@@ -157,8 +157,8 @@ def task_linear_probe(ev: Evaluator, data, lambdas=LAMBDAS, val_share: float = 0
                 **{f'val_acc@{k}': v for k, v in r['val_acc'].items()},
                 **(dict(skipped=len(data.skips)) if isinstance(data, ClassificationSet) else {}))
 
-def task_winoground(ev: Evaluator, items: list, skipped: Skips | None = None, scorer: str | None = None) -> dict:
-    "`items`: [(image_0, image_1, caption_0, caption_1)], `skipped`: the reader's `Skips` -> text, image and group scores (%)."
+def task_winoground(ev: Evaluator, items: list, skipped: ItemSkips | None = None, scorer: str | None = None) -> dict:
+    "`items`: [(image_0, image_1, caption_0, caption_1)], `skipped`: the reader's `ItemSkips` -> text, image and group scores (%)."
     n = len(items)
     I = ev.image_features([r[0] for r in items] + [r[1] for r in items], scorer)           # rows: i0 then i1
     C = ev.text_features([r[2] for r in items] + [r[3] for r in items], scorer)            # rows: c0 then c1
@@ -169,56 +169,109 @@ def task_winoground(ev: Evaluator, items: list, skipped: Skips | None = None, sc
 
 
 # %% [markdown]
-# ## One run: checkpoint x data set x tasks
+# ## The task registry
 #
-# `load_task_data` finds each task's files under a data root (a `coco_sample` folder, a world folder, a SugarCrepe
-# folder, a Winoground folder, a webdataset export). With `require` (tasks asked for by name) a task whose files are
-# absent stops with the `MissingData` message; otherwise (`tasks='all'`) it is skipped and the reason is written into
-# the results. With `strict` the readers stop at the first bad item (`BadData`, naming the file) instead of skipping
-# and counting it; `skip_report` gives what they dropped, per task, for the result JSON. `evaluate` runs the tasks
-# with one scorer; `evaluate_scorers` with each scorer of the checkpoint's method, from the same loaded data.
+# A task is one record, `Task`, in one registry, `TASKS`, as a method is one class in `METHODS` (`40_methods`): where
+# its data comes from (`load`), how it is scored (`run`), what its reader dropped (`skips`), the numbers its tables
+# show with their display names (`headline`: the side-by-side table's rows, `65_eval_tables`, and the comparison's
+# headline, `68_eval_world_scores`), and whether it is scored once per scorer of the method or once in all (`scored`:
+# the linear probe reads the global image features whatever the scorer). The command line (`--tasks`), the runs and
+# the tables read the registry; a new task is a record here (and its functions), nothing else.
 
 # %%
 #| export
-TASKS = ('retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground')
+@dataclass(frozen=True)
+class Task:
+    "One evaluation task (see above)."
+    name: str
+    load: Callable        # (root: Path, image_root, strict) -> the runner's arguments after the evaluator; MissingData when absent
+    run: Callable         # (ev, *args[, scorer=]) -> {metric: number} in percent; an unscored task's runner takes no scorer
+    skips: Callable       # load's answer -> the reader's `ItemSkips` (the items it dropped)
+    headline: dict        # metric -> display name: the numbers the tables show, in their order
+    scored: bool = True   # False: one run with the headline scorer, reading the global image features
+
+TASKS: dict[str, Task] = {}
+
+def register_task(task: Task) -> Task:
+    "Add `task` to `TASKS`. A record of the same name with another runner is an error (the same one again replaces it)."
+    old = TASKS.get(task.name)
+    if old is not None and old.run.__qualname__ != task.run.__qualname__:
+        raise ValueError(f'task {task.name!r} is already registered (runner {old.run.__qualname__})')
+    TASKS[task.name] = task
+    return task
+
+def _retrieval_data(root: Path, image_root=None, strict: bool = False) -> tuple:
+    if (root / 'captions.jsonl').is_file(): return (load_coco_sample(root, strict=strict),)
+    if root.is_file(): return (load_retrieval(root, image_root, strict=strict),)
+    for name in ('retrieval.json', 'dataset_coco.json', 'dataset_flickr30k.json', 'dataset_flickr8k.json'):
+        if (root / name).is_file(): return (load_retrieval(root / name, image_root, strict=strict),)
+    raise MissingData(f'retrieval: expected {root}/retrieval.json ([{{"image", "caption": [..]}}], images in {root}/images), '
+                      f"Karpathy's {root}/dataset_coco.json, or a coco_sample-style {root}/captions.jsonl")
+
+def _classification_data(root: Path, image_root=None, strict: bool = False) -> tuple:
+    if (root / 'test' / 'nshards.txt').is_file(): return (open_wds(root),)         # clip_benchmark's webdataset export
+    return (load_classification(root, strict),)
+
+def _own_skips(args: tuple) -> ItemSkips:
+    "The skips a data set carries (a `RetrievalSet`, a `ClassificationSet`); none for clip_benchmark's data sets."
+    return getattr(args[0], 'skips', None) or ItemSkips()
+
+for _t in [
+    Task('retrieval', _retrieval_data, task_retrieval, _own_skips,
+         {f'{d}_R@{k}': f'{d} R@{k}' for d in ('i2t', 't2i') for k in (1, 5, 10)}),
+    Task('sugarcrepe', lambda root, image_root=None, strict=False: load_sugarcrepe(root, image_root, strict=strict),
+         task_sugarcrepe, lambda args: args[1], {**{c: c for c in SUGARCREPE}, 'mean': 'HN mean'}),
+    Task('zeroshot', _classification_data, task_zeroshot, _own_skips,
+         dict(top1='top-1', top5='top-5', mean_per_class_recall='mean per-class recall')),
+    Task('linear_probe', _classification_data, task_linear_probe, _own_skips, dict(acc='accuracy'), scored=False),
+    Task('winoground', lambda root, image_root=None, strict=False: load_winoground(root, strict), task_winoground,
+         lambda args: args[1], dict(text='text', image='image', group='group')),
+]:
+    register_task(_t)
+
+# %%
+test_eq(list(TASKS)[:5], ['retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground'])
+test_eq([t for t, r in TASKS.items() if not r.scored], ['linear_probe'])
+test_eq(list(TASKS['retrieval'].headline)[:2], ['i2t_R@1', 'i2t_R@5'])
+test_fail(lambda: register_task(Task('retrieval', _retrieval_data, task_zeroshot, _own_skips, {})), contains='already registered')
+
+
+# %% [markdown]
+# ## One run: checkpoint x data set x tasks
+#
+# `load_task_data` finds each task's files under a data root (a `coco_sample` folder, a world folder, a SugarCrepe
+# folder, a Winoground folder, a webdataset export) with the task's loader. With `require` (tasks asked for by name) a
+# task whose files are absent stops with the `MissingData` message; otherwise (`tasks='all'`) it is skipped and the
+# reason is written into the results. With `strict` the readers stop at the first bad item (`BadData`, naming the
+# file) instead of skipping and counting it; `skip_report` gives what they dropped, per task, for the result JSON.
+# `evaluate` runs the tasks with one scorer; `evaluate_scorers` with each scorer of the checkpoint's method, from the
+# same loaded data.
+
+# %%
+#| export
+def task_record(task: str) -> Task:
+    "The registry's record of `task`; a ValueError naming the known tasks for another name."
+    if task not in TASKS: raise ValueError(f'unknown task {task!r}; known: {tuple(TASKS)}')
+    return TASKS[task]
 
 def load_task_data(task: str, root, image_root=None, strict: bool = False) -> tuple:
     "The arguments of task `task`'s runner (after the evaluator) read from `root`; `strict`: a bad item raises `BadData`."
-    root = Path(root)
-    if task == 'retrieval':
-        if (root / 'captions.jsonl').is_file(): return (load_coco_sample(root, strict=strict),)
-        if root.is_file(): return (load_retrieval(root, image_root, strict=strict),)
-        for name in ('retrieval.json', 'dataset_coco.json', 'dataset_flickr30k.json', 'dataset_flickr8k.json'):
-            if (root / name).is_file(): return (load_retrieval(root / name, image_root, strict=strict),)
-        raise MissingData(f'retrieval: expected {root}/retrieval.json ([{{"image", "caption": [..]}}], images in {root}/images), '
-                          f"Karpathy's {root}/dataset_coco.json, or a coco_sample-style {root}/captions.jsonl")
-    if task == 'sugarcrepe': return load_sugarcrepe(root, image_root, strict=strict)
-    if task in ('zeroshot', 'linear_probe'):
-        if (root / 'test' / 'nshards.txt').is_file(): return (open_wds(root),)     # clip_benchmark's webdataset export
-        return (load_classification(root, strict),)
-    if task == 'winoground': return load_winoground(root, strict)
-    raise ValueError(f'unknown task {task!r}; known: {TASKS}')
+    return task_record(task).load(Path(root), image_root, strict)
 
-def item_skips(task: str, args: tuple) -> Skips:
-    "The `Skips` of a task's loaded data (`load_task_data`'s answer); empty for clip_benchmark's data sets."
-    if task == 'retrieval': return args[0].skips
-    if task in ('sugarcrepe', 'winoground'): return args[1]
-    return getattr(args[0], 'skips', None) or Skips()
+def item_skips(task: str, args: tuple) -> ItemSkips:
+    "The `ItemSkips` of a task's loaded data (`load_task_data`'s answer); empty for clip_benchmark's data sets."
+    return task_record(task).skips(args)
 
 def skip_report(found: dict) -> dict:
-    "`{task: Skips.report()}` of the tasks whose reader dropped something: the result JSON's `skipped_items`."
+    "`{task: ItemSkips.report()}` of the tasks whose reader dropped something: the result JSON's `skipped_items`."
     return {t: item_skips(t, a).report() for t, a in found.items() if len(item_skips(t, a))}
-
-RUNNERS = dict(retrieval=task_retrieval, sugarcrepe=task_sugarcrepe, zeroshot=task_zeroshot,
-               linear_probe=task_linear_probe, winoground=task_winoground)
-UNSCORED = ('linear_probe',)        # tasks that read the global image features whatever the scorer: run once
 
 def find_data(root, tasks=TASKS, image_root=None, require: bool = True, strict: bool = False) -> tuple[dict, dict]:
     """`({task: loaded data}, {task: reason skipped})`; `require`: a task without data raises `MissingData`;
     `strict`: a bad item raises `BadData` (else it is skipped and counted, `skip_report`)."""
     found, skipped = {}, {}
     for task in tasks:
-        if task not in RUNNERS: raise ValueError(f'unknown task {task!r}; known: {TASKS}')
+        task_record(task)
         try: found[task] = load_task_data(task, root, image_root, strict)
         except MissingData as e:
             if require: raise
@@ -229,9 +282,10 @@ def _run_tasks(ev: Evaluator, data: dict, scorer: str, require: bool = True) -> 
     "`{task: metrics}` of one scorer on loaded data, and `{task: reason}` of tasks whose data turned out to be missing."
     metrics, skipped = {}, {}
     for task, d in data.items():
-        if task in UNSCORED and scorer != ev.headline: continue
+        t = task_record(task)
+        if not t.scored and scorer != ev.headline: continue
         t0 = time.time()
-        try: metrics[task] = RUNNERS[task](ev, *d) if task in UNSCORED else RUNNERS[task](ev, *d, scorer=scorer)
+        try: metrics[task] = t.run(ev, *d, scorer=scorer) if t.scored else t.run(ev, *d)
         except MissingData as e:           # e.g. a probe without a train split: the zero-shot number still counts
             if require: raise
             skipped[task] = str(e); continue
@@ -333,99 +387,6 @@ _full = fev.scores(_x, fev.text_features([t.format(c=c) for c in cls.classnames 
 torch.testing.assert_close(zeroshot_logits(fev, _x, cls.classnames, cls.templates, 'late'), _full.view(3, len(cls.classnames), -1).mean(2))
 {s: {t: round(m[t].get('i2t_R@1', m[t].get('top1', m[t].get('acc'))), 1) for t in m} for s, m in by.items()}
 
-# %% [markdown]
-# ## The world evaluation of the demo
-#
-# `evaluate_world` is what the comparison (`70_compare`) reports for each run on its held-out world folder
-# (`write_world_benchmark`): the hard-negative accuracy per kind (`hn_<kind>`, NaN when the folder has no item of that
-# kind) and their mean (`hn_mean`), and retrieval R@1 and R@5 both ways, all in percent. The headline scorer's numbers
-# carry these keys and `scorer` names it; the other scorers' numbers carry the same keys prefixed `<scorer>:`.
-#
-# Captions go through the model's tokenizer. On the world's captions that gives exactly the ids of the gold-tree
-# tokens a run trains on (`parsing.tree_tokens`), checked below on every caption and negative of the folder, so the
-# evaluation reads captions as training does.
-#
-# **Per item.** With `per_item=True` the result also holds, under `items`, each scorer's answer item by item: for every
-# hard negative, every image (image to text) and every caption (text to image), the scene it belongs to (its image file)
-# and a hit (1) or a miss (0) under the same tie rule; the mean of the hits is the number above (per kind, R@1). The
-# comparison's bootstrap over held-out scenes (`69_stats`) resamples them. An evaluator with a feature cache computes
-# the features once for both.
-
-# %%
-#| export
-WORLD_KEYS = ('i2t_R@1', 'i2t_R@5', 't2i_R@1', 't2i_R@5')
-
-def recall1_hits(sim: torch.Tensor, text_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    "Per-item R@1 of `retrieval_recall` (same ranks, same tie rule): `(I,)` image-to-text hits (images without a caption: False), `(T,)` text-to-image hits."
-    I, T = sim.shape
-    sim, text_image = sim.float(), torch.as_tensor(text_image, dtype=torch.long)
-    own = torch.zeros(I, T, dtype=torch.bool); own[text_image, torch.arange(T)] = True
-    pos_t = sim[text_image, torch.arange(T)]                                                   # (T,)
-    t2i = ((outranks(sim, pos_t[None]) & ~own).sum(0) < 1) & ~pos_t.isnan()                   # (T,)
-    best_i = sim.masked_fill(~own | sim.isnan(), -math.inf).max(1).values                     # (I,)
-    best_i = best_i.masked_fill(best_i == -math.inf, math.nan)
-    i2t = ((outranks(sim, best_i[:, None]) & ~own).sum(1) < 1) & ~best_i.isnan()              # (I,)
-    return i2t, t2i
-
-def world_items(ev: Evaluator, found: dict, scorer: str | None = None) -> dict:
-    """`evaluate_world`'s answers item by item (see above), from `find_data`'s loaded `found`:
-    `{'hn': {kind: {'image': [file name], 'hit': [0/1]}}, 'i2t_R@1': {...}, 't2i_R@1': {...}}`."""
-    sc, ret = found['sugarcrepe'][0], found['retrieval'][0]
-    rows = [r for rs in sc.values() for r in rs]
-    images, vi = _index([r[0] for r in rows])
-    texts, ti = _index([t for r in rows for t in r[1:]])
-    V, T = ev.image_features(images, scorer), ev.text_features(texts, scorer)
-    img = [vi[r[0]] for r in rows]
-    pos = ev.pair_scores(V, T, img, [ti[r[1]] for r in rows], scorer)                          # (n,)
-    neg = ev.pair_scores(V, T, img, [ti[r[2]] for r in rows], scorer)
-    hit, out, start = (~outranks(neg, pos)).int().tolist(), {'hn': {}}, 0
-    for c, rs in sc.items():
-        out['hn'][c] = dict(image=[Path(r[0]).name for r in rs], hit=hit[start:start + len(rs)]); start += len(rs)
-    captions, text_image = ret.flat()
-    i2t, t2i = recall1_hits(ev.scores(ev.image_features(ret.images, scorer), ev.text_features(captions, scorer), scorer), text_image)
-    has = torch.zeros(len(ret.images), dtype=torch.bool); has[torch.as_tensor(text_image, dtype=torch.long)] = True
-    names = [Path(p).name for p in ret.images]
-    out['i2t_R@1'] = dict(image=[n for n, h in zip(names, has.tolist()) if h], hit=i2t[has].int().tolist())
-    out['t2i_R@1'] = dict(image=[names[i] for i in torch.as_tensor(text_image).tolist()], hit=t2i.int().tolist())
-    return out
-
-def evaluate_world(ev: Evaluator, root, per_item: bool = False) -> dict:
-    "The comparison's numbers (%) on a world benchmark folder, for every scorer: `hn_<kind>`, `hn_mean`, R@1/R@5 both ways; `per_item`: also `items` (see above)."
-    found = find_data(root, ('sugarcrepe', 'retrieval'))
-    out = dict(scorer=ev.headline)
-    for s in ev.scorers:
-        m, _ = evaluate(ev, root, found=found, scorer=s)
-        hn = {f'hn_{k}': m['sugarcrepe'].get(k, math.nan) for k in NEGATIVE_KINDS}
-        res = {**hn, 'hn_mean': m['sugarcrepe']['mean'], **{k: m['retrieval'][k] for k in WORLD_KEYS}}
-        out.update({(k if s == ev.headline else f'{s}:{k}'): v for k, v in res.items()})
-    if per_item: out['items'] = {s: world_items(ev, found[0], s) for s in ev.scorers}
-    return out
-
-
-# %%
-import json
-from powerclip.parsing import ParsedCaption, tree_tokens
-_parses = json.loads((tmp / 'world' / 'parses.json').read_text())
-_tok = torch.stack([tree_tokens(ParsedCaption.from_dict(p), context_length=ev.model.context_length).tokens for p in _parses.values()])
-test_eq(ev.tokenizer(list(_parses)), _tok)
-res = evaluate_world(ev, tmp / 'world')
-test_eq(res['scorer'], 'global'); assert set(res) >= {'hn_swap_att', 'hn_mean', 'i2t_R@1', 't2i_R@5'}
-assert all(0 <= v <= 100 for v in res.values() if isinstance(v, float) and v == v)
-test_eq(res['hn_mean'], m1['sugarcrepe']['mean']); test_eq(res['i2t_R@5'], m1['retrieval']['i2t_R@5'])
-fres = evaluate_world(fev, tmp / 'world', per_item=True)
-test_eq(fres['scorer'], 'late'); assert 'global:hn_mean' in fres and 'late:hn_mean' not in fres
-for _s, _pre in (('late', ''), ('global', 'global:')):             # the items' means are the numbers, for each scorer
-    _it = fres['items'][_s]
-    test_close([100 * np.mean(_it['hn'][k]['hit']) for k in _it['hn']], [fres[f'{_pre}hn_{k}'] for k in _it['hn']])
-    test_close(np.mean([100 * np.mean(_it['hn'][k]['hit']) for k in _it['hn']]), fres[f'{_pre}hn_mean'])
-    test_close([100 * np.mean(_it[k]['hit']) for k in ('i2t_R@1', 't2i_R@1')], [fres[f'{_pre}i2t_R@1'], fres[f'{_pre}t2i_R@1']])
-test_eq(len(fres['items']['late']['t2i_R@1']['image']), len(load_retrieval(tmp / 'world' / 'retrieval.json').flat()[0]))
-_sim, _ti = torch.tensor([[1.0, 1.0, 1.0], [0.0, 2.0, 1.0]]), torch.tensor([0, 1, 1])
-_i2t, _t2i = recall1_hits(_sim, _ti)                                 # ties count against: image 0 and caption 2 miss
-test_eq((_i2t.tolist(), _t2i.tolist()), ([False, True], [True, True, False]))
-test_close([100 * _i2t.float().mean().item(), 100 * _t2i.float().mean().item()], [retrieval_recall(_sim, _ti, (1,))[k] for k in ('i2t_R@1', 't2i_R@1')])
-{k: round(v, 1) for k, v in res.items() if k != 'scorer'}
-
 
 # %% [markdown]
 # ## Results on disk, and the suite
@@ -434,7 +395,7 @@ test_close([100 * _i2t.float().mean().item(), 100 * _t2i.float().mean().item()],
 # metrics (`metrics`), its name (`scorer`) and the other scorers' metrics (`other_scorers`), the method, the
 # checkpoint's path and sha256 (`random-init` for none) and `checkpoint_id`, the model, the data root, the tasks
 # skipped for want of data (`skipped`, with the reason), the items the readers dropped (`skipped_items`: per task the
-# count per reason and the files, `Skips.report()`), and the exact command. `65_eval_tables` lays them out, one column
+# count per reason and the files, `ItemSkips.report()`), and the exact command. `65_eval_tables` lays them out, one column
 # per label.
 #
 # **Two checkpoints never share a label.** The label defaults to the run's name: the folder's name for a run folder,

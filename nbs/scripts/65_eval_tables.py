@@ -29,6 +29,7 @@ import numpy as np
 
 from powerclip.eval.benchmarks import BENCHMARKS, ROBUSTNESS, TABLE1
 from powerclip.eval.data import SUGARCREPE
+from powerclip.eval.tasks import TASKS
 
 # %%
 #| hide
@@ -46,15 +47,11 @@ from fastcore.test import test_close, test_eq
 # `results_table` reads any number of result JSONs (`64_eval_tasks`' `write_result`; a folder gives every JSON under
 # it) and lays out one row per (data set, task, metric) and one column per checkpoint label. A checkpoint scored in
 # several ways (FILIP: late interaction, then global) has its headline scorer's numbers in the rows of the task
-# and the others' in rows whose task is suffixed with the scorer, `retrieval [global]`. `render_table` writes
-# Markdown or CSV.
+# and the others' in rows whose task is suffixed with the scorer, `retrieval [global]`. The metrics of a task are the
+# `headline` of its record in the task registry (`64_eval_tasks`), in that order. `render_table` writes Markdown or CSV.
 
 # %%
 #| export
-HEADLINE = dict(retrieval=('i2t_R@1', 'i2t_R@5', 'i2t_R@10', 't2i_R@1', 't2i_R@5', 't2i_R@10'),
-                sugarcrepe=SUGARCREPE + ('mean',), zeroshot=('top1', 'top5', 'mean_per_class_recall'),
-                linear_probe=('acc',), winoground=('text', 'image', 'group'))
-
 def results_table(paths) -> tuple[list[str], list[list]]:
     "`(header, rows)`: one row per (data set, task, metric), one column per checkpoint label; a folder gives its JSONs."
     files = [q for p in paths for q in (sorted(Path(p).rglob('*.json')) if Path(p).is_dir() else [Path(p)])]
@@ -65,7 +62,7 @@ def results_table(paths) -> tuple[list[str], list[list]]:
         scored = [('', r['metrics'])] + [(f' [{s}]', m) for s, m in (r.get('other_scorers') or {}).items()]
         for suffix, metrics in scored:
             for task, m in metrics.items():
-                for k in HEADLINE.get(task, ()):
+                for k in (TASKS[task].headline if task in TASKS else ()):
                     if k in m: cells[(r['dataset'], task + suffix, k, r['label'])] = m[k]
     keys = list(dict.fromkeys((d, t, k) for d, t, k, _ in cells))
     return ['dataset', 'task', 'metric', *labels], [[*key, *(cells.get((*key, l)) for l in labels)] for key in keys]
@@ -106,6 +103,7 @@ test_eq(render_table(header, rows, 'csv').splitlines()[-1], 'world,retrieval [gl
 # and group scores; Table 9 the linear-probe accuracies. An average is given only when every number it averages
 # is there. The paper's numbers (`PAPER`, copied from the main paper's tables for its CLIP and PowerCLIP rows) are
 # never mixed into measured cells: `paper={label: method}` adds separate columns headed `paper: <column>`.
+# Each table is one function of `PAPER_LAYOUTS`, which reads the metrics it needs by data set, task and metric.
 
 # %%
 #| export
@@ -114,34 +112,43 @@ _RET = [(d, k) for d in ('mscoco_captions', 'flickr8k', 'flickr30k') for k in (1
 
 def _mean(xs): return None if not xs or any(x is None for x in xs) else float(np.mean(xs))
 
+def _table1(get) -> tuple[list[str], list]:
+    cells = [get(BENCHMARKS[n].folder, 'zeroshot', 'top1') for n in TABLE1]
+    return [BENCHMARKS[n].column for n in TABLE1] + ['Avg'], cells + [_mean(cells)]
+
+def _table2(get) -> tuple[list[str], list]:
+    i2t = [get(d, 'retrieval', f'i2t_R@{k}') for d, k in _RET]
+    t2i = [get(d, 'retrieval', f't2i_R@{k}') for d, k in _RET]
+    avg = [_mean([c for (d, kk), c in zip(_RET * 2, i2t + t2i) if kk == k]) for k in (1, 5, 10)]
+    head = [f'I2T {BENCHMARKS[d].column} R@{k}' for d, k in _RET] + [f'T2I {BENCHMARKS[d].column} R@{k}' for d, k in _RET]
+    return head + ['Avg R@1', 'Avg R@5', 'Avg R@10'], i2t + t2i + avg
+
+def _table3(get) -> tuple[list[str], list]:
+    cells = [get(BENCHMARKS[n].folder, 'zeroshot', 'top1') for n in ROBUSTNESS]
+    return [BENCHMARKS[n].column for n in ROBUSTNESS] + ['IN', 'OOD', 'All'], cells + [cells[0], _mean(cells[1:]), _mean(cells)]
+
+def _table4(get) -> tuple[list[str], list]:
+    cats = [get('sugar_crepe', 'sugarcrepe', c) for c in SUGARCREPE]
+    val = dict(zip(SUGARCREPE, cats))
+    return list(SUGARCREPE_GROUPS) + list(SUGARCREPE), [_mean([val[c] for c in cs]) for cs in SUGARCREPE_GROUPS.values()] + cats
+
+def _table5(get) -> tuple[list[str], list]:
+    return ['Text', 'Image', 'Group'], [get('winoground', 'winoground', k) for k in ('text', 'image', 'group')]
+
+def _table9(get) -> tuple[list[str], list]:
+    return ['CF10', 'CF100', 'IN1k'], [get(n, 'linear_probe', 'acc') for n in ('cifar10', 'cifar100', 'imagenet1k')]
+
+# the paper's tables, each a function of `get(data set folder, task, metric)` -> (header, cells of one checkpoint)
+PAPER_LAYOUTS = dict(table1=_table1, table2=_table2, table3=_table3, table4=_table4, table5=_table5, table9=_table9)
+
 def _table_row(table: str, by: dict) -> tuple[list[str], list]:
     "Header and cells of one checkpoint; `by` maps data set folder -> metrics dict."
-    get = lambda d, task, k: (by.get(d) or {}).get(task, {}).get(k)
-    if table == 'table1':
-        cells = [get(BENCHMARKS[n].folder, 'zeroshot', 'top1') for n in TABLE1]
-        return [BENCHMARKS[n].column for n in TABLE1] + ['Avg'], cells + [_mean(cells)]
-    if table == 'table2':
-        i2t = [get(d, 'retrieval', f'i2t_R@{k}') for d, k in _RET]
-        t2i = [get(d, 'retrieval', f't2i_R@{k}') for d, k in _RET]
-        avg = [_mean([c for (d, kk), c in zip(_RET * 2, i2t + t2i) if kk == k]) for k in (1, 5, 10)]
-        head = [f'I2T {BENCHMARKS[d].column} R@{k}' for d, k in _RET] + [f'T2I {BENCHMARKS[d].column} R@{k}' for d, k in _RET]
-        return head + ['Avg R@1', 'Avg R@5', 'Avg R@10'], i2t + t2i + avg
-    if table == 'table3':
-        cells = [get(BENCHMARKS[n].folder, 'zeroshot', 'top1') for n in ROBUSTNESS]
-        return [BENCHMARKS[n].column for n in ROBUSTNESS] + ['IN', 'OOD', 'All'], cells + [cells[0], _mean(cells[1:]), _mean(cells)]
-    if table == 'table4':
-        cats = [get('sugar_crepe', 'sugarcrepe', c) for c in SUGARCREPE]
-        val = dict(zip(SUGARCREPE, cats))
-        return list(SUGARCREPE_GROUPS) + list(SUGARCREPE), [_mean([val[c] for c in cs]) for cs in SUGARCREPE_GROUPS.values()] + cats
-    if table == 'table5':
-        return ['Text', 'Image', 'Group'], [get('winoground', 'winoground', k) for k in ('text', 'image', 'group')]
-    if table == 'table9':
-        return ['CF10', 'CF100', 'IN1k'], [get(n, 'linear_probe', 'acc') for n in ('cifar10', 'cifar100', 'imagenet1k')]
-    raise ValueError(f'unknown table {table!r}')
+    if table not in PAPER_LAYOUTS: raise ValueError(f'unknown table {table!r}')
+    return PAPER_LAYOUTS[table](lambda d, task, k: (by.get(d) or {}).get(task, {}).get(k))
 
-PAPER_TABLES = ('table1', 'table2', 'table3', 'table4', 'table5', 'table9')
+PAPER_TABLES = tuple(PAPER_LAYOUTS)
 PAPER_SOURCE = 'PowerCLIP main paper (papers/000_*), Tables 1-5 and 9: numbers as reported, for comparison only'
-PAPER = {   # method -> numbers in the column order of `_table_row` (Table 4: Obj, Att, Rel only; Table 9: 'PowerCLIP' is the paper's single row)
+PAPER = {   # method -> numbers in the column order of `PAPER_LAYOUTS` (Table 4: Obj, Att, Rel only; Table 9: 'PowerCLIP' is the paper's single row)
     'table1': {'CLIP': [42.3, 57.7, 25.0, 44.1, 17.0, 50.5, 1.7, 16.5, 53.9, 73.5, 26.0, 82.0, 18.7, 26.5, 9.4, 4.5, 48.0, 35.1],
                'PowerCLIP-R': [50.3, 74.7, 43.5, 48.7, 22.9, 53.2, 2.9, 21.5, 58.7, 75.7, 32.4, 88.4, 30.8, 37.5, 9.8, 4.6, 50.0, 41.5],
                'PowerCLIP-S': [51.2, 81.3, 40.1, 50.5, 23.5, 56.0, 1.6, 21.3, 61.0, 72.9, 32.5, 90.5, 29.0, 33.9, 7.8, 5.4, 59.7, 42.2]},

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from powerclip.cli import ArgumentParser, UsageError, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, UsageError, check_device, run_main, usage_errors
 from powerclip.eval.benchmarks import BENCHMARKS, _missing, clip_benchmark_cli, select
 from powerclip.eval.data import BadData, MissingData, write_world_benchmark
 from powerclip.eval.models import CheckpointError, Evaluator, NonFiniteFeatures, checkpoint_file
@@ -69,7 +69,7 @@ from fastcore.test import test_eq, test_fail
 # `--model` the architecture). Results go to `OUT/<label>/<data set>.json`, the label being the run's name unless
 # `--label` says otherwise, and never one that another checkpoint's results hold (`64_eval_tasks`).
 #
-# **Mistakes are one line** (`17_cli`): `powerclip-eval: error: <argument>: <what is wrong> (<what is allowed>)` on
+# **Mistakes are one line** (`17_commandline`): `powerclip-eval: error: <argument>: <what is wrong> (<what is allowed>)` on
 # stderr, exit status 2, found before any model is built: an unknown subcommand or flag, a `--data` or `--root` that
 # does not exist or holds no known layout, a `--checkpoint` that does not exist, an unknown `--method`, `--model`,
 # task or benchmark, an `--out` that is a file, a `--device` that is not there, `--paper` without `=`; a task named in
@@ -188,9 +188,7 @@ def _check_model_args(a):
         raise UsageError(f'--label: {a.label!r} is not a folder name (no "/", not empty)')
     _folder_arg('--out', a.out, 'a folder for the result JSONs')
     if a.cache != 'none': _folder_arg('--cache', a.cache, "a folder for the feature cache, or 'none'")
-    try: dev = torch.device(a.device)
-    except RuntimeError: raise UsageError(f'--device: {a.device!r} is not a device (cpu, cuda, cuda:1, ..)') from None
-    if dev.type == 'cuda' and not torch.cuda.is_available(): raise UsageError(f'--device: {a.device} asked for, but CUDA is not available here (cpu)')
+    check_device('--device', a.device)     # inside usage_errors(): its ValueError is the one line
 
 def _check_paths(flag: str, paths: list, what: str):
     missing = [x for x in paths if not Path(x).exists()]

@@ -27,7 +27,7 @@
 #| export
 from __future__ import annotations
 
-import csv, itertools, json, subprocess, sys
+import csv, itertools, json, math, subprocess, sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,21 +35,24 @@ import numpy as np
 import torch
 import yaml
 
-from powerclip.cli import ArgumentParser, run_main, usage_errors
-from powerclip.compare import COMPARE_SEEDS, RUNS, Comparison, RunSpec, make_plan, run_plan
+from powerclip.commandline import ArgumentParser, run_main, usage_errors
+from powerclip.compare import COMPARE_SEEDS, RUNS, RunSpec, make_plan, run_plan
+from powerclip.config import PRECISIONS, TrainConfig, from_dict, load_config, parse_override
 from powerclip.data import region_masks, sample_generator, steps_per_epoch, world_config, world_region_pool
 from powerclip.dist import DistContext
 from powerclip.loss import powerset_similarity
 from powerclip.methods import powerset_inputs, word_nodes
 from powerclip.model import model_geometry
 from powerclip.stats import t_interval
-from powerclip.train import TrainConfig, build_run, from_dict, load_config, parse_override
+from powerclip.eval.world_scores import FOLDER_HEADLINE, HEADLINE
+from powerclip.report import Comparison
+from powerclip.train import build_run
 from powerclip.world import WorldDataset
 
 # %%
 #| hide
 import contextlib, io, tempfile
-from fastcore.test import test_eq, test_fail
+from fastcore.test import test_close, test_eq, test_fail
 
 
 # %% [markdown]
@@ -481,7 +484,9 @@ display(Image(filename=str(_a / "anatomy.png")))
 # **`budget`: the budget T\* where CLIP stops moving.** CLIP alone at T = 400, 800 and 1,600 steps on seed 0, and at
 # the first T on seeds 0-2 as well, for the spread a seed brings. T\* is the smallest T whose headline numbers (HN
 # mean, R@1 both ways) at 2T are within one seed standard deviation (at the first T) of T's: doubling the budget
-# moves CLIP by less than another seed would. Each T is its own run (the learning-rate schedule is a cosine over the
+# moves CLIP by less than another seed would. The yardstick is one sd pooled over the three numbers (the root mean
+# square of their sds): an sd from three seeds is itself uncertain by about half its value, and one number's can come
+# out tiny by chance (at T = 400, t2i R@1's three seeds fell within 0.2 points of each other). Each T is its own run (the learning-rate schedule is a cosine over the
 # whole run, so a snapshot of a longer run is not a shorter run), kept under `runs/plateau/T{T}/`.
 #
 # **`plateau`: the comparison at T\*.** CLIP and PowerCLIP-R with class-token pooling, the same two with average
@@ -495,7 +500,7 @@ display(Image(filename=str(_a / "anatomy.png")))
 #| export
 BUDGET_STEPS = (400, 800, 1600)   # CLIP alone at each T (each the double of the one before)
 PLATEAU_ROWS = ("CLIP", "CLIP (avg)", "PowerCLIP-R", "PowerCLIP-R (avg)", "PowerCLIP-gold (avg)")   # rows of RUNS
-PLATEAU_METRICS = ("hn_mean", "i2t_R@1", "t2i_R@1")   # the numbers whose moving decides T*
+PLATEAU_METRICS = tuple(FOLDER_HEADLINE)   # the numbers whose moving decides T* (hard-negative mean, R@1 both ways)
 GROUNDING_SCENES = 200             # the pointing game's scenes in the budget and the plateau (as in the comparison)
 
 
@@ -503,12 +508,17 @@ def _plateau_root(out_dir) -> Path:
     return Path(out_dir or "runs/plateau")
 
 
-def find_plateau(points: dict, sd: dict, metrics=PLATEAU_METRICS) -> int | None:
+def seed_sd(sd: dict, metrics=PLATEAU_METRICS) -> float:
+    "One seed's standard deviation, pooled over `metrics`: the root mean square of their sds (`sd` {metric: sd})."
+    return math.sqrt(sum(sd[m] ** 2 for m in metrics) / len(metrics))
+
+
+def find_plateau(points: dict, sd: float, metrics=PLATEAU_METRICS) -> int | None:
     """T*: the smallest T of `points` ({T: {metric: value}}, each T the double of the one before) whose every metric
-    at 2T is within `sd[metric]` of its value at T; None when no T is."""
+    at 2T is within `sd` (one seed's, `seed_sd`) of its value at T; None when no T is."""
     Ts = sorted(points)
     if any(b != 2 * a for a, b in zip(Ts, Ts[1:])): raise ValueError(f"budget: each T must double the one before, got {Ts}")
-    return next((a for a, b in zip(Ts, Ts[1:]) if all(abs(points[b][m] - points[a][m]) <= sd[m] for m in metrics)), None)
+    return next((a for a, b in zip(Ts, Ts[1:]) if all(abs(points[b][m] - points[a][m]) <= sd for m in metrics)), None)
 
 
 def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw) -> dict:
@@ -525,17 +535,18 @@ def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw
     sd = {m: first.get(m + "_sd", float("nan")) for m in PLATEAU_METRICS}
     if len(seeds) < 2 or any(np.isnan(v) for v in sd.values()):
         raise ValueError(f"budget: the spread needs at least 2 seeds at T = {steps[0]}, got {seeds}")
-    T_star = find_plateau(points, sd)
-    res = dict(steps=list(steps), seeds=seeds, sd=sd, points=points, first=first, T_star=T_star)
+    T_star = find_plateau(points, seed_sd(sd))
+    res = dict(steps=list(steps), seeds=seeds, sd=sd, seed_sd=seed_sd(sd), points=points, first=first, T_star=T_star)
     root.mkdir(parents=True, exist_ok=True)
     (root / "budget.json").write_text(json.dumps(res, indent=1, default=float))
-    head = {"hn_mean": "HN mean", "i2t_R@1": "i2t R@1", "t2i_R@1": "t2i R@1", "pointing": "pointing"}
+    head = HEADLINE
     md = [f"# CLIP's budget: seed {seeds[0]} at T = {', '.join(map(str, steps))}; the spread over seeds {seeds} at T = {steps[0]}", "",
           "| T | " + " | ".join(head.values()) + " | moved by doubling T (HN / i2t / t2i) |", "|---:" * 5 + "|---|"]
     for a, b in zip([*steps], [*steps[1:], None]):
         moved = "" if b is None else " / ".join(f"{points[b][m] - points[a][m]:+.1f}" for m in PLATEAU_METRICS)
         md.append(f"| {a} | " + " | ".join(f"{points[a].get(m, float('nan')):.1f}" for m in head) + f" | {moved} |")
-    md += ["", f"One seed's sd at T = {steps[0]} ({len(seeds)} seeds): " + ", ".join(f"{head[m]} {v:.1f}" for m, v in sd.items()),
+    md += ["", f"One seed's sd at T = {steps[0]} ({len(seeds)} seeds): " + ", ".join(f"{head[m]} {v:.1f}" for m, v in sd.items())
+           + f"; pooled over the three (the yardstick of T*): {seed_sd(sd):.2f}",
            "", f"T* = {T_star}" if T_star else f"No T* within {steps[-1]} steps: CLIP still moves by more than a seed's sd "
            "when its budget doubles"]
     (root / "budget.md").write_text("\n".join(md) + "\n")
@@ -578,8 +589,9 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
 _pts = {400: dict(hn_mean=70.0, **{"i2t_R@1": 60.0, "t2i_R@1": 61.0}), 800: dict(hn_mean=72.0, **{"i2t_R@1": 66.0, "t2i_R@1": 66.5}),
         1600: dict(hn_mean=72.5, **{"i2t_R@1": 67.0, "t2i_R@1": 66.0})}
 _sd = {"hn_mean": 1.0, "i2t_R@1": 2.0, "t2i_R@1": 2.0}
-test_eq(find_plateau(_pts, _sd), 800)
-test_eq(find_plateau(_pts, {k: 0.1 for k in _sd}), None)
+test_eq(find_plateau(_pts, seed_sd(_sd)), 800)                                     # 1.73: 400 -> 800 moves 6, 800 -> 1600 1
+test_eq(find_plateau(_pts, 0.1), None)
+test_close(seed_sd(_sd), math.sqrt(3), eps=1e-12)
 test_fail(lambda: find_plateau({400: {}, 1000: {}}, _sd), contains="must double")
 with contextlib.redirect_stderr(io.StringIO()):
     _b = budget((2, 4, 8), [0, 1], _tmp / "plateau", **_kw)
@@ -596,7 +608,7 @@ print((_tmp / "plateau" / "budget.md").read_text())
 #
 # `python -m powerclip.experiments NAME ... [--seeds S ...] [--steps T] [--device cuda] [--precision bf16] [key=value ...]`
 # (`make experiments EXP="table6 table10"`); `all` runs every table and `fig8` in turn, `fig9` (named alone) the cost
-# benchmark. Mistakes are one line before anything trains (`17_cli`); a good `key=value` reaches every run's config.
+# benchmark. Mistakes are one line before anything trains (`17_commandline`); a good `key=value` reaches every run's config.
 #
 # ```bash
 # make experiments EXP="table6 table14"     # = python -m powerclip.experiments table6 table14: ~20 min a table
@@ -619,7 +631,7 @@ def _parser() -> ArgumentParser:
                     f"of three doubling T (default {' '.join(map(str, BUDGET_STEPS))}); plateau: default the budget's T*")
     ap.add_argument("--out", default=None, help="runs and tables (default runs/experiments; budget, plateau: runs/plateau)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
-    ap.add_argument("--precision", default=None, help="fp32 | bf16 | auto")
+    ap.add_argument("--precision", default=None, help=" | ".join(PRECISIONS))
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--eval-images", type=int, default=300)
     ap.add_argument("--grounding", type=int, default=None, help="test scenes of the pointing game (default 0; budget, "

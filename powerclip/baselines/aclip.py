@@ -17,6 +17,7 @@ from .clip_pgs import hash_uniform
 from ..dist import DistContext, gather
 from ..loss import clip_loss
 from ..methods import CLIP, GlobalScorer, StepClock, register
+from ..powerset import pool_normalize
 
 # %% auto #0
 __all__ = ['cls_attention', 'attentive_scores', 'transfer_scores', 'aclip_keep_count', 'block_scores', 'attentive_keep',
@@ -494,6 +495,21 @@ class EMAScorer(GlobalScorer):
     @torch.no_grad()
     def text_features(self, model, tokens):
         return {"text": F.normalize(self._mods().encode_text_ema(model, tokens), dim=-1).float()}   # (B, D)
+
+    @torch.no_grad()
+    def region_features(self, model, images, masks):
+        "Regions of the EMA image tower: its projected patch embeddings pooled as PowerCLIP's Eq. 2, `(B, R, D)`."
+        v = self._mods().visual_ema
+        x = v.forward_intermediates(images, indices=1, output_fmt="NLC", intermediates_only=True)["image_intermediates"][-1]
+        return pool_normalize(v.ln_post(x) @ v.proj, masks.to(x.device)).float()
+
+    @torch.no_grad()
+    def crop_features(self, model, images):
+        return self.image_features(model, images)["image"]
+
+    @torch.no_grad()
+    def class_features(self, model, tokens):
+        return self.text_features(model, tokens)["text"]
 
 
 @register("aclip")

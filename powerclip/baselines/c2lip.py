@@ -256,7 +256,7 @@ class C2LIP(Method):
         batch = dict(batch, concept_tokens=concept_token_masks(batch["incidence"], batch["leaf_tokens"], idx, valid),
                      concept_valid=valid)
         if self.cfg.concept_embedding == "encode":
-            from powerclip.parsing import default_tokenizer
+            from powerclip.tokens import default_tokenizer
             tok = default_tokenizer()
             batch["concept_ids"] = concept_token_ids(batch["tokens"], batch["concept_tokens"], tok.sot_token_id, tok.eot_token_id)
         return batch

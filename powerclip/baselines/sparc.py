@@ -132,6 +132,22 @@ class SPARCScorer(Scorer):
     def scores(self, img, txt):
         return img["image"] @ txt["text"].to(img["image"].device).T                      # (I, T)
 
+    @torch.no_grad()
+    def region_features(self, model, images, masks):
+        "SPARC's pooling on a region: normalise(g_v(h_v(mean of f_v over the region's patches))) `(B, R, D)`."
+        f = vision_patch_features(model, images)                                          # (B, N, width)
+        w = masks.to(f.device, f.dtype)                                                  # (B, R, N)
+        mean = (w @ f) / w.sum(-1, keepdim=True).clamp_min(1)                            # (B, R, width)
+        return F.normalize(self.head(mean) @ model.visual.proj.to(f.dtype), dim=-1).float()
+
+    @torch.no_grad()
+    def crop_features(self, model, images):
+        return self.image_features(model, images)["image"]
+
+    @torch.no_grad()
+    def class_features(self, model, tokens):
+        return self.text_features(model, tokens)["text"]
+
 # %% ../../nbs/42_sparc.ipynb #5d4139a8
 @dataclass
 class SPARCConfig:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import UsageError
+from ..commandline import UsageError
 from .data import (MissingData, RetrievalSet, load_coco_karpathy, load_flickr_karpathy, load_retrieval,
                                  load_sugarcrepe, load_winoground)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import ArgumentParser, UsageError, run_main, usage_errors
+from ..commandline import ArgumentParser, UsageError, check_device, run_main, usage_errors
 from .benchmarks import BENCHMARKS, _missing, clip_benchmark_cli, select
 from .data import BadData, MissingData, write_world_benchmark
 from .models import CheckpointError, Evaluator, NonFiniteFeatures, checkpoint_file
@@ -127,9 +127,7 @@ def _check_model_args(a):
         raise UsageError(f'--label: {a.label!r} is not a folder name (no "/", not empty)')
     _folder_arg('--out', a.out, 'a folder for the result JSONs')
     if a.cache != 'none': _folder_arg('--cache', a.cache, "a folder for the feature cache, or 'none'")
-    try: dev = torch.device(a.device)
-    except RuntimeError: raise UsageError(f'--device: {a.device!r} is not a device (cpu, cuda, cuda:1, ..)') from None
-    if dev.type == 'cuda' and not torch.cuda.is_available(): raise UsageError(f'--device: {a.device} asked for, but CUDA is not available here (cpu)')
+    check_device('--device', a.device)     # inside usage_errors(): its ValueError is the one line
 
 def _check_paths(flag: str, paths: list, what: str):
     missing = [x for x in paths if not Path(x).exists()]

@@ -9,25 +9,28 @@ import functools
 import io
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image, ImageFile
 
 from ..data import IMAGE_EXTS
 from ..parsing import caption_problem
-from ..world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate
+from ..world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate, render
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'SKIP_REASONS', 'SUGARCREPE', 'CLASSIFICATION_FORMAT', 'WINOGROUND_HELP', 'WORLD_TEMPLATES', 'MissingData',
-           'BadData', 'Skips', 'image_problem', 'read_image', 'check_image', 'check_caption', 'RetrievalSet',
-           'retrieval_set', 'load_retrieval', 'load_coco_sample', 'load_coco_karpathy', 'load_flickr_karpathy',
-           'load_sugarcrepe', 'ClassificationSet', 'classification_from_folders', 'load_classification',
-           'load_winoground', 'write_wds_classification', 'write_world_classification', 'write_world_winoground',
-           'write_world_benchmark']
+__all__ = ['log', 'ITEM_SKIP_REASONS', 'SUGARCREPE', 'CLASSIFICATION_FORMAT', 'WINOGROUND_HELP', 'OV_COCO_BASE', 'OV_COCO_NOVEL',
+           'REGION_TEMPLATES', 'WORLD_TEMPLATES', 'WORLD_REGION_VOCABULARIES', 'MissingData', 'BadData', 'ItemSkips',
+           'image_problem', 'read_image', 'check_image', 'check_caption', 'RetrievalSet', 'retrieval_set',
+           'load_retrieval', 'load_coco_sample', 'load_coco_karpathy', 'load_flickr_karpathy', 'load_sugarcrepe',
+           'ClassificationSet', 'classification_from_folders', 'load_classification', 'load_winoground', 'RegionSet',
+           'load_regions', 'write_wds_classification', 'write_world_classification', 'write_world_winoground',
+           'rle_counts', 'write_world_benchmark']
 
 # %% ../../nbs/61_eval_data.ipynb #3bcf4fbc
 class MissingData(FileNotFoundError):
@@ -37,16 +40,17 @@ class BadData(ValueError):
     "A data file that cannot be read as its format, or (strict mode) a bad item: one line naming the file."
 
 # %% ../../nbs/61_eval_data.ipynb #e7d9ad87
-SKIP_REASONS = ('missing_image', 'bad_image', 'bad_caption', 'bad_negative', 'no_caption')
+ITEM_SKIP_REASONS = ('missing_image', 'bad_image', 'bad_caption', 'bad_negative', 'no_caption', 'bad_region',
+                     'unknown_category', 'crowd_region', 'outside_vocabulary', 'outside_view')
 
 @dataclass
-class Skips:
+class ItemSkips:
     "The items a reader dropped, `(reason, file, detail, group)` each; `strict`: the first one raises `BadData` instead."
     strict: bool = False
     items: list = field(default_factory=list)
 
     def add(self, reason: str, file, detail: str = '', group: str | None = None):
-        if reason not in SKIP_REASONS: raise ValueError(f'unknown skip reason {reason!r}; known: {SKIP_REASONS}')
+        if reason not in ITEM_SKIP_REASONS: raise ValueError(f'unknown skip reason {reason!r}; known: {ITEM_SKIP_REASONS}')
         if self.strict: raise BadData(f'{file}: {reason.replace("_", " ")}' + (f' ({detail})' if detail else '') + ' [strict mode]')
         self.items.append((reason, str(file), detail, group))
 
@@ -57,8 +61,8 @@ class Skips:
         return sum(1 for it in self.items if group is None or it[3] == group)
 
     def counts(self) -> dict[str, int]:
-        "`{reason: n}` of the reasons that occur, in `SKIP_REASONS` order."
-        n = {r: 0 for r in SKIP_REASONS}
+        "`{reason: n}` of the reasons that occur, in `ITEM_SKIP_REASONS` order."
+        n = {r: 0 for r in ITEM_SKIP_REASONS}
         for it in self.items: n[it[0]] += 1
         return {r: k for r, k in n.items() if k}
 
@@ -106,13 +110,13 @@ def read_image(path) -> Image.Image:
     except FileNotFoundError: raise MissingData(f'image file not found: {path}') from None
     except Exception as e: raise BadData(f'{path}: bad image ({type(e).__name__}: {e})') from None
 
-def check_image(path, skips: Skips, group: str | None = None) -> bool:
+def check_image(path, skips: ItemSkips, group: str | None = None) -> bool:
     "True if the image decodes; else the problem goes into `skips`."
     bad = image_problem(path)
     if bad: skips.add(bad[0], path, bad[1], group)
     return bad is None
 
-def check_caption(text, skips: Skips, file, what: str = 'caption', reason: str = 'bad_caption', group: str | None = None) -> bool:
+def check_caption(text, skips: ItemSkips, file, what: str = 'caption', reason: str = 'bad_caption', group: str | None = None) -> bool:
     "True if `text` is a usable caption (`parsing.caption_problem`); else the problem goes into `skips`, under `file`."
     why = caption_problem(text)
     if why: skips.add(reason, file, f'{what}: {why}' + ('' if isinstance(text, str) or text is None else f' ({text!r:.40})'), group)
@@ -136,7 +140,7 @@ def _field(row, key: str, path: Path, what: str):
 class RetrievalSet:
     images: list            # list[Path]
     captions: list          # list[list[str]], one list per image, every one non-empty
-    skips: Skips = field(default_factory=Skips)   # what the reader dropped (missing or bad image, bad caption, no caption)
+    skips: ItemSkips = field(default_factory=ItemSkips)   # what the reader dropped (missing or bad image, bad caption, no caption)
 
     @property
     def skipped(self) -> int: return len(self.skips)
@@ -154,10 +158,10 @@ def _as_list(caps) -> list:
     "A row's captions as a list (a single string, or null, is one caption)."
     return list(caps) if isinstance(caps, (list, tuple)) else [caps]
 
-def retrieval_set(rows: list, what: str, strict: bool = False, skips: Skips | None = None) -> RetrievalSet:
+def retrieval_set(rows: list, what: str, strict: bool = False, skips: ItemSkips | None = None) -> RetrievalSet:
     """`rows` `[(image path, [caption, ..])]` checked item by item (see the table above): bad captions removed, images
     missing, bad or left without a caption dropped. Raises `MissingData` when nothing is left."""
-    skips = skips if skips is not None else Skips(strict)
+    skips = skips if skips is not None else ItemSkips(strict)
     images, captions = [], []
     for img, caps in rows:
         if not check_image(img, skips): continue
@@ -206,7 +210,7 @@ def load_coco_karpathy(ann, image_root, strict: bool = False) -> RetrievalSet:
 
 def load_flickr_karpathy(txt, image_root, strict: bool = False) -> RetrievalSet:
     "clip_benchmark's `flickr{8k,30k}_test_karpathy.txt`: a header line, then `name.jpg,caption` lines."
-    caps, skips, txt = {}, Skips(strict), Path(txt)
+    caps, skips, txt = {}, ItemSkips(strict), Path(txt)
     for n, line in enumerate(txt.read_text(encoding='utf-8', errors='replace').splitlines()[1:], 2):
         if not line.strip(): continue
         if '.jpg,' not in line: skips.add('bad_caption', txt, f'line {n}: no "<name>.jpg," before the caption'); continue
@@ -217,14 +221,14 @@ def load_flickr_karpathy(txt, image_root, strict: bool = False) -> RetrievalSet:
 # %% ../../nbs/61_eval_data.ipynb #9fd14420
 SUGARCREPE = ('add_att', 'add_obj', 'replace_att', 'replace_obj', 'replace_rel', 'swap_att', 'swap_obj')
 
-def load_sugarcrepe(root, image_root=None, categories=SUGARCREPE, strict: bool = False) -> tuple[dict, Skips]:
-    """`{category: [(image path, caption, negative caption)]}` and the `Skips` (grouped by category) from
+def load_sugarcrepe(root, image_root=None, categories=SUGARCREPE, strict: bool = False) -> tuple[dict, ItemSkips]:
+    """`{category: [(image path, caption, negative caption)]}` and the `ItemSkips` (grouped by category) from
     `root/data/{category}.json` (images in `image_root`, default `root/images`), from clip_benchmark's
     `root/{category}.json` (images in `root/val2017`), or from `root/captions.jsonl` (coco_sample). Categories without
     an item are left out."""
     root = Path(root)
     image_root = Path(image_root) if image_root else root / 'images'
-    skips, out = Skips(strict), {}
+    skips, out = ItemSkips(strict), {}
     what = 'SugarCrepe items {"filename", "caption", "negative_caption"}'
     if (root / 'captions.jsonl').is_file() and not (root / 'data').is_dir():
         f = root / 'captions.jsonl'
@@ -263,7 +267,7 @@ class ClassificationSet:
     classnames: list
     templates: list
     splits: dict            # split -> (list[Path], labels (n,) long)
-    skips: Skips = field(default_factory=Skips)   # images dropped (missing or bad), grouped by split
+    skips: ItemSkips = field(default_factory=ItemSkips)   # images dropped (missing or bad), grouped by split
 
 
 def classification_from_folders(root) -> dict:
@@ -291,7 +295,7 @@ def load_classification(path, strict: bool = False) -> ClassificationSet:
         if path.is_dir(): path = path / 'classification.json'
         d = _read_json(_need(path, CLASSIFICATION_FORMAT))
     classnames, templates, rows_of = (_field(d, k, path, CLASSIFICATION_FORMAT) for k in ('classnames', 'templates', 'splits'))
-    K, splits, skips = len(classnames), {}, Skips(strict)
+    K, splits, skips = len(classnames), {}, ItemSkips(strict)
     if not templates or any(not isinstance(t, str) or '{c}' not in t for t in templates): raise BadData(f'{path}: every template needs a {{c}} slot')
     if any(caption_problem(c) for c in classnames): raise BadData(f'{path}: a class name that is not text: {next(c for c in classnames if caption_problem(c))!r}')
     for name, rows in rows_of.items():
@@ -307,15 +311,15 @@ WINOGROUND_HELP = ('Winoground is not on this machine and is never downloaded. G
                    'https://huggingface.co/datasets/facebook/winoground (accept its licence) and put '
                    '{root}/data/examples.jsonl and the images as {root}/data/images/<image_0|image_1>.png')
 
-def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, str, str]], Skips]:
-    "`[(image_0, image_1, caption_0, caption_1)]` from the Hugging Face layout under `root`, and the `Skips` (an item needs both images and both captions)."
+def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, str, str]], ItemSkips]:
+    "`[(image_0, image_1, caption_0, caption_1)]` from the Hugging Face layout under `root`, and the `ItemSkips` (an item needs both images and both captions)."
     root = Path(root)
     f = root / 'data' / 'examples.jsonl'
     if not f.is_file(): raise MissingData(WINOGROUND_HELP.format(root=root))
     what = 'Winoground rows {"image_0", "image_1", "caption_0", "caption_1"}'
     img = lambda r, k: root / 'data' / 'images' / f'{_field(r, f"image_{k}", f, what)}.png'
     rows = [(img(r, 0), img(r, 1), r.get('caption_0'), r.get('caption_1')) for r in _read_json(f, jsonl=True)]
-    skips = Skips(strict)
+    skips = ItemSkips(strict)
     items = [(i0, i1, c0.strip(), c1.strip()) for i0, i1, c0, c1 in rows
              if check_image(i0, skips) and check_image(i1, skips)
              and check_caption(c0, skips, i0, 'caption_0') and check_caption(c1, skips, i1, 'caption_1')]
@@ -324,6 +328,90 @@ def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, 
     return items, skips
 
 # %% ../../nbs/61_eval_data.ipynb #721b973a
+OV_COCO_BASE = ('person', 'bicycle', 'car', 'motorcycle', 'train', 'truck', 'boat', 'bench', 'bird', 'horse', 'sheep',
+                'bear', 'zebra', 'giraffe', 'backpack', 'handbag', 'suitcase', 'frisbee', 'skis', 'kite', 'surfboard',
+                'bottle', 'fork', 'spoon', 'bowl', 'banana', 'apple', 'sandwich', 'orange', 'broccoli', 'carrot', 'pizza',
+                'donut', 'chair', 'bed', 'toilet', 'tv', 'laptop', 'mouse', 'remote', 'microwave', 'oven', 'toaster',
+                'refrigerator', 'book', 'clock', 'vase', 'toothbrush')        # 48 (OVR-CNN's split)
+OV_COCO_NOVEL = ('airplane', 'bus', 'cat', 'dog', 'cow', 'elephant', 'umbrella', 'tie', 'snowboard', 'skateboard', 'cup',
+                 'knife', 'cake', 'couch', 'keyboard', 'sink', 'scissors')   # 17
+REGION_TEMPLATES = ('a photo of a {c}.', 'a photo of the {c}.', 'a cropped photo of a {c}.', 'a {c}.')
+
+@dataclass
+class RegionSet:
+    "Ground-truth regions to classify: the images, and per region its image, box, segmentation and class."
+    images: list            # [Path]
+    sizes: list             # [(width, height)] of each image, as the annotations say
+    regions: list           # [dict(image=i, box=(x0, y0, x1, y1) pixels, segmentation=COCO's, label=k, id=annotation id)]
+    classnames: list        # [str] K class names
+    templates: list         # prompt templates with '{c}'
+    groups: dict            # {'base': [k..], 'novel': [k..]} when the classes include OV-COCO's, else {}
+    skips: ItemSkips            # the annotations and images left out, by reason
+
+def _region_images(path: Path, image_root) -> Path:
+    "Where the images of an instances file are: `image_root`, else `images/` or `<split>/` beside `annotations/`."
+    if image_root is not None: return _need(Path(image_root), 'the images folder of the instances file')
+    base = path.parent.parent if path.parent.name == 'annotations' else path.parent
+    split = path.stem.split('_', 1)[-1]                                          # instances_val2017 -> val2017
+    for d in (base / 'images', base / split):
+        if d.is_dir(): return d
+    raise MissingData(f'{path}: no images folder found (looked for {base / "images"} and {base / split}): pass image_root')
+
+def _bad_box(box, width: int, height: int) -> str | None:
+    "Why a COCO box `[x, y, w, h]` cannot be a region of a `width x height` image (None: it can)."
+    if not (isinstance(box, (list, tuple)) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
+        return f'box {box!r:.40} is not [x, y, w, h]'
+    x, y, w, h = map(float, box)
+    if not all(math.isfinite(v) for v in (x, y, w, h)): return f'box {box} is not finite'
+    if w <= 0 or h <= 0: return f'degenerate box {box} (no width or height)'
+    if x < -1 or y < -1 or x + w > width + 1 or y + h > height + 1: return f'box {box} outside the {width}x{height} image'
+    return None
+
+def load_regions(path, image_root=None, vocabulary: str = 'all', templates=REGION_TEMPLATES, strict: bool = False) -> RegionSet:
+    """The regions of a COCO-format instances file (see above); `vocabulary` 'all' (every category of the file) or
+    'ov-coco' (OV-COCO's 48 base + 17 novel classes). Bad annotations are skipped, counted and named (`ItemSkips`)."""
+    path = _need(Path(path), 'a COCO-format instances file (instances_*.json)')
+    if vocabulary not in ('all', 'ov-coco'): raise ValueError(f"vocabulary must be 'all' or 'ov-coco', got {vocabulary!r}")
+    d = _read_json(path)
+    what = 'COCO instances: {"images", "annotations", "categories"}'
+    cats = {c['id']: c['name'] for c in _field(d, 'categories', path, what) if isinstance(c, dict) and 'id' in c and 'name' in c}
+    names = list(dict.fromkeys(cats.values())) if vocabulary == 'all' else [*OV_COCO_BASE, *OV_COCO_NOVEL]
+    if vocabulary == 'ov-coco' and not set(names) <= set(cats.values()):
+        raise BadData(f'{path}: vocabulary ov-coco needs COCO category names; missing {sorted(set(names) - set(cats.values()))[:5]}')
+    index = {n: k for k, n in enumerate(names)}
+    root, skips = _region_images(path, image_root), ItemSkips(strict)
+    images, sizes, at, bad_images = [], [], {}, set()
+    for im in _field(d, 'images', path, what):
+        f = root / str(_field(im, 'file_name', path, what))
+        if not check_image(f, skips): bad_images.add(im.get('id')); continue
+        at[im.get('id')] = len(images)
+        images.append(f); sizes.append((int(im.get('width', 0)), int(im.get('height', 0))))
+    regions = []
+    for a in _field(d, 'annotations', path, what):
+        if not isinstance(a, dict) or a.get('image_id') in bad_images: continue          # its image is already counted
+        where = f"{path.name} annotation {a.get('id')}"
+        if a.get('image_id') not in at: skips.add('missing_image', where, f"image id {a.get('image_id')} not listed"); continue
+        i = at[a['image_id']]
+        if a.get('category_id') not in cats: skips.add('unknown_category', where, f"category id {a.get('category_id')}"); continue
+        if a.get('iscrowd'): skips.add('crowd_region', where, cats[a['category_id']]); continue
+        if cats[a['category_id']] not in index: skips.add('outside_vocabulary', where, cats[a['category_id']]); continue
+        why = _bad_box(a.get('bbox'), *sizes[i])
+        seg = a.get('segmentation')
+        if why is None and (not seg or float(a.get('area', 1)) <= 0): why = 'empty area or segmentation'
+        if why is None and isinstance(seg, dict) and isinstance(seg.get('counts'), str):
+            why = 'compressed RLE segmentation (a string of counts; this reader decodes polygons and uncompressed RLE)'
+        if why: skips.add('bad_region', where, why); continue
+        x, y, w, h = map(float, a['bbox'])
+        regions.append(dict(image=i, box=(x, y, x + w, y + h), segmentation=a['segmentation'], label=index[cats[a['category_id']]],
+                            id=a.get('id')))
+    groups = {}
+    if set(OV_COCO_BASE) | set(OV_COCO_NOVEL) <= set(names):
+        groups = {g: [index[n] for n in ns] for g, ns in (('base', OV_COCO_BASE), ('novel', OV_COCO_NOVEL))}
+    skips.log(str(path), len(d.get('annotations') or []))
+    if not regions: raise MissingData(f'{path}: no usable region ({skips.counts() or "no annotations"})')
+    return RegionSet(images, sizes, regions, names, list(templates), groups, skips)
+
+# %% ../../nbs/61_eval_data.ipynb #559307ff
 def write_wds_classification(out_dir, cls: ClassificationSet, splits=('train', 'test')) -> dict:
     "Write a `ClassificationSet` as clip_benchmark's webdataset export (one shard per split); returns counts per split."
     import tarfile
@@ -377,10 +465,39 @@ def write_world_winoground(out_dir, n_pairs: int = 50, cfg: WorldConfig | None =
     (out / 'data' / 'examples.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     return len(rows)
 
+def rle_counts(mask: np.ndarray) -> list[int]:
+    "A `(H, W)` bool mask as COCO's uncompressed RLE counts: run lengths in column-major order, starting with zeros."
+    flat = np.asarray(mask, bool).T.reshape(-1)
+    bounds = np.concatenate([[0], np.flatnonzero(np.diff(flat.astype(np.int8))) + 1, [flat.size]])
+    runs = np.diff(bounds).astype(int).tolist()
+    return ([0] + runs) if flat.size and flat[0] else runs
+
+WORLD_REGION_VOCABULARIES = ('shape', 'colour_shape')   # the world's region classes: 'circle', or 'red circle'
+
+def _world_instances(images: list, objects: list, cfg: WorldConfig) -> dict:
+    """COCO-format instances of the world's objects, one file per vocabulary: `images` [(id, file, W, H)], `objects`
+    [(image id, WorldObject, pixel mask (H, W) bool)]."""
+    names = dict(shape=list(cfg.shapes), colour_shape=[f'{c} {s}' for c in cfg.colours for s in cfg.shapes])
+    out = {}
+    for vocab, cats in names.items():
+        ids = {n: k + 1 for k, n in enumerate(cats)}
+        ann = []
+        for j, (im, o, m) in enumerate(objects):
+            rows, cols = np.nonzero(m)
+            box = [int(cols.min()), int(rows.min()), int(cols.max() - cols.min() + 1), int(rows.max() - rows.min() + 1)]
+            name = o.shape if vocab == 'shape' else f'{o.colour} {o.shape}'
+            ann.append(dict(id=j + 1, image_id=im, category_id=ids[name], bbox=box, area=int(m.sum()), iscrowd=0,
+                            segmentation=dict(counts=rle_counts(m), size=list(m.shape))))
+        out[vocab] = dict(images=[dict(id=i, file_name=f, width=w, height=h) for i, f, w, h in images], annotations=ann,
+                          categories=[dict(id=k, name=n) for n, k in ids.items()])
+    return out
+
 def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captions_per_image: int) -> dict:
-    "Images, hard negatives, retrieval list, scenes and gold trees of `n_images` scenes; returns their counts."
+    "Images, hard negatives, retrieval list, regions, scenes and gold trees of `n_images` scenes; returns their counts."
     (out / 'images').mkdir(parents=True, exist_ok=True); (out / 'data').mkdir(exist_ok=True)
+    (out / 'annotations').mkdir(exist_ok=True)
     sugar = {k: {} for k in NEGATIVE_KINDS}
+    images, objects = [], []
     retrieval, scenes, parses, seen = [], {}, {}, set()
     dropped_captions = skipped_images = 0
     for i in range(n_images):
@@ -389,6 +506,8 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
         Image.fromarray(s['image']).save(out / 'images' / fname)
         scenes[fname] = dict(index=i, split=split, caption=s['text'], tree=s['parsed'].to_dict(), scene=s['scene'].to_dict(),
                              order=s['order'], masks=s['masks'][s['mask_valid']].astype(int).tolist())
+        images.append((i, fname, s['image'].shape[1], s['image'].shape[0]))
+        objects += [(i, o, m) for o, m in zip(s['scene'].objects, render(s['scene'], cfg)[1]) if m.any()]
         parses[s['text']] = s['parsed'].to_dict()
         for kind, neg in b['negatives'].items():
             parses[neg.text] = neg.to_dict()
@@ -402,7 +521,8 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
     def dump(obj, name): (out / name).write_text(json.dumps(obj, indent=1))
     for kind, items in sugar.items(): dump(items, f'data/{kind}.json')
     dump(retrieval, 'retrieval.json'); dump(scenes, 'scenes.json'); dump(parses, 'parses.json')
-    return dict(sugarcrepe={k: len(v) for k, v in sugar.items()},
+    for vocab, inst in _world_instances(images, objects, cfg).items(): dump(inst, f'annotations/instances_{vocab}.json')
+    return dict(sugarcrepe={k: len(v) for k, v in sugar.items()}, regions=len(objects),
                 retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
                 retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
 
@@ -413,7 +533,7 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
     that already holds this request is left as it is."""
     cfg, out = cfg or WorldConfig(), Path(out_dir)
     request = json.loads(json.dumps(dict(n_images=n_images, split=split, extras=extras, captions_per_image=captions_per_image,
-                                         config=asdict(cfg))))
+                                         config=asdict(cfg), regions=1)))   # regions: folders written before them are redone
     if (out / 'summary.json').is_file():
         old = json.loads((out / 'summary.json').read_text())
         if old.get('request') == request: return old

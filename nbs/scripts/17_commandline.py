@@ -14,7 +14,7 @@
 # ---
 
 # %%
-#| default_exp cli
+#| default_exp commandline
 
 # %%
 #| export
@@ -101,6 +101,28 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
         return 2
     return 0 if rc is None else int(rc)
 
+
+def check_device(flag: str, name: str, hint: str = "cpu") -> str:
+    """`name` as a device that exists here (cpu, cuda, cuda:N with at least N + 1 GPUs), else a ValueError whose message
+    starts with `flag`, the argument the user typed; `hint`: what to give instead when no GPU is there. Every command
+    and the trainer's `validate` check a device here."""
+    import torch   # here, not at the top: the convention itself needs no torch
+    try:
+        d = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{flag}: {name!r} is not a device (cpu, cuda, cuda:N)") from None
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"{flag}: {name!r} asks for a GPU and none is available ({hint})")
+        if d.index is not None and d.index >= n:
+            raise ValueError(f"{flag}: {name!r}, but there are {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
+    return name
+
+# %% [markdown]
+# **Devices.** `check_device` is the one check of a `--device` (or the trainer's `device`): a name torch reads as a
+# device, and, for a GPU, one that is there. Every command calls it in its validation, so a missing GPU is one line.
+
 # %% [markdown]
 # A small command shows every path: a good call, a bad value caught in validation, a bad flag caught by the parser,
 # `--debug`, and a bug after validation, which keeps its traceback.
@@ -137,3 +159,7 @@ with contextlib.suppress(UsageError):
 try:
     with usage_errors(): raise KeyError("unknown method 'x'; registered: ['clip']")
 except UsageError as e: test_eq(str(e), "unknown method 'x'; registered: ['clip']")   # no repr quotes
+test_eq(check_device("--device", "cpu"), "cpu")
+test_fail(lambda: check_device("--device", "tpu"), contains="--device: 'tpu' is not a device (cpu, cuda, cuda:N)")
+if not __import__("torch").cuda.is_available():
+    test_fail(lambda: check_device("--device", "cuda:1"), contains="'cuda:1' asks for a GPU and none is available (cpu)")

@@ -1,0 +1,237 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: nbs///ipynb,nbs/scripts///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+#| default_exp checkpoint
+
+# %%
+#| export
+from __future__ import annotations
+
+import json, os, random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from powerclip.commandline import UsageError
+from powerclip.config import TrainConfig, to_dict
+from powerclip.data import n_streams
+from powerclip.dist import DistContext
+
+# %%
+#| hide
+import tempfile
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+
+
+# %% [markdown]
+# # Checkpoints
+#
+# > What a run leaves on disk and reads back: checkpoints that resume exactly (weights, optimiser, schedule, every random generator, data positions), written atomically with the previous one kept; the open_clip weights alone; snapshots for learning curves; and the one reading of a checkpoint to resume from.
+
+# %% [markdown]
+# ## Checkpoints that resume exactly
+#
+# A run killed at any moment and resumed from its last checkpoint must continue as if it had never stopped.
+# So a checkpoint holds, besides the weights: the optimiser's moments, the scheduler's position, every random
+# generator (Python, NumPy, torch, CUDA; one set per process), the step and epoch, and each process's data position
+# (`powerclip.data.StreamPosition`: on the world its step in the epoch, from which `make_loader` regenerates exactly the
+# batches not yet seen; on shards also where every worker's stream stands, see `23_data`), and the skip counts of the
+# epochs already done.
+#
+# **Written so that it can always be read.** A checkpoint is written to a temporary file, flushed to the disk
+# (`fsync`), and renamed over `last.pt`; the `last.pt` it replaces becomes `prev.pt`. A kill during the write leaves
+# both intact. A `last.pt` that cannot be read all the same (a full disk, a file copied over it, a zero-byte file)
+# is reported in one line, set aside as `last.pt.damaged`, and the run resumes from `prev.pt`; if neither can be read,
+# the run stops with one line saying so and how to start afresh (`resume=never`). Both are read *before* the model is
+# built. Resume with the same number of processes and the same `data.workers`: the data streams are split by both.
+# `read_resume` finds and reads the checkpoint to resume from; `resume_position` gives each process its data position
+# in it, and says in one line when shards cannot resume from it (another number of processes or workers).
+
+# %%
+#| export
+@dataclass
+class TrainState:
+    "Where a run is; saved in every checkpoint."
+    step: int = 0             # optimiser steps taken (skipped bad steps included: data was consumed)
+    epoch: int = 0            # current epoch
+    step_in_epoch: int = 0    # batches of this epoch already consumed (per process)
+    bad_total: int = 0        # steps skipped for a non-finite loss or gradient
+    bad_in_row: int = 0       # consecutive such steps
+    skipped: dict = field(default_factory=dict)  # samples skipped in the finished epochs, by reason, over all processes
+    seconds: float = 0.0      # wall-clock seconds of the training loop so far, across resumes
+
+
+def rng_state() -> dict:
+    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"]); np.random.set_state(s["numpy"]); torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
+
+
+def previous_checkpoint(path) -> Path:
+    "Where the checkpoint that `path` replaced is kept: `prev.pt` beside `last.pt` (`NAME.prev.pt` beside another name)."
+    path = Path(path)
+    return path.with_name("prev.pt" if path.name == "last.pt" else f"{path.stem}.prev{path.suffix}")
+
+
+def _fsync_dir(d: Path) -> None:
+    "Make a rename in folder `d` durable (where the file system lets a folder be opened)."
+    try: fd = os.open(d, os.O_RDONLY)
+    except OSError: return
+    try: os.fsync(fd)
+    except OSError: pass
+    finally: os.close(fd)
+
+
+def _atomic_save(obj, path: Path, keep_previous: bool = False) -> Path:
+    """torch.save to a temporary name, fsync, then rename: a kill or a crash mid-write leaves the previous file intact.
+    `keep_previous`: the file replaced is kept as `previous_checkpoint(path)`."""
+    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush(); os.fsync(f.fileno())   # on the disk before the rename makes it the checkpoint
+    if keep_previous and path.exists(): os.replace(path, previous_checkpoint(path))
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return path
+
+
+def save_checkpoint(path, model, opt, sched, state: TrainState, cfg: TrainConfig, rngs: list[dict], scaler=None,
+                    modules: torch.nn.Module | None = None, loader: list[dict] | None = None) -> Path:
+    """Atomic, fsynced write of everything needed to resume (`rngs`: one RNG state per process; `loader`: one data
+    position per process, `StreamPosition.to_dict()`); the checkpoint it replaces becomes `prev.pt`. The open_clip
+    weights (`model`) and a method's training-time modules (`method_modules`) are separate entries."""
+    ckpt = dict(model=model.state_dict(), method_modules=None if modules is None else modules.state_dict(),
+                optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                scaler=None if scaler is None else scaler.state_dict(), state=asdict(state), rng=rngs, loader=loader,
+                config=to_dict(cfg), torch_version=torch.__version__)
+    return _atomic_save(ckpt, path, keep_previous=True)
+
+
+def export_weights(run_dir, model, modules: torch.nn.Module | None = None) -> dict[str, Path]:
+    """`run_dir/model.pt`: the open_clip state dict alone, which plain open_clip loads
+    (`open_clip.create_model_and_transforms(name, pretrained=path)` after `powerclip.model.register_configs()`),
+    whatever the method; `run_dir/method_modules.pt` beside it when the method trained modules of its own."""
+    out = dict(model=_atomic_save(model.state_dict(), Path(run_dir) / "model.pt"))
+    if modules is not None: out["method_modules"] = _atomic_save(modules.state_dict(), Path(run_dir) / "method_modules.pt")
+    return out
+
+
+def save_snapshot(run_dir, step: int, seconds: float, model, modules: torch.nn.Module | None = None) -> Path:
+    """`run_dir/snapshots/step{step}/`: the weights as `export_weights` writes them, the run's `config.yaml` (so the
+    folder loads like a run folder) and, written last, `snapshot.json` (step, training seconds so far): a folder
+    without it is incomplete."""
+    d = Path(run_dir) / "snapshots" / f"step{step}"
+    export_weights(d, model, modules)
+    for name, text in (("config.yaml", (Path(run_dir) / "config.yaml").read_text()),
+                       ("snapshot.json", json.dumps(dict(step=step, seconds=seconds)))):
+        tmp = d / (name + ".tmp"); tmp.write_text(text); os.replace(tmp, d / name)
+    return d
+
+
+def load_checkpoint(path, map_location="cpu") -> dict:
+    # our own file: it holds Python and NumPy RNG states, which the weights-only loader refuses
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "state", "rng")
+
+
+def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True) -> tuple[Path | None, dict | None]:
+    """The checkpoint a run resumes from, read (on the CPU): `last.pt` (or the `resume` path), else, with a warning, the
+    checkpoint it replaced; (None, None) to start afresh. Neither readable: a `UsageError` saying how to start afresh.
+    `set_aside` (the main process): an unreadable `last.pt` becomes `last.pt.damaged`, so that the next checkpoint
+    does not push it over the good `prev.pt`."""
+    if cfg.resume == "never": return None, None
+    last = Path(cfg.out_dir) / "checkpoints" / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
+    prev = previous_checkpoint(last)
+    if not last.is_file() and not prev.is_file():
+        if cfg.resume == "auto": return None, None
+        raise UsageError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
+    problems = []
+    for p in (last, prev):
+        if not p.is_file(): problems.append(f"{p} is missing"); continue
+        try:
+            ck = load_checkpoint(p)
+            if not isinstance(ck, dict) or not set(CHECKPOINT_KEYS) <= set(ck): raise ValueError("not a trainer checkpoint")
+        except Exception as e:   # a torn or foreign file: say what, then try the older one
+            problems.append(f"{p} cannot be read ({type(e).__name__}: {str(e).strip().split('. ')[0][:120]})"); continue
+        if problems:
+            kept = ""
+            if set_aside and last.is_file():
+                os.replace(last, last.with_name(last.name + ".damaged")); kept = f" ({last.name} kept as {last.name}.damaged)"
+            warn(f"{problems[0]}: resuming from the previous checkpoint {p} (step {ck['state']['step']}){kept}")
+        return p, ck
+    raise UsageError(f"resume: {'; '.join(problems)}; no checkpoint to resume from. Start afresh with resume=never "
+                     f"(or move {last.parent} away)")
+
+
+def resume_position(cfg: TrainConfig, ctx: DistContext, ck: dict | None, path: Path | None) -> dict | None:
+    "This process's data position in the checkpoint `ck` (None: from the step alone); one line if shards cannot resume from it."
+    if ck is None: return None
+    positions, step = ck.get("loader"), ck["state"]["step_in_epoch"]
+    ok = positions is not None and len(positions) == ctx.world_size and positions[ctx.rank] is not None
+    if cfg.data.source != "wds" or (step == 0 and not ok): return positions[ctx.rank] if ok else None
+    if positions is None:
+        raise UsageError(f"resume: {path} holds no data position (written before shard runs resumed exactly): resume=never starts afresh")
+    if len(positions) != ctx.world_size:
+        raise UsageError(f"resume: {path} was written by {len(positions)} process(es), this run has {ctx.world_size}: shards are split by "
+                         f"process, so resume with {len(positions)}")
+    if positions[ctx.rank]["workers"] != n_streams(cfg.data):
+        w = positions[ctx.rank]["workers"]
+        raise UsageError(f"data.workers: {path} was written with {w} worker stream(s); shards are split by worker, so resume with "
+                         f"data.workers={w}" + (" (or 0)" if w == 1 else ""))
+    return positions[ctx.rank]
+
+
+# %%
+from powerclip.model import create_model
+_m, _, _ = create_model("powerclip-micro")
+_opt = torch.optim.AdamW(_m.parameters())
+with tempfile.TemporaryDirectory() as d:
+    seed_all(3); _s0 = rng_state(); _a = (random.random(), np.random.rand(), torch.rand(1))
+    set_rng_state(_s0); assert (random.random(), np.random.rand(), torch.rand(1)) == _a
+    _sch = torch.optim.lr_scheduler.LambdaLR(_opt, lambda s: 1.0); _opt.step(); _sch.step()
+    p = save_checkpoint(Path(d) / "checkpoints" / "last.pt", _m, _opt, _sch, TrainState(step=1), TrainConfig(), [_s0])
+    ck = load_checkpoint(p)
+    test_eq(ck["state"]["step"], 1); test_eq(ck["scheduler"]["last_epoch"], 1)
+    assert_close(ck["model"]["logit_scale"], _m.logit_scale.detach())
+    assert not list(Path(d, "checkpoints").glob("*.tmp"))
+    # the second save keeps the first as prev.pt; a damaged last.pt falls back to it, with one line
+    save_checkpoint(p, _m, _opt, _sch, TrainState(step=2), TrainConfig(), [_s0])
+    test_eq(load_checkpoint(Path(d) / "checkpoints" / "prev.pt")["state"]["step"], 1)
+    _cfg = TrainConfig(out_dir=d); _said = []
+    test_eq(read_resume(_cfg, _said.append)[1]["state"]["step"], 2); test_eq(_said, [])
+    p.write_bytes(p.read_bytes()[:1000])                      # a torn last.pt
+    _path, _ck = read_resume(_cfg, _said.append)
+    test_eq((_path.name, _ck["state"]["step"]), ("prev.pt", 1))
+    assert len(_said) == 1 and "last.pt cannot be read" in _said[0] and "step 1" in _said[0], _said
+    assert not p.exists() and p.with_name("last.pt.damaged").is_file()   # set aside: the next save keeps prev.pt
+    p.write_bytes(b"")                                                   # a zero-byte last.pt and prev.pt:
+    (Path(d) / "checkpoints" / "prev.pt").write_bytes(b"")              # nothing to resume from
+    test_fail(lambda: read_resume(_cfg), contains="resume=never")
+    test_eq(read_resume(TrainConfig(out_dir=d, resume="never")), (None, None))

@@ -1,0 +1,295 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: nbs///ipynb,nbs/scripts///py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: python3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+#| default_exp report
+
+# %%
+#| export
+from __future__ import annotations
+
+import csv, json, math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from powerclip.eval.world_scores import FOLDER_HEADLINE, HEADLINE
+from powerclip.stats import Interval, bootstrap_paired, paired_difference
+from powerclip.train import plot_metrics
+
+# %%
+#| hide
+import tempfile
+from fastcore.test import test_close, test_eq
+
+
+# %% [markdown]
+# # The comparison's report
+#
+# > What a comparison (`70_compare`) or an experiment (`71_experiments`) writes from its per-seed numbers: means and spreads over seeds, paired differences to the reference row with their seed and scene intervals, verdicts, and the Markdown tables, `summary.csv`, `summary.json` and the learning curves.
+
+# %% [markdown]
+# The numbers come from the world evaluation (`68_eval_world_scores`), whose `HEADLINE` names the ones that get paired
+# differences and verdicts (hard-negative mean, R@1 both ways, pointing) and how the tables call them. Nothing here
+# trains or evaluates.
+
+# %%
+#| export
+REFERENCE = "CLIP"   # the row every paired difference is taken to, same seed, unless a plan names another (`71_experiments`)
+
+
+# %% [markdown]
+# ## The comparison
+
+# %%
+#| export
+@dataclass
+class Comparison:
+    "What a comparison returns (and writes to `summary.json`)."
+    per_seed: dict                # {seed: {row: numbers of its final weights on the test scenes (with per_scene shares)}}
+    curves: dict                  # {row: [{step, seconds, hn_mean, R@1, ...} mean over seeds]}
+    summary: dict                 # {row: mean and sd over seeds}
+    stats: dict                   # {row: {metric: {'t': Interval, 'boot': Interval}}}
+    sweeps: dict                  # {row: {key, candidates, chosen}}
+    meta: dict
+
+
+# %% [markdown]
+# ## Statistics over seeds
+#
+# `summarize_seeds` gives the mean and sample standard deviation over seeds of every number of every row, and each
+# row's time per step relative to the reference (the ratio taken within each seed, then averaged). `paired_stats` gives,
+# for each row and headline number, the t interval over seeds of the paired differences to the reference (`t`, the
+# verdict) and the paired bootstrap over scenes (`boot`).
+
+# %%
+#| export
+def summarize_seeds(per_seed: dict, base: str = REFERENCE) -> dict[str, dict]:
+    "Mean and sample sd (`_sd`) over seeds of every number of every row, and `time_ratio`: s/step relative to `base`, within each seed."
+    names = list(dict.fromkeys(n for res in per_seed.values() for n in res))
+    out = {}
+    for n in names:
+        rows = [res[n] for res in per_seed.values() if n in res]
+        keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)))
+        agg = dict(seeds=len(rows))
+        for k in ("scorer", "regime"):
+            if isinstance(rows[0].get(k), str): agg[k] = rows[0][k]
+        for k in keys:
+            v = [float(r[k]) for r in rows if k in r]
+            agg[k] = float(np.mean(v)); agg[k + "_sd"] = float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
+        v = [res[n]["s_per_step"] / res[base]["s_per_step"] for res in per_seed.values()
+             if n in res and base in res and res[n].get("s_per_step") and res[base].get("s_per_step")]
+        if v: agg["time_ratio"], agg["time_ratio_sd"] = float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
+        out[n] = agg
+    return out
+
+
+def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot: int = 2000) -> dict:
+    "{row: {metric: {'t': Interval over seeds, 'boot': Interval over scenes or None}}} of row - `base`, same seed."
+    names = list(dict.fromkeys(n for res in per_seed.values() for n in res if n != base))
+    out = {}
+    for n in names:
+        for m in metrics:
+            a = {s: r[n][m] for s, r in per_seed.items() if n in r and m in r[n]}
+            b = {s: r[base][m] for s, r in per_seed.items() if base in r and m in r[base]}
+            if not a or not b: continue
+            common = [s for s in sorted(set(a) & set(b)) if m in per_seed[s][n].get("per_scene", {}) and m in per_seed[s][base].get("per_scene", {})]
+            boot = None
+            if common:
+                x = np.array([per_seed[s][n]["per_scene"][m] for s in common]); y = np.array([per_seed[s][base]["per_scene"][m] for s in common])
+                if x.shape == y.shape: boot = bootstrap_paired(x, y, n_boot=n_boot)
+            out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot)
+    return out
+
+
+def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
+    "One phrase per row from the seed intervals: 'better: ...; worse: ...', or 'no difference shown'."
+    out = {}
+    for n, by in stats.items():
+        v = {m: by[m]["t"].verdict() for m in metrics if m in by}
+        better, worse = [HEADLINE[m] for m, x in v.items() if x == "better"], [HEADLINE[m] for m, x in v.items() if x == "worse"]
+        one = all(by[m]["t"].n < 2 for m in v)
+        out[n] = "one seed: no verdict" if one else "; ".join(p for p in (("better: " + ", ".join(better)) if better else "",
+                                                                           ("worse: " + ", ".join(worse)) if worse else "") if p) or "no difference shown"
+    return out
+
+
+# %% [markdown]
+# On hand-made results: means and sample standard deviations, ratios to CLIP within each seed, a paired t interval
+# that sees a small difference which the seed spread hides, and a bootstrap over scenes.
+
+# %%
+_rng = np.random.default_rng(0)
+_scenes = lambda p: (100 * (_rng.random(200) < p)).tolist()
+_ps = {s: {"CLIP": dict(hn_mean=60.0 + 10 * s, s_per_step=1.0 + s, per_scene={"hn_mean": _scenes(0.6)}),
+           "X": dict(hn_mean=63.0 + 10 * s + 0.1 * (-1) ** s, s_per_step=2.0 + s, scorer="late", per_scene={"hn_mean": _scenes(0.7)})}
+       for s in range(3)}
+_sm = summarize_seeds(_ps)
+test_close((_sm["X"]["hn_mean"], _sm["X"]["hn_mean_sd"]), (np.mean([63.1, 72.9, 83.1]), np.std([63.1, 72.9, 83.1], ddof=1)))
+test_close(_sm["X"]["time_ratio"], np.mean([2 / 1, 3 / 2, 4 / 3])); test_eq(_sm["X"]["scorer"], "late")
+_st = paired_stats(_ps)
+test_eq(_st["X"]["hn_mean"]["t"].verdict(), "better"); assert _st["X"]["hn_mean"]["boot"].n == 200
+test_eq(verdicts(_st), {"X": "better: HN mean"})
+assert _sm["X"]["hn_mean_sd"] > 9 and _st["X"]["hn_mean"]["t"].hi - _st["X"]["hn_mean"]["t"].lo < 2   # pairing removes the seed's share
+
+
+# %% [markdown]
+# ## Tables and the plot
+#
+# `summary.md` holds, in this order: the headline table (the README quotes part of it: mean ± sd over seeds of the
+# headline numbers, the paired differences to CLIP with their seed intervals, the verdict, time per step relative to
+# CLIP), the paired differences with the scene bootstrap, every hard-negative kind, the sweep, and the rows left out.
+
+# %%
+#| export
+def _cell(r: dict, k: str, fmt: str = "{:.1f}") -> str:
+    v, sd = r.get(k, float("nan")), r.get(k + "_sd", float("nan"))
+    if v is None or (isinstance(v, float) and math.isnan(v)): return "-"
+    return fmt.format(v) + ("" if sd is None or math.isnan(sd) else " ± " + fmt.format(sd))
+
+
+def _label(name: str, r: dict) -> str:
+    "A row's label, with its headline scorer when it is not the global cosine: 'FILIP [late]'."
+    return name if r.get("scorer", "global") == "global" else f"{name} [{r['scorer']}]"
+
+
+def _other(r: dict) -> str:
+    "The numbers of a second scorer, for rows whose headline is not the global cosine."
+    s = sorted({k.split(":")[0] for k in r if ":" in k and not k.endswith("_sd")})
+    shown = list(FOLDER_HEADLINE)[:2]                 # the hard-negative mean and image-to-text R@1
+    return "; ".join(f"{x}: " + ", ".join(f"{HEADLINE[k]} {_cell(r, f'{x}:{k}')}" for k in shown) for x in s) or ""
+
+
+def headline_table(summary: dict, stats: dict, base: str = REFERENCE) -> str:
+    "Markdown: mean ± sd over seeds, paired difference to `base` [95 % t interval over seeds], verdict, time per step."
+    v = verdicts(stats)
+    head = ["run", "regime", *HEADLINE.values(), *(f"Δ {h} vs {base}" for h in HEADLINE.values()), "verdict (seed intervals)",
+            f"time/step vs {base}", "other scorer"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (2 * len(HEADLINE)) + "---|---:|---|"]
+    for n, r in summary.items():
+        d = [stats.get(n, {}).get(m, {}).get("t") for m in HEADLINE]
+        cells = [_label(n, r), r.get("regime", ""), *(_cell(r, m) for m in HEADLINE),
+                 *("-" if x is None else x.format() for x in d), v.get(n, "reference" if n == base else "-"),
+                 _cell(r, "time_ratio", "{:.2f}") + ("x" if "time_ratio" in r else ""), _other(r)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bootstrap_table(stats: dict, base: str = REFERENCE) -> str:
+    "Markdown: paired differences to `base` with the 95 % bootstrap interval over held-out scenes."
+    lines = ["| run | " + " | ".join(f"Δ {HEADLINE[m]}" for m in HEADLINE) + " |", "|---|" + "---:|" * len(HEADLINE)]
+    for n, by in stats.items():
+        lines.append(f"| {n} | " + " | ".join("-" if by.get(m, {}).get("boot") is None else by[m]["boot"].format() for m in HEADLINE) + " |")
+    return "\n".join(lines)
+
+
+def kinds_table(summary: dict) -> str:
+    "Markdown: mean ± sd over seeds of the hard-negative accuracy of every kind, R@5 both ways, IoU."
+    from powerclip.world import NEGATIVE_KINDS
+    cols = [(f"hn_{k}", k) for k in NEGATIVE_KINDS] + [("i2t_R@5", "i2t R@5"), ("t2i_R@5", "t2i R@5"), ("mean_iou", "IoU"),
+                                                         ("train_s_total", "train s")]
+    cols = [c for c in cols if any(c[0] in r for r in summary.values())]
+    lines = ["| run | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
+    lines += [f"| {_label(n, r)} | " + " | ".join(_cell(r, k, "{:.0f}" if k == "train_s_total" else "{:.1f}") for k, _ in cols) + " |"
+              for n, r in summary.items()]
+    return "\n".join(lines)
+
+
+def sweep_table(sweep: dict) -> str:
+    "Markdown: the validation numbers of each candidate value of a sweep, and the value kept."
+    lines = [f"| {sweep['key']} | " + " | ".join(f"val {h}" for h in FOLDER_HEADLINE.values()) + " | seeds | kept |",
+             "|---:|" + "---:|" * len(FOLDER_HEADLINE) + "---:|---|"]
+    for v, r in sweep["candidates"].items():
+        lines.append(f"| {v} | " + " | ".join(_cell(r, k) for k in FOLDER_HEADLINE) + f" | {r['seeds']} | "
+                     f"{'**kept**' if float(v) == float(sweep['chosen']) else ''} |")
+    return "\n".join(lines)
+
+
+def plot_curves(curves: dict, path=None, title: str = ""):
+    """Hard-negative mean and R@1 (mean of both directions) against steps and against training seconds, mean over
+    seeds: one figure, every row (a fine-tuned row's curve starts at its base's snapshot)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 6.4))
+    axes = fig.subplots(2, 2)
+    import matplotlib
+    colours = matplotlib.colormaps["tab20"].colors   # 20 distinct colours: the default cycle repeats after 10 rows
+    for k, (name, pts) in enumerate(curves.items()):
+        if not pts: continue
+        style = dict(color=colours[(2 * k) % 20 + (k // 10) % 2], ls="-" if k < 10 else "--", marker="o", ms=3, lw=1.2, label=name)
+        for i, (key, lab) in enumerate((("hn_mean", "hard-negative mean (%)"), ("R@1", "R@1, mean of both directions (%)"))):
+            for j, x in enumerate(("step", "seconds")):
+                axes[i][j].plot([p[x] for p in pts], [p[key] for p in pts], **style)
+                axes[i][j].set_ylabel(lab); axes[i][j].set_xlabel("training step" if x == "step" else "training wall-clock (s)")
+    axes[0][0].legend(fontsize=7, ncol=2)
+    if title: fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    if path is not None: fig.savefig(path, dpi=110)
+    return fig
+
+
+# %% [markdown]
+# ## The files
+#
+# `write_outputs` writes, under the report folder: `summary.md` (the header line with the budget, the machine and the
+# command, then the tables above), `summary.csv` (the headline table as tidy rows, for a spreadsheet or pandas),
+# `summary.json` (everything, the per-scene shares left out), `curves.png` and `loss_curves.png` (the first seed's
+# training losses).
+
+# %%
+#| export
+def summary_rows(cmp: Comparison) -> list[dict]:
+    "The headline table as tidy rows (run, metric): mean, sd and seeds, and the paired difference to the reference with its t interval."
+    ref, rows = cmp.meta.get("reference", REFERENCE), []
+    for n, r in cmp.summary.items():
+        for m in HEADLINE:
+            if m not in r: continue
+            t = cmp.stats.get(n, {}).get(m, {}).get("t")
+            rows.append(dict(run=n, regime=r.get("regime", ""), metric=m, mean=r[m], sd=r.get(m + "_sd"), seeds=r["seeds"],
+                             reference=ref, delta=t.mean if t else None, lo=t.lo if t else None, hi=t.hi if t else None,
+                             verdict=t.verdict() if t else ("reference" if n == ref else "")))
+    return rows
+
+
+def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
+    "`summary.md`, `summary.csv`, `summary.json`, `curves.png` (and `loss_curves.png`) of a comparison."
+    out, m = Path(out), cmp.meta
+    head = (f"{len(m['seeds'])} seed(s) {m['seeds']}, T = {m['steps']} steps (fine-tunes: F = {m['finetune_steps']}), preset "
+            f"{m['preset']}{', overrides ' + str(m['overrides']) if m['overrides'] else ''}; {m['eval_images']} held-out test "
+            f"scenes, pointing on {m['grounding_scenes']}; {m['device']}, {m['machine']['cores']} cores, torch {m['machine']['torch']}; "
+            f"started {m['started']}, {m['seconds']} s (training loops of the table's runs: {m['train_seconds']} s, sweeps apart)"
+            + (f"; `{m['command']}`" if m.get("command") else ""))
+    ref = m.get("reference", REFERENCE)
+    parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t interval over "
+             "seeds]; the verdict reads the seed intervals (better/worse only where the interval excludes 0).", "",
+             headline_table(cmp.summary, cmp.stats, ref)]
+    if cmp.stats: parts += ["", f"Paired differences to {ref} with the 95 % bootstrap interval over held-out scenes (test-set "
+                            "sampling only; not the verdict):", "", bootstrap_table(cmp.stats, ref)]
+    parts += ["", "Every hard-negative kind, R@5, IoU of the pointing maps, training seconds:", "", kinds_table(cmp.summary)]
+    for n, s in cmp.sweeps.items():
+        parts += ["", f"{n}: {s['key']} chosen on {m['eval_images']} validation scenes (seeds {s['seeds']}; {s['criterion']}):", "",
+                  sweep_table(s)]
+    if m.get("skipped"): parts += ["", "Left out: " + "; ".join(f"{k} ({v})" for k, v in m["skipped"].items())]
+    (out / "summary.md").write_text("\n".join(parts) + "\n")
+    rows = summary_rows(cmp)
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]) if rows else ["run"]); w.writeheader(); w.writerows(rows)
+    plain = lambda x: asdict(x) if isinstance(x, Interval) else x
+    stats = {n: {k: {a: plain(b) for a, b in v.items()} for k, v in by.items()} for n, by in cmp.stats.items()}
+    numbers = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()} for s, res in cmp.per_seed.items()}
+    (out / "summary.json").write_text(json.dumps(dict(meta=m, summary=cmp.summary, stats=stats, sweeps=cmp.sweeps,
+                                                      curves=cmp.curves, per_seed=numbers), indent=1, default=str))
+    plot_curves(cmp.curves, out / "curves.png", title=f"mean over seeds {m['seeds']}; T = {m['steps']}")
+    if losses: plot_metrics(losses, out / "loss_curves.png", title=f"training loss, seed {m['seeds'][0]}")

@@ -1,0 +1,425 @@
+"""A simulated CUDA device for checking the GPU code path on a machine without one (tests/test_cuda_dry_run.py).
+
+A `SimCuda` tensor holds a real CPU tensor and says it lives on `cuda:0`. Inside `sim_cuda()`:
+
+* every aten op sees the devices of its tensors as a GPU run would: a CPU tensor of one or more dimensions that
+  meets a `cuda` one raises the error CUDA raises ("Expected all tensors to be on the same device ... cuda:0 and
+  cpu!"); 0-dim CPU tensors mix, as on a GPU; `copy_`, `.to(device)`, CPU index tensors into a `cuda` tensor and
+  the other ops a GPU lets cross devices do so (the rules of `torch._subclasses.fake_tensor`, whose device logic this
+  mirrors: `_find_common_device`, `index_tensor`, `index_put_impl`, `multi_device_op_default`);
+* factories with `device='cuda'` (`torch.zeros(..., device=x.device)`, `x.new_ones`, `torch.randn_like`, ...) make
+  `SimCuda` tensors, and `.to('cuda', non_blocking=True)` moves a CPU tensor there (counted in `SimStats`, with
+  whether its source was pinned);
+* `torch.autocast('cuda', dtype=torch.bfloat16)` casts as it does on a GPU (a `SimCuda` tensor carries CUDA's
+  dispatch keys, AutocastCUDA among them), so the bf16 path is exercised too;
+* the values are real: the op runs on the CPU tensors, so data-dependent code (`.item()`, `bool(t)`,
+  `nonzero`, boolean masks, `.tolist()`) runs as it would on a GPU. This is why the simulation is not
+  `FakeTensorMode`: fake tensors have no values, and half the methods ask their tensors a question.
+
+Backward: autograd's C++ engine cannot run a graph that holds `cuda` tensors without a CUDA driver (it asks the
+driver whether device 0 has a context: "hasPrimaryContext expects a valid device index"). `sim_backward` is a small
+engine in Python instead: it walks the graph from the loss (`grad_fn.next_functions`), calls every node's own
+backward formula (`node(*grads)`, the formulas the C++ engine calls; a custom `autograd.Function`'s `backward`;
+activation checkpointing's recomputation), checks every gradient against the metadata the node recorded
+(`_input_metadata`: dtype and shape, as the engine's `validate_outputs` does, including its cast of dtypes) and
+accumulates the leaves' `.grad`, which must be on the leaf's device. A gradient on the wrong device is caught by the
+first op that meets it with a `cuda` tensor (the next node's formula, the sum with another gradient, the leaf),
+not at the node that made it as the engine would. What it does not do: the engine's CUDA streams
+and events (each node's stream, the synchronisation between streams), its device threads, tensor and node hooks
+(none in this project's training step outside DDP, which is not simulated), reentrant checkpointing.
+
+What `sim_cuda()` changes in the process while it is open, so that code written for a GPU runs on without one:
+`torch.cuda.is_available()` (True), `device_count`, `current_device`, `set_device`, `synchronize`, the memory
+counters (0), `get_device_name`, `is_bf16_supported`; `Tensor.to('cuda')` gets the index 0 (C++ would ask the driver
+for the current device); `Tensor.backward`, `torch.autograd.backward` and `torch.autograd.grad` go to
+`sim_backward`; `module.to()` replaces parameters instead of assigning `.data`; the optimisers' and
+`clip_grad_norm_`'s multi-tensor (foreach) paths accept SimCuda tensors, as they take them on a GPU;
+`torch.tensor(..., device='cuda')` is made on the CPU and then moved (as under FakeTensorMode). For the rest of the
+process (on a machine without CUDA only): CUDA's device guard is a no-op (`torch._C._ensureCUDADeviceGuardSet`, what
+FakeTensorMode does), so autograd's per-tensor stream bookkeeping asks no driver. The mode sits in the dispatcher's
+FAKE slot, which tells C++ to skip CUDA's lazy initialisation; code that looks for a FakeTensorMode there
+(`torch.compile`, `torch.load` of fake tensors) must not run inside `sim_cuda()`.
+
+Not simulated at all: kernels (CUDA's flash/memory-efficient attention become the math path: `_fused_sdp_choice`
+answers math), memory, speed, numerics of CUDA kernels (the CPU's run), streams, NCCL (a test fakes the process
+group), CUDA's random generators (the CPU's draw), `torch.save` of SimCuda tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+aten = torch.ops.aten
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+class SimDeviceMismatch(RuntimeError):
+    "A CPU tensor met a `cuda` one where a GPU would refuse it."
+
+
+@dataclasses.dataclass
+class SimStats:
+    "What the simulation saw (read by the tests)."
+    ops: int = 0                       # aten ops that touched a `cuda` tensor
+    h2d: int = 0                       # CPU -> cuda copies
+    h2d_non_blocking: int = 0          # ... of them non_blocking
+    h2d_pinned: int = 0                # ... of them from pinned memory
+    pinned: int = 0                    # tensors pinned (`pin_memory()`)
+    d2h: int = 0                       # cuda -> CPU copies (a host sync on a GPU)
+    scalars: int = 0                   # `.item()` / `bool()` of a cuda tensor (a host sync on a GPU)
+    bf16_ops: int = 0                  # ops on cuda with a bfloat16 result (autocast at work)
+    op_names: set = dataclasses.field(default_factory=set)
+
+
+STATS = SimStats()
+
+
+# ------------------------------------------------------------------------------------------------ the tensor
+class SimCuda(torch.Tensor):
+    """A real CPU tensor (`_host`) that says it is on cuda:0. As `FakeTensor` does, the C++ tensor is a `meta` tensor
+    with CUDA's dispatch keys (autocast, autograd), so that nothing in C++ asks the CUDA runtime about it; Python sees
+    `device == cuda:0`, and every op lands in `__torch_dispatch__`, which runs it on `_host`."""
+    _host: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, real: torch.Tensor, requires_grad: bool | None = None):
+        if isinstance(real, SimCuda): raise TypeError("SimCuda of a SimCuda")
+        if real.device.type != "cpu": raise TypeError(f"SimCuda holds a CPU tensor, got {real.device}")
+        with torch._C._DisableTorchDispatch():
+            n = max(real.untyped_storage().nbytes() // max(real.element_size(), 1), real.storage_offset() + 1)
+            meta = torch.empty(n, dtype=real.dtype, device="meta").as_strided(real.size(), real.stride(), real.storage_offset())
+        rg = real.requires_grad if requires_grad is None else requires_grad
+        r = torch.Tensor._make_subclass(cls, meta, rg, dispatch_device=True, device_for_backend_keys=CUDA)
+        r._host = real.detach() if real.requires_grad else real
+        return r
+
+    @property
+    def device(self) -> torch.device:
+        return CUDA
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"SimCuda({self._host!r})"
+
+    def tolist(self):                  # C++'s tolist reads the storage: a host sync on a GPU, here the CPU tensor
+        STATS.d2h += 1
+        return self._host.tolist()
+
+    def numpy(self, *, force: bool = False):
+        if force: return self.cpu().numpy()
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first.")
+
+    def __array__(self, dtype=None, copy=None):
+        return self.numpy()
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+
+def to_sim(t: torch.Tensor) -> SimCuda:
+    "A CPU tensor's values on the simulated GPU (a Parameter stays a Parameter)."
+    s = SimCuda(t.detach().clone())
+    return torch.nn.Parameter(s, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else s.requires_grad_(t.requires_grad)
+
+
+def real(t):
+    "The CPU tensor behind a SimCuda tensor (anything else as it is)."
+    return t._host if isinstance(t, SimCuda) else t
+
+
+def module_to_sim(module: torch.nn.Module) -> torch.nn.Module:
+    "Move a module's parameters and buffers to the simulated GPU, in place (what `module.to('cuda')` does on a GPU)."
+    for m in module.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None and not isinstance(p, SimCuda): m._parameters[k] = to_sim(p)
+        for k, b in list(m._buffers.items()):
+            if b is not None and not isinstance(b, SimCuda): m._buffers[k] = to_sim(b)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------ device rules
+def _dev(t) -> torch.device:
+    "A tensor's device as a GPU run would have it (a SimCuda tensor, or autograd metadata of one: cuda:0)."
+    d = CUDA if isinstance(t, SimCuda) else t.device
+    return CUDA if d.type == "meta" else d
+
+
+def _mismatch(func, a, b):
+    raise SimDeviceMismatch(f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}! "
+                            f"(simulated CUDA, in {func})")
+
+
+def _common_device(func, tensors) -> torch.device | None:
+    "FakeTensor._find_common_device's rule: one device; a 0-dim CPU tensor defers to any other."
+    common, common_cpu0 = None, False
+    for t in tensors:
+        d, cpu0 = _dev(t), _dev(t).type == "cpu" and t.dim() == 0
+        if common is None: common, common_cpu0 = d, cpu0; continue
+        if d == common:
+            common_cpu0 = common_cpu0 and cpu0; continue
+        if cpu0: continue
+        if common_cpu0: common, common_cpu0 = d, cpu0; continue
+        _mismatch(func, common, d)
+    return common
+
+
+# ops that take tensors on several devices on a GPU (fake_tensor's multi_device_op_default): output on the input's device
+_CROSS = {aten.copy_.default, aten.copy.default, aten._unsafe_index_put.default, aten.slice_scatter.default,
+          aten.diagonal_scatter.default, aten._foreach_copy_.default, aten._foreach_copy.default}
+_INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
+          aten._unsafe_index.Tensor}
+_PIN = {aten._pin_memory.default, aten.pin_memory.default}
+
+
+def _device_arg(func, args, kwargs):
+    "The explicit `device=` of a factory / like-constructor / `_to_copy`, or None."
+    if "device" in kwargs and kwargs["device"] is not None: return torch.device(kwargs["device"])
+    if func in (aten.to.device, aten.to.prim_Device):
+        return torch.device(args[1])
+    return None
+
+
+def _check(func, args, kwargs) -> torch.device:
+    "The device of the op's outputs, or SimDeviceMismatch where a GPU would refuse the op."
+    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    dev = _device_arg(func, args, kwargs)
+    if dev is not None: return CUDA if dev.type == "cuda" else dev
+    if not flat: return CPU
+    if func in _CROSS: return _dev(args[0])
+    if func in _INDEX:
+        self, indices = args[0], args[1]
+        for i in indices if isinstance(indices, (list, tuple)) else [indices]:
+            if i is not None and _dev(i) not in (CPU, _dev(self)):
+                _mismatch(func, _dev(self), _dev(i))
+        if func is not aten.index.Tensor:
+            values = args[2] if len(args) > 2 else kwargs["values"]
+            if _dev(values) != _dev(self) and values.dim() != 0: _mismatch(func, _dev(self), _dev(values))
+        return _dev(self)
+    if func.name().startswith("aten::_foreach_"):
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+        others = [a for a in args if isinstance(a, torch.Tensor)]
+        for i in range(len(lists[0]) if lists else 0):
+            _common_device(func, [l[i] for l in lists] + others)
+        return _dev(lists[0][0]) if lists else _common_device(func, flat)
+    return _common_device(func, flat)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+def _unwrap(x):
+    if isinstance(x, SimCuda): return x._host
+    if isinstance(x, torch.device) and x.type == "cuda": return CPU
+    return x
+
+
+def _dispatch(func, args, kwargs):
+    flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    on_sim = any(isinstance(t, SimCuda) for t in flat_in)
+    if func is torch.ops.prim.device.default:                           # what C++ asks a tensor's device
+        return _dev(args[0])
+    if func is aten._fused_sdp_choice.default and on_sim:
+        return 0                                                        # SDPBackend.math: no CUDA attention kernel here
+    if func is aten.is_pinned.default:
+        return bool(getattr(real(args[0]), "_sim_pinned", False))
+    if func in _PIN:
+        STATS.pinned += 1
+        out = real(args[0]).clone(); out._sim_pinned = True
+        return out
+    dev = _check(func, args, kwargs)
+    if on_sim or dev.type == "cuda":
+        STATS.ops += 1; STATS.op_names.add(func.name())
+        if func is aten._local_scalar_dense.default: STATS.scalars += 1
+    if func is aten._to_copy.default and flat_in:
+        src = args[0]
+        if dev.type == "cuda" and not isinstance(src, SimCuda):
+            STATS.h2d += 1
+            STATS.h2d_non_blocking += bool(kwargs.get("non_blocking"))
+            STATS.h2d_pinned += bool(getattr(src, "_sim_pinned", False))
+        elif dev.type == "cpu" and isinstance(src, SimCuda):
+            STATS.d2h += 1
+    if func is aten.copy_.default and isinstance(args[1], SimCuda) and not isinstance(args[0], SimCuda):
+        STATS.d2h += 1
+    kw = dict(kwargs)
+    if kw.get("pin_memory"): kw["pin_memory"] = False                   # a CPU tensor cannot be pinned without CUDA
+    u_args, u_kwargs = tree_map(_unwrap, (args, kw))
+    out = func(*u_args, **u_kwargs)
+    ids = {id(t._host): t for t in flat_in if isinstance(t, SimCuda)}   # in-place ops return their input
+    plain = {id(t) for t in flat_in if not isinstance(t, SimCuda)}
+
+    if dev.type == "cuda" and any(isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 for o in tree_flatten(out)[0]):
+        STATS.bf16_ops += 1
+
+    def wrap(o):
+        if not isinstance(o, torch.Tensor): return o
+        if id(o) in ids: return ids[id(o)]
+        if dev.type != "cuda" or id(o) in plain: return o
+        return SimCuda(o)
+    return tree_map(wrap, out)
+
+
+class SimCudaMode(TorchDispatchMode):
+    "Inside: factories asked for `cuda` make SimCuda tensors; every op follows a GPU's device rules."
+    # C++ skips CUDA's lazy initialisation (which needs a driver) when a mode in the FAKE slot is active
+    _mode_key = torch._C._TorchDispatchModeKey.FAKE
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def sim_cuda(patch_cuda_api: bool = True):
+    """The simulated GPU. `patch_cuda_api`: `torch.cuda.synchronize`, `current_device`, `set_device`, `is_available`
+    and the memory counters answer as on a one-GPU machine (is_available: True), so code that asks them runs on."""
+    global STATS
+    STATS = SimStats()
+    if torch.cuda.is_available(): raise RuntimeError("a real GPU is present: run the real thing (make gpu-check)")
+    # as FakeTensorMode does on a machine without CUDA: CUDA's device guard becomes a no-op (for the rest of the
+    # process), so that autograd's bookkeeping of a `cuda` tensor (its stream) asks no driver
+    torch._C._ensureCUDADeviceGuardSet()
+    with contextlib.ExitStack() as stack:
+        if patch_cuda_api:
+            from unittest import mock
+            for name, value in dict(synchronize=lambda *a, **k: None, current_device=lambda: 0, set_device=lambda *a: None,
+                                    is_available=lambda: True, is_bf16_supported=lambda *a, **k: True, device_count=lambda: 1, reset_peak_memory_stats=lambda *a: None,
+                                    memory_allocated=lambda *a: 0, max_memory_allocated=lambda *a: 0,
+                                    get_device_name=lambda *a: "simulated CUDA (a CPU)").items():
+                stack.enter_context(mock.patch.object(torch.cuda, name, value))
+            # `x.to('cuda')` asks the CUDA runtime for the current device before any dispatch (`ensure_has_index`)
+            orig_to = torch.Tensor.to
+            def to(self, *args, **kwargs):
+                args = tuple(_indexed(a) for a in args)
+                if "device" in kwargs: kwargs["device"] = _indexed(kwargs["device"])
+                return orig_to(self, *args, **kwargs)
+            stack.enter_context(mock.patch.object(torch.Tensor, "to", to))
+            # `module.to('cuda')` replaces each parameter by a new one (`param.data = ...` would give a plain
+            # Parameter the simulated tensor's meta storage); references taken before the move are stale, as after
+            # `model.to()` on a GPU with this flag
+            stack.enter_context(mock.patch.object(torch.__future__, "_overwrite_module_params_on_conversion", True))
+            # the optimiser and clip_grad_norm_ take their foreach (multi-tensor) kernels on `cuda`, as on a GPU
+            import torch.optim.optimizer as _optim, torch.utils._foreach_utils as _fe
+            for mod in (_optim, _fe):
+                stack.enter_context(mock.patch.object(mod, "_foreach_supported_types", [*mod._foreach_supported_types, SimCuda]))
+            # autograd's engine cannot run a graph with `cuda` tensors here: `loss.backward()` runs `sim_backward`
+            stack.enter_context(mock.patch.object(torch.Tensor, "backward", _backward))
+            stack.enter_context(mock.patch.object(torch.autograd, "backward", lambda tensors, grad_tensors=None, **k:
+                                                  sim_backward(tensors, grad_tensors) and None))
+            stack.enter_context(mock.patch.object(torch.autograd, "grad", _grad))
+            stack.enter_context(mock.patch.object(torch.Tensor, "cuda", lambda self, device=None, non_blocking=False, **k:
+                                                  self.to(CUDA, non_blocking=non_blocking)))
+        # `torch.tensor(data, device='cuda')`, `x.new_tensor(...)`: made on the CPU and then moved (a dispatched
+        # `_to_copy`), instead of C++ asking the driver first (FakeTensorMode does the same)
+        prev = torch._C._only_lift_cpu_tensors()
+        torch._C._set_only_lift_cpu_tensors(True)
+        stack.callback(torch._C._set_only_lift_cpu_tensors, prev)
+        stack.enter_context(SimCudaMode())
+        yield STATS
+
+
+def _backward(t, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    if create_graph or inputs is not None: raise NotImplementedError("sim_backward: create_graph / inputs")
+    sim_backward(t, gradient)
+
+
+def _grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+          allow_unused=None, is_grads_batched=False, materialize_grads=False):
+    if create_graph or is_grads_batched: raise NotImplementedError("sim_backward: create_graph / is_grads_batched")
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    out = sim_backward(outputs, grad_outputs, inputs)
+    if not allow_unused and not materialize_grads and any(g is None for g in out):
+        raise RuntimeError("One of the differentiated Tensors appears to not have been used in the graph. Set allow_unused=True if this is the desired behavior.")
+    return tuple(torch.zeros_like(t) if g is None and materialize_grads else g for g, t in zip(out, inputs))
+
+def _indexed(d):
+    "'cuda' -> cuda:0 (a device argument of `Tensor.to`; anything else as it is)."
+    if isinstance(d, str) and d == "cuda": return CUDA
+    if isinstance(d, torch.device) and d.type == "cuda" and d.index is None: return CUDA
+    return d
+
+
+# ------------------------------------------------------------------------------------------------ backward
+def _node_call(node, grads):
+    if hasattr(node, "apply") and not hasattr(node, "variable") and type(node).__name__ != "AccumulateGrad":
+        # a custom autograd.Function's node (BackwardCFunction): its Python backward
+        try: return node.apply(*grads)
+        except TypeError: pass
+    return node(*grads)
+
+
+def _validate(node_next, nr, g):
+    """The engine's validate_outputs for one gradient flowing into input `nr` of `node_next`: shape (summed to size) and
+    dtype (cast) from the metadata the node recorded. Its device check is not repeated here: autograd records the
+    device of a tensor subclass as the C++ tensor's, not the simulated one; a gradient on the wrong device is caught
+    instead by the next op that meets it (the node's saved tensors, the sum with another gradient) or by the leaf."""
+    md = node_next._input_metadata[nr]
+    if tuple(g.shape) != tuple(md.shape):
+        try: g = g.sum_to_size(tuple(md.shape))
+        except RuntimeError: raise RuntimeError(f"invalid gradient shape {tuple(g.shape)} for {node_next.name()}, expected {tuple(md.shape)}") from None
+    if g.dtype != md.dtype: g = g.to(md.dtype)
+    return g
+
+
+def sim_backward(outputs, grads=None, inputs=None):
+    """`torch.autograd.backward(outputs, grads)` by hand (see the module's docstring): every node's backward formula,
+    gradients checked as the engine checks them. Without `inputs`, the leaves' `.grad` are accumulated and the number
+    of nodes run is returned; with `inputs` (leaves), their gradients are returned as a tuple (None where unused) and
+    no `.grad` changes: `torch.autograd.grad`. Works on plain CPU graphs too (then it equals autograd's engine)."""
+    outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    grads = [None] * len(outputs) if grads is None else [grads] if isinstance(grads, torch.Tensor) else list(grads)
+    want = None if inputs is None else {id(t): i for i, t in enumerate(inputs)}
+    found = [None] * (0 if inputs is None else len(inputs))
+    if want is not None and any(t.grad_fn is not None for t in inputs):
+        raise NotImplementedError("sim_backward: gradients with respect to non-leaf tensors")
+    roots = []
+    for t, g in zip(outputs, grads):
+        if t.grad_fn is None: raise RuntimeError("element of the outputs does not require grad and does not have a grad_fn")
+        roots.append((t.grad_fn, t.output_nr, torch.ones_like(t) if g is None else g))
+    # dependencies: how many edges point at each node
+    deps, seen, stack = defaultdict(int), {r for r, _, _ in roots}, [r for r, _, _ in roots]
+    while stack:
+        n = stack.pop()
+        for nxt, _ in n.next_functions:
+            if nxt is None: continue
+            deps[nxt] += 1
+            if nxt not in seen: seen.add(nxt); stack.append(nxt)
+    buffers = defaultdict(dict)
+    for node, nr, g in roots:
+        g = _validate(node, nr, g)
+        buffers[node][nr] = g if nr not in buffers[node] else buffers[node][nr] + g
+    ready, ran = [r for r in dict.fromkeys(r for r, _, _ in roots) if deps[r] == 0], 0
+    while ready:
+        n = ready.pop()
+        buf = buffers.pop(n, {})
+        if type(n).__name__ == "AccumulateGrad":
+            v, g = n.variable, buf.get(0)
+            if g is not None:
+                if _dev(g) != _dev(v) and g.dim() == 0: g = g.to(_dev(v))       # as the engine moves 0-dim gradients
+                if _dev(g) != _dev(v): raise SimDeviceMismatch(f"gradient of a leaf on {_dev(g)}, the leaf on {_dev(v)}")
+                if want is not None:
+                    if id(v) in want: found[want[id(v)]] = g
+                else:
+                    with torch.no_grad():
+                        v.grad = g.detach().clone() if v.grad is None else v.grad + g
+            ran += 1
+            continue
+        ins = [buf.get(i) for i in range(len(n._input_metadata))]
+        if any(g is not None for g in ins):
+            outs = _node_call(n, ins)
+            ran += 1
+        else:
+            outs = [None] * len(n.next_functions)
+        if isinstance(outs, torch.Tensor) or outs is None: outs = (outs,)
+        for (nxt, nr), g in zip(n.next_functions, outs):
+            if nxt is None: continue
+            if g is not None:
+                g = _validate(nxt, nr, g)
+                b = buffers[nxt]
+                b[nr] = g if b.get(nr) is None else b[nr] + g
+            deps[nxt] -= 1
+            if deps[nxt] == 0: ready.append(nxt)
+    return ran if want is None else tuple(found)
