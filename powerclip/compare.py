@@ -19,7 +19,7 @@ from .config import PRECISIONS, TrainConfig, check_precision, from_dict, load_co
 from .data import derive_seed, world_config
 from .eval.data import write_world_benchmark
 from .eval.models import load_model
-from .eval.world_scores import FOLDER_HEADLINE, HEADLINE, evaluate_folder
+from .eval.world_scores import FOLDER_HEADLINE, HEADLINE, REGION_HEADLINE, evaluate_folder
 from .measure import run_isolated
 from .methods import method_config
 from .model import model_geometry
@@ -301,8 +301,9 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
 
 # %% ../nbs/70_compare.ipynb #2a4c4c6b
 def _curve_point(step: int, seconds: float, r: dict) -> dict:
-    "A point of a learning curve: the folder's headline numbers, and R@1 as the mean of its two directions."
-    return dict(step=step, seconds=seconds, **{k: r[k] for k in FOLDER_HEADLINE}, **{"R@1": (r["i2t_R@1"] + r["t2i_R@1"]) / 2})
+    "A point of a learning curve: the folder's headline numbers, R@1 as the mean of its two directions, region top-1."
+    return dict(step=step, seconds=seconds, **{k: r[k] for k in FOLDER_HEADLINE}, **{"R@1": (r["i2t_R@1"] + r["t2i_R@1"]) / 2},
+                **{k: r[k] for k in REGION_HEADLINE if k in r})
 
 
 def _snapshot(job: Job, step: int) -> tuple[Path, float]:

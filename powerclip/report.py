@@ -126,10 +126,12 @@ def bootstrap_table(stats: dict, base: str = REFERENCE) -> str:
 
 
 def kinds_table(summary: dict) -> str:
-    "Markdown: mean ± sd over seeds of the hard-negative accuracy of every kind, R@5 both ways, IoU."
+    "Markdown: mean ± sd over seeds of the hard-negative accuracy of every kind, R@5 both ways, IoU, the region numbers."
     from powerclip.world import NEGATIVE_KINDS
     cols = [(f"hn_{k}", k) for k in NEGATIVE_KINDS] + [("i2t_R@5", "i2t R@5"), ("t2i_R@5", "t2i R@5"), ("mean_iou", "IoU"),
-                                                         ("train_s_total", "train s")]
+                                                         ("region_ap50", "region AP50"), ("region_crop_acc", "region top-1 crop"),
+                                                         ("region_crop_ap50", "region AP50 crop"),
+                                                         ("region_shape_acc", "region top-1 shape"), ("train_s_total", "train s")]
     cols = [c for c in cols if any(c[0] in r for r in summary.values())]
     lines = ["| run | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
     lines += [f"| {_label(n, r)} | " + " | ".join(_cell(r, k, "{:.0f}" if k == "train_s_total" else "{:.1f}") for k, _ in cols) + " |"
@@ -148,17 +150,20 @@ def sweep_table(sweep: dict) -> str:
 
 
 def plot_curves(curves: dict, path=None, title: str = ""):
-    """Hard-negative mean and R@1 (mean of both directions) against steps and against training seconds, mean over
-    seeds: one figure, every row (a fine-tuned row's curve starts at its base's snapshot)."""
+    """Hard-negative mean, R@1 (mean of both directions) and, when scored, region top-1 against steps and against
+    training seconds, mean over seeds: one figure, every row (a fine-tuned row's curve starts at its base's snapshot)."""
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(10, 6.4))
-    axes = fig.subplots(2, 2)
+    panels = [("hn_mean", "hard-negative mean (%)"), ("R@1", "R@1, mean of both directions (%)")]
+    if any("region_acc" in p for pts in curves.values() for p in pts): panels.append(("region_acc", "region top-1, pooled (%)"))
+    fig = Figure(figsize=(10, 3.2 * len(panels)))
+    axes = fig.subplots(len(panels), 2)
     import matplotlib
     colours = matplotlib.colormaps["tab20"].colors   # 20 distinct colours: the default cycle repeats after 10 rows
     for k, (name, pts) in enumerate(curves.items()):
         if not pts: continue
         style = dict(color=colours[(2 * k) % 20 + (k // 10) % 2], ls="-" if k < 10 else "--", marker="o", ms=3, lw=1.2, label=name)
-        for i, (key, lab) in enumerate((("hn_mean", "hard-negative mean (%)"), ("R@1", "R@1, mean of both directions (%)"))):
+        for i, (key, lab) in enumerate(panels):
+            if not all(key in p for p in pts): continue
             for j, x in enumerate(("step", "seconds")):
                 axes[i][j].plot([p[x] for p in pts], [p[key] for p in pts], **style)
                 axes[i][j].set_ylabel(lab); axes[i][j].set_xlabel("training step" if x == "step" else "training wall-clock (s)")

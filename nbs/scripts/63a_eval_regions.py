@@ -61,7 +61,8 @@ from PIL import Image
 #   `21_regions` (a patch belongs to the region when the region covers at least half of it, and a region that covers no
 #   patch that much keeps its best-covered one); a region the model never sees (outside the centred square its
 #   preprocessing crops) is skipped and counted (`outside_view`). A method whose paper pools a region otherwise says so
-#   in its scorer (`Scorer.region_features`, `40_methods`).
+#   in its scorer (`Scorer.region_features`, `40_methods`). The heat maps of `67_heatmaps` read the same embedding with
+#   each patch a region of its own, so a map and a region score are one computation at two sizes of region.
 # - **crop**: the region's box, grown to a square around its centre (so that the model's preprocessing, which resizes
 #   the short side and crops the centre, neither squashes nor cuts it; pixels beyond the image are black), encoded as an
 #   image: what a user of plain CLIP does with a box.
@@ -159,7 +160,9 @@ def region_embeddings(ev: Evaluator, rs: RegionSet, scorer: str | None = None) -
                     rows=torch.tensor(rows, dtype=torch.long), unseen=torch.tensor(unseen, dtype=torch.long))
     key = [*rs.images, *[(r['image'], r['id'], list(r['box'])) for r in rs.regions]]
     f = ev.cache.get(ev._name('regions', scorer), key, compute)
-    for j in f['unseen'].tolist():
+    for j in f['unseen'].tolist():            # counted once, however many scorers read the set
+        if rs.regions[j]['id'] in rs.unseen: continue
+        rs.unseen.add(rs.regions[j]['id'])
         rs.skips.add('outside_view', rs.images[rs.regions[j]['image']], f"region {rs.regions[j]['id']} outside the centred square")
     return ev._finite({k: v for k, v in f.items() if k != 'unseen'}, 'region features', scorer)
 

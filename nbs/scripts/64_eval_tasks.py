@@ -36,11 +36,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from powerclip.eval.benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchmark_data, open_wds, select
-from powerclip.eval.data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, RetrievalSet, load_classification,
-                                 load_coco_sample, load_retrieval, load_sugarcrepe, load_winoground)
+from powerclip.eval.data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, RegionSet, RetrievalSet,
+                                 load_classification, load_coco_sample, load_regions, load_retrieval, load_sugarcrepe,
+                                 load_winoground)
 from powerclip.eval.metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy, linear_probe,
                                     retrieval_recall, winoground_scores)
 from powerclip.eval.models import Evaluator
+from powerclip.eval.regions import region_task
 from powerclip.methods import GlobalScorer
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ from fastcore.test import test_close, test_eq, test_fail
 # %% [markdown]
 # # Evaluation tasks
 #
-# > The five tasks (retrieval, hard negatives, zero-shot classification, linear probe, Winoground) on an `Evaluator`, for each scorer the checkpoint's method offers, each one record of the task registry; one run of a checkpoint on a data folder, and the suite of the paper's benchmarks.
+# > The six tasks (retrieval, hard negatives, zero-shot classification, linear probe, Winoground, region classification) on an `Evaluator`, for each scorer the checkpoint's method offers, each one record of the task registry; one run of a checkpoint on a data folder, and the suite of the paper's benchmarks.
 
 # %% [markdown]
 # ## The five tasks
@@ -229,6 +231,59 @@ for _t in [
 ]:
     register_task(_t)
 
+# %% [markdown]
+# **Regions** (`63a_eval_regions`): the sixth task reads every COCO-format instances file of a folder
+# (`annotations/instances_*.json`, or the file itself), files with the same classes merged into one set (`coco_sample`'s
+# val2017 and train2017), and classifies their ground-truth regions, pooled and cropped. The set with the most classes
+# gives the task's unprefixed numbers (`pooled_top1`, `pooled_ap50`, ...: on the world, the attribute-bound "red circle"
+# vocabulary); every other set's numbers carry its name (`shape/pooled_top1`). What the readers dropped and the regions
+# outside the model's view are counted in the result's `skipped_items`.
+
+# %%
+#| export
+def merge_region_sets(sets: list) -> RegionSet:
+    "One `RegionSet` of several with the same classes: images and regions concatenated, their skips together."
+    images, sizes, regions, skips = [], [], [], ItemSkips(sets[0].skips.strict)
+    for rs in sets:
+        regions += [dict(r, image=r['image'] + len(images)) for r in rs.regions]
+        images += rs.images; sizes += rs.sizes; skips.items += rs.skips.items
+    return RegionSet(images, sizes, regions, sets[0].classnames, sets[0].templates, sets[0].groups, skips)
+
+def region_sets(root: Path, image_root=None, strict: bool = False) -> tuple:
+    "`({name: RegionSet}, )`, the set with the most classes first (see above); `MissingData` without instances files."
+    files = [root] if root.is_file() else sorted((root / 'annotations').glob('instances_*.json'))
+    if not files:
+        raise MissingData(f'regions: expected COCO-format instance files {root}/annotations/instances_*.json (images in '
+                          f'{root}/images or {root}/<split>), or an instances file')
+    by_classes = {}
+    for f in files:
+        rs = load_regions(f, image_root, strict=strict)
+        by_classes.setdefault(tuple(rs.classnames), []).append((f.stem.removeprefix('instances_'), rs))
+    sets = {'+'.join(n for n, _ in group): merge_region_sets([rs for _, rs in group]) for group in by_classes.values()}
+    return (dict(sorted(sets.items(), key=lambda kv: -len(kv[1].classnames))),)
+
+def task_regions(ev: Evaluator, sets: dict, scorer: str | None = None) -> dict:
+    "Region classification (`region_task`) of every set: the first set's numbers unprefixed, the others' as `name/metric`."
+    out = {}
+    for k, (name, rs) in enumerate(sets.items()):
+        r = region_task(ev, rs, scorer)
+        flat = {**{f'{e}_{m}': v for e in ('pooled', 'crop') for m, v in r[e].items()},
+                **{m: r[m] for m in ('n_regions', 'classes', 'chance_top1', 'chance_ap50')}}
+        out.update({(m if k == 0 else f'{name}/{m}'): v for m, v in flat.items()})
+        if k == 0: out['set'] = name
+    return out
+
+def _region_skips(args: tuple) -> ItemSkips:
+    "The skips of every region set of a folder, together."
+    out = ItemSkips()
+    for rs in args[0].values(): out.items += rs.skips.items
+    return out
+
+register_task(Task('regions', region_sets, task_regions, _region_skips,
+                   dict(pooled_top1='region top-1 (pooled)', pooled_ap50='region AP50 (pooled)',
+                        pooled_ap50_novel='region AP50 novel (pooled)', crop_top1='region top-1 (crop)',
+                        crop_ap50='region AP50 (crop)')))
+
 # %%
 test_eq(list(TASKS)[:5], ['retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground'])
 test_eq([t for t, r in TASKS.items() if not r.scored], ['linear_probe'])
@@ -321,7 +376,11 @@ t0 = time.time(); m2, _ = evaluate(ev2, tmp / 'world'); t2 = time.time() - t0
 strip = lambda m: {t: {k: v for k, v in d.items() if k != 'seconds'} for t, d in m.items()}
 test_eq(strip(m1), strip(m2)); test_eq(ev2.cache.misses, 0); assert ev2.cache.hits > 0
 print(f'first run {t1:.1f}s, cached rerun {t2:.1f}s ({ev2.cache.hits} cache hits)')
-{t: {k: round(v, 1) for k, v in d.items() if k in ('i2t_R@1', 't2i_R@1', 'chance_t2i_R@1', 'mean', 'top1', 'chance_top1', 'acc', 'text', 'image', 'group')} for t, d in m1.items()}
+# regions: the attribute-bound vocabulary (35 classes) first, the shapes (5) beside it, both embeddings
+test_eq((m1['regions']['set'], m1['regions']['classes'], m1['regions']['shape/classes']), ('colour_shape', 35, 5))
+test_close(m1['regions']['chance_top1'], 100 / 35, eps=1e-9); assert {'pooled_ap50', 'crop_top1'} <= set(m1['regions'])
+{t: {k: round(v, 1) for k, v in d.items() if k in ('i2t_R@1', 't2i_R@1', 'chance_t2i_R@1', 'mean', 'top1', 'chance_top1', 'acc',
+                                                    'text', 'image', 'group', 'pooled_top1', 'crop_top1')} for t, d in m1.items()}
 
 # %% [markdown]
 # A model that gives NaN features (NaN weights put into a loaded model, past the loader's check) cannot produce a

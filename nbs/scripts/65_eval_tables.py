@@ -100,7 +100,11 @@ test_eq(render_table(header, rows, 'csv').splitlines()[-1], 'world,retrieval [gl
 # ImageNet top-1 accuracies with ID (ImageNet-1k), OOD (mean of the other five) and All (mean of six); Table 4
 # SugarCrepe's object / attribute / relation means (Obj = mean of add_obj, replace_obj, swap_obj; Att = mean of
 # add_att, replace_att, swap_att; Rel = replace_rel) and the seven categories; Table 5 Winoground's text, image
-# and group scores; Table 9 the linear-probe accuracies. An average is given only when every number it averages
+# and group scores; Table 9 the linear-probe accuracies; Table 15 (the supplement's OV-COCO table) AP50 on the base
+# and novel classes and on all, read from the region task (`63a_eval_regions`: AP50 with ground-truth boxes, pooled
+# embeddings) of the first data folder named `ov_coco`, `coco`, `coco_sample` or `world` that has it. The paper's Table 15
+# is a detector's AP50 and ours is not (`60_eval_metrics` says how they relate): its numbers stand in their own columns
+# for the layout, not as a target. An average is given only when every number it averages
 # is there. The paper's numbers (`PAPER`, copied from the main paper's tables for its CLIP and PowerCLIP rows) are
 # never mixed into measured cells: `paper={label: method}` adds separate columns headed `paper: <column>`.
 # Each table is one function of `PAPER_LAYOUTS`, which reads the metrics it needs by data set, task and metric.
@@ -139,7 +143,15 @@ def _table9(get) -> tuple[list[str], list]:
     return ['CF10', 'CF100', 'IN1k'], [get(n, 'linear_probe', 'acc') for n in ('cifar10', 'cifar100', 'imagenet1k')]
 
 # the paper's tables, each a function of `get(data set folder, task, metric)` -> (header, cells of one checkpoint)
-PAPER_LAYOUTS = dict(table1=_table1, table2=_table2, table3=_table3, table4=_table4, table5=_table5, table9=_table9)
+REGION_FOLDERS = ('ov_coco', 'coco', 'coco_sample', 'world')   # where Table 15 looks for the region task, in this order
+
+def _table15(get) -> tuple[list[str], list]:
+    "OV-COCO's AP50 on base and novel classes and all: here the region task's AP50 with ground-truth boxes, pooled."
+    d = next((d for d in REGION_FOLDERS if get(d, 'regions', 'pooled_ap50') is not None), REGION_FOLDERS[0])
+    return ['AP50 base', 'AP50 novel', 'AP50'], [get(d, 'regions', f'pooled_ap50{g}') for g in ('_base', '_novel', '')]
+
+PAPER_LAYOUTS = dict(table1=_table1, table2=_table2, table3=_table3, table4=_table4, table5=_table5, table9=_table9,
+                     table15=_table15)
 
 def _table_row(table: str, by: dict) -> tuple[list[str], list]:
     "Header and cells of one checkpoint; `by` maps data set folder -> metrics dict."
@@ -147,7 +159,9 @@ def _table_row(table: str, by: dict) -> tuple[list[str], list]:
     return PAPER_LAYOUTS[table](lambda d, task, k: (by.get(d) or {}).get(task, {}).get(k))
 
 PAPER_TABLES = tuple(PAPER_LAYOUTS)
-PAPER_SOURCE = 'PowerCLIP main paper (papers/000_*), Tables 1-5 and 9: numbers as reported, for comparison only'
+PAPER_SOURCE = ('PowerCLIP main paper (papers/000_*), Tables 1-5 and 9, and its supplement (papers/001_*), Table 15 (a '
+                'detector trained on OV-COCO, where the measured columns are AP50 with ground-truth boxes): numbers as '
+                'reported, for comparison only')
 PAPER = {   # method -> numbers in the column order of `PAPER_LAYOUTS` (Table 4: Obj, Att, Rel only; Table 9: 'PowerCLIP' is the paper's single row)
     'table1': {'CLIP': [42.3, 57.7, 25.0, 44.1, 17.0, 50.5, 1.7, 16.5, 53.9, 73.5, 26.0, 82.0, 18.7, 26.5, 9.4, 4.5, 48.0, 35.1],
                'PowerCLIP-R': [50.3, 74.7, 43.5, 48.7, 22.9, 53.2, 2.9, 21.5, 58.7, 75.7, 32.4, 88.4, 30.8, 37.5, 9.8, 4.6, 50.0, 41.5],
@@ -161,6 +175,8 @@ PAPER = {   # method -> numbers in the column order of `PAPER_LAYOUTS` (Table 4:
     'table4': {'CLIP': [73.9, 68.8, 64.5], 'PowerCLIP-R': [75.6, 70.3, 67.9], 'PowerCLIP-S': [76.1, 70.4, 67.1]},
     'table5': {'CLIP': [24.8, 8.0, 4.3], 'PowerCLIP-R': [22.5, 9.5, 6.5], 'PowerCLIP-S': [24.8, 16.0, 10.2]},
     'table9': {'CLIP': [88.0, 67.4, 62.3], 'PowerCLIP': [91.3, 72.3, 65.8]},
+    'table15': {'CLIP': [22.8, 1.4, 17.2], 'FLIP': [24.1, 0.9, 18.0], 'FILIP': [21.6, 3.2, 16.8], 'SPARC': [20.8, 7.1, 17.2],
+                'C-PGS': [23.1, 2.3, 17.7], 'PowerCLIP': [27.6, 15.3, 24.4]},
 }
 
 def paper_tables(paths, paper: dict | None = None) -> dict:
@@ -217,4 +233,9 @@ test_eq(_h[:10], ['checkpoint', 'ImgNet-1k', 'ImgNet-V2', 'ImgNet-A', 'ImgNet-R'
 test_eq(_rows[0][7:10], [10.0, 40.0, 35.0]); test_eq(_rows[1][7:10], [10.0, None, None])
 test_eq(_rows[0][10:], PAPER['table3']['PowerCLIP-S']); test_eq(_rows[1][10:], [None] * 9)   # paper columns only for the mapped row
 test_close(_t['table4'][1][0][1:4], [130 / 3, 100 / 3, 50.0])
+# Table 15 from the region task on coco_sample: base, novel, all, with the paper's columns beside a mapped row
+_f15 = _fake('a', 'coco_sample', dict(regions=dict(pooled_ap50_base=30.0, pooled_ap50_novel=10.0, pooled_ap50=25.0)), _d)
+_t15 = paper_tables([_f15], paper=dict(a='PowerCLIP'))['table15']
+test_eq(_t15[0], ['checkpoint', 'AP50 base', 'AP50 novel', 'AP50', 'paper: AP50 base', 'paper: AP50 novel', 'paper: AP50'])
+test_eq(_t15[1], [['a', 30.0, 10.0, 25.0, 27.6, 15.3, 24.4]])
 print(render_table(*_t['table3']))

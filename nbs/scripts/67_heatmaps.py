@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from powerclip.commandline import ArgumentParser, check_device, run_main, usage_errors
 from powerclip.eval.models import LoadedModel, load_model
+from powerclip.methods import Scorer
 from powerclip.world import WorldConfig, generate, to_clip_tensor
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,13 @@ from fastcore.test import test_close, test_eq, test_fail
 @torch.no_grad()
 def text_patch_heatmaps(model, image: torch.Tensor, texts: list, tokenizer) -> torch.Tensor:
     "image `(3, H, W)` (CLIP-normalised, model resolution), texts: T strings -> cosines `(T, gh, gw)` on the CPU."
-    from powerclip.model import encode, grid_size
+    from powerclip.model import grid_size
     dev = next(model.parameters()).device                                       # inputs go where the model is
     tok, image = tokenizer(texts).to(dev), image.to(dev)                        # (T, L), (3, H, W)
-    # patches from one image (the text row of `encode` is not used), texts through the text tower alone
-    p = F.normalize(encode(model, image[None], tok[:1])['patches'][0], dim=-1)  # (N, D)
-    t = F.normalize(model.encode_text(tok), dim=-1)                             # (T, D)
+    # each patch as a region of its own: the region embedding the region task reads (`Scorer.region_features`, Eq. 2)
+    one = torch.eye(grid_size(model)[0] * grid_size(model)[1], dtype=torch.bool, device=dev)[None]   # (1, N, N)
+    p = Scorer().region_features(model, image[None], one)[0]                   # (N, D) unit vectors
+    t = F.normalize(model.encode_text(tok), dim=-1)                             # (T, D) the model's pooling
     return (t @ p.T).view(len(texts), *grid_size(model)).cpu()                 # beside the gold masks and the plots
 
 def upsample(heat: torch.Tensor, size: tuple) -> torch.Tensor:

@@ -70,10 +70,15 @@ WORLD_TASKS = {'sugarcrepe': {**{k: f'hn_{k}' for k in NEGATIVE_KINDS}, 'mean': 
 FOLDER_HEADLINE = {WORLD_TASKS[t][m]: TASKS[t].headline[m] for t, m in (('sugarcrepe', 'mean'), ('retrieval', 'i2t_R@1'),
                                                                        ('retrieval', 't2i_R@1'))}
 POINTING = {'pointing': 'pointing'}        # the pointing game's headline number (`grounding_score`)
-HEADLINE = {**FOLDER_HEADLINE, **POINTING}  # key -> display name: paired differences and verdicts, in table order
+# the region task on the folder's objects (`63a_eval_regions`): its own evaluation, cached apart (see "Regions" below)
+REGION_TASKS = {'regions': {'pooled_top1': 'region_acc', 'pooled_ap50': 'region_ap50', 'crop_top1': 'region_crop_acc',
+                            'crop_ap50': 'region_crop_ap50', 'shape/pooled_top1': 'region_shape_acc'}}
+REGION_HEADLINE = {'region_acc': TASKS['regions'].headline['pooled_top1']}
+HEADLINE = {**FOLDER_HEADLINE, **POINTING, **REGION_HEADLINE}  # key -> display name: paired differences, verdicts, in order
 
 # %%
-test_eq(HEADLINE, {'hn_mean': 'HN mean', 'i2t_R@1': 'i2t R@1', 't2i_R@1': 't2i R@1', 'pointing': 'pointing'})
+test_eq(HEADLINE, {'hn_mean': 'HN mean', 'i2t_R@1': 'i2t R@1', 't2i_R@1': 't2i R@1', 'pointing': 'pointing',
+                   'region_acc': 'region top-1 (pooled)'})
 
 # %% [markdown]
 # ## The world evaluation
@@ -117,13 +122,14 @@ def world_items(ev: Evaluator, found: dict, scorer: str | None = None) -> dict:
     out['t2i_R@1'] = dict(image=[names[i] for i in torch.as_tensor(text_image).tolist()], hit=t2i.int().tolist())
     return out
 
-def evaluate_world(ev: Evaluator, root, per_item: bool = False) -> dict:
-    "The comparison's numbers (%) on a world benchmark folder, for every scorer: `hn_<kind>`, `hn_mean`, R@1/R@5 both ways; `per_item`: also `items` (see above)."
-    found = find_data(root, tuple(WORLD_TASKS))
+def evaluate_world(ev: Evaluator, root, per_item: bool = False, tasks: dict = WORLD_TASKS) -> dict:
+    """The comparison's numbers (%) on a world benchmark folder, for every scorer: `tasks` {task: {metric: key}}, by default
+    `hn_<kind>`, `hn_mean`, R@1/R@5 both ways; `per_item`: also `items` (see above)."""
+    found = find_data(root, tuple(tasks))
     out = dict(scorer=ev.headline)
     for s in ev.scorers:
         m, _ = evaluate(ev, root, found=found, scorer=s)
-        res = {key: m[t].get(k, math.nan) for t, keys in WORLD_TASKS.items() for k, key in keys.items()}
+        res = {key: m[t].get(k, math.nan) for t, keys in tasks.items() for k, key in keys.items()}
         out.update({(k if s == ev.headline else f'{s}:{k}'): v for k, v in res.items()})
     if per_item: out['items'] = {s: world_items(ev, found[0], s) for s in ev.scorers}
     return out
@@ -174,6 +180,12 @@ test_eq(len(fres['items']['late']['t2i_R@1']['image']), len(load_retrieval(tmp /
 # by one over the phrases; scaled by the number of scenes, the mean of the shares is the number. The result is cached beside the
 # weights (`eval.json`, or `eval_val.json` on the validation split) and reused while the weights and the evaluation's
 # settings are those it describes.
+#
+# **Regions.** The region task (`REGION_TASKS`: region top-1 and AP50 of the pooled and the cropped embeddings on the
+# attribute-bound vocabulary, and the pooled top-1 on the shapes alone) is scored on the same folder's objects and
+# cached in a file of its own beside the weights (`eval_regions.json`, `eval_val_regions.json`): it came after the
+# other numbers, and a cache of its own lets every run scored before it keep its numbers while it adds this one. It has
+# no per-scene shares (the bootstrap leaves it out; its verdict, like every verdict, reads the seeds).
 
 # %%
 #| export
@@ -209,7 +221,8 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
     f = folder / cache
     if f.is_file():
         c = json.loads(f.read_text())
-        if c.get("key") == key and c.get("weights_mtime_ns") == stamp: return c["results"]
+        if c.get("key") == key and c.get("weights_mtime_ns") == stamp:
+            return {**c["results"], **_region_numbers(folder, root, key, stamp, cache, lm, device)}
     t0 = time.time()
     lm = lm or load_model(checkpoint=folder, device=device)
     with tempfile.TemporaryDirectory() as d:         # features computed once for the numbers and the items
@@ -222,6 +235,24 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
         res.update({k: g[k] for k in ("pointing", "mean_iou", "n_phrases")})   # the comparison's (eval=3) numbers
     res["eval_s"] = time.time() - t0
     folder.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
+    return {**res, **_region_numbers(folder, root, key, stamp, cache, lm, device)}
+
+
+def _region_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str) -> dict:
+    "The region task's numbers of the weights in `folder` (every scorer), cached in `folder/<cache stem>_regions.json`."
+    if not any((root / 'annotations').glob('instances_*.json')): return {}     # a folder without objects to name
+    key = dict(key, eval=None, regions=1)
+    f = folder / f"{Path(cache).stem}_regions.json"
+    if f.is_file():
+        c = json.loads(f.read_text())
+        if c.get("key") == key and c.get("weights_mtime_ns") == stamp: return c["results"]
+    t0 = time.time()
+    lm = lm or load_model(checkpoint=folder, device=device)
+    with tempfile.TemporaryDirectory() as d:
+        res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, tasks=REGION_TASKS)
+    res = {k: v for k, v in res.items() if k != "scorer"}
+    res["region_eval_s"] = time.time() - t0
     tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
     return res
 
@@ -240,4 +271,8 @@ for _k in ("hn_mean", "i2t_R@1", "t2i_R@1", "pointing"): test_close(np.mean(_r["
 test_eq(len(_r["per_scene"]["hn_mean"]), 40); test_eq(len(_r["per_scene"]["pointing"]), 6)
 _g = grounding_score(model_heat_fn(_lm.model, _lm.tokenizer), 6, _wcfg)
 test_close((_r["pointing"], _r["mean_iou"], _r["n_phrases"]), (_g["pointing"], _g["mean_iou"], _g["n_phrases"]), eps=1e-9)
-assert json.loads((_tmp / "untrained" / "eval.json").read_text())["results"] == _r == evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)
+assert _r == evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)        # read back from the caches
+_cached = {**json.loads((_tmp / "untrained" / "eval.json").read_text())["results"],
+           **json.loads((_tmp / "untrained" / "eval_regions.json").read_text())["results"]}
+test_eq(_cached, _r)
+assert 0 <= _r["region_acc"] <= 100 and {"region_ap50", "region_crop_acc", "region_shape_acc"} <= set(_r)

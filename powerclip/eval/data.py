@@ -30,7 +30,7 @@ __all__ = ['log', 'ITEM_SKIP_REASONS', 'SUGARCREPE', 'CLASSIFICATION_FORMAT', 'W
            'load_retrieval', 'load_coco_sample', 'load_coco_karpathy', 'load_flickr_karpathy', 'load_sugarcrepe',
            'ClassificationSet', 'classification_from_folders', 'load_classification', 'load_winoground', 'RegionSet',
            'load_regions', 'write_wds_classification', 'write_world_classification', 'write_world_winoground',
-           'rle_counts', 'write_world_benchmark']
+           'rle_counts', 'write_world_regions', 'write_world_benchmark']
 
 # %% ../../nbs/61_eval_data.ipynb #3bcf4fbc
 class MissingData(FileNotFoundError):
@@ -346,7 +346,8 @@ class RegionSet:
     classnames: list        # [str] K class names
     templates: list         # prompt templates with '{c}'
     groups: dict            # {'base': [k..], 'novel': [k..]} when the classes include OV-COCO's, else {}
-    skips: ItemSkips            # the annotations and images left out, by reason
+    skips: ItemSkips        # the annotations and images left out, by reason
+    unseen: set = field(default_factory=set)   # ids of regions an evaluation found outside the model's view (counted once)
 
 def _region_images(path: Path, image_root) -> Path:
     "Where the images of an instances file are: `image_root`, else `images/` or `<split>/` beside `annotations/`."
@@ -492,12 +493,23 @@ def _world_instances(images: list, objects: list, cfg: WorldConfig) -> dict:
                           categories=[dict(id=k, name=n) for n, k in ids.items()])
     return out
 
-def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captions_per_image: int) -> dict:
-    "Images, hard negatives, retrieval list, regions, scenes and gold trees of `n_images` scenes; returns their counts."
-    (out / 'images').mkdir(parents=True, exist_ok=True); (out / 'data').mkdir(exist_ok=True)
-    (out / 'annotations').mkdir(exist_ok=True)
-    sugar = {k: {} for k in NEGATIVE_KINDS}
+def write_world_regions(out, cfg: WorldConfig, n_images: int, split: str = 'test', captions_per_image: int = 2) -> int:
+    """`out/annotations/instances_{shape,colour_shape}.json`: the objects of the benchmark folder's `n_images` scenes
+    (the same scenes, drawn again from their seeds) in the COCO format; returns the number of regions."""
     images, objects = [], []
+    for i in range(n_images):
+        s = benchmark_scene(cfg, i, split, captions_per_image)['sample']
+        images.append((i, f'world_{i:06d}.png', s['image'].shape[1], s['image'].shape[0]))
+        objects += [(i, o, m) for o, m in zip(s['scene'].objects, render(s['scene'], cfg)[1]) if m.any()]
+    (Path(out) / 'annotations').mkdir(parents=True, exist_ok=True)
+    for vocab, inst in _world_instances(images, objects, cfg).items():
+        (Path(out) / 'annotations' / f'instances_{vocab}.json').write_text(json.dumps(inst))
+    return len(objects)
+
+def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captions_per_image: int) -> dict:
+    "Images, hard negatives, retrieval list, scenes and gold trees of `n_images` scenes; returns their counts."
+    (out / 'images').mkdir(parents=True, exist_ok=True); (out / 'data').mkdir(exist_ok=True)
+    sugar = {k: {} for k in NEGATIVE_KINDS}
     retrieval, scenes, parses, seen = [], {}, {}, set()
     dropped_captions = skipped_images = 0
     for i in range(n_images):
@@ -506,8 +518,6 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
         Image.fromarray(s['image']).save(out / 'images' / fname)
         scenes[fname] = dict(index=i, split=split, caption=s['text'], tree=s['parsed'].to_dict(), scene=s['scene'].to_dict(),
                              order=s['order'], masks=s['masks'][s['mask_valid']].astype(int).tolist())
-        images.append((i, fname, s['image'].shape[1], s['image'].shape[0]))
-        objects += [(i, o, m) for o, m in zip(s['scene'].objects, render(s['scene'], cfg)[1]) if m.any()]
         parses[s['text']] = s['parsed'].to_dict()
         for kind, neg in b['negatives'].items():
             parses[neg.text] = neg.to_dict()
@@ -521,8 +531,7 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
     def dump(obj, name): (out / name).write_text(json.dumps(obj, indent=1))
     for kind, items in sugar.items(): dump(items, f'data/{kind}.json')
     dump(retrieval, 'retrieval.json'); dump(scenes, 'scenes.json'); dump(parses, 'parses.json')
-    for vocab, inst in _world_instances(images, objects, cfg).items(): dump(inst, f'annotations/instances_{vocab}.json')
-    return dict(sugarcrepe={k: len(v) for k, v in sugar.items()}, regions=len(objects),
+    return dict(sugarcrepe={k: len(v) for k, v in sugar.items()},
                 retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
                 retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
 
@@ -533,12 +542,19 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
     that already holds this request is left as it is."""
     cfg, out = cfg or WorldConfig(), Path(out_dir)
     request = json.loads(json.dumps(dict(n_images=n_images, split=split, extras=extras, captions_per_image=captions_per_image,
-                                         config=asdict(cfg), regions=1)))   # regions: folders written before them are redone
+                                         config=asdict(cfg))))
+    regions = [out / 'annotations' / f'instances_{v}.json' for v in WORLD_REGION_VOCABULARIES]
     if (out / 'summary.json').is_file():
         old = json.loads((out / 'summary.json').read_text())
-        if old.get('request') == request: return old
+        if old.get('request') == request:
+            # a folder written before it had regions gets them: the same scenes, so the rest (and its request) stands
+            if not all(f.is_file() for f in regions):
+                old['regions'] = write_world_regions(out, cfg, n_images, split, captions_per_image)
+                (out / 'summary.json').write_text(json.dumps(old, indent=1))
+            return old
     out.mkdir(parents=True, exist_ok=True)
-    summary = dict(n_images=n_images, split=split, **_world_scenes(out, cfg, n_images, split, captions_per_image))
+    summary = dict(n_images=n_images, split=split, **_world_scenes(out, cfg, n_images, split, captions_per_image),
+                   regions=write_world_regions(out, cfg, n_images, split, captions_per_image))
     if extras:
         summary['classification'] = write_world_classification(out, dict(train=n_images, val=n_images // 2, test=n_images), cfg=cfg)
         summary['winoground_pairs'] = write_world_winoground(out, max(1, n_images // 4), cfg=cfg)

@@ -79,7 +79,9 @@ def region_embeddings(ev: Evaluator, rs: RegionSet, scorer: str | None = None) -
                     rows=torch.tensor(rows, dtype=torch.long), unseen=torch.tensor(unseen, dtype=torch.long))
     key = [*rs.images, *[(r['image'], r['id'], list(r['box'])) for r in rs.regions]]
     f = ev.cache.get(ev._name('regions', scorer), key, compute)
-    for j in f['unseen'].tolist():
+    for j in f['unseen'].tolist():            # counted once, however many scorers read the set
+        if rs.regions[j]['id'] in rs.unseen: continue
+        rs.unseen.add(rs.regions[j]['id'])
         rs.skips.add('outside_view', rs.images[rs.regions[j]['image']], f"region {rs.regions[j]['id']} outside the centred square")
     return ev._finite({k: v for k, v in f.items() if k != 'unseen'}, 'region features', scorer)
 

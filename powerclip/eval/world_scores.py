@@ -21,8 +21,8 @@ from ..heatmaps import grounding_score, model_heat_fn
 from ..world import NEGATIVE_KINDS, WorldConfig
 
 # %% auto #0
-__all__ = ['WORLD_TASKS', 'FOLDER_HEADLINE', 'POINTING', 'HEADLINE', 'world_items', 'evaluate_world', 'scene_names',
-           'scene_shares', 'evaluate_folder']
+__all__ = ['WORLD_TASKS', 'FOLDER_HEADLINE', 'POINTING', 'REGION_TASKS', 'REGION_HEADLINE', 'HEADLINE', 'world_items',
+           'evaluate_world', 'scene_names', 'scene_shares', 'evaluate_folder']
 
 # %% ../../nbs/68_eval_world_scores.ipynb #4c41a20a
 # the world evaluation's tasks, in the order of its answer: each task's metric -> its key in the answer
@@ -32,7 +32,11 @@ WORLD_TASKS = {'sugarcrepe': {**{k: f'hn_{k}' for k in NEGATIVE_KINDS}, 'mean': 
 FOLDER_HEADLINE = {WORLD_TASKS[t][m]: TASKS[t].headline[m] for t, m in (('sugarcrepe', 'mean'), ('retrieval', 'i2t_R@1'),
                                                                        ('retrieval', 't2i_R@1'))}
 POINTING = {'pointing': 'pointing'}        # the pointing game's headline number (`grounding_score`)
-HEADLINE = {**FOLDER_HEADLINE, **POINTING}  # key -> display name: paired differences and verdicts, in table order
+# the region task on the folder's objects (`63a_eval_regions`): its own evaluation, cached apart (see "Regions" below)
+REGION_TASKS = {'regions': {'pooled_top1': 'region_acc', 'pooled_ap50': 'region_ap50', 'crop_top1': 'region_crop_acc',
+                            'crop_ap50': 'region_crop_ap50', 'shape/pooled_top1': 'region_shape_acc'}}
+REGION_HEADLINE = {'region_acc': TASKS['regions'].headline['pooled_top1']}
+HEADLINE = {**FOLDER_HEADLINE, **POINTING, **REGION_HEADLINE}  # key -> display name: paired differences, verdicts, in order
 
 # %% ../../nbs/68_eval_world_scores.ipynb #10abb8ab
 def world_items(ev: Evaluator, found: dict, scorer: str | None = None) -> dict:
@@ -57,13 +61,14 @@ def world_items(ev: Evaluator, found: dict, scorer: str | None = None) -> dict:
     out['t2i_R@1'] = dict(image=[names[i] for i in torch.as_tensor(text_image).tolist()], hit=t2i.int().tolist())
     return out
 
-def evaluate_world(ev: Evaluator, root, per_item: bool = False) -> dict:
-    "The comparison's numbers (%) on a world benchmark folder, for every scorer: `hn_<kind>`, `hn_mean`, R@1/R@5 both ways; `per_item`: also `items` (see above)."
-    found = find_data(root, tuple(WORLD_TASKS))
+def evaluate_world(ev: Evaluator, root, per_item: bool = False, tasks: dict = WORLD_TASKS) -> dict:
+    """The comparison's numbers (%) on a world benchmark folder, for every scorer: `tasks` {task: {metric: key}}, by default
+    `hn_<kind>`, `hn_mean`, R@1/R@5 both ways; `per_item`: also `items` (see above)."""
+    found = find_data(root, tuple(tasks))
     out = dict(scorer=ev.headline)
     for s in ev.scorers:
         m, _ = evaluate(ev, root, found=found, scorer=s)
-        res = {key: m[t].get(k, math.nan) for t, keys in WORLD_TASKS.items() for k, key in keys.items()}
+        res = {key: m[t].get(k, math.nan) for t, keys in tasks.items() for k, key in keys.items()}
         out.update({(k if s == ev.headline else f'{s}:{k}'): v for k, v in res.items()})
     if per_item: out['items'] = {s: world_items(ev, found[0], s) for s in ev.scorers}
     return out
@@ -101,7 +106,8 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
     f = folder / cache
     if f.is_file():
         c = json.loads(f.read_text())
-        if c.get("key") == key and c.get("weights_mtime_ns") == stamp: return c["results"]
+        if c.get("key") == key and c.get("weights_mtime_ns") == stamp:
+            return {**c["results"], **_region_numbers(folder, root, key, stamp, cache, lm, device)}
     t0 = time.time()
     lm = lm or load_model(checkpoint=folder, device=device)
     with tempfile.TemporaryDirectory() as d:         # features computed once for the numbers and the items
@@ -114,5 +120,23 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
         res.update({k: g[k] for k in ("pointing", "mean_iou", "n_phrases")})   # the comparison's (eval=3) numbers
     res["eval_s"] = time.time() - t0
     folder.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
+    return {**res, **_region_numbers(folder, root, key, stamp, cache, lm, device)}
+
+
+def _region_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str) -> dict:
+    "The region task's numbers of the weights in `folder` (every scorer), cached in `folder/<cache stem>_regions.json`."
+    if not any((root / 'annotations').glob('instances_*.json')): return {}     # a folder without objects to name
+    key = dict(key, eval=None, regions=1)
+    f = folder / f"{Path(cache).stem}_regions.json"
+    if f.is_file():
+        c = json.loads(f.read_text())
+        if c.get("key") == key and c.get("weights_mtime_ns") == stamp: return c["results"]
+    t0 = time.time()
+    lm = lm or load_model(checkpoint=folder, device=device)
+    with tempfile.TemporaryDirectory() as d:
+        res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, tasks=REGION_TASKS)
+    res = {k: v for k, v in res.items() if k != "scorer"}
+    res["region_eval_s"] = time.time() - t0
     tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
     return res
