@@ -53,8 +53,11 @@ test: install check docs
 	$(BIN)/nbdev_test --n_workers 2 --timing
 	$(BIN)/python -m pytest -q tests
 
-## Paired scripts and notebooks in sync, notebooks clean, and `nbdev_export` changes nothing.
+## The house rules (ruff.toml): lines of at most 120 characters, one statement per line, no unused or undefined names,
+## in the notebooks, benchmarks, tests and scripts (`ruff check --fix` mends the few it can); then paired scripts and
+## notebooks in sync, notebooks clean, `nbdev_export` changes nothing, and the package within 120 columns too.
 check: install
+	$(BIN)/ruff check .
 	$(BIN)/python .ci/check_notebooks.py
 
 ## The docs site, offline: every notebook a page (prose, math, code, committed outputs; nothing executed) and the

@@ -42,7 +42,8 @@ def main(argv=None):
     rows = [json.loads(l) for l in (coco / 'captions.jsonl').read_text().splitlines()][: a.n]
     res = []
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / 'in'; src.mkdir()
+        src = Path(tmp) / 'in'
+        src.mkdir()
         for s in range(0, len(rows), a.per_shard):
             with wds.TarWriter(str(src / f'{s // a.per_shard:05d}.tar')) as w:
                 for i, r in enumerate(rows[s: s + a.per_shard]):
@@ -51,10 +52,13 @@ def main(argv=None):
         for regions in a.regions:
             for workers in a.workers:
                 out = Path(tmp) / f'out_{regions}_{workers}'
-                cmd = [sys.executable, '-m', 'data_prep.annotate_shards', str(src), '--out', str(out), '--regions', regions,
-                       '--workers', str(workers), '--parser', 'spacy', '--no-progress']
-                t = time.time(); r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True); dt = time.time() - t
-                if r.returncode: sys.exit(r.stderr[-2000:])
+                cmd = [sys.executable, '-m', 'data_prep.annotate_shards', str(src), '--out', str(out), '--regions',
+                       regions, '--workers', str(workers), '--parser', 'spacy', '--no-progress']
+                t = time.time()
+                r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                dt = time.time() - t
+                if r.returncode:
+                    sys.exit(r.stderr[-2000:])
                 summ = json.loads((out / 'summary.json').read_text())
                 shard_s = sum(json.loads(p.read_text())['seconds'] for p in out.glob('*.stats.json'))
                 res.append(dict(regions=regions, workers=workers, samples=summ['written'], wall_s=round(dt, 2),
@@ -63,7 +67,8 @@ def main(argv=None):
                 print(res[-1], flush=True)
     machine = dict(platform=platform.platform(), cpus=os.cpu_count(), load_avg=os.getloadavg())
     print(machine)
-    out = ROOT / 'benchmarks' / 'results'; out.mkdir(parents=True, exist_ok=True)
+    out = ROOT / 'benchmarks' / 'results'
+    out.mkdir(parents=True, exist_ok=True)
     (out / 'annotate_throughput.json').write_text(json.dumps(dict(machine=machine, runs=res), indent=1))
 
 

@@ -25,7 +25,8 @@ def main(argv=None):
     ap.add_argument('--debug', action='store_true', help='show the traceback of a usage error')
     with usage_errors():
         a = ap.parse_args(argv)
-        _checks.at_least(a, 1, 'batch', 'steps'); _checks.at_least(a, 0, 'workers')
+        _checks.at_least(a, 1, 'batch', 'steps')
+        _checks.at_least(a, 0, 'workers')
         _checks.arch('--model', a.model)
     print(f'torch threads {torch.get_num_threads()}, batch {a.batch}, workers {a.workers}')
 
@@ -33,8 +34,10 @@ def main(argv=None):
                      model_geometry(a.model), BatchNeeds(tree=True, regions=10))    # what PowerCLIP-R asks for
     it = iter(make_loader(spec, epoch=0))
     batch = next(it)                      # worker start-up not timed
-    t0 = time.perf_counter(); n = 0
-    for b in it: n += len(b['index'])
+    t0 = time.perf_counter()
+    n = 0
+    for b in it:
+        n += len(b['index'])
     dt = time.perf_counter() - t0
     print(f'world loader: {n / dt:.0f} samples/s ({n} samples, M=10 random boxes, {spec.geometry.image_size} px)')
 
@@ -45,10 +48,13 @@ def main(argv=None):
     def step():
         e = encode(model, batch['image'], batch['tokens'])
         t = powerclip_loss(e['image'], e['text'], e['logit_scale'], powerset_inputs(e, batch), lcfg)
-        opt.zero_grad(); (t['clip'] + t['powerset']).backward(); opt.step()
+        opt.zero_grad()
+        (t['clip'] + t['powerset']).backward()
+        opt.step()
     step()                                # warm-up
     t0 = time.perf_counter()
-    for _ in range(a.steps): step()
+    for _ in range(a.steps):
+        step()
     dt = (time.perf_counter() - t0) / a.steps
     print(f'{a.model} train step: {dt * 1000:.0f} ms/step = {a.batch / dt:.0f} images/s')
 

@@ -49,25 +49,30 @@ def tower_bytes(precision: str, checkpointing: bool, b: int = 2, arch: str = "Vi
     img = torch.randn(b, 3, geo.image_size, geo.image_size, device=device)
     tok = torch.randint(1, min(49000, getattr(model, "vocab_size", 49408) - 1), (b, geo.context_length), device=device)
     ctx = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")
-    mem = PeakMemory(device); mem.start()
+    mem = PeakMemory(device)
+    mem.start()
     t0 = time.perf_counter()
     with saved_tensor_bytes() as n, ctx:
         out = encode(model, img, tok, need_patches=True)
     inputs = img.untyped_storage().nbytes() + tok.untyped_storage().nbytes()
     sum(v.float().sum() for k, v in out.items() if k != "logit_scale").backward()
     params = sum(p.numel() for p in model.parameters())
-    return dict(per_sample=(n["bytes"] - inputs) / b, params=params, seconds=time.perf_counter() - t0, peak_mib=mem.mib(), b=b)
+    return dict(per_sample=(n["bytes"] - inputs) / b, params=params, seconds=time.perf_counter() - t0,
+                peak_mib=mem.mib(), b=b)
 
 
-def loss_bytes(R: int, C: int, M: int, precision: str, block_mib: int, counts: list[int], D: int = 512, device: str = "cpu") -> dict:
-    "Saved-for-backward bytes of the PowerCLIP loss (fast path, both directions, CLIP loss included) at R x C; the peak (MiB)."
+def loss_bytes(R: int, C: int, M: int, precision: str, block_mib: int, counts: list[int], D: int = 512,
+               device: str = "cpu") -> dict:
+    """Saved-for-backward bytes of the PowerCLIP loss (fast path, both directions, CLIP loss included) at R x C; the
+    peak (MiB)."""
     from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, powerclip_loss
     from powerclip.measure import PeakMemory
     from powerclip.powerset_fast import saved_tensor_bytes
     g = torch.Generator().manual_seed(0)
     K = torch.tensor(counts)[torch.randint(len(counts), (C,), generator=g)].clamp_min(1)   # (C,) nodes per text
     dt = torch.bfloat16 if precision == "bf16" else torch.float32                        # what autocast hands the loss
-    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=g), dim=-1).to(device, dt).requires_grad_()
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=g),
+                                                    dim=-1).to(device, dt).requires_grad_()
     img_all, txt_all, reg_all = unit(C, D), unit(C, D), unit(C, M, D)
     phr_all = unit(int(K.sum()), D)
     node_text = torch.arange(C).repeat_interleave(K).to(device)
@@ -76,10 +81,12 @@ def loss_bytes(R: int, C: int, M: int, precision: str, block_mib: int, counts: l
     local = PowersetInputs(reg_all[:R], rv[:R], phr_all[:local_nodes], node_text=node_text[:local_nodes])
     gathered = PowersetInputs(reg_all, rv, phr_all, node_text=node_text)
     cfg = PowerCLIPLossConfig(block_bytes=block_mib << 20)
-    mem = PeakMemory(device); mem.start()
+    mem = PeakMemory(device)
+    mem.start()
     t0 = time.perf_counter()
     with saved_tensor_bytes() as n:
-        terms = powerclip_loss(img_all[:R], txt_all[:R], torch.tensor(50.0, device=device), local, cfg, img_all, txt_all, gathered, 0)
+        terms = powerclip_loss(img_all[:R], txt_all[:R], torch.tensor(50.0, device=device), local, cfg, img_all,
+                               txt_all, gathered, 0)
     held = sum(t.untyped_storage().nbytes() for t in (img_all, txt_all, reg_all, phr_all, node_text, rv))
     (terms["clip"] + terms["powerset"]).backward()
     return dict(saved=n["bytes"], beyond_inputs=n["bytes"] - held, inputs=held, mean_nodes=float(K.float().mean()),
@@ -95,38 +102,50 @@ def main(argv=None):
     ap.add_argument("--block-mib", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="where the bytes are measured: cpu | cuda | cuda:N")
-    ap.add_argument("--arch", default="ViT-B-16", help="the towers' architecture (a small one only to check the script)")
+    ap.add_argument("--arch", default="ViT-B-16", help="the towers' architecture (a small one "
+                                                       "only to check the script)")
     ap.add_argument("--out", type=Path, default=OUT, help="folder of the results (paper_memory.{json,md})")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     with usage_errors():
         a = ap.parse_args(argv)
         _checks.at_least(a, 1, "R", "M", "block-mib")
-        if a.gpu_gib <= 0 or not 0 <= a.reserve < 1: raise ValueError("--gpu-gib must be > 0 and --reserve in [0, 1)")
-        _checks.device(a.device); _checks.arch("--arch", a.arch); _checks.out_dir("--out", a.out)
+        if a.gpu_gib <= 0 or not 0 <= a.reserve < 1:
+            raise ValueError("--gpu-gib must be > 0 and --reserve in [0, 1)")
+        _checks.device(a.device)
+        _checks.arch("--arch", a.arch)
+        _checks.out_dir("--out", a.out)
         hist = OUT / "cc3m_node_counts.json"
-        if not hist.is_file(): raise FileNotFoundError(f"{hist} is missing: run benchmarks/powerset_scale.py once (it parses CC3M captions)")
-    if a.threads: torch.set_num_threads(a.threads)
-    counts = [int(k) for k, n in json.loads(hist.read_text())["hist"].items() for _ in range(n)]   # the parsed captions' K
+        if not hist.is_file():
+            raise FileNotFoundError(f"{hist} is missing: run benchmarks/powerset_scale.py once "
+                                    "(it parses CC3M captions)")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    # the parsed captions' K
+    counts = [int(k) for k, n in json.loads(hist.read_text())["hist"].items() for _ in range(n)]
     rows, towers = [], {}
     for prec in ("fp32", "bf16"):
         for ck in (False, True):
             towers[(prec, ck)] = tower_bytes(prec, ck, arch=a.arch, device=a.device)
-            print(f"towers {prec} checkpointing={ck}: {towers[(prec, ck)]['per_sample'] / 2**20:.1f} MiB per sample", flush=True)
+            print(f"towers {prec} checkpointing={ck}: "
+                  f"{towers[(prec, ck)]['per_sample'] / 2**20:.1f} MiB per sample", flush=True)
     params = towers[("fp32", False)]["params"]
     weights = 16 * params                                       # fp32 weights + grads + AdamW m, v
     budget = a.gpu_gib * 2**30 * (1 - a.reserve)
     for prec in ("fp32", "bf16"):
         for M in a.M:
             lb = loss_bytes(a.R, 8 * a.R, M, prec, a.block_mib, counts, device=a.device)
-            print(f"loss {prec} M={M} R={a.R} C={8 * a.R}: {lb['saved'] / 2**30:.2f} GiB saved ({lb['seconds']:.0f} s)", flush=True)
-            # the loss's bytes grow as R*C = 8 R^2 (tables) and C*(M + K)*D (gathered inputs): scale from the measurement
+            print(f"loss {prec} M={M} R={a.R} C={8 * a.R}: {lb['saved'] / 2**30:.2f} GiB "
+                  f"saved ({lb['seconds']:.0f} s)", flush=True)
+            # the loss's bytes grow as R*C = 8 R^2 (tables) and C*(M + K)*D (gathered inputs): scale from the
+            # measurement
             per_rc = lb["beyond_inputs"] / (a.R * 8 * a.R)
             per_c = lb["inputs"] / (8 * a.R)
             for ck in (False, True):
                 t = towers[(prec, ck)]["per_sample"]
                 total = lambda R: weights + R * t + per_rc * R * 8 * R + per_c * 8 * R + (a.block_mib << 20)
                 R = 1
-                while total(R + 1) <= budget: R += 1
+                while total(R + 1) <= budget:
+                    R += 1
                 rows.append(dict(precision=prec, checkpointing=ck, M=M, towers_mib_per_sample=t / 2**20,
                                  loss_gib_at_R=lb["saved"] / 2**30, R_measured=a.R, total_gib_at_R=total(a.R) / 2**30,
                                  fits_at_R=total(a.R) <= budget, max_local_batch=R,
@@ -138,17 +157,21 @@ def main(argv=None):
                 mean_nodes=lb["mean_nodes"], device=a.device, measured_on=on, arch=a.arch)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "paper_memory.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"# PowerCLIP with {a.arch} on one {a.gpu_gib:.0f} GB GPU (8 GPUs: C = 8 R), from saved-for-backward bytes measured on {on}",
+    lines = [f"# PowerCLIP with {a.arch} on one {a.gpu_gib:.0f} GB GPU (8 GPUs: C = 8 R), from "
+             f"saved-for-backward bytes measured on {on}",
              "", f"{params / 1e6:.1f} M parameters: weights + gradients + AdamW moments {weights / 2**30:.2f} GiB; "
              f"budget {budget / 2**30:.1f} GiB ({a.reserve:.0%} kept back); loss measured at R = {a.R}, C = {8 * a.R}, "
              f"mean {lb['mean_nodes']:.1f} nodes per caption (CC3M); block budget {a.block_mib} MiB. "
-             + ("Towers: CPU attention kernels (an upper bound of a GPU's flash/memory-efficient attention)." if on == "the CPU"
+             + ("Towers: CPU attention kernels (an upper bound of a GPU's flash/memory-efficient attention)."
+                if on == "the CPU"
                 else "Measured with this GPU's kernels."), "",
-             "| precision | grad ckpt | M | towers MiB/sample | loss GiB at R | total GiB at R | fits at R | largest local batch |",
+             "| precision | grad ckpt | M | towers MiB/sample | loss GiB at R | total GiB at R | fits at "
+             "R | largest local batch |",
              "|---|---|---:|---:|---:|---:|---|---:|"]
     for r in rows:
-        lines.append(f"| {r['precision']} | {'yes' if r['checkpointing'] else 'no'} | {r['M']} | {r['towers_mib_per_sample']:.1f} | "
-                     f"{r['loss_gib_at_R']:.2f} | {r['total_gib_at_R']:.1f} | {'yes' if r['fits_at_R'] else 'no'} | {r['max_local_batch']} |")
+        lines.append(f"| {r['precision']} | {'yes' if r['checkpointing'] else 'no'} | {r['M']} | "
+                     f"{r['towers_mib_per_sample']:.1f} | {r['loss_gib_at_R']:.2f} | {r['total_gib_at_R']:.1f} | "
+                     f"{'yes' if r['fits_at_R'] else 'no'} | {r['max_local_batch']} |")
     (a.out / "paper_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

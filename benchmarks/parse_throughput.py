@@ -17,7 +17,8 @@ from powerclip.commandline import ArgumentParser, run_main, usage_errors
 from powerclip.parsing import ParserConfig, load_pipeline, parse_captions, resolve_parser
 from powerclip.tokens import default_tokenizer, tree_tokens
 
-TSV = Path(__file__).resolve().parents[1] / '..' / 'shared' / 'data' / 'cc3m_validation' / 'Validation_GCC-1.1.0-Validation.tsv'
+TSV = (Path(__file__).resolve().parents[1] / '..' / 'shared' / 'data' / 'cc3m_validation'
+       / 'Validation_GCC-1.1.0-Validation.tsv')
 
 
 def cpu_seconds() -> float:
@@ -39,15 +40,17 @@ def main(argv=None):
         a = ap.parse_args(argv)
         _checks.existing('--tsv', a.tsv, hint='a CC3M-format file: caption<TAB>url per line')
         _checks.at_least(a, 1, 'n', 'procs', 'batch-size')
-        if a.total <= 0: raise ValueError(f'--total: must be above 0, got {a.total}')
-    with open(a.tsv, encoding='utf-8') as f: caps = [line.split('\t')[0] for line, _ in zip(f, range(a.n))]
+        if a.total <= 0:
+            raise ValueError(f'--total: must be above 0, got {a.total}')
+    with open(a.tsv, encoding='utf-8') as f:
+        caps = [line.split('\t')[0] for line, _ in zip(f, range(a.n))]
     cfg = ParserConfig(name=a.parser, batch_size=a.batch_size)
     name, why = resolve_parser(cfg)
     load_pipeline(name, cfg.spacy_model, cfg.benepar_model)
     parse_captions(caps[:64], cfg)                                           # warm-up
     default_tokenizer()
-    print(f'machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPU cores, python {platform.python_version()}, '
-          f'load average {os.getloadavg()[0]:.1f} before timing')
+    print(f'machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPU cores, python '
+          f'{platform.python_version()}, load average {os.getloadavg()[0]:.1f} before timing')
     print(f'parser: {name} ({why}); {len(caps)} CC3M validation captions; batch size {a.batch_size}\n')
     print(f"| processes | captions | wall s | captions/s | est. {a.total / 1e6:.0f}M captions | CPU s (all processes) "
           f"| captions per CPU-s |")
@@ -62,9 +65,11 @@ def main(argv=None):
               f'| {len(caps) / cpu:.0f} |', flush=True)
     print(f'\n(captions per CPU-s does not depend on other load: {a.total / 1e6:.0f}M captions need '
           f'{a.total / (len(caps) / cpu) / 3600:.1f} CPU-hours, i.e. that divided by the idle cores used)')
-    for pc in out[:64]: tree_tokens(pc)                                      # warm-up (word-piece cache starts cold)
+    for pc in out[:64]:
+        tree_tokens(pc)                                      # warm-up (word-piece cache starts cold)
     t0 = time.perf_counter()
-    for pc in out: tree_tokens(pc)
+    for pc in out:
+        tree_tokens(pc)
     dt = time.perf_counter() - t0
     print(f'\ntree_tokens (1 process): {len(out) / dt:.0f} captions/s; load average after: {os.getloadavg()[0]:.1f}')
 

@@ -22,7 +22,9 @@ def _median_time(fn, repeats):
     fn()
     ts = []
     for _ in range(repeats):
-        t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
 
@@ -59,22 +61,29 @@ def main(argv=None):
         x = v.conv1(image).flatten(2).transpose(1, 2)
         x = torch.cat([v.class_embedding.expand(a.batch, 1, -1), x], 1) + v.positional_embedding
         def selector():
-            return PGSSelector(PGSConfig(), v.patch_size[0], image, noise=hash_uniform(torch.arange(a.batch, device=dev), 0, 0, N),
+            return PGSSelector(PGSConfig(), v.patch_size[0], image,
+                               noise=hash_uniform(torch.arange(a.batch, device=dev), 0, 0, N),
                                alpha=0.5, pos=v.positional_embedding)
 
-        def select(): selector()(x); sync()
+        def select():
+            selector()(x)
+            sync()
         res["select_s"] = _median_time(select, a.repeats)
 
-        def tower(): v(image); sync()
+        def tower():
+            v(image)
+            sync()
         res["full_s"] = _median_time(tower, a.repeats)
 
         def tower_flip():
-            with select_patch_tokens(model, lambda t: random_keep(t, 0.5)): v(image)
+            with select_patch_tokens(model, lambda t: random_keep(t, 0.5)):
+                v(image)
             sync()
         res["flip_s"] = _median_time(tower_flip, a.repeats)
 
         def tower_pgs():
-            with select_patch_tokens(model, selector()): v(image)
+            with select_patch_tokens(model, selector()):
+                v(image)
             sync()
         res["pgs_s"] = _median_time(tower_pgs, a.repeats)
     res["select_over_flip_forward"] = res["select_s"] / res["flip_s"]

@@ -47,7 +47,8 @@ import _checks
 from powerclip.commandline import ArgumentParser, run_main, usage_errors
 
 OUT = Path(__file__).parent / "results"
-CC3M = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cc3m_validation" / "Validation_GCC-1.1.0-Validation.tsv"
+CC3M = (Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cc3m_validation"
+        / "Validation_GCC-1.1.0-Validation.tsv")
 SYNTHETIC = "synthetic: K = 1 + Poisson(6.5), capped at 64 (CC3M validation captions not found)"
 
 
@@ -83,7 +84,8 @@ def draw_counts(hist: dict | None, C: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     if hist is None:
         return (1 + torch.poisson(torch.full((C,), 6.5), generator=g)).clamp_(max=64).long().tolist()
-    ks = torch.tensor([int(k) for k in hist]); w = torch.tensor([float(v) for v in hist.values()])
+    ks = torch.tensor([int(k) for k in hist])
+    w = torch.tensor([float(v) for v in hist.values()])
     return ks[torch.multinomial(w, C, replacement=True, generator=g)].tolist()
 
 
@@ -100,8 +102,10 @@ def _inputs(R, C, M, D, counts, impl, seed=0, device="cpu"):
     leaves = dict(image_all=unit(C, D), text_all=unit(C, D), regions_all=unit(C, M, D), phrases_all=phrases)
     leaves.update(image=leaves["image_all"][:R].clone(), text=leaves["text_all"][:R].clone(),
                   regions=leaves["regions_all"][:R].clone(), phrases=phrases[node_text < R].clone())
-    leaves, node_text = {k: v.to(device) for k, v in leaves.items()}, node_text.to(device)   # drawn on the CPU: the same on any device
-    for t in leaves.values(): t.requires_grad_()
+    # drawn on the CPU: the same on any device
+    leaves, node_text = {k: v.to(device) for k, v in leaves.items()}, node_text.to(device)
+    for t in leaves.values():
+        t.requires_grad_()
     rv_all = torch.ones(C, M, dtype=torch.bool, device=device)  # random boxes: every region valid (PowerCLIP-R)
     if impl in ("fast", "auto"):
         local = PowersetInputs(leaves["regions"], rv_all[:R], leaves["phrases"], node_text=node_text[node_text < R])
@@ -123,14 +127,16 @@ def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0, devi
     from powerclip.powerset_fast import saved_tensor_bytes
     from powerclip.measure import PeakMemory, sync
     leaves, local, gathered, others = _inputs(R, C, M, D, counts, impl, seed, device)
-    cfg = PowerCLIPLossConfig(impl={"dense": "dense", "exact": "dense", "auto": "auto"}.get(impl, "fast"), exact=impl == "exact",
-                              block_bytes=block_bytes)
+    cfg = PowerCLIPLossConfig(impl={"dense": "dense", "exact": "dense", "auto": "auto"}.get(impl, "fast"),
+                              exact=impl == "exact", block_bytes=block_bytes)
     scale = torch.tensor(100.0, device=device)
     inputs = {t.untyped_storage().data_ptr() for t in [*leaves.values(), *others]}
 
     def step():
-        for t in leaves.values(): t.grad = None
-        with saved_tensor_bytes() as n, torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        for t in leaves.values():
+            t.grad = None
+        with saved_tensor_bytes() as n, torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                                                       enabled=precision == "bf16"):
             if impl == "clip":
                 loss = clip_loss(leaves["image"], leaves["text"], scale, leaves["image_all"], leaves["text_all"], 0)
             else:
@@ -141,11 +147,19 @@ def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0, devi
         assert torch.isfinite(loss) and all(torch.isfinite(t.grad).all() for t in leaves.values() if t.grad is not None)
         return n
 
-    mem = PeakMemory(device); mem.start()
-    t0 = time.perf_counter(); n = step(); sync(device); first = time.perf_counter() - t0  # warm-up
+    mem = PeakMemory(device)
+    mem.start()
+    t0 = time.perf_counter()
+    n = step()
+    sync(device)
+    first = time.perf_counter() - t0  # warm-up
     times = []
     for _ in range(reps if first < 30 else 1):  # a step of minutes is timed once
-        sync(device); t0 = time.perf_counter(); step(); sync(device); times.append(time.perf_counter() - t0)
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
     saved_inputs = sum(b for p, b in n["storages"].items() if p in inputs)
     return dict(time_s=statistics.median(times), reps=len(times), saved_bytes=n["bytes"],
                 saved_input_bytes=saved_inputs, saved_other_bytes=n["bytes"] - saved_inputs, peak_mib=mem.mib())
@@ -163,7 +177,8 @@ def predicted_gib(impl, R, C, M, kmax) -> float:
 def run_one(impl, R, C, M, precision, counts, a) -> dict:
     "One configuration in a fresh process (the one place that calls the fresh-process runner)."
     from powerclip.measure import run_isolated
-    return run_isolated(measure, impl, R, C, M, a.dim, counts, precision, a.reps, a.block_mib << 20, 0, a.device, threads=a.threads)
+    return run_isolated(measure, impl, R, C, M, a.dim, counts, precision, a.reps, a.block_mib << 20, 0, a.device,
+                        threads=a.threads)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -174,30 +189,34 @@ def _fmt_mib(r, k="saved_bytes"): return "-" if r is None or not r.get("ok") els
 def report(rows, meta, tag, out=OUT):
     out.mkdir(parents=True, exist_ok=True)
     (out / f"powerset_scale_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    get = lambda impl, R, C, M, p: next((r for r in rows if (r["impl"], r["R"], r["C"], r["M"], r["precision"]) == (impl, R, C, M, p)), None)
+    get = lambda impl, R, C, M, p: next((r for r in rows if (r["impl"], r["R"], r["C"], r["M"], r["precision"])
+                                         == (impl, R, C, M, p)), None)
     nc = meta["node_counts"]
     lines = [f"# The powerset loss at scale ({meta['machine']})", "",
              f"Forward + backward of `powerclip_loss` in its DDP form (R local rows against C gathered columns, both "
-             f"directions, CLIP loss included), D = {meta['args']['dim']}, median of {meta['args']['reps']} steps after a "
-             f"warm-up, each configuration in a fresh process, {meta['threads']} threads, torch {meta['torch']}.",
-             f"Node counts: {nc['source']}" + (f"; mean {nc['mean']:.1f}, p99 {nc['p99']}, max {nc['max']}." if nc.get("hist") else "."),
+             f"directions, CLIP loss included), D = {meta['args']['dim']}, median of {meta['args']['reps']} steps "
+             f"after a warm-up, each configuration in a fresh process, {meta['threads']} "
+             f"threads, torch {meta['torch']}.",
+             f"Node counts: {nc['source']}"
+             + (f"; mean {nc['mean']:.1f}, p99 {nc['p99']}, max {nc['max']}." if nc.get("hist") else "."),
              f"Fast path block budget {meta['args']['block_mib']} MiB. dense / exact skipped above a predicted "
              f"{meta['args']['budget_gib']} GiB saved for backward. 'saved' = bytes autograd keeps for backward "
              "(saved_tensors_hooks, each storage once); 'beyond inputs' leaves out the embeddings the loss receives "
              "(which the caller holds anyway); peak = peak RSS above the size once the inputs exist. The machine is "
              "shared with other jobs: a timing of seconds varies by tens of percent between runs.", "",
-             "| prec | R | C | M | K_max | fast ms | dense ms | exact ms | CLIP ms | dense / fast | fast saved MiB (beyond inputs) "
-             "| dense saved MiB | exact saved MiB | CLIP saved MiB | fast peak MiB | dense peak MiB |",
+             "| prec | R | C | M | K_max | fast ms | dense ms | exact ms | CLIP ms | dense / fast | fast saved MiB "
+             "(beyond inputs) | dense saved MiB | exact saved MiB | CLIP saved MiB | fast peak MiB | dense peak MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["precision"], r["R"], r["C"], r["M"]) for r in rows}, key=lambda k: (k[0] != "fp32", k[1], k[2], k[3]))
+    keys = sorted({(r["precision"], r["R"], r["C"], r["M"]) for r in rows},
+                  key=lambda k: (k[0] != "fp32", k[1], k[2], k[3]))
     for p, R, C, M in keys:
         f, d, x, c = (get(i, R, C, M, p) for i in ("fast", "dense", "exact", "clip"))
         kmax = next(r["K_max"] for r in rows if (r["precision"], r["R"], r["C"], r["M"]) == (p, R, C, M))
         ratio = f"{d['time_s'] / f['time_s']:.1f}x" if f and d and f.get("ok") and d.get("ok") else "-"
         fs = f"{_fmt_mib(f)} ({_fmt_mib(f, 'saved_other_bytes')})" if f and f.get("ok") else _fmt_ms(f)
         peak = lambda r: f"{r['peak_mib']:.0f}" if r and r.get("ok") else "-"
-        lines.append(f"| {p} | {R} | {C} | {M} | {kmax} | {_fmt_ms(f)} | {_fmt_ms(d)} | {_fmt_ms(x)} | {_fmt_ms(c)} | {ratio} "
-                     f"| {fs} | {_fmt_mib(d)} | {_fmt_mib(x)} | {_fmt_mib(c)} | {peak(f)} | {peak(d)} |")
+        lines.append(f"| {p} | {R} | {C} | {M} | {kmax} | {_fmt_ms(f)} | {_fmt_ms(d)} | {_fmt_ms(x)} | {_fmt_ms(c)} | "
+                     f"{ratio} | {fs} | {_fmt_mib(d)} | {_fmt_mib(x)} | {_fmt_mib(c)} | {peak(f)} | {peak(d)} |")
     lines += ["", "## Targets (issue 15, this CPU)", ""] + targets(get)
     (out / f"powerset_scale_{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -211,7 +230,8 @@ def targets(get) -> list[str]:
         r_all, r_oth = f32["saved_bytes"] / f5["saved_bytes"], f32["saved_other_bytes"] / f5["saved_other_bytes"]
         out.append(f"- R=64, C=512, fp32, fast path, saved for backward at M=32 / M=5: {r_oth:.2f}x beyond the inputs "
                    f"({'met' if r_oth <= 2 else 'NOT met'}: at most 2x); {r_all:.2f}x including the inputs, whose "
-                   f"regions (C, M, D) grow with M by themselves ({'met' if r_all <= 2 else 'NOT met'} on that reading).")
+                   "regions (C, M, D) grow with M by themselves "
+                   f"({'met' if r_all <= 2 else 'NOT met'} on that reading).")
     f10, d10 = get("fast", 64, 512, 10, "fp32"), get("dense", 64, 512, 10, "fp32")
     if f10 and d10 and f10.get("ok") and d10.get("ok"):
         r = d10["time_s"] / f10["time_s"]
@@ -221,16 +241,19 @@ def targets(get) -> list[str]:
 
 
 def plot(rows, meta, path):
-    import matplotlib; matplotlib.use("Agg")
+    import matplotlib
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     ok = [r for r in rows if r.get("ok") and r["precision"] == "fp32"]
     RC = sorted({(r["R"], r["C"]) for r in ok})
-    if not RC: return
+    if not RC:
+        return
     fig, ax = plt.subplots(2, len(RC), figsize=(3.3 * len(RC), 6), squeeze=False)
     for col, (R, C) in enumerate(RC):
         for impl, style in (("fast", "o-"), ("dense", "s--"), ("exact", "^:"), ("clip", "k-")):
             pts = sorted((r["M"], r) for r in ok if (r["R"], r["C"], r["impl"]) == (R, C, impl))
-            if not pts: continue
+            if not pts:
+                continue
             ax[0, col].plot([m for m, _ in pts], [r["time_s"] * 1e3 for _, r in pts], style, label=impl)
             ax[1, col].plot([m for m, _ in pts], [r["saved_bytes"] / 2**20 for _, r in pts], style, label=impl)
             if impl == "fast":
@@ -238,21 +261,27 @@ def plot(rows, meta, path):
                                 color="C0", alpha=0.6, label="fast, beyond inputs")
         ax[0, col].set(title=f"R={R}, C={C}", yscale="log", xlabel="regions M")
         ax[1, col].set(yscale="log", xlabel="regions M")
-    ax[0, 0].set_ylabel("fwd+bwd time (ms)"); ax[1, 0].set_ylabel("saved for backward (MiB)")
-    ax[0, 0].legend(fontsize=8); ax[1, 0].legend(fontsize=8)
+    ax[0, 0].set_ylabel("fwd+bwd time (ms)")
+    ax[1, 0].set_ylabel("saved for backward (MiB)")
+    ax[0, 0].legend(fontsize=8)
+    ax[1, 0].legend(fontsize=8)
     fig.suptitle(f"powerset loss, fp32, {meta['machine']}", fontsize=10)
-    fig.tight_layout(); fig.savefig(path, dpi=110)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv=None):
-    ap = ArgumentParser(prog="powerset_scale.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="powerset_scale.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--R", type=int, nargs="+", default=[64, 256], help="local rows per process")
     ap.add_argument("--C", type=int, nargs="+", default=[512, 2048], help="gathered columns (global batch)")
     ap.add_argument("--M", type=int, nargs="+", default=[5, 10, 15, 32], help="regions per image")
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    ap.add_argument("--impl", nargs="+", default=["fast", "dense", "exact", "clip"], choices=["fast", "dense", "exact", "clip", "auto"])
-    ap.add_argument("--K", type=int, default=None, help="nodes per caption, the same for every caption (default: real CC3M counts)")
+    ap.add_argument("--impl", nargs="+", default=["fast", "dense", "exact", "clip"],
+                    choices=["fast", "dense", "exact", "clip", "auto"])
+    ap.add_argument("--K", type=int, default=None, help="nodes per caption, the same for every caption "
+                                                        "(default: real CC3M counts)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--out", type=Path, default=OUT, help="folder of the results")
     ap.add_argument("--dim", type=int, default=256, help="embedding width D")
@@ -263,14 +292,18 @@ def main(argv=None):
                     "is steadier: two OpenMP threads that lose their core to another process wait for each other)")
     ap.add_argument("--cc3m", type=Path, default=CC3M, help="CC3M validation TSV for the node counts")
     ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--report-only", action="store_true", help="rewrite the md and png from results/powerset_scale_TAG.json")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the md and png from "
+                                                               "results/powerset_scale_TAG.json")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     with usage_errors():
         a = ap.parse_args(argv)
         _checks.at_least(a, 1, "R", "C", "M", "dim", "reps", "block-mib", "threads")
-        if a.K is not None: _checks.at_least(a, 1, "K")
-        if a.budget_gib <= 0: raise ValueError(f"--budget-gib: must be > 0, got {a.budget_gib}")
-        _checks.device(a.device); _checks.out_dir("--out", a.out)
+        if a.K is not None:
+            _checks.at_least(a, 1, "K")
+        if a.budget_gib <= 0:
+            raise ValueError(f"--budget-gib: must be > 0, got {a.budget_gib}")
+        _checks.device(a.device)
+        _checks.out_dir("--out", a.out)
         if a.report_only:
             _checks.existing("--tag", a.out / f"powerset_scale_{a.tag}.json", hint="run without --report-only first")
     if a.report_only:
@@ -279,32 +312,38 @@ def main(argv=None):
 
     nc = node_count_hist(a.cc3m) if a.K is None else dict(source=f"fixed: K = {a.K} nodes per caption", hist=None)
     print("node counts:", nc["source"])
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
-    if a.device.startswith("cuda"): cpu = f"{torch.cuda.get_device_name(torch.device(a.device))} (host: {cpu})"
-    meta = dict(machine=f"{cpu}, {os.cpu_count()} cores, {a.threads} thread(s) per run", threads=a.threads, torch=torch.__version__,
-                device=a.device,
+    cpu = (next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists()
+           else platform.machine())
+    if a.device.startswith("cuda"):
+        cpu = f"{torch.cuda.get_device_name(torch.device(a.device))} (host: {cpu})"
+    meta = dict(machine=f"{cpu}, {os.cpu_count()} cores, {a.threads} thread(s) per run", threads=a.threads,
+                torch=torch.__version__, device=a.device,
                 args={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
                 node_counts={k: v for k, v in nc.items() if k != "hist"} | {"hist": bool(nc.get("hist"))})
     rows = []
     for precision in a.precision:
         for R in a.R:
             for C in a.C:
-                if R > C: continue
+                if R > C:
+                    continue
                 counts = [a.K] * C if a.K else draw_counts(nc.get("hist"), C, seed=C)
                 kmax = max(counts)
                 for M in a.M:
                     for impl in a.impl:
                         base = dict(impl=impl, R=R, C=C, M=M, precision=precision, K_max=kmax, P=sum(counts))
                         if impl == "clip" and M != a.M[0]:  # the CLIP loss does not depend on M: measure once
-                            prev = next(r for r in rows if (r["impl"], r["R"], r["C"], r["precision"]) == ("clip", R, C, precision))
-                            rows.append({**prev, **base}); continue
+                            prev = next(r for r in rows
+                                        if (r["impl"], r["R"], r["C"], r["precision"]) == ("clip", R, C, precision))
+                            rows.append({**prev, **base})
+                            continue
                         gib = predicted_gib(impl, R, C, M, kmax)
                         if gib > a.budget_gib:
                             r = dict(ok=False, why=f"skipped: ~{gib:.3g} GiB > {a.budget_gib:g} GiB")
                         else:
                             r = run_one(impl, R, C, M, precision, counts, a)
-                            if not r.get("ok"): r["why"] = "failed"
+                            if not r.get("ok"):
+                                r["why"] = "failed"
                         rows.append({**base, **r})
                         print(f"{precision} R={R} C={C} M={M} {impl:5s} " + (
                             f"{r['time_s'] * 1e3:8.0f} ms  saved {r['saved_bytes'] / 2**20:8.1f} MiB "

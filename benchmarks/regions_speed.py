@@ -29,14 +29,16 @@ def timed(fn, items, repeat=1):
     ts = []
     for x in items:
         for _ in range(repeat):
-            t = time.perf_counter(); fn(x); ts.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            fn(x)
+            ts.append(time.perf_counter() - t)
     return 1e3 * np.median(ts), 1e3 * np.mean(ts)
 
 
 def main(argv=None):
     ap = ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--images', default=None, help='a folder of .jpg photos (default: the shared coco_sample when present, '
-                    'else synthetic images)')
+    ap.add_argument('--images', default=None, help='a folder of .jpg photos (default: the shared coco_sample when '
+                    'present, else synthetic images)')
     ap.add_argument('--n', type=int, default=20)
     ap.add_argument('--sam2', action='store_true')
     ap.add_argument('--sam2-config', default='configs/sam2.1/sam2.1_hiera_t.yaml')
@@ -48,8 +50,10 @@ def main(argv=None):
         a = ap.parse_args(argv)
         _checks.at_least(a, 1, 'n', 'threads')
         _checks.device(a.device)
-        if a.images is not None: _checks.existing('--images', a.images, 'dir')
-        if a.sam2_checkpoint is not None: _checks.existing('--sam2-checkpoint', a.sam2_checkpoint)
+        if a.images is not None:
+            _checks.existing('--images', a.images, 'dir')
+        if a.sam2_checkpoint is not None:
+            _checks.existing('--sam2-checkpoint', a.sam2_checkpoint)
     images = Path(a.images or ROOT.parent / 'shared/data/coco_sample/images')
     torch.set_num_threads(a.threads)
     paths = sorted(images.glob('*.jpg'))[: a.n] if images.is_dir() else []
@@ -66,7 +70,8 @@ def main(argv=None):
             x / 256 for x in timed(lambda _: R.random_box_masks_batch(256, 14, 14, 10, g), range(20))),
         'slic on 224x224': timed(R.superpixel_labels, views),
         'felzenszwalb on 224x224': timed(lambda v: R.superpixel_labels(v, R.SuperpixelConfig('felzenszwalb')), views),
-        'reduce slic masks to 14x14 (224 px)': timed(lambda l: R.masks_to_patch_grid(R.labels_to_masks(l), grid), labels),
+        'reduce slic masks to 14x14 (224 px)': timed(lambda l: R.masks_to_patch_grid(R.labels_to_masks(l), grid),
+                                                     labels),
         'superpixel_masks on the original photo': timed(lambda im: R.superpixel_masks(im, grid), imgs),
     }
     if a.sam2:
@@ -82,10 +87,13 @@ def main(argv=None):
                    gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     print(f'{len(imgs)} images ({"coco_sample" if paths else "synthetic"}), {machine}')
     print(f'{"operation":<52} {"median ms":>10} {"mean ms":>10}')
-    for k, (med, mean) in rows.items(): print(f'{k:<52} {med:10.3f} {mean:10.3f}')
-    out = ROOT / 'benchmarks' / 'results'; out.mkdir(parents=True, exist_ok=True)
+    for k, (med, mean) in rows.items():
+        print(f'{k:<52} {med:10.3f} {mean:10.3f}')
+    out = ROOT / 'benchmarks' / 'results'
+    out.mkdir(parents=True, exist_ok=True)
     (out / 'regions_speed.json').write_text(json.dumps(dict(machine=machine, n_images=len(imgs),
-                                                            ms_per_image={k: dict(median=v[0], mean=v[1]) for k, v in rows.items()}), indent=1))
+                                                            ms_per_image={k: dict(median=v[0], mean=v[1])
+                                                                          for k, v in rows.items()}), indent=1))
 
 
 if __name__ == '__main__':

@@ -1,4 +1,4 @@
-"""Per-step time and peak memory of PowerCLIP against CLIP under the same settings, as a ratio in one run.
+r"""Per-step time and peak memory of PowerCLIP against CLIP under the same settings, as a ratio in one run.
 
 Both methods go through the trainer's own run (`powerclip.train.build_run`: model, method, forward, AdamW,
 schedule) and step (forward, loss, backward, update) with the same model config, the same world images and captions
@@ -8,8 +8,10 @@ that a drift in machine load hits all alike. The time per step is the median ove
 
     python benchmarks/train_step_ratio.py                                   # CPU: the demo preset's tiny model
     python benchmarks/train_step_ratio.py --preset paper --device cuda --batch 256 --precision bf16   # ViT-B/16
-    python benchmarks/train_step_ratio.py --methods clip flip clip-pgs c2lip c2lip:base=clip smartclip filip sparc powerclip
-    python benchmarks/train_step_ratio.py --preset paper --device cuda --batch 256 --precision bf16 --set model.compile=true
+    python benchmarks/train_step_ratio.py --methods clip flip clip-pgs c2lip c2lip:base=clip smartclip filip sparc \
+        powerclip
+    python benchmarks/train_step_ratio.py --preset paper --device cuda --batch 256 --precision bf16 \
+        --set model.compile=true
 
 A method may carry options after a colon: `c2lip:base=clip,concept_embedding=encode`; `--set key=value` overrides the
 config of every method (`benchmarks/gpu_check.py` uses it for `torch.compile`). Results: `--out`/train_step_ratio_TAG.*
@@ -61,16 +63,21 @@ def measure(method, a):
     it = iter(run.loader())
     batches = [run.prepare(next(it)) for _ in range(a.warmup + a.steps)]
     state = TrainState()
-    for b in batches[:a.warmup]: run.step(b, state)
+    for b in batches[:a.warmup]:
+        run.step(b, state)
     sync(a.device)
-    mem = PeakMemory(a.device); mem.start()
+    mem = PeakMemory(a.device)
+    mem.start()
     times = []
     for b in batches[a.warmup:]:
-        sync(a.device); t0 = time.perf_counter()
+        sync(a.device)
+        t0 = time.perf_counter()
         run.step(b, state)
-        sync(a.device); times.append(time.perf_counter() - t0)
+        sync(a.device)
+        times.append(time.perf_counter() - t0)
     # on a GPU also the whole peak: weights, gradients, AdamW's moments and the prepared batches included
-    total = torch.cuda.max_memory_allocated(torch.device(a.device)) / 2**20 if a.device.startswith("cuda") else float("nan")
+    total = (torch.cuda.max_memory_allocated(torch.device(a.device)) / 2**20 if a.device.startswith("cuda")
+             else float("nan"))
     return dict(times=times, peak_mib=mem.mib(), peak_total_mib=total, model=cfg.model.name,
                 params=sum(p.numel() for p in run.model.parameters()))
 
@@ -86,28 +93,34 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--grad-checkpointing", action="store_true")
     ap.add_argument("--methods", nargs="+", default=["clip", "powerclip"])
-    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides for every method (model.compile=true)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides for every "
+                                                                              "method (model.compile=true)")
     ap.add_argument("--out", type=Path, default=OUT, help="folder of the results")
     ap.add_argument("--tag", default=None, help="name of the results (default: PRESET_DEVICE_BBATCH_PRECISION)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     with usage_errors():     # every method's whole config is checked here, before any process builds a model
         a = ap.parse_args(argv)
-        _checks.at_least(a, 1, "batch", "steps", "rounds"); _checks.at_least(a, 0, "warmup")
+        _checks.at_least(a, 1, "batch", "steps", "rounds")
+        _checks.at_least(a, 0, "warmup")
         _checks.device(a.device)
         _checks.out_dir("--out", a.out)
         from powerclip.train import validate
         for m in a.methods:
-            try: validate(config(m, a), world_size=1)
-            except ValueError as e: raise ValueError(f"--methods {m}: {e}") from None
+            try:
+                validate(config(m, a), world_size=1)
+            except ValueError as e:
+                raise ValueError(f"--methods {m}: {e}") from None
 
     res = {m: [] for m in a.methods}
     for r in range(a.rounds):
         for m in a.methods:
             out = run_isolated(measure, m, a, threads=os.cpu_count() or 1)
             if not out["ok"]:
-                print(f"{m}: {out['error']}"); return 1
+                print(f"{m}: {out['error']}")
+                return 1
             res[m].append(out)
-            print(f"round {r} {m:10s} {statistics.median(out['times'])*1e3:9.1f} ms/step  peak {out['peak_mib']:8.1f} MiB", flush=True)
+            print(f"round {r} {m:10s} {statistics.median(out['times'])*1e3:9.1f} ms/step  peak "
+                  f"{out['peak_mib']:8.1f} MiB", flush=True)
     base = a.methods[0]
     summary = {}
     for m in a.methods:
@@ -119,14 +132,18 @@ def main(argv=None):
         summary[m]["time_ratio"] = summary[m]["ms_per_step"] / summary[base]["ms_per_step"]
         summary[m]["mem_ratio"] = summary[m]["peak_mib"] / max(summary[base]["peak_mib"], 1e-9)
     meta = dict(preset=a.preset, model=res[base][0]["model"], params=res[base][0]["params"], device=a.device,
-                gpu=torch.cuda.get_device_name(torch.device(a.device)) if a.device.startswith("cuda") else None, cpu=platform.processor() or platform.machine(),
-                cores=os.cpu_count(), torch=torch.__version__, args={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()})
+                gpu=torch.cuda.get_device_name(torch.device(a.device)) if a.device.startswith("cuda") else None,
+                cpu=platform.processor() or platform.machine(),
+                cores=os.cpu_count(), torch=torch.__version__,
+                args={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()})
     a.out.mkdir(parents=True, exist_ok=True)
     tag = a.tag or f"{a.preset}_{a.device}_B{a.batch}_{a.precision}"
     (a.out / f"train_step_ratio_{tag}.json").write_text(json.dumps(dict(meta=meta, summary=summary), indent=1))
     lines = [f"# Train step: {meta['model']} ({a.preset} preset), {a.device}, batch {a.batch}, {a.precision}", "",
-             f"| method | ms/step | images/s | peak MiB | time / {base} | memory / {base} |", "|---|---|---|---|---|---|"]
-    lines += [f"| {m} | {s['ms_per_step']:.1f} | {s['images_per_s']:.1f} | {s['peak_mib']:.1f} | {s['time_ratio']:.2f}x | {s['mem_ratio']:.2f}x |"
+             f"| method | ms/step | images/s | peak MiB | time / {base} | memory / {base} |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {m} | {s['ms_per_step']:.1f} | {s['images_per_s']:.1f} | {s['peak_mib']:.1f} | "
+              f"{s['time_ratio']:.2f}x | {s['mem_ratio']:.2f}x |"
               for m, s in summary.items()]
     (a.out / f"train_step_ratio_{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -41,7 +41,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from powerclip.commandline import ArgumentParser, UsageError, run_main, usage_errors   # the project's command-line convention
+# the project's command-line convention
+from powerclip.commandline import ArgumentParser, UsageError, run_main, usage_errors
 
 OURS = ('tree.json', 'regions.npz')             # members this tool writes (replaced if the input has them)
 STATS_VERSION = 2                               # 2: trees hold the caption as given + word offsets; caption_problem
@@ -74,10 +75,14 @@ class AnnotateConfig:
     def fingerprint(self) -> dict:
         "The settings that change what is written: a finished shard made with other settings is redone."
         keep = ['regions', 'parser']
-        if self.regions != 'none': keep += ['grid_h', 'grid_w', 'min_frac', 'keep_best', 'crop', 'seg_size']
-        if self.regions == 'slic': keep += ['n_segments']
-        if self.regions == 'felzenszwalb': keep += ['fz_scale']
-        if self.regions == 'sam2': keep += ['sam2_config', 'sam2_checkpoint', 'sam2_points_per_side']
+        if self.regions != 'none':
+            keep += ['grid_h', 'grid_w', 'min_frac', 'keep_best', 'crop', 'seg_size']
+        if self.regions == 'slic':
+            keep += ['n_segments']
+        if self.regions == 'felzenszwalb':
+            keep += ['fz_scale']
+        if self.regions == 'sam2':
+            keep += ['sam2_config', 'sam2_checkpoint', 'sam2_points_per_side']
         return {k: getattr(self, k) for k in keep}
 
 
@@ -89,12 +94,17 @@ def expand_inputs(specs: list[str]) -> list[Path]:
     for spec in specs:
         for s in braceexpand(spec):
             p = Path(s)
-            if p.is_dir(): out += sorted(p.glob('*.tar'))
-            elif any(c in s for c in '*?['): out += sorted(Path(x) for x in glob.glob(s))
-            else: out.append(p)
+            if p.is_dir():
+                out += sorted(p.glob('*.tar'))
+            elif any(c in s for c in '*?['):
+                out += sorted(Path(x) for x in glob.glob(s))
+            else:
+                out.append(p)
     seen, uniq = set(), []
     for p in out:
-        if p.resolve() not in seen: seen.add(p.resolve()); uniq.append(p)
+        if p.resolve() not in seen:
+            seen.add(p.resolve())
+            uniq.append(p)
     names = Counter(p.name for p in uniq)
     if dups := [n for n, c in names.items() if c > 1]:
         raise UsageError(f'shards: input shards share file names {dups[:5]}: outputs would collide')
@@ -104,12 +114,16 @@ def expand_inputs(specs: list[str]) -> list[Path]:
 def check_inputs(specs: list[str], shards: list[Path], out: str):
     "Raise UsageError (one line naming the argument) for inputs that cannot work; nothing is written."
     allowed = 'give shard files, directories holding *.tar, brace patterns ({00000..00009}.tar) or globs'
-    if not shards: raise UsageError(f'shards: nothing matched {" ".join(map(repr, specs))} ({allowed})')
+    if not shards:
+        raise UsageError(f'shards: nothing matched {" ".join(map(repr, specs))} ({allowed})')
     for p in shards:
-        if not p.exists(): raise UsageError(f'shards: {str(p)!r} does not exist ({allowed})')
-        if not p.is_file(): raise UsageError(f'shards: {str(p)!r} is not a file ({allowed})')
+        if not p.exists():
+            raise UsageError(f'shards: {str(p)!r} does not exist ({allowed})')
+        if not p.is_file():
+            raise UsageError(f'shards: {str(p)!r} is not a file ({allowed})')
     o = Path(out)
-    if o.exists() and not o.is_dir(): raise UsageError(f'--out: {out!r} is a file; give a directory (created if missing)')
+    if o.exists() and not o.is_dir():
+        raise UsageError(f'--out: {out!r} is a file; give a directory (created if missing)')
     if next((a for a in o.parents if a.exists() and not a.is_dir()), None) is not None:
         raise UsageError(f'--out: {out!r} is inside a file; give a directory (created if missing)')
 
@@ -130,29 +144,44 @@ def hold_output(out: Path):
     import fcntl
     out.mkdir(parents=True, exist_ok=True)
     f = open(out / LOCK, 'a+')
-    try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0); owner = (f.read().split() or ['?'])[0]; f.close()
-        raise UsageError(f'--out: {str(out)!r} is being written by another run (pid {owner}); wait for it or stop it') from None
+        f.seek(0)
+        owner = (f.read().split() or ['?'])[0]
+        f.close()
+        raise UsageError(f'--out: {str(out)!r} is being written by another run (pid '
+                         f'{owner}); wait for it or stop it') from None
     run = f'{os.getpid()}-{secrets.token_hex(4)}'
-    f.seek(0); f.truncate(); f.write(f'{os.getpid()} {run}\n'); f.flush()
-    for q in out.glob('*.partial'): q.unlink(missing_ok=True)
-    try: yield run
-    finally: f.close()                                  # closing the file releases the lock
+    f.seek(0)
+    f.truncate()
+    f.write(f'{os.getpid()} {run}\n')
+    f.flush()
+    for q in out.glob('*.partial'):
+        q.unlink(missing_ok=True)
+    try:
+        yield run
+    finally:
+        f.close()                                  # closing the file releases the lock
 
 
 def holds_output(out: Path, run: str) -> bool:
     "Does run `run` still hold `out` (the lock file names it)?"
-    try: return (out / LOCK).read_text().split()[1:2] == [run]
-    except (OSError, IndexError): return False
+    try:
+        return (out / LOCK).read_text().split()[1:2] == [run]
+    except (OSError, IndexError):
+        return False
 
 
 def finished(shard: Path, cfg: AnnotateConfig) -> dict | None:
     "The stats of a finished shard, or None if it must be (re)done."
     tar, _, stats = out_paths(shard, Path(cfg.out))
-    if cfg.overwrite or not (tar.exists() and stats.exists()): return None
-    try: st = json.loads(stats.read_text())
-    except Exception: return None
+    if cfg.overwrite or not (tar.exists() and stats.exists()):
+        return None
+    try:
+        st = json.loads(stats.read_text())
+    except Exception:
+        return None
     ok = (st.get('version') == STATS_VERSION and st.get('settings') == cfg.fingerprint()
           and st.get('input_bytes') == (shard.stat().st_size if shard.exists() else None))
     return st if ok else None
@@ -162,7 +191,8 @@ def finished(shard: Path, cfg: AnnotateConfig) -> dict | None:
 def _split(name: str) -> tuple[str, str] | None:
     "webdataset's rule: the key is the path up to the first dot of the file name; the rest is the extension."
     d, _, base = name.rpartition('/')
-    if '.' not in base or base.startswith('.'): return None
+    if '.' not in base or base.startswith('.'):
+        return None
     k, ext = base.split('.', 1)
     return (f'{d}/{k}' if d else k), ext
 
@@ -178,28 +208,37 @@ def read_groups(path: Path, on_bad):
     try:
         with tarfile.open(path, 'r|*') as tf:
             for ti in tf:
-                if not ti.isfile(): continue
+                if not ti.isfile():
+                    continue
                 kx = _split(ti.name)
                 if kx is not None and kx[0] != cur:     # a new sample starts: the previous one is complete
-                    if members is not None: yield cur, members
+                    if members is not None:
+                        yield cur, members
                     cur, members = kx[0], []
-                    if cur in seen: on_bad(cur, 'duplicate_key', 'key seen earlier in this shard'); members = None
+                    if cur in seen:
+                        on_bad(cur, 'duplicate_key', 'key seen earlier in this shard')
+                        members = None
                     seen.add(cur)
                 data = tf.extractfile(ti).read()        # raises if the file ends inside this member
                 n += 1
-                if kx is None: on_bad(ti.name, 'no_extension', 'member name has no extension')
-                elif members is not None: members.append((ti, data))
+                if kx is None:
+                    on_bad(ti.name, 'no_extension', 'member name has no extension')
+                elif members is not None:
+                    members.append((ti, data))
             end = tf.offset
         if path.suffix == '.tar':                     # a complete plain tar ends with two zero blocks
             with open(path, 'rb') as f:
-                f.seek(end); tail = f.read(1024)
+                f.seek(end)
+                tail = f.read(1024)
             if len(tail) < 1024 or tail.strip(b'\0'):
                 truncated, error = True, f'no end-of-archive marker after byte {end} (file cut short?)'
     except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
         truncated, error = True, f'{type(e).__name__}: {e}'
     if members is not None:
-        if truncated: on_bad(cur, 'truncated', f'last sample of a truncated shard ({error})')
-        else: yield cur, members
+        if truncated:
+            on_bad(cur, 'truncated', f'last sample of a truncated shard ({error})')
+        else:
+            yield cur, members
     return n, truncated, error
 
 
@@ -228,7 +267,8 @@ class Annotator:
                 self._masker = R.SAM2Masker(R.SAM2Config(
                     config=c.sam2_config, checkpoint=c.sam2_checkpoint, random_weights_ok=c.sam2_random_weights_ok,
                     device=c.device, points_per_side=c.sam2_points_per_side), grid)
-            else: raise ValueError(f'unknown regions method {c.regions!r}')
+            else:
+                raise ValueError(f'unknown regions method {c.regions!r}')
         return self._masker
 
     def regions(self, image) -> tuple[bytes, object]:
@@ -244,16 +284,23 @@ def check_sample(key: str, members: list) -> tuple[dict | None, tuple[str, str] 
     from powerclip.parsing import caption_problem
     by_ext = {_split(ti.name)[1]: data for ti, data in members}
     img_ext = next((e[1:] for e in IMAGE_EXTS if e[1:] in by_ext), None)   # member keys are suffixes without the dot
-    if img_ext is None: return None, ('missing_image', f'no {"/".join(e[1:] for e in IMAGE_EXTS)} member')
+    if img_ext is None:
+        return None, ('missing_image', f'no {"/".join(e[1:] for e in IMAGE_EXTS)} member')
     try:
-        with Image.open(io.BytesIO(by_ext[img_ext])) as im: image = im.convert('RGB')
-    except Exception as e: return None, ('bad_image', f'{type(e).__name__}: {e}'[:300])
-    if 'txt' not in by_ext: return None, ('missing_txt', 'no .txt member')
-    if why := caption_problem(by_ext['txt']): return None, ('bad_txt', why[:300])   # the trainer's rule too
+        with Image.open(io.BytesIO(by_ext[img_ext])) as im:
+            image = im.convert('RGB')
+    except Exception as e:
+        return None, ('bad_image', f'{type(e).__name__}: {e}'[:300])
+    if 'txt' not in by_ext:
+        return None, ('missing_txt', 'no .txt member')
+    if why := caption_problem(by_ext['txt']):
+        return None, ('bad_txt', why[:300])   # the trainer's rule too
     text = by_ext['txt'].decode('utf-8')
     if 'json' in by_ext:
-        try: json.loads(by_ext['json'])
-        except Exception as e: return None, ('bad_json', f'{type(e).__name__}: {e}'[:300])
+        try:
+            json.loads(by_ext['json'])
+        except Exception as e:
+            return None, ('bad_json', f'{type(e).__name__}: {e}'[:300])
     return dict(image=image, text=text, has_json='json' in by_ext), None
 
 
@@ -267,7 +314,8 @@ def annotate_shard(shard: Path, cfg: AnnotateConfig, ann: Annotator | None = Non
     """Annotate one shard into `cfg.out` (atomically); returns its stats (also written next to it). `run`: the
     id of the run holding `cfg.out` (`hold_output`); the shard is committed only while that run holds it."""
     t0 = time.time()
-    out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
     rid = run or f'direct-{os.getpid()}-{secrets.token_hex(4)}'
     tar_path, tmp_path, stats_path = out_paths(shard, out, rid)
     ann = ann or Annotator(cfg)
@@ -283,45 +331,60 @@ def annotate_shard(shard: Path, cfg: AnnotateConfig, ann: Annotator | None = Non
         trees = ann.parse([s['text'] for _, _, s in batch]) if batch else []
         for (key, members, s), tree in zip(batch, trees):
             parsers[tree.parser] += 1
-            if not s['has_json']: c['no_json'] += 1
+            if not s['has_json']:
+                c['no_json'] += 1
             new = [('tree.json', json.dumps(tree.to_dict(), ensure_ascii=False).encode('utf-8'))]
             if cfg.regions != 'none':
                 blob, gm = ann.regions(s['image'])
                 new.append(('regions.npz', blob))
-                reg['masks'] += len(gm.masks); reg['pixel_masks'] += gm.n_input
-                reg['empty'] += gm.n_empty; reg['thin'] += gm.n_thin; reg['dropped'] += gm.n_dropped
+                reg['masks'] += len(gm.masks)
+                reg['pixel_masks'] += gm.n_input
+                reg['empty'] += gm.n_empty
+                reg['thin'] += gm.n_thin
+                reg['dropped'] += gm.n_dropped
                 reg['images_without_masks'] += len(gm.masks) == 0
             for ti, data in members:
-                if _split(ti.name)[1] in OURS: c['replaced_members'] += 1; continue
+                if _split(ti.name)[1] in OURS:
+                    c['replaced_members'] += 1
+                    continue
                 _add(tw, ti.name, data, ti)
-            for ext, data in new: _add(tw, f'{key}.{ext}', data, members[0][0])
+            for ext, data in new:
+                _add(tw, f'{key}.{ext}', data, members[0][0])
             c['written'] += 1
 
     with open(tmp_path, 'wb') as f:
         with tarfile.open(fileobj=f, mode='w') as tw:
             gen, batch = read_groups(shard, on_bad), []
             while True:
-                try: key, members = next(gen)
+                try:
+                    key, members = next(gen)
                 except StopIteration as stop:
                     n_members, truncated, error = stop.value
                     break
                 c['read'] += 1
                 s, why = check_sample(key, members)
-                if why: on_bad(key, *why); continue
+                if why:
+                    on_bad(key, *why)
+                    continue
                 batch.append((key, members, s))
-                if len(batch) >= cfg.batch_size: flush(batch, tw); batch = []
+                if len(batch) >= cfg.batch_size:
+                    flush(batch, tw)
+                    batch = []
             flush(batch, tw)
-        f.flush(); os.fsync(f.fileno())
+        f.flush()
+        os.fsync(f.fileno())
     # samples rejected while reading were never yielded: count them as read, so that read = written + bad
     c['read'] += sum(b['reason'] in ('truncated', 'duplicate_key', 'no_extension') for b in bad)
     stats = dict(
-        version=STATS_VERSION, shard=shard.name, input=str(shard), input_bytes=shard.stat().st_size if shard.exists() else None,
+        version=STATS_VERSION, shard=shard.name, input=str(shard),
+        input_bytes=shard.stat().st_size if shard.exists() else None,
         output=str(tar_path), settings=cfg.fingerprint(), members_read=n_members, samples_read=c['read'],
         written=c['written'], n_bad=len(bad), bad_by_reason=dict(Counter(b['reason'] for b in bad)), bad=bad,
         truncated=truncated, read_error=error, no_json=c['no_json'],
         replaced_members=c['replaced_members'], parsers=dict(parsers), seconds=round(time.time() - t0, 3))
     if cfg.regions != 'none':
-        counts = ('masks', 'pixel_masks', 'empty', 'thin', 'dropped', 'images_without_masks')   # 0 in a shard of no sample
+        # 0 in a shard of no sample
+        counts = ('masks', 'pixel_masks', 'empty', 'thin', 'dropped', 'images_without_masks')
         stats['regions'] = dict(method=cfg.regions, grid=[cfg.grid_h, cfg.grid_w], **{k: reg[k] for k in counts},
                                 masks_per_image=round(reg['masks'] / max(c['written'], 1), 3))
     if run is not None and not holds_output(out, run):  # a later run took the directory over: leave it to that run
@@ -344,12 +407,16 @@ def die_with_parent(parent: int):
     if sys.platform.startswith('linux'):
         import ctypes
         import signal
-        try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError): pass
-    if os.getppid() != parent: os._exit(1)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
 
     def watch():
-        while os.getppid() == parent: time.sleep(0.5)
+        while os.getppid() == parent:
+            time.sleep(0.5)
         os._exit(1)
     threading.Thread(target=watch, name='die-with-parent', daemon=True).start()
 
@@ -373,10 +440,13 @@ def summarize(all_stats: list[dict], failed: dict, n_skipped: int, seconds: floa
     parsers = Counter()
     reg = Counter()
     for s in all_stats:
-        for k in ('samples_read', 'written', 'n_bad', 'no_json', 'members_read'): tot[k] += s[k]
-        bad.update(s['bad_by_reason']); parsers.update(s['parsers'])
+        for k in ('samples_read', 'written', 'n_bad', 'no_json', 'members_read'):
+            tot[k] += s[k]
+        bad.update(s['bad_by_reason'])
+        parsers.update(s['parsers'])
         for k, v in s.get('regions', {}).items():
-            if isinstance(v, int) and not isinstance(v, bool): reg[k] += v
+            if isinstance(v, int) and not isinstance(v, bool):
+                reg[k] += v
     done_now = [s for s in all_stats if not s.get('_skipped')]
     return dict(shards=len(all_stats) + len(failed), finished_now=len(done_now), skipped_finished=n_skipped,
                 failed=failed, truncated_shards={s['shard']: s['read_error'] for s in all_stats if s['truncated']},
@@ -390,13 +460,15 @@ def check_config(cfg: AnnotateConfig):
     if cfg.regions == 'sam2' and cfg.sam2_checkpoint is None and not cfg.sam2_random_weights_ok:
         raise UsageError('--regions sam2 needs --sam2-checkpoint (download a SAM2 checkpoint first)')
     for name in ('workers', 'batch_size', 'grid_h', 'grid_w', 'seg_size', 'n_segments'):
-        if getattr(cfg, name) < 1: raise UsageError(f'--{name.replace("_", "-")}: must be at least 1, got {getattr(cfg, name)}')
+        if getattr(cfg, name) < 1:
+            raise UsageError(f'--{name.replace("_", "-")}: must be at least 1, got {getattr(cfg, name)}')
 
 
 def run(shards: list[Path], cfg: AnnotateConfig, progress: bool = True) -> dict:
     "Annotate `shards` into `cfg.out`, skipping finished ones; writes and returns the summary."
     check_config(cfg)
-    with hold_output(Path(cfg.out)) as run_id: return _run(shards, cfg, run_id, progress)
+    with hold_output(Path(cfg.out)) as run_id:
+        return _run(shards, cfg, run_id, progress)
 
 
 def _run(shards: list[Path], cfg: AnnotateConfig, run_id: str, progress: bool) -> dict:
@@ -406,12 +478,15 @@ def _run(shards: list[Path], cfg: AnnotateConfig, run_id: str, progress: bool) -
     all_stats, todo = [], []
     for p in shards:
         st = finished(p, cfg)
-        if st is not None: all_stats.append(dict(st, _skipped=True))
-        else: todo.append(p)
+        if st is not None:
+            all_stats.append(dict(st, _skipped=True))
+        else:
+            todo.append(p)
     n_skipped = len(all_stats)
     failed: dict[str, str] = {}
     missing = [p for p in todo if not p.exists()]
-    for p in missing: failed[p.name] = 'input shard does not exist'
+    for p in missing:
+        failed[p.name] = 'input shard does not exist'
     todo = [p for p in todo if p.exists()]
     bar = tqdm(total=len(todo), desc=f'shards ({n_skipped} already done)', unit='shard', disable=not progress)
 
@@ -424,8 +499,11 @@ def _run(shards: list[Path], cfg: AnnotateConfig, run_id: str, progress: bool) -
     if cfg.workers <= 1 or len(todo) <= 1:
         ann = Annotator(cfg)
         for p in todo:
-            try: done(annotate_shard(p, cfg, ann, run_id))
-            except Exception as e: failed[p.name] = f'{type(e).__name__}: {e}'; traceback.print_exc()
+            try:
+                done(annotate_shard(p, cfg, ann, run_id))
+            except Exception as e:
+                failed[p.name] = f'{type(e).__name__}: {e}'
+                traceback.print_exc()
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -435,8 +513,10 @@ def _run(shards: list[Path], cfg: AnnotateConfig, run_id: str, progress: bool) -
                                  initializer=_init_worker, initargs=(cfg_dict, threads, os.getpid())) as ex:
             futs = {ex.submit(_work, str(p), cfg_dict, run_id): p for p in todo}
             for fu in as_completed(futs):
-                try: done(fu.result())
-                except Exception as e: failed[futs[fu].name] = f'{type(e).__name__}: {e}'
+                try:
+                    done(fu.result())
+                except Exception as e:
+                    failed[futs[fu].name] = f'{type(e).__name__}: {e}'
     bar.close()
     summary = summarize(all_stats, failed, n_skipped, time.time() - t0)
     tmp = out / 'summary.json.partial'
@@ -453,9 +533,12 @@ def report(summary: dict) -> str:
              f"samples: {s['samples_read']} read, {s['written']} written, {s['n_bad']} bad "
              f"{s['bad_by_reason'] or ''}; parsers {s['parsers']}",
              f"time: {s['seconds']} s ({s['samples_per_second_now']} samples/s this run)"]
-    if s['regions']: lines.append(f"regions: {s['regions']}")
-    for name, err in s['truncated_shards'].items(): lines.append(f'TRUNCATED {name}: {err}')
-    for name, err in s['failed'].items(): lines.append(f'FAILED {name}: {err}')
+    if s['regions']:
+        lines.append(f"regions: {s['regions']}")
+    for name, err in s['truncated_shards'].items():
+        lines.append(f'TRUNCATED {name}: {err}')
+    for name, err in s['failed'].items():
+        lines.append(f'FAILED {name}: {err}')
     lines.append('bad samples are listed by key and reason in each {shard}.stats.json')
     return '\n'.join(lines)
 
@@ -488,11 +571,13 @@ def parse_args(argv=None) -> tuple[list[Path], AnnotateConfig, bool]:
     ap.add_argument('--no-progress', action='store_true')
     ap.add_argument('--debug', action='store_true', help='show the traceback of an error')
     a = ap.parse_args(argv)
-    try: gh, gw = (int(x) for x in (a.grid.lower().split('x') * 2)[:2]) if 'x' in a.grid.lower() else (int(a.grid),) * 2
-    except ValueError: raise UsageError(f'--grid: takes G or HxW (14, 16x12), got {a.grid!r}') from None
+    try:
+        gh, gw = (int(x) for x in (a.grid.lower().split('x') * 2)[:2]) if 'x' in a.grid.lower() else (int(a.grid),) * 2
+    except ValueError:
+        raise UsageError(f'--grid: takes G or HxW (14, 16x12), got {a.grid!r}') from None
     cfg = AnnotateConfig(out=a.out, regions=a.regions, grid_h=gh, grid_w=gw, min_frac=a.min_frac,
-                         keep_best=not a.no_keep_best, crop=a.crop, seg_size=a.seg_size, n_segments=a.n_segments, fz_scale=a.fz_scale,
-                         sam2_config=a.sam2_config, sam2_checkpoint=a.sam2_checkpoint,
+                         keep_best=not a.no_keep_best, crop=a.crop, seg_size=a.seg_size, n_segments=a.n_segments,
+                         fz_scale=a.fz_scale, sam2_config=a.sam2_config, sam2_checkpoint=a.sam2_checkpoint,
                          sam2_points_per_side=a.sam2_points_per_side, device=a.device, parser=a.parser,
                          batch_size=a.batch_size, workers=a.workers, overwrite=a.overwrite)
     check_config(cfg)

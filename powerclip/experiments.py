@@ -57,8 +57,8 @@ EXPERIMENTS = {
         "PowerCLIP-R"),
     "table7": Experiment(
         "Table 7: mask source and number of masks M",
-        "Random M = 5 / 10 / 15: 40.5 / 41.5 / 40.9 Cls, 45.5 / 45.8 / 43.9 Ret; SAM: 41.3 / 42.2 / 41.4, 45.2 / 47.0 / 44.9: "
-        "M = 10 best, SAM a little above random boxes",
+        "Random M = 5 / 10 / 15: 40.5 / 41.5 / 40.9 Cls, 45.5 / 45.8 / 43.9 Ret; SAM: 41.3 / 42.2 / 41.4, 45.2 / 47.0 "
+        "/ 44.9: M = 10 best, SAM a little above random boxes",
         {"PowerCLIP-R": _pc(), "M=5": _pc(M=5), "M=15": _pc(M=15),
          **{f"superpixels M={m}": _pc(masks="superpixel", M=m) for m in (5, 10, 15)}, "gold masks": _pc(masks="gold")},
         "PowerCLIP-R"),
@@ -90,7 +90,8 @@ EXPERIMENTS = {
     "fig8": Experiment(
         "Fig. 8 (supplement): CLIP given PowerCLIP's extra wall-clock",
         "PowerCLIP costs 1.72x CLIP per epoch; CLIP trained 1.72x longer (55 epochs) still stays below PowerCLIP",
-        {"PowerCLIP-R": RUNS["PowerCLIP-R"], "CLIP": RUNS["CLIP"]},     # + 'CLIP-time-matched', planned from their times
+        # + 'CLIP-time-matched', planned from their times
+        {"PowerCLIP-R": RUNS["PowerCLIP-R"], "CLIP": RUNS["CLIP"]},
         "PowerCLIP-R"),
 }
 EXPERIMENT_STEPS = 100           # T of every row (the comparison's runs take 150; see "Budget" below)
@@ -106,15 +107,19 @@ def _out(name: str, out_dir) -> Path:
     return _runs_root(out_dir) / name
 
 
-def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS, out_dir=None, log=None, **kw) -> Comparison:
-    """Train and compare the rows of `EXPERIMENTS[name]` (see `70_compare.make_plan` for `kw`: preset, overrides, device,
-    precision, eval_images, grounding_scenes, curve_points, isolate); the runs go to `out_dir/seed{S}/ROW` (default
-    `runs/experiments`, shared by all experiments), `summary.md`, `summary.json` and `curves.png` to `out_dir/NAME`."""
-    if name not in EXPERIMENTS: raise ValueError(f"experiment: unknown {name!r} (known: {', '.join([*EXPERIMENTS, 'fig9'])})")
+def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS, out_dir=None, log=None,
+                   **kw) -> Comparison:
+    """Train and compare the rows of `EXPERIMENTS[name]` (see `70_compare.make_plan` for `kw`: preset, overrides,
+    device, precision, eval_images, grounding_scenes, curve_points, isolate); the runs go to `out_dir/seed{S}/ROW`
+    (default `runs/experiments`, shared by all experiments), `summary.md`, `summary.json` and `curves.png` to
+    `out_dir/NAME`."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"experiment: unknown {name!r} (known: {', '.join([*EXPERIMENTS, 'fig9'])})")
     e, root = EXPERIMENTS[name], _runs_root(out_dir)
     plan = make_plan(e.rows, seeds, steps, root, reference=e.reference, log=log, report_dir=_out(name, out_dir), **kw)
     cmp = run_plan(plan, log)
-    if name != "fig8": return cmp
+    if name != "fig8":
+        return cmp
     # Fig. 8: CLIP again, for as many more steps as PowerCLIP's time per step asks (each seed's ratio, their mean)
     s = cmp.per_seed
     ratios = [r["PowerCLIP-R"]["s_per_step"] / r["CLIP"]["s_per_step"] for r in s.values()]
@@ -127,21 +132,26 @@ def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS
 
 # %% ../nbs/71_experiments.ipynb #e793abf6
 def _parts(model: torch.nn.Module) -> dict[str, list]:
-    "Trainable parameters by part: the image tower ('visual.*'), the temperature and bias, and the text tower (the rest)."
+    """Trainable parameters by part: the image tower ('visual.*'), the temperature and bias, and the text tower (the
+    rest)."""
     parts = {"image": [], "text": [], "scale": []}
     for n, p in model.named_parameters():
-        if p.requires_grad: parts["image" if n.startswith("visual.") else "scale" if n in ("logit_scale", "logit_bias") else "text"].append(p)
+        if p.requires_grad:
+            parts["image" if n.startswith("visual.") else "scale" if n in ("logit_scale", "logit_bias")
+                  else "text"].append(p)
     return parts
 
 
 def term_gradients(run, batch: dict) -> dict[str, float]:
     """One prepared batch through a PowerCLIP run (`train.build_run`): norms of the gradients of the CLIP term and of
     lam * triplet over the image tower, the text tower and all parameters, the cosine between the two, the terms'
-    values, S-bar's mean positive and mean hardest negative (image rows), and the share of rows whose hinge is active."""
+    values, S-bar's mean positive and mean hardest negative (image rows), and the share of rows whose hinge is
+    active."""
     cfg = run.method.cfg
     out = run.fwd(batch)
     terms = run.method.loss(out, batch, run.ctx)
-    if "powerset" not in terms: raise ValueError("term_gradients: the run has no triplet term (lam = 0)")
+    if "powerset" not in terms:
+        raise ValueError("term_gradients: the run has no triplet term (lam = 0)")
     parts = _parts(run.model)
     params = [p for ps in parts.values() for p in ps]
     g = {k: torch.autograd.grad(terms[k], params, retain_graph=True, allow_unused=True) for k in ("clip", "powerset")}
@@ -149,14 +159,18 @@ def term_gradients(run, batch: dict) -> dict[str, float]:
     res, i = {k: float(terms[k].detach()) for k in ("clip", "powerset")}, 0
     flat = {k: [] for k in g}
     for part, ps in parts.items():
-        a, b = (torch.cat([x.flatten().double() for x in g[k][i:i + len(ps)]] or [torch.zeros(1)]) for k in ("clip", "powerset"))
+        a, b = (torch.cat([x.flatten().double() for x in g[k][i:i + len(ps)]] or [torch.zeros(1)])
+                for k in ("clip", "powerset"))
         i += len(ps)
-        flat["clip"].append(a); flat["powerset"].append(b)
-        if part == "scale": continue
+        flat["clip"].append(a)
+        flat["powerset"].append(b)
+        if part == "scale":
+            continue
         res[f"{part}_gclip"], res[f"{part}_gpow"] = float(a.norm()), float(b.norm())
         res[f"{part}_cos"] = float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30))
     a, b = torch.cat(flat["clip"]), torch.cat(flat["powerset"])
-    res.update(all_gclip=float(a.norm()), all_gpow=float(b.norm()), all_cos=float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30)))
+    res.update(all_gclip=float(a.norm()), all_gpow=float(b.norm()),
+               all_cos=float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30)))
     res["all_ratio"] = res["all_gpow"] / max(res["all_gclip"], 1e-30)
     with torch.no_grad():   # S-bar of the local batch, as the loss sees it (single process: local = gathered)
         b_ = word_nodes(batch) if cfg.nodes == "words" else batch
@@ -166,7 +180,8 @@ def term_gradients(run, batch: dict) -> dict[str, float]:
         pos = S.diagonal()
         neg_i, neg_t = S.masked_fill(eye, -torch.inf).amax(1), S.masked_fill(eye, -torch.inf).amax(0)
         res.update(sbar_pos=float(pos.mean()), sbar_hardneg=float(neg_i.mean()), sbar_gap=float((pos - neg_i).mean()),
-                   hinge_active=float(torch.cat([neg_i - pos + cfg.gamma, neg_t - pos + cfg.gamma]).gt(0).double().mean()))
+                   hinge_active=float(torch.cat([neg_i - pos + cfg.gamma,
+                                                 neg_t - pos + cfg.gamma]).gt(0).double().mean()))
     return res
 
 
@@ -175,17 +190,21 @@ def loss_anatomy(run_dir, batches: int = 4, device: str = "cpu") -> list[dict]:
     `batches` batches of its own data stream that it did not train on (those after its last step)."""
     run_dir = Path(run_dir)
     d = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    cfg = from_dict(TrainConfig, {**{k: v for k, v in d.items() if k != "derived"}, "device": device, "progress": False})
-    if cfg.method != "powerclip": raise ValueError(f"{run_dir}: loss_anatomy reads PowerCLIP runs, this one is {cfg.method!r}")
+    cfg = from_dict(TrainConfig,
+                    {**{k: v for k, v in d.items() if k != "derived"}, "device": device, "progress": False})
+    if cfg.method != "powerclip":
+        raise ValueError(f"{run_dir}: loss_anatomy reads PowerCLIP runs, this one is {cfg.method!r}")
     snaps = sorted(run_dir.glob("snapshots/step*/model.pt"), key=lambda p: int(p.parent.name[4:]))
-    if not snaps: raise ValueError(f"{run_dir}: no snapshots (train it first)")
+    if not snaps:
+        raise ValueError(f"{run_dir}: no snapshots (train it first)")
     run = build_run(cfg, DistContext(device=torch.device(device)))
     spe = steps_per_epoch(cfg.data) or cfg.max_steps + batches
     start = max(0, min(cfg.max_steps, spe - batches))
     data = [run.prepare(b) for b in itertools.islice(run.loader(0, start), batches)]
     rows = []
     for step, path in [(0, None), *((int(p.parent.name[4:]), p) for p in snaps)]:
-        if path is not None: run.model.load_state_dict(torch.load(path, map_location=device))
+        if path is not None:
+            run.model.load_state_dict(torch.load(path, map_location=device))
         per = [term_gradients(run, b) for b in data]
         rows.append({"step": step, **{k: float(np.mean([r[k] for r in per])) for k in per[0]}})
     return rows
@@ -193,7 +212,8 @@ def loss_anatomy(run_dir, batches: int = 4, device: str = "cpu") -> list[dict]:
 # %% ../nbs/71_experiments.ipynb #18fec316
 def _bits(masks: np.ndarray) -> np.ndarray:
     "(R, N) bool with N <= 64 -> (R,) uint64, bit n set when patch n is in the mask."
-    if masks.shape[-1] > 64: raise ValueError(f"_bits: at most 64 patches, got {masks.shape[-1]}")
+    if masks.shape[-1] > 64:
+        raise ValueError(f"_bits: at most 64 patches, got {masks.shape[-1]}")
     w = np.left_shift(np.uint64(1), np.arange(masks.shape[-1], dtype=np.uint64))
     return np.bitwise_or.reduce(np.where(masks, w, np.uint64(0)), axis=-1).astype(np.uint64)
 
@@ -203,15 +223,18 @@ def best_cover(masks: np.ndarray, target: np.ndarray) -> tuple[float, float]:
     (exact over all 2^M - 1 subsets; N <= 64)."""
     b, t = _bits(np.asarray(masks, bool)), _bits(np.asarray(target, bool)[None])[0]
     iou = lambda u: np.bitwise_count(u & t) / np.maximum(np.bitwise_count(u | t), 1)
-    if len(b) == 0: return 0.0, 0.0
+    if len(b) == 0:
+        return 0.0, 0.0
     u = np.zeros(1, np.uint64)
-    for x in b: u = np.concatenate([u, u | x])                        # (2^M,) unions, u[0] the empty set
+    for x in b:
+        u = np.concatenate([u, u | x])                        # (2^M,) unions, u[0] the empty set
     return float(iou(b).max()), float(iou(u[1:]).max())
 
 
 def mask_coverage(source: str, M: int, world, scenes: int = 200, seed: int = 0) -> dict:
     """Mean over the gold objects of `scenes` held-out world scenes (`world`: a WorldConfig) of `best_cover` of M region
-    masks from `source` ('random' | 'superpixel' | 'gold'), and the share of objects whose best subset reaches IoU 0.5."""
+    masks from `source` ('random' | 'superpixel' | 'gold'), and the share of objects whose best subset reaches IoU
+    0.5."""
     ds, grid = WorldDataset(world, scenes, "test", rgb=True), world.image_size // world.patch_size
     one, best = [], []
     for i in range(scenes):
@@ -219,7 +242,8 @@ def mask_coverage(source: str, M: int, world, scenes: int = 200, seed: int = 0) 
         m, v = region_masks(source, grid, M, sample_generator(seed, 0, i), world_region_pool(s, source, grid))
         for obj in s["masks"][s["mask_valid"]].numpy():
             a, b = best_cover(m[v].numpy(), obj)
-            one.append(a); best.append(b)
+            one.append(a)
+            best.append(b)
     best = np.array(best)
     return dict(source=source, M=M, objects=len(best), one_mask=float(np.mean(one)), best_subset=float(best.mean()),
                 reach_half=float((best >= 0.5).mean()))
@@ -243,34 +267,52 @@ def anatomy(seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS, out_dir=None, ba
     cover = [mask_coverage(src, M, plan.world, scenes) for src in ("random", "superpixel", "gold") for M in (5, 10, 15)]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "anatomy.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, ["seed", *per_seed[seeds[0]][0]]); w.writeheader()
-        for s, rows in per_seed.items(): w.writerows({"seed": s, **r} for r in rows)
+        w = csv.DictWriter(f, ["seed", *per_seed[seeds[0]][0]])
+        w.writeheader()
+        for s, rows in per_seed.items():
+            w.writerows({"seed": s, **r} for r in rows)
     with open(out / "coverage.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, list(cover[0])); w.writeheader(); w.writerows(cover)
+        w = csv.DictWriter(f, list(cover[0]))
+        w.writeheader()
+        w.writerows(cover)
     steps_ = [r["step"] for r in per_seed[seeds[0]]]
     col = lambda k: [[per_seed[s][j][k] for s in seeds] for j in range(len(steps_))]   # per step, the seeds' values
-    keys = ("clip", "powerset", "all_ratio", "image_gpow", "image_gclip", "text_gpow", "text_gclip", "all_cos", "image_cos",
-            "text_cos", "sbar_pos", "sbar_hardneg", "sbar_gap", "hinge_active")
-    md = [f"# PowerCLIP-R's loss anatomy ({len(seeds)} seeds, T = {steps}, {batches} unseen batches per snapshot; mean [95 % t interval])\n",
+    keys = ("clip", "powerset", "all_ratio", "image_gpow", "image_gclip", "text_gpow", "text_gclip", "all_cos",
+            "image_cos", "text_cos", "sbar_pos", "sbar_hardneg", "sbar_gap", "hinge_active")
+    md = [f"# PowerCLIP-R's loss anatomy ({len(seeds)} seeds, T = {steps}, {batches} unseen batches per snapshot; "
+          "mean [95 % t interval])\n",
           "| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     md += [f"| {st} | " + " | ".join(_fmt(col(k)[j]) for k in keys) + " |" for j, st in enumerate(steps_)]
-    md += ["", f"## Best IoU of the region masks with each gold object ({cover[0]['objects']} objects of {scenes} test scenes)", "",
-           "| masks | M | one mask | best subset (powerset) | objects with best subset IoU >= 0.5 |", "|---|---|---|---|---|"]
-    md += [f"| {c['source']} | {c['M']} | {c['one_mask']:.3f} | {c['best_subset']:.3f} | {100 * c['reach_half']:.1f} % |" for c in cover]
+    md += ["", f"## Best IoU of the region masks with each gold object ({cover[0]['objects']} objects "
+               f"of {scenes} test scenes)", "",
+           "| masks | M | one mask | best subset (powerset) | objects with best subset IoU >= 0.5 |",
+           "|---|---|---|---|---|"]
+    md += [f"| {c['source']} | {c['M']} | {c['one_mask']:.3f} | {c['best_subset']:.3f} | "
+           f"{100 * c['reach_half']:.1f} % |" for c in cover]
     (out / "anatomy.md").write_text("\n".join(md) + "\n")
-    import matplotlib; matplotlib.use("Agg", force=False)
+    import matplotlib
+    matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     for k, lab in (("all_ratio", "all"), ("image", "image tower"), ("text", "text tower")):
-        y = np.array(col(k) if k == "all_ratio" else [[a / max(b, 1e-30) for a, b in zip(p, q)] for p, q in zip(col(f"{k}_gpow"), col(f"{k}_gclip"))])
+        y = np.array(col(k) if k == "all_ratio" else [[a / max(b, 1e-30) for a, b in zip(p, q)]
+                                                      for p, q in zip(col(f"{k}_gpow"), col(f"{k}_gclip"))])
         ax[0].plot(steps_, y.mean(1), marker="o", label=lab)
-    ax[0].set(title="|g_pow| / |g_clip| (mean over seeds)", xlabel="step", yscale="log"); ax[0].axhline(1, c="grey", lw=0.5)
+    ax[0].set(title="|g_pow| / |g_clip| (mean over seeds)", xlabel="step", yscale="log")
+    ax[0].axhline(1, c="grey", lw=0.5)
     ax[0].legend()
-    for k in ("all_cos", "image_cos", "text_cos"): ax[1].plot(steps_, np.mean(col(k), 1), marker="o", label=k[:-4])
-    ax[1].set(title="cosine(g_clip, g_pow)", xlabel="step"); ax[1].axhline(0, c="grey", lw=0.5); ax[1].legend()
-    for k in ("sbar_pos", "sbar_hardneg", "hinge_active"): ax[2].plot(steps_, np.mean(col(k), 1), marker="o", label=k)
-    ax[2].set(title="S-bar and the hinge", xlabel="step"); ax[2].legend()
-    fig.tight_layout(); fig.savefig(out / "anatomy.png", dpi=100); plt.close(fig)
+    for k in ("all_cos", "image_cos", "text_cos"):
+        ax[1].plot(steps_, np.mean(col(k), 1), marker="o", label=k[:-4])
+    ax[1].set(title="cosine(g_clip, g_pow)", xlabel="step")
+    ax[1].axhline(0, c="grey", lw=0.5)
+    ax[1].legend()
+    for k in ("sbar_pos", "sbar_hardneg", "hinge_active"):
+        ax[2].plot(steps_, np.mean(col(k), 1), marker="o", label=k)
+    ax[2].set(title="S-bar and the hinge", xlabel="step")
+    ax[2].legend()
+    fig.tight_layout()
+    fig.savefig(out / "anatomy.png", dpi=100)
+    plt.close(fig)
     return dict(per_seed=per_seed, coverage=cover)
 
 # %% ../nbs/71_experiments.ipynb #45af1da8
@@ -293,13 +335,14 @@ def find_plateau(points: dict, sd: float, metrics=PLATEAU_METRICS) -> int | None
     """T*: the smallest T of `points` ({T: {metric: value}}, each T the double of the one before) whose every metric
     at 2T is within `sd` (one seed's, `seed_sd`) of its value at T; None when no T is."""
     Ts = sorted(points)
-    if any(b != 2 * a for a, b in zip(Ts, Ts[1:])): raise ValueError(f"budget: each T must double the one before, got {Ts}")
+    if any(b != 2 * a for a, b in zip(Ts, Ts[1:])):
+        raise ValueError(f"budget: each T must double the one before, got {Ts}")
     return next((a for a, b in zip(Ts, Ts[1:]) if all(abs(points[b][m] - points[a][m]) <= sd for m in metrics)), None)
 
 
 def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw) -> dict:
-    """CLIP alone at each T of `steps` on the first seed, and at the first T on every seed of `seeds` (the spread);
-    T* (`find_plateau`); `budget.md` and `budget.json` in `out_dir` (default runs/plateau), the runs in `out_dir/T{T}`."""
+    """CLIP alone at each T of `steps` on the first seed, and at the first T on every seed of `seeds` (the spread); T*
+    (`find_plateau`); `budget.md` and `budget.json` in `out_dir` (default runs/plateau), the runs in `out_dir/T{T}`."""
     root, seeds, points, runs = _plateau_root(out_dir), list(seeds), {}, {}
     for i, T in enumerate(steps):
         plan = make_plan({"CLIP": RUNS["CLIP"]}, seeds if i == 0 else seeds[:1], T, root / f"T{T}", log=log, **kw)
@@ -316,55 +359,67 @@ def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw
     root.mkdir(parents=True, exist_ok=True)
     (root / "budget.json").write_text(json.dumps(res, indent=1, default=float))
     head = HEADLINE
-    md = [f"# CLIP's budget: seed {seeds[0]} at T = {', '.join(map(str, steps))}; the spread over seeds {seeds} at T = {steps[0]}", "",
+    md = [f"# CLIP's budget: seed {seeds[0]} at T = {', '.join(map(str, steps))}; the spread over seeds "
+          f"{seeds} at T = {steps[0]}", "",
           "| T | " + " | ".join(head.values()) + " | moved by doubling T (HN / i2t / t2i) |", "|---:" * 5 + "|---|"]
     for a, b in zip([*steps], [*steps[1:], None]):
         moved = "" if b is None else " / ".join(f"{points[b][m] - points[a][m]:+.1f}" for m in PLATEAU_METRICS)
         md.append(f"| {a} | " + " | ".join(f"{points[a].get(m, float('nan')):.1f}" for m in head) + f" | {moved} |")
-    md += ["", f"One seed's sd at T = {steps[0]} ({len(seeds)} seeds): " + ", ".join(f"{head[m]} {v:.1f}" for m, v in sd.items())
+    md += ["", f"One seed's sd at T = {steps[0]} ({len(seeds)} seeds): "
+           + ", ".join(f"{head[m]} {v:.1f}" for m, v in sd.items())
            + f"; pooled over the three (the yardstick of T*): {seed_sd(sd):.2f}",
-           "", f"T* = {T_star}" if T_star else f"No T* within {steps[-1]} steps: CLIP still moves by more than a seed's sd "
-           "when its budget doubles"]
+           "", f"T* = {T_star}" if T_star else f"No T* within {steps[-1]} steps: CLIP still moves by more than a "
+           "seed's sd when its budget doubles"]
     (root / "budget.md").write_text("\n".join(md) + "\n")
     return res
 
 
-def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches: int = 4, log=None, **kw) -> Comparison:
-    """The rows `PLATEAU_ROWS` at T* (`steps`, or the budget's T* from `out_dir/budget.json`), paired differences to CLIP;
-    runs and `summary.md` in `out_dir/T{T}`, the anatomy of PowerCLIP-R under both poolings in `anatomy.md` there."""
+def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches: int = 4, log=None,
+            **kw) -> Comparison:
+    """The rows `PLATEAU_ROWS` at T* (`steps`, or the budget's T* from `out_dir/budget.json`), paired differences to
+    CLIP; runs and `summary.md` in `out_dir/T{T}`, the anatomy of PowerCLIP-R under both poolings in `anatomy.md`
+    there."""
     root = _plateau_root(out_dir)
     if steps is None:
         f = root / "budget.json"
-        if not f.is_file(): raise ValueError(f"--steps: give T, or run `budget` first (no {f})")
+        if not f.is_file():
+            raise ValueError(f"--steps: give T, or run `budget` first (no {f})")
         steps = json.loads(f.read_text())["T_star"] or json.loads(f.read_text())["steps"][-1]
     plan = make_plan({n: RUNS[n] for n in PLATEAU_ROWS}, seeds, steps, root / f"T{steps}", log=log, **kw)
     cmp = run_plan(plan, log)
     rows = {n: {s: loss_anatomy(plan.job(n, s).dir, batches, plan.device) for s in plan.seeds}
             for n in ("PowerCLIP-R", "PowerCLIP-R (avg)")}
     keys = ("all_ratio", "all_cos", "image_cos", "text_cos", "sbar_gap", "hinge_active")
-    md = [f"# PowerCLIP-R's loss anatomy at T = {steps} by pooling ({len(plan.seeds)} seeds, {batches} unseen batches per "
-          "snapshot; mean [95 % t interval])", "", "| pooling | step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    md = [f"# PowerCLIP-R's loss anatomy at T = {steps} by pooling ({len(plan.seeds)} seeds, {batches} unseen batches "
+          "per snapshot; mean [95 % t interval])", "", "| pooling | step | " + " | ".join(keys) + " |",
+          "|---" * (len(keys) + 2) + "|"]
     for n, per in rows.items():
         for j, r in enumerate(per[plan.seeds[0]]):
             md.append(f"| {'avg' if 'avg' in n else 'tok'} | {r['step']} | "
                       + " | ".join(_fmt([per[s][j][k] for s in plan.seeds]) for k in keys) + " |")
     (plan.out / "anatomy.md").write_text("\n".join(md) + "\n")
     with open(plan.out / "anatomy.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, ["row", "seed", *rows["PowerCLIP-R"][plan.seeds[0]][0]]); w.writeheader()
+        w = csv.DictWriter(f, ["row", "seed", *rows["PowerCLIP-R"][plan.seeds[0]][0]])
+        w.writeheader()
         for n, per in rows.items():
-            for s, rs in per.items(): w.writerows({"row": n, "seed": s, **r} for r in rs)
+            for s, rs in per.items():
+                w.writerows({"row": n, "seed": s, **r} for r in rs)
     return cmp
 
 # %% ../nbs/71_experiments.ipynb #c8ae463f
 def _parser() -> ArgumentParser:
-    ap = ArgumentParser(prog="python -m powerclip.experiments", description="The paper's ablations on the built-in world.")
-    ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), anatomy "
-                    "(why PowerCLIP-R loses here), budget (where CLIP stops improving), plateau (the comparison there, "
-                    "both poolings), or all (every table and fig8); key=value pairs among them apply to every run")
+    ap = ArgumentParser(prog="python -m powerclip.experiments", description="The paper's "
+                                                                            "ablations on the built-in world.")
+    ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), "
+                    "anatomy (why PowerCLIP-R loses here), budget (where CLIP stops improving), plateau (the "
+                    "comparison there, both poolings), or all (every table and fig8); key=value pairs "
+                    "among them apply to every run")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(COMPARE_SEEDS))
-    ap.add_argument("--steps", type=int, default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); budget: the first "
-                    f"of three doubling T (default {' '.join(map(str, BUDGET_STEPS))}); plateau: default the budget's T*")
-    ap.add_argument("--out", default=None, help="runs and tables (default runs/experiments; budget, plateau: runs/plateau)")
+    ap.add_argument("--steps", type=int, default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); budget: the "
+                    f"first of three doubling T (default {' '.join(map(str, BUDGET_STEPS))}); "
+                    "plateau: default the budget's T*")
+    ap.add_argument("--out", default=None, help="runs and tables (default runs/experiments; "
+                                                "budget, plateau: runs/plateau)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
     ap.add_argument("--precision", default=None, help=" | ".join(PRECISIONS))
     ap.add_argument("--preset", default="demo")
@@ -385,17 +440,21 @@ def _main(argv: list[str]) -> int:
         ov = dict(parse_override(r) for r in a.names if "=" in r)     # key=value pairs among the names
         a.names = [n for n in a.names if "=" not in n]
         known = f"{', '.join(EXPERIMENTS)}, {', '.join(_ALONE)}, or all"
-        if not a.names: raise ValueError(f"names: give an experiment ({known})")
+        if not a.names:
+            raise ValueError(f"names: give an experiment ({known})")
         names = list(EXPERIMENTS) if a.names == ["all"] else a.names
         unknown = [n for n in names if n not in EXPERIMENTS and n not in _ALONE]
-        if unknown: raise ValueError(f"names: unknown experiment(s) {unknown} (known: {known})")
-        if a.steps is not None and a.steps < 2: raise ValueError(f"--steps: need at least 2 steps, got {a.steps}")
+        if unknown:
+            raise ValueError(f"names: unknown experiment(s) {unknown} (known: {known})")
+        if a.steps is not None and a.steps < 2:
+            raise ValueError(f"--steps: need at least 2 steps, got {a.steps}")
         kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images)
         ground = lambda n: a.grounding if a.grounding is not None else (GROUNDING_SCENES if n in _PLATEAU else 0)
         out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else "runs/experiments")
         budget_steps = (a.steps, 2 * a.steps, 4 * a.steps) if a.steps else BUDGET_STEPS
         for n in names:                      # every plan validated before the first run trains
-            if n == "fig9": continue
+            if n == "fig9":
+                continue
             if n == "budget":
                 for T in budget_steps:
                     make_plan({"CLIP": RUNS["CLIP"]}, a.seeds, T, Path(out(n)) / f"T{T}", log=lambda m: None,
@@ -444,4 +503,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.experiments` runs here
-if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
+if __name__ == "__main__" and "__file__" in globals():
+    sys.exit(main())

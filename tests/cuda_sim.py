@@ -89,11 +89,14 @@ class SimCuda(torch.Tensor):
 
     @staticmethod
     def __new__(cls, real: torch.Tensor, requires_grad: bool | None = None):
-        if isinstance(real, SimCuda): raise TypeError("SimCuda of a SimCuda")
-        if real.device.type != "cpu": raise TypeError(f"SimCuda holds a CPU tensor, got {real.device}")
+        if isinstance(real, SimCuda):
+            raise TypeError("SimCuda of a SimCuda")
+        if real.device.type != "cpu":
+            raise TypeError(f"SimCuda holds a CPU tensor, got {real.device}")
         with torch._C._DisableTorchDispatch():
             n = max(real.untyped_storage().nbytes() // max(real.element_size(), 1), real.storage_offset() + 1)
-            meta = torch.empty(n, dtype=real.dtype, device="meta").as_strided(real.size(), real.stride(), real.storage_offset())
+            meta = torch.empty(n, dtype=real.dtype, device="meta").as_strided(real.size(), real.stride(),
+                                                                              real.storage_offset())
         rg = real.requires_grad if requires_grad is None else requires_grad
         r = torch.Tensor._make_subclass(cls, meta, rg, dispatch_device=True, device_for_backend_keys=CUDA)
         r._host = real.detach() if real.requires_grad else real
@@ -111,8 +114,10 @@ class SimCuda(torch.Tensor):
         return self._host.tolist()
 
     def numpy(self, *, force: bool = False):
-        if force: return self.cpu().numpy()
-        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first.")
+        if force:
+            return self.cpu().numpy()
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first.")
 
     def __array__(self, dtype=None, copy=None):
         return self.numpy()
@@ -127,7 +132,8 @@ class SimCuda(torch.Tensor):
 def to_sim(t: torch.Tensor) -> SimCuda:
     "A CPU tensor's values on the simulated GPU (a Parameter stays a Parameter)."
     s = SimCuda(t.detach().clone())
-    return torch.nn.Parameter(s, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else s.requires_grad_(t.requires_grad)
+    return (torch.nn.Parameter(s, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter)
+            else s.requires_grad_(t.requires_grad))
 
 
 def real(t):
@@ -139,9 +145,11 @@ def module_to_sim(module: torch.nn.Module) -> torch.nn.Module:
     "Move a module's parameters and buffers to the simulated GPU, in place (what `module.to('cuda')` does on a GPU)."
     for m in module.modules():
         for k, p in list(m._parameters.items()):
-            if p is not None and not isinstance(p, SimCuda): m._parameters[k] = to_sim(p)
+            if p is not None and not isinstance(p, SimCuda):
+                m._parameters[k] = to_sim(p)
         for k, b in list(m._buffers.items()):
-            if b is not None and not isinstance(b, SimCuda): m._buffers[k] = to_sim(b)
+            if b is not None and not isinstance(b, SimCuda):
+                m._buffers[k] = to_sim(b)
     return module
 
 
@@ -153,8 +161,8 @@ def _dev(t) -> torch.device:
 
 
 def _mismatch(func, a, b):
-    raise SimDeviceMismatch(f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}! "
-                            f"(simulated CUDA, in {func})")
+    raise SimDeviceMismatch(f"Expected all tensors to be on the same device, but found at least two devices, {a} and "
+                            f"{b}! (simulated CUDA, in {func})")
 
 
 def _common_device(func, tensors) -> torch.device | None:
@@ -162,16 +170,23 @@ def _common_device(func, tensors) -> torch.device | None:
     common, common_cpu0 = None, False
     for t in tensors:
         d, cpu0 = _dev(t), _dev(t).type == "cpu" and t.dim() == 0
-        if common is None: common, common_cpu0 = d, cpu0; continue
+        if common is None:
+            common, common_cpu0 = d, cpu0
+            continue
         if d == common:
-            common_cpu0 = common_cpu0 and cpu0; continue
-        if cpu0: continue
-        if common_cpu0: common, common_cpu0 = d, cpu0; continue
+            common_cpu0 = common_cpu0 and cpu0
+            continue
+        if cpu0:
+            continue
+        if common_cpu0:
+            common, common_cpu0 = d, cpu0
+            continue
         _mismatch(func, common, d)
     return common
 
 
-# ops that take tensors on several devices on a GPU (fake_tensor's multi_device_op_default): output on the input's device
+# ops that take tensors on several devices on a GPU (fake_tensor's multi_device_op_default): output on the input's
+# device
 _CROSS = {aten.copy_.default, aten.copy.default, aten._unsafe_index_put.default, aten.slice_scatter.default,
           aten.diagonal_scatter.default, aten._foreach_copy_.default, aten._foreach_copy.default}
 _INDEX = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
@@ -181,7 +196,8 @@ _PIN = {aten._pin_memory.default, aten.pin_memory.default}
 
 def _device_arg(func, args, kwargs):
     "The explicit `device=` of a factory / like-constructor / `_to_copy`, or None."
-    if "device" in kwargs and kwargs["device"] is not None: return torch.device(kwargs["device"])
+    if "device" in kwargs and kwargs["device"] is not None:
+        return torch.device(kwargs["device"])
     if func in (aten.to.device, aten.to.prim_Device):
         return torch.device(args[1])
     return None
@@ -191,9 +207,12 @@ def _check(func, args, kwargs) -> torch.device:
     "The device of the op's outputs, or SimDeviceMismatch where a GPU would refuse the op."
     flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     dev = _device_arg(func, args, kwargs)
-    if dev is not None: return CUDA if dev.type == "cuda" else dev
-    if not flat: return CPU
-    if func in _CROSS: return _dev(args[0])
+    if dev is not None:
+        return CUDA if dev.type == "cuda" else dev
+    if not flat:
+        return CPU
+    if func in _CROSS:
+        return _dev(args[0])
     if func in _INDEX:
         self, indices = args[0], args[1]
         for i in indices if isinstance(indices, (list, tuple)) else [indices]:
@@ -201,7 +220,8 @@ def _check(func, args, kwargs) -> torch.device:
                 _mismatch(func, _dev(self), _dev(i))
         if func is not aten.index.Tensor:
             values = args[2] if len(args) > 2 else kwargs["values"]
-            if _dev(values) != _dev(self) and values.dim() != 0: _mismatch(func, _dev(self), _dev(values))
+            if _dev(values) != _dev(self) and values.dim() != 0:
+                _mismatch(func, _dev(self), _dev(values))
         return _dev(self)
     if func.name().startswith("aten::_foreach_"):
         lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
@@ -214,8 +234,10 @@ def _check(func, args, kwargs) -> torch.device:
 
 # ------------------------------------------------------------------------------------------------ dispatch
 def _unwrap(x):
-    if isinstance(x, SimCuda): return x._host
-    if isinstance(x, torch.device) and x.type == "cuda": return CPU
+    if isinstance(x, SimCuda):
+        return x._host
+    if isinstance(x, torch.device) and x.type == "cuda":
+        return CPU
     return x
 
 
@@ -230,12 +252,15 @@ def _dispatch(func, args, kwargs):
         return bool(getattr(real(args[0]), "_sim_pinned", False))
     if func in _PIN:
         STATS.pinned += 1
-        out = real(args[0]).clone(); out._sim_pinned = True
+        out = real(args[0]).clone()
+        out._sim_pinned = True
         return out
     dev = _check(func, args, kwargs)
     if on_sim or dev.type == "cuda":
-        STATS.ops += 1; STATS.op_names.add(func.name())
-        if func is aten._local_scalar_dense.default: STATS.scalars += 1
+        STATS.ops += 1
+        STATS.op_names.add(func.name())
+        if func is aten._local_scalar_dense.default:
+            STATS.scalars += 1
     if func is aten._to_copy.default and flat_in:
         src = args[0]
         if dev.type == "cuda" and not isinstance(src, SimCuda):
@@ -247,19 +272,24 @@ def _dispatch(func, args, kwargs):
     if func is aten.copy_.default and isinstance(args[1], SimCuda) and not isinstance(args[0], SimCuda):
         STATS.d2h += 1
     kw = dict(kwargs)
-    if kw.get("pin_memory"): kw["pin_memory"] = False                   # a CPU tensor cannot be pinned without CUDA
+    if kw.get("pin_memory"):
+        kw["pin_memory"] = False                   # a CPU tensor cannot be pinned without CUDA
     u_args, u_kwargs = tree_map(_unwrap, (args, kw))
     out = func(*u_args, **u_kwargs)
     ids = {id(t._host): t for t in flat_in if isinstance(t, SimCuda)}   # in-place ops return their input
     plain = {id(t) for t in flat_in if not isinstance(t, SimCuda)}
 
-    if dev.type == "cuda" and any(isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 for o in tree_flatten(out)[0]):
+    if (dev.type == "cuda"
+        and any(isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 for o in tree_flatten(out)[0])):
         STATS.bf16_ops += 1
 
     def wrap(o):
-        if not isinstance(o, torch.Tensor): return o
-        if id(o) in ids: return ids[id(o)]
-        if dev.type != "cuda" or id(o) in plain: return o
+        if not isinstance(o, torch.Tensor):
+            return o
+        if id(o) in ids:
+            return ids[id(o)]
+        if dev.type != "cuda" or id(o) in plain:
+            return o
         return SimCuda(o)
     return tree_map(wrap, out)
 
@@ -278,15 +308,18 @@ def sim_cuda(patch_cuda_api: bool = True):
     and the memory counters answer as on a one-GPU machine (is_available: True), so code that asks them runs on."""
     global STATS
     STATS = SimStats()
-    if torch.cuda.is_available(): raise RuntimeError("a real GPU is present: run the real thing (make gpu-check)")
+    if torch.cuda.is_available():
+        raise RuntimeError("a real GPU is present: run the real thing (make gpu-check)")
     # as FakeTensorMode does on a machine without CUDA: CUDA's device guard becomes a no-op (for the rest of the
     # process), so that autograd's bookkeeping of a `cuda` tensor (its stream) asks no driver
     torch._C._ensureCUDADeviceGuardSet()
     with contextlib.ExitStack() as stack:
         if patch_cuda_api:
             from unittest import mock
-            for name, value in dict(synchronize=lambda *a, **k: None, current_device=lambda: 0, set_device=lambda *a: None,
-                                    is_available=lambda: True, is_bf16_supported=lambda *a, **k: True, device_count=lambda: 1, reset_peak_memory_stats=lambda *a: None,
+            for name, value in dict(synchronize=lambda *a, **k: None, current_device=lambda: 0,
+                                    set_device=lambda *a: None,
+                                    is_available=lambda: True, is_bf16_supported=lambda *a, **k: True,
+                                    device_count=lambda: 1, reset_peak_memory_stats=lambda *a: None,
                                     memory_allocated=lambda *a: 0, max_memory_allocated=lambda *a: 0,
                                     get_device_name=lambda *a: "simulated CUDA (a CPU)").items():
                 stack.enter_context(mock.patch.object(torch.cuda, name, value))
@@ -294,7 +327,8 @@ def sim_cuda(patch_cuda_api: bool = True):
             orig_to = torch.Tensor.to
             def to(self, *args, **kwargs):
                 args = tuple(_indexed(a) for a in args)
-                if "device" in kwargs: kwargs["device"] = _indexed(kwargs["device"])
+                if "device" in kwargs:
+                    kwargs["device"] = _indexed(kwargs["device"])
                 return orig_to(self, *args, **kwargs)
             stack.enter_context(mock.patch.object(torch.Tensor, "to", to))
             # `module.to('cuda')` replaces each parameter by a new one (`param.data = ...` would give a plain
@@ -304,13 +338,15 @@ def sim_cuda(patch_cuda_api: bool = True):
             # the optimiser and clip_grad_norm_ take their foreach (multi-tensor) kernels on `cuda`, as on a GPU
             import torch.optim.optimizer as _optim, torch.utils._foreach_utils as _fe
             for mod in (_optim, _fe):
-                stack.enter_context(mock.patch.object(mod, "_foreach_supported_types", [*mod._foreach_supported_types, SimCuda]))
+                stack.enter_context(mock.patch.object(mod, "_foreach_supported_types",
+                                                      [*mod._foreach_supported_types, SimCuda]))
             # autograd's engine cannot run a graph with `cuda` tensors here: `loss.backward()` runs `sim_backward`
             stack.enter_context(mock.patch.object(torch.Tensor, "backward", _backward))
             stack.enter_context(mock.patch.object(torch.autograd, "backward", lambda tensors, grad_tensors=None, **k:
                                                   sim_backward(tensors, grad_tensors) and None))
             stack.enter_context(mock.patch.object(torch.autograd, "grad", _grad))
-            stack.enter_context(mock.patch.object(torch.Tensor, "cuda", lambda self, device=None, non_blocking=False, **k:
+            stack.enter_context(mock.patch.object(torch.Tensor, "cuda",
+                                                  lambda self, device=None, non_blocking=False, **k:
                                                   self.to(CUDA, non_blocking=non_blocking)))
         # `torch.tensor(data, device='cuda')`, `x.new_tensor(...)`: made on the CPU and then moved (a dispatched
         # `_to_copy`), instead of C++ asking the driver first (FakeTensorMode does the same)
@@ -322,23 +358,28 @@ def sim_cuda(patch_cuda_api: bool = True):
 
 
 def _backward(t, gradient=None, retain_graph=None, create_graph=False, inputs=None):
-    if create_graph or inputs is not None: raise NotImplementedError("sim_backward: create_graph / inputs")
+    if create_graph or inputs is not None:
+        raise NotImplementedError("sim_backward: create_graph / inputs")
     sim_backward(t, gradient)
 
 
 def _grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
           allow_unused=None, is_grads_batched=False, materialize_grads=False):
-    if create_graph or is_grads_batched: raise NotImplementedError("sim_backward: create_graph / is_grads_batched")
+    if create_graph or is_grads_batched:
+        raise NotImplementedError("sim_backward: create_graph / is_grads_batched")
     inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     out = sim_backward(outputs, grad_outputs, inputs)
     if not allow_unused and not materialize_grads and any(g is None for g in out):
-        raise RuntimeError("One of the differentiated Tensors appears to not have been used in the graph. Set allow_unused=True if this is the desired behavior.")
+        raise RuntimeError("One of the differentiated Tensors appears to not have been used in the graph. Set "
+                           "allow_unused=True if this is the desired behavior.")
     return tuple(torch.zeros_like(t) if g is None and materialize_grads else g for g, t in zip(out, inputs))
 
 def _indexed(d):
     "'cuda' -> cuda:0 (a device argument of `Tensor.to`; anything else as it is)."
-    if isinstance(d, str) and d == "cuda": return CUDA
-    if isinstance(d, torch.device) and d.type == "cuda" and d.index is None: return CUDA
+    if isinstance(d, str) and d == "cuda":
+        return CUDA
+    if isinstance(d, torch.device) and d.type == "cuda" and d.index is None:
+        return CUDA
     return d
 
 
@@ -346,8 +387,10 @@ def _indexed(d):
 def _node_call(node, grads):
     if hasattr(node, "apply") and not hasattr(node, "variable") and type(node).__name__ != "AccumulateGrad":
         # a custom autograd.Function's node (BackwardCFunction): its Python backward
-        try: return node.apply(*grads)
-        except TypeError: pass
+        try:
+            return node.apply(*grads)
+        except TypeError:
+            pass
     return node(*grads)
 
 
@@ -358,9 +401,13 @@ def _validate(node_next, nr, g):
     instead by the next op that meets it (the node's saved tensors, the sum with another gradient) or by the leaf."""
     md = node_next._input_metadata[nr]
     if tuple(g.shape) != tuple(md.shape):
-        try: g = g.sum_to_size(tuple(md.shape))
-        except RuntimeError: raise RuntimeError(f"invalid gradient shape {tuple(g.shape)} for {node_next.name()}, expected {tuple(md.shape)}") from None
-    if g.dtype != md.dtype: g = g.to(md.dtype)
+        try:
+            g = g.sum_to_size(tuple(md.shape))
+        except RuntimeError:
+            raise RuntimeError(f"invalid gradient shape {tuple(g.shape)} for {node_next.name()}, "
+                               f"expected {tuple(md.shape)}") from None
+    if g.dtype != md.dtype:
+        g = g.to(md.dtype)
     return g
 
 
@@ -377,16 +424,20 @@ def sim_backward(outputs, grads=None, inputs=None):
         raise NotImplementedError("sim_backward: gradients with respect to non-leaf tensors")
     roots = []
     for t, g in zip(outputs, grads):
-        if t.grad_fn is None: raise RuntimeError("element of the outputs does not require grad and does not have a grad_fn")
+        if t.grad_fn is None:
+            raise RuntimeError("element of the outputs does not require grad and does not have a grad_fn")
         roots.append((t.grad_fn, t.output_nr, torch.ones_like(t) if g is None else g))
     # dependencies: how many edges point at each node
     deps, seen, stack = defaultdict(int), {r for r, _, _ in roots}, [r for r, _, _ in roots]
     while stack:
         n = stack.pop()
         for nxt, _ in n.next_functions:
-            if nxt is None: continue
+            if nxt is None:
+                continue
             deps[nxt] += 1
-            if nxt not in seen: seen.add(nxt); stack.append(nxt)
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
     buffers = defaultdict(dict)
     for node, nr, g in roots:
         g = _validate(node, nr, g)
@@ -398,10 +449,13 @@ def sim_backward(outputs, grads=None, inputs=None):
         if type(n).__name__ == "AccumulateGrad":
             v, g = n.variable, buf.get(0)
             if g is not None:
-                if _dev(g) != _dev(v) and g.dim() == 0: g = g.to(_dev(v))       # as the engine moves 0-dim gradients
-                if _dev(g) != _dev(v): raise SimDeviceMismatch(f"gradient of a leaf on {_dev(g)}, the leaf on {_dev(v)}")
+                if _dev(g) != _dev(v) and g.dim() == 0:
+                    g = g.to(_dev(v))       # as the engine moves 0-dim gradients
+                if _dev(g) != _dev(v):
+                    raise SimDeviceMismatch(f"gradient of a leaf on {_dev(g)}, the leaf on {_dev(v)}")
                 if want is not None:
-                    if id(v) in want: found[want[id(v)]] = g
+                    if id(v) in want:
+                        found[want[id(v)]] = g
                 else:
                     with torch.no_grad():
                         v.grad = g.detach().clone() if v.grad is None else v.grad + g
@@ -413,13 +467,16 @@ def sim_backward(outputs, grads=None, inputs=None):
             ran += 1
         else:
             outs = [None] * len(n.next_functions)
-        if isinstance(outs, torch.Tensor) or outs is None: outs = (outs,)
+        if isinstance(outs, torch.Tensor) or outs is None:
+            outs = (outs,)
         for (nxt, nr), g in zip(n.next_functions, outs):
-            if nxt is None: continue
+            if nxt is None:
+                continue
             if g is not None:
                 g = _validate(nxt, nr, g)
                 b = buffers[nxt]
                 b[nr] = g if b.get(nr) is None else b[nr] + g
             deps[nxt] -= 1
-            if deps[nxt] == 0: ready.append(nxt)
+            if deps[nxt] == 0:
+                ready.append(nxt)
     return ran if want is None else tuple(found)

@@ -29,12 +29,16 @@ def test_registry_and_presets():
     assert (a.method, a.model.name, a.global_batch_size, a.epochs) == ("aclip", "ViT-B-16", 4096, 25)
     assert (a.optim.lr, a.optim.weight_decay, a.optim.min_lr, a.optim.eps) == (5e-4, 0.5, 1e-5, 1e-8)
     cfg = get_method("aclip", a.method_cfg).cfg
-    assert (cfg.keep_ratio, cfg.views, cfg.crop_scale, cfg.momentum, cfg.simclr_tau, cfg.byol_weight) == (0.5, 2, (0.5, 1.0), 0.996, 0.1, 2.0)
+    assert ((cfg.keep_ratio, cfg.views, cfg.crop_scale, cfg.momentum, cfg.simclr_tau, cfg.byol_weight)
+            == (0.5, 2, (0.5, 1.0), 0.996, 0.1, 2.0))
     e = load_config("eclip")
-    assert (e.method, e.model.name, e.global_batch_size, e.epochs, e.optim.lr, e.optim.warmup_steps) == ("eclip", "ViT-B-16", 2048, 32, 5e-4, 2000)
+    assert ((e.method, e.model.name, e.global_batch_size, e.epochs, e.optim.lr, e.optim.warmup_steps)
+            == ("eclip", "ViT-B-16", 2048, 32, 5e-4, 2000))
     cfg = get_method("eclip", e.method_cfg).cfg
-    assert (cfg.anchor_ratio, cfg.threshold, cfg.min_ratio, cfg.hide_clusters, cfg.use_embed) == (0.03, 0.5, 0.3, True, False)
-    assert get_method("aclip").scorers().keys() == {"ema", "global"} and list(get_method("eclip").scorers()) == ["global"]
+    assert ((cfg.anchor_ratio, cfg.threshold, cfg.min_ratio, cfg.hide_clusters, cfg.use_embed)
+            == (0.03, 0.5, 0.3, True, False))
+    assert (get_method("aclip").scorers().keys() == {"ema", "global"}
+            and list(get_method("eclip").scorers()) == ["global"])
 
 
 @pytest.mark.parametrize("method", ["aclip", "eclip"])
@@ -46,14 +50,16 @@ def test_model_stays_plain_open_clip(method):
     m = get_method(method)
     m.setup_model(model)
     mods = m.build_modules(model)
-    tokens = torch.zeros(2, 77, dtype=torch.long); tokens[:, 0], tokens[:, 1], tokens[:, 2] = 49406, 320, 49407
+    tokens = torch.zeros(2, 77, dtype=torch.long)
+    tokens[:, 0], tokens[:, 1], tokens[:, 2] = 49406, 320, 49407
     m.forward(model, {"image": torch.randn(2, 3, 32, 32), "tokens": tokens}, mods)
     v = model.visual
     assert set(model.state_dict()) == keys and isinstance(v.patch_dropout, torch.nn.Identity)
     assert not {"forward", "forward_intermediates"} & set(vars(v.transformer)) and not v.ln_post._forward_hooks
 
 
-@pytest.mark.parametrize("method,opts", [("aclip", {}), ("aclip", {"method_cfg.views": 1, "method_cfg.color_aug": False}),
+@pytest.mark.parametrize("method,opts",
+                         [("aclip", {}), ("aclip", {"method_cfg.views": 1, "method_cfg.color_aug": False}),
                                          ("eclip", {}), ("eclip", {"method_cfg.use_embed": True})])
 def test_demo_trainer_steps(tmp_path, method, opts):
     "The demo preset shrunk to batch 16 and 4 steps: finite losses and the logged shares where they must be."
@@ -63,7 +69,8 @@ def test_demo_trainer_steps(tmp_path, method, opts):
     for r in rows:
         assert math.isfinite(r["loss"]) and math.isfinite(r["clip"]) and r["bad_total"] == 0
         if method == "aclip":
-            assert r["_keep_ratio"] == 36 / 64 and 0.996 - 1e-7 <= r["_momentum"] <= 1   # 9 of 16 2x2 blocks of the 8x8 grid
+            # 9 of 16 2x2 blocks of the 8x8 grid
+            assert r["_keep_ratio"] == 36 / 64 and 0.996 - 1e-7 <= r["_momentum"] <= 1
             assert ("simclr" in r) == (opts.get("method_cfg.views", 2) == 2) and math.isfinite(r["byol"])
         else:
             assert r["_eclip_drop_ratio"] >= 20 / 64 and 0 <= r["_eclip_hidden_ratio"] <= 1 - r["_eclip_drop_ratio"]

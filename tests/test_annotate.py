@@ -16,7 +16,7 @@ import webdataset as wds
 from PIL import Image
 
 from data_prep.annotate_shards import (AnnotateConfig, UsageError, annotate_shard, expand_inputs, hold_output, main,
-                                      read_groups, report, run)
+                                      read_groups, run)
 from powerclip.parsing import ParsedCaption, tree_problems
 from powerclip.regions import decode_regions
 
@@ -27,7 +27,9 @@ COCO = ROOT.parent / 'shared' / 'data' / 'coco_sample'
 def _jpeg(seed: int, size=(60, 80)) -> bytes:
     a = np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)
     a[: size[0] // 2] //= 3                                  # two halves, so superpixels have an edge to find
-    buf = io.BytesIO(); Image.fromarray(a).save(buf, 'JPEG'); return buf.getvalue()
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, 'JPEG')
+    return buf.getvalue()
 
 
 def _sample(key: str, seed: int, text='a brown dog sitting on a red chair', **over) -> dict:
@@ -39,13 +41,16 @@ def _sample(key: str, seed: int, text='a brown dog sitting on a red chair', **ov
 def _write(path: Path, samples: list[dict]):
     "A shard as img2dataset writes it (webdataset's TarWriter: members sorted by extension within a sample)."
     with wds.TarWriter(str(path)) as w:
-        for s in samples: w.write(s)
+        for s in samples:
+            w.write(s)
 
 
 def _cut_inside(path: Path, member_index: int, into: int = 100):
     "Truncate `path` `into` bytes into the data of its `member_index`-th member."
-    with tarfile.open(path) as tf: m = tf.getmembers()[member_index]
-    data = path.read_bytes(); path.write_bytes(data[: m.offset_data + into])
+    with tarfile.open(path) as tf:
+        m = tf.getmembers()[member_index]
+    data = path.read_bytes()
+    path.write_bytes(data[: m.offset_data + into])
 
 
 # the expected accounting of the dirty shard 00000.tar
@@ -68,7 +73,8 @@ def shards(tmp_path_factory) -> Path:
         _sample('k0001', 8),                                          # duplicate key
         _sample('k0008', 9, jpg=None),                                # no image
     ])
-    _write(d / '00001.tar', [_sample(f'k01{i:02d}', 10 + i, text=f'two cats on a sofa near window {i}') for i in range(6)])
+    _write(d / '00001.tar',
+           [_sample(f'k01{i:02d}', 10 + i, text=f'two cats on a sofa near window {i}') for i in range(6)])
     _write(d / '00002.tar', [_sample(f'k02{i:02d}', 20 + i) for i in range(6)])
     _cut_inside(d / '00002.tar', 3 * 3 + 1)                           # inside sample 3's 2nd member
     _write(d / '00003.tar', [_sample(f'k03{i:02d}', 30 + i, text='') for i in range(2)])
@@ -129,7 +135,8 @@ def test_output_samples(reference, shards):
     # the original members are copied byte for byte
     src = {}
     with tarfile.open(shards / '00001.tar') as tf:
-        for m in tf.getmembers(): src[m.name] = tf.extractfile(m).read()
+        for m in tf.getmembers():
+            src[m.name] = tf.extractfile(m).read()
     for k, g in outs['00001.tar'].items():
         assert g['jpg'] == src[f'{k}.jpg'] and g['txt'] == src[f'{k}.txt'] and g['json'] == src[f'{k}.json']
     n_masks = 0
@@ -150,7 +157,8 @@ def test_output_samples(reference, shards):
 
 def test_resume_redoes_only_unfinished(shards, reference, tmp_path):
     ref_out, cfg, _ = reference
-    out = tmp_path / 'out'; out.mkdir()
+    out = tmp_path / 'out'
+    out.mkdir()
     # the traces a killed run leaves: a half-written temp shard, and a renamed shard whose stats never came
     (out / '00001.tar.1234-deadbeef.partial').write_bytes(b'half a shard')
     (out / '00000.tar').write_bytes(b'not finished')
@@ -191,9 +199,12 @@ def _children() -> dict[int, list[int]]:
     "{ppid: [pid, ...]} of every process (Linux /proc)."
     kids = {}
     for d in Path('/proc').iterdir():
-        if not d.name.isdigit(): continue
-        try: st = (d / 'stat').read_text()
-        except OSError: continue
+        if not d.name.isdigit():
+            continue
+        try:
+            st = (d / 'stat').read_text()
+        except OSError:
+            continue
         kids.setdefault(int(st[st.rindex(')') + 2:].split()[1]), []).append(int(d.name))
     return kids
 
@@ -201,14 +212,18 @@ def _children() -> dict[int, list[int]]:
 def _descendants(pid: int) -> set[int]:
     kids, out, todo = _children(), set(), [pid]
     while todo:
-        for c in kids.get(todo.pop(), []): out.add(c); todo.append(c)
+        for c in kids.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
     return out
 
 
 def _alive(pid: int) -> bool:
     "Running (a zombie waiting for a parent that does not reap it counts as ended)."
-    try: st = Path(f'/proc/{pid}/stat').read_text()
-    except OSError: return False
+    try:
+        st = Path(f'/proc/{pid}/stat').read_text()
+    except OSError:
+        return False
     return st[st.rindex(')') + 2] != 'Z'
 
 
@@ -217,8 +232,10 @@ def test_kill_main_process_ends_its_workers_and_the_rerun_matches(tmp_path):
     """SIGKILL only the main process of a 2-worker run while a worker writes a shard: the workers and the
     resource tracker end within seconds; the same command then finishes, with shards byte-identical to an
     uninterrupted run."""
-    src = tmp_path / 'in'; src.mkdir()
-    for s in range(4): _write(src / f'{s:05d}.tar', [_sample(f's{s}_{i:03d}', 100 * s + i) for i in range(30)])
+    src = tmp_path / 'in'
+    src.mkdir()
+    for s in range(4):
+        _write(src / f'{s:05d}.tar', [_sample(f's{s}_{i:03d}', 100 * s + i) for i in range(30)])
     out = tmp_path / 'out'
     args = (src, '--out', out, '--workers', 2, '--regions', 'slic', '--parser', 'spacy', '--no-progress')
     with open(tmp_path / 'log', 'w') as log:
@@ -227,16 +244,20 @@ def test_kill_main_process_ends_its_workers_and_the_rerun_matches(tmp_path):
     t0, tree = time.time(), set()
     while p.poll() is None and time.time() - t0 < 240:          # two workers up, one of them writing a shard
         tree = _descendants(p.pid)
-        if len(tree) >= 3 and list(out.glob('*.tar.*.partial')): break
+        if len(tree) >= 3 and list(out.glob('*.tar.*.partial')):
+            break
         time.sleep(0.05)
     assert p.poll() is None, f'the run ended before it could be killed: {(tmp_path / "log").read_text()[-2000:]}'
     tree = _descendants(p.pid)                                  # 2 workers + the resource tracker
     assert len(tree) >= 3, tree
-    os.kill(p.pid, signal.SIGKILL); p.wait()
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
     t0 = time.time()
-    while any(_alive(q) for q in tree) and time.time() - t0 < 10: time.sleep(0.1)
+    while any(_alive(q) for q in tree) and time.time() - t0 < 10:
+        time.sleep(0.1)
     left = [q for q in tree if _alive(q)]
-    for q in left: os.kill(q, signal.SIGKILL)                   # (only so a failure leaves nothing behind)
+    for q in left:
+        os.kill(q, signal.SIGKILL)                   # (only so a failure leaves nothing behind)
     assert not left, f'processes left after the main process was killed: {left}'
     assert list(out.glob('*.partial')), 'killed mid-shard: a partial file stays until the re-run'
     r = _cli(*args)
@@ -292,19 +313,23 @@ def test_cli_exit_status_and_debug(shards, tmp_path):
     assert r.returncode == 1 and 'Traceback' in r.stderr and 'UsageError' in r.stderr
 
 
-CAPTIONS = {'c0': 'a brown dog on a red chair', 'c1': '', 'c2': '  \n ', 'c3': b'\xff\xfe caf\xe9', 'c4': b'caf\xe9 noir',
+CAPTIONS = {'c0': 'a brown dog on a red chair', 'c1': '', 'c2': '  \n ', 'c3': b'\xff\xfe caf\xe9',
+            'c4': b'caf\xe9 noir',
             'c5': '!!! \U0001f600\U0001f389 ... ?!', 'c6': 'http://example.com/x.jpg', 'c7': '&amp; &quot;',
-            'c8': 'Ein Hund \U0001f436 auf dem Sofa', 'c9': b'caf\xc3\xa9 au lait', 'd0': '42', 'd1': "the person doesn't"}
+            'c8': 'Ein Hund \U0001f436 auf dem Sofa', 'c9': b'caf\xc3\xa9 au lait', 'd0': '42',
+            'd1': "the person doesn't"}
 
 
 def test_trainer_and_annotator_skip_the_same_captions(tmp_path):
     "The same raw shard through the annotator and through the trainer's reader: the same samples survive."
     from powerclip.data import BatchNeeds, BatchSpec, DataConfig, Geometry, key_index, make_loader
-    src = tmp_path / 'in'; src.mkdir()
+    src = tmp_path / 'in'
+    src.mkdir()
     _write(src / '00000.tar', [_sample(k, i, txt=t) for i, (k, t) in enumerate(CAPTIONS.items())])
     st = run([src / '00000.tar'], AnnotateConfig(out=str(tmp_path / 'out'), parser='spacy'), progress=False)
     bad = json.loads((tmp_path / 'out' / '00000.stats.json').read_text())['bad']
-    assert {b['key'] for b in bad} == {'c1', 'c2', 'c3', 'c4', 'c5', 'c6', 'c7'} and {b['reason'] for b in bad} == {'bad_txt'}
+    assert ({b['key'] for b in bad} == {'c1', 'c2', 'c3', 'c4', 'c5', 'c6', 'c7'}
+            and {b['reason'] for b in bad} == {'bad_txt'})
     written = set(_outputs(tmp_path / 'out')['00000.tar'])
     assert written == {'c0', 'c8', 'c9', 'd0', 'd1'} and st['written'] == 5
     spec = BatchSpec(DataConfig(source='wds', shards=str(src / '00000.tar'), batch_size=1, workers=0, shuffle_buffer=0),
@@ -319,11 +344,13 @@ def test_truncation_at_member_boundary(shards, tmp_path):
     "A tar cut exactly between members (no read error) is still reported, by its missing end-of-archive blocks."
     p = tmp_path / 'cut.tar'
     data = (shards / '00001.tar').read_bytes()
-    with tarfile.open(shards / '00001.tar') as tf: m = tf.getmembers()[5]   # last member of sample 1
+    with tarfile.open(shards / '00001.tar') as tf:
+        m = tf.getmembers()[5]   # last member of sample 1
     p.write_bytes(data[: m.offset_data + (m.size + 511) // 512 * 512])
     bad, g, keys = [], read_groups(p, lambda *a: bad.append(a)), []
     with pytest.raises(StopIteration) as stop:
-        while True: keys.append(next(g)[0])
+        while True:
+            keys.append(next(g)[0])
     n_members, truncated, error = stop.value.value
     assert keys == ['k0100'] and [b[:2] for b in bad] == [('k0101', 'truncated')]
     assert truncated and 'end-of-archive' in error and n_members == 6
@@ -333,10 +360,13 @@ def test_truncation_at_member_boundary(shards, tmp_path):
 def test_coco_sample_shards(tmp_path):
     "10 real COCO photos with their first caption, packed as img2dataset would, annotated with superpixels."
     rows = [json.loads(l) for l in (COCO / 'captions.jsonl').read_text().splitlines()[:10]]
-    src = tmp_path / 'in'; src.mkdir()
+    src = tmp_path / 'in'
+    src.mkdir()
     for s in range(2):
-        _write(src / f'{s:05d}.tar', [{'__key__': f'{s:05d}{i:04d}', 'jpg': (COCO / 'images' / r['file_name']).read_bytes(),
-                                       'txt': r['captions'][0], 'json': json.dumps({'url': r['flickr_url'], 'caption': r['captions'][0]})}
+        _write(src / f'{s:05d}.tar',
+               [{'__key__': f'{s:05d}{i:04d}', 'jpg': (COCO / 'images' / r['file_name']).read_bytes(),
+                                       'txt': r['captions'][0],
+                 'json': json.dumps({'url': r['flickr_url'], 'caption': r['captions'][0]})}
                                       for i, r in enumerate(rows[5 * s: 5 * s + 5])])
     summary = run(expand_inputs([str(src)]), AnnotateConfig(out=str(tmp_path / 'out'), regions='slic', parser='spacy'),
                   progress=False)

@@ -21,7 +21,8 @@ def _run(tmp_path, overrides, method_cfg=None, preset="demo"):
     from powerclip.train import read_metrics, train
     ov = {"out_dir": str(tmp_path), "data.batch_size": 16, "max_steps": 6, "optim.warmup_steps": 1, "log_every": 1,
           "progress": False, "tensorboard": False, "data.workers": 0, **overrides}
-    for k, v in (method_cfg or {}).items(): ov[f"method_cfg.{k}"] = v
+    for k, v in (method_cfg or {}).items():
+        ov[f"method_cfg.{k}"] = v
     res = train(load_config(preset, ov, method="c2lip"))
     return res, read_metrics(Path(tmp_path) / "metrics.csv")
 
@@ -32,7 +33,8 @@ def test_trainer_steps_finite(tmp_path, base, terms):
     res, rows = _run(tmp_path, {}, {"base": base})
     assert [r["step"] for r in rows] == list(range(1, 7))
     for r in rows:
-        for k in ["loss", "_t", "_b", "_concepts"] + terms: assert math.isfinite(r[k]), (k, r)
+        for k in ["loss", "_t", "_b", "_concepts"] + terms:
+            assert math.isfinite(r[k]), (k, r)
         assert r["_concepts"] >= 1   # world captions: one concept per object mention
     assert abs(rows[0]["loss"] - sum(rows[0][k] for k in terms)) < 1e-4 * max(1.0, abs(rows[0]["loss"]))
     mods = torch.load(Path(res["run_dir"]) / "method_modules.pt", weights_only=True)
@@ -55,6 +57,7 @@ def test_preset_needs_pretrained(tmp_path):
     assert cfg.global_batch_size == 768 and cfg.epochs == 5
     assert cfg.method_cfg == {"base": "siglip", "npc_weight": 1.0, "xac_weight": 0.01, "concepts": "base",
                               "concept_embedding": "pool"}
-    with pytest.raises(ValueError, match="model.pretrained="): train(cfg)
+    with pytest.raises(ValueError, match="model.pretrained="):
+        train(cfg)
 
 

@@ -2,11 +2,11 @@
 model is built (the convention of `powerclip.commandline`, nbs/17_commandline).
 
 One table of cases over all entry points: powerclip.train, powerclip-heatmaps, data_prep/annotate_shards.py, the
-benchmark scripts, powerclip-eval and the demo. Each case runs in this process through the command's own `main`
-(which goes through `powerclip.commandline.run_main`), with every way of building a model or starting the work replaced by a
-tripwire: a case that gets that far fails, whatever it would have printed later. A few cases run as real commands in
-a fresh process, to check the exit status and the single line end to end (a model built there would add open_clip's
-"No pretrained weights loaded" warning line), and that they answer within the time of a process start.
+benchmark scripts, powerclip-eval and the demo. Each case runs in this process through the command's own `main` (which
+goes through `powerclip.commandline.run_main`), with every way of building a model or starting the work replaced by a
+tripwire: a case that gets that far fails, whatever it would have printed later. A few cases run as real commands in a
+fresh process, to check the exit status and the single line end to end (a model built there would add open_clip's "No
+pretrained weights loaded" warning line), and that they answer within the time of a process start.
 """
 import importlib.util
 import os
@@ -28,7 +28,8 @@ class Built(BaseException):
 
 
 def _tripwire(what):
-    def f(*a, **k): raise Built(f"{what} was called: the mistake was not caught before the work started")
+    def f(*a, **k):
+        raise Built(f"{what} was called: the mistake was not caught before the work started")
     return f
 
 
@@ -47,28 +48,43 @@ def tripwires(monkeypatch):
     import data_prep.annotate_shards as ann
     monkeypatch.setattr(ann, "run", _tripwire("annotate_shards.run"))
     for mod in ("powerclip.compare", "powerclip.experiments", "powerclip.eval.cli"):
-        try: m = importlib.import_module(mod)
-        except ImportError: continue
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
         for name in ("train", "run_isolated", "load_model"):
-            if hasattr(m, name): monkeypatch.setattr(m, name, _tripwire(f"{mod}.{name}"))
+            if hasattr(m, name):
+                monkeypatch.setattr(m, name, _tripwire(f"{mod}.{name}"))
 
 
 def _bench(name):
     "A benchmark script as its command line runs it: `run_main(main, argv, prog)`."
     from powerclip.commandline import run_main
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return lambda argv: run_main(mod.main, argv, f"{name}.py")
 
 
 def _entry(kind):
-    if kind == "train": from powerclip.train import main; return main
-    if kind == "heatmaps": from powerclip.heatmaps import main; return main
-    if kind == "annotate": from data_prep.annotate_shards import main; return main
-    if kind == "eval": from powerclip.eval.cli import main; return main
+    if kind == "train":
+        from powerclip.train import main
+        return main
+    if kind == "heatmaps":
+        from powerclip.heatmaps import main
+        return main
+    if kind == "annotate":
+        from data_prep.annotate_shards import main
+        return main
+    if kind == "eval":
+        from powerclip.eval.cli import main
+        return main
     if kind == "demo":
-        from powerclip.compare import main; return main
-    if kind == "experiments": from powerclip.experiments import main; return main
+        from powerclip.compare import main
+        return main
+    if kind == "experiments":
+        from powerclip.experiments import main
+        return main
     return _bench(kind)
 
 
@@ -111,10 +127,12 @@ CASES = [
     ("heatmaps", ["--checkpoint", "random:ViT-X", "--grounding", "2"], "--checkpoint"),
     ("heatmaps", ["--checkpoint", "a=", "--grounding", "2"], "--checkpoint"),
     ("heatmaps", ["--checkpoint", "random:powerclip-micro", "--image", "{tmp}/nope.png", "--text", "x"], "--image"),
-    ("heatmaps", ["--checkpoint", "random:powerclip-micro", "--image", "{tmp}/a_file", "--text", "x"], "--image"),  # not an image
+    # not an image
+    ("heatmaps", ["--checkpoint", "random:powerclip-micro", "--image", "{tmp}/a_file", "--text", "x"], "--image"),
     ("heatmaps", ["--checkpoint", "random:powerclip-micro"], "--grounding"),
     ("heatmaps", ["--checkpoint", "random:powerclip-micro", "--grounding", "-1"], "--grounding"),
-    ("heatmaps", ["--checkpoint", "random:powerclip-micro", "--grounding", "2", "--device", "cuda"], "--device", NO_GPU),
+    ("heatmaps", ["--checkpoint", "random:powerclip-micro", "--grounding", "2", "--device", "cuda"],
+     "--device", NO_GPU),
     ("heatmaps", ["--checkpoint", "random:powerclip-micro", "--grounding", "2", "--out", "{tmp}/a_file"], "--out"),
     ("heatmaps", ["--checkpoint", "random:powerclip-micro", "--grounding", "x"], "--grounding"),
     # data_prep/annotate_shards.py
@@ -158,7 +176,8 @@ CASES = [
     ("annotate_throughput", ["--coco", "{tmp}/nope"], "--coco"),
     ("annotate_throughput", ["--regions", "sam9"], "--regions"),
     # powerclip-eval and the comparison (`make demo`, `make compare`)
-    ("eval", ["run", "--checkpoint", "{tmp}/nope.pt", "--data", "{tmp}", "--out", "{tmp}/res", "--cache", "none"], "--checkpoint"),
+    ("eval", ["run", "--checkpoint", "{tmp}/nope.pt", "--data", "{tmp}", "--out", "{tmp}/res", "--cache", "none"],
+     "--checkpoint"),
     ("eval", ["run", "--model", "ViT-X", "--data", "{tmp}", "--out", "{tmp}/res", "--cache", "none"], "--model"),
     ("eval", ["run", "--model", "powerclip-micro", "--data", "{tmp}/nope", "--out", "{tmp}/res"], "--data"),
     ("eval", ["run", "--model", "powerclip-micro", "--data", "{tmp}", "--batch-size", "0"], "--batch-size"),
@@ -200,7 +219,8 @@ def _argv(argv, tmp, monkeypatch=None):
     for a in argv:
         if a.startswith("{env:"):
             k, v = a[5:-1].split("=", 1)
-            if monkeypatch is not None: monkeypatch.setenv(k, v)
+            if monkeypatch is not None:
+                monkeypatch.setenv(k, v)
             continue
         out.append(a.replace("{tmp}", str(tmp)))
     return out
@@ -212,8 +232,10 @@ def test_mistake_is_one_line_before_any_model(kind, argv, key, tmp, tripwires, m
     monkeypatch.delenv("POWERCLIP_DEBUG", raising=False)
     main = _entry(kind)
     capsys.readouterr()
-    try: rc = main(_argv(argv, tmp, monkeypatch))
-    except SystemExit as e: rc = e.code         # argparse's own exit (an unconverted command)
+    try:
+        rc = main(_argv(argv, tmp, monkeypatch))
+    except SystemExit as e:
+        rc = e.code         # argparse's own exit (an unconverted command)
     err = capsys.readouterr().err
     lines = err.splitlines()
     assert rc == 2, f"exit status {rc!r}, stderr: {err[-2000:]}"
@@ -224,15 +246,19 @@ def test_mistake_is_one_line_before_any_model(kind, argv, key, tmp, tripwires, m
 def test_debug_shows_the_traceback(tmp, tripwires, capsys):
     from powerclip.commandline import UsageError
     from powerclip.train import main
-    with pytest.raises(UsageError, match="optim.lr"): main([*T, "optim.lr=abc", "--debug"])
-    with pytest.raises(UsageError, match="--checkpoint"): _entry("heatmaps")(["--grounding", "2", "--debug"])
-    with pytest.raises(UsageError, match="--batch"): _entry("baselines_cost")(["--batch", "0", "--debug"])
+    with pytest.raises(UsageError, match="optim.lr"):
+        main([*T, "optim.lr=abc", "--debug"])
+    with pytest.raises(UsageError, match="--checkpoint"):
+        _entry("heatmaps")(["--grounding", "2", "--debug"])
+    with pytest.raises(UsageError, match="--batch"):
+        _entry("baselines_cost")(["--batch", "0", "--debug"])
 
 
 # ------------------------------------------------------------------------------------------------ real commands
 CMDS = [
     ([sys.executable, "-m", "powerclip.train", *T, "optim.lr=abc"], "optim.lr"),
-    ([sys.executable, "-m", "powerclip.train", *T, "data.source=wds", "data.shards={tmp}/nope/{0..3}.tar", "max_steps=5"], "data.shards"),
+    ([sys.executable, "-m", "powerclip.train", *T, "data.source=wds", "data.shards={tmp}/nope/{0..3}.tar",
+      "max_steps=5"], "data.shards"),
     ([sys.executable, "-m", "powerclip.heatmaps", "--checkpoint", "random:powerclip-micro", "--image", "{tmp}/nope.png",
       "--text", "a dog"], "--image"),
     ([sys.executable, "data_prep/annotate_shards.py", "{tmp}/nope.tar", "--out", "{tmp}/out"], "shards"),

@@ -25,11 +25,13 @@ def test_registry_and_presets():
     import powerclip.baselines.clip_pgs as pgs
     assert METHODS["clip-pgs"] is pgs.CLIPPGS and METHODS["clip-pgs-0.3"] is pgs.CLIPPGS03
     assert (get_method("clip-pgs").cfg.lower, get_method("clip-pgs-0.3").cfg.lower) == (0.5, 0.3)
-    with pytest.raises(ValueError, match="lower"): get_method("clip-pgs", {"lower": 0.7})
+    with pytest.raises(ValueError, match="lower"):
+        get_method("clip-pgs", {"lower": 0.7})
     from powerclip.config import load_config
     cfg = load_config("clip-pgs")
     assert cfg.method == "clip-pgs" and cfg.model.name == "ViT-B-16" and cfg.global_batch_size == 4096
-    assert cfg.optim.lr == 1e-3 and cfg.optim.betas == (0.9, 0.98) and cfg.optim.weight_decay == 0.2 and cfg.epochs == 32
+    assert (cfg.optim.lr == 1e-3 and cfg.optim.betas == (0.9, 0.98) and cfg.optim.weight_decay == 0.2
+            and cfg.epochs == 32)
     assert load_config("clip-pgs", method="clip-pgs-0.3").method_cfg["lower"] == 0.3
     # the authors' clip-train.sh warms up for 10,000 steps; PowerCLIP's paper adopts CLIP-PGS's setting (Sec. 5.1)
     assert cfg.optim.warmup_steps == 10000 and load_config("paper").optim.warmup_steps == 10000
@@ -40,7 +42,8 @@ def test_model_state_dict_unchanged():
     from powerclip.model import create_model
     model = create_model("powerclip-micro")[0].train()
     keys = set(model.state_dict())
-    tokens = torch.zeros(2, 77, dtype=torch.long); tokens[:, 0], tokens[:, 1], tokens[:, 2] = 49406, 320, 49407
+    tokens = torch.zeros(2, 77, dtype=torch.long)
+    tokens[:, 0], tokens[:, 1], tokens[:, 2] = 49406, 320, 49407
     get_method("clip-pgs").forward(model, {"image": torch.randn(2, 3, 32, 32), "tokens": tokens})
     assert set(model.state_dict()) == keys and isinstance(model.visual.patch_dropout, torch.nn.Identity)
 
@@ -106,14 +109,16 @@ def _pgs03_step(batch, ctx):
 
 def _pgs03_worker(rank, world, port, out):
     import os
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from powerclip.dist import all_mean, cleanup, init_distributed
     ctx = init_distributed("cpu")
     b = {k: v[4 * rank: 4 * rank + 4] for k, v in _pgs03_batch().items()}
     loss, ratio, grads = _pgs03_step(b, ctx)
     res = (all_mean(loss), ratio, grads)
-    if rank == 0: torch.save(res, out)
+    if rank == 0:
+        torch.save(res, out)
     cleanup(ctx)
 
 
@@ -122,7 +127,8 @@ def test_pgs03_two_processes_equal_one(tmp_path):
     import torch.multiprocessing as mp
     from powerclip.dist import DistContext
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     out = tmp_path / "ddp.pt"
     mp.start_processes(_pgs03_worker, args=(2, port, str(out)), nprocs=2, join=True, start_method="spawn")
     loss2, ratio2, grads2 = torch.load(out, weights_only=False)

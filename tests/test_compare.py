@@ -28,7 +28,8 @@ def run(tmp_path_factory):
     # a run killed after 4 of its 10 steps: its checkpoint is there, its train.json is not
     killed = plan.job("CLIP", 1).cfg
     train(dataclasses.replace(killed, stop_at=4))
-    assert (out / "seed1" / "CLIP" / "checkpoints" / "last.pt").is_file() and not (out / "seed1" / "CLIP" / "train.json").exists()
+    assert ((out / "seed1" / "CLIP" / "checkpoints" / "last.pt").is_file()
+            and not (out / "seed1" / "CLIP" / "train.json").exists())
     cmp = compare(ROWS, SEEDS, STEPS, out, **KW)          # isolate=True: each run in a fresh process
     return out, plan, cmp
 
@@ -60,13 +61,15 @@ def test_killed_run_resumed(run, tmp_path):
     train(straight)
     resumed = read_metrics(out / "seed1" / "CLIP" / "metrics.csv")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in read_metrics(tmp_path / "straight" / "metrics.csv")],
+    np.testing.assert_allclose([r["loss"] for r in resumed],
+                               [r["loss"] for r in read_metrics(tmp_path / "straight" / "metrics.csv")],
                                rtol=0, atol=1e-6)
 
 
 def test_reuse(run):
     out, plan, cmp = run
-    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.suffix in (".json", ".pt") and p.name != "summary.json"
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.suffix in (".json", ".pt")
+              and p.name != "summary.json"
               and "world_" not in str(p)}
     again = compare(ROWS, SEEDS, STEPS, out, **KW)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps          # nothing trained or evaluated again
@@ -93,10 +96,11 @@ def test_paired_statistics(run):
     assert cmp.summary["CLIP"]["hn_mean"] == pytest.approx(np.mean([cmp.per_seed[s]["CLIP"]["hn_mean"] for s in SEEDS]))
 
 
-@pytest.mark.parametrize("argv, msg", [(["--runs", "CLIP", "Nope"], "unknown run(s) ['Nope']"), (["--seeds", "0", "-1"], "--seeds"),
+@pytest.mark.parametrize("argv, msg",
+                         [(["--runs", "CLIP", "Nope"], "unknown run(s) ['Nope']"), (["--seeds", "0", "-1"], "--seeds"),
                                        (["--preset", "smoke", "optim.nope=1"], "unknown key")])
 def test_cli_errors(argv, msg, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "powerclip.compare", "--out", str(tmp_path / "x"), *argv], capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "powerclip.compare", "--out", str(tmp_path / "x"), *argv],
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and msg in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr
     assert not (tmp_path / "x").exists()                                    # nothing was started

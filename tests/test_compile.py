@@ -1,6 +1,6 @@
-"""torch.compile (inductor, on this CPU) computes what eager computes: the trainer's compiled step (`model.compile=true`)
-and the blocked S-bar of `powerset_fast` with its custom backward (issue 22). A GPU day then only has speed to find
-out (`benchmarks/gpu_check.py`, part `compile`).
+"""torch.compile (inductor, on this CPU) computes what eager computes: the trainer's compiled step
+(`model.compile=true`) and the blocked S-bar of `powerset_fast` with its custom backward (issue 22). A GPU day then only
+has speed to find out (`benchmarks/gpu_check.py`, part `compile`).
 
 Inductor needs a C++ compiler (gcc here). Compiling takes more than a minute on 2 cores with a cold inductor cache
 (measured: the training step 82 s, S-bar 47 s; 18 s and 10 s once `TORCHINDUCTOR_CACHE_DIR` holds their kernels), so
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("gcc") is None,
                                 reason="inductor needs a C++ compiler")
-slow = pytest.mark.skipif(not os.environ.get("POWERCLIP_SLOW"), reason="about a minute of compiling: POWERCLIP_SLOW=1 runs it")
+slow = pytest.mark.skipif(not os.environ.get("POWERCLIP_SLOW"), reason="about a minute of compiling: "
+                                                                       "POWERCLIP_SLOW=1 runs it")
 
 
 @pytest.fixture(autouse=True)
@@ -61,8 +62,11 @@ def test_compiled_sbar_blocked_equals_eager():
     g = torch.Generator().manual_seed(0)
     Ci, Cj, M, D = 5, 6, 4, 8
     reg = F.normalize(torch.randn(Ci, M, D, generator=g, dtype=torch.float64), dim=-1)
-    rv = torch.rand(Ci, M, generator=g) < 0.7; rv[0] = True; rv[1] = False
-    k = torch.randint(1, 6, (Cj,), generator=g); k[0] = 1
+    rv = torch.rand(Ci, M, generator=g) < 0.7
+    rv[0] = True
+    rv[1] = False
+    k = torch.randint(1, 6, (Cj,), generator=g)
+    k[0] = 1
     nt = torch.arange(Cj).repeat_interleave(k)
     ph = torch.randn(int(k.sum()), D, generator=g, dtype=torch.float64)
     W = torch.randn(Ci, Cj, generator=g, dtype=torch.float64)

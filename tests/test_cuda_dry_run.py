@@ -8,7 +8,8 @@ Covered, for every registered method (`powerclip.methods.METHODS`), in fp32 and 
 bfloat16)`, through the trainer's own objects (`train.build_run` with a `cuda:0` context, `Run.prepare`, `Run.step`):
 
 * `model.to(device)` and the method's modules on the device; the batch's host-to-device copies (`to_device`,
-  non-blocking; the training loader does not pin memory, so on a GPU these copies do not overlap compute);
+  non-blocking, from the training loader's page-locked batches: `Run.loader` pins memory on CUDA, and the simulation
+  counts the pins and the copies that come from pinned memory);
 * the forward pass as the method defines it, every loss term, the sum the trainer takes, the all-mean for logging and
   the finite checks (`.item()`/`bool()` syncs);
 * backward: every node of the autograd graph runs its own backward formula on the simulated device (the C++ formulas,
@@ -64,7 +65,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    n = torch.get_num_threads(); torch.set_num_threads(1)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
 
@@ -73,7 +75,9 @@ def _run(method, precision="fp32", device=CUDA, overrides=(), ctx=None):
     "build_run of the smoke preset on `device` and one prepared batch (the trainer's own objects)."
     cfg = load_config("smoke", ["resume=never", f"precision={precision}", *overrides], method=method)
     run = build_run(cfg, ctx or pdist.DistContext(device=device))
-    batch = run.prepare(next(iter(run.loader())))
+    loader = run.loader()
+    assert loader.dataloader.pin_memory == (run.ctx.device.type == "cuda")   # the copies below can overlap compute
+    batch = run.prepare(next(iter(loader)))
     return run, batch
 
 
@@ -100,20 +104,25 @@ def test_training_step_on_cuda(method, precision):
     run, batch, out, st, before = _step(method, precision)
     # model, method modules, batch on the device; the batch moved by non-blocking copies
     tensors = [*run.model.parameters(), *run.model.buffers()]
-    if run.modules is not None: tensors += [*run.modules.parameters(), *run.modules.buffers()]
+    if run.modules is not None:
+        tensors += [*run.modules.parameters(), *run.modules.buffers()]
     assert all(_on_cuda(t) for t in tensors)
     assert all(_on_cuda(v) for v in batch.values() if torch.is_tensor(v))
     assert st.h2d_non_blocking >= sum(torch.is_tensor(v) for v in batch.values())
+    assert st.pinned > 0 and st.h2d_pinned > 0                  # from the loader's page-locked batches
     # the step was taken: finite loss, every gradient and optimiser moment on the device, weights moved
     assert out["ok"] and math.isfinite(float(out["loss"])) and math.isfinite(float(out["grad_norm"]))
-    grads = [p.grad for p in run.opt.param_groups[0]["params"] + run.opt.param_groups[-1]["params"] if p.grad is not None]
+    grads = [p.grad for p in run.opt.param_groups[0]["params"] + run.opt.param_groups[-1]["params"]
+             if p.grad is not None]
     assert grads and all(_on_cuda(g) for g in grads)
     moments = [s[k] for s in run.opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
     assert moments and all(_on_cuda(m) for m in moments)
     assert any(not torch.equal(p.detach().cpu(), b.cpu()) for p, b in zip(run.model.parameters(), before))
     assert any("_foreach_" in n for n in st.op_names)                       # AdamW / clip_grad_norm_ as on a GPU
-    if precision == "bf16": assert st.bf16_ops > 0                          # autocast('cuda') was on
-    else: assert st.bf16_ops == 0
+    if precision == "bf16":
+        assert st.bf16_ops > 0                          # autocast('cuda') was on
+    else:
+        assert st.bf16_ops == 0
 
 
 @pytest.mark.parametrize("method", ["clip", "powerclip", "filip", "sparc", "smartclip", "c2lip", "aclip"])
@@ -124,8 +133,10 @@ def test_simulated_step_equals_the_cpu_step(method):
     cpu.method.on_step(0, cpu.total)
     ref = cpu.step(batch, TrainState())
     for k in ref:
-        if k == "ok": continue
-        torch.testing.assert_close(torch.as_tensor(out[k]).double(), torch.as_tensor(ref[k]).double(), rtol=2e-4, atol=1e-5, msg=k)
+        if k == "ok":
+            continue
+        torch.testing.assert_close(torch.as_tensor(out[k]).double(), torch.as_tensor(ref[k]).double(), rtol=2e-4,
+                                   atol=1e-5, msg=k)
     for p, q in zip(run.model.parameters(), cpu.model.parameters()):
         assert (p.grad is None) == (q.grad is None)
         if q.grad is not None:    # other kernels (attention's math path, multi-tensor sums): rounding-level differences
@@ -138,7 +149,8 @@ def test_simulated_step_equals_the_cpu_step(method):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("overrides", [["method_cfg.impl=dense"], ["method_cfg.impl=fast"], ["method_cfg.impl=fast", "method_cfg.block_bytes=4096"],
+@pytest.mark.parametrize("overrides", [["method_cfg.impl=dense"], ["method_cfg.impl=fast"],
+                                       ["method_cfg.impl=fast", "method_cfg.block_bytes=4096"],
                                        ["method_cfg.exact=true"], ["method_cfg.masks=gold"], ["method_cfg.nodes=words"],
                                        ["model.grad_checkpointing=true"]], ids=lambda o: " ".join(o))
 def test_powerclip_loss_paths_on_cuda(overrides, precision):
@@ -153,10 +165,13 @@ def test_average_pooling_step_on_cuda(method):
     assert out["ok"] and math.isfinite(float(out["loss"]))
 
 
-@pytest.mark.skipif(not os.environ.get("POWERCLIP_SLOW"), reason="minutes (ViT-B/16 on the CPU): POWERCLIP_SLOW=1 runs it")
+@pytest.mark.skipif(not os.environ.get("POWERCLIP_SLOW"), reason="minutes (ViT-B/16 on the CPU): "
+                                                                 "POWERCLIP_SLOW=1 runs it")
 def test_paper_preset_step_on_cuda():
-    "The paper's run as users start it: ViT-B/16 at 224 px, avg pooling, gradient checkpointing, M = 10, precision auto (bf16 on a GPU)."
-    over = ["data.source=world", "data.batch_size=2", "data.world_length=8", "global_batch_size=null", "data.workers=0", "max_steps=10"]
+    """The paper's run as users start it: ViT-B/16 at 224 px, avg pooling, gradient checkpointing, M = 10, precision
+    auto (bf16 on a GPU)."""
+    over = ["data.source=world", "data.batch_size=2", "data.world_length=8", "global_batch_size=null",
+            "data.workers=0", "max_steps=10"]
     cfg = load_config("paper", ["resume=never", *over], method="powerclip")
     assert cfg.precision == "auto" and cfg.model.grad_checkpointing and cfg.model.name == "ViT-B-16"
     with sim_cuda() as st:
@@ -198,8 +213,10 @@ class _CpuScalar(CLIP):
         return terms
 
 
-for _name, _cls in (("_planted_cpu_ones", _CpuOnes), ("_planted_cpu_backward", _CpuBackward), ("_cpu_scalar", _CpuScalar)):
-    if _name not in METHODS: register(_name)(_cls)
+for _name, _cls in (("_planted_cpu_ones", _CpuOnes), ("_planted_cpu_backward", _CpuBackward),
+                    ("_cpu_scalar", _CpuScalar)):
+    if _name not in METHODS:
+        register(_name)(_cls)
 
 
 @pytest.mark.parametrize("method,where", [("_planted_cpu_ones", "aten.add"), ("_planted_cpu_backward", "aten.mul")])
@@ -207,7 +224,7 @@ def test_a_planted_cpu_tensor_is_caught(method, where):
     cpu, batch = _run(method, "fp32", torch.device("cpu"))
     assert cpu.step(batch, TrainState())["ok"]                              # the CPU never notices
     for precision in ("fp32", "bf16"):
-        with pytest.raises(SimDeviceMismatch, match=f"cuda:0 and cpu|cpu and cuda:0") as e:
+        with pytest.raises(SimDeviceMismatch, match="cuda:0 and cpu|cpu and cuda:0") as e:
             _step(method, precision)
         assert where in str(e.value)
 
@@ -221,21 +238,28 @@ def test_sim_backward_is_autograd():
     "The engine in Python gives autograd's gradients (CPU, no simulation): PowerCLIP's step, fast path, checkpointing."
     grads = []
     for engine in ("autograd", "sim"):
-        run, batch = _run("powerclip", "fp32", torch.device("cpu"), ["method_cfg.impl=fast", "model.grad_checkpointing=true"])
+        run, batch = _run("powerclip", "fp32", torch.device("cpu"),
+                          ["method_cfg.impl=fast", "model.grad_checkpointing=true"])
         from powerclip.train import forward_loss
         loss, _ = forward_loss(run.fwd, run.method, batch, run.ctx, "fp32")
-        if engine == "sim": assert sim_backward(loss) > 50
-        else: loss.backward()
+        if engine == "sim":
+            assert sim_backward(loss) > 50
+        else:
+            loss.backward()
         grads.append([p.grad for p in run.model.parameters()])
         if engine == "sim":  # torch.autograd.grad by hand too
             loss, _ = forward_loss(run.fwd, run.method, batch, run.ctx, "fp32")
             g = sim_backward(loss, inputs=list(run.model.parameters()))
             for a, b in zip(g, grads[0]):
-                if b is None: assert a is None
-                else: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+                if b is None:
+                    assert a is None
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     for a, b in zip(*grads):
-        if a is None: assert b is None
-        else: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        if a is None:
+            assert b is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_experiments_term_gradients_on_cuda():
@@ -256,11 +280,13 @@ def test_evaluator_every_scorer_on_cuda(method, precision):
     with sim_cuda() as st:
         lm = load_model("powerclip-micro", method=method, device="cuda")
         assert all(_on_cuda(p) for p in lm.model.parameters())
-        if lm.modules is not None: assert all(_on_cuda(p) for p in lm.modules.parameters())
+        if lm.modules is not None:
+            assert all(_on_cuda(p) for p in lm.modules.parameters())
         ev = Evaluator.of(lm, None, device="cuda", precision=precision, progress=False)
         for name in lm.scorers:
             img, txt = ev.encode_images(x, name), ev.encode_texts(texts, name)
-            assert all(not isinstance(v, SimCuda) for v in [*img.values(), *txt.values()])   # features come back to the host
+            # features come back to the host
+            assert all(not isinstance(v, SimCuda) for v in [*img.values(), *txt.values()])
             S = ev.scores(img, txt, name)
             P = ev.pair_scores(img, txt, [0, 1, 4], [0, 2, 4], name)
             f, y = ev.dataset_features(lambda: torch.utils.data.TensorDataset(x, torch.arange(5)), [method, name], name)
@@ -280,8 +306,11 @@ def test_heatmaps_on_cuda():
 
 # ------------------------------------------------------------------------------------------------ distributed
 def test_torchrun_on_gpus_chooses_nccl_and_the_local_gpu(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2"); monkeypatch.setenv("RANK", "1"); monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1"); monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     calls = {}
     with sim_cuda(), mock.patch.object(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d)), \
          mock.patch.object(td, "is_initialized", lambda: False), mock.patch.object(td, "get_rank", lambda *a: 1), \
@@ -301,15 +330,18 @@ def _fake_nccl(world: int = 2, rank: int = 0):
     collective is on the GPU."""
     def cuda_only(*ts):
         for t in ts:
-            if not _on_cuda(t): raise RuntimeError(f"NCCL: a tensor of a collective is on {t.device}, not on the GPU")
+            if not _on_cuda(t):
+                raise RuntimeError(f"NCCL: a tensor of a collective is on {t.device}, not on the GPU")
 
     def all_gather(out, x, group=None, async_op=False):
         cuda_only(x, *out)
-        for o in out: o.copy_(x)
+        for o in out:
+            o.copy_(x)
 
     def all_reduce(x, op=td.ReduceOp.SUM, group=None, async_op=False):
         cuda_only(x)
-        if op == td.ReduceOp.SUM: x.mul_(world)
+        if op == td.ReduceOp.SUM:
+            x.mul_(world)
 
     def reduce_scatter(out, inputs, op=td.ReduceOp.SUM, group=None, async_op=False):
         cuda_only(out, *inputs)
@@ -320,7 +352,8 @@ def _fake_nccl(world: int = 2, rank: int = 0):
                    all_reduce=all_reduce, reduce_scatter=reduce_scatter, barrier=lambda *a, **k: None,
                    all_gather_object=lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * world))
     with contextlib.ExitStack() as s:
-        for k, v in patches.items(): s.enter_context(mock.patch.object(td, k, v))
+        for k, v in patches.items():
+            s.enter_context(mock.patch.object(td, k, v))
         yield pdist.DistContext(rank=rank, world_size=world, local_rank=rank, device=CUDA, backend="nccl")
 
 
@@ -336,7 +369,8 @@ def test_every_loss_with_a_two_gpu_nccl_group(method):
             assert _on_cuda(loss) and math.isfinite(float(pdist.all_mean(loss.float())))
             loss.backward()
             assert pdist.all_max(3) == 3 and _on_cuda(pdist.all_sum(torch.ones(2, device=CUDA)))
-            g = pdist.gather(ctx, {"x": torch.ones(3, 2, device=CUDA), "m": torch.ones(3, 4, dtype=torch.bool, device=CUDA)},
+            g = pdist.gather(ctx,
+                             {"x": torch.ones(3, 2, device=CUDA), "m": torch.ones(3, 4, dtype=torch.bool, device=CUDA)},
                              pad={"m": {1: False}})
             assert g.all["x"].shape == (6, 2) and _on_cuda(g.all["m"])
     assert all(_on_cuda(p.grad) for p in run.model.parameters() if p.grad is not None)

@@ -1,7 +1,6 @@
 """powerclip.data beyond the notebook cells: worker processes, dirty shards, resume, ranks."""
 import io
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +14,9 @@ from powerclip.regions import encode_regions
 
 def _jpeg(seed: int) -> bytes:
     a = np.random.default_rng(seed).integers(0, 255, (48, 72, 3), dtype=np.uint8)
-    buf = io.BytesIO(); Image.fromarray(a).save(buf, 'JPEG'); return buf.getvalue()
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, 'JPEG')
+    return buf.getvalue()
 
 
 def _good(i: int, tree: bool = True) -> dict:
@@ -51,9 +52,11 @@ def dirty(tmp_path_factory):
     write_shard(root / '00002.tar', [_good(6), {k: v for k, v in _good(102).items() if k != 'jpg'}, _good(7),
                                      dict(_good(103), **{'tree.json': 'not json'}), _good(8)])
     write_shard(root / '00003.tar', [_good(9), _good(10), _good(11),
-                                     dict(_good(104), **{'regions.npz': encode_regions(np.zeros((2, 64), bool), 8, 8)})])
+                                     dict(_good(104),
+                                          **{'regions.npz': encode_regions(np.zeros((2, 64), bool), 8, 8)})])
     write_shard(root / 'full.tar', [_good(i) for i in range(200, 206)])
-    data = (root / 'full.tar').read_bytes(); (root / 'full.tar').unlink()
+    data = (root / 'full.tar').read_bytes()
+    (root / 'full.tar').unlink()
     (root / '00004.tar').write_bytes(data[:len(data) // 2 + 300])                       # truncated download
     return str(root / '{00000..00005}.tar')                                              # 00005 is missing
 
@@ -86,7 +89,8 @@ def test_parse_on_the_fly_and_refuse(tmp_path):
 def test_no_tree_needed_no_caption_parsed(tmp_path, monkeypatch):
     "A method that asks for tokens only (CLIP) gets them from the raw caption: no caption is parsed, no tree read."
     import powerclip.data as pdata
-    def no_parse(*a, **k): raise AssertionError('a caption was parsed')
+    def no_parse(*a, **k):
+        raise AssertionError('a caption was parsed')
     monkeypatch.setattr(pdata, 'parse_caption', no_parse)
     monkeypatch.setattr(pdata, 'tree_tokens', no_parse)
     write_shard(tmp_path / 'a.tar', [_good(0, tree=False), _good(1), dict(_good(2), **{'tree.json': 'not json'})])
@@ -94,7 +98,8 @@ def test_no_tree_needed_no_caption_parsed(tmp_path, monkeypatch):
     b = list(ld)
     assert len(b) == 3 and set(b[0]) == {'image', 'tokens', 'index'} and sum(ld.skipped().values()) == 0
     tokens = {int(x['index'][0]): x['tokens'][0] for x in b}
-    assert torch.equal(tokens[pdata.key_index('000000000')], pdata.caption_tokens('a small dog on a red chair number 0', 77))
+    assert torch.equal(tokens[pdata.key_index('000000000')],
+                       pdata.caption_tokens('a small dog on a red chair number 0', 77))
 
 
 def test_world_workers_and_resume():
@@ -114,7 +119,8 @@ def _with_positions(spec, epoch=0, position=None):
     return [(b, ld.state()) for b in ld], ld
 
 
-KNOWN_BAD = dict(shard_error=2, no_image=1, bad_image=1, no_caption=1, bad_tree=0, no_regions=0, bad_regions=0)  # CLIP's
+# CLIP's
+KNOWN_BAD = dict(shard_error=2, no_image=1, bad_image=1, no_caption=1, bad_tree=0, no_regions=0, bad_regions=0)
 
 
 @pytest.mark.parametrize('workers,buffer', [(0, 1000), (2, 1000), (2, 3), (3, 0)])
@@ -129,11 +135,13 @@ def test_wds_resume_exact_with_bad_samples(dirty, workers, buffer):
         rest, ld2 = _with_positions(spec, epoch=1, position=run[s - 1][1])
         assert _same([b for b, _ in rest], full[s:]), s
         assert ld2.skipped() == ld.skipped() and ld2.state() == ld.state()
-        assert run[s - 1][1].skipped == _with_positions(spec, epoch=1)[0][s - 1][1].skipped   # counts do not depend on prefetching
+        # counts do not depend on prefetching
+        assert run[s - 1][1].skipped == _with_positions(spec, epoch=1)[0][s - 1][1].skipped
 
 
 def test_wds_ranks_and_epoch_cap(tmp_path):
-    for s in range(4): write_shard(tmp_path / f'{s}.tar', [_good(10 * s + i) for i in range(6)])
+    for s in range(4):
+        write_shard(tmp_path / f'{s}.tar', [_good(10 * s + i) for i in range(6)])
     data = dict(source='wds', shards=str(tmp_path / '{0..3}.tar'), batch_size=2, workers=2, shuffle_buffer=4)
     cfg = _spec(TREE, **data)
     full = list(make_loader(cfg, epoch=1))
@@ -147,11 +155,14 @@ def test_wds_ranks_and_epoch_cap(tmp_path):
     assert len(make_loader(capped, epoch=1)) == 5 and len(run) == 5
     rest = make_loader(capped, epoch=1, position=run[1][1])
     assert len(rest) == 3 and _same(list(rest), [b for b, _ in run[2:]])
-    with pytest.raises(ValueError, match='position'): make_loader(capped, epoch=1, start_step=2)
+    with pytest.raises(ValueError, match='position'):
+        make_loader(capped, epoch=1, start_step=2)
 
 
 def test_skip_counter():
     c = SampleSkipCounter()
-    c.add('bad_image', 'k'); c.add('bad_image', 'k2')
+    c.add('bad_image', 'k')
+    c.add('bad_image', 'k2')
     assert c.take()['bad_image'] == 2 and c.total() == 0
-    with pytest.raises(ValueError, match='unknown skip reason'): c.add('nope')
+    with pytest.raises(ValueError, match='unknown skip reason'):
+        c.add('nope')

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # case -> (method, its config for the test) (tau large enough that the NLAs are smooth at float64 precision)
 CASES = {"clip": ("clip", None), "powerclip": ("powerclip", {"tau": 0.05}), "filip": ("filip", {"clip_weight": 0.5}),
          "sparc": ("sparc", None), "sparc-cls-tokens": ("sparc", {"global_pool": "cls", "fine_norm": "tokens"}),
-         "smartclip": ("smartclip", {"heads": 2}), "smartclip-attached": ("smartclip", {"heads": 2, "detach_mask_input": False}),
-         "clip-pgs": ("clip-pgs", None),
+         "smartclip": ("smartclip", {"heads": 2}),
+         "smartclip-attached": ("smartclip", {"heads": 2, "detach_mask_input": False}), "clip-pgs": ("clip-pgs", None),
          "clip-pgs-0.3": ("clip-pgs-0.3", None), "c2lip": ("c2lip", None), "c2lip-clip": ("c2lip", {"base": "clip"}),
          "c2lip-encode": ("c2lip", {"concept_embedding": "encode", "xac_weight": 0.5}),
          "c2lip-all-capped": ("c2lip", {"concepts": "all", "max_concepts": 2}),
@@ -45,7 +45,8 @@ B = 4  # rows per process
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 SEED = 4  # the run seed: the two processes then hold different numbers of tree nodes and of NP concepts per caption
@@ -63,8 +64,10 @@ def _ragged(batch, rows: slice, drop: bool):
     "The last region mask of `rows` made invalid (empty, one process's view) or, with `drop`, removed from the batch."
     b = dict(batch)
     b["region_masks"], b["region_valid"] = b["region_masks"].clone(), b["region_valid"].clone()
-    b["region_masks"][rows, -1] = False; b["region_valid"][rows, -1] = False
-    if drop: b["region_masks"], b["region_valid"] = b["region_masks"][:, :-1], b["region_valid"][:, :-1]
+    b["region_masks"][rows, -1] = False
+    b["region_valid"][rows, -1] = False
+    if drop:
+        b["region_masks"], b["region_valid"] = b["region_masks"][:, :-1], b["region_valid"][:, :-1]
     return b
 
 
@@ -86,7 +89,8 @@ def _step(case, batch, ctx):
 
 
 def _worker(rank, world, port, out):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from powerclip.data import make_loader
     from powerclip.dist import all_mean, cleanup, init_distributed
@@ -98,10 +102,13 @@ def _worker(rank, world, port, out):
     k = get_method("c2lip").prepare_batch(dict(batch))["concept_valid"].shape[1], batch["node_valid"].shape[1]
     ks = [(all_max(x), -all_max(-x)) for x in k]   # (max, min) over the processes of concepts and of tree nodes
     for m in CASES:
-        loss, grads, info = _step(m, _ragged(batch, slice(None), drop=True) if m in RAGGED and rank == 1 else batch, ctx)
-        if info is not None: info = (all_max(info[0]), -all_max(-info[0]), all_max(info[1]), -all_max(-info[1]))
+        loss, grads, info = _step(m,
+                                  _ragged(batch, slice(None), drop=True) if m in RAGGED and rank == 1 else batch, ctx)
+        if info is not None:
+            info = (all_max(info[0]), -all_max(-info[0]), all_max(info[1]), -all_max(-info[1]))
         res[m] = (all_mean(loss), grads, ks, info)  # info: (max, min) over processes of the smallest cluster, of n_drop
-    if rank == 0: torch.save(res, out)
+    if rank == 0:
+        torch.save(res, out)
     cleanup(ctx)
 
 
@@ -110,21 +117,28 @@ def test_two_processes_equal_one():
     from powerclip.dist import DistContext
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddp_{os.getpid()}.pt"
     mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
-    res = torch.load(out, weights_only=False); out.unlink()
+    res = torch.load(out, weights_only=False)
+    out.unlink()
     full = next(iter(make_loader(_spec(2 * B), epoch=0)))  # the same 8 samples in one batch
     (cmax, cmin), (kmax, kmin) = next(iter(res.values()))[2]
-    assert cmax != cmin and kmax != kmin, "the processes hold the same numbers of concepts or nodes: padding not exercised"
+    assert (cmax != cmin
+            and kmax != kmin), "the processes hold the same numbers of concepts or nodes: padding not exercised"
     for m in CASES:
-        loss1, grads1, info1 = _step(m, _ragged(full, slice(B, None), drop=False) if m in RAGGED else full, DistContext())
+        loss1, grads1, info1 = _step(m,
+                                     _ragged(full, slice(B, None), drop=False) if m in RAGGED else full, DistContext())
         loss2, grads2, _, info2 = res[m]
         if info1 is not None:  # E-CLIP: both processes drop what one process drops on the whole batch
             assert info2[2] == info2[3] == info1[1] and info2[1] == info1[0], (m, info1, info2)
-        if m == NO_FLOOR: assert info2[0] != info2[1] and info1[1] == info1[0], f"{m}: the processes' smallest clusters are equal: {info2}"
+        if m == NO_FLOOR:
+            assert (info2[0] != info2[1]
+                    and info1[1] == info1[0]), f"{m}: the processes' smallest clusters are equal: {info2}"
         torch.testing.assert_close(loss2, loss1, rtol=0, atol=1e-9, msg=f"{m}: loss")
         assert grads1.keys() == grads2.keys() and len(grads1) > 10
-        if CASES[m][0] in ("c2lip", "smartclip", "aclip") or m == "sparc": assert any(n.startswith("modules_.") for n in grads1), m  # own modules
+        if CASES[m][0] in ("c2lip", "smartclip", "aclip") or m == "sparc":
+            assert any(n.startswith("modules_.") for n in grads1), m  # own modules
         for n in grads1:
-            if max(grads1[n].abs().max(), grads2[n].abs().max()) < 1e-12: continue  # zero in exact arithmetic (A-CLIP's
+            if max(grads1[n].abs().max(), grads2[n].abs().max()) < 1e-12:
+                continue  # zero in exact arithmetic (A-CLIP's
             # biases right before a BatchNorm, whose mean removes them): rounding noise on both sides, no relative error
             d = (grads2[n] - grads1[n]).abs().max() / grads1[n].abs().max().clamp_min(1e-12)
             assert d < 1e-9, f"{m}: grad of {n} differs by {float(d):.2e} relative to its largest entry"
@@ -151,7 +165,8 @@ PAD = {"regions": {1: 0.0}, "region_valid": {1: False}}
 
 
 def _gather_worker(rank, world, port, out):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from powerclip.dist import cleanup, gather, init_distributed
     ctx = init_distributed("cpu")
@@ -184,17 +199,20 @@ def test_gather_ragged_and_packed(tmp_path):
     # gradients: process r's tensor gets the sum over both losses of the weights at its rows (padding cut off)
     shapes = {k: want[k].shape for k in ("image", "regions", "packed")}
     w = [_weights(q, shapes) for q in range(2)]
-    rows = {"image": [slice(0, 3), slice(3, 6)], "regions": [slice(0, 3), slice(3, 6)], "packed": [slice(0, 1), slice(1, 6)]}
+    rows = {"image": [slice(0, 3), slice(3, 6)], "regions": [slice(0, 3), slice(3, 6)],
+            "packed": [slice(0, 1), slice(1, 6)]}
     for r in range(2):
         for k in shapes:
             exp = (w[0][k] + w[1][k])[rows[k][r]]
-            if k == "regions": exp = exp[:, :x[r]["regions"].shape[1]]
+            if k == "regions":
+                exp = exp[:, :x[r]["regions"].shape[1]]
             torch.testing.assert_close(res[r]["grads"][k], exp, rtol=0, atol=1e-12, msg=f"rank {r} {k}")
 
 
 def _run(args, out_dir, nproc=1):
     common = ["--preset", "smoke", "max_steps=3", "optim.warmup_steps=1", f"out_dir={out_dir}"] + args
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_free_port()),
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                 str(_free_port()),
                  "-m", "powerclip.train"] if nproc > 1 else [sys.executable, "-m", "powerclip.train"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(launcher + common, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

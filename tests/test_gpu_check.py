@@ -19,8 +19,8 @@ slow = pytest.mark.skipif(not os.environ.get("POWERCLIP_SLOW"), reason="several 
 
 
 def _run(*args, timeout=900):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "POWERCLIP_DEBUG": ""})
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", "POWERCLIP_DEBUG": ""})
 
 
 @NO_GPU
@@ -28,13 +28,15 @@ def test_without_a_gpu_one_line_and_status_2():
     r = _run()
     assert r.returncode == 2 and r.stdout == "", r.stderr[-2000:]
     lines = r.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gpu_check.py: error: --device: no CUDA GPU here") and "--dry-run" in lines[0]
+    assert (len(lines) == 1 and lines[0].startswith("gpu_check.py: error: --device: no CUDA GPU here")
+            and "--dry-run" in lines[0])
 
 
 def test_device_slug():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_check import slug
-    assert slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3" and slug("Tesla V100-SXM2-32GB") == "tesla_v100_sxm2_32gb"
+    assert (slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+            and slug("Tesla V100-SXM2-32GB") == "tesla_v100_sxm2_32gb")
 
 
 def _check_parts(out: Path, parts):
@@ -75,6 +77,7 @@ def test_dry_run_every_part(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_check import PARTS
     out = tmp_path / "gpu"
-    r = _run("--dry-run", "--methods", "clip", "powerclip", "--out", str(out), "--runs-dir", str(tmp_path / "runs"), timeout=3600)
+    r = _run("--dry-run", "--methods", "clip", "powerclip", "--out", str(out), "--runs-dir",
+             str(tmp_path / "runs"), timeout=3600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _check_parts(out, PARTS)

@@ -21,7 +21,8 @@ COCO = ROOT.parent / 'shared' / 'data' / 'coco_sample'
 def runs(tmp_path_factory):
     "A trainer-style checkpoint (weights under 'model', config inside) and a plain state dict beside a config.yaml."
     d = tmp_path_factory.mktemp('runs')
-    torch.manual_seed(3); sd = create_model('powerclip-micro')[0].state_dict()
+    torch.manual_seed(3)
+    sd = create_model('powerclip-micro')[0].state_dict()
     (d / 'trainer' / 'checkpoints').mkdir(parents=True)
     torch.save(dict(model=sd, config=dict(model=dict(name='powerclip-micro', kwargs={})), step=7),
                d / 'trainer' / 'checkpoints' / 'last.pt')
@@ -47,7 +48,8 @@ def test_cli_grids(tmp_path, runs, capsys):
     args = ['--out', str(tmp_path / 'maps'), '--edits', '--text', 'a small red circle left of a blue square',
             '--text', 'a green cross', '--checkpoint', f"trainer={runs / 'trainer' / 'checkpoints' / 'last.pt'}",
             '--checkpoint', f"plain={runs / 'plain'}", '--checkpoint', 'rnd=random:powerclip-micro']
-    for im in imgs: args += ['--image', str(im)]
+    for im in imgs:
+        args += ['--image', str(im)]
     assert main(args) == 0
     printed = capsys.readouterr().out.split()
     pngs = sorted((tmp_path / 'maps').glob('*.png'))
@@ -60,14 +62,16 @@ def test_cli_grids(tmp_path, runs, capsys):
 def test_cli_grounding_table(tmp_path, runs, capsys):
     assert main(['--grounding', '4', '--checkpoint', f"plain={runs / 'plain'}", '--out', str(tmp_path)]) == 0
     rows = json.loads((tmp_path / 'grounding.json').read_text())
-    assert [r['name'] for r in rows] == ['plain', 'random init (powerclip-micro)', 'uniform map (chance)', 'centre prior']
+    assert ([r['name'] for r in rows]
+            == ['plain', 'random init (powerclip-micro)', 'uniform map (chance)', 'centre prior'])
     assert rows[0]['checkpoint'] == str(runs / 'plain') and len(rows[0]['checkpoint_id']) == 64
     u = rows[2]
     assert u['pointing'] == pytest.approx(u['pointing_chance']) and u['mean_iou'] == pytest.approx(u['pointing_chance'])
     for r in rows:
         assert 0 <= r['pointing'] <= r['pointing_any_object'] <= 100 and 0 <= r['mean_iou'] <= 100
         assert 0 <= r['pointing_inverted'] <= 100 and 0 <= r['named_given_object'] <= 100
-    assert '| plain |' in capsys.readouterr().out and (tmp_path / 'grounding.md').read_text().startswith('| checkpoint |')
+    assert ('| plain |' in capsys.readouterr().out
+            and (tmp_path / 'grounding.md').read_text().startswith('| checkpoint |'))
 
 
 def test_grounding_table_python_api(runs):
@@ -92,18 +96,23 @@ def test_cli_bad_input(tmp_path, runs):
 
 
 def test_world_edits_stay_in_the_grammar():
-    "An edit of a world caption is again a world caption: swap_obj exchanges the first two mentions, swap_att their colours."
+    """An edit of a world caption is again a world caption: swap_obj exchanges the first two mentions, swap_att their
+    colours."""
     cfg, n_att, n_obj = WorldConfig(), 0, 0
     for i in range(60):
         s = generate(cfg, i, 'test')
         spec, ed = s['spec'], caption_edits(s['parsed'])                        # the gold tree
         assert ed == caption_edits(s['parsed'])                                 # deterministic
-        if len(spec.mentions) == 1: assert 'swap_obj' not in ed; continue
+        if len(spec.mentions) == 1:
+            assert 'swap_obj' not in ed
+            continue
         m0, m1 = spec.mentions[:2]
-        o = spec_from_text(ed['swap_obj'], cfg); n_obj += 1
+        o = spec_from_text(ed['swap_obj'], cfg)
+        n_obj += 1
         assert o.mentions[:2] == (m1, m0) and o.mentions[2:] == spec.mentions[2:] and o.relation == spec.relation
         if 'swap_att' in ed:
-            a = spec_from_text(ed['swap_att'], cfg); n_att += 1
+            a = spec_from_text(ed['swap_att'], cfg)
+            n_att += 1
             changed = [k for k, (x, y) in enumerate(zip(a.mentions, spec.mentions)) if x != y]
             assert len(changed) == 2, (s['text'], ed['swap_att'])                # two mentions exchange their colours
             j, k = changed
@@ -121,7 +130,8 @@ def test_coco_edits_move_words_only():
     n = 0
     for c in caps:
         for kind, v in caption_edits(c).items():
-            assert v != c and bag(v) == bag(c), (c, kind, v); n += 1
+            assert v != c and bag(v) == bag(c), (c, kind, v)
+            n += 1
     assert n > len(caps) // 2
     labels = [lab for lab, _ in with_edits(caps[:5])]
     assert labels.count('caption') == 5

@@ -12,16 +12,23 @@ from powerclip.model import Encoder, create_model, encode, register_configs
 
 def _batch(C=3, N=16):
     g = torch.Generator().manual_seed(0)
-    tokens = torch.zeros(C, 77, dtype=torch.long); tokens[:, 0] = 49406; tokens[:, 1:4] = 320; tokens[:, 4] = 49407
-    leaf = torch.zeros(C, 2, 77, dtype=torch.bool); leaf[:, 0, 1:3] = True; leaf[:, 1, 3] = True
-    masks = torch.rand(C, 4, N, generator=g) > 0.5; masks[:, :, 0] = True
+    tokens = torch.zeros(C, 77, dtype=torch.long)
+    tokens[:, 0] = 49406
+    tokens[:, 1:4] = 320
+    tokens[:, 4] = 49407
+    leaf = torch.zeros(C, 2, 77, dtype=torch.bool)
+    leaf[:, 0, 1:3] = True
+    leaf[:, 1, 3] = True
+    masks = torch.rand(C, 4, N, generator=g) > 0.5
+    masks[:, :, 0] = True
     return dict(image=torch.randn(C, 3, 32, 32, generator=g), tokens=tokens, leaf_tokens=leaf,
                 incidence=torch.ones(C, 2, 2, dtype=torch.bool), node_valid=torch.ones(C, 2, dtype=torch.bool),
                 region_masks=masks, region_valid=torch.ones(C, 4, dtype=torch.bool))
 
 
 def test_ddp_encoder_single_process(tmp_path):
-    os.environ.setdefault('MASTER_ADDR', '127.0.0.1'); os.environ.setdefault('MASTER_PORT', '29517')
+    os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
+    os.environ.setdefault('MASTER_PORT', '29517')
     dist.init_process_group('gloo', rank=0, world_size=1)
     try:
         torch.manual_seed(0)

@@ -38,20 +38,27 @@ def check_tokens(pc: ParsedCaption, tt, L=77, spell=True):
             first_pos.append(pos[0])
             last = max(u for u in range(W) if head[u] == w)
             s, e = pc.offsets[w][0], pc.offsets[last][1]
-            if spell: assert tok.decode([ids[p] for p in pos]).replace(' ', '') == tok.clean_fn(pc.text[s:e]).replace(' ', '')
-        else: assert pos == []
+            if spell:
+                assert tok.decode([ids[p] for p in pos]).replace(' ', '') == tok.clean_fn(pc.text[s:e]).replace(' ', '')
+        else:
+            assert pos == []
     assert first_pos == sorted(first_pos)                                 # leaves in caption order
     assert torch.equal(tt.node_valid, tt.incidence.any(1))
     sets = [{head[w] for w in range(s, e) if tt.leaf_valid[head[w]]} for s, e in pc.spans]
     kept = [sets[k] for k in range(K) if tt.node_valid[k]]
     for k in range(K):                            # a node covers the valid leaves of its words, or was removed
         cov = set(tt.incidence[k].nonzero().flatten().tolist())
-        if tt.node_valid[k]: assert cov == sets[k]
-        else: assert not cov and (not sets[k] or sets[k] in kept or any(not (sets[k] <= o or o <= sets[k] or not sets[k] & o)
-                                                                        for o in kept)), k
+        if tt.node_valid[k]:
+            assert cov == sets[k]
+        else:
+            assert (not cov
+                    and (not sets[k] or sets[k] in kept or any(not (sets[k] <= o or o <= sets[k] or not sets[k] & o)
+                                                                        for o in kept))), k
     assert len(kept) == len({frozenset(x) for x in kept})                 # no two nodes with the same tokens
-    if W and tt.leaf_valid.any(): assert tt.node_valid[0]                 # the root keeps every valid leaf
-    if tt.node_valid[0]: assert tt.incidence[0].tolist() == tt.leaf_valid.tolist()
+    if W and tt.leaf_valid.any():
+        assert tt.node_valid[0]                 # the root keeps every valid leaf
+    if tt.node_valid[0]:
+        assert tt.incidence[0].tolist() == tt.leaf_valid.tolist()
 
 
 def parse_ok(text, cfg=None):
@@ -157,7 +164,8 @@ def test_very_long_caption_is_capped_quickly():
     t0 = time.time()
     pc, tt = parse_ok(text)
     assert time.time() - t0 < 10
-    assert pc.text == text and pc.offsets[-1][1] <= ParserConfig().max_chars and len(pc.words) == ParserConfig().max_words
+    assert (pc.text == text and pc.offsets[-1][1] <= ParserConfig().max_chars
+            and len(pc.words) == ParserConfig().max_words)
     assert any(n.startswith('cut ') for n in pc.notes) and any('max_words' in n for n in pc.notes)
     pc, _ = parse_ok('x' * 5000)                                           # one huge "word"
     assert pc.words == ['x' * ParserConfig().max_chars]
@@ -173,14 +181,16 @@ def test_collate_shapes_and_padding():
     pcs = parse_captions(['a dog sitting on a red chair', '', 'two cats', 'a man and a woman riding bikes on a road'])
     items = [tree_tokens(p) for p in pcs]
     b = collate_trees(items)
-    W = max(len(p.words) for p in pcs); K = max(len(p.spans) for p in pcs)
+    W = max(len(p.words) for p in pcs)
+    K = max(len(p.spans) for p in pcs)
     assert b['tokens'].shape == (4, 77) and b['tokens'].dtype == torch.long
     assert b['leaf_tokens'].shape == (4, W, 77) and b['leaf_valid'].shape == (4, W)
     assert b['incidence'].shape == (4, K, W) and b['node_valid'].shape == (4, K)
     for c, (p, t) in enumerate(zip(pcs, items)):
         w, k = len(p.words), len(p.spans)
         assert torch.equal(b['incidence'][c, :k, :w], t.incidence) and not b['incidence'][c, k:].any()
-        assert not b['incidence'][c, :, w:].any() and not b['leaf_valid'][c, w:].any() and not b['node_valid'][c, k:].any()
+        assert (not b['incidence'][c, :, w:].any() and not b['leaf_valid'][c, w:].any()
+                and not b['node_valid'][c, k:].any())
     assert b['node_valid'].any(1).tolist() == [True, False, True, True]
 
 
@@ -190,7 +200,8 @@ def test_collate_all_empty_batch_has_no_empty_axis():
 
 
 def test_parser_failure_gives_flat_fallback_tree(monkeypatch):
-    def boom(*a, **k): raise RuntimeError('injected')
+    def boom(*a, **k):
+        raise RuntimeError('injected')
     monkeypatch.setattr(parsing, 'spacy_doc_to_parsed', boom)
     pcs = parse_captions(['a dog sitting on a red chair', ''])
     assert pcs[0].parser == 'fallback' and pcs[0].spans == [(0, 7)] and 'injected' in pcs[0].notes[-1]
@@ -200,7 +211,8 @@ def test_parser_failure_gives_flat_fallback_tree(monkeypatch):
 def test_batch_failure_retries_one_by_one(monkeypatch):
     nlp = parsing.load_pipeline('spacy')
     class Flaky:        # pipe() fails, single calls work
-        def pipe(self, *a, **k): raise RuntimeError('batch broke')
+        def pipe(self, *a, **k):
+            raise RuntimeError('batch broke')
         def __call__(self, t): return nlp(t)
     monkeypatch.setattr(parsing, 'load_pipeline', lambda *a, **k: Flaky())
     pcs = parse_captions(['a dog', 'two cats on a mat'], ParserConfig('spacy'))
@@ -210,7 +222,8 @@ def test_batch_failure_retries_one_by_one(monkeypatch):
 def test_benepar_code_path_up_to_model_load(caplog):
     import benepar  # noqa: F401  the package itself must import
     ok, why = parsing.benepar_status()
-    if ok: pytest.skip(f'benepar model installed ({why}); the fallback path is not exercised')
+    if ok:
+        pytest.skip(f'benepar model installed ({why}); the fallback path is not exercised')
     with pytest.raises(ParserUnavailable, match='benepar_en3'):
         parse_captions(['a dog'], ParserConfig('benepar'))
     with pytest.raises(ParserUnavailable, match='benepar_en3'):
@@ -234,9 +247,12 @@ def test_two_processes_give_the_same_parses():
 @pytest.fixture(scope='module')
 def real_captions():
     "{'COCO': [...], 'CC3M': [...]}: every caption of the shared COCO sample and of the CC3M validation set."
-    coco, cc3m = DATA / 'coco_sample' / 'captions.jsonl', DATA / 'cc3m_validation' / 'Validation_GCC-1.1.0-Validation.tsv'
-    if not coco.exists() or not cc3m.exists(): pytest.skip(f'shared data absent under {DATA.resolve()}')
-    with open(cc3m) as f: cc = [line.rstrip('\n').split('\t')[0] for line in f]
+    coco, cc3m = (DATA / 'coco_sample' / 'captions.jsonl',
+                  DATA / 'cc3m_validation' / 'Validation_GCC-1.1.0-Validation.tsv')
+    if not coco.exists() or not cc3m.exists():
+        pytest.skip(f'shared data absent under {DATA.resolve()}')
+    with open(cc3m) as f:
+        cc = [line.rstrip('\n').split('\t')[0] for line in f]
     return {'COCO': [c for line in open(coco) for c in json.loads(line)['captions']], 'CC3M': cc}
 
 
@@ -252,10 +268,13 @@ def test_training_tokens_are_evaluation_tokens(real_captions, name):
     for c, p in zip(caps, pcs):
         assert tree_problems(p) == [] and p.text == c, (c, p)
         tt = tree_tokens(p)
-        if not torch.equal(tt.tokens, tok([c])[0]): diff.append(c)
-        if caption_problem(c) is None: assert tt.node_valid[0], c          # every usable caption keeps its root
+        if not torch.equal(tt.tokens, tok([c])[0]):
+            diff.append(c)
+        if caption_problem(c) is None:
+            assert tt.node_valid[0], c          # every usable caption keeps its root
     assert diff == [], f'{len(diff)} of {len(caps)} captions differ, e.g. {diff[:3]}'
-    for p in pcs[:300]: check_tokens(p, tree_tokens(p))
+    for p in pcs[:300]:
+        check_tokens(p, tree_tokens(p))
 
 
 HARD = [  # caption, the leaves (as the tokenizer spells them) that it must give
@@ -280,7 +299,8 @@ def test_hard_cases(caption, leaves):
     tt = tree_tokens(pc)
     tok = default_tokenizer()
     assert torch.equal(tt.tokens, tok([caption])[0])
-    got = [tok.decode(tt.tokens[tt.leaf_tokens[w]].tolist()).replace(' ', '') for w in range(len(pc.words)) if tt.leaf_valid[w]]
+    got = [tok.decode(tt.tokens[tt.leaf_tokens[w]].tolist()).replace(' ', '') for w in range(len(pc.words))
+           if tt.leaf_valid[w]]
     assert got == leaves, (pc.words, got)
     check_tokens(pc, tt)
 

@@ -18,11 +18,13 @@ class _NanAt(CLIP):
     def loss(self, out, batch, dist):
         type(self).calls += 1
         terms = super().loss(out, batch, dist)
-        if type(self).calls in self.bad: terms["clip"] = terms["clip"] * float("nan")
+        if type(self).calls in self.bad:
+            terms["clip"] = terms["clip"] * float("nan")
         return terms
 
 
-if "_test_nan" not in METHODS: register("_test_nan")(_NanAt)
+if "_test_nan" not in METHODS:
+    register("_test_nan")(_NanAt)
 
 
 def _cfg(tmp_path, **kw):
@@ -61,16 +63,23 @@ def test_main_from_the_command_line_and_config_written(tmp_path, capsys):
     import yaml
     from powerclip.data import run_seeds
     derived = yaml.safe_load((tmp_path / "config.yaml").read_text())["derived"]   # with what the run derived from it
-    assert derived["seeds"] == run_seeds(cfg.seed) and derived["geometry"] == dict(image_size=32, patch_size=8, context_length=77)
-    assert derived["needs"] == dict(tree=False, node_np=False, regions=0, region_source="random")   # CLIP's: tokens only
+    assert (derived["seeds"] == run_seeds(cfg.seed)
+            and derived["geometry"] == dict(image_size=32, patch_size=8, context_length=77))
+    # CLIP's: tokens only
+    assert derived["needs"] == dict(tree=False, node_np=False, regions=0, region_source="random")
 
 
 def test_config_errors_are_clear():
-    with pytest.raises(ValueError, match="optim.learnig_rate: unknown key"): load_config("demo", ["optim.learnig_rate=1"])
-    with pytest.raises(ValueError, match="method_cfg.lamda: unknown key"): load_config("demo", ["method_cfg.lamda=1"])
-    with pytest.raises(ValueError, match="method: unknown method 'no-such-method' \\(registered"): load_config("demo", method="no-such-method")
-    with pytest.raises(FileNotFoundError, match="known"): load_config("no-such-preset")
-    with pytest.raises(ValueError, match="optim.lr: must be a number, got 'abc'"): load_config("demo", ["optim.lr=abc"])
+    with pytest.raises(ValueError, match="optim.learnig_rate: unknown key"):
+        load_config("demo", ["optim.learnig_rate=1"])
+    with pytest.raises(ValueError, match="method_cfg.lamda: unknown key"):
+        load_config("demo", ["method_cfg.lamda=1"])
+    with pytest.raises(ValueError, match="method: unknown method 'no-such-method' \\(registered"):
+        load_config("demo", method="no-such-method")
+    with pytest.raises(FileNotFoundError, match="known"):
+        load_config("no-such-preset")
+    with pytest.raises(ValueError, match="optim.lr: must be a number, got 'abc'"):
+        load_config("demo", ["optim.lr=abc"])
 
 
 def test_from_dict_checks_scalar_types():
@@ -79,19 +88,24 @@ def test_from_dict_checks_scalar_types():
                                  "out_dir": 2024, "data": {"samples_per_epoch": 10.0}})
     assert (ok.optim.lr, ok.optim.grad_clip, ok.out_dir, ok.data.samples_per_epoch) == (1.0, 0.5, "2024", 10)
     assert isinstance(ok.optim.lr, float) and isinstance(ok.data.samples_per_epoch, int)
-    for d, msg in [({"seed": "x"}, "seed: must be an integer, got 'x'"), ({"progress": 1}, "progress: must be true or false"),
+    for d, msg in [({"seed": "x"}, "seed: must be an integer, got 'x'"),
+                   ({"progress": 1}, "progress: must be true or false"),
                    ({"epochs": None}, "epochs: may not be null"), ({"device": 3.5}, "device: must be cpu, cuda"),
                    ({"optim": {"grad_clip": "no"}}, "optim.grad_clip: must be a number or null, got 'no'"),
                    ({"model": {"compile": "yes please"}}, "model.compile: must be true or false"),
-                   ({"optim": {"betas": 0.9}}, "optim.betas: must be a list"), ({"data": []}, "data: must be a section")]:
-        with pytest.raises(ValueError, match=msg.replace("(", "\\(")): from_dict(TrainConfig, d)
+                   ({"optim": {"betas": 0.9}}, "optim.betas: must be a list"),
+                   ({"data": []}, "data: must be a section")]:
+        with pytest.raises(ValueError, match=msg.replace("(", "\\(")):
+            from_dict(TrainConfig, d)
 
 
 def test_presets_load():
     p = load_config("paper")
-    assert (p.model.name, p.global_batch_size, p.optim.lr, p.optim.weight_decay, p.epochs) == ("ViT-B-16", 4096, 1e-3, 0.2, 32)
+    assert ((p.model.name, p.global_batch_size, p.optim.lr, p.optim.weight_decay, p.epochs)
+            == ("ViT-B-16", 4096, 1e-3, 0.2, 32))
     assert p.method_cfg == {"lam": 0.1, "tau": 1e-3, "alpha": 0.75, "M": 10, "masks": "random"}
-    assert p.model.grad_checkpointing   # 512 local rows of ViT-B/16 fit 80 GB only so (benchmarks/results/paper_memory.md)
+    assert p.model.grad_checkpointing   # 512 local rows of ViT-B/16 fit 80 GB only so
+                                        # (benchmarks/results/paper_memory.md)
     assert p.model.pool == "avg"        # the authors' model: average pooling in both towers (30_model, "Pooling")
     d = load_config("demo", method="clip")
     assert d.method == "clip" and d.method_cfg == {} and d.data.source == "world"
@@ -127,7 +141,8 @@ def test_pooling_trained_is_pooling_scored(tmp_path, method):
         torch.testing.assert_close(g.text_features(lm.model, tok)["text"], e["text"])
         w = (tok != 0).float()[..., None]
         torch.testing.assert_close(e["image"], torch.nn.functional.normalize(e["patches"].mean(1), dim=-1))
-        torch.testing.assert_close(e["text"], torch.nn.functional.normalize((e["tokens"] * w).sum(1) / w.sum(1), dim=-1))
+        torch.testing.assert_close(e["text"],
+                                   torch.nn.functional.normalize((e["tokens"] * w).sum(1) / w.sum(1), dim=-1))
     tok_model = load_model(checkpoint=tmp_path, pool="tok").model          # the same weights read the other way differ
     with torch.no_grad():
         assert not torch.allclose(tok_model.encode_text(tok, normalize=True), e["text"], atol=1e-3)

@@ -59,9 +59,11 @@ def test_kill_9_then_resume(tmp_path, straight):
     ck = tmp_path / "checkpoints" / "last.pt"
     p = subprocess.Popen(_cmd(tmp_path), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0 = time.time()
-    while not ck.exists() and p.poll() is None and time.time() - t0 < 240: time.sleep(0.05)
+    while not ck.exists() and p.poll() is None and time.time() - t0 < 240:
+        time.sleep(0.05)
     time.sleep(0.3)  # somewhere after the first checkpoint, possibly in the middle of writing a later one
-    p.send_signal(signal.SIGKILL); p.wait()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
     assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed: make N larger"
     import torch
     killed_at = torch.load(ck, weights_only=False)["state"]["step"]
@@ -104,13 +106,16 @@ def shards(tmp_path_factory):
     "4 shards of 34 good samples and 6 bad ones (BAD), the last cut short in the middle of a member."
     from powerclip.data import write_shard
     root = tmp_path_factory.mktemp("shards")
-    write_shard(root / "0.tar", [_good(i) for i in range(0, 5)] + [dict(_good(100), jpg=b"\xff\xd8 junk")] + [_good(i) for i in range(5, 10)])
-    write_shard(root / "1.tar", [_good(10), dict(_good(101), txt=" "), _good(11), {k: v for k, v in _good(102).items() if k != "jpg"},
+    write_shard(root / "0.tar", [_good(i) for i in range(0, 5)] + [dict(_good(100), jpg=b"\xff\xd8 junk")]
+                + [_good(i) for i in range(5, 10)])
+    write_shard(root / "1.tar",
+                [_good(10), dict(_good(101), txt=" "), _good(11), {k: v for k, v in _good(102).items() if k != "jpg"},
                                  *[_good(i) for i in range(12, 18)]])
     write_shard(root / "2.tar", [*[_good(i) for i in range(18, 24)], dict(_good(103), **{"tree.json": "{"}), _good(24),
                                  dict(_good(104), jpg=b"not a jpeg")])
     write_shard(root / "full.tar", [_good(i) for i in range(200, 212)])
-    data = (root / "full.tar").read_bytes(); (root / "full.tar").unlink()
+    data = (root / "full.tar").read_bytes()
+    (root / "full.tar").unlink()
     (root / "3.tar").write_bytes(data[:len(data) // 2 + 300])          # a truncated download
     return str(root / "{0..3}.tar")
 
@@ -122,7 +127,8 @@ def _shard_args(out_dir, shards, workers, *extra):
 
 def _rows(out_dir):
     from powerclip.train import read_metrics
-    return [{k: v for k, v in r.items() if k not in ("time", "img_per_s")} for r in read_metrics(Path(out_dir) / "metrics.csv")]
+    return [{k: v for k, v in r.items() if k not in ("time", "img_per_s")}
+            for r in read_metrics(Path(out_dir) / "metrics.csv")]
 
 
 def _weights(out_dir):
@@ -144,8 +150,19 @@ def _main(argv):
     assert main(argv) == 0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Every run of this module on one torch thread, in this process as in the subprocesses (`_env`): a result to the
+    last digit depends on the thread count, and an earlier test of the session may have left it at 1 or at 2."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def shard_straight(tmp_path_factory, shards):
+def shard_straight(tmp_path_factory, shards, one_thread):
     "The straight shard runs (in this process), with 0 and 2 workers."
     out = {}
     for w in (0, 2):
@@ -175,7 +192,8 @@ def test_shard_skip_counts_are_the_bad_samples(shard_straight, workers):
         before = BAD if r["epoch"] == 1 else dict.fromkeys(BAD, 0)   # the finished epoch's, then this epoch's so far
         assert all(r[f"skipped_cum_{k}"] == before[k] + r[f"skipped_{k}"] for k in BAD), r
     for a, b in zip(rows, rows[1:]):                                 # per epoch they only grow
-        if a["epoch"] == b["epoch"]: assert all(b[f"skipped_{k}"] >= a[f"skipped_{k}"] for k in BAD)
+        if a["epoch"] == b["epoch"]:
+            assert all(b[f"skipped_{k}"] >= a[f"skipped_{k}"] for k in BAD)
 
 
 def test_shards_killed_twice_resume_exactly(tmp_path, shards, shard_straight):
@@ -184,17 +202,21 @@ def test_shards_killed_twice_resume_exactly(tmp_path, shards, shard_straight):
     ck = tmp_path / "checkpoints" / "last.pt"
     cmd = [sys.executable, "-m", "powerclip.train", *_shard_args(tmp_path, shards, 2)]
     killed = []
-    for after in (0, 4):                                             # once after the first checkpoint, once after step 4's
+    # once after the first checkpoint, once after step 4's
+    for after in (0, 4):
         p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         t0 = time.time()
         def step(): return torch.load(ck, weights_only=False)["state"]["step"] if ck.exists() else -1
         while p.poll() is None and time.time() - t0 < 240:
             try:
-                if step() > after: break
-            except Exception: pass                                   # caught in the middle of the rename
+                if step() > after:
+                    break
+            except Exception:
+                pass                                   # caught in the middle of the rename
             time.sleep(0.05)
         time.sleep(0.2)
-        p.send_signal(signal.SIGKILL); p.wait()
+        p.send_signal(signal.SIGKILL)
+        p.wait()
         assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed"
         killed.append(step())
     assert 0 < killed[0] <= killed[1] < SHARD_N, killed
@@ -218,7 +240,8 @@ def test_damaged_last_checkpoint_falls_back_to_the_previous(tmp_path, shards, sh
     from powerclip.checkpoint import load_checkpoint
     assert load_checkpoint(ck / "prev.pt")["state"]["step"] == SHARD_N - SHARD_N % 2 - 2
     # both damaged: one line saying so and how to start afresh, exit status 2
-    ck.joinpath("last.pt").write_bytes(b""); ck.joinpath("prev.pt").write_bytes(b"PK\x03\x04 torn")
+    ck.joinpath("last.pt").write_bytes(b"")
+    ck.joinpath("prev.pt").write_bytes(b"PK\x03\x04 torn")
     from powerclip.train import main
     assert main(_shard_args(tmp_path, shards, 2)) == 2
     err = capsys.readouterr().err.strip().splitlines()

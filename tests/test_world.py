@@ -1,4 +1,5 @@
-"What the 22_world notebook cannot check in a cell: worker processes, a fresh interpreter. (The world's benchmark folder on disk: tests/test_eval.py.)"
+"""What the 22_world notebook cannot check in a cell: worker processes, a fresh interpreter. (The world's benchmark
+folder on disk: tests/test_eval.py.)"""
 import hashlib, importlib.util, json, os, subprocess, sys
 from pathlib import Path
 
@@ -12,8 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _assert_batches_equal(a, b):
     assert a.keys() == b.keys()
     for k in a:
-        if torch.is_tensor(a[k]): assert torch.equal(a[k], b[k]), k
-        else: assert a[k] == b[k], k
+        if torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
 
 
 def test_two_workers_yield_the_single_process_samples():
@@ -22,10 +25,12 @@ def test_two_workers_yield_the_single_process_samples():
     single = list(torch.utils.data.DataLoader(ds, num_workers=0, **kw))
     multi = list(torch.utils.data.DataLoader(ds, num_workers=2, **kw))
     assert len(single) == len(multi) == 6
-    for a, b in zip(single, multi): _assert_batches_equal(a, b)
+    for a, b in zip(single, multi):
+        _assert_batches_equal(a, b)
     # and resuming in the middle (a sampler that starts at sample 24) sees exactly the same samples
     resumed = list(torch.utils.data.DataLoader(torch.utils.data.Subset(ds, range(24, 48)), num_workers=2, **kw))
-    for a, b in zip(single[3:], resumed): _assert_batches_equal(a, b)
+    for a, b in zip(single[3:], resumed):
+        _assert_batches_equal(a, b)
 
 
 def test_samples_do_not_depend_on_the_interpreter():
@@ -46,7 +51,8 @@ def test_clip_constants_match_open_clip():
     spec = importlib.util.find_spec('open_clip')
     path = Path(spec.submodule_search_locations[0]) / 'constants.py'
     cspec = importlib.util.spec_from_file_location('_open_clip_constants', path)
-    consts = importlib.util.module_from_spec(cspec); cspec.loader.exec_module(consts)
+    consts = importlib.util.module_from_spec(cspec)
+    cspec.loader.exec_module(consts)
     assert tuple(CLIP_MEAN) == tuple(consts.OPENAI_DATASET_MEAN) and tuple(CLIP_STD) == tuple(consts.OPENAI_DATASET_STD)
 
 

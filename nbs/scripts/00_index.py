@@ -35,10 +35,10 @@
 # | `15_dist`, `16_measure`, `17_commandline` | `dist`, `measure`, `commandline` | the whole distributed contract (`gather`: one collective for float tensors with gradient, one for masks, ragged dims padded); fresh-process runs and peak memory for benchmarks; one command-line convention (one line, exit 2, `--debug`) and the one device check (`check_device`) |
 # | `20_parsing`, `20a_tokens`, `21_regions`, `22_world`, `23_data` | `parsing`, `tokens`, `regions`, `world`, `data` | what feeds the loss: parse trees (`parsing`) and their token spans (`tokens`), region masks, a built-in compositional world, webdataset shards; `BatchNeeds` (a method asks, the pipeline builds only that), `Geometry` (from the model config), the one run seed and its derived streams |
 # | `30_model` | `model` | open_clip towers with patch and token embeddings, tiny configs, `select_patch_tokens` |
-# | `40_methods` ... `48_eclip` | `methods`, `baselines.*` | the `Method` interface and registry, CLIP and PowerCLIP; FILIP, SPARC, FLIP, SmartCLIP, C2LIP, CLIP-PGS, A-CLIP, E-CLIP, each from its paper, with the differences from the authors' code written down |
+# | `40_methods` ... `48_eclip` | `methods`, `baselines.*` | the `Method` interface and registry, CLIP and PowerCLIP; FILIP, SPARC, FLIP, SmartCLIP, C2LIP, CLIP-PGS, A-CLIP (its views and colour augmentation in `46a_aclip_views`), E-CLIP, each from its paper, with the differences from the authors' code written down |
 # | `49a_config`, `49b_checkpoint` | `config`, `checkpoint` | the run's config: a dataclass per component, presets and `key=value` overrides with every key and type checked; checkpoints that resume exactly (written atomically, the previous one kept), the open_clip weights alone, snapshots, the reading of a checkpoint to resume from |
 # | `50_train` | `train` | the one trainer: `validate` checks a run and builds what needs no model, `build_run` assembles model, method, forward, optimiser and schedule once from it (the trainer, the benchmarks and the DDP tests call it); the step, metrics, the loop, `powerclip-train` |
-# | `60_eval_metrics` ... `66a_eval_main` | `eval.*` | the one evaluation path: metrics with one tie rule (one rank function under recall and its per-item hits), data readers, the model loader and the method's scorers, clip_benchmark, the task registry (`TASKS`), tables, `powerclip-eval` |
+# | `60_eval_metrics` ... `66a_eval_main` | `eval.*` | the one evaluation path: metrics with one tie rule (one rank function under recall and its per-item hits), data readers (regions: `61a_eval_region_data`), the model loader and the method's scorers, clip_benchmark, the task registry (`TASKS`), tables, `powerclip-eval` |
 # | `67_heatmaps`, `68_eval_world_scores`, `69_stats` | `heatmaps`, `eval.world_scores`, `stats` | text-to-patch maps and the pointing game; a run's numbers on the world's held-out scenes with each scene's share, cached (the comparison's `HEADLINE`); intervals (paired t, bootstrap) and verdicts |
 # | `69a_report`, `70_compare` | `report`, `compare` | `make demo` and `make compare`: every method planned and trained in its paper's regime (`compare`); statistics over seeds, paired differences, tables, csv and learning curves (`report`) |
 # | `71_experiments` | `experiments` | the paper's ablations (Tables 6, 7, 8, 10, 14, the margin, Fig. 8, Fig. 9) as comparisons against each table's reference row |
@@ -81,7 +81,8 @@
 #   (two processes equal one) and in `tests/test_baselines.py` (trains by name, resumes exactly), and a row in
 #   `compare.RUNS` with its regime.
 # - **A new metric or benchmark data set**: the metric as a pure function in `60_eval_metrics` (ties count against
-#   the correct candidate); a reader in `61_eval_data`; a paper benchmark in the registry of `63_eval_benchmarks`.
+#   the correct candidate); a reader in `61_eval_data` (regions: `61a_eval_region_data`); a paper benchmark in the
+#   registry of `63_eval_benchmarks`.
 # - **A new evaluation task**: its runner (an `Evaluator`, the reader's data, a scorer -> numbers in percent) and one
 #   `Task` record registered in `64_eval_tasks` (`register_task`: its loader, runner, skip rule, headline metrics with
 #   their display names, whether it is scored per scorer). `--tasks`, the runs, the skip report and the side-by-side
@@ -113,8 +114,20 @@
 #
 # ## House rules
 #
-# Lines are at most 120 characters long, in the notebooks, the package, the benchmarks and the tests. Where there is
-# logic, one statement per line: an `if` that raises gets its own lines, and a docstring says one thing. ruff formats
-# and lints the notebooks and the modules, and `make check` runs it. A measured number is written with the command
-# that measured it and the machine it ran on. Set up and test with the two commands of the README (`make demo`,
-# `make test`).
+# Lines are at most 120 characters long: the notebooks' code cells (exported and test cells alike), the package
+# `nbdev_export` writes from them (a notebook's `> subtitle` becomes its module's docstring, so it stays within 114
+# characters), the benchmarks, the tests, `data_prep`, `docs` and `.ci`. Where there is logic, one statement per line:
+# an `if` that raises puts the `raise` on the line below, no `a = 1; b = 2`, and a function body that does more than
+# return a value starts below its `def`. A long docstring is wrapped over several lines, a long message split into
+# implicitly concatenated strings.
+#
+# ruff (`ruff.toml`) is the linter: pycodestyle's errors (E501 line length, E701-E703 several statements on a line,
+# ...), its warnings and pyflakes, read from the notebooks themselves. It is not the formatter: `ruff format` would
+# undo the aligned per-parameter comments that nbdev's docments renders as tables and the shape comments lined up
+# beside the code, so a long line is broken by hand, in the style around it (after a comma or before an operator,
+# aligned with the opening bracket). `make check` runs `ruff check .`, then `.ci/check_notebooks.py` (scripts and
+# notebooks paired, notebooks clean, the package exported and within 120 columns); `make test` runs `make check` first.
+# After editing a notebook: `.venv/bin/ruff check nbs/NAME.ipynb`, then `make sync`.
+#
+# A measured number is written with the command that measured it and the machine it ran on. Set up and test with the
+# two commands of the README (`make demo`, `make test`).

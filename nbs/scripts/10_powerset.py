@@ -36,7 +36,9 @@ from torch.testing import assert_close
 # %% [markdown]
 # # Powerset alignment as tensor functions
 #
-# > Region and phrase embeddings, the region-node score tensor Q, the exact R2T/T2R similarities by enumeration, the non-linear aggregators NLA-T1 and NLA-T2, and the triplet loss.
+# > Region and phrase embeddings, the score tensor Q, exact R2T/T2R by enumeration, NLA-T1, NLA-T2, the triplet loss.
+#
+# Q holds the region-node scores; NLA-T1 and NLA-T2 are the paper's non-linear aggregators.
 
 # %% [markdown]
 # This notebook turns Sections 3-4 of the paper (and Appendices A-B of its supplement) into small pure tensor
@@ -79,7 +81,9 @@ def pool_normalize(
 
 # %%
 _x = torch.randn(2, 5, 3, dtype=torch.float64)
-_m = torch.zeros(2, 2, 5, dtype=torch.bool); _m[0, 0, [1, 3]] = True; _m[1, 0, 4] = True  # row 1 of each: empty
+_m = torch.zeros(2, 2, 5, dtype=torch.bool)
+_m[0, 0, [1, 3]] = True
+_m[1, 0, 4] = True  # row 1 of each: empty
 _p = pool_normalize(_x, _m)
 assert_close(_p[0, 0], F.normalize(_x[0, 1] + _x[0, 3], dim=0))
 assert_close(_p[1, 0], F.normalize(_x[1, 4], dim=0))
@@ -126,7 +130,8 @@ _regions = F.normalize(torch.randn(_C, _M, _D, dtype=torch.float64), dim=-1)
 _leaves = F.normalize(torch.randn(_C, _W, _D, dtype=torch.float64), dim=-1)
 _inc = torch.rand(_C, _K, _W) < 0.5
 _ph = phrase_embeddings(_leaves, _inc)
-_rv = torch.ones(_C, _M, dtype=torch.bool); _rv[1, 3] = False
+_rv = torch.ones(_C, _M, dtype=torch.bool)
+_rv[1, 3] = False
 _Q = powerset_scores(_regions, _rv, _ph)
 assert _Q.shape == (_C, _C, _M, _K)
 # Q[i, j, m, B] equals the sum over the node's leaves of the leaf-region inner products S^(0) (Eq. 18)
@@ -224,7 +229,8 @@ _Q = _Q * _rv[:, None, :, None]  # as powerset_scores leaves it
 _t2r, _r2t = t2r_exact(_Q, _rv, _nv), r2t_exact(_Q, _rv, _nv)
 for i in range(_C):
     for j in range(_C):
-        Mi = int(_rv[i].sum()); nodes = _nv[j].nonzero().flatten().tolist()
+        Mi = int(_rv[i].sum())
+        nodes = _nv[j].nonzero().flatten().tolist()
         t, r = _naive(_Q[i, j], Mi, nodes)
         assert abs(t - float(_t2r[i, j])) < 1e-12 and abs(r - float(_r2t[i, j])) < 1e-12, (i, j)
 print("exact oracle == loop definitions on", _C * _C, "padded pairs")
@@ -265,7 +271,8 @@ class _SoftplusExact(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, beta):
         z = x * beta
-        ctx.save_for_backward(x); ctx.beta = beta
+        ctx.save_for_backward(x)
+        ctx.beta = beta
         return (F.relu(z) + torch.log1p(torch.exp(-z.abs().clamp(max=60.0)))) / beta
 
     @staticmethod
@@ -313,7 +320,9 @@ _g = torch.Generator().manual_seed(1)
 for trial in range(20):
     C, M, K = 3, int(torch.randint(1, 9, (1,), generator=_g)), int(torch.randint(1, 6, (1,), generator=_g))
     Q = torch.randn(C, C, M, K, generator=_g, dtype=torch.float64) * 5
-    rv = torch.rand(C, M, generator=_g) < 0.8; nv = torch.rand(C, K, generator=_g) < 0.7; nv[:, 0] = True
+    rv = torch.rand(C, M, generator=_g) < 0.8
+    nv = torch.rand(C, K, generator=_g) < 0.7
+    nv[:, 0] = True
     Q = Q * rv[:, None, :, None]
     exact = t2r_exact(Q, rv, nv)
     assert_close(nla_t1(Q, rv, nv, act="relu"), exact, rtol=0, atol=1e-12)  # Corollary 1
@@ -413,16 +422,20 @@ _g = torch.Generator().manual_seed(2)
 for trial in range(20):
     C, M, K = 3, int(torch.randint(1, 9, (1,), generator=_g)), int(torch.randint(1, 6, (1,), generator=_g))
     Q = torch.randn(C, C, M, K, generator=_g, dtype=torch.float64) * 5
-    rv = torch.rand(C, M, generator=_g) < 0.8; nv = torch.rand(C, K, generator=_g) < 0.7; nv[:, 0] = True
+    rv = torch.rand(C, M, generator=_g) < 0.8
+    nv = torch.rand(C, K, generator=_g) < 0.7
+    nv[:, 0] = True
     Q = Q * rv[:, None, :, None]
     r2t = r2t_exact(Q, rv, nv)
     assert (_Lambda(Q, nv, 0.0) <= r2t + 1e-12).all() and (r2t <= _Lambda(Q, nv, 1.0) + 1e-12).all()  # Eq. 78
-    Kj = nv.sum(1).double()[None, :]; Mi = rv.sum(1).double()[:, None]
+    Kj = nv.sum(1).double()[None, :]
+    Mi = rv.sum(1).double()[:, None]
     for tau in (1.0, 0.1, 1e-3):
         for alpha in (0.0, 0.25, 0.5, 0.75, 1.0):
             s3, lam = nla_t2(Q, rv, nv, tau, alpha), _Lambda(Q, nv, alpha)
             Z = alpha * Mi * math.log(2) + (1 - alpha) * torch.log(Kj)
-            assert (lam - tau * Z - 1e-9 <= s3).all() and (s3 <= lam + tau * alpha * torch.log(Kj) + 1e-9).all()  # Eq. 76
+            # Eq. 76
+            assert (lam - tau * Z - 1e-9 <= s3).all() and (s3 <= lam + tau * alpha * torch.log(Kj) + 1e-9).all()
             assert_close(nla_t2(Q, rv, nv, tau, alpha, debias=True), s3 + tau * alpha * Mi * math.log(2))
 print("NLA-T2: inside the Eq. 76 sandwich and R2T inside [Lambda(0), Lambda(1)] on all cases")
 
@@ -546,9 +559,11 @@ _g = torch.Generator().manual_seed(3)
 _C, _M, _W, _K, _N, _D = 2, 3, 4, 3, 6, 5
 _patches = torch.randn(_C, _N, _D, dtype=torch.float64, generator=_g, requires_grad=True)
 _tokens = torch.randn(_C, _W, _D, dtype=torch.float64, generator=_g, requires_grad=True)
-_rmask = torch.rand(_C, _M, _N, generator=_g) < 0.5; _rmask[:, :, 0] = True
+_rmask = torch.rand(_C, _M, _N, generator=_g) < 0.5
+_rmask[:, :, 0] = True
 _rv = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
-_inc = torch.rand(_C, _K, _W, generator=_g) < 0.6; _inc[:, 0] = True
+_inc = torch.rand(_C, _K, _W, generator=_g) < 0.6
+_inc[:, 0] = True
 _nv = torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=torch.bool)
 
 def _pipeline(patches, tokens, agg):
@@ -575,7 +590,8 @@ print("gradcheck passed for", len(NLA_T1_ACTS) + len(NLA_T2_INTEGRALS) + 5, "fun
 _g = torch.Generator().manual_seed(4)
 _Q64 = (torch.randn(4, 4, 10, 20, generator=_g, dtype=torch.float64) * 25)
 _rv, _nv = torch.ones(4, 10, dtype=torch.bool), torch.ones(4, 20, dtype=torch.bool)
-_nv[1, 5:] = False; _rv[2, 7:] = False
+_nv[1, 5:] = False
+_rv[2, 7:] = False
 _Q64 = _Q64 * _rv[:, None, :, None]
 for dtype, autocast in ((torch.float32, False), (torch.bfloat16, True)):
     Q = _Q64.to(dtype).requires_grad_()

@@ -38,14 +38,16 @@ from torch.autograd import gradcheck
 from torch.testing import assert_close
 
 from powerclip.powerset import (
-    nla_t1, nla_t2, powerset_scores, r2t_exact, r2t_singletons, t2r_exact, t2r_singletons,
+    nla_t1, nla_t2, powerset_scores, r2t_singletons, t2r_singletons,
 )
 
 
 # %% [markdown]
 # # The powerset loss at scale
 #
-# > Packed tree nodes, segment reductions over them, and $\bar S$ computed in blocks of columns whose backward pass recomputes the scores: the memory of the powerset loss no longer grows with $M\times K$.
+# > Packed tree nodes, segment reductions over them, and $\bar S$ in column blocks recomputed in the backward pass.
+#
+# The memory of the powerset loss no longer grows with $M\times K$.
 
 # %% [markdown]
 # `10_powerset` computes $\bar S=\text{NLA-T1}+\text{NLA-T2}$ from the score tensor
@@ -142,14 +144,19 @@ _ph = torch.randn(3, 4, 2, generator=_g, dtype=torch.float64)
 _nv = torch.tensor([[1, 0, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
 _pp, _nt = pack_nodes(_ph, _nv)
 assert _nt.tolist() == [0, 0, 1, 2, 2, 2, 2] and _pp.shape == (7, 2)
-assert_close(_pp[1], _ph[0, 2]); assert_close(_pp[3], _ph[2, 0])
+assert_close(_pp[1], _ph[0, 2])
+assert_close(_pp[3], _ph[2, 0])
 _up, _uv = unpack_nodes(_pp, _nt, 3)
 assert _uv.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
-assert_close(_up[0, :2], _ph[0, [0, 2]]) and assert_close(_up[2], _ph[2]); assert (_up[1, 1:] == 0).all()
+assert_close(_up[0, :2], _ph[0, [0, 2]]) and assert_close(_up[2], _ph[2])
+assert (_up[1, 1:] == 0).all()
 for bad, msg in ((torch.tensor([0, 2, 1]), "sorted"), (torch.tensor([0, 1, 3]), "outside"),
                  (torch.tensor([0, 0, 2]), "at least one"), (torch.tensor([0., 1, 2]), "long")):
-    try: node_counts(bad, 3); raise AssertionError(msg)
-    except ValueError as e: assert msg in str(e), (msg, e)
+    try:
+        node_counts(bad, 3)
+        raise AssertionError(msg)
+    except ValueError as e:
+        assert msg in str(e), (msg, e)
 
 
 # %% [markdown]
@@ -269,6 +276,7 @@ def _softplus_sums(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s_log = a.clamp_(max=60.0).neg_().exp_().add_(1.0).log_().sum(1)
     return s_z, 0.5 * (s_z + s_abs) + s_log                     # relu(z) = (z + |z|) / 2
 
+
 # %% [markdown]
 # Each derivative against autograd of the forward function, in float64, over $|q/\tau|$ from 0 to $10^4$,
 # and the shared sums against their definition:
@@ -284,11 +292,14 @@ for a, f in NLA_T2_INTEGRALS.items():
     x = _q.clone().requires_grad_()
     (g,) = torch.autograd.grad(f(x).sum(), x)
     assert_close(NLA_T2_ACTS[a](x.detach()), g, rtol=1e-12, atol=1e-14, msg=a)
-_z = torch.randn(3, 5, 7, generator=_g, dtype=torch.float64) * torch.tensor([0.1, 10, 1e3, 1e4, 0.0]).double()[None, :, None]
+_z = (torch.randn(3, 5, 7, generator=_g, dtype=torch.float64)
+      * torch.tensor([0.1, 10, 1e3, 1e4, 0.0]).double()[None, :, None])
 _sz, _sp = _softplus_sums(_z)
-assert_close(_sz, _z.sum(1)); assert_close(_sp, NLA_T1_ACTS["softplus"](_z, 1.0).sum(1), rtol=1e-14, atol=1e-12)
+assert_close(_sz, _z.sum(1))
+assert_close(_sp, NLA_T1_ACTS["softplus"](_z, 1.0).sum(1), rtol=1e-14, atol=1e-12)
 _sp1 = NLA_T1_ACTS["softplus"](_z, 1.0)  # the shared identity, at alpha = 0.75
-assert_close(0.5 * _z + 0.75 * NLA_T2_INTEGRALS["tanh"](0.5 * _z), 0.125 * _z + 0.75 * (_sp1 - math.log(2)), rtol=1e-13, atol=1e-10)
+assert_close(0.5 * _z + 0.75 * NLA_T2_INTEGRALS["tanh"](0.5 * _z), 0.125 * _z + 0.75 * (_sp1 - math.log(2)),
+             rtol=1e-13, atol=1e-10)
 
 
 # %% [markdown]
@@ -389,9 +400,11 @@ def _block_backward(
         piG = (s - lse.index_select(1, seg)).clamp_(min=_EXP_FLOOR).exp_() * G.index_select(1, seg)
     if spec.shared:
         coef = alpha * piG if spec.use_r2t else 0.0
-        if spec.use_t2r: coef = coef + c1
+        if spec.use_t2r:
+            coef = coef + c1
         d = torch.sigmoid(q * (1.0 / tau)).mul_(coef[:, None, :])
-        if spec.use_r2t: d += (0.5 * (1.0 - alpha)) * piG[:, None, :]
+        if spec.use_r2t:
+            d += (0.5 * (1.0 - alpha)) * piG[:, None, :]
     elif spec.region_sets:
         d = torch.zeros_like(q)
         if spec.use_t2r:
@@ -455,9 +468,11 @@ def block_plan(
     blocks, j0, p0, p = [], 0, 0, 0
     for j, k in enumerate(counts):
         if p + k - p0 > cap and j > j0:
-            blocks.append((j0, j, p0, p)); j0, p0 = j, p
+            blocks.append((j0, j, p0, p))
+            j0, p0 = j, p
         p += k
-    if len(counts) > j0: blocks.append((j0, len(counts), p0, p))
+    if len(counts) > j0:
+        blocks.append((j0, len(counts), p0, p))
     return rows, blocks
 
 
@@ -480,10 +495,12 @@ class _SbarBlocked(torch.autograd.Function):
                 rv = None if all_valid else region_valid[r0:r1]
                 for j0, j1, p0, p1 in blocks:
                     q = (reg @ ph[p0:p1].T).to(agg).view(r1 - r0, M, p1 - p0)         # (rb, M, pb)
-                    if rv is not None: q *= rv[:, :, None]
+                    if rv is not None:
+                        q *= rv[:, :, None]
                     Sb, lb = _block_forward(q, rv, node_text[p0:p1] - j0, K[j0:j1], spec)
                     S[r0:r1, j0:j1] = Sb
-                    if lb is not None: lse[r0:r1, j0:j1] = lb
+                    if lb is not None:
+                        lse[r0:r1, j0:j1] = lb
         ctx.save_for_backward(regions, phrases, region_valid, node_text, lse)
         ctx.plan, ctx.spec, ctx.mm_dtype, ctx.counts, ctx.all_valid = (rows, blocks), spec, mm_dtype, counts, all_valid
         return S
@@ -506,12 +523,15 @@ class _SbarBlocked(torch.autograd.Function):
                 rv = None if ctx.all_valid else region_valid[r0:r1]
                 for j0, j1, p0, p1 in blocks:
                     q = (reg @ ph[p0:p1].T).to(agg).view(r1 - r0, M, p1 - p0)          # recomputed (rb, M, pb)
-                    if rv is not None: q *= rv[:, :, None]
+                    if rv is not None:
+                        q *= rv[:, :, None]
                     d = _block_backward(q, rv, node_text[p0:p1] - j0, K[j0:j1], G[r0:r1, j0:j1],
                                         None if lse is None else lse[r0:r1, j0:j1], spec)
                     d = d.view(-1, p1 - p0).to(mm)                                        # (rb*M, pb)
-                    if need_r: g_reg[r0:r1] += (d @ ph[p0:p1]).view(r1 - r0, M, D)
-                    if need_p: g_ph[p0:p1] += d.T @ reg                                 # (pb, D)
+                    if need_r:
+                        g_reg[r0:r1] += (d @ ph[p0:p1]).view(r1 - r0, M, D)
+                    if need_p:
+                        g_ph[p0:p1] += d.T @ reg                                 # (pb, D)
         return (None if g_reg is None else g_reg.to(regions.dtype),
                 None if g_ph is None else g_ph.to(phrases.dtype), None, None, None, None, None)
 
@@ -565,8 +585,11 @@ def _case(Ci=5, Cj=6, M=4, D=8, Kmax=5, seed=0, dtype=torch.float64, scale=1.0):
     "Random ragged inputs: image 1 has no valid region, text 0 a single node."
     g = torch.Generator().manual_seed(seed)
     regions = F.normalize(torch.randn(Ci, M, D, generator=g, dtype=dtype), dim=-1) * scale
-    rv = torch.rand(Ci, M, generator=g) < 0.7; rv[0] = True; rv[1] = False
-    k = torch.randint(1, Kmax + 1, (Cj,), generator=g); k[0] = 1
+    rv = torch.rand(Ci, M, generator=g) < 0.7
+    rv[0] = True
+    rv[1] = False
+    k = torch.randint(1, Kmax + 1, (Cj,), generator=g)
+    k[0] = 1
     node_text = torch.arange(Cj).repeat_interleave(k)
     phrases = torch.randn(int(k.sum()), D, generator=g, dtype=dtype) * scale
     return regions, rv, phrases, node_text
@@ -627,9 +650,10 @@ _reg, _rv, _ph, _nt = _case(6, 6, seed=8)
 _full = sbar_blocked(_reg, _rv, _ph, _nt, 6, SbarSpec(tau=0.1))
 _loc = slice(2, 4)                                  # this process's rows
 _lt = (_nt >= 2) & (_nt < 4)                        # its texts' nodes
-assert_close(sbar_blocked(_reg[_loc], _rv[_loc], _ph, _nt, 6, SbarSpec(tau=0.1)), _full[_loc])                 # S_img (R, C)
-assert_close(sbar_blocked(_reg, _rv, _ph[_lt], _nt[_lt] - 2, 2, SbarSpec(tau=0.1)).T, _full[:, _loc].T)        # S_txt (R, C)
-
+# S_img (R, C)
+assert_close(sbar_blocked(_reg[_loc], _rv[_loc], _ph, _nt, 6, SbarSpec(tau=0.1)), _full[_loc])
+# S_txt (R, C)
+assert_close(sbar_blocked(_reg, _rv, _ph[_lt], _nt[_lt] - 2, 2, SbarSpec(tau=0.1)).T, _full[:, _loc].T)
 
 # %% [markdown]
 # ## Stability at $\tau=10^{-3}$, float32 and bf16 autocast
@@ -642,7 +666,8 @@ assert_close(sbar_blocked(_reg, _rv, _ph[_lt], _nt[_lt] - 2, 2, SbarSpec(tau=0.1
 _reg, _rv, _ph, _nt = _case(6, 8, M=10, D=32, Kmax=12, seed=9, scale=3.0)
 _W = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 _res = {}
-for name, dtype, autocast in (("fp64", torch.float64, False), ("fp32", torch.float32, False), ("bf16", torch.float32, True)):
+for name, dtype, autocast in (("fp64", torch.float64, False), ("fp32", torch.float32, False),
+                              ("bf16", torch.float32, True)):
     r, p = _reg.to(dtype, copy=True).requires_grad_(), _ph.to(dtype, copy=True).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         S = sbar_blocked(r, _rv, p, _nt, 8, SbarSpec(tau=1e-3, block_bytes=4096))
@@ -653,7 +678,8 @@ for name, dtype, autocast in (("fp64", torch.float64, False), ("fp32", torch.flo
 for a, b in zip(_res["fp32"], _res["fp64"]):
     assert_close(a, b, rtol=1e-4, atol=1e-3)
 _rel = lambda a, b: float((a - b).norm() / b.norm())
-print("bf16 vs fp32 relative error: S %.1e, d regions %.1e, d phrases %.1e" % tuple(_rel(a, b) for a, b in zip(_res["bf16"], _res["fp32"])))
+print("bf16 vs fp32 relative error: S %.1e, d regions %.1e, d phrases %.1e"
+      % tuple(_rel(a, b) for a, b in zip(_res["bf16"], _res["fp32"])))
 assert _rel(_res["bf16"][0], _res["fp32"][0]) < 2e-2
 
 
@@ -676,7 +702,8 @@ def saved_tensor_bytes():
     def pack(t):
         s = t.untyped_storage()
         if s.data_ptr() not in n["storages"]:
-            n["storages"][s.data_ptr()] = s.nbytes(); n["bytes"] += s.nbytes()
+            n["storages"][s.data_ptr()] = s.nbytes()
+            n["bytes"] += s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -686,14 +713,14 @@ def saved_tensor_bytes():
 # %%
 def _saved(M, Kmax, Ci=4, Cj=16, D=8):
     reg, rv, ph, nt = _case(Ci, Cj, M=M, D=D, Kmax=Kmax, seed=1, dtype=torch.float32)
-    reg.requires_grad_(); ph.requires_grad_()
+    reg.requires_grad_()
+    ph.requires_grad_()
     with saved_tensor_bytes() as n:
         sbar_blocked(reg, rv, ph, nt, Cj, SbarSpec(block_bytes=1024))
     inputs = sum(t.untyped_storage().nbytes() for t in (reg, rv, ph, nt))
     return n["bytes"] - inputs
 
 assert _saved(5, 4) == _saved(32, 40) == 4 * 16 * 4  # beyond the inputs: the (Ci, Cj) float32 LSE table only
-
 
 # %% [markdown]
 # ## Cost: the Fig. 9 analogue
@@ -724,7 +751,8 @@ else:
     for col, (R, C) in enumerate(_RC):
         for impl, style in (("fast", "o-"), ("dense", "s--"), ("exact", "^:"), ("clip", "k-")):
             pts = sorted((r["M"], r) for r in _rows if (r["R"], r["C"], r["impl"]) == (R, C, impl))
-            if not pts: continue
+            if not pts:
+                continue
             Ms = [m for m, _ in pts]
             ax[0, col].plot(Ms, [r["time_s"] * 1e3 for _, r in pts], style, label=impl)
             ax[1, col].plot(Ms, [r["saved_bytes"] / 2**20 for _, r in pts], style, label=impl)
@@ -733,10 +761,13 @@ else:
                                 label="fast, beyond inputs")
         ax[0, col].set(title=f"R={R}, C={C}", yscale="log", xlabel="regions M")
         ax[1, col].set(yscale="log", xlabel="regions M")
-    ax[0, 0].set_ylabel("fwd+bwd time (ms)"); ax[1, 0].set_ylabel("saved for backward (MiB)")
-    ax[0, 0].legend(fontsize=8); ax[1, 0].legend(fontsize=8)
+    ax[0, 0].set_ylabel("fwd+bwd time (ms)")
+    ax[1, 0].set_ylabel("saved for backward (MiB)")
+    ax[0, 0].legend(fontsize=8)
+    ax[1, 0].legend(fontsize=8)
     fig.suptitle(f"powerset loss cost, fp32 ({_data['meta']['machine']})", fontsize=10)
-    fig.tight_layout(); plt.show()
+    fig.tight_layout()
+    plt.show()
     _get = lambda impl, M: next(r for r in _rows if (r["impl"], r["R"], r["C"], r["M"]) == (impl, 64, 512, M))
     print("R=64, C=512: dense / fast time at M=10 = %.1fx; fast saved at M=32 / M=5 = %.2fx beyond the inputs, "
           "%.2fx with them" % (_get("dense", 10)["time_s"] / _get("fast", 10)["time_s"],

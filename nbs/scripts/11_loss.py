@@ -40,7 +40,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # The PowerCLIP loss
 #
-# > The local-row contrastive skeleton, the CLIP loss on it, the powerset triplet loss on top, and the switches for the paper's ablations, written so that each process of a data-parallel run computes only its own rows.
+# > The local-row contrastive skeleton, the CLIP loss on it, the powerset triplet loss on top, the ablation switches.
+#
+# The switches are the paper's ablations. Everything is written so that each process of a data-parallel run computes only
+# its own rows.
 
 # %% [markdown]
 # $$\mathcal L_{\text{total}}=\mathcal L_{\text{CLIP}}+\lambda\,\mathcal L_{\text{triplet}},\qquad
@@ -90,7 +93,8 @@ from torch.testing import assert_close
 #| export
 def _is_local(x_all, x) -> bool:
     "True when the 'gathered' side is the local one itself (one process): same object, or same objects inside."
-    if x_all is None or x_all is x: return True
+    if x_all is None or x_all is x:
+        return True
     if isinstance(x, (tuple, list)) and isinstance(x_all, (tuple, list)):
         return len(x) == len(x_all) and all(a is b for a, b in zip(x_all, x))
     if dataclasses.is_dataclass(x) and type(x_all) is type(x):
@@ -99,7 +103,8 @@ def _is_local(x_all, x) -> bool:
 
 
 def contrastive_rows(
-    sim,                    # sim(images, texts) -> (Ci, Cj), or a pair (image-row scores, text-row scores) both (Ci, Cj)
+    sim,                    # sim(images, texts) -> (Ci, Cj), or a pair (image-row scores, text-row scores) both (Ci,
+                            # Cj)
     img_local, txt_local,   # this process's R images and R texts (tensors, tuples or dataclasses: what sim reads)
     img_all=None, txt_all=None,  # every process's C images and texts (None, or the local ones: one process)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (S_img (R, C), S_txt (R, C)); positives at offset + arange(R)
@@ -163,13 +168,16 @@ _ref = sum(-torch.log_softmax(_s * _img[i] @ _txt.T, 0)[i] - torch.log_softmax(_
 assert_close(clip_loss(_img, _txt, _s), _ref)
 assert_close(clip_loss(_img, _txt, _s, _img, _txt), _ref)  # the local tensors passed as gathered: one process
 # two "processes" of 3 rows each, averaged, give the full-batch loss
-assert_close((clip_loss(_img[:3], _txt[:3], _s, _img, _txt, 0) + clip_loss(_img[3:], _txt[3:], _s, _img, _txt, 3)) / 2, _ref)
+assert_close((clip_loss(_img[:3], _txt[:3], _s, _img, _txt, 0)
+              + clip_loss(_img[3:], _txt[3:], _s, _img, _txt, 3)) / 2, _ref)
 # a similarity that returns a pair: the first scores the image rows, the second the text rows
 _pair = lambda a, b: (a @ b.T, 2 * a @ b.T)
 _Si, _St = contrastive_rows(_pair, _img[:3], _txt[:3], _img, _txt)
-assert_close(_Si, _img[:3] @ _txt.T); assert_close(_St, 2 * _txt[:3] @ _img.T)
+assert_close(_Si, _img[:3] @ _txt.T)
+assert_close(_St, 2 * _txt[:3] @ _img.T)
 _Si, _St = contrastive_rows(_pair, _img, _txt)
-assert_close(_Si, _img @ _txt.T); assert_close(_St, 2 * _txt @ _img.T)
+assert_close(_Si, _img @ _txt.T)
+assert_close(_St, 2 * _txt @ _img.T)
 assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone()), (_img, _txt))
 
 
@@ -206,8 +214,9 @@ class PowerCLIPLossConfig:
     exact: bool = False       # True: exact powerset enumeration instead of the NLAs (O(2^M))
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
     region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
-    impl: str = "auto"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K) reference;
-                              # 'auto': dense when its scores fit in block_bytes (small batches: fewer, larger kernels), else fast
+    impl: str = "auto"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K)
+                              # reference; 'auto': dense when its scores fit in block_bytes (small batches: fewer,
+                              # larger kernels), else fast
     block_bytes: int = 16 << 20  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient memory
 
     def __post_init__(self):
@@ -216,7 +225,8 @@ class PowerCLIPLossConfig:
         if self.tau <= 0 or not 0 <= self.alpha <= 1:
             raise ValueError(f"need tau > 0 and alpha in [0, 1], got tau={self.tau}, alpha={self.alpha}")
         if self.impl not in ("auto", "fast", "dense") or self.block_bytes < 1:
-            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, block_bytes={self.block_bytes}")
+            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, "
+                             f"block_bytes={self.block_bytes}")
 
     def sbar_spec(self) -> SbarSpec:
         "The switches of S-bar, for the fast path."
@@ -238,7 +248,8 @@ class PowersetInputs:
 
     def __post_init__(self):
         if (self.node_valid is None) == (self.node_text is None):
-            raise ValueError("PowersetInputs needs exactly one of node_valid (padded phrases) and node_text (packed phrases)")
+            raise ValueError("PowersetInputs needs exactly one of node_valid (padded phrases) and "
+                             "node_text (packed phrases)")
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (P, D), node_text (P,)
         return (self.phrases, self.node_text) if self.node_valid is None else pack_nodes(self.phrases, self.node_valid)
@@ -256,22 +267,27 @@ def powerset_similarity(
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
     if cfg.impl == "auto" and not cfg.exact:   # the dense scores' bytes against one block of the fast path
         Ci, M = images.regions.shape[:2]
-        if texts.node_valid is not None: dense = Ci * texts.regions.shape[0] * M * texts.node_valid.shape[1] * 4
+        if texts.node_valid is not None:
+            dense = Ci * texts.regions.shape[0] * M * texts.node_valid.shape[1] * 4
         else:   # packed: K_max >= P / Cj, so Ci * M * P bounds the dense bytes from below without reading the counts,
                 # and the host sync of K_max is paid only where the dense path may be taken (small batches)
             dense = Ci * M * texts.node_text.shape[0] * 4
-            if dense <= cfg.block_bytes: dense = Ci * texts.regions.shape[0] * M * int(torch.bincount(texts.node_text).max()) * 4
+            if dense <= cfg.block_bytes:
+                dense = Ci * texts.regions.shape[0] * M * int(torch.bincount(texts.node_text).max()) * 4
         cfg = dataclasses.replace(cfg, impl="dense" if dense <= cfg.block_bytes else "fast")
     if cfg.impl == "fast" and not cfg.exact:
         phrases, node_text = texts.packed()
-        return sbar_blocked(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0], cfg.sbar_spec())
+        return sbar_blocked(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0],
+                            cfg.sbar_spec())
     phrases, node_valid = texts.padded()
     rv = images.region_valid
     Q = powerset_scores(images.regions, rv, phrases)  # (Ci, Cj, M, K)
     S = Q.new_zeros(Q.shape[:2], dtype=torch.promote_types(Q.dtype, torch.float32))
     if not cfg.region_sets:  # single regions: exact by definition, whatever cfg.exact says
-        if cfg.use_t2r: S = S + t2r_singletons(Q, rv, node_valid)
-        if cfg.use_r2t: S = S + r2t_singletons(Q, rv, node_valid)
+        if cfg.use_t2r:
+            S = S + t2r_singletons(Q, rv, node_valid)
+        if cfg.use_r2t:
+            S = S + r2t_singletons(Q, rv, node_valid)
         return S
     if cfg.use_t2r:
         S = S + (t2r_exact(Q, rv, node_valid) if cfg.exact else nla_t1(Q, rv, node_valid, cfg.tau, cfg.t1_act))
@@ -319,7 +335,8 @@ def powerclip_loss(
     image_all: torch.Tensor | None = None, text_all: torch.Tensor | None = None,  # (C, D) gathered
     gathered: PowersetInputs | None = None,   # (C, ...) gathered regions and phrases
     offset: int = 0,                          # rank * R
-) -> dict[str, torch.Tensor]:                 # {'clip', 'powerset', '_triplet_i2t', '_triplet_t2i', '_sim_pos', '_sim_neg'}
+) -> dict[str, torch.Tensor]:                 # {'clip', 'powerset', '_triplet_i2t', '_triplet_t2i', '_sim_pos',
+                                              # '_sim_neg'}
     "L_total = L_CLIP + lam * L_triplet, as named terms: sum the keys without a leading underscore."
     out = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
     if cfg.lam > 0:
@@ -339,12 +356,17 @@ def _batch(C=6, M=4, N=9, W=5, K=4, D=8, seed=0, dtype=torch.float64):
     from powerclip.powerset import phrase_embeddings, pool_normalize
     g = torch.Generator().manual_seed(seed)
     patches, tokens = torch.randn(C, N, D, generator=g, dtype=dtype), torch.randn(C, W, D, generator=g, dtype=dtype)
-    rmask = torch.rand(C, M, N, generator=g) < 0.4; rmask[..., 0] = True
-    rv = torch.rand(C, M, generator=g) < 0.8; rv[:, 0] = True
-    inc = torch.rand(C, K, W, generator=g) < 0.5; inc[:, 0] = True
-    nv = torch.rand(C, K, generator=g) < 0.8; nv[:, 0] = True
+    rmask = torch.rand(C, M, N, generator=g) < 0.4
+    rmask[..., 0] = True
+    rv = torch.rand(C, M, generator=g) < 0.8
+    rv[:, 0] = True
+    inc = torch.rand(C, K, W, generator=g) < 0.5
+    inc[:, 0] = True
+    nv = torch.rand(C, K, generator=g) < 0.8
+    nv[:, 0] = True
     inp = PowersetInputs(pool_normalize(patches, rmask), rv, phrase_embeddings(F.normalize(tokens, dim=-1), inc), nv)
-    img, txt = F.normalize(torch.randn(C, D, generator=g, dtype=dtype), dim=-1), F.normalize(torch.randn(C, D, generator=g, dtype=dtype), dim=-1)
+    img, txt = (F.normalize(torch.randn(C, D, generator=g, dtype=dtype), dim=-1),
+                F.normalize(torch.randn(C, D, generator=g, dtype=dtype), dim=-1))
     return img, txt, inp
 
 def _rows(inp, sl):
@@ -370,6 +392,7 @@ for cfg in (_cfg, PowerCLIPLossConfig(tau=0.05, use_r2t=False), PowerCLIPLossCon
     for k in ("clip", "powerset"):
         assert_close((parts[0][k] + parts[1][k]) / 2, full[k])
 
+
 # %% [markdown]
 # The fast path against the dense reference through the whole loss, for each switch, with the tree nodes
 # padded or packed, on one process and in the local-row form of two: values and gradients (regions,
@@ -387,7 +410,8 @@ def _grads(cfg, packed, two_procs):
     inp = PowersetInputs(reg, _inp.region_valid, ph, _inp.node_valid)
     inp = _packed(inp) if packed else inp
     if two_procs:
-        rows = lambda sl: _packed(_rows(PowersetInputs(reg, _inp.region_valid, ph, _inp.node_valid), sl)) if packed else _rows(inp, sl)
+        rows = lambda sl: _packed(_rows(PowersetInputs(reg, _inp.region_valid, ph, _inp.node_valid),
+                                        sl)) if packed else _rows(inp, sl)
         outs = [powerclip_loss(img[sl], txt[sl], _s, rows(sl), cfg, img, txt, inp, off)
                 for sl, off in ((slice(0, 3), 0), (slice(3, 6), 3))]
         loss = sum(o["clip"] + o["powerset"] for o in outs) / 2
@@ -412,11 +436,18 @@ for _bb, _path in ((16 << 20, "dense"), (1, "fast")):
     for packed in (False, True):
         got = _grads(PowerCLIPLossConfig(impl="auto", gamma=5.0, tau=0.05, block_bytes=_bb), packed, False)
         want = _grads(PowerCLIPLossConfig(impl=_path, gamma=5.0, tau=0.05, block_bytes=_bb), packed, False)
-        for a, b in zip(got, want): assert torch.equal(a, b), (_bb, _path, packed)
-try: PowersetInputs(_inp.regions, _inp.region_valid, _inp.phrases); raise AssertionError
-except ValueError as e: assert "exactly one" in str(e)
-try: PowerCLIPLossConfig(impl="cuda"); raise AssertionError
-except ValueError as e: assert "impl" in str(e)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (_bb, _path, packed)
+try:
+    PowersetInputs(_inp.regions, _inp.region_valid, _inp.phrases)
+    raise AssertionError
+except ValueError as e:
+    assert "exactly one" in str(e)
+try:
+    PowerCLIPLossConfig(impl="cuda")
+    raise AssertionError
+except ValueError as e:
+    assert "impl" in str(e)
 
 # %% [markdown]
 # Against a per-pair reference written straight from Eqs. 6-9 with the exact oracle, and the exact switch
@@ -425,10 +456,13 @@ except ValueError as e: assert "impl" in str(e)
 # %%
 _cfgx = PowerCLIPLossConfig(exact=True, gamma=0.5)
 _S = torch.stack([torch.stack([
-    (t2r_exact(powerset_scores(_inp.regions[i:i+1], _inp.region_valid[i:i+1], _inp.phrases[j:j+1]), _inp.region_valid[i:i+1], _inp.node_valid[j:j+1])
-     + r2t_exact(powerset_scores(_inp.regions[i:i+1], _inp.region_valid[i:i+1], _inp.phrases[j:j+1]), _inp.region_valid[i:i+1], _inp.node_valid[j:j+1]))[0, 0]
+    (t2r_exact(powerset_scores(_inp.regions[i:i+1], _inp.region_valid[i:i+1], _inp.phrases[j:j+1]),
+               _inp.region_valid[i:i+1], _inp.node_valid[j:j+1])
+     + r2t_exact(powerset_scores(_inp.regions[i:i+1], _inp.region_valid[i:i+1], _inp.phrases[j:j+1]),
+                 _inp.region_valid[i:i+1], _inp.node_valid[j:j+1]))[0, 0]
     for j in range(6)]) for i in range(6)])
-_phi = lambda X: sum(max(max(float(X[i, j]) for j in range(6) if j != i) - float(X[i, i]) + 0.5, 0.0) for i in range(6)) / 6
+_phi = lambda X: sum(max(max(float(X[i, j]) for j in range(6) if j != i) - float(X[i, i]) + 0.5, 0.0)
+                     for i in range(6)) / 6
 assert abs(float(powerclip_loss(_img, _txt, _s, _inp, _cfgx)["powerset"]) - 0.1 * (_phi(_S) + _phi(_S.T))) < 1e-12
 # T2R: NLA-T1 is within tau*M*log2 of exact. R2T: NLA-T2 tends to Lambda(alpha), which only brackets the
 # exact R2T (Theorem 2), so its gap is of the order of Lambda(1) - Lambda(0), not of tau.

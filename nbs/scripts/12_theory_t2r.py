@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from powerclip.powerset import (
-    NLA_T2_INTEGRALS, nla_t1, nla_t2, phrase_embeddings, powerset_scores, r2t_exact, softplus_exact, subset_matrix,
+    nla_t1, nla_t2, phrase_embeddings, powerset_scores, r2t_exact, softplus_exact, subset_matrix,
     subset_scores, t2r_exact, triplet,
 )
 
@@ -43,7 +43,9 @@ from torch.testing import assert_close
 # %% [markdown]
 # # Theory I: T2R, the LSE bound and the softplus powerset expansion
 #
-# > Lemma A.1, supplement Eqs. 33-39, Theorem 1 and Corollary 1, derived step by step and checked in float64 against enumeration of all $2^M$ region subsets.
+# > Lemma A.1, supplement Eqs. 33-39, Theorem 1 and Corollary 1, derived step by step and checked in float64.
+#
+# Every step is checked against enumeration of all $2^M$ region subsets.
 
 # %% [markdown]
 # The T2R similarity (Eq. 7) asks, for every tree node $B$ of text $j$, for the best *subset* of the $M$
@@ -212,7 +214,8 @@ class CheckRow:
     passed: bool
 
     def line(self) -> str:
-        return f"{self.check:<58} {self.cases:>8d} {self.max_error:>11.3e} {self.bound:>11.3e}  {'PASS' if self.passed else 'FAIL'}"
+        return (f"{self.check:<58} {self.cases:>8d} {self.max_error:>11.3e} {self.bound:>11.3e}  "
+                f"{'PASS' if self.passed else 'FAIL'}")
 
 
 def format_table(rows: list[CheckRow]) -> str:
@@ -235,17 +238,20 @@ def check_lse_bound(n_cases: int = 200, seed: int = 0, tol: float = 1e-12) -> Ch
         y = torch.randn(n, generator=g, dtype=torch.float64) * SCALES[k % len(SCALES)]
         for tau in (10.0, 1.0, 1e-1, 1e-3):
             gap = tau * torch.logsumexp(y / tau, 0) - y.max()
-            worst = max(worst, float(_violation(gap, torch.tensor(0.0), torch.tensor(tau * math.log(n))) / max(1.0, float(y.abs().max()))))
+            worst = max(worst, float(_violation(gap, torch.tensor(0.0), torch.tensor(tau * math.log(n)))
+                                     / max(1.0, float(y.abs().max()))))
             count += 1
     return CheckRow("Lemma A.1: 0 <= tau LSE - max <= tau log n (violation)", count, worst, tol, worst <= tol)
 
 
 # %%
 _row = check_lse_bound(100)
-print(format_table([_row])); assert _row.passed
+print(format_table([_row]))
+assert _row.passed
 # the upper end is attained: n equal values
 _y = torch.full((1024,), 0.3, dtype=torch.float64)
-assert_close(0.01 * torch.logsumexp(_y / 0.01, 0) - _y.max(), torch.tensor(0.01 * 10 * math.log(2), dtype=torch.float64))
+assert_close(0.01 * torch.logsumexp(_y / 0.01, 0) - _y.max(),
+             torch.tensor(0.01 * 10 * math.log(2), dtype=torch.float64))
 
 
 # %% [markdown]
@@ -297,7 +303,10 @@ assert abs(float(_lhs) - _rhs) / _rhs < 1e-13
 # without the empty subset the identity is off by exactly 1 (in linear space)
 _rhs_noempty = torch.exp(torch.logsumexp(subset_matrix(8, torch.float64)[1:] @ _x, 0))
 assert_close(_lhs - _rhs_noempty, torch.tensor(1.0, dtype=torch.float64))
-_row = check_softplus_expansion(); print(format_table([_row])); assert _row.passed
+_row = check_softplus_expansion()
+print(format_table([_row]))
+assert _row.passed
+
 
 # %% [markdown]
 # ## Step 3: Theorem 1 with its exact error
@@ -365,7 +374,8 @@ def check_theorem1(n_cases: int = 120, M_max: int = 12, seed: int = 1, tol: floa
 # %%
 _t0 = time.time()
 _rows = check_theorem1()
-print(format_table(_rows)); print(f"({time.time() - _t0:.1f} s)")
+print(format_table(_rows))
+print(f"({time.time() - _t0:.1f} s)")
 assert all(r.passed for r in _rows)
 
 # %% [markdown]
@@ -408,7 +418,8 @@ _pred = 10 * math.pi**2 / 6 * _p0 * _taus**2
 # so the sample is noisy there: we ask for agreement within 25%.
 _small = _taus <= 1e-3
 _ratio = _gaps[_small].mean(1) / _pred[_small]
-print(f"p(0) = {_p0:.2f}; mean error / (M pi^2/6 p(0) tau^2) for tau in [1e-4, 1e-3]: {[round(float(r), 3) for r in _ratio]}")
+print(f"p(0) = {_p0:.2f}; mean error / (M pi^2/6 p(0) tau^2) for tau in [1e-4, 1e-3]: "
+      f"{[round(float(r), 3) for r in _ratio]}")
 assert ((_ratio - 1).abs() < 0.25).all()
 
 fig, ax = plt.subplots(figsize=(6, 4))
@@ -418,7 +429,8 @@ ax.loglog(_taus, _gaps.amax(1), "-", color="C3", label="max over 196 pairs")
 ax.loglog(_taus, _gaps.median(1).values, "-", color="C0", label="median over 196 pairs")
 ax.loglog(_taus[_taus < 0.05], _pred[_taus < 0.05], ":", color="C2", lw=2, label=r"$M\frac{\pi^2}{6}p(0)\tau^2$")
 ax.set(xlabel=r"$\tau$", ylabel=r"NLA-T1 $-$ T2R", title=r"Theorem 1 on unit-vector scores, $M=10$, $D=512$")
-ax.legend(fontsize=8); plt.show()
+ax.legend(fontsize=8)
+plt.show()
 
 # %% [markdown]
 # At the paper's $\tau=10^{-3}$ the error is a few $10^{-5}$, two orders of magnitude below the bound

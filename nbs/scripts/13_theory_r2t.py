@@ -21,7 +21,6 @@ import time
 
 import matplotlib.pyplot as plt
 import torch
-import torch.nn.functional as F
 from torch.testing import assert_close
 
 from powerclip.powerset import NLA_T2_INTEGRALS, nla_t2, r2t_exact, subset_matrix, subset_scores
@@ -33,7 +32,10 @@ from powerclip.theory import (
 # %% [markdown]
 # # Theory II: R2T, the cosh powerset identity and the $\alpha$ sandwich
 #
-# > Lemma B.1 (cosh identity), Lemma B.2, Theorem 2's sandwich $\Lambda(0)\le Q^{\rightarrow}\le\Lambda(1)$ with the bounds of Eq. 76, and the $\alpha^\ast$ that makes NLA-T2 exact, checked in float64 against enumeration.
+# > Lemmas B.1 (cosh identity) and B.2, Theorem 2's sandwich, and the $\alpha^\ast$ that makes NLA-T2 exact.
+#
+# The sandwich is $\Lambda(0)\le Q^{\rightarrow}\le\Lambda(1)$, with the bounds of Eq. 76; all of it is checked in float64
+# against enumeration.
 
 # %% [markdown]
 # The R2T similarity (supplement Eq. 42) averages over **all** $2^M$ region subsets $A$ the score of the best
@@ -98,7 +100,9 @@ _rhs = 2**7 * math.exp(float(_q.sum()) / (2 * _tau)) * float(torch.cosh(_q / (2 
 assert abs(_E - _rhs) / _E < 1e-13, (_E, _rhs)
 assert_close(log_cosh(_q), torch.log(torch.cosh(_q)))
 assert_close(NLA_T2_INTEGRALS["tanh"](_q * 1e3), log_cosh(_q * 1e3), rtol=1e-15, atol=1e-12)
-_row = check_cosh_identity(); print(format_table([_row])); assert _row.passed
+_row = check_cosh_identity()
+print(format_table([_row]))
+assert _row.passed
 
 
 # %% [markdown]
@@ -134,7 +138,8 @@ def _masked_max_B(x: torch.Tensor, node_valid: torch.Tensor) -> torch.Tensor:
 def lambda_bar(Q: torch.Tensor, region_valid: torch.Tensor, node_valid: torch.Tensor, tau: float, alpha: float,
                logE: torch.Tensor | None = None,  # (Ci, Cj, K) log_E(Q, region_valid, tau), if already computed
                ) -> torch.Tensor:
-    "Eq. 48 by enumeration: tau * LSE_B(Gamma_bar_B / tau), Gamma_bar_B = (1-alpha)/2 Qbar_B + alpha tau log E_B. (Ci, Cj)"
+    """Eq. 48 by enumeration: tau * LSE_B(Gamma_bar_B / tau), Gamma_bar_B = (1-alpha)/2 Qbar_B + alpha tau log E_B. (Ci,
+    Cj)"""
     logE = log_E(Q, region_valid, tau) if logE is None else logE
     gb = (1 - alpha) / 2 * Q.sum(2) + alpha * tau * logE                      # (Ci, Cj, K)
     return tau * torch.logsumexp(gb.masked_fill(~node_valid[None], float("-inf")) / tau, dim=-1)
@@ -291,11 +296,17 @@ def check_theorem2(n_cases: int = 120, M_max: int = 12, seed: int = 1, tol: floa
             n["lam"] += lam.numel()
             for tau in taus:
                 s3, lb = nla_t2(Q, rv, nv, tau, alpha), lambda_bar(Q, rv, nv, tau, alpha, logEs[tau])
-                w["ident"] = max(w["ident"], float(((s3 - (lb - tau * z_alpha(rv, nv, alpha))).abs() / lb.abs().clamp_min(1.0)).max()))
-                w["b2"] = max(w["b2"], float((_violation(lb, lam, lam + tau * (alpha * Mi * math.log(2) + torch.log(Kj))) / sc).max()))
-                w["e76"] = max(w["e76"], float((_violation(s3, lam - tau * z_alpha(rv, nv, alpha), lam + tau * alpha * torch.log(Kj)) / sc).max()))
+                w["ident"] = max(w["ident"],
+                                 float(((s3 - (lb - tau * z_alpha(rv, nv, alpha))).abs()
+                                        / lb.abs().clamp_min(1.0)).max()))
+                w["b2"] = max(w["b2"],
+                              float((_violation(lb, lam,
+                                                lam + tau * (alpha * Mi * math.log(2) + torch.log(Kj))) / sc).max()))
+                w["e76"] = max(w["e76"], float((_violation(s3, lam - tau * z_alpha(rv, nv, alpha),
+                                                           lam + tau * alpha * torch.log(Kj)) / sc).max()))
                 n["ident"] += s3.numel()
-        w["jensen"] = max(w["jensen"], float((_violation(r2t, lambda_closed(Q, nv, 0.0), lambda_closed(Q, nv, 1.0)) / sc).max()))
+        w["jensen"] = max(w["jensen"],
+                          float((_violation(r2t, lambda_closed(Q, nv, 0.0), lambda_closed(Q, nv, 1.0)) / sc).max()))
         a = alpha_star(Q, rv, nv, r2t)
         w["astar"] = max(w["astar"], float(((lambda_closed(Q, nv, a) - r2t).abs() / sc).max()))
         w["bisect"] = max(w["bisect"], float((a - _alpha_star_bisect(Q, nv, r2t)).abs().max()))
@@ -322,7 +333,8 @@ def check_theorem2(n_cases: int = 120, M_max: int = 12, seed: int = 1, tol: floa
 # %%
 _t0 = time.time()
 _rows = check_theorem2()
-print(format_table(_rows)); print(f"({time.time() - _t0:.1f} s)")
+print(format_table(_rows))
+print(f"({time.time() - _t0:.1f} s)")
 assert all(r.passed for r in _rows)
 
 # %% [markdown]
@@ -336,7 +348,8 @@ assert all(r.passed for r in _rows)
 # %%
 _g = torch.Generator().manual_seed(7)
 _Q, _rv, _nv = unit_vector_scores(C=3, M=10, W=8, pad=False, generator=_g)
-_r2t = r2t_exact(_Q, _rv, _nv); _as = alpha_star(_Q, _rv, _nv, _r2t)
+_r2t = r2t_exact(_Q, _rv, _nv)
+_as = alpha_star(_Q, _rv, _nv, _r2t)
 _alphas = torch.linspace(0, 1, 201, dtype=torch.float64)
 _L = torch.stack([lambda_closed(_Q, _nv, float(a)) for a in _alphas])  # (201, 3, 3)
 fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -347,7 +360,8 @@ for k, (i, j) in enumerate([(0, 0), (0, 1), (1, 1), (1, 2), (2, 0), (2, 2)]):
     ax.plot(float(_as[i, j]), float(_r2t[i, j]), "o", color=c)
     for a in (0.0, 0.25, 0.5, 0.75, 1.0):
         ax.plot(a, float(nla_t2(_Q, _rv, _nv, 1e-3, a)[i, j]), "x", color=c, ms=5)
-ax.set(xlabel=r"$\alpha$", ylabel="similarity", title=r"$\Lambda(\alpha)$ (solid), $Q^{\rightarrow}$ (dashed), $\alpha^\ast$ (dot), NLA-T2 $\tau=10^{-3}$ (x)")
+ax.set(xlabel=r"$\alpha$", ylabel="similarity", title=r"$\Lambda(\alpha)$ (solid), $Q^{\rightarrow}$ (dashed), "
+                                                      r"$\alpha^\ast$ (dot), NLA-T2 $\tau=10^{-3}$ (x)")
 plt.show()
 
 
@@ -367,7 +381,8 @@ plt.show()
 
 # %%
 def _alpha_star_sample(kind, n_batches, C=8, M=10, seed=0):
-    "alpha*, R2T, Lambda(0), Lambda(1) and the tau->0 NLA-T2 error at alpha=0.75 for every pair of n_batches random batches."
+    """alpha*, R2T, Lambda(0), Lambda(1) and the tau->0 NLA-T2 error at alpha=0.75 for every pair of n_batches random
+    batches."""
     g = torch.Generator().manual_seed(seed)
     out = {k: [] for k in ("astar", "r2t", "lo", "hi", "err75")}
     for _ in range(n_batches):
@@ -378,18 +393,21 @@ def _alpha_star_sample(kind, n_batches, C=8, M=10, seed=0):
         r2t = r2t_exact(Q, rv, nv)
         out["astar"].append(alpha_star(Q, rv, nv, r2t).flatten())
         out["r2t"].append(r2t.flatten())
-        out["lo"].append(lambda_closed(Q, nv, 0.0).flatten()); out["hi"].append(lambda_closed(Q, nv, 1.0).flatten())
+        out["lo"].append(lambda_closed(Q, nv, 0.0).flatten())
+        out["hi"].append(lambda_closed(Q, nv, 1.0).flatten())
         out["err75"].append((lambda_closed(Q, nv, 0.75) - r2t).flatten())
     return {k: torch.cat(v) for k, v in out.items()}
 
 
 _t0 = time.time()
 _samples = {k: _alpha_star_sample(k, 12) for k in ("unit", "gauss K=5", "gauss K=20")}
-print(f"{'inputs':<12} {'pairs':>6} {'mean a*':>8} {'sd':>6} {'q10':>6} {'q50':>6} {'q90':>6}  {'Lambda(.75)-R2T: mean':>22} {'max|.|':>8}")
+print(f"{'inputs':<12} {'pairs':>6} {'mean a*':>8} {'sd':>6} {'q10':>6} {'q50':>6} {'q90':>6}  "
+      f"{'Lambda(.75)-R2T: mean':>22} {'max|.|':>8}")
 for k, v in _samples.items():
     a, e = v["astar"], v["err75"]
     q = torch.quantile(a, torch.tensor([0.1, 0.5, 0.9], dtype=a.dtype))
-    print(f"{k:<12} {a.numel():>6} {a.mean():>8.3f} {a.std():>6.3f} {q[0]:>6.3f} {q[1]:>6.3f} {q[2]:>6.3f}  {e.mean():>22.4f} {e.abs().max():>8.4f}")
+    print(f"{k:<12} {a.numel():>6} {a.mean():>8.3f} {a.std():>6.3f} {q[0]:>6.3f} {q[1]:>6.3f} {q[2]:>6.3f}  "
+          f"{e.mean():>22.4f} {e.abs().max():>8.4f}")
 print(f"({time.time() - _t0:.1f} s)")
 
 fig, axs = plt.subplots(1, 3, figsize=(12, 3.2), sharex=True)
@@ -398,7 +416,10 @@ for ax, (k, v) in zip(axs, _samples.items()):
     ax.axvline(0.75, color="C3", ls="--", label=r"paper $\alpha=0.75$")
     ax.axvline(float(v["astar"].mean()), color="k", label=r"mean $\alpha^\ast$")
     ax.set(title=f"{k} (M=10, {v['astar'].numel()} pairs)", xlabel=r"$\alpha^\ast$")
-axs[0].legend(fontsize=8); axs[0].set_ylabel("pairs"); plt.tight_layout(); plt.show()
+axs[0].legend(fontsize=8)
+axs[0].set_ylabel("pairs")
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ## What this says

@@ -16,7 +16,6 @@
 # %%
 #| hide
 import json
-import math
 import re
 import sys
 import time
@@ -24,13 +23,12 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
-import torch.nn.functional as F
 
 from powerclip.powerset import (
     nla_t1, nla_t2, phrase_embeddings, pool_normalize, powerset_scores, r2t_exact, t2r_exact, triplet,
 )
 from powerclip.theory import (
-    CheckRow, _violation, alpha_star, check_cosh_identity, check_lse_bound, check_softplus_expansion,
+    CheckRow, alpha_star, check_cosh_identity, check_lse_bound, check_softplus_expansion,
     check_theorem1, check_theorem2, format_table, random_tree, theory_cases, unit_vector_scores,
 )
 
@@ -38,7 +36,10 @@ from powerclip.theory import (
 # %% [markdown]
 # # Theory III: how well do the NLAs approximate the loss? (Fig. 5 / Fig. 7)
 #
-# > The paper's approximation experiment redone: Pearson correlation between the exact triplet-loss terms $\Phi_\gamma(\bar Q)$, $\Phi_\gamma(\bar Q^\top)$ and their NLA approximations over $\tau\times\alpha$, on two kinds of random inputs, plus the paper's ambiguities and our choices.
+# > The paper's approximation experiment redone, plus the paper's ambiguities and our choices.
+#
+# Pearson correlation between the exact triplet-loss terms $\Phi_\gamma(\bar Q)$, $\Phi_\gamma(\bar Q^\top)$ and their NLA
+# approximations over $\tau\times\alpha$, on two kinds of random inputs.
 
 # %% [markdown]
 # ## What the paper reports
@@ -140,7 +141,9 @@ _X = torch.randn(5, 5, dtype=torch.float64)
 _c = torch.randn(5, 1, dtype=torch.float64)
 torch.testing.assert_close(loss_terms(_X + _c)[0], loss_terms(_X)[0])  # a row term cancels in Phi(X)
 torch.testing.assert_close(loss_terms(_X + _c.T)[1], loss_terms(_X)[1])  # a column term cancels in Phi(X^T)
-_row = check_triplet_lipschitz(); print(format_table([_row])); assert _row.passed
+_row = check_triplet_lipschitz()
+print(format_table([_row]))
+assert _row.passed
 
 # %% [markdown]
 # ## The inputs
@@ -149,7 +152,8 @@ _row = check_triplet_lipschitz(); print(format_table([_row])); assert _row.passe
 # boxes; the helpers below stay in this notebook (they are experiment scaffolding, not library code).
 
 # %%
-DATA = Path("../shared/data") if Path("../shared/data").exists() else Path("../../shared/data")  # from the repo root or nbs/
+# from the repo root or nbs/
+DATA = Path("../shared/data") if Path("../shared/data").exists() else Path("../../shared/data")
 
 
 def load_captions(limit: int = 5000) -> list[str]:
@@ -165,8 +169,10 @@ def random_boxes(gh: int, gw: int, M: int, g: torch.Generator) -> torch.Tensor:
     "(M, gh*gw) bool: M boxes with uniform centre, height and width (Sec. 3.2), clipped to the grid, row-major."
     cy, cx = torch.rand(M, generator=g) * gh, torch.rand(M, generator=g) * gw
     h, w = 1 + torch.rand(M, generator=g) * (gh - 1), 1 + torch.rand(M, generator=g) * (gw - 1)
-    y0 = (cy - h / 2).floor().clamp(0, gh - 1); y1 = torch.maximum((cy + h / 2).ceil().clamp(max=gh), y0 + 1)
-    x0 = (cx - w / 2).floor().clamp(0, gw - 1); x1 = torch.maximum((cx + w / 2).ceil().clamp(max=gw), x0 + 1)
+    y0 = (cy - h / 2).floor().clamp(0, gh - 1)
+    y1 = torch.maximum((cy + h / 2).ceil().clamp(max=gh), y0 + 1)
+    x0 = (cx - w / 2).floor().clamp(0, gw - 1)
+    x1 = torch.maximum((cx + w / 2).ceil().clamp(max=gw), x0 + 1)
     ys, xs = torch.arange(gh)[None, :, None], torch.arange(gw)[None, None, :]
     box = (ys >= y0[:, None, None]) & (ys < y1[:, None, None]) & (xs >= x0[:, None, None]) & (xs < x1[:, None, None])
     return box.reshape(M, gh * gw)  # every box has >= 1 patch
@@ -181,9 +187,11 @@ def word_tokens(caption: str, tokenizer, max_words: int = 16, context_length: in
         masks.append(list(range(len(ids), len(ids) + len(pieces))))
         ids += pieces
     if len(ids) + 1 > context_length:
-        raise ValueError(f"{len(words)} words need {len(ids) + 1} tokens > context_length={context_length}: {caption!r}")
+        raise ValueError(f"{len(words)} words need {len(ids) + 1} tokens > "
+                         f"context_length={context_length}: {caption!r}")
     ids.append(tokenizer.eot_token_id)
-    tok = torch.zeros(context_length, dtype=torch.long); tok[: len(ids)] = torch.tensor(ids)
+    tok = torch.zeros(context_length, dtype=torch.long)
+    tok[: len(ids)] = torch.tensor(ids)
     leaf = torch.zeros(len(words), context_length, dtype=torch.bool)
     for k, pos in enumerate(masks):
         leaf[k, pos] = True
@@ -191,28 +199,34 @@ def word_tokens(caption: str, tokenizer, max_words: int = 16, context_length: in
 
 
 def tiny_clip(seed: int = 0, D: int = 512):
-    "A randomly initialised 2+2-layer open_clip CLIP (112 px, patch 16, width 128, 32 tokens, embed D); nothing downloaded."
+    """A randomly initialised 2+2-layer open_clip CLIP (112 px, patch 16, width 128, 32 tokens, embed D); nothing
+    downloaded."""
     import open_clip
     from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
     torch.manual_seed(seed)
-    model = CLIP(embed_dim=D, vision_cfg=CLIPVisionCfg(layers=2, width=128, head_width=32, patch_size=16, image_size=112),
+    model = CLIP(embed_dim=D,
+                 vision_cfg=CLIPVisionCfg(layers=2, width=128, head_width=32, patch_size=16, image_size=112),
                  text_cfg=CLIPTextCfg(context_length=32, layers=2, width=128, heads=4)).eval()  # 16 words fit in 32
     return model, open_clip.get_tokenizer("ViT-B-32")
 
 
 @torch.no_grad()
 def tiny_clip_scores(model, tokenizer, captions: list[str], M: int, g: torch.Generator):
-    "Q (C, C, M, K) float64 for C noise images and C captions: boxes -> regions (Eq. 2), words -> leaves (Eq. 4), random trees."
+    """Q (C, C, M, K) float64 for C noise images and C captions: boxes -> regions (Eq. 2), words -> leaves (Eq. 4),
+    random trees."""
     C = len(captions)
     items = [word_tokens(c, tokenizer) for c in captions]
-    W = max(len(w) for w, _, _ in items); K = 2 * W - 1
+    W = max(len(w) for w, _, _ in items)
+    K = 2 * W - 1
     tokens = torch.stack([t for _, t, _ in items])                                  # (C, L)
     leaf = torch.zeros(C, W, tokens.shape[1], dtype=torch.bool)                     # (C, W, L)
-    inc = torch.zeros(C, K, W, dtype=torch.bool); nv = torch.zeros(C, K, dtype=torch.bool)
+    inc = torch.zeros(C, K, W, dtype=torch.bool)
+    nv = torch.zeros(C, K, dtype=torch.bool)
     for c, (words, _, lm) in enumerate(items):
         leaf[c, : len(words)] = lm
         t = random_tree(len(words), g)                                               # (2W_c-1, W_c)
-        inc[c, : t.shape[0], : t.shape[1]] = t; nv[c, : t.shape[0]] = True
+        inc[c, : t.shape[0], : t.shape[1]] = t
+        nv[c, : t.shape[0]] = True
     images = torch.rand(C, 3, 112, 112, generator=g)
     out = model.forward_intermediates(image=images, text=tokens, image_indices=1, text_indices=1,
                                       normalize_intermediates=True, intermediates_only=True, image_output_fmt="NLC")
@@ -275,12 +289,15 @@ def fig5(kind: str, n_batches: int, C: int, seed: int = 0, gamma: float = 1.0, d
         q_t2r, q_r2t = t2r_exact(Q, rv, nv), r2t_exact(Q, rv, nv)                    # (C, C) each, by enumeration
         exact[b] = torch.stack(loss_terms(q_t2r + q_r2t, gamma))
         t1 = torch.stack([nla_t1(Q, rv, nv, t) for t in TAUS])                       # (T, C, C)
-        t2 = torch.stack([torch.stack([nla_t2(Q, rv, nv, t, a, debias=debias) for a in ALPHAS]) for t in TAUS])  # (T, A, C, C)
+        # (T, A, C, C)
+        t2 = torch.stack([torch.stack([nla_t2(Q, rv, nv, t, a, debias=debias) for a in ALPHAS]) for t in TAUS])
         for i in range(T):
             for j in range(A):
                 approx[i, j, b] = torch.stack(loss_terms(t1[i] + t2[i, j], gamma))
-        sims["t2r"].append(q_t2r.flatten()); sims["r2t"].append(q_r2t.flatten())
-        sims["t1"].append(t1.flatten(1)); sims["t2"].append(t2.flatten(2))
+        sims["t2r"].append(q_t2r.flatten())
+        sims["r2t"].append(q_r2t.flatten())
+        sims["t1"].append(t1.flatten(1))
+        sims["t2"].append(t2.flatten(2))
         sims["astar"].append(alpha_star(Q, rv, nv, q_r2t).flatten())
     cat = {k: torch.cat(v, dim=-1) for k, v in sims.items()}
     return dict(kind=kind, C=C, n=n_batches, debias=debias, exact=exact, approx=approx, **cat)
@@ -321,12 +338,15 @@ def plot_fig5(res: dict):
             lo = min(float(res["exact"].min()), float(res["approx"][i, j].min()))
             hi = max(float(res["exact"].max()), float(res["approx"][i, j].max()))
             ax.plot([lo, hi], [lo, hi], "k:", lw=0.7)
-            ax.set_title(rf"$\tau$={TAUS[i]:g} $\alpha$={ALPHAS[j]:g}" + f"\nr={r[i, j, 0]:.3f} / {r[i, j, 1]:.3f}", fontsize=8)
+            ax.set_title(rf"$\tau$={TAUS[i]:g} $\alpha$={ALPHAS[j]:g}" + f"\nr={r[i, j, 0]:.3f} / "
+                                                                         f"{r[i, j, 1]:.3f}", fontsize=8)
             ax.tick_params(labelsize=6)
     axs[0, 0].legend(fontsize=6, markerscale=3)
-    fig.supxlabel("exact loss term"); fig.supylabel("NLA loss term")
+    fig.supxlabel("exact loss term")
+    fig.supylabel("NLA loss term")
     fig.suptitle(f"Fig. 5 redone, distribution ({res['kind']}), {res['n']} batches of C={res['C']}", fontsize=10)
-    plt.tight_layout(); plt.show()
+    plt.tight_layout()
+    plt.show()
 
 
 def plot_fig7(res: dict):
@@ -346,7 +366,8 @@ def plot_fig7(res: dict):
             ax.set_title(rf"$\tau$={TAUS[i]:g}: {lab} vs {name}" + f"\nr={pearson(x, y):.4f}", fontsize=8)
             ax.tick_params(labelsize=6)
     fig.suptitle(f"Fig. 7 redone, distribution ({res['kind']}): per-pair similarities", fontsize=10)
-    plt.tight_layout(); plt.show()
+    plt.tight_layout()
+    plt.show()
 
 
 # %% [markdown]
@@ -357,7 +378,8 @@ def plot_fig7(res: dict):
 # %%
 _t0 = time.time()
 RES_A = fig5("a", n_batches=40, C=8, seed=0)
-R_A = print_r_table(RES_A); print(f"({time.time() - _t0:.1f} s)")
+R_A = print_r_table(RES_A)
+print(f"({time.time() - _t0:.1f} s)")
 assert torch.isfinite(R_A).all()
 
 # %% [markdown]
@@ -367,7 +389,8 @@ assert torch.isfinite(R_A).all()
 if CAPTIONS:
     _t0 = time.time()
     RES_B = fig5("b", n_batches=30, C=8, seed=0)
-    R_B = print_r_table(RES_B); print(f"({time.time() - _t0:.1f} s)")
+    R_B = print_r_table(RES_B)
+    print(f"({time.time() - _t0:.1f} s)")
     assert torch.isfinite(R_B).all()
 else:
     RES_B = None
@@ -385,10 +408,11 @@ def paper_claims(res: dict) -> str:
     r = r_table(res)                                                    # (T, A, 2)
     small = r[1:]                                                       # tau in {0.01, 0.001}
     best = torch.stack(torch.unravel_index(r.mean(-1).argmax(), r.shape[:2])).tolist()
-    return (f"({res['kind']}) claim 1, r > 0.98 for tau <= 0.01: {'holds' if bool((small > 0.98).all()) else 'does NOT hold'}"
-            f" (min r = {float(small.min()):.4f});  claim 2, best at tau=0.001, alpha=0.75: "
-            f"{'holds' if best == [2, 3] else 'does NOT hold'} (best mean r = {float(r.mean(-1).max()):.4f}"
-            f" at tau={TAUS[best[0]]:g}, alpha={ALPHAS[best[1]]:g}; at tau=0.001, alpha=0.75: {float(r[2, 3].mean()):.4f})")
+    return (f"({res['kind']}) claim 1, r > 0.98 for tau <= 0.01: "
+            f"{'holds' if bool((small > 0.98).all()) else 'does NOT hold'} (min r = {float(small.min()):.4f});  claim "
+            f"2, best at tau=0.001, alpha=0.75: {'holds' if best == [2, 3] else 'does NOT hold'} (best mean r = "
+            f"{float(r.mean(-1).max()):.4f} at tau={TAUS[best[0]]:g}, alpha={ALPHAS[best[1]]:g}; at tau=0.001, "
+            f"alpha=0.75: {float(r[2, 3].mean()):.4f})")
 
 
 for _res in (RES_A, RES_B):
@@ -407,13 +431,16 @@ for _res in (RES_A, RES_B):
 fig, axs = plt.subplots(1, 2, figsize=(9, 3))
 for ax, res in zip(axs, (RES_A, RES_B)):
     if res is None:
-        ax.set_title("(b) skipped: no captions"); continue
+        ax.set_title("(b) skipped: no captions")
+        continue
     a = res["astar"]
     ax.hist(a.numpy(), bins=40, range=(0, 1))
     ax.axvline(0.75, color="C3", ls="--", label=r"paper $\alpha=0.75$")
     ax.axvline(float(a.mean()), color="k", label=rf"mean $\alpha^\ast$={float(a.mean()):.2f}")
-    ax.set(title=f"({res['kind']}) {a.numel()} pairs", xlabel=r"$\alpha^\ast$"); ax.legend(fontsize=7)
-plt.tight_layout(); plt.show()
+    ax.set(title=f"({res['kind']}) {a.numel()} pairs", xlabel=r"$\alpha^\ast$")
+    ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # ### `debias`
@@ -428,7 +455,9 @@ assert torch.allclose(_d0["approx"], _d1["approx"], atol=1e-6), "debias changed 
 print("equal M_i: debias changes the loss terms by at most", float((_d0["approx"] - _d1["approx"]).abs().max()))
 _t0 = time.time()
 RES_P0, RES_P1 = fig5("a-padded", 30, 8, seed=0), fig5("a-padded", 30, 8, seed=0, debias=True)
-_ = print_r_table(RES_P0); _ = print_r_table(RES_P1); print(f"({time.time() - _t0:.1f} s)")
+_ = print_r_table(RES_P0)
+_ = print_r_table(RES_P1)
+print(f"({time.time() - _t0:.1f} s)")
 
 # %% [markdown]
 # ## Full size (slow)
@@ -442,7 +471,9 @@ _ = print_r_table(RES_P0); _ = print_r_table(RES_P1); print(f"({time.time() - _t
 #| slow
 _t0 = time.time()
 FULL_A = fig5("a", n_batches=200, C=16, seed=10)
-_ = print_r_table(FULL_A); print(paper_claims(FULL_A)); print(f"({time.time() - _t0:.0f} s)")
+_ = print_r_table(FULL_A)
+print(paper_claims(FULL_A))
+print(f"({time.time() - _t0:.0f} s)")
 plot_fig5(FULL_A)
 plot_fig7(FULL_A)
 
@@ -451,18 +482,23 @@ plot_fig7(FULL_A)
 if CAPTIONS:
     _t0 = time.time()
     FULL_B = fig5("b", n_batches=200, C=16, seed=10)
-    _ = print_r_table(FULL_B); print(paper_claims(FULL_B)); print(f"({time.time() - _t0:.0f} s)")
+    _ = print_r_table(FULL_B)
+    print(paper_claims(FULL_B))
+    print(f"({time.time() - _t0:.0f} s)")
     plot_fig5(FULL_B)
     plot_fig7(FULL_B)
     _a = FULL_B["astar"]
-    print(f"(b) alpha*: mean {float(_a.mean()):.3f}, share of pairs with alpha* = 0: {float((_a == 0).double().mean()):.3f}")
+    print(f"(b) alpha*: mean {float(_a.mean()):.3f}, share of pairs with alpha* = 0: "
+          f"{float((_a == 0).double().mean()):.3f}")
 
 # %%
 #| slow
 _t0 = time.time()
 FULL_P0 = fig5("a-padded", n_batches=100, C=16, seed=10)
 FULL_P1 = fig5("a-padded", n_batches=100, C=16, seed=10, debias=True)
-_ = print_r_table(FULL_P0); _ = print_r_table(FULL_P1); print(f"({time.time() - _t0:.0f} s)")
+_ = print_r_table(FULL_P0)
+_ = print_r_table(FULL_P1)
+print(f"({time.time() - _t0:.0f} s)")
 
 
 # %% [markdown]
@@ -542,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     "Console entry point: run the theory checks, print the table, return 1 if any check fails."
     import argparse
     p = argparse.ArgumentParser(prog="powerclip-theory", description="Numerical checks of the PowerCLIP theory "
-                                "(Lemma A.1, Thm. 1, Cor. 1, Lemmas B.1-B.2, Thm. 2, alpha*) against exact enumeration.")
+                                "(Lemma A.1, Thm. 1, Cor. 1, Lemmas B.1-B.2, Thm. 2, alpha*) "
+                                "against exact enumeration.")
     p.add_argument("--cases", type=int, default=60, help="random padded cases per check (default 60)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     args = p.parse_args(argv)

@@ -31,7 +31,10 @@ import torch.distributed as td
 # %% [markdown]
 # # Distributed helpers
 #
-# > The only module that touches process groups: start from `torchrun`'s environment, gather a batch's tensors in one call (ragged dimensions padded, one collective for the tensors with gradient, one for the masks), the local-row offset, sums of counts, and one process as the trivial case.
+# > The only module that touches process groups: start from `torchrun`'s environment, gather, offsets, sums.
+#
+# It gathers a batch's tensors in one call (ragged dimensions padded, one collective for the tensors with gradient, one
+# for the masks), gives the local-row offset and sums of counts, and treats one process as the trivial case.
 
 # %% [markdown]
 # Data-parallel contrastive training needs each process to see the embeddings of *every* process's samples
@@ -78,8 +81,10 @@ def init_distributed(device: str | None = None, backend: str | None = None) -> D
     rank, world, local = env_world()
     dev_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(f"cuda:{local}") if dev_type == "cuda" else torch.device(dev_type)
-    if dev.type == "cuda": torch.cuda.set_device(dev)
-    if world <= 1: return DistContext(0, 1, 0, dev, None)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world <= 1:
+        return DistContext(0, 1, 0, dev, None)
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     if not td.is_initialized():
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
@@ -92,7 +97,9 @@ def cleanup(ctx: DistContext) -> None:
     "Leave the process group (no-op in one process), after every process has arrived."
     # The barrier first: a process that tears gloo's connections down while its peer is still in a collective makes
     # the peer's background thread abort the process ("terminate called without an active exception", SIGABRT).
-    if ctx.distributed and td.is_initialized(): td.barrier(); td.destroy_process_group()
+    if ctx.distributed and td.is_initialized():
+        td.barrier()
+        td.destroy_process_group()
 
 
 # %%
@@ -152,16 +159,21 @@ class Gathered:
     def starts(self, name: str) -> list[int]:
         "Index in `all[name]` of each process's first row (to shift indices into packed rows)."
         out, n = [], 0
-        for r in self.rows[name]: out.append(n); n += r
+        for r in self.rows[name]:
+            out.append(n)
+            n += r
         return out
 
 
 def pad_dim(x: torch.Tensor, size: int, dim: int = 1, value=0) -> torch.Tensor:
     "Pad `x` along `dim` at the end up to `size` with `value` (no-op when already that size)."
     n = x.shape[dim]
-    if n > size: raise ValueError(f"cannot pad dim {dim} of size {n} down to {size}")
-    if n == size: return x
-    shape = list(x.shape); shape[dim] = size - n
+    if n > size:
+        raise ValueError(f"cannot pad dim {dim} of size {n} down to {size}")
+    if n == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size - n
     return torch.cat([x, x.new_full(shape, value)], dim)
 
 
@@ -172,14 +184,18 @@ def gather(ctx: DistContext, tensors: dict[str, torch.Tensor],
     padded at the end to their maximum with `value`. Dim 0 may differ too (packed rows, see `Gathered.rows`)."""
     pad = pad or {}
     unknown = sorted(set(pad) - set(tensors))
-    if unknown: raise ValueError(f"pad names tensors that are not gathered: {unknown}")
+    if unknown:
+        raise ValueError(f"pad names tensors that are not gathered: {unknown}")
     if not ctx.distributed:
         return Gathered(tensors, 0, {k: [v.shape[0]] for k, v in tensors.items()})
-    if not tensors: return Gathered({}, 0, {})
+    if not tensors:
+        return Gathered({}, 0, {})
     names = list(tensors)
     for k in names:
-        if tensors[k].dim() > _MAX_DIMS or tensors[k].dim() == 0: raise ValueError(f"{k!r}: need 1 to {_MAX_DIMS} dims, got {tensors[k].dim()}")
-        if 0 in pad.get(k, {}): raise ValueError(f"{k!r}: dim 0 (rows) needs no padding: processes may hold different row counts")
+        if tensors[k].dim() > _MAX_DIMS or tensors[k].dim() == 0:
+            raise ValueError(f"{k!r}: need 1 to {_MAX_DIMS} dims, got {tensors[k].dim()}")
+        if 0 in pad.get(k, {}):
+            raise ValueError(f"{k!r}: dim 0 (rows) needs no padding: processes may hold different row counts")
     # 1. every process's shapes, (G, n, 1 + _MAX_DIMS): [ndim, size_0, size_1, ...]
     dev = next(iter(tensors.values())).device
     shape = torch.tensor([[t.dim(), *t.shape, *[0] * (_MAX_DIMS - t.dim())] for t in tensors.values()], device=dev)
@@ -187,7 +203,8 @@ def gather(ctx: DistContext, tensors: dict[str, torch.Tensor],
     full, rows = {}, {}
     for i, k in enumerate(names):
         t, s = tensors[k], shapes[:, i]                                   # (G, 1 + _MAX_DIMS)
-        if (s[:, 0] != t.dim()).any(): raise ValueError(f"{k!r} has different numbers of dims on different processes")
+        if (s[:, 0] != t.dim()).any():
+            raise ValueError(f"{k!r} has different numbers of dims on different processes")
         size = s[:, 1:1 + t.dim()]                                        # (G, ndim)
         for d in range(1, t.dim()):
             if d not in pad.get(k, {}) and (size[:, d] != size[0, d]).any():
@@ -198,7 +215,8 @@ def gather(ctx: DistContext, tensors: dict[str, torch.Tensor],
     padded = {}
     for k in names:
         x = tensors[k]
-        for d, value in pad.get(k, {}).items(): x = pad_dim(x, full[k][d], d, value)
+        for d, value in pad.get(k, {}).items():
+            x = pad_dim(x, full[k][d], d, value)
         padded[k] = pad_dim(x, full[k][0], 0, False if x.dtype == torch.bool else 0)
     # 3. one collective per kind, flat buffers of the same size on every process
     out = {}
@@ -224,7 +242,8 @@ def _unpack(parts: list[torch.Tensor], names: list[str], padded: dict, rows: dic
 
 
 def _all_gather_grad(x: torch.Tensor) -> list[torch.Tensor]:
-    "[x of rank 0, x of rank 1, ...] (same shapes): all_gather whose backward returns each process the sum of every loss's gradient."
+    """[x of rank 0, x of rank 1, ...] (same shapes): all_gather whose backward returns each process the sum of every
+    loss's gradient."""
     import torch.distributed.nn.functional as dnf  # imported late: it registers autograd functions
     return list(dnf.all_gather(x.contiguous()))
 
@@ -243,8 +262,11 @@ def _all_gather(x: torch.Tensor) -> list[torch.Tensor]:
 _x = torch.randn(3, 4, requires_grad=True)
 _g = gather(_ctx, _d := {"image": _x, "valid": torch.ones(3, 2, dtype=torch.bool)}, pad={"valid": {1: False}})
 assert _g.all is _d and _g.offset == 0 and _g.rows == {"image": [3], "valid": [3]} and _g.starts("image") == [0]
-try: gather(_ctx, {"image": _x}, pad={"text": {1: 0.0}}); raise AssertionError
-except ValueError as e: print(e)
+try:
+    gather(_ctx, {"image": _x}, pad={"text": {1: 0.0}})
+    raise AssertionError
+except ValueError as e:
+    print(e)
 _p = pad_dim(torch.ones(2, 3, 4), 5, dim=1)
 assert _p.shape == (2, 5, 4) and _p[:, 3:].abs().sum() == 0 and _p[:, :3].eq(1).all()
 assert pad_dim(torch.ones(2, 3, dtype=torch.bool), 4, 1, False).tolist() == [[True] * 3 + [False]] * 2
@@ -274,7 +296,8 @@ def _default_device():
 
 def all_sum(x: torch.Tensor) -> torch.Tensor:
     "Sum of a (detached) tensor over the processes (the tensor itself in one process)."
-    if not _on(): return x
+    if not _on():
+        return x
     y = x.detach().clone().to(_default_device())
     td.all_reduce(y)
     return y.to(x.device)
@@ -282,7 +305,8 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
 
 def all_max(n: int) -> int:
     "Maximum of an integer over the processes."
-    if not _on(): return int(n)
+    if not _on():
+        return int(n)
     t = torch.tensor([int(n)], device=_default_device())
     td.all_reduce(t, op=td.ReduceOp.MAX)
     return int(t.item())
@@ -290,17 +314,20 @@ def all_max(n: int) -> int:
 
 def all_mean(x: torch.Tensor) -> torch.Tensor:
     "Mean of a (detached) tensor over the processes: for logging, and so that every process skips the same bad step."
-    if not _on(): return x.detach()
+    if not _on():
+        return x.detach()
     return all_sum(x) / td.get_world_size()
 
 
 def barrier() -> None:
-    if td.is_available() and td.is_initialized(): td.barrier()
+    if td.is_available() and td.is_initialized():
+        td.barrier()
 
 
 def all_gather_object(obj) -> list:
     "[obj of rank 0, obj of rank 1, ...] (picklable objects, e.g. RNG states for a checkpoint)."
-    if not _on(): return [obj]
+    if not _on():
+        return [obj]
     out = [None] * td.get_world_size()
     td.all_gather_object(out, obj)
     return out
@@ -308,7 +335,8 @@ def all_gather_object(obj) -> list:
 
 def wrap_ddp(module: torch.nn.Module, ctx: DistContext, find_unused_parameters: bool = False) -> torch.nn.Module:
     "DistributedDataParallel around `module` when there are several processes; the module itself otherwise."
-    if not ctx.distributed: return module
+    if not ctx.distributed:
+        return module
     from torch.nn.parallel import DistributedDataParallel
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused_parameters)

@@ -28,7 +28,9 @@ import torch
 # %% [markdown]
 # # Measuring
 #
-# > A fresh process per measurement, its peak memory, and waiting for the GPU: what the trainer, the comparison and the benchmark scripts share to report time and memory honestly.
+# > A fresh process per measurement, its peak memory, and waiting for the GPU.
+#
+# This is what the trainer, the comparison and the benchmark scripts share to report time and memory honestly.
 
 # %% [markdown]
 # Three small tools, each used by more than one caller (the trainer reports a run's peak memory, the comparison in
@@ -48,7 +50,8 @@ import torch
 #| export
 def sync(device) -> None:
     "Wait for queued GPU work, so that wall-clock times measure it (no-op on a CPU)."
-    if str(device).split(":")[0] == "cuda": torch.cuda.synchronize()
+    if str(device).split(":")[0] == "cuda":
+        torch.cuda.synchronize()
 
 
 class PeakMemory:
@@ -59,9 +62,12 @@ class PeakMemory:
 
     def start(self) -> None:
         if self.device == "cuda":
-            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); self.base = torch.cuda.memory_allocated()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
         else:
-            with open("/proc/self/statm") as f: self.base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open("/proc/self/statm") as f:
+                self.base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def mib(self) -> float:
         import resource
@@ -72,7 +78,8 @@ class PeakMemory:
 
 def _isolated_child(fn, args, threads, q) -> None:
     try:
-        if threads: torch.set_num_threads(threads)
+        if threads:
+            torch.set_num_threads(threads)
         q.put(dict(ok=True, **fn(*args)))
     except BaseException as e:  # e.g. out of memory: report it, do not kill the caller's sweep
         q.put(dict(ok=False, error=f"{type(e).__name__}: {e}"))
@@ -88,10 +95,13 @@ def run_isolated(fn, *args, threads: int | None = None) -> dict:
     p = ctx.Process(target=_isolated_child, args=(fn, args, threads, q))
     p.start()
     while True:  # poll: a child killed for memory (or by a signal) never answers
-        try: res = q.get(timeout=5); break  # before join: a large result would otherwise block the child's exit
+        try:
+            res = q.get(timeout=5)
+            break  # before join: a large result would otherwise block the child's exit
         except queue.Empty:
             if not p.is_alive() and q.empty():
-                res = dict(ok=False, error=f"the process died with exit code {p.exitcode} (killed for memory?)"); break
+                res = dict(ok=False, error=f"the process died with exit code {p.exitcode} (killed for memory?)")
+                break
     p.join()
     return res
 
@@ -111,7 +121,8 @@ assert _bad["ok"] is False and _bad["error"].startswith("TypeError"), _bad
 # Touching 128 MiB between `start` and `mib` shows up (at least that much: the peak of a process only grows):
 
 # %%
-_mem = PeakMemory("cpu"); _mem.start()
+_mem = PeakMemory("cpu")
+_mem.start()
 _x = torch.ones(32 * 2**20)          # 128 MiB of float32, written
 print(f"peak above start: {_mem.mib():.0f} MiB")
 assert _mem.mib() >= 100

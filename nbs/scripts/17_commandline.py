@@ -31,10 +31,14 @@ import io
 
 from fastcore.test import test_eq, test_fail
 
+
 # %% [markdown]
 # # Command lines
 #
-# > One convention for every entry point: a user's mistake is one line on stderr naming the argument and what is allowed, exit status 2, before any model is built; `--debug` (or `POWERCLIP_DEBUG=1`) shows the traceback.
+# > One convention for every entry point: a user's mistake is one line on stderr and exit status 2.
+#
+# The line names the argument and what is allowed, and it comes before any model is built; `--debug` (or
+# `POWERCLIP_DEBUG=1`) shows the traceback.
 
 # %% [markdown]
 # Every command of the project (`powerclip.train`, `powerclip-eval`, `powerclip-heatmaps`, `powerclip.compare`,
@@ -96,7 +100,8 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
     try:
         rc = main(argv)
     except UsageError as e:
-        if debug_requested(argv): raise
+        if debug_requested(argv):
+            raise
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0 if rc is None else int(rc)
@@ -119,6 +124,7 @@ def check_device(flag: str, name: str, hint: str = "cpu") -> str:
             raise ValueError(f"{flag}: {name!r}, but there are {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
     return name
 
+
 # %% [markdown]
 # **Devices.** `check_device` is the one check of a `--device` (or the trainer's `device`): a name torch reads as a
 # device, and, for a GPU, one that is there. Every command calls it in its validation, so a missing GPU is one line.
@@ -134,13 +140,16 @@ def _toy(argv):
     ap.add_argument("--debug", action="store_true")
     with usage_errors():
         a = ap.parse_args(argv)
-        if a.steps < 1: raise ValueError(f"--steps: must be at least 1, got {a.steps}")
-    if a.steps == 13: raise RuntimeError("a bug")      # after validation: not the user's fault
+        if a.steps < 1:
+            raise ValueError(f"--steps: must be at least 1, got {a.steps}")
+    if a.steps == 13:
+        raise RuntimeError("a bug")      # after validation: not the user's fault
     return 0
 
 def _run(argv):
     err = io.StringIO()
-    with contextlib.redirect_stderr(err): rc = run_main(_toy, argv, prog="toy")
+    with contextlib.redirect_stderr(err):
+        rc = run_main(_toy, argv, prog="toy")
     return rc, err.getvalue()
 
 test_eq(_run(["--steps", "3"]), (0, ""))
@@ -152,14 +161,20 @@ assert rc == 2 and msg.count("\n") == 1 and "unrecognized arguments: --nope" in 
 test_fail(lambda: run_main(_toy, ["--steps", "0", "--debug"]), contains="at least 1")   # --debug: the traceback
 test_fail(lambda: run_main(_toy, ["--steps", "13"]), contains="a bug")                   # a bug is never swallowed
 os.environ["POWERCLIP_DEBUG"] = "1"
-try: test_fail(lambda: run_main(_toy, ["--steps", "0"]), contains="at least 1")
-finally: del os.environ["POWERCLIP_DEBUG"]
-with contextlib.suppress(UsageError):
-    with usage_errors(): {}["method"]
 try:
-    with usage_errors(): raise KeyError("unknown method 'x'; registered: ['clip']")
-except UsageError as e: test_eq(str(e), "unknown method 'x'; registered: ['clip']")   # no repr quotes
+    test_fail(lambda: run_main(_toy, ["--steps", "0"]), contains="at least 1")
+finally:
+    del os.environ["POWERCLIP_DEBUG"]
+with contextlib.suppress(UsageError):
+    with usage_errors():
+        {}["method"]
+try:
+    with usage_errors():
+        raise KeyError("unknown method 'x'; registered: ['clip']")
+except UsageError as e:
+    test_eq(str(e), "unknown method 'x'; registered: ['clip']")   # no repr quotes
 test_eq(check_device("--device", "cpu"), "cpu")
 test_fail(lambda: check_device("--device", "tpu"), contains="--device: 'tpu' is not a device (cpu, cuda, cuda:N)")
 if not __import__("torch").cuda.is_available():
-    test_fail(lambda: check_device("--device", "cuda:1"), contains="'cuda:1' asks for a GPU and none is available (cpu)")
+    test_fail(lambda: check_device("--device", "cuda:1"), contains="'cuda:1' asks for a GPU "
+                                                                   "and none is available (cpu)")

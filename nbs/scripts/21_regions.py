@@ -44,7 +44,10 @@ torch.set_num_threads(1)
 # %% [markdown]
 # # Region masks on the patch grid
 #
-# > Random boxes (PowerCLIP-R), superpixels and SAM2 masks (PowerCLIP-S) as boolean masks over the ViT patch grid, with exact pixel-to-patch reduction and a compact serialised form.
+# > Random boxes, superpixels and SAM2 masks as boolean masks over the ViT patch grid.
+#
+# Random boxes are PowerCLIP-R's regions, superpixels and SAM2 masks PowerCLIP-S's; the reduction from pixels to patches
+# is exact, and the masks have a compact serialised form.
 
 # %% [markdown]
 # Section 3.2 of the paper: *"For each image $I$, we randomly generate $M$ bounding boxes on the patch grid by
@@ -90,9 +93,12 @@ torch.set_num_threads(1)
 #| export
 def random_box_masks_batch(C: int, grid_h: int, grid_w: int, M: int = 10,
                            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    "`M` random boxes per image for `C` images on a `grid_h x grid_w` patch grid: masks `(C, M, N)` bool, valid `(C, M)` bool."
-    if grid_h < 1 or grid_w < 1: raise ValueError(f'grid must be at least 1x1, got {grid_h}x{grid_w}')
-    if C < 0 or M < 0: raise ValueError(f'C and M must be >= 0, got C={C}, M={M}')
+    """`M` random boxes per image for `C` images on a `grid_h x grid_w` patch grid: masks `(C, M, N)` bool, valid `(C,
+    M)` bool."""
+    if grid_h < 1 or grid_w < 1:
+        raise ValueError(f'grid must be at least 1x1, got {grid_h}x{grid_w}')
+    if C < 0 or M < 0:
+        raise ValueError(f'C and M must be >= 0, got C={C}, M={M}')
     g = generator
     cy = torch.randint(0, grid_h, (C, M), generator=g)          # (C, M) centre row
     cx = torch.randint(0, grid_w, (C, M), generator=g)          # (C, M) centre column
@@ -114,13 +120,16 @@ def random_box_masks(grid_h: int, grid_w: int, M: int = 10,
 
 # %%
 masks, valid = random_box_masks(14, 14, M=10, generator=torch.Generator().manual_seed(0))
-test_eq(masks.shape, (10, 196)); test_eq(masks.dtype, torch.bool); assert valid.all()
+test_eq(masks.shape, (10, 196))
+test_eq(masks.dtype, torch.bool)
+assert valid.all()
 # determinism: the same seed gives the same masks, another seed other masks
 test_eq(masks, random_box_masks(14, 14, 10, torch.Generator().manual_seed(0))[0])
 assert not torch.equal(masks, random_box_masks(14, 14, 10, torch.Generator().manual_seed(1))[0])
 # every mask is a non-empty axis-aligned rectangle: it equals the outer product of its row and column supports
 mb, vb = random_box_masks_batch(64, 7, 9, M=10, generator=torch.Generator().manual_seed(2))
-test_eq(mb.shape, (64, 10, 63)); test_eq(vb.shape, (64, 10))
+test_eq(mb.shape, (64, 10, 63))
+test_eq(vb.shape, (64, 10))
 g2 = mb.view(64, 10, 7, 9)
 r_any, c_any = g2.any(-1), g2.any(-2)
 assert mb.any(-1).all(), 'a box is empty'
@@ -128,7 +137,8 @@ test_eq(g2, r_any[..., :, None] & c_any[..., None, :])
 # rows and columns of a box are contiguous
 for sup in (r_any, c_any):
     idx = torch.arange(sup.shape[-1]).expand_as(sup)
-    lo = torch.where(sup, idx, 99).amin(-1); hi = torch.where(sup, idx, -1).amax(-1)
+    lo = torch.where(sup, idx, 99).amin(-1)
+    hi = torch.where(sup, idx, -1).amax(-1)
     test_eq(sup.sum(-1), hi - lo + 1)
 # a 1x1 grid and M=0 are legal edge cases
 test_eq(random_box_masks(1, 1, 3)[0], torch.ones(3, 1, dtype=torch.bool))
@@ -156,10 +166,16 @@ assert abs(rows_per_box.mean() - exact) < 4 * se
 # %%
 cover = mb.double().mean((0, 1)).view(14, 14)
 fig, axs = plt.subplots(1, 2, figsize=(7, 3.2))
-axs[0].imshow(cover, cmap='viridis'); axs[0].set_title('P(patch in a box), 14x14')
-axs[1].imshow(masks.sum(0).view(14, 14), cmap='Greys'); axs[1].set_title('10 boxes, seed 0 (count per patch)')
-for a in axs: a.set_xticks([]); a.set_yticks([])
-plt.colorbar(axs[0].images[0], ax=axs[0], fraction=0.046); plt.tight_layout(); plt.show()
+axs[0].imshow(cover, cmap='viridis')
+axs[0].set_title('P(patch in a box), 14x14')
+axs[1].imshow(masks.sum(0).view(14, 14), cmap='Greys')
+axs[1].set_title('10 boxes, seed 0 (count per patch)')
+for a in axs:
+    a.set_xticks([])
+    a.set_yticks([])
+plt.colorbar(axs[0].images[0], ax=axs[0], fraction=0.046)
+plt.tight_layout()
+plt.show()
 
 
 # %% [markdown]
@@ -210,7 +226,8 @@ class GridMasks:
 
 def crop_window(height: int, width: int, crop: str = 'center') -> tuple[float, float, float, float]:
     "The `(top, left, h, w)` window of a `height x width` image that the model sees, in pixels."
-    if crop == 'full': return 0.0, 0.0, float(height), float(width)
+    if crop == 'full':
+        return 0.0, 0.0, float(height), float(width)
     if crop == 'center':
         side = float(min(height, width))
         return (height - side) / 2, (width - side) / 2, side, side
@@ -227,14 +244,16 @@ def _overlap_weights(n_pix: int, start: float, length: float, n_cells: int) -> t
 def patch_fractions(masks, grid_h: int, grid_w: int, crop: str = 'center') -> torch.Tensor:
     "Exact covered fraction of each patch: pixel masks `(R, H, W)` -> `(R, grid_h, grid_w)` float in [0, 1]."
     m = torch.as_tensor(np.asarray(masks) if not torch.is_tensor(masks) else masks)
-    if m.ndim != 3: raise ValueError(f'masks must be (R, H, W), got shape {tuple(m.shape)}')
+    if m.ndim != 3:
+        raise ValueError(f'masks must be (R, H, W), got shape {tuple(m.shape)}')
     R, H, W = m.shape
     top, left, wh, ww = crop_window(H, W, crop)
     A = _overlap_weights(H, top, wh, grid_h).float()              # (gh, H)
     B = _overlap_weights(W, left, ww, grid_w).float()             # (gw, W)
     out = torch.empty(R, grid_h, grid_w)
     for i in range(0, R, 32):                                     # chunks bound memory for big images
-        out[i:i + 32] = A @ (m[i:i + 32].float() @ B.T)           # (r, H, W) @ (W, gw) -> (r, H, gw); (gh, H) @ -> (r, gh, gw)
+        out[i:i + 32] = A @ (m[i:i + 32].float() @ B.T)           # (r, H, W) @ (W, gw) -> (r, H, gw); (gh, H) @ -> (r,
+                                                                  # gh, gw)
     return out.clamp_(0, 1)
 
 def masks_to_patch_grid(masks, cfg: GridConfig | None = None) -> GridMasks:
@@ -260,7 +279,9 @@ def masks_to_patch_grid(masks, cfg: GridConfig | None = None) -> GridMasks:
 
 # %%
 def rect(H, W, y0, y1, x0, x1):
-    m = np.zeros((H, W), bool); m[y0:y1, x0:x1] = True; return m
+    m = np.zeros((H, W), bool)
+    m[y0:y1, x0:x1] = True
+    return m
 
 def grid_set(gm, gw):   # rows of a GridMasks as sets of (row, col)
     return [{(int(i) // gw, int(i) % gw) for i in torch.nonzero(r).flatten()} for r in gm.masks]
@@ -274,16 +295,20 @@ ms = np.stack([rect(224, 224, 32, 80, 16, 48),     # exactly patch rows 2..4, co
 gm = masks_to_patch_grid(ms, cfg)
 box = {(r, c) for r in range(2, 5) for c in range(1, 3)}
 test_eq(grid_set(gm, 14), [box, box, box - {(2, 1), (2, 2)}, {(6, 3)}])
-test_eq(gm.source.tolist(), [0, 1, 2, 4]); test_eq((gm.n_input, gm.n_empty, gm.n_thin, gm.n_dropped), (5, 1, 1, 1))
+test_eq(gm.source.tolist(), [0, 1, 2, 4])
+test_eq((gm.n_input, gm.n_empty, gm.n_thin, gm.n_dropped), (5, 1, 1, 1))
 # without keep_best the thin mask is dropped too
 gm2 = masks_to_patch_grid(ms, GridConfig(14, 14, keep_best=False, crop='full'))
-test_eq(gm2.source.tolist(), [0, 1, 2]); test_eq(gm2.n_dropped, 2)
+test_eq(gm2.source.tolist(), [0, 1, 2])
+test_eq(gm2.n_dropped, 2)
 # fractional patch borders: 100x70 image, 7x7 grid; columns 0:35 cover patch columns 0..2 fully and column 3 by half
 f = patch_fractions(rect(100, 70, 0, 100, 0, 35)[None], 7, 7, crop='full')[0]
-np.testing.assert_allclose(f[:, :3], 1, atol=1e-6); np.testing.assert_allclose(f[:, 3], 0.5, atol=1e-6)
+np.testing.assert_allclose(f[:, :3], 1, atol=1e-6)
+np.testing.assert_allclose(f[:, 3], 0.5, atol=1e-6)
 np.testing.assert_allclose(f[:, 4:], 0, atol=1e-6)
 # the fractions of a partition of the image sum to 1 in every patch
-rng = np.random.default_rng(0); lab = rng.integers(0, 5, (61, 83))
+rng = np.random.default_rng(0)
+lab = rng.integers(0, 5, (61, 83))
 np.testing.assert_allclose(patch_fractions(np.stack([lab == k for k in range(5)]), 7, 7).sum(0), 1, atol=1e-5)
 # crop='center' on a landscape image ignores the side bands: a mask only in the left band is empty
 test_eq(crop_window(100, 160), (0.0, 30.0, 100.0, 100.0))
@@ -310,13 +335,16 @@ def model_view(image, size: int = 224, crop: str = 'center'):
 
 # %%
 im = Image.fromarray(np.arange(100 * 160 * 3, dtype=np.uint8).reshape(100, 160, 3))
-test_eq(model_view(im, 50).size, (50, 50)); test_eq(model_view(im, 32, 'full').size, (32, 32))
+test_eq(model_view(im, 50).size, (50, 50))
+test_eq(model_view(im, 32, 'full').size, (32, 32))
 # a mask reduced on the photo (centre crop) or on the model's view (full) covers the same patches
 big = rect(100, 160, 20, 80, 50, 110)                           # patches rows 1-3, cols 1-3 of the centre square
 on_photo = masks_to_patch_grid(big[None], GridConfig(5, 5)).masks
 view = np.asarray(model_view(Image.fromarray(big.astype(np.uint8) * 255), 60)) > 127
 on_view = masks_to_patch_grid(view[None], GridConfig(5, 5, crop='full')).masks
-test_eq(on_photo, on_view); test_eq(on_photo.view(5, 5)[1:4, 1:4].all().item(), True); test_eq(on_photo.sum().item(), 9)
+test_eq(on_photo, on_view)
+test_eq(on_photo.view(5, 5)[1:4, 1:4].all().item(), True)
+test_eq(on_photo.sum().item(), 9)
 
 
 # %% [markdown]
@@ -330,20 +358,23 @@ test_eq(on_photo, on_view); test_eq(on_photo.view(5, 5)[1:4, 1:4].all().item(), 
 #| export
 def select_masks(patch_masks, M: int = 10,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    "`M` masks drawn uniformly without replacement from `patch_masks` `(R, N)`: masks `(M, N)` bool, valid `(M,)`; padded when R < M."
+    """`M` masks drawn uniformly without replacement from `patch_masks` `(R, N)`: masks `(M, N)` bool, valid `(M,)`;
+    padded when R < M."""
     pm = torch.as_tensor(patch_masks).bool()
     R, N = pm.shape
     k = min(R, M)
     pick = torch.randperm(R, generator=generator)[:k]
     out = torch.zeros(M, N, dtype=torch.bool)
     out[:k] = pm[pick]
-    valid = torch.zeros(M, dtype=torch.bool); valid[:k] = True
+    valid = torch.zeros(M, dtype=torch.bool)
+    valid[:k] = True
     return out, valid
 
 def select_masks_batch(patch_masks: list, M: int = 10,
                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     "`select_masks` for `C` images with `R_i` masks each (a list of `(R_i, N)`): masks `(C, M, N)`, valid `(C, M)`."
-    if not patch_masks: raise ValueError('select_masks_batch needs at least one image')
+    if not patch_masks:
+        raise ValueError('select_masks_batch needs at least one image')
     outs = [select_masks(pm, M, generator) for pm in patch_masks]
     return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
 
@@ -351,15 +382,18 @@ def select_masks_batch(patch_masks: list, M: int = 10,
 # %%
 pool = torch.eye(6, 20, dtype=torch.bool)                       # 6 distinct one-patch masks
 sel, v = select_masks(pool, 4, torch.Generator().manual_seed(0))
-test_eq(sel.shape, (4, 20)); assert v.all()
+test_eq(sel.shape, (4, 20))
+assert v.all()
 test_eq(len({tuple(r.tolist()) for r in sel}), 4)              # without replacement
 assert all(any(torch.equal(r, p) for p in pool) for r in sel)   # drawn from the pool
 test_eq(sel, select_masks(pool, 4, torch.Generator().manual_seed(0))[0])
 sel, v = select_masks(pool[:2], 5)                              # fewer than M: padded, invalid, all False
-test_eq(v.tolist(), [True, True, False, False, False]); assert not sel[2:].any()
+test_eq(v.tolist(), [True, True, False, False, False])
+assert not sel[2:].any()
 test_eq(select_masks(torch.zeros(0, 20, dtype=torch.bool), 3)[1].tolist(), [False] * 3)
 sb, vb = select_masks_batch([pool, pool[:1]], 3)
-test_eq(sb.shape, (2, 3, 20)); test_eq(vb.sum(1).tolist(), [3, 1])
+test_eq(sb.shape, (2, 3, 20))
+test_eq(vb.sum(1).tolist(), [3, 1])
 # uniformity: over many draws each of the 6 masks is picked about 4/6 of the time
 g = torch.Generator().manual_seed(1)
 hits = sum(select_masks(pool, 4, g)[0].any(0)[:6].int() for _ in range(3000)) / 3000
@@ -392,7 +426,8 @@ def superpixel_labels(image, cfg: SuperpixelConfig | None = None) -> np.ndarray:
     from skimage.segmentation import felzenszwalb, slic
     cfg = cfg or SuperpixelConfig()
     img = np.asarray(image.convert('RGB') if hasattr(image, 'convert') else image)
-    if img.ndim != 3 or img.shape[2] != 3: raise ValueError(f'expected an RGB image (H, W, 3), got {img.shape}')
+    if img.ndim != 3 or img.shape[2] != 3:
+        raise ValueError(f'expected an RGB image (H, W, 3), got {img.shape}')
     if cfg.method == 'slic':
         return slic(img, n_segments=cfg.n_segments, compactness=cfg.compactness, sigma=cfg.sigma, start_label=0)
     if cfg.method == 'felzenszwalb':
@@ -412,12 +447,15 @@ def superpixel_masks(image, grid: GridConfig | None = None, cfg: SuperpixelConfi
 # a synthetic image with 4 flat quadrants: every superpixel lies inside one quadrant,
 # so on a 4x4 grid each patch mask stays inside one 2x2 block
 img = np.zeros((64, 64, 3), np.uint8)
-img[:32, 32:] = (255, 0, 0); img[32:, :32] = (0, 255, 0); img[32:, 32:] = (0, 0, 255)
+img[:32, 32:] = (255, 0, 0)
+img[32:, :32] = (0, 255, 0)
+img[32:, 32:] = (0, 0, 255)
 for meth in ('slic', 'felzenszwalb'):
     gm = superpixel_masks(img, GridConfig(4, 4, crop='full'), SuperpixelConfig(method=meth, n_segments=4))
     assert len(gm.masks) >= 4 and gm.masks.any(1).all()
     blocks = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1], [2, 2, 3, 3], [2, 2, 3, 3]]).flatten()
-    for r in gm.masks: test_eq(len(set(blocks[r].tolist())), 1)
+    for r in gm.masks:
+        test_eq(len(set(blocks[r].tolist())), 1)
     # the segments partition the image: every patch is covered by some mask
     assert gm.masks.any(0).all(), meth
 test_fail(lambda: superpixel_labels(img, SuperpixelConfig(method='watershed')), contains='method')
@@ -453,7 +491,8 @@ class SAM2Config:
 
 def sam_records_to_masks(records: list[dict], height: int, width: int) -> np.ndarray:
     "Binary masks `(R, H, W)` bool from the `generate` output of `SAM2AutomaticMaskGenerator` (binary_mask mode)."
-    if not records: return np.zeros((0, height, width), bool)
+    if not records:
+        return np.zeros((0, height, width), bool)
     return np.stack([np.asarray(r['segmentation'], bool) for r in records])
 
 class SAM2Masker:
@@ -469,7 +508,8 @@ class SAM2Masker:
             from sam2.automatic_mask_generator import SAM2AutomaticMaskGenerator
             from sam2.build_sam import build_sam2
             c = self.cfg
-            if c.checkpoint is None: warnings.warn('SAM2 with random weights: masks are meaningless (tests only)')
+            if c.checkpoint is None:
+                warnings.warn('SAM2 with random weights: masks are meaningless (tests only)')
             model = build_sam2(c.config, ckpt_path=c.checkpoint, device=c.device)
             self._gen = SAM2AutomaticMaskGenerator(
                 model, points_per_side=c.points_per_side, points_per_batch=c.points_per_batch,
@@ -492,7 +532,8 @@ class SAM2Masker:
 # the model itself runs in the `slow` cell further down.
 
 # %%
-recs = [{'segmentation': rect(48, 64, 0, 16, 8, 56), 'area': 768}, {'segmentation': rect(48, 64, 30, 31, 0, 1), 'area': 1}]
+recs = [{'segmentation': rect(48, 64, 0, 16, 8, 56), 'area': 768},
+        {'segmentation': rect(48, 64, 30, 31, 0, 1), 'area': 1}]
 pm = sam_records_to_masks(recs, 48, 64)
 test_eq(pm.shape, (2, 48, 64))
 gm = masks_to_patch_grid(pm, GridConfig(3, 3))                  # centre crop: columns 8..56 of 64, 16 px patches
@@ -533,7 +574,8 @@ def decode_regions(data) -> tuple[torch.Tensor, dict]:
 m, _ = random_box_masks(7, 9, 5, torch.Generator().manual_seed(0))
 blob = encode_regions(m, 7, 9, 'boxes')
 m2, meta = decode_regions(blob)
-test_eq(m2, m); test_eq(meta, dict(grid_h=7, grid_w=9, method='boxes'))
+test_eq(m2, m)
+test_eq(meta, dict(grid_h=7, grid_w=9, method='boxes'))
 test_eq(decode_regions(np.load(io.BytesIO(blob)))[0], m)        # what webdataset's npz decoder hands over
 test_eq(decode_regions(encode_regions(np.zeros((0, 196), bool), 14, 14))[0].shape, (0, 196))
 test_fail(lambda: encode_regions(m, 14, 14), contains='grid')
@@ -557,21 +599,26 @@ def coco_mask(segmentation, height: int, width: int) -> np.ndarray:
         draw = ImageDraw.Draw(canvas)
         for poly in segmentation:
             xy = np.asarray(poly, float).reshape(-1, 2)
-            if len(xy) >= 3: draw.polygon([tuple(p) for p in xy], fill=1)
+            if len(xy) >= 3:
+                draw.polygon([tuple(p) for p in xy], fill=1)
         return np.array(canvas, dtype=bool)
     counts = segmentation.get('counts') if isinstance(segmentation, dict) else None
     if isinstance(counts, list):                                # uncompressed RLE, column-major, starts with zeros
         h, w = segmentation['size']
-        if (h, w) != (height, width): raise ValueError(f'RLE size {(h, w)} != image size {(height, width)}')
+        if (h, w) != (height, width):
+            raise ValueError(f'RLE size {(h, w)} != image size {(height, width)}')
         vals = np.repeat(np.arange(len(counts)) % 2 == 1, counts)
-        if vals.size != h * w: raise ValueError(f'RLE counts sum to {vals.size}, expected {h * w}')
+        if vals.size != h * w:
+            raise ValueError(f'RLE counts sum to {vals.size}, expected {h * w}')
         return vals.reshape(w, h).T.copy()
-    raise ValueError('compressed RLE (counts as a string) needs pycocotools; only polygons and uncompressed RLE are decoded')
+    raise ValueError('compressed RLE (counts as a string) needs pycocotools; only polygons and '
+                     'uncompressed RLE are decoded')
 
 
 # %%
 test_eq(coco_mask([[1, 1, 4, 1, 4, 3, 1, 3]], 5, 6).sum() > 0, True)
-rle = {'size': [3, 2], 'counts': [1, 2, 3]}                     # column-major: 0 | 1 1 | 0 0 0, i.e. rows 1-2 of column 0
+# column-major: 0 | 1 1 | 0 0 0, i.e. rows 1-2 of column 0
+rle = {'size': [3, 2], 'counts': [1, 2, 3]}
 test_eq(coco_mask(rle, 3, 2), np.array([[False, False], [True, False], [True, False]]))
 test_fail(lambda: coco_mask({'size': [3, 2], 'counts': 'abc'}, 3, 2), contains='pycocotools')
 
@@ -583,14 +630,17 @@ test_fail(lambda: coco_mask({'size': [3, 2], 'counts': 'abc'}, 3, 2), contains='
 
 # %%
 DATA = Path('../shared/data/coco_sample')
-if not DATA.exists(): DATA = Path('../../shared/data/coco_sample')   # when run from nbs/
+if not DATA.exists():
+    DATA = Path('../../shared/data/coco_sample')   # when run from nbs/
 HAVE_COCO = (DATA / 'images').is_dir() and (DATA / 'annotations').is_dir()
 print('coco_sample found' if HAVE_COCO else f'skipping real photos: {DATA} absent, using a synthetic image')
 
 def upsample(pm, gh, gw, H, W, crop='center'):
-    "Patch masks (R, N) -> pixel masks (R, H, W): each pixel takes the patch its centre falls in (outside the window: False)."
+    """Patch masks (R, N) -> pixel masks (R, H, W): each pixel takes the patch its centre falls in (outside the window:
+    False)."""
     top, left, wh, ww = crop_window(H, W, crop)
-    r = np.floor((np.arange(H) + 0.5 - top) / (wh / gh)).astype(int); c = np.floor((np.arange(W) + 0.5 - left) / (ww / gw)).astype(int)
+    r = np.floor((np.arange(H) + 0.5 - top) / (wh / gh)).astype(int)
+    c = np.floor((np.arange(W) + 0.5 - left) / (ww / gw)).astype(int)
     ok = (r[:, None] >= 0) & (r[:, None] < gh) & (c[None] >= 0) & (c[None] < gw)
     g = np.asarray(pm).reshape(-1, gh, gw)
     return ok & g[:, np.clip(r, 0, gh - 1)[:, None], np.clip(c, 0, gw - 1)[None]]
@@ -598,30 +648,38 @@ def upsample(pm, gh, gw, H, W, crop='center'):
 if HAVE_COCO:
     inst = [json.loads((DATA / 'annotations' / 'instances_val2017.json').read_text())]   # the val photos keep CI short
     images = {im['id']: im for d in inst for im in d['images']}
-    anns = [a for d in inst for a in d['annotations'] if (DATA / 'images' / images[a['image_id']]['file_name']).exists()]
+    anns = [a for d in inst for a in d['annotations']
+            if (DATA / 'images' / images[a['image_id']]['file_name']).exists()]
     by_img = {}
-    for a in anns: by_img.setdefault(a['image_id'], []).append(a)
-    t0 = time.time(); area, iou, kind = [], [], []
+    for a in anns:
+        by_img.setdefault(a['image_id'], []).append(a)
+    t0 = time.time()
+    area, iou, kind = [], [], []
     for iid, its in by_img.items():                             # one reduction per photo, all its instances at once
         H, W = images[iid]['height'], images[iid]['width']
         pix = np.stack([coco_mask(a['segmentation'], H, W) for a in its])         # (R, H, W)
         top, left, wh, ww = crop_window(H, W)
-        win = np.zeros((H, W), bool); win[int(top):int(top + wh), int(left):int(left + ww)] = True
+        win = np.zeros((H, W), bool)
+        win[int(top):int(top + wh), int(left):int(left + ww)] = True
         pix &= win                                              # IoU only over what the model sees
         gm = masks_to_patch_grid(pix, GridConfig(14, 14))
-        k = np.array(['empty'] * len(its), object); k[gm.source.numpy()] = 'ok'
+        k = np.array(['empty'] * len(its), object)
+        k[gm.source.numpy()] = 'ok'
         fr = patch_fractions(pix, 14, 14).flatten(1)
         k[((fr >= 0.5).sum(1) == 0).numpy() & (k == 'ok')] = 'thin'
         io_ = np.zeros(len(its))
         up, px = upsample(gm.masks, 14, 14, H, W), pix[gm.source.numpy()]   # (R', H, W) each
         io_[gm.source.numpy()] = (up & px).sum((1, 2)) / np.maximum((up | px).sum((1, 2)), 1)
-        area += [a['area'] for a in its]; iou += io_.tolist(); kind += k.tolist()
+        area += [a['area'] for a in its]
+        iou += io_.tolist()
+        kind += k.tolist()
     print(f'{len(anns)} instances on {len(by_img)} photos reduced in {time.time() - t0:.1f} s')
     area, iou, kind = np.array(area), np.array(iou), np.array(kind)
     print(f'{"instance area (px)":>20} {"count":>6} {"empty":>6} {"thin":>5} {"mean IoU":>9}')
     for lo, hi in [(0, 32**2), (32**2, 96**2), (96**2, 1e9)]:
         s = (area >= lo) & (area < hi)
-        print(f'{f"[{lo:.0f}, {hi:.0f})":>20} {s.sum():6d} {(kind[s] == "empty").sum():6d} {(kind[s] == "thin").sum():5d} {iou[s & (kind != "empty")].mean():9.3f}')
+        print(f'{f"[{lo:.0f}, {hi:.0f})":>20} {s.sum():6d} {(kind[s] == "empty").sum():6d} '
+              f'{(kind[s] == "thin").sum():5d} {iou[s & (kind != "empty")].mean():9.3f}')
     # large instances are reproduced well by their patches; the check fails loudly if the reduction breaks
     big = (area >= 96**2) & (kind == 'ok')
     assert iou[big].mean() > 0.6, iou[big].mean()
@@ -643,14 +701,20 @@ if HAVE_COCO:
 # %%
 def overlay(ax, view, pm, gh=14, gw=14, title=''):
     "Draw patch masks `(R, N)` over a square image, one colour per mask."
-    ax.imshow(view); S = view.size[0]
+    ax.imshow(view)
+    S = view.size[0]
     cols = plt.cm.tab10(np.arange(len(pm)) % 10)
     for m, col in zip(pm, cols):
         g = np.asarray(m).reshape(gh, gw).astype(float)
-        rgba = np.zeros((gh, gw, 4)); rgba[..., :3] = col[:3]; rgba[..., 3] = 0.35 * g
+        rgba = np.zeros((gh, gw, 4))
+        rgba[..., :3] = col[:3]
+        rgba[..., 3] = 0.35 * g
         ax.imshow(rgba, extent=(0, S, S, 0), interpolation='nearest')
-        ax.contour(np.kron(g, np.ones((8, 8))), levels=[0.5], colors=[col], extent=(0, S, 0, S), origin='upper', linewidths=1.2)
-    ax.set_title(title, fontsize=9); ax.set_xticks([]); ax.set_yticks([])
+        ax.contour(np.kron(g, np.ones((8, 8))), levels=[0.5], colors=[col], extent=(0, S, 0, S),
+                   origin='upper', linewidths=1.2)
+    ax.set_title(title, fontsize=9)
+    ax.set_xticks([])
+    ax.set_yticks([])
 
 if HAVE_COCO:
     ids = sorted(by_img, key=lambda i: -len(by_img[i]))[:3]
@@ -667,14 +731,18 @@ g = torch.Generator().manual_seed(0)
 for row, (img, its) in zip(axs, photos):
     view = model_view(img)
     overlay(row[0], view, random_box_masks(14, 14, 10, g)[0][:4], title='4 of 10 random boxes')
-    t0 = time.time(); sp = superpixel_masks(view, GridConfig(14, 14, crop='full')); dt = time.time() - t0
+    t0 = time.time()
+    sp = superpixel_masks(view, GridConfig(14, 14, crop='full'))
+    dt = time.time() - t0
     overlay(row[1], view, sp.masks, title=f'SLIC: {len(sp.masks)} masks ({1e3 * dt:.0f} ms)')
     if its:
         H, W = img.size[1], img.size[0]
         gm = masks_to_patch_grid(np.stack([coco_mask(a['segmentation'], H, W) for a in its]), GridConfig(14, 14))
         overlay(row[2], view, gm.masks, title=f'COCO instances: {gm.n_input} -> {len(gm.masks)} (thin {gm.n_thin})')
-    else: row[2].axis('off')
-plt.tight_layout(); plt.show()
+    else:
+        row[2].axis('off')
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # **SAM2 on a photo (slow cell).** Without a checkpoint we can only run SAM2 with random weights. With them,
@@ -690,14 +758,17 @@ plt.tight_layout(); plt.show()
 #| slow
 torch.manual_seed(0)
 cfg = SAM2Config(config='configs/sam2.1/sam2.1_hiera_t.yaml', checkpoint=None, random_weights_ok=True,
-                 points_per_side=4, points_per_batch=16, pred_iou_thresh=0.0, stability_score_thresh=0.0, box_nms_thresh=1.0)
+                 points_per_side=4, points_per_batch=16, pred_iou_thresh=0.0, stability_score_thresh=0.0,
+                 box_nms_thresh=1.0)
 sam = SAM2Masker(cfg, GridConfig(14, 14, crop='full'))
 view = model_view(photos[0][0])
 with warnings.catch_warnings():
     warnings.simplefilter('ignore')
-    t0 = time.time(); gm = sam(view); dt = time.time() - t0
-print(f'random-weight SAM2 (hiera_t, thresholds 0): {gm.n_input} pixel masks -> {len(gm.masks)} patch masks in {dt:.1f} s; '
-      f'mean patches per mask {gm.masks.sum(1).float().mean():.1f} of 196')
+    t0 = time.time()
+    gm = sam(view)
+    dt = time.time() - t0
+print(f'random-weight SAM2 (hiera_t, thresholds 0): {gm.n_input} pixel masks -> {len(gm.masks)} patch masks in '
+      f'{dt:.1f} s; mean patches per mask {gm.masks.sum(1).float().mean():.1f} of 196')
 assert gm.masks.shape[1] == 196 and gm.masks.any(1).all()
 from sam2.automatic_mask_generator import SAM2AutomaticMaskGenerator
 with warnings.catch_warnings():

@@ -29,7 +29,7 @@ import torch
 from powerclip.parsing import ParsedCaption
 
 # %%
-import os, time, tempfile
+import os, time
 from IPython.display import Markdown, display
 import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_fail
@@ -38,7 +38,10 @@ from fastcore.test import test_eq, test_fail
 # %% [markdown]
 # # A built-in compositional world
 #
-# > Procedural scenes of coloured shapes with captions from a tiny grammar, gold parse trees, gold object masks on the patch grid, and SugarCrepe-style hard negatives
+# > Procedural scenes of coloured shapes with captions from a tiny grammar, gold trees and masks, hard negatives
+#
+# The gold parse trees come with the captions, the gold object masks are on the patch grid, and the hard negatives are
+# SugarCrepe-style.
 
 # %% [markdown]
 # PowerCLIP aligns **sets of image regions** with **nodes of a caption's parse tree**. To see whether that
@@ -125,13 +128,21 @@ class WorldConfig:
         self.shapes, self.colours, self.relations = tuple(self.shapes), tuple(self.colours), tuple(self.relations)
         bad = [s for s in self.shapes if s not in SHAPE_FNS] + [c for c in self.colours if c not in COLOURS] \
             + [r for r in self.relations if r not in RELATIONS]
-        if bad: raise ValueError(f'unknown shapes/colours/relations {bad}; known: {list(SHAPE_FNS)}, {list(COLOURS)}, {RELATIONS}')
-        if self.image_size % self.patch_size: raise ValueError(f'image_size {self.image_size} is not a multiple of patch_size {self.patch_size}')
-        if not 1 <= self.min_objects <= self.max_objects: raise ValueError(f'need 1 <= min_objects <= max_objects, got {self.min_objects}, {self.max_objects}')
-        if self.max_objects > len(self.shapes) * len(self.colours): raise ValueError('fewer (shape, colour) pairs than max_objects')
-        if self.max_objects > 1 and not self.relations: raise ValueError('scenes with several objects need at least one relation')
-        if self.M < self.max_objects: raise ValueError(f'num_regions {self.num_regions} < max_objects {self.max_objects}')
-        if not self.sizes: raise ValueError('need at least one size')
+        if bad:
+            raise ValueError(f'unknown shapes/colours/relations {bad}; known: {list(SHAPE_FNS)}, '
+                             f'{list(COLOURS)}, {RELATIONS}')
+        if self.image_size % self.patch_size:
+            raise ValueError(f'image_size {self.image_size} is not a multiple of patch_size {self.patch_size}')
+        if not 1 <= self.min_objects <= self.max_objects:
+            raise ValueError(f'need 1 <= min_objects <= max_objects, got {self.min_objects}, {self.max_objects}')
+        if self.max_objects > len(self.shapes) * len(self.colours):
+            raise ValueError('fewer (shape, colour) pairs than max_objects')
+        if self.max_objects > 1 and not self.relations:
+            raise ValueError('scenes with several objects need at least one relation')
+        if self.M < self.max_objects:
+            raise ValueError(f'num_regions {self.num_regions} < max_objects {self.max_objects}')
+        if not self.sizes:
+            raise ValueError('need at least one size')
 
     @property
     def M(self) -> int: return self.num_regions or self.max_objects
@@ -176,10 +187,12 @@ class Scene:
     noise_seed: int                      # seed of the background noise
     image_size: int = 64
 
-    def to_dict(self) -> dict: return dict(objects=[asdict(o) for o in self.objects], noise_seed=self.noise_seed, image_size=self.image_size)
+    def to_dict(self) -> dict:
+        return dict(objects=[asdict(o) for o in self.objects], noise_seed=self.noise_seed, image_size=self.image_size)
     @classmethod
     def from_dict(cls, d: dict) -> 'Scene':
-        return cls([WorldObject(**{**o, 'rgb': tuple(o['rgb'])}) for o in d['objects']], d['noise_seed'], d['image_size'])
+        return cls([WorldObject(**{**o, 'rgb': tuple(o['rgb'])}) for o in d['objects']], d['noise_seed'],
+                   d['image_size'])
 
 @functools.lru_cache(maxsize=16)
 def _noise_lut(background: float, noise: float) -> np.ndarray:
@@ -215,10 +228,14 @@ def render(scene: Scene, cfg: WorldConfig) -> tuple[np.ndarray, np.ndarray]:
 #| export
 def relation_value(a: WorldObject, b: WorldObject, rel: str) -> float:
     "Signed displacement in pixels: positive when 'a `rel` b' holds."
-    if rel == 'left of': return b.cx - a.cx
-    if rel == 'right of': return a.cx - b.cx
-    if rel == 'above': return b.cy - a.cy       # y grows downwards
-    if rel == 'below': return a.cy - b.cy
+    if rel == 'left of':
+        return b.cx - a.cx
+    if rel == 'right of':
+        return a.cx - b.cx
+    if rel == 'above':
+        return b.cy - a.cy       # y grows downwards
+    if rel == 'below':
+        return a.cy - b.cy
     raise ValueError(f'unknown relation {rel!r}')
 
 def relation_truth(a: WorldObject, b: WorldObject, rel: str, margin: float) -> bool | None:
@@ -248,14 +265,18 @@ def sample_scene(cfg: WorldConfig, rng: np.random.Generator) -> Scene:
             r = cfg.sizes[size] * S
             for _ in range(20):   # positions for this object; the first that keeps clear of the others
                 cx, cy = rng.uniform(r, S - r, size=2)
-                if all(math.hypot(cx - o.cx, cy - o.cy) >= r + o.radius + cfg.gap for o in objs): break
-            else: break
+                if all(math.hypot(cx - o.cx, cy - o.cy) >= r + o.radius + cfg.gap for o in objs):
+                    break
+            else:
+                break
             jit = rng.integers(-cfg.colour_jitter, cfg.colour_jitter + 1, size=3)
             rgb = tuple(int(v) for v in np.clip(np.array(COLOURS[colour]) + jit, 0, 255))
             objs.append(WorldObject(shape, colour, size, float(cx), float(cy), float(r), rgb))
-        if len(objs) < n: continue
+        if len(objs) < n:
+            continue
         scene = Scene(objs, int(rng.integers(2**62)), S)
-        if n == 1 or anchors(scene, cfg): return scene
+        if n == 1 or anchors(scene, cfg):
+            return scene
     raise RuntimeError(f'no valid scene with {n} objects in {cfg.max_tries} tries: objects too large for image_size?')
 
 
@@ -264,9 +285,11 @@ scene = sample_scene(cfg, np.random.default_rng(3))
 img, pix = render(scene, cfg)
 test_eq((img.shape, img.dtype, pix.shape), ((64, 64, 3), np.uint8, (len(scene.objects), 64, 64)))
 for _seed in range(200):   # gold masks are the rendering: non-empty, disjoint, painted exactly in the object's colour
-    sc = sample_scene(cfg, np.random.default_rng(_seed)); im, pm = render(sc, cfg)
+    sc = sample_scene(cfg, np.random.default_rng(_seed))
+    im, pm = render(sc, cfg)
     assert pm.any((1, 2)).all() and pm.sum(0).max() <= 1
-    for o, m in zip(sc.objects, pm): assert (im[m] == o.rgb).all()
+    for o, m in zip(sc.objects, pm):
+        assert (im[m] == o.rgb).all()
     assert len(sc.objects) == 1 or anchors(sc, cfg)
     assert Scene.from_dict(json.loads(json.dumps(sc.to_dict()))) == sc
 # every shape stays inside its circle (the no-occlusion rule relies on it) and has a sensible area
@@ -315,10 +338,13 @@ def caption_truth(spec: CaptionSpec, scene: Scene, cfg: WorldConfig) -> bool | N
     "Three-valued truth of `spec` in `scene` (see the table above)."
     objs, out = scene.objects, False
     for perm in itertools.permutations(range(len(objs)), len(spec.mentions)):
-        if not all(matches(m, objs[k]) for m, k in zip(spec.mentions, perm)): continue
+        if not all(matches(m, objs[k]) for m, k in zip(spec.mentions, perm)):
+            continue
         vals = [relation_truth(objs[perm[0]], objs[k], spec.relation, cfg.margin_px) for k in perm[1:]]
-        if all(v is True for v in vals): return True
-        if False not in vals: out = None
+        if all(v is True for v in vals):
+            return True
+        if False not in vals:
+            out = None
     return out
 
 
@@ -332,20 +358,30 @@ def mention_words(m: Mention) -> list[str]:
 def caption_tree(spec: CaptionSpec) -> tuple[ParsedCaption, list[int]]:
     "The gold tree of `spec` and, per mention, the index of its NP node."
     words, spans, labels, nodes = [], [], [], []
-    def add(label, start, end=None): spans.append((start, end)); labels.append(label); return len(spans) - 1
+    def add(label, start, end=None):
+        spans.append((start, end))
+        labels.append(label)
+        return len(spans) - 1
     def np_(m):
-        k = add('NP', len(words)); words.extend(mention_words(m)); spans[k] = (spans[k][0], len(words)); nodes.append(k)
-    if len(spec.mentions) == 1: np_(spec.mentions[0])
+        k = add('NP', len(words))
+        words.extend(mention_words(m))
+        spans[k] = (spans[k][0], len(words))
+        nodes.append(k)
+    if len(spec.mentions) == 1:
+        np_(spec.mentions[0])
     else:
         root = add('NP', 0)
         np_(spec.mentions[0])
-        pp = add('PP', len(words)); words.extend(spec.relation.split())
+        pp = add('PP', len(words))
+        words.extend(spec.relation.split())
         co = add('NP', len(words)) if len(spec.mentions) > 2 else None   # coordination: (NP (NP B) and (NP C))
         for i, m in enumerate(spec.mentions[1:]):
-            if i: words.append('and')
+            if i:
+                words.append('and')
             np_(m)
         for k in (root, pp, co):
-            if k is not None: spans[k] = (spans[k][0], len(words))
+            if k is not None:
+                spans[k] = (spans[k][0], len(words))
     text = ' '.join(words)
     return ParsedCaption(text, words, spans, labels, 'gold'), nodes
 
@@ -356,19 +392,26 @@ def spec_from_text(text: str, cfg: WorldConfig) -> CaptionSpec:
     words, i = text.split(), 0
     def take(vocab):
         nonlocal i
-        if i < len(words) and words[i] in vocab: i += 1; return words[i - 1]
+        if i < len(words) and words[i] in vocab:
+            i += 1
+            return words[i - 1]
     def mention():
-        if not take(('a', 'an')): raise ValueError(f'expected a/an at word {i} of {text!r}')
+        if not take(('a', 'an')):
+            raise ValueError(f'expected a/an at word {i} of {text!r}')
         size, colour, shape = take(cfg.sizes), take(cfg.colours), take(cfg.shapes)
-        if shape is None: raise ValueError(f'expected a shape at word {i} of {text!r}')
+        if shape is None:
+            raise ValueError(f'expected a shape at word {i} of {text!r}')
         return Mention(shape, colour, size)
     ms, rel = [mention()], None
     if i < len(words):
         rel = next((r for r in cfg.relations if words[i:i + len(r.split())] == r.split()), None)
-        if rel is None: raise ValueError(f'expected a relation at word {i} of {text!r}')
-        i += len(rel.split()); ms.append(mention())
+        if rel is None:
+            raise ValueError(f'expected a relation at word {i} of {text!r}')
+        i += len(rel.split())
+        ms.append(mention())
         while i < len(words):
-            if not take(('and',)): raise ValueError(f'expected "and" at word {i} of {text!r}')
+            if not take(('and',)):
+                raise ValueError(f'expected "and" at word {i} of {text!r}')
             ms.append(mention())
     return CaptionSpec(tuple(ms), rel)
 
@@ -381,12 +424,15 @@ _m = [Mention('circle', 'red', 'small'), Mention('square', 'blue', 'large'), Men
 p, nodes = caption_tree(CaptionSpec(tuple(_m), 'left of'))
 test_eq(p.text, 'a small red circle left of a large blue square and a green triangle')
 test_eq(bracket(p), '(NP (NP a small red circle) (PP left of (NP (NP a large blue square) and (NP a green triangle))))')
-test_eq([p.words[slice(*p.spans[k])] for k in nodes], [['a', 'small', 'red', 'circle'], ['a', 'large', 'blue', 'square'], ['a', 'green', 'triangle']])
+test_eq([p.words[slice(*p.spans[k])] for k in nodes],
+        [['a', 'small', 'red', 'circle'], ['a', 'large', 'blue', 'square'], ['a', 'green', 'triangle']])
 test_eq(caption_text(CaptionSpec((Mention('circle', 'orange'),))), 'an orange circle')
 p1, n1 = caption_tree(CaptionSpec((Mention('cross', 'white', 'large'),)))
 test_eq((p1.spans, p1.labels, p1.parser, n1), ([(0, 4)], ['NP'], 'gold', [0]))
-test_eq(bracket(caption_tree(CaptionSpec(tuple(_m[:2]), 'above'))[0]), '(NP (NP a small red circle) (PP above (NP a large blue square)))')
-for _spec in [CaptionSpec(tuple(_m), 'left of'), CaptionSpec(tuple(_m[:2]), 'below'), CaptionSpec((Mention('cross', 'orange'),))]:
+test_eq(bracket(caption_tree(CaptionSpec(tuple(_m[:2]), 'above'))[0]),
+        '(NP (NP a small red circle) (PP above (NP a large blue square)))')
+for _spec in [CaptionSpec(tuple(_m), 'left of'), CaptionSpec(tuple(_m[:2]), 'below'),
+              CaptionSpec((Mention('cross', 'orange'),))]:
     test_eq(spec_from_text(caption_text(_spec), cfg), _spec)
 test_fail(lambda: spec_from_text('a red circle near a blue square', cfg), contains='relation')
 test_fail(lambda: spec_from_text('a red', cfg), contains='shape')
@@ -399,7 +445,8 @@ assert not tree_problems(p) and not tree_problems(p1)   # a proper tree by the r
 
 # %%
 def _obj(shape, colour, size, cx, cy): return WorldObject(shape, colour, size, cx, cy, 6.0, COLOURS[colour])
-hand = Scene([_obj('circle', 'red', 'small', 10, 20), _obj('square', 'blue', 'large', 40, 20), _obj('triangle', 'green', 'small', 43, 50)], 0)
+hand = Scene([_obj('circle', 'red', 'small', 10, 20), _obj('square', 'blue', 'large', 40, 20),
+              _obj('triangle', 'green', 'small', 43, 50)], 0)
 def truth(*ms, rel=None): return caption_truth(CaptionSpec(tuple(Mention(*m) for m in ms), rel), hand, cfg)
 test_eq(truth(('circle', 'red')), True)
 test_eq(truth(('circle', 'blue')), False)
@@ -408,7 +455,8 @@ test_eq(truth(('circle', 'red'), ('square', 'blue'), rel='left of'), True)
 test_eq(truth(('square', 'blue'), ('circle', 'red'), rel='left of'), False)              # swapped objects
 test_eq(truth(('circle', 'red'), ('square', 'blue'), ('triangle',), rel='left of'), True)
 test_eq(truth(('square',), ('triangle',), rel='left of'), None)                            # 3 px apart: ambiguous
-test_eq(truth(('square',), ('circle',), ('triangle',), rel='right of'), None)              # true for one, ambiguous for the other
+# true for one, ambiguous for the other
+test_eq(truth(('square',), ('circle',), ('triangle',), rel='right of'), None)
 test_eq(truth(('circle',), ('circle',), rel='left of'), False)                             # needs two distinct circles
 test_eq(anchors(hand, cfg), [(0, 'left of'), (2, 'below')])
 
@@ -420,10 +468,12 @@ test_eq(anchors(hand, cfg), [(0, 'left of'), (2, 'below')])
 
 # %%
 #| export
-def describe(scene: Scene, cfg: WorldConfig, rng: np.random.Generator, full: bool = False) -> tuple[CaptionSpec, list[int]]:
+def describe(scene: Scene, cfg: WorldConfig, rng: np.random.Generator,
+             full: bool = False) -> tuple[CaptionSpec, list[int]]:
     "A true caption naming every object, and the scene index of the object of each mention."
     objs = scene.objects
-    if len(objs) == 1: order, rel = [0], None
+    if len(objs) == 1:
+        order, rel = [0], None
     else:
         cands = anchors(scene, cfg)
         a, rel = cands[int(rng.integers(len(cands)))]
@@ -471,12 +521,15 @@ def pixel_to_patch_masks(masks: np.ndarray, patch_size: int, threshold: float) -
 
 # %%
 from powerclip.regions import GridConfig, masks_to_patch_grid
-_pm = np.zeros((2, 16, 16), bool); _pm[0, 0:8, 0:8] = True; _pm[1, 7:9, 7:9] = True    # 2 x 2 px on 4 patches
+_pm = np.zeros((2, 16, 16), bool)
+_pm[0, 0:8, 0:8] = True
+_pm[1, 7:9, 7:9] = True    # 2 x 2 px on 4 patches
 test_eq(pixel_to_patch_masks(_pm, 8, 0.25), np.array([[1, 0, 0, 0], [1, 0, 0, 0]], bool))
 test_eq(pixel_to_patch_masks(_pm, 8, 0.01)[1], np.array([1, 1, 1, 1], bool))
 _grid = GridConfig(grid_h=8, grid_w=8, min_frac=cfg.patch_threshold, keep_best=True, crop='full')
 for _seed in range(100):   # the same rule as the general routine of 21_regions
-    sc = sample_scene(cfg, np.random.default_rng(_seed)); _, pm = render(sc, cfg)
+    sc = sample_scene(cfg, np.random.default_rng(_seed))
+    _, pm = render(sc, cfg)
     test_eq(pixel_to_patch_masks(pm, 8, cfg.patch_threshold), masks_to_patch_grid(pm, _grid).masks.numpy())
 
 
@@ -491,8 +544,10 @@ for _seed in range(100):   # the same rule as the general routine of 21_regions
 # %%
 #| export
 def sample_rng(cfg: WorldConfig, split: str, index: int) -> np.random.Generator:
-    if split not in SPLITS: raise ValueError(f'unknown split {split!r}; known: {list(SPLITS)}')
-    if index < 0: raise IndexError(f'index {index} < 0')
+    if split not in SPLITS:
+        raise ValueError(f'unknown split {split!r}; known: {list(SPLITS)}')
+    if index < 0:
+        raise IndexError(f'index {index} < 0')
     return np.random.default_rng([cfg.seed, SPLITS[split], index])
 
 def generate(cfg: WorldConfig, index: int, split: str = 'train', full: bool = False) -> dict:
@@ -520,17 +575,20 @@ def generate(cfg: WorldConfig, index: int, split: str = 'train', full: bool = Fa
 # %%
 #| export
 # (3, 256): channel c, grey level v -> (v / 255 - mean_c) / std_c; a table look-up is cheaper than the arithmetic
-_CLIP_LUT = ((np.arange(256)[None] / 255 - np.array(CLIP_MEAN)[:, None]) / np.array(CLIP_STD)[:, None]).astype(np.float32)
+_CLIP_LUT = ((np.arange(256)[None] / 255 - np.array(CLIP_MEAN)[:, None])
+             / np.array(CLIP_STD)[:, None]).astype(np.float32)
 
 def to_clip_tensor(img: np.ndarray) -> torch.Tensor:
     "(H, W, 3) uint8 -> (3, H, W) float32, normalised with CLIP's mean and std."
     out = np.empty((3, *img.shape[:2]), np.float32)                      # (3, H, W)
-    for c in range(3): np.take(_CLIP_LUT[c], img[..., c], out=out[c])
+    for c in range(3):
+        np.take(_CLIP_LUT[c], img[..., c], out=out[c])
     return torch.from_numpy(out)
 
 class WorldDataset(torch.utils.data.Dataset):
     "Map-style dataset of `length` world samples of one split; item i is a pure function of (cfg.seed, split, i)."
-    def __init__(self, cfg: WorldConfig | None = None, length: int = 1_000_000, split: str = 'train', full: bool = False,
+    def __init__(self, cfg: WorldConfig | None = None, length: int = 1_000_000, split: str = 'train',
+                 full: bool = False,
                  rgb: bool = False):   # rgb: also the rendered pixels (for what segments the image, e.g. superpixels)
         self.cfg, self.length, self.split, self.full, self.rgb = cfg or WorldConfig(), length, split, full, rgb
         sample_rng(self.cfg, split, 0)   # fail early on a bad split
@@ -539,12 +597,15 @@ class WorldDataset(torch.utils.data.Dataset):
         """image (3, H, W) float, text str, parsed ParsedCaption, masks (M, N) bool, mask_valid (M,) bool,
         attrs (M, 3) long, mention_nodes (M,) long, index int; with `rgb`, rgb (H, W, 3) uint8."""
         i = operator.index(i)   # ints, numpy ints, 0-d tensors
-        if not -self.length <= i < self.length: raise IndexError(f'index {i} out of range for {self.length} samples')
+        if not -self.length <= i < self.length:
+            raise IndexError(f'index {i} out of range for {self.length} samples')
         s = generate(self.cfg, i % self.length, self.split, self.full)
         out = dict(image=to_clip_tensor(s['image']), text=s['text'], parsed=s['parsed'],
                    masks=torch.from_numpy(s['masks']), mask_valid=torch.from_numpy(s['mask_valid']),
-                   attrs=torch.from_numpy(s['attrs']), mention_nodes=torch.from_numpy(s['mention_nodes']), index=s['index'])
-        if self.rgb: out['rgb'] = torch.from_numpy(s['image'])
+                   attrs=torch.from_numpy(s['attrs']), mention_nodes=torch.from_numpy(s['mention_nodes']),
+                   index=s['index'])
+        if self.rgb:
+            out['rgb'] = torch.from_numpy(s['image'])
         return out
 
 def collate_world(batch: list[dict]) -> dict:
@@ -559,15 +620,18 @@ def collate_world(batch: list[dict]) -> dict:
 ds = WorldDataset(cfg, length=1000)
 a, b = ds[7], ds[7]
 for k in a:
-    if torch.is_tensor(a[k]): torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
-    else: test_eq(a[k], b[k])
+    if torch.is_tensor(a[k]):
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    else:
+        test_eq(a[k], b[k])
 test_eq((a['image'].shape, a['image'].dtype, a['masks'].shape), ((3, 64, 64), torch.float32, (3, 64)))
 assert ds[8]['text'] != a['text'] or not torch.equal(ds[8]['image'], a['image'])
 assert ds[-1]['index'] == 999 and ds[np.int64(5)]['text'] == ds[torch.tensor(5)]['text'] == ds[5]['text']
 test_fail(lambda: ds[1000], contains='out of range')
 test_fail(lambda: WorldDataset(cfg, split='dev'), contains='unknown split')
 # splits are different streams; the seed changes everything
-assert generate(cfg, 0, 'test')['text'] != generate(cfg, 0, 'train')['text'] or not (generate(cfg, 0, 'test')['image'] == generate(cfg, 0, 'train')['image']).all()
+assert (generate(cfg, 0, 'test')['text'] != generate(cfg, 0, 'train')['text']
+        or not (generate(cfg, 0, 'test')['image'] == generate(cfg, 0, 'train')['image']).all())
 assert not (generate(WorldConfig(seed=1), 0)['image'] == generate(cfg, 0)['image']).all()
 # the normalisation inverts back to the uint8 image
 s = generate(cfg, 7)
@@ -598,10 +662,13 @@ def show_grid(cfg, n=12, split='train'):
     fig, axs = plt.subplots(2, n // 2, figsize=(2.3 * n // 2, 5.6))
     for i, ax in enumerate(axs.flat):
         s = generate(cfg, i, split)
-        ax.imshow(s['image']); ax.set_axis_off()
-        words = s['text'].split(); cut = (len(words) + 1) // 2
+        ax.imshow(s['image'])
+        ax.set_axis_off()
+        words = s['text'].split()
+        cut = (len(words) + 1) // 2
         ax.set_title(' '.join(words[:cut]) + '\n' + ' '.join(words[cut:]), fontsize=7)
-    plt.tight_layout(); plt.show()
+    plt.tight_layout()
+    plt.show()
 show_grid(cfg)
 
 
@@ -610,19 +677,25 @@ def show_masks(cfg, index):
     s = generate(cfg, index)
     g, P = cfg.grid, cfg.patch_size
     fig, axs = plt.subplots(1, 1 + len(s['order']), figsize=(2.6 * (1 + len(s['order'])), 2.8))
-    axs[0].imshow(s['image']); axs[0].set_title('image', fontsize=8)
+    axs[0].imshow(s['image'])
+    axs[0].set_title('image', fontsize=8)
     for k, j in enumerate(s['order']):
-        o, ax = s['scene'].objects[j], axs[k + 1]
+        ax = axs[k + 1]
         ax.imshow(s['image'])
         m = s['masks'][k].reshape(g, g)
         ax.imshow(np.kron(m, np.ones((P, P))), cmap='gray', alpha=0.55, vmin=0, vmax=1)
         node = s['parsed'].spans[s['mention_nodes'][k]]
         ax.set_title(f"region {k}: '{' '.join(s['parsed'].words[slice(*node)])}'", fontsize=8)
     for ax in axs:
-        ax.set_xticks(np.arange(0, cfg.image_size + 1, P) - 0.5); ax.set_yticks(np.arange(0, cfg.image_size + 1, P) - 0.5)
-        ax.set_xticklabels([]); ax.set_yticklabels([]); ax.grid(color='w', lw=0.3)
-    plt.tight_layout(); plt.show()
-    print(s['text']); print(bracket(s['parsed']))
+        ax.set_xticks(np.arange(0, cfg.image_size + 1, P) - 0.5)
+        ax.set_yticks(np.arange(0, cfg.image_size + 1, P) - 0.5)
+        ax.set_xticklabels([])
+        ax.set_yticklabels([])
+        ax.grid(color='w', lw=0.3)
+    plt.tight_layout()
+    plt.show()
+    print(s['text'])
+    print(bracket(s['parsed']))
 i3 = next(i for i in range(100) if len(generate(cfg, i)['order']) == 3)   # the first scene with 3 objects
 show_masks(cfg, i3)
 
@@ -661,7 +734,8 @@ for i in range(6):
 NEGATIVE_KINDS = ('swap_att', 'swap_obj', 'replace_att', 'replace_obj', 'add_obj', 'add_att', 'replace_rel')
 
 def _with(spec: CaptionSpec, i: int, **kw) -> CaptionSpec:
-    ms = list(spec.mentions); ms[i] = Mention(**{**asdict(ms[i]), **kw})
+    ms = list(spec.mentions)
+    ms[i] = Mention(**{**asdict(ms[i]), **kw})
     return CaptionSpec(tuple(ms), spec.relation)
 
 def negative_candidates(kind: str, spec: CaptionSpec, scene: Scene, cfg: WorldConfig) -> list[CaptionSpec]:
@@ -671,10 +745,13 @@ def negative_candidates(kind: str, spec: CaptionSpec, scene: Scene, cfg: WorldCo
         for i, j in itertools.combinations(range(n), 2):
             for att in ('colour', 'size'):
                 a, b = getattr(ms[i], att), getattr(ms[j], att)
-                if a and b and a != b: out.append(_with(_with(spec, i, **{att: b}), j, **{att: a}))
+                if a and b and a != b:
+                    out.append(_with(_with(spec, i, **{att: b}), j, **{att: a}))
     elif kind == 'swap_obj':
         for i, j in itertools.combinations(range(n), 2):
-            l = list(ms); l[i], l[j] = l[j], l[i]; out.append(CaptionSpec(tuple(l), spec.relation))
+            l = list(ms)
+            l[i], l[j] = l[j], l[i]
+            out.append(CaptionSpec(tuple(l), spec.relation))
     elif kind == 'replace_att':
         for i in range(n):
             out += [_with(spec, i, colour=c) for c in cfg.colours if ms[i].colour and c != ms[i].colour]
@@ -690,7 +767,8 @@ def negative_candidates(kind: str, spec: CaptionSpec, scene: Scene, cfg: WorldCo
         out = [_with(spec, i, size=z) for i in range(n) for z in cfg.sizes if ms[i].size is None]
     elif kind == 'replace_rel':
         out = [CaptionSpec(ms, r) for r in cfg.relations if spec.relation and r != spec.relation]
-    else: raise ValueError(f'unknown negative kind {kind!r}; known: {NEGATIVE_KINDS}')
+    else:
+        raise ValueError(f'unknown negative kind {kind!r}; known: {NEGATIVE_KINDS}')
     return out
 
 def hard_negatives(spec: CaptionSpec, scene: Scene, cfg: WorldConfig, rng: np.random.Generator,
@@ -701,7 +779,9 @@ def hard_negatives(spec: CaptionSpec, scene: Scene, cfg: WorldConfig, rng: np.ra
         cands = negative_candidates(kind, spec, scene, cfg)
         for k in rng.permutation(len(cands)):
             c = cands[int(k)]
-            if caption_text(c) != pos and caption_truth(c, scene, cfg) is False: out[kind] = c; break
+            if caption_text(c) != pos and caption_truth(c, scene, cfg) is False:
+                out[kind] = c
+                break
     return out
 
 
@@ -713,7 +793,8 @@ for i in range(300):
     for kind, c in negs.items():
         assert caption_truth(c, s['scene'], cfg) is False and caption_text(c) != s['text']
         counts[kind] += 1
-    if i < 3: neg_rows += [(i, s['text'], kind, caption_text(c)) for kind, c in negs.items()]
+    if i < 3:
+        neg_rows += [(i, s['text'], kind, caption_text(c)) for kind, c in negs.items()]
 assert all(counts.values()), counts     # every category occurs
 test_eq(hard_negatives(s['spec'], s['scene'], cfg, sample_rng(cfg, 'test', 299)), negs)   # deterministic
 test_fail(lambda: negative_candidates('swap_rel', s['spec'], s['scene'], cfg), contains='unknown negative kind')
@@ -739,8 +820,11 @@ def retrieval_captions(scene: Scene, cfg: WorldConfig, rng: np.random.Generator,
     out, texts = [], set()
     for _ in range(8 * k):
         spec, _ = describe(scene, cfg, rng, full=True)
-        if caption_text(spec) not in texts: texts.add(caption_text(spec)); out.append(spec)
-        if len(out) == k: break
+        if caption_text(spec) not in texts:
+            texts.add(caption_text(spec))
+            out.append(spec)
+        if len(out) == k:
+            break
     return out
 
 def benchmark_scene(cfg: WorldConfig, index: int, split: str = 'test', captions_per_image: int = 2) -> dict:
@@ -759,14 +843,18 @@ for i in range(60):
     s, sc = b['sample'], b['sample']['scene']
     test_eq(s['image'], generate(cfg, i, 'test')['image'])                   # the scene generate gives
     for kind, neg in b['negatives'].items():
-        assert caption_truth(spec_from_text(neg.text, cfg), sc, cfg) is False and neg.text != s['text'], (kind, neg.text)
+        assert (caption_truth(spec_from_text(neg.text, cfg), sc, cfg) is False
+                and neg.text != s['text']), (kind, neg.text)
     texts = [c.text for c in b['captions']]
-    test_eq(len(texts), len(set(texts))); assert 1 <= len(texts) <= 2
+    test_eq(len(texts), len(set(texts)))
+    assert 1 <= len(texts) <= 2
     for c in b['captions']:   # every retrieval caption is true for its image, and names all its objects
         spec = spec_from_text(c.text, cfg)
         assert caption_truth(spec, sc, cfg) is True and len(spec.mentions) == len(sc.objects)
         test_eq(c.words, c.text.split())
-test_eq({k: v.text for k, v in benchmark_scene(cfg, 59)['negatives'].items()}, {k: v.text for k, v in b['negatives'].items()})  # deterministic
+# deterministic
+test_eq({k: v.text for k, v in benchmark_scene(cfg, 59)['negatives'].items()},
+        {k: v.text for k, v in b['negatives'].items()})
 
 # %% [markdown]
 # ## Throughput
@@ -779,7 +867,8 @@ test_eq({k: v.text for k, v in benchmark_scene(cfg, 59)['negatives'].items()}, {
 _ds = WorldDataset(cfg, length=10 ** 6)
 _ds[0]
 t0, c0 = time.perf_counter(), time.process_time()
-for i in range(1000): _ds[i]
+for i in range(1000):
+    _ds[i]
 dt, dc = time.perf_counter() - t0, time.process_time() - c0
 print(f'{1000 / dt:.0f} samples per second, {1000 / dc:.0f} samples per CPU-second of this process '
       f'(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)')

@@ -55,7 +55,10 @@ from fastcore.test import test_eq, test_fail
 # %% [markdown]
 # # Data
 #
-# > Batches from the built-in world or from CC12M-style webdataset shards, with only what the method asked for: images and caption tokens always, parse-tree masks and region masks on the patch grid when needed; the model's geometry; the run seed's streams; and an account of every sample skipped.
+# > Batches from the built-in world or CC12M-style shards, with only what the method asked for.
+#
+# Images and caption tokens always, parse-tree masks and region masks on the patch grid when needed; the model's geometry;
+# the run seed's streams; and an account of every sample skipped.
 
 # %% [markdown]
 # A batch is the dict of the batch contract (see `40_methods` for its consumers). Every batch has
@@ -112,27 +115,35 @@ from fastcore.test import test_eq, test_fail
 class DataConfig:
     "Where batches come from and how they are loaded; the run writes it next to its outputs."
     source: str = 'world'          # 'world': the built-in procedural world; 'wds': webdataset shards (CC12M layout)
-    shards: str = ''               # wds: shard paths/urls, brace patterns allowed ('cc12m/{00000..01242}.tar'), '::' separated
+    shards: str = ''               # wds: shard paths/urls, brace patterns allowed ('cc12m/{00000..01242}.tar'), '::'
+                                   # separated
     batch_size: int = 64           # per process
     workers: int = 2               # DataLoader worker processes (0: load in the main process)
     world_length: int = 100_000    # world: samples per epoch (indices 0 .. world_length-1 of the 'train' split)
     world: dict = field(default_factory=dict)  # world: extra WorldConfig fields (max_objects, relations, ...); its
                                    # image and patch size are the model's, its seed derives from the run seed
-    shuffle_buffer: int = 1000     # wds: each worker shuffles its stream in blocks of this many samples (0: shard order)
+    shuffle_buffer: int = 1000     # wds: each worker shuffles its stream in blocks of this many samples (0: shard
+                                   # order)
     samples_per_epoch: int | None = None  # wds: samples per process per epoch (None: one pass over its shards)
-    parse_missing: bool = True     # wds, methods that need a tree: parse captions without {key}.tree.json on the fly (else skip them)
+    parse_missing: bool = True     # wds, methods that need a tree: parse captions without {key}.tree.json on the fly
+                                   # (else skip them)
 
     def __post_init__(self):
         # each message starts with the field's name: the trainer's config reader prefixes the section ('data.')
-        if self.source not in ('world', 'wds'): raise ValueError(f"source: must be 'world' or 'wds', got {self.source!r}")
+        if self.source not in ('world', 'wds'):
+            raise ValueError(f"source: must be 'world' or 'wds', got {self.source!r}")
         if self.source == 'wds' and not self.shards:
             raise ValueError("shards: source 'wds' needs shard paths or urls (e.g. 'cc12m/{00000..01242}.tar')")
         for k, lo in (('batch_size', 1), ('workers', 0), ('world_length', 1), ('shuffle_buffer', 0)):
-            if getattr(self, k) < lo: raise ValueError(f'{k}: must be at least {lo}, got {getattr(self, k)}')
+            if getattr(self, k) < lo:
+                raise ValueError(f'{k}: must be at least {lo}, got {getattr(self, k)}')
         if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
-            raise ValueError(f'samples_per_epoch: must be at least 1 or null (one pass over the shards), got {self.samples_per_epoch}')
+            raise ValueError('samples_per_epoch: must be at least 1 or null (one pass over the shards), got '
+                             f'{self.samples_per_epoch}')
         owned = sorted({'image_size', 'patch_size', 'seed'} & set(self.world))
-        if owned: raise ValueError(f"world: may not set {owned}: image and patch size are the model's, the seed derives from the run seed")
+        if owned:
+            raise ValueError(f"world: may not set {owned}: image and patch size are the model's, the seed "
+                             "derives from the run seed")
 
 @dataclass(frozen=True)
 class Geometry:
@@ -142,7 +153,8 @@ class Geometry:
     context_length: int  # text tokens
 
     def __post_init__(self):
-        if self.image_size % self.patch_size: raise ValueError(f'image_size {self.image_size} is not a multiple of patch_size {self.patch_size}')
+        if self.image_size % self.patch_size:
+            raise ValueError(f'image_size {self.image_size} is not a multiple of patch_size {self.patch_size}')
 
     @property
     def grid(self) -> int: return self.image_size // self.patch_size
@@ -157,13 +169,16 @@ class BatchNeeds:
     tree: bool = False             # leaf_tokens, leaf_valid, incidence, node_valid (the caption's parse tree)
     node_np: bool = False          # node_np: which nodes are noun phrases (needs tree)
     regions: int = 0               # M region masks per image (0: none)
-    region_source: str = 'random'  # 'random' boxes | 'gold' world object masks | 'superpixel' SLIC segments of the world
-                                   # image | 'stored' {key}.regions.npz masks
+    region_source: str = 'random'  # 'random' boxes | 'gold' world object masks | 'superpixel' SLIC segments of the
+                                   # world image | 'stored' {key}.regions.npz masks
 
     def __post_init__(self):
-        if self.node_np and not self.tree: raise ValueError('node_np needs tree=True (the labels are the parse tree\'s)')
-        if self.regions < 0: raise ValueError(f'regions must be >= 0, got {self.regions}')
-        if self.region_source not in REGION_SOURCES: raise ValueError(f"region_source must be one of {REGION_SOURCES}, got {self.region_source!r}")
+        if self.node_np and not self.tree:
+            raise ValueError('node_np needs tree=True (the labels are the parse tree\'s)')
+        if self.regions < 0:
+            raise ValueError(f'regions must be >= 0, got {self.regions}')
+        if self.region_source not in REGION_SOURCES:
+            raise ValueError(f"region_source must be one of {REGION_SOURCES}, got {self.region_source!r}")
 
     def keys(self) -> tuple[str, ...]:
         "The batch keys these needs add to those of every batch (image, tokens, index)."
@@ -182,8 +197,10 @@ class BatchSpec:
     def __post_init__(self):
         src, n = self.needs.region_source, self.needs.regions
         if n and src in ('gold', 'superpixel') and self.data.source != 'world':
-            raise ValueError(f"region masks {src!r} need data.source='world' (for shards, store masks: data_prep, masks 'stored')")
-        if n and src == 'stored' and self.data.source != 'wds': raise ValueError("region masks 'stored' need data.source='wds'")
+            raise ValueError(f"region masks {src!r} need data.source='world' (for shards, store masks: "
+                             "data_prep, masks 'stored')")
+        if n and src == 'stored' and self.data.source != 'wds':
+            raise ValueError("region masks 'stored' need data.source='wds'")
 
     @property
     def order_seed(self) -> int: return derive_seed(self.seed, 'data')
@@ -198,7 +215,8 @@ test_eq(Geometry(64, 8, 77).grid, 8)
 test_fail(lambda: Geometry(60, 8, 77), contains='multiple')
 test_fail(lambda: DataConfig(source='wds'), contains='shards')
 test_fail(lambda: DataConfig(world={'image_size': 32}), contains="model's")
-test_fail(lambda: BatchSpec(DataConfig(source='wds', shards='x.tar'), Geometry(64, 8, 77), BatchNeeds(regions=4, region_source='gold')), contains='gold')
+test_fail(lambda: BatchSpec(DataConfig(source='wds', shards='x.tar'), Geometry(64, 8, 77),
+                            BatchNeeds(regions=4, region_source='gold')), contains='gold')
 test_fail(lambda: BatchNeeds(node_np=True), contains='tree')
 test_eq(BatchNeeds().keys(), ())
 test_eq(BatchNeeds(tree=True, regions=3).keys()[-2:], ('region_masks', 'region_valid'))
@@ -240,7 +258,8 @@ def key_index(key: str) -> int:
 
 def derive_seed(seed: int, stream: str) -> int:
     "The seed of the named random stream of a run with seed `seed` (see the table above)."
-    if stream not in SEED_STREAMS: raise ValueError(f'unknown random stream {stream!r}; streams: {SEED_STREAMS}')
+    if stream not in SEED_STREAMS:
+        raise ValueError(f'unknown random stream {stream!r}; streams: {SEED_STREAMS}')
     return mix_seed(seed, key_index(stream))
 
 def run_seeds(seed: int) -> dict[str, int]:
@@ -253,12 +272,15 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 
 # %%
-test_eq(mix_seed(0, 1, 2), mix_seed(0, 1, 2)); assert mix_seed(0, 1, 2) != mix_seed(0, 2, 1)
+test_eq(mix_seed(0, 1, 2), mix_seed(0, 1, 2))
+assert mix_seed(0, 1, 2) != mix_seed(0, 2, 1)
 assert 0 <= mix_seed(2**40, 7) < 2**63
-test_eq(key_index('000123456'), key_index('000123456')); assert key_index('a') != key_index('b') and key_index('a') < 2**56
+test_eq(key_index('000123456'), key_index('000123456'))
+assert key_index('a') != key_index('b') and key_index('a') < 2**56
 _rs = run_seeds(0)
 assert len(set(_rs.values())) == len(SEED_STREAMS) and _rs == run_seeds(0) and _rs != run_seeds(1)
-test_eq(derive_seed(0, 'data'), _rs['data']); test_fail(lambda: derive_seed(0, 'dat'), contains='unknown random stream')
+test_eq(derive_seed(0, 'data'), _rs['data'])
+test_fail(lambda: derive_seed(0, 'dat'), contains='unknown random stream')
 
 # %% [markdown]
 # ## Skip accounting
@@ -273,17 +295,21 @@ test_eq(derive_seed(0, 'data'), _rs['data']); test_fail(lambda: derive_seed(0, '
 SAMPLE_SKIP_REASONS = ('shard_error',   # unreadable / truncated tar or a read error inside it
                        'no_image',      # no member with an image extension (IMAGE_EXTS)
                        'bad_image',     # the image bytes do not decode
-                       'no_caption',    # missing .txt, or a caption parsing.caption_problem rejects (not UTF-8, no letter or digit)
-                       'bad_tree',      # tree needed: unparsable .tree.json, a tree without a valid node, or no tree when parsing is off
+                       'no_caption',    # missing .txt, or a caption parsing.caption_problem rejects (not UTF-8, no
+                                        # letter or digit)
+                       'bad_tree',      # tree needed: unparsable .tree.json, a tree without a valid node, or no tree
+                                        # when parsing is off
                        'no_regions',    # stored masks needed: no .regions.npz or no non-empty mask in it
                        'bad_regions')   # stored masks needed: masks on another grid or unreadable
 
 class SampleSkipCounter:
     "Per-reason counts of the samples one stream skipped; each skip is also logged with its key and reason."
-    def __init__(self): self.counts = dict.fromkeys(SAMPLE_SKIP_REASONS, 0)
+    def __init__(self):
+        self.counts = dict.fromkeys(SAMPLE_SKIP_REASONS, 0)
 
     def add(self, reason: str, key: str = '', detail: str = ''):
-        if reason not in self.counts: raise ValueError(f'unknown skip reason {reason!r}; reasons: {SAMPLE_SKIP_REASONS}')
+        if reason not in self.counts:
+            raise ValueError(f'unknown skip reason {reason!r}; reasons: {SAMPLE_SKIP_REASONS}')
         self.counts[reason] += 1
         logger.warning('skipped sample %r: %s %s', key, reason, detail)
 
@@ -302,11 +328,14 @@ def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 # %%
 sc = SampleSkipCounter()
-sc.add('bad_image', 'k1', 'test'); sc.add('shard_error', 'a.tar', "ReadError('unexpected end of data')")
-test_eq(sc.total(), 2); _t = sc.take()
+sc.add('bad_image', 'k1', 'test')
+sc.add('shard_error', 'a.tar', "ReadError('unexpected end of data')")
+test_eq(sc.total(), 2)
+_t = sc.take()
 test_eq((_t['bad_image'], _t['shard_error'], sc.total()), (1, 1, 0))
 test_eq(add_counts(_t, _t)['bad_image'], 2)
 test_fail(lambda: sc.add('no_such_reason'), contains='unknown skip reason')
+
 
 # %% [markdown]
 # ## One sample, any source
@@ -331,31 +360,39 @@ def caption_tokens(text: str, context_length: int) -> torch.Tensor:
 def region_masks(mode: str, grid: int, M: int, gen: torch.Generator,
                  pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     "`(M, N)` bool masks and `(M,)` validity: random boxes, or M drawn from `pool` `(R, N)` (gold/stored)."
-    if mode == 'random': return random_box_masks(grid, grid, M, gen)
-    if pool is None: raise ValueError(f'masks={mode!r} needs a pool of masks')
+    if mode == 'random':
+        return random_box_masks(grid, grid, M, gen)
+    if pool is None:
+        raise ValueError(f'masks={mode!r} needs a pool of masks')
     pool = pool[pool.any(1)]                      # empty masks carry no region
     return select_masks(pool, M, gen)
 
 def make_item(image: torch.Tensor, text: str, parsed: ParsedCaption | TreeTokens | None, index: int, spec: BatchSpec,
               epoch: int, pool: torch.Tensor | None = None) -> dict:
-    "Per-sample tensors: image (3, H, W), tree (TreeTokens) or tokens (L,), region_masks (M, N) and region_valid (M,) if asked, index."
+    """Per-sample tensors: image (3, H, W), tree (TreeTokens) or tokens (L,), region_masks (M, N) and region_valid (M,)
+    if asked, index."""
     needs, L = spec.needs, spec.geometry.context_length
     item = dict(image=image, index=index)
     if needs.tree:
-        if parsed is None: raise ValueError('the method needs a parse tree and the sample has none')
+        if parsed is None:
+            raise ValueError('the method needs a parse tree and the sample has none')
         item['tree'] = parsed if isinstance(parsed, TreeTokens) else tree_tokens(parsed, context_length=L)
-    else: item['tokens'] = caption_tokens(text, L)
+    else:
+        item['tokens'] = caption_tokens(text, L)
     if needs.regions:
         item['region_masks'], item['region_valid'] = region_masks(
-            needs.region_source, spec.geometry.grid, needs.regions, sample_generator(spec.region_seed, epoch, index), pool)
+            needs.region_source, spec.geometry.grid, needs.regions,
+            sample_generator(spec.region_seed, epoch, index), pool)
     return item
 
 def collate(items: list[dict], node_np: bool = True) -> dict:
     "Stack `make_item` outputs into the batch contract dict (trees padded by `collate_trees`; `node_np` kept if asked)."
     if 'tree' in items[0]:
         out = collate_trees([it['tree'] for it in items])
-        if not node_np: del out['node_np']
-    else: out = dict(tokens=torch.stack([it['tokens'] for it in items]))        # (C, L)
+        if not node_np:
+            del out['node_np']
+    else:
+        out = dict(tokens=torch.stack([it['tokens'] for it in items]))        # (C, L)
     out['image'] = torch.stack([it['image'] for it in items])                  # (C, 3, H, W)
     if 'region_masks' in items[0]:
         out['region_masks'] = torch.stack([it['region_masks'] for it in items])    # (C, M, N)
@@ -369,18 +406,25 @@ _geo = Geometry(64, 8, 77)
 _spec = BatchSpec(DataConfig(), _geo, BatchNeeds(tree=True, node_np=True, regions=4))
 _pc = ParsedCaption('a red circle', ['a', 'red', 'circle'], [(0, 3)], ['NP'], 'gold', [])
 _it = make_item(torch.zeros(3, 64, 64), _pc.text, _pc, 5, _spec, epoch=0)
-test_eq(_it['region_masks'].shape, (4, 64)); assert _it['region_valid'].all() and _it['region_masks'].any(1).all()
-test_eq(_it['region_masks'], make_item(torch.zeros(3, 64, 64), _pc.text, _pc, 5, _spec, 0)['region_masks'])    # same (seed, epoch, index)
-assert not torch.equal(_it['region_masks'], make_item(torch.zeros(3, 64, 64), _pc.text, _pc, 5, _spec, 1)['region_masks'])  # new epoch
-assert not torch.equal(_it['region_masks'], make_item(torch.zeros(3, 64, 64), _pc.text, _pc, 5, BatchSpec(**{**_spec.__dict__, 'seed': 1}), 0)['region_masks'])
-_pool = torch.eye(3, 64, dtype=torch.bool); _pool = torch.cat([_pool, torch.zeros(1, 64, dtype=torch.bool)])
+test_eq(_it['region_masks'].shape, (4, 64))
+assert _it['region_valid'].all() and _it['region_masks'].any(1).all()
+# same (seed, epoch, index)
+test_eq(_it['region_masks'], make_item(torch.zeros(3, 64, 64), _pc.text, _pc, 5, _spec, 0)['region_masks'])
+# new epoch
+assert not torch.equal(_it['region_masks'],
+                       make_item(torch.zeros(3, 64, 64), _pc.text, _pc, 5, _spec, 1)['region_masks'])
+assert not torch.equal(_it['region_masks'], make_item(torch.zeros(3, 64, 64), _pc.text, _pc, 5,
+                                                      BatchSpec(**{**_spec.__dict__, 'seed': 1}), 0)['region_masks'])
+_pool = torch.eye(3, 64, dtype=torch.bool)
+_pool = torch.cat([_pool, torch.zeros(1, 64, dtype=torch.bool)])
 m, v = region_masks('gold', 8, 4, torch.Generator().manual_seed(0), _pool)
-test_eq(v.tolist(), [True, True, True, False]); assert not m[3].any()   # the empty pool mask is not drawn
+test_eq(v.tolist(), [True, True, True, False])
+assert not m[3].any()   # the empty pool mask is not drawn
 _pc2 = ParsedCaption('a b', ['a', 'b'], [(0, 2), (1, 2)], ['NP', 'NP'], 'gold', [])
 _b = collate([_it, make_item(torch.zeros(3, 64, 64), _pc2.text, _pc2, 7, _spec, 0)])
 test_eq({k: tuple(t.shape) for k, t in _b.items()},
-        dict(tokens=(2, 77), leaf_tokens=(2, 3, 77), leaf_valid=(2, 3), incidence=(2, 2, 3), node_valid=(2, 2), node_np=(2, 2),
-             image=(2, 3, 64, 64), region_masks=(2, 4, 64), region_valid=(2, 4), index=(2,)))
+        dict(tokens=(2, 77), leaf_tokens=(2, 3, 77), leaf_valid=(2, 3), incidence=(2, 2, 3), node_valid=(2, 2),
+             node_np=(2, 2), image=(2, 3, 64, 64), region_masks=(2, 4, 64), region_valid=(2, 4), index=(2,)))
 # a method that needs nothing beyond the tokens gets image, tokens and index only, and the same tokens
 _spec0 = BatchSpec(DataConfig(), _geo)
 _b0 = collate([make_item(torch.zeros(3, 64, 64), p.text, None, i, _spec0, 0) for i, p in ((5, _pc), (7, _pc2))])
@@ -405,10 +449,12 @@ class EpochBatchSampler(Sampler):
     "Batches of indices of one epoch: a permutation from (seed, epoch), sliced; rank r takes batch s*G + r at step s."
     def __init__(self, n: int, batch_size: int, seed: int, epoch: int, start_step: int = 0,
                  rank: int = 0, world_size: int = 1):
-        if not 0 <= rank < world_size: raise ValueError(f'rank {rank} not in [0, {world_size})')
+        if not 0 <= rank < world_size:
+            raise ValueError(f'rank {rank} not in [0, {world_size})')
         self.n, self.B, self.seed, self.epoch, self.rank, self.G = n, batch_size, seed, epoch, rank, world_size
         self.steps = n // (batch_size * world_size)      # full steps per epoch and rank
-        if not 0 <= start_step <= self.steps: raise ValueError(f'start_step {start_step} not in [0, {self.steps}]')
+        if not 0 <= start_step <= self.steps:
+            raise ValueError(f'start_step {start_step} not in [0, {self.steps}]')
         self.start_step = start_step
 
     def __len__(self): return self.steps - self.start_step
@@ -422,11 +468,14 @@ class EpochBatchSampler(Sampler):
 
 # %%
 _s = EpochBatchSampler(100, 8, seed=0, epoch=0)
-_all = list(_s); test_eq(len(_all), 12); test_eq(len(set(itertools.chain(*_all))), 96)   # no repeats
+_all = list(_s)
+test_eq(len(_all), 12)
+test_eq(len(set(itertools.chain(*_all))), 96)   # no repeats
 test_eq(list(EpochBatchSampler(100, 8, 0, 0, start_step=5)), _all[5:])                     # resume = suffix
 assert list(EpochBatchSampler(100, 8, 0, 1)) != _all                                        # new epoch, new order
 _r = [list(EpochBatchSampler(100, 8, 0, 0, rank=r, world_size=2)) for r in range(2)]
-test_eq(len(_r[0]), 6); assert not set(itertools.chain(*_r[0])) & set(itertools.chain(*_r[1]))  # ranks disjoint
+test_eq(len(_r[0]), 6)
+assert not set(itertools.chain(*_r[0])) & set(itertools.chain(*_r[1]))  # ranks disjoint
 test_eq(_r[1][2], _all[2 * 2 + 1])
 
 
@@ -447,22 +496,25 @@ class WorldItems(Dataset):
     def __init__(self, spec: BatchSpec, epoch: int = 0, split: str = 'train'):
         self.spec, self.epoch = spec, epoch
         src = spec.needs.region_source if spec.needs.regions else None
-        self.world = WorldDataset(world_config(spec.data, spec.geometry, spec.world_seed), spec.data.world_length, split,
-                                  rgb=src == 'superpixel')
+        self.world = WorldDataset(world_config(spec.data, spec.geometry, spec.world_seed), spec.data.world_length,
+                                  split, rgb=src == 'superpixel')
 
     def __len__(self): return len(self.world)
 
     def __getitem__(self, i: int) -> dict:
         s = self.world[i]
-        pool = world_region_pool(s, self.spec.needs.region_source, self.spec.geometry.grid) if self.spec.needs.regions else None
+        pool = (world_region_pool(s, self.spec.needs.region_source, self.spec.geometry.grid)
+                if self.spec.needs.regions else None)
         return make_item(s['image'], s['text'], s['parsed'], int(s['index']), self.spec, self.epoch, pool)
 
 
 def world_region_pool(sample: dict, source: str, grid: int) -> torch.Tensor | None:
     """The masks `(R, N)` a world sample offers to `region_masks`: its valid gold object masks ('gold'), the SLIC
     segments of its pixels on the `grid x grid` patch grid ('superpixel'; the sample needs `rgb`), None for 'random'."""
-    if source == 'gold': return sample['masks'][sample['mask_valid']]
-    if source == 'superpixel': return superpixel_masks(sample['rgb'].numpy(), GridConfig(grid, grid, crop='full')).masks
+    if source == 'gold':
+        return sample['masks'][sample['mask_valid']]
+    if source == 'superpixel':
+        return superpixel_masks(sample['rgb'].numpy(), GridConfig(grid, grid, crop='full')).masks
     return None
 
 
@@ -480,7 +532,8 @@ for c in range(4):
 print(_wi.world[0]['parsed'].labels, _wb['node_np'][0].tolist())
 # the world's captions tokenise the same with and without their tree
 _wt = collate([WorldItems(BatchSpec(DataConfig(world_length=8), _geo))[i] for i in range(4)])
-test_eq(_wt['tokens'], _wb['tokens']); assert 'leaf_tokens' not in _wt and 'region_masks' not in _wt
+test_eq(_wt['tokens'], _wb['tokens'])
+assert 'leaf_tokens' not in _wt and 'region_masks' not in _wt
 
 # %% [markdown]
 # ## Webdataset shards
@@ -546,12 +599,14 @@ test_eq(_wt['tokens'], _wb['tokens']); assert 'leaf_tokens' not in _wt and 'regi
 
 # %%
 #| export
-IMAGE_EXTS = ('.jpg', '.jpeg', '.png', '.webp', '.bmp')   # image file suffixes; a shard member's key is the suffix without its dot
+# image file suffixes; a shard member's key is the suffix without its dot
+IMAGE_EXTS = ('.jpg', '.jpeg', '.png', '.webp', '.bmp')
 
 def shard_urls(shards: str | list[str]) -> list[str]:
     "Expand '::'-separated brace patterns ('a/{000..009}.tar::b.tar') into a list of shard urls."
     import webdataset as wds
-    if isinstance(shards, (list, tuple)): return [u for s in shards for u in shard_urls(s)]
+    if isinstance(shards, (list, tuple)):
+        return [u for s in shards for u in shard_urls(s)]
     return list(wds.shardlists.expand_urls(shards))
 
 def eval_transform(image_size: int):
@@ -564,14 +619,21 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Sam
     Reads a tree (stored, or parsed on the fly) and stored masks only when the method needs them."""
     key, needs, cfg, geo = s.get('__key__', '?'), spec.needs, spec.data, spec.geometry
     def skip(reason, detail=''):
-        counter.add(reason, f"{s.get('__url__', '')}:{key}", detail); return None
-    if '__shard_error__' in s: return skip('shard_error', s['__shard_error__'])
+        counter.add(reason, f"{s.get('__url__', '')}:{key}", detail)
+        return None
+    if '__shard_error__' in s:
+        return skip('shard_error', s['__shard_error__'])
     img = next((s[e[1:]] for e in IMAGE_EXTS if e[1:] in s), None)
-    if img is None: return skip('no_image')
+    if img is None:
+        return skip('no_image')
     try:
-        with Image.open(io.BytesIO(img)) as im: im.load(); im = im.convert('RGB')
-    except Exception as e: return skip('bad_image', repr(e)[:200])
-    if why := caption_problem(s.get('txt')): return skip('no_caption', why)   # the annotator's rule (20_parsing)
+        with Image.open(io.BytesIO(img)) as im:
+            im.load()
+            im = im.convert('RGB')
+    except Exception as e:
+        return skip('bad_image', repr(e)[:200])
+    if why := caption_problem(s.get('txt')):
+        return skip('no_caption', why)   # the annotator's rule (20_parsing)
     text = s['txt'].decode('utf-8') if isinstance(s['txt'], bytes) else s['txt']
     tt = None
     if needs.tree:
@@ -579,20 +641,30 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Sam
             try:
                 parsed = ParsedCaption.from_dict(json.loads(s['tree.json']))
                 problems = tree_problems(parsed)
-            except Exception as e: return skip('bad_tree', repr(e)[:200])
-            if problems: return skip('bad_tree', '; '.join(problems)[:200])
-        elif cfg.parse_missing: parsed = parse_caption(text)
-        else: return skip('bad_tree', 'no .tree.json and parse_missing=False')
+            except Exception as e:
+                return skip('bad_tree', repr(e)[:200])
+            if problems:
+                return skip('bad_tree', '; '.join(problems)[:200])
+        elif cfg.parse_missing:
+            parsed = parse_caption(text)
+        else:
+            return skip('bad_tree', 'no .tree.json and parse_missing=False')
         tt = tree_tokens(parsed, context_length=geo.context_length)
-        if not tt.node_valid.any(): return skip('bad_tree', 'no node with a word')
+        if not tt.node_valid.any():
+            return skip('bad_tree', 'no node with a word')
     pool = None
     if needs.regions and needs.region_source == 'stored':
-        if 'regions.npz' not in s: return skip('no_regions', 'no .regions.npz')
-        try: pool, meta = decode_regions(s['regions.npz'])
-        except Exception as e: return skip('bad_regions', repr(e)[:200])
+        if 'regions.npz' not in s:
+            return skip('no_regions', 'no .regions.npz')
+        try:
+            pool, meta = decode_regions(s['regions.npz'])
+        except Exception as e:
+            return skip('bad_regions', repr(e)[:200])
         if (meta['grid_h'], meta['grid_w']) != (geo.grid, geo.grid):
-            return skip('bad_regions', f"masks on a {meta['grid_h']}x{meta['grid_w']} grid, the model has {geo.grid}x{geo.grid}")
-        if not pool.any(1).any(): return skip('no_regions', 'all stored masks empty')
+            return skip('bad_regions', f"masks on a {meta['grid_h']}x{meta['grid_w']} grid, the model "
+                                       f"has {geo.grid}x{geo.grid}")
+        if not pool.any(1).any():
+            return skip('no_regions', 'all stored masks empty')
     return make_item(preprocess(im), text, tt, key_index(key), spec, epoch, pool)
 
 def read_shard(url: str):
@@ -600,9 +672,13 @@ def read_shard(url: str):
     (`{'__shard_error__': what, '__url__': url}`), which `decode_sample` skips as a `shard_error`."""
     import webdataset as wds
     errors = []
-    def handler(exn): errors.append(exn); return True
+    def handler(exn):
+        errors.append(exn)
+        return True
     yield from wds.tarfile_to_samples(handler=handler)(iter([dict(url=url)]))
-    if errors: yield {'__key__': url, '__url__': url, '__shard_error__': f'{len(errors)} read error(s), first {errors[0]!r}'[:300]}
+    if errors:
+        yield {'__key__': url, '__url__': url, '__shard_error__': f'{len(errors)} read '
+                                                                  f'error(s), first {errors[0]!r}'[:300]}
 
 
 @dataclass
@@ -618,18 +694,23 @@ class StreamPosition:
 
     def __post_init__(self):
         n = self.workers
-        self.pos = list(self.pos or [0] * n); self.at = [list(a) for a in (self.at or [[0, 0]] * n)]
-        self.ended = list(self.ended or [False] * n); self.skipped = add_counts({}, self.skipped or {})
-        if not len(self.pos) == len(self.at) == len(self.ended) == n: raise ValueError(f'a position of {n} workers needs {n} entries each')
+        self.pos = list(self.pos or [0] * n)
+        self.at = [list(a) for a in (self.at or [[0, 0]] * n)]
+        self.ended = list(self.ended or [False] * n)
+        self.skipped = add_counts({}, self.skipped or {})
+        if not len(self.pos) == len(self.at) == len(self.ended) == n:
+            raise ValueError(f'a position of {n} workers needs {n} entries each')
 
     def due(self) -> int | None:
         "The worker whose batch comes next: the next in turn whose stream has not ended (None: all ended)."
-        return next(((self.next + k) % self.workers for k in range(self.workers) if not self.ended[(self.next + k) % self.workers]), None)
+        return next(((self.next + k) % self.workers for k in range(self.workers)
+                     if not self.ended[(self.next + k) % self.workers]), None)
 
     def consume(self, meta: dict) -> None:
         "Account for one consumed batch or end record of worker `meta['worker']`."
         w = meta['worker']
-        if w != self.due(): raise RuntimeError(f'worker {w} delivered out of turn (worker {self.due()} was due): exact resume '
+        if w != self.due():
+            raise RuntimeError(f'worker {w} delivered out of turn (worker {self.due()} was due): exact resume '
                                                "relies on the DataLoader asking its workers in turn")
         self.pos[w], self.at[w], self.ended[w] = meta['pos'], list(meta['at']), meta['end']
         self.skipped = add_counts(self.skipped, meta['skips'])
@@ -651,7 +732,8 @@ class WdsItems(IterableDataset):
         self.position = position or StreamPosition(n_streams(spec.data))
         self.preprocess = preprocess or eval_transform(spec.geometry.image_size)
         self.urls = shard_urls(spec.data.shards)
-        if not self.urls: raise ValueError(f'no shards in {spec.data.shards!r}')
+        if not self.urls:
+            raise ValueError(f'no shards in {spec.data.shards!r}')
 
     def shards(self, w: int) -> list[str]:
         "Worker w's shards in this epoch: the epoch's shard order, every (G n_w)-th from r n_w + w."
@@ -664,13 +746,15 @@ class WdsItems(IterableDataset):
         if (1 if info is None else info.num_workers) != P.workers:
             raise RuntimeError(f'a position of {P.workers} worker streams read by {info.num_workers} workers')
         w = ((0 if info is None else info.id) + P.next) % P.workers   # physical worker i plays stream (i + n) mod n_w
-        if not P.ended[w]: yield from self.stream(w)
+        if not P.ended[w]:
+            yield from self.stream(w)
 
     def raw(self, shards: list[str], at) -> itertools.chain:
         "(raw sample, where the stream stands after it) from `at` = [shard index, raw samples into it] on."
         for i in range(at[0], len(shards)):
             for k, s in enumerate(read_shard(shards[i]), 1):
-                if i > at[0] or k > at[1]: yield s, [i, k]
+                if i > at[0] or k > at[1]:
+                    yield s, [i, k]
 
     def stream(self, w: int):
         "Worker w's batches from its position on, then its end record."
@@ -685,20 +769,26 @@ class WdsItems(IterableDataset):
             random.Random(mix_seed(self.spec.order_seed, self.epoch, self.rank, w, j)).shuffle(order)   # pi_j
             for t, b in enumerate(order):
                 q = j * K + t                     # output position of this sample
-                if q < p0: continue               # consumed before the resume: neither decoded nor counted again
+                if q < p0:
+                    continue               # consumed before the resume: neither decoded nor counted again
                 s = block[b][0]
-                try: item = decode_sample(s, self.spec, self.epoch, self.preprocess, skips)
+                try:
+                    item = decode_sample(s, self.spec, self.epoch, self.preprocess, skips)
                 except Exception as e:   # a bug or a case we did not foresee: still count it, never kill the epoch
-                    skips.add('bad_image' if 'image' in repr(e).lower() else 'bad_tree', s.get('__key__', '?'), repr(e)[:200])
+                    skips.add('bad_image' if 'image' in repr(e).lower() else 'bad_tree',
+                              s.get('__key__', '?'), repr(e)[:200])
                     item = None
-                if item is None: continue
+                if item is None:
+                    continue
                 items.append(item)
                 if len(items) == B:
                     p = q + 1
-                    batch = collate(items, node_np=self.spec.needs.node_np); items = []
+                    batch = collate(items, node_np=self.spec.needs.node_np)
+                    items = []
                     batch['_meta'] = dict(worker=w, pos=p, at=start if p % K else head, skips=skips.take(), end=False)
                     yield batch
-            end = j * K + len(block); j += 1
+            end = j * K + len(block)
+            j += 1
         yield {'_meta': dict(worker=w, pos=end, at=head, skips=skips.take(), end=True)}
 
 
@@ -725,20 +815,23 @@ class Loader:
         def pull():   # the next batch, consuming the end records before it; None when the workers are done
             for x in it:
                 meta = x.pop('_meta', None) if isinstance(x, dict) else None
-                if meta is None or not meta['end']: return x, meta
+                if meta is None or not meta['end']:
+                    return x, meta
                 P.consume(meta)
             return None
         nxt = None if self.steps is not None and P.step >= self.steps else pull()
         while nxt is not None:
             batch, meta = nxt
-            if meta is not None: P.consume(meta)
+            if meta is not None:
+                P.consume(meta)
             P.step += 1
             # read one ahead: the end records that follow this batch are counted with it (none after the last step)
             nxt = pull() if self.steps is None or P.step < self.steps else None
             yield batch
 
     def __len__(self):
-        if self.steps is None: raise TypeError('the number of steps of a shard epoch is unknown: set samples_per_epoch')
+        if self.steps is None:
+            raise TypeError('the number of steps of a shard epoch is unknown: set samples_per_epoch')
         return max(0, self.steps - self.position.step)
 
     def skipped(self) -> dict[str, int]: return dict(self.position.skipped)
@@ -747,30 +840,37 @@ class Loader:
 
 def steps_per_epoch(cfg: DataConfig, world_size: int = 1) -> int | None:
     "Full steps per epoch and process: world: world_length // (B G); wds: samples_per_epoch // B or None."
-    if cfg.source == 'world': return cfg.world_length // (cfg.batch_size * world_size)
+    if cfg.source == 'world':
+        return cfg.world_length // (cfg.batch_size * world_size)
     return None if cfg.samples_per_epoch is None else cfg.samples_per_epoch // cfg.batch_size
 
 def make_loader(spec: BatchSpec, epoch: int = 0, start_step: int = 0, preprocess=None, rank: int = 0,
-                world_size: int = 1, position: StreamPosition | dict | None = None) -> Loader:
+                world_size: int = 1, position: StreamPosition | dict | None = None,
+                pin_memory: bool = False) -> Loader:
     """The loader of one epoch for process `rank` of `world_size`, from `start_step` (the world) or from `position`
-    (`Loader.state()` of an earlier loader of this epoch; shards need it to resume)."""
+    (`Loader.state()` of an earlier loader of this epoch; shards need it to resume). `pin_memory`: batches in
+    page-locked host memory, so that a GPU's non-blocking copies overlap compute (the trainer asks for it on CUDA)."""
     cfg = spec.data
-    if isinstance(position, dict): position = StreamPosition(**position)
+    if isinstance(position, dict):
+        position = StreamPosition(**position)
     if position is None:
         if start_step and cfg.source == 'wds':
             raise ValueError('shards resume from the position a loader reached (Loader.state()), not from a step alone')
         position = StreamPosition(n_streams(cfg), step=start_step)
-    elif start_step not in (0, position.step): raise ValueError(f'start_step {start_step} is not the position\'s step {position.step}')
+    elif start_step not in (0, position.step):
+        raise ValueError(f'start_step {start_step} is not the position\'s step {position.step}')
     if cfg.source == 'world':
-        sampler = EpochBatchSampler(cfg.world_length, cfg.batch_size, spec.order_seed, epoch, position.step, rank, world_size)
+        sampler = EpochBatchSampler(cfg.world_length, cfg.batch_size, spec.order_seed, epoch, position.step,
+                                    rank, world_size)
         dl = DataLoader(WorldItems(spec, epoch), batch_sampler=sampler, num_workers=cfg.workers,
-                        collate_fn=partial(collate, node_np=spec.needs.node_np))
+                        collate_fn=partial(collate, node_np=spec.needs.node_np), pin_memory=pin_memory)
         return Loader(dl, sampler.steps, position)
     if position.workers != n_streams(cfg):
-        raise ValueError(f'data.workers: the shard position was reached with {position.workers} worker stream(s); shards are split '
-                         f'by worker, so resume with data.workers={position.workers}' + (' (or 0)' if position.workers == 1 else ''))
+        raise ValueError(f'data.workers: the shard position was reached with {position.workers} worker stream(s); '
+                         f'shards are split by worker, so resume with data.workers={position.workers}'
+                         + (' (or 0)' if position.workers == 1 else ''))
     ds = WdsItems(spec, epoch, position, preprocess, rank, world_size)
-    dl = DataLoader(ds, batch_size=None, num_workers=cfg.workers, collate_fn=_as_is)
+    dl = DataLoader(ds, batch_size=None, num_workers=cfg.workers, collate_fn=_as_is, pin_memory=pin_memory)
     return Loader(dl, steps_per_epoch(cfg, world_size), position)
 
 
@@ -787,8 +887,11 @@ t0 = time.time()
 full = list(make_loader(wspec, epoch=0))
 print(f'{len(full)} world batches of 8 in {time.time() - t0:.2f} s (main process)')
 b = full[0]
-test_eq(len(full), 5); test_eq(b['image'].shape, (8, 3, 64, 64)); test_eq(b['region_masks'].shape, (8, 4, 64))
-test_eq(b['tokens'].shape, (8, 77)); test_eq(b['tokens'].dtype, torch.long)
+test_eq(len(full), 5)
+test_eq(b['image'].shape, (8, 3, 64, 64))
+test_eq(b['region_masks'].shape, (8, 4, 64))
+test_eq(b['tokens'].shape, (8, 77))
+test_eq(b['tokens'].dtype, torch.long)
 assert all(b['region_masks'][c][b['region_valid'][c]].any(1).all() for c in range(8))   # valid masks non-empty
 assert not b['region_masks'][~b['region_valid']].any()                                   # padding all False
 # gold masks: every valid region is one of the sample's gold object masks
@@ -800,18 +903,21 @@ test_eq(sorted(torch.cat([x['index'] for x in full]).tolist()), list(range(40)))
 _sp = BatchSpec(wspec.data, _geo, BatchNeeds(tree=True, regions=4, region_source='superpixel'))
 bs = next(iter(make_loader(_sp, epoch=0)))
 s0 = WorldDataset(world_config(wspec.data, _geo, wspec.world_seed), 40, rgb=True)[int(bs['index'][0])]
-test_eq(s0['rgb'].shape, (64, 64, 3)); test_eq(s0['rgb'].dtype, torch.uint8)
+test_eq(s0['rgb'].shape, (64, 64, 3))
+test_eq(s0['rgb'].dtype, torch.uint8)
 segs = {tuple(r.tolist()) for r in superpixel_masks(s0['rgb'].numpy(), GridConfig(8, 8, crop='full')).masks}
 assert len(segs) > 4 and {tuple(r.tolist()) for r in bs['region_masks'][0][bs['region_valid'][0]]} <= segs
 test_eq(bs['region_valid'].all(), True)
-test_fail(lambda: BatchSpec(DataConfig(source='wds', shards='x.tar'), _geo, BatchNeeds(regions=4, region_source='superpixel')),
+test_fail(lambda: BatchSpec(DataConfig(source='wds', shards='x.tar'), _geo,
+                            BatchNeeds(regions=4, region_source='superpixel')),
           contains="need data.source='world'")
 def same(xs, ys): return len(xs) == len(ys) and all(torch.equal(x[k], y[k]) for x, y in zip(xs, ys) for k in x)
 assert same(list(make_loader(wspec, 0, start_step=2)), full[2:])                          # exact resume
 _w2 = BatchSpec(DataConfig(batch_size=8, workers=2, world_length=40), _geo, _gold)
 assert same(list(make_loader(_w2, 0)), full)                                             # 2 workers == 0 workers
 test_eq(len(make_loader(wspec, 0, start_step=2)), 3)
-assert not same(list(make_loader(BatchSpec(wspec.data, _geo, _gold, seed=1), 0)), full)  # another run seed: other batches
+# another run seed: other batches
+assert not same(list(make_loader(BatchSpec(wspec.data, _geo, _gold, seed=1), 0)), full)
 # a CLIP run on the same data: the same images and tokens, no tree and no region mask
 _clip = list(make_loader(BatchSpec(wspec.data, _geo, BatchNeeds()), epoch=0))
 test_eq(set(_clip[0]), {'image', 'tokens', 'index'})
@@ -834,13 +940,20 @@ for row, bb in enumerate((b, rb)):
         img = (bb['image'][c].permute(1, 2, 0) * torch.tensor(CLIP_STD) + torch.tensor(CLIP_MEAN)).clamp(0, 1).numpy()
         over = np.zeros((8, 8, 4))
         for m in range(4):
-            if bb['region_valid'][c, m]: over[bb['region_masks'][c, m].view(8, 8).numpy()] = [*cols[m], 0.35]
-        ax = axs[row, c]; ax.imshow(img); ax.imshow(over, extent=(0, 64, 64, 0)); ax.set_xticks([]); ax.set_yticks([])
+            if bb['region_valid'][c, m]:
+                over[bb['region_masks'][c, m].view(8, 8).numpy()] = [*cols[m], 0.35]
+        ax = axs[row, c]
+        ax.imshow(img)
+        ax.imshow(over, extent=(0, 64, 64, 0))
+        ax.set_xticks([])
+        ax.set_yticks([])
         if row == 0:
             s_ = WorldDataset(world_config(wspec.data, _geo, wspec.world_seed), 40)[int(bb['index'][c])]
             ax.set_title('\n'.join(textwrap.wrap(s_['text'], 30)), fontsize=7)
-axs[0, 0].set_ylabel('gold masks'); axs[1, 0].set_ylabel('random boxes')
-plt.tight_layout(); plt.show()
+axs[0, 0].set_ylabel('gold masks')
+axs[1, 0].set_ylabel('random boxes')
+plt.tight_layout()
+plt.show()
 
 
 # %% [markdown]
@@ -857,20 +970,23 @@ def write_shard(path, samples: list[dict]):
     "Write a webdataset tar: each sample a dict with '__key__' and extension -> bytes/str (img2dataset layout)."
     import webdataset as wds
     with wds.TarWriter(str(path)) as w:
-        for s in samples: w.write({k: (v.encode() if isinstance(v, str) and k != '__key__' else v) for k, v in s.items()})
+        for s in samples:
+            w.write({k: (v.encode() if isinstance(v, str) and k != '__key__' else v) for k, v in s.items()})
 
 
 # %%
 def jpeg(seed, size=(80, 60)):
     rng = np.random.default_rng(seed)
-    buf = io.BytesIO(); Image.fromarray(rng.integers(0, 255, (*size[::-1], 3), dtype=np.uint8)).save(buf, 'JPEG')
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (*size[::-1], 3), dtype=np.uint8)).save(buf, 'JPEG')
     return buf.getvalue()
 
 def good(i, tree=True):
     s = {'__key__': f'{i:09d}', 'jpg': jpeg(i), 'txt': f'a photo of a red car number {i}',
          'json': json.dumps({'key': f'{i:09d}', 'status': 'success'})}
     words = s['txt'].split()
-    if tree: s['tree.json'] = json.dumps(ParsedCaption(s['txt'], words, [(0, len(words)), (0, 3), (3, len(words))],
+    if tree:
+        s['tree.json'] = json.dumps(ParsedCaption(s['txt'], words, [(0, len(words)), (0, 3), (3, len(words))],
                                                       ['NP', 'NP', 'PP'], 'gold', []).to_dict())
     from powerclip.regions import encode_regions
     s['regions.npz'] = encode_regions(torch.eye(3, 64, dtype=torch.bool), 8, 8, 'test')
@@ -890,8 +1006,10 @@ def build_shards(root):
     return str(root / '{00000..00002}.tar')
 
 from powerclip.regions import encode_regions
-tmp = tempfile.TemporaryDirectory(); pattern = build_shards(tmp.name)
-with tarfile.open(Path(tmp.name) / '00001.tar') as t: print(t.getnames()[:6])
+tmp = tempfile.TemporaryDirectory()
+pattern = build_shards(tmp.name)
+with tarfile.open(Path(tmp.name) / '00001.tar') as t:
+    print(t.getnames()[:6])
 
 # %% [markdown]
 # Reading all three shards with `stored` masks: the good samples come through (the truncated shard gives the
@@ -908,9 +1026,11 @@ test_eq({k: ld.skipped()[k] for k in ('bad_image', 'no_caption', 'no_image', 'ba
         dict(bad_image=1, no_caption=1, no_image=1, bad_tree=1, bad_regions=1))
 test_eq(ld.skipped()['shard_error'], 1)                            # the truncated shard
 b = batches[0]
-test_eq(b['image'].shape, (2, 3, 64, 64)); test_eq(b['region_masks'].shape, (2, 4, 64))
+test_eq(b['image'].shape, (2, 3, 64, 64))
+test_eq(b['region_masks'].shape, (2, 4, 64))
 test_eq(b['region_valid'].sum(1).tolist(), [3, 3])                 # 3 stored masks, 1 padding row
-assert n_good >= 6 + 1                                             # 6 good samples + the intact part of the truncated shard
+assert n_good >= 6 + 1                                             # 6 good samples + the intact part of the truncated
+                                                                   # shard
 assert abs(float(b['image'].mean())) < 3                           # normalised, not raw 0..255
 # the labels of the stored {key}.tree.json (NP, NP, PP) reach the batch as `node_np`
 assert all(x['node_np'].shape == x['node_valid'].shape for x in batches)
@@ -926,6 +1046,7 @@ b0 = list(ld0)
 test_eq({k: v for k, v in ld0.skipped().items() if v}, dict(shard_error=1, no_image=1, bad_image=1, no_caption=1))
 test_eq(set(b0[0]), {'image', 'tokens', 'index'})
 assert sum(len(x['index']) for x in b0) == n_good + 2   # the bad tree and the bad masks do not matter to CLIP
+
 
 # %% [markdown]
 # ### Exact resume on shards
@@ -947,14 +1068,18 @@ for nw in (0, 2):
     rspec = BatchSpec(DataConfig(**{**_clip_all.data.__dict__, 'workers': nw}), _geo)
     run, ld = with_positions(rspec, epoch=1)
     full, states = [b for b, _ in run], [st for _, st in run]
-    test_eq(ld.skipped(), dict(shard_error=1, no_image=1, bad_image=1, no_caption=1, bad_tree=0, no_regions=0, bad_regions=0))
+    test_eq(ld.skipped(),
+            dict(shard_error=1, no_image=1, bad_image=1, no_caption=1, bad_tree=0, no_regions=0, bad_regions=0))
     for s, st in enumerate(states[:-1], 1):
         rest, ld_r = with_positions(rspec, epoch=1, position=st)
         assert same([b for b, _ in rest], full[s:]), (nw, s)
-        test_eq(ld_r.skipped(), ld.skipped()); test_eq(ld_r.state(), ld.state())
+        test_eq(ld_r.skipped(), ld.skipped())
+        test_eq(ld_r.state(), ld.state())
     # the shuffle is a shuffle: another epoch, another order; the same epoch again, the same order
     assert not same(list(make_loader(rspec, epoch=2)), full) and same(list(make_loader(rspec, epoch=1)), full)
 print(f'{len(full)} shard batches, resumed after each step with 0 and 2 workers: exact ({time.time() - t0:.1f} s)')
-test_fail(lambda: make_loader(rspec, 1, start_step=2), contains='position')                       # a step is not a shard position
-test_fail(lambda: make_loader(BatchSpec(DataConfig(**{**rspec.data.__dict__, 'workers': 3}), _geo), 1, position=states[1]),
+# a step is not a shard position
+test_fail(lambda: make_loader(rspec, 1, start_step=2), contains='position')
+test_fail(lambda: make_loader(BatchSpec(DataConfig(**{**rspec.data.__dict__, 'workers': 3}), _geo), 1,
+                              position=states[1]),
           contains='data.workers=2')

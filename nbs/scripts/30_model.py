@@ -46,7 +46,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # The model
 #
-# > open_clip's dual encoder, with projected patch and token embeddings from one forward pass per tower, one way to drop patch tokens before the vision transformer, and the caption tokens that count as words; it knows no method, no training and no distribution.
+# > open_clip's dual encoder: projected patch and token embeddings from one forward pass per tower.
+#
+# One way to drop patch tokens before the vision transformer, and the caption tokens that count as words. The model knows
+# no method, no training and no distribution.
 
 # %% [markdown]
 # PowerCLIP changes the loss, not the architecture: the towers are open_clip's. What the loss needs beyond
@@ -83,7 +86,8 @@ def config_dir() -> Path:
 def register_configs() -> list[str]:
     "Add `powerclip/model_configs/*.json` to open_clip's model registry (idempotent); returns their names."
     names = sorted(p.stem for p in config_dir().glob('*.json'))
-    if not set(names) <= set(open_clip.list_models()): open_clip.add_model_config(config_dir())
+    if not set(names) <= set(open_clip.list_models()):
+        open_clip.add_model_config(config_dir())
     return names
 
 
@@ -97,8 +101,8 @@ for n in names:
     assert v['image_size'] % v['patch_size'] == 0 and t['context_length'] <= 77 and t['vocab_size'] == 49408
     print(f"{n:16s} D={cfg['embed_dim']:4d}  vision {v['image_size']}px/{v['patch_size']} "
           f"{v['layers']}x{v['width']}  text {t['layers']}x{t['width']} ({t['heads']} heads)")
-test_eq(open_clip.get_model_config('ViT-B-16')['text_cfg'] | {}, dict(context_length=77, vocab_size=49408, width=512, heads=8, layers=12))
-
+test_eq(open_clip.get_model_config('ViT-B-16')['text_cfg'] | {},
+        dict(context_length=77, vocab_size=49408, width=512, heads=8, layers=12))
 
 # %% [markdown]
 # `create_model` builds a model by architecture name (an open_clip config: the paper's `ViT-B-16`, or one of ours).
@@ -119,13 +123,15 @@ test_eq(open_clip.get_model_config('ViT-B-16')['text_cfg'] | {}, dict(context_le
 
 # %%
 #| export
-POOLS = ('tok', 'avg')    # class token / EOT (CLIP) | mean of the patch tokens / of the caption's tokens (PowerCLIP's authors)
+# class token / EOT (CLIP) | mean of the patch tokens / of the caption's tokens (PowerCLIP's authors)
+POOLS = ('tok', 'avg')
 
 def arch_pool(name: str, kwargs: dict | None = None) -> str:
     "The pooling architecture `name` (with `kwargs`) asks for: its vision config's `pool_type`, 'tok' when not given."
     v = {**open_clip.get_model_config(name), **(kwargs or {})}.get('vision_cfg') or {}
     pool = v.get('pool_type', 'tok')
-    if pool not in POOLS: raise NotImplementedError(f"{name}: vision pool_type {pool!r} (supported: {', '.join(POOLS)})")
+    if pool not in POOLS:
+        raise NotImplementedError(f"{name}: vision pool_type {pool!r} (supported: {', '.join(POOLS)})")
     return pool
 
 def token_mean(
@@ -141,7 +147,8 @@ def patch_mean(
     visible: torch.Tensor | None = None,  # (C, N) bool: the patches that count (hidden tokens do not), None: all
 ) -> torch.Tensor:                        # (C, D)
     "The mean over each image's (visible) patch embeddings (the image tower's 'avg' pooling)."
-    if visible is None: return patches.mean(1)
+    if visible is None:
+        return patches.mean(1)
     w = visible.to(patches.dtype)
     return (patches * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
 
@@ -154,12 +161,15 @@ def _encode_text_avg(self, text: torch.Tensor, normalize: bool = False) -> torch
 def set_pool(model, pool: str):
     """Make both towers of an open_clip CLIP pool by `pool` ('tok' or 'avg'), in place: the image tower by open_clip's
     own `visual.pool_type`, the text tower by an instance-level `encode_text`; the weights are untouched."""
-    if pool not in POOLS: raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
+    if pool not in POOLS:
+        raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
     if not isinstance(model, open_clip.CLIP) or not hasattr(model.visual, 'pool_type'):
         raise NotImplementedError(f'set_pool supports open_clip.CLIP with a ViT, got {type(model).__name__}')
     model.visual.pool_type = pool
-    if pool == 'avg': model.encode_text = types.MethodType(_encode_text_avg, model)
-    else: vars(model).pop('encode_text', None)
+    if pool == 'avg':
+        model.encode_text = types.MethodType(_encode_text_avg, model)
+    else:
+        vars(model).pop('encode_text', None)
     return model
 
 def pool_of(model) -> str:
@@ -176,15 +186,18 @@ def pool_of(model) -> str:
 def _known(name: str) -> None:
     register_configs()
     if name not in open_clip.list_models():
-        raise ValueError(f'unknown model {name!r}: an open_clip architecture, e.g. ViT-B-16 or ours {sorted(p.stem for p in config_dir().glob("*.json"))}')
+        raise ValueError(f'unknown model {name!r}: an open_clip architecture, e.g. ViT-B-16 or ours '
+                         f'{sorted(p.stem for p in config_dir().glob("*.json"))}')
 
 def create_model(name: str, pretrained: str | Path | None = None, pool: str | None = None, **kw):
     """`(model, preprocess_train, preprocess_val)` for an architecture name; `pretrained`: None or a local file;
     `pool`: 'tok' or 'avg' for both towers (see "Pooling" below), None: the architecture's own (`arch_pool`)."""
     _known(name)
-    if pool is not None and pool not in POOLS: raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
+    if pool is not None and pool not in POOLS:
+        raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
     if pretrained is not None and not Path(pretrained).is_file():
-        raise FileNotFoundError(f'pretrained must be a local checkpoint file (nothing is downloaded), got {pretrained!r}')
+        raise FileNotFoundError('pretrained must be a local checkpoint file (nothing is '
+                                f'downloaded), got {pretrained!r}')
     model, pre_train, pre_val = open_clip.create_model_and_transforms(
         name, pretrained=None if pretrained is None else str(pretrained), **kw)
     set_pool(model, pool or arch_pool(name, kw))
@@ -193,17 +206,21 @@ def create_model(name: str, pretrained: str | Path | None = None, pool: str | No
 def _side(x, what: str) -> int:
     "An open_clip size (int or (h, w)) as one int; non-square sizes are not supported."
     if isinstance(x, (tuple, list)):
-        if len(set(x)) != 1: raise NotImplementedError(f'non-square {what} {tuple(x)}')
+        if len(set(x)) != 1:
+            raise NotImplementedError(f'non-square {what} {tuple(x)}')
         x = x[0]
     return int(x)
 
 def model_geometry(name: str, kwargs: dict | None = None) -> Geometry:
-    "Image size, patch size and context length of architecture `name` with `kwargs` (whole config entries), without building it."
+    """Image size, patch size and context length of architecture `name` with `kwargs` (whole config entries), without
+    building it."""
     _known(name)
     cfg = {**open_clip.get_model_config(name), **(kwargs or {})}
     v, t = cfg.get('vision_cfg') or {}, cfg.get('text_cfg') or {}
-    if 'image_size' not in v or 'patch_size' not in v: raise NotImplementedError(f'{name}: not a ViT vision tower (no patch size)')
-    return Geometry(_side(v['image_size'], 'image size'), _side(v['patch_size'], 'patch size'), int(t.get('context_length', 77)))
+    if 'image_size' not in v or 'patch_size' not in v:
+        raise NotImplementedError(f'{name}: not a ViT vision tower (no patch size)')
+    return Geometry(_side(v['image_size'], 'image size'), _side(v['patch_size'], 'patch size'),
+                    int(t.get('context_length', 77)))
 
 def geometry_of(model) -> Geometry:
     "The geometry of a built model (to check it against `model_geometry`)."
@@ -219,12 +236,15 @@ def grid_size(model) -> tuple[int, int]:
 torch.manual_seed(0)
 model, _, preprocess = create_model('powerclip-tiny')
 test_eq(grid_size(model), (8, 8))
-print(f"powerclip-tiny: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; eval transform: {preprocess}")
+print(f"powerclip-tiny: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; "
+      f"eval transform: {preprocess}")
 test_fail(lambda: create_model('ViT-B-16', pretrained='openai'), contains='local checkpoint')
 test_fail(lambda: create_model('demo'), contains='unknown model')   # architecture names only
 # the geometry read from the configs is the built model's
-test_eq(model_geometry('powerclip-tiny'), geometry_of(model)); test_eq(model_geometry('powerclip-tiny'), Geometry(64, 8, 77))
-test_eq(model_geometry('ViT-B-16'), Geometry(224, 16, 77)); test_eq(model_geometry('powerclip-demo').context_length, 32)
+test_eq(model_geometry('powerclip-tiny'), geometry_of(model))
+test_eq(model_geometry('powerclip-tiny'), Geometry(64, 8, 77))
+test_eq(model_geometry('ViT-B-16'), Geometry(224, 16, 77))
+test_eq(model_geometry('powerclip-demo').context_length, 32)
 _kw = dict(text_cfg=dict(context_length=32, vocab_size=49408, width=128, heads=4, layers=4))
 test_eq(model_geometry('powerclip-tiny', _kw), Geometry(64, 8, 32))
 
@@ -273,10 +293,10 @@ def _visible(model) -> torch.Tensor | None:
     return None if mask is None else ~mask[:, 1:]
 
 def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_patches: bool = True) -> dict:
-    """One forward pass per tower. image `(C, 3, H, W)`, tokens `(C, L)` ->
-    image `(C, D)`, text `(C, D)` (L2-normalised, pooled as the model pools: `pool_of`), patches `(C, N, D)`,
-    tokens `(C, L, D)` (projected, not normalised; patches None unless `need_patches`), logit_scale `()` (exponentiated).
-    A tower whose input is None is not run: its keys are absent (the evaluator encodes images and texts apart)."""
+    """One forward pass per tower. image `(C, 3, H, W)`, tokens `(C, L)` -> image `(C, D)`, text `(C, D)`
+    (L2-normalised, pooled as the model pools: `pool_of`), patches `(C, N, D)`, tokens `(C, L, D)` (projected, not
+    normalised; patches None unless `need_patches`), logit_scale `()` (exponentiated). A tower whose input is None is
+    not run: its keys are absent (the evaluator encodes images and texts apart)."""
     pool = _check_heads(model)
     out = model.forward_intermediates(image, tokens, image_indices=1, text_indices=1, normalize=True,
                                       image_output_fmt='NLC', output_logit_scale_bias=True)
@@ -285,7 +305,8 @@ def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_
         x = out['image_intermediates'][-1]                   # (C, N', width_v) last block, class token removed
         if need_patches and x.shape[1] != grid_size(model)[0] * grid_size(model)[1]:
             raise ValueError(f'{x.shape[1]} patch tokens reached the transformer, the grid has '
-                             f'{grid_size(model)[0] * grid_size(model)[1]}: selected patches are off the grid (need_patches=False)')
+                             f'{grid_size(model)[0] * grid_size(model)[1]}: selected patches are off the '
+                             'grid (need_patches=False)')
         p = model.visual.ln_post(x) @ model.visual.proj if need_patches or pool == 'avg' else None   # (C, N', D)
         # 'tok': open_clip's pooled class token; 'avg': the mean of the patch embeddings a selection left visible
         img = out['image_features'] if pool == 'tok' else F.normalize(patch_mean(p, _visible(model)), dim=-1)
@@ -333,8 +354,10 @@ pcs = [ParsedCaption('a red circle left of a blue square', 'a red circle left of
 tt = collate_trees([tree_tokens(p) for p in pcs])
 with torch.no_grad():
     enc = encode(model, img, tt['tokens'])
-    test_eq(enc['patches'].shape, (C, 64, 128)); test_eq(enc['tokens'].shape, (C, 77, 128))
-    test_eq(enc['image'].shape, (C, 128)); test_eq(enc['logit_scale'].shape, ())
+    test_eq(enc['patches'].shape, (C, 64, 128))
+    test_eq(enc['tokens'].shape, (C, 77, 128))
+    test_eq(enc['image'].shape, (C, 128))
+    test_eq(enc['logit_scale'].shape, ())
     assert_close(enc['image'], model.encode_image(img, normalize=True))
     assert_close(enc['text'], model.encode_text(tt['tokens'], normalize=True))
     assert_close(enc['logit_scale'], model.logit_scale.exp())
@@ -351,7 +374,8 @@ with torch.no_grad():
     eot = tt['tokens'].argmax(-1)
     assert_close(enc['tokens'][torch.arange(C), eot], model.encode_text(tt['tokens']))
     # row-major grid: changing the pixels of patch (row 2, col 5) changes patch embedding 2 * 8 + 5 most
-    img2 = img.clone(); img2[:, :, 16:24, 40:48] += 3
+    img2 = img.clone()
+    img2[:, :, 16:24, 40:48] += 3
     delta = (encode(model, img2, tt['tokens'])['patches'] - enc['patches']).norm(dim=-1)  # (C, N)
     test_eq(delta.argmax(-1).tolist(), [2 * 8 + 5] * C)
 
@@ -362,16 +386,22 @@ with torch.no_grad():
 
 # %%
 def _grads(m, ckpt):
-    m.train(); m.set_grad_checkpointing(ckpt); m.zero_grad()
+    m.train()
+    m.set_grad_checkpointing(ckpt)
+    m.zero_grad()
     e = encode(m, img, tt['tokens'])
-    (e['patches'].square().mean() + e['tokens'].square().mean() + e['logit_scale'] * (e['image'] * e['text']).sum()).backward()
+    (e['patches'].square().mean() + e['tokens'].square().mean()
+     + e['logit_scale'] * (e['image'] * e['text']).sum()).backward()
     g = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-    m.set_grad_checkpointing(False); m.eval()
+    m.set_grad_checkpointing(False)
+    m.eval()
     return e, g
 e0, g0 = _grads(model, False)
 e1, g1 = _grads(model, True)
-assert_close(e0['patches'], e1['patches']); test_eq(g0.keys(), g1.keys())
-for n in g0: assert_close(g0[n], g1[n], rtol=1e-4, atol=1e-6)
+assert_close(e0['patches'], e1['patches'])
+test_eq(g0.keys(), g1.keys())
+for n in g0:
+    assert_close(g0[n], g1[n], rtol=1e-4, atol=1e-6)
 assert len(g0) == sum(p.requires_grad for p in model.parameters())  # every parameter gets a gradient
 
 
@@ -413,19 +443,22 @@ assert len(g0) == sum(p.requires_grad for p in model.parameters())  # every para
 # %%
 #| export
 class PatchTokenSelect(nn.Module):
-    "In place of open_clip's `visual.patch_dropout`: x `(C, 1 + N, width)` -> `(C, 1 + K, width)`, the class token and the patches `keep(x)` names."
+    """In place of open_clip's `visual.patch_dropout`: x `(C, 1 + N, width)` -> `(C, 1 + K, width)`, the class token and
+    the patches `keep(x)` names."""
     def __init__(self, keep, hide=None):
         super().__init__()
         self.keep = keep                                        # x (C, 1 + N, width) -> (C, K) long in [0, N)
         self.hide = hide                                        # None | (C, K) bool | x -> (C, K) bool: kept but hidden
-        self.key_mask: torch.Tensor | None = None               # (C, 1 + K) bool of the last call, True: no query sees it
+        self.key_mask: torch.Tensor | None = None               # (C, 1 + K) bool of the last call, True: no query sees
+                                                                # it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx = self.keep(x)                                      # (C, K)
         if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
             raise ValueError(f'keep must return (C, K) patch indices for C = {x.shape[0]}, got {tuple(idx.shape)}')
         hide = self.hide(x) if callable(self.hide) else self.hide
-        if hide is None: self.key_mask = None
+        if hide is None:
+            self.key_mask = None
         else:
             if hide.shape != idx.shape or hide.dtype != torch.bool:
                 raise ValueError(f'hide must be (C, K) = {tuple(idx.shape)} bool, got {tuple(hide.shape)} {hide.dtype}')
@@ -457,16 +490,21 @@ def select_patch_tokens(model, keep, hide=None):
     if hide is not None:
         heads = tr.resblocks[0].attn.num_heads
         for name in ('forward', 'forward_intermediates'):      # the two ways open_clip's ViT enters its blocks
-            if name in vars(tr): raise ValueError(f'the vision transformer already has an instance-level {name}')
+            if name in vars(tr):
+                raise ValueError(f'the vision transformer already has an instance-level {name}')
             def masked(x, attn_mask=None, *args, _f=getattr(tr, name), **kw):
-                if attn_mask is not None: raise NotImplementedError('the vision transformer already has an attention mask')
+                if attn_mask is not None:
+                    raise NotImplementedError('the vision transformer already has an attention mask')
                 m = None if sel.key_mask is None else _key_mask_bias(sel.key_mask, heads, x.dtype)
                 return _f(x, m, *args, **kw)
-            setattr(tr, name, masked); wrapped.append(name)
-    try: yield
+            setattr(tr, name, masked)
+            wrapped.append(name)
+    try:
+        yield
     finally:
         v.patch_dropout = old
-        for name in wrapped: delattr(tr, name)
+        for name in wrapped:
+            delattr(tr, name)
 
 
 # %% [markdown]
@@ -488,7 +526,8 @@ _hk.remove()
 test_eq([s.shape[1] for s in _seen], [4, 4, 65])          # the refused call ran the tower too
 assert_close(_seen[0], _seen[2][:, [0, 6, 1, 10]])
 assert _sel['patches'] is None and isinstance(model.visual.patch_dropout, nn.Identity)
-assert_close(_full['image'], enc['image']); assert not torch.allclose(_sel['image'], enc['image'])
+assert_close(_full['image'], enc['image'])
+assert not torch.allclose(_sel['image'], enc['image'])
 test_fail(lambda: PatchTokenSelect(lambda x: torch.zeros(3, dtype=torch.long))(torch.zeros(2, 5, 4)), contains='(C, K)')
 
 
@@ -544,15 +583,20 @@ assert not {'forward', 'forward_intermediates'} & set(vars(_m64.visual.transform
 # gradient checkpointing: the recomputation in backward (after the block) masks too (same values, same gradients)
 _m64.train()
 def _hidden_grads(ckpt):
-    _m64.set_grad_checkpointing(ckpt); _m64.zero_grad()
-    with select_patch_tokens(_m64, lambda x: _kp, hide=_hd): e = encode(_m64, _img64, None, need_patches=False)
+    _m64.set_grad_checkpointing(ckpt)
+    _m64.zero_grad()
+    with select_patch_tokens(_m64, lambda x: _kp, hide=_hd):
+        e = encode(_m64, _img64, None, need_patches=False)
     (e['image'] * torch.arange(e['image'].shape[1], dtype=torch.float64)).sum().backward()
     return e['image'].detach(), _m64.visual.transformer.resblocks[0].attn.in_proj_weight.grad.clone()
-_e0, _g0 = _hidden_grads(False); _e1, _g1 = _hidden_grads(True)
-_m64.set_grad_checkpointing(False); _m64.eval()
-assert_close(_e0, _hid['image']); assert_close(_e1, _e0); assert_close(_g1, _g0)
+_e0, _g0 = _hidden_grads(False)
+_e1, _g1 = _hidden_grads(True)
+_m64.set_grad_checkpointing(False)
+_m64.eval()
+assert_close(_e0, _hid['image'])
+assert_close(_e1, _e0)
+assert_close(_g1, _g0)
 test_fail(lambda: PatchTokenSelect(lambda x: _kp, hide=_hd[:, :3])(torch.zeros(2, 65, 4)), contains='hide must be')
-
 
 # %% [markdown]
 # ## Pooling: class token or average
@@ -618,14 +662,19 @@ with torch.no_grad():
     assert torch.equal(_ea['patches'], _et['patches']) and torch.equal(_ea['tokens'], _et['tokens'])
     assert not torch.allclose(_ea['image'], _et['image']) and not torch.allclose(_ea['text'], _et['text'])
     _cp = copy.deepcopy(_ma)
-    test_eq(pool_of(_cp), 'avg'); assert_close(_cp.encode_text(tt['tokens']), _ma.encode_text(tt['tokens']), rtol=0, atol=0)
+    test_eq(pool_of(_cp), 'avg')
+    assert_close(_cp.encode_text(tt['tokens']), _ma.encode_text(tt['tokens']), rtol=0, atol=0)
     # hidden tokens do not count: hiding patches 0 and 12 of [5, 0, 9, 12] averages over 5 and 9 alone
     with select_patch_tokens(_ma, lambda x: _kp, hide=_hd):
         _h = encode(_ma, img.double(), None, need_patches=False)['image']
     for c, kc in enumerate(([5, 9], [2, 3, 60])):
         with select_patch_tokens(_ma, lambda x: torch.tensor([kc])):
-            assert_close(_h[c:c + 1], encode(_ma, img.double()[c:c + 1], None, need_patches=False)['image'], rtol=0, atol=1e-12)
-set_pool(_mt, 'avg'); test_eq(pool_of(_mt), 'avg'); set_pool(_mt, 'tok'); test_eq(pool_of(_mt), 'tok')
+            assert_close(_h[c:c + 1], encode(_ma, img.double()[c:c + 1], None, need_patches=False)['image'],
+                         rtol=0, atol=1e-12)
+set_pool(_mt, 'avg')
+test_eq(pool_of(_mt), 'avg')
+set_pool(_mt, 'tok')
+test_eq(pool_of(_mt), 'tok')
 assert 'encode_text' not in vars(_mt)                                                     # back to open_clip's own
 _mt.visual.pool_type = 'avg'                                                              # one tower changed by hand
 test_fail(lambda: encode(_mt, img.double(), None), contains='set_pool(model, pool) sets both')
@@ -653,7 +702,8 @@ def text_token_mask(
     valid = ids != 0
     if not valid.any(-1).all():
         raise ValueError(f"captions {(~valid.any(-1)).nonzero().flatten().tolist()} have no token at all (all padding)")
-    if special_tokens: return valid
+    if special_tokens:
+        return valid
     eot = ids.argmax(-1)                                      # (C,) open_clip's EOT position (its text pooling)
     words = valid.clone()
     words[:, 0] = False                                       # SOT
@@ -692,7 +742,8 @@ with tempfile.TemporaryDirectory() as d:
     torch.save(model.state_dict(), Path(d) / 'ckpt.pt')
     m2, _, _ = open_clip.create_model_and_transforms('powerclip-tiny', pretrained=str(Path(d) / 'ckpt.pt'))
     m2.eval()
-    with torch.no_grad(): assert_close(encode(m2, img, tt['tokens'])['patches'], enc['patches'])
+    with torch.no_grad():
+        assert_close(encode(m2, img, tt['tokens'])['patches'], enc['patches'])
 
 # %% [markdown]
 # ## The paper's architecture
@@ -709,7 +760,9 @@ test_eq(grid_size(big), (14, 14))
 with torch.no_grad():
     xb = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     eb = encode(big, xb, tt['tokens'])
-    test_eq(eb['patches'].shape, (2, 196, 512)); test_eq(eb['tokens'].shape, (2, 77, 512))
+    test_eq(eb['patches'].shape, (2, 196, 512))
+    test_eq(eb['tokens'].shape, (2, 77, 512))
     assert_close(eb['image'], big.encode_image(xb, normalize=True))
     assert_close(eb['text'], big.encode_text(tt['tokens'], normalize=True))
-print(f'ViT-B-16: {sum(p.numel() for p in big.parameters()) / 1e6:.0f} M parameters, build + forward {time.time() - t0:.1f} s')
+print(f'ViT-B-16: {sum(p.numel() for p in big.parameters()) / 1e6:.0f} M parameters, build + forward '
+      f'{time.time() - t0:.1f} s')

@@ -40,7 +40,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # Methods
 #
-# > A training method is a small object that the trainer asks for by name: what it needs of a batch, what it changes in the forward pass, its loss terms as a dict of named tensors, and how evaluation should score with it.
+# > A training method is a small object that the trainer asks for by name.
+#
+# It says what it needs of a batch, what it changes in the forward pass, its loss terms as a dict of named tensors, and
+# how evaluation should score with it.
 
 # %% [markdown]
 # The trainer (`50_train`) knows no method by name. Once, before the first batch, it asks the method what the data
@@ -94,7 +97,8 @@ class Method:
 
     def __init__(self, cfg=None, seed: int = 0):
         self.cfg = cfg if cfg is not None else self.Config()
-        self.seed = int(seed)  # the method's own random stream (CLIP-PGS's candidates); the trainer derives it from the run seed
+        # the method's own random stream (CLIP-PGS's candidates); the trainer derives it from the run seed
+        self.seed = int(seed)
         if not isinstance(self.cfg, self.Config):
             raise TypeError(f"method {self.name!r} needs a {self.Config.__name__}, got {type(self.cfg).__name__}")
 
@@ -115,13 +119,16 @@ class Method:
         "Called by the trainer before each step (0-based `step` of `total`): for schedules inside a method."
 
     def needs(self) -> BatchNeeds:
-        "What the data pipeline must build besides image, tokens and index (`powerclip.data.BatchNeeds`). Default: nothing."
+        """What the data pipeline must build besides image, tokens and index (`powerclip.data.BatchNeeds`). Default:
+        nothing."""
         return BatchNeeds()
 
     def prepare_batch(self, batch: dict) -> dict:
-        "Add derived inputs to a host-side batch before it moves to the device. Default: check that `needs()` was built."
+        """Add derived inputs to a host-side batch before it moves to the device. Default: check that `needs()` was
+        built."""
         missing = [k for k in self.needs().keys() if k not in batch]
-        if missing: raise KeyError(f"method {self.name!r} needs batch keys {missing}; the batch has {sorted(batch)}")
+        if missing:
+            raise KeyError(f"method {self.name!r} needs batch keys {missing}; the batch has {sorted(batch)}")
         return batch
 
     def forward(self, model, batch: dict, modules=None) -> dict:
@@ -167,28 +174,35 @@ def method_config(name: str, cfg: dict | None = None):
     cfg = dict(cfg or {})
     known = {f.name for f in dataclasses.fields(cls.Config)}
     unknown = sorted(set(cfg) - known)
-    if unknown: raise ValueError(f"unknown option(s) {unknown} for method {name!r}; known: {sorted(known)}")
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for method {name!r}; known: {sorted(known)}")
     return cls.Config(**cfg)
 
 
 def get_method(name: str, cfg: dict | object | None = None, seed: int = 0) -> Method:
-    "A method by name, with its config given as a dict, a config object, or None (defaults), and its random stream's seed."
+    """A method by name, with its config given as a dict, a config object, or None (defaults), and its random stream's
+    seed."""
     cls = _method_cls(name)
     return cls(cfg if isinstance(cfg, cls.Config) else method_config(name, cfg), seed)
 
 
 def _method_cls(name: str) -> type[Method]:
-    if name not in METHODS: _import_baselines()
-    if name not in METHODS: raise KeyError(f"unknown method {name!r}; registered: {sorted(METHODS)}")
+    if name not in METHODS:
+        _import_baselines()
+    if name not in METHODS:
+        raise KeyError(f"unknown method {name!r}; registered: {sorted(METHODS)}")
     return METHODS[name]
 
 
 def _import_baselines() -> None:
     "Methods in `powerclip/baselines/*.py` register themselves when imported: import them all, once, on demand."
     import importlib, pkgutil
-    try: import powerclip.baselines as pkg
-    except ImportError: return
-    for m in pkgutil.iter_modules(pkg.__path__): importlib.import_module(f"powerclip.baselines.{m.name}")
+    try:
+        import powerclip.baselines as pkg
+    except ImportError:
+        return
+    for m in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"powerclip.baselines.{m.name}")
 
 
 # %% [markdown]
@@ -204,7 +218,8 @@ class CLIP(Method):
 
     def loss(self, out, batch, dist):
         g = gather(dist, {"image": out["image"], "text": out["text"]})   # (C, D) each
-        return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], g.all["image"], g.all["text"], g.offset),
+        return {"clip": clip_loss(out["image"], out["text"], out["logit_scale"], g.all["image"],
+                                  g.all["text"], g.offset),
                 "_logit_scale": out["logit_scale"].detach()}
 
 
@@ -227,12 +242,18 @@ class StepClock:
 
     def tick(self) -> None:
         "After a training forward pass: one step more, unless the trainer sets the clock."
-        if not self._hooked: self.step += 1
+        if not self._hooked:
+            self.step += 1
 
 
 # %%
-_c = StepClock(); _c.tick(); _c.tick(); test_eq((_c.step, _c.total), (2, None))
-_c.on_step(5, 10); _c.tick(); test_eq((_c.step, _c.total), (5, 10))
+_c = StepClock()
+_c.tick()
+_c.tick()
+test_eq((_c.step, _c.total), (2, None))
+_c.on_step(5, 10)
+_c.tick()
+test_eq((_c.step, _c.total), (5, 10))
 
 
 # %% [markdown]
@@ -259,14 +280,17 @@ _c.on_step(5, 10); _c.tick(); test_eq((_c.step, _c.total), (5, 10))
 class PowerCLIPConfig(PowerCLIPLossConfig):
     "The loss's options (`PowerCLIPLossConfig`) and the region masks PowerCLIP asks of the data."
     M: int = 10               # region masks per image (Sec. 5.1)
-    masks: str = "random"     # 'random' boxes (PowerCLIP-R) | 'gold' world object masks | 'superpixel' world SLIC segments
-                              # | 'stored' shard masks (PowerCLIP-S)
-    nodes: str = "tree"       # 'tree' the parse tree's constituents (the paper) | 'words' each word alone ("w/o parse trees")
+    masks: str = "random"     # 'random' boxes (PowerCLIP-R) | 'gold' world object masks | 'superpixel' world SLIC
+                              # segments | 'stored' shard masks (PowerCLIP-S)
+    nodes: str = "tree"       # 'tree' the parse tree's constituents (the paper) | 'words' each word alone ("w/o parse
+                              # trees")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.M < 1: raise ValueError(f"M must be >= 1, got {self.M}")
-        if self.nodes not in ("tree", "words"): raise ValueError(f"nodes must be 'tree' or 'words', got {self.nodes!r}")
+        if self.M < 1:
+            raise ValueError(f"M must be >= 1, got {self.M}")
+        if self.nodes not in ("tree", "words"):
+            raise ValueError(f"nodes must be 'tree' or 'words', got {self.nodes!r}")
         BatchNeeds(tree=True, regions=self.M, region_source=self.masks)   # checks the mask source
 
 
@@ -280,7 +304,8 @@ class PowerCLIP(Method):
         return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
 
     def loss(self, out, batch, dist):
-        if self.cfg.nodes == "words": batch = word_nodes(batch)
+        if self.cfg.nodes == "words":
+            batch = word_nodes(batch)
         padded = powerset_inputs(out, batch)               # (R, M, D), (R, M), (R, K, D), (R, K)
         phrases, node_text = padded.packed()               # (P, D), (P,): the valid nodes only, text by text
         local = PowersetInputs(padded.regions, padded.region_valid, phrases, node_text=node_text)
@@ -315,7 +340,8 @@ def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
     """Regions `(C, M, D)` (Eq. 2), phrases `(C, K, D)` (Eqs. 3-4) and validity masks from `encode`'s output and
     a batch with `region_masks (C, M, N)`, `region_valid (C, M)`, `leaf_tokens (C, W, L)`, `incidence (C, K, W)`,
     `node_valid (C, K)`."""
-    if enc.get('patches') is None: raise ValueError('no patch embeddings: encode with need_patches=True')
+    if enc.get('patches') is None:
+        raise ValueError('no patch embeddings: encode with need_patches=True')
     masks = batch['region_masks'].to(enc['patches'].device)
     if masks.shape[-1] != enc['patches'].shape[1]:
         raise ValueError(f"region masks have {masks.shape[-1]} patches, the model {enc['patches'].shape[1]}")
@@ -327,8 +353,9 @@ def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
 
 
 def word_nodes(batch: dict) -> dict:
-    """The ablation "w/o parse trees": every word its own node. `incidence (C, W, W)` is the identity over each caption's
-    words (`leaf_tokens (C, W, L)` non-empty) and `node_valid (C, W)` those words; the rest of the batch is kept."""
+    """The ablation "w/o parse trees": every word its own node. `incidence (C, W, W)` is the identity over each
+    caption's words (`leaf_tokens (C, W, L)` non-empty) and `node_valid (C, W)` those words; the rest of the batch is
+    kept."""
     words = batch['leaf_tokens'].any(-1)                                              # (C, W)
     eye = torch.eye(words.shape[1], dtype=torch.bool, device=words.device)
     inc = (eye & words[:, :, None]).to(batch['incidence'].dtype)                     # (C, W, W)
@@ -350,10 +377,12 @@ _pcs = [ParsedCaption('a red circle left of a blue square', 'a red circle left o
         ParsedCaption('a green cross', ['a', 'green', 'cross'], [(0, 3)], ['NP'], 'gold', [])]
 _tt = collate_trees([tree_tokens(p) for p in _pcs])
 _img = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-with torch.no_grad(): _enc = encode(_model, _img, _tt['tokens'])
+with torch.no_grad():
+    _enc = encode(_model, _img, _tt['tokens'])
 _gh, _gw = grid_size(_model)
 _masks = torch.zeros(2, 3, _gh * _gw, dtype=torch.bool)
-_masks[:, 0, :_gw] = True; _masks[:, 1, _gw + 1] = True                 # row 0; patch (1, 1); row 2 is padding
+_masks[:, 0, :_gw] = True
+_masks[:, 1, _gw + 1] = True                 # row 0; patch (1, 1); row 2 is padding
 _pb = dict(_tt, region_masks=_masks, region_valid=_masks.any(-1))
 _pi = powerset_inputs(_enc, _pb)
 D = _enc['image'].shape[1]
@@ -370,7 +399,8 @@ test_fail(lambda: powerset_inputs(_enc, dict(_pb, region_masks=_masks[..., :10])
 # w/o parse trees: the nodes are the words, each phrase embedding one normalised word embedding
 _pw = powerset_inputs(_enc, word_nodes(_pb))
 test_eq(_pw.node_valid.sum(1).tolist(), [8, 3])
-assert_close(_pw.phrases[0, 6], _words[1]); assert_close(_pw.phrases[1, 2], F.normalize(_enc['tokens'][1][_tt['leaf_tokens'][1, 2]].sum(0), dim=-1))
+assert_close(_pw.phrases[0, 6], _words[1])
+assert_close(_pw.phrases[1, 2], F.normalize(_enc['tokens'][1][_tt['leaf_tokens'][1, 2]].sum(0), dim=-1))
 
 # %% [markdown]
 # The whole path, from the model through the method's forward and loss, back-propagates into both towers:
@@ -379,10 +409,12 @@ assert_close(_pw.phrases[0, 6], _words[1]); assert_close(_pw.phrases[1, 2], F.no
 _model.train()
 _pm = get_method("powerclip")
 _terms = _pm.loss(_pm.forward(_model, dict(_pb, image=_img)), _pb, DistContext())
-_model.zero_grad(); (_terms['clip'] + _terms['powerset']).backward()
+_model.zero_grad()
+(_terms['clip'] + _terms['powerset']).backward()
 assert _model.visual.conv1.weight.grad.abs().sum() > 0 and _model.token_embedding.weight.grad.abs().sum() > 0
 _tw = get_method("powerclip", {"nodes": "words"}).loss(_pm.forward(_model, dict(_pb, image=_img)), _pb, DistContext())
-assert_close(_tw['clip'], _terms['clip']); assert not torch.allclose(_tw['powerset'], _terms['powerset'])  # only the nodes differ
+assert_close(_tw['clip'], _terms['clip'])
+assert not torch.allclose(_tw['powerset'], _terms['powerset'])  # only the nodes differ
 test_fail(lambda: get_method("powerclip", {"nodes": "tokens"}), contains="nodes")
 _model.eval()
 print({k: round(float(v.detach()), 4) for k, v in _terms.items()})
@@ -478,7 +510,8 @@ test_fail(lambda: get_method("nope"), contains="registered")
 test_fail(lambda: get_method("powerclip", {"lambda": 0.2}), contains="unknown option")
 _m = get_method("powerclip", {"lam": 0.2, "tau": 0.01, "M": 4, "masks": "gold"})
 assert isinstance(_m.cfg, PowerCLIPLossConfig) and _m.cfg.lam == 0.2
-assert _m.needs() == BatchNeeds(tree=True, regions=4, region_source="gold") and get_method("clip").needs() == BatchNeeds()
+assert (_m.needs() == BatchNeeds(tree=True, regions=4, region_source="gold")
+        and get_method("clip").needs() == BatchNeeds())
 test_fail(lambda: get_method("powerclip", {"masks": "sam"}), contains="region_source")
 test_fail(lambda: _m.prepare_batch({"image": 0, "tokens": 0}), contains="region_masks")
 
@@ -487,14 +520,18 @@ test_fail(lambda: _m.prepare_batch({"image": 0, "tokens": 0}), contains="region_
 def _fake(C=4, N=16, L=10, W=5, K=4, M=3, D=8, seed=0):
     "Model outputs and a batch with the shapes of the batch contract."
     g = torch.Generator().manual_seed(seed)
-    out = dict(image=F.normalize(torch.randn(C, D, generator=g), dim=-1), text=F.normalize(torch.randn(C, D, generator=g), dim=-1),
-               patches=torch.randn(C, N, D, generator=g), tokens=torch.randn(C, L, D, generator=g), logit_scale=torch.tensor(10.0))
+    out = dict(image=F.normalize(torch.randn(C, D, generator=g), dim=-1),
+               text=F.normalize(torch.randn(C, D, generator=g), dim=-1),
+               patches=torch.randn(C, N, D, generator=g), tokens=torch.randn(C, L, D, generator=g),
+               logit_scale=torch.tensor(10.0))
     leaf = torch.zeros(C, W, L, dtype=torch.bool)
-    for w in range(W): leaf[:, w, 1 + w] = True
+    for w in range(W):
+        leaf[:, w, 1 + w] = True
     batch = dict(image=None, tokens=None, leaf_tokens=leaf, leaf_valid=torch.ones(C, W, dtype=torch.bool),
                  incidence=torch.rand(C, K, W, generator=g) < 0.5, node_valid=torch.ones(C, K, dtype=torch.bool),
                  region_masks=torch.rand(C, M, N, generator=g) < 0.3, region_valid=torch.ones(C, M, dtype=torch.bool))
-    batch["incidence"][:, :, 0] = True; batch["region_masks"][:, :, 0] = True
+    batch["incidence"][:, :, 0] = True
+    batch["region_masks"][:, :, 0] = True
     return out, batch
 
 _out, _b = _fake()
@@ -512,7 +549,8 @@ assert set(_t) >= {"clip", "powerset", "_triplet_i2t", "_logit_scale"} and torch
 # %%
 try:
     @register("clip")
-    class NotCLIP(Method): pass
+    class NotCLIP(Method):
+        pass
     raise AssertionError("a second class under 'clip' was accepted")
 except ValueError as e:
     assert "already registered" in str(e)
@@ -529,7 +567,8 @@ from powerclip.model import create_model
 torch.manual_seed(0)
 _model = create_model("powerclip-micro")[0].eval()
 _imgs = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-_ids = torch.zeros(4, 77, dtype=torch.long); _ids[:, 0], _ids[:, 1:4], _ids[:, 4] = 49406, torch.arange(300, 312).reshape(4, 3), 49407
+_ids = torch.zeros(4, 77, dtype=torch.long)
+_ids[:, 0], _ids[:, 1:4], _ids[:, 4] = 49406, torch.arange(300, 312).reshape(4, 3), 49407
 _sc = get_method("clip").scorers()
 assert list(_sc) == ["global"] and list(get_method("powerclip").scorers()) == ["global"]
 _S = _sc["global"].scores(_sc["global"].image_features(_model, _imgs), _sc["global"].text_features(_model, _ids))
@@ -551,7 +590,8 @@ with torch.no_grad():
     _e = encode(_model, _imgs, _ids[:3])
     _one = torch.eye(16, dtype=torch.bool)[None].expand(3, -1, -1)                      # (3, 16, 16) one patch each
     assert_close(_g.region_features(_model, _imgs, _one), F.normalize(_e["patches"], dim=-1))
-    assert_close(_g.crop_features(_model, _imgs), _e["image"]); assert_close(_g.class_features(_model, _ids[:3]), _e["text"])
+    assert_close(_g.crop_features(_model, _imgs), _e["image"])
+    assert_close(_g.class_features(_model, _ids[:3]), _e["text"])
     set_pool(_model, "avg")
     _all = torch.ones(3, 1, 16, dtype=torch.bool)
     assert_close(_g.region_features(_model, _imgs, _all)[:, 0], _model.encode_image(_imgs, normalize=True))

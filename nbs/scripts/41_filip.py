@@ -39,7 +39,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # FILIP
 #
-# > Token-wise late interaction (Yao et al., ICLR 2022): an image and a caption are as similar as their patches are to their best-matching words, and their words to their best-matching patches.
+# > Token-wise late interaction (Yao et al., ICLR 2022).
+#
+# An image and a caption are as similar as their patches are to their best-matching words, and their words to their
+# best-matching patches.
 
 # %% [markdown]
 # FILIP replaces CLIP's one-vector-per-side similarity by a late interaction between the $N$ patch embeddings
@@ -80,8 +83,10 @@ def filip_scores(
     token_valid: torch.Tensor,  # (Cj, L) bool, see `text_token_mask`; every caption needs one valid token
     chunk: int | None = None,   # captions per block of the (Ci, chunk, N, L) similarity tensor (None: all)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (s_i2t (Ci, Cj), s_t2i (Ci, Cj)), both indexed [image, caption]
-    "FILIP's image-to-text (mean over patches of the max over words) and text-to-image (mean over words of the max over patches) scores."
-    if not token_valid.any(-1).all(): raise ValueError("every caption needs at least one valid token")
+    """FILIP's image-to-text (mean over patches of the max over words) and text-to-image (mean over words of the max
+    over patches) scores."""
+    if not token_valid.any(-1).all():
+        raise ValueError("every caption needs at least one valid token")
     L = int(token_valid.any(0).nonzero().max()) + 1                        # slots after the longest caption: padding
     tokens, token_valid = tokens[:, :L], token_valid[:, :L]                 # (Cj, L', D): exact, and 77 -> ~15 slots
     dtype = torch.promote_types(torch.promote_types(patches.dtype, tokens.dtype), torch.float32)
@@ -118,14 +123,18 @@ def _inputs(C=4, N=5, L=6, D=3, seed=0, dtype=torch.float64):
     t = F.normalize(torch.randn(C, L, D, generator=g, dtype=dtype), dim=-1)
     ids = torch.zeros(C, L, dtype=torch.long)
     for c in range(C):                                   # captions of 0..L-2 words, SOT/EOT around them
-        n = int(torch.randint(0, L - 1, (1,), generator=g)); ids[c, 0] = 49406
-        ids[c, 1:1 + n] = torch.randint(1, 49000, (n,), generator=g); ids[c, 1 + n] = 49407
+        n = int(torch.randint(0, L - 1, (1,), generator=g))
+        ids[c, 0] = 49406
+        ids[c, 1:1 + n] = torch.randint(1, 49000, (n,), generator=g)
+        ids[c, 1 + n] = 49407
     return p, t, ids
 
 _p, _t, _ids = _inputs()
 _v = text_token_mask(_ids)
-for got, ref in zip(filip_scores(_p, _t, _v), _naive_scores(_p, _t, _v)): assert_close(got, ref)
-for got, ref in zip(filip_scores(_p, _t, _v, chunk=3), filip_scores(_p, _t, _v)): assert_close(got, ref)
+for got, ref in zip(filip_scores(_p, _t, _v), _naive_scores(_p, _t, _v)):
+    assert_close(got, ref)
+for got, ref in zip(filip_scores(_p, _t, _v, chunk=3), filip_scores(_p, _t, _v)):
+    assert_close(got, ref)
 print(_ids.tolist())
 
 
@@ -146,7 +155,8 @@ def filip_loss(
     chunk: int | None = None,        # see `filip_scores`
 ) -> torch.Tensor:                   # scalar
     "Symmetric InfoNCE on FILIP's token-wise scores: local image rows of s_i2t, local caption rows of s_t2i^T."
-    sim = lambda p, tv: filip_scores(p, tv[0], tv[1], chunk)                # a pair: (s_i2t, s_t2i), both [image, caption]
+    # a pair: (s_i2t, s_t2i), both [image, caption]
+    sim = lambda p, tv: filip_scores(p, tv[0], tv[1], chunk)
     txt_all = None if tokens_all is None else (tokens_all, token_valid_all)
     S_img, S_txt = contrastive_rows(sim, patches, (tokens, token_valid), patches_all, txt_all)  # (R, C) each
     return symmetric_infonce(logit_scale * S_img, logit_scale * S_txt, offset)
@@ -160,15 +170,18 @@ def filip_loss(
 def _naive_loss(p, t, v, s):
     s_i2t, s_t2i = _naive_scores(p, t, v)
     C = p.shape[0]
-    return sum(-torch.log_softmax(s * s_i2t[i], 0)[i] - torch.log_softmax(s * s_t2i[:, i], 0)[i] for i in range(C)) / (2 * C)
+    return (sum(-torch.log_softmax(s * s_i2t[i], 0)[i] - torch.log_softmax(s * s_t2i[:, i], 0)[i]
+                for i in range(C)) / (2 * C))
 
 _s = torch.tensor(7.0, dtype=torch.float64)
 _pa, _ta = _p.clone().requires_grad_(), _t.clone().requires_grad_()
 _pb, _tb = _p.clone().requires_grad_(), _t.clone().requires_grad_()
 _l, _ref = filip_loss(_pa, _ta, _v, _s), _naive_loss(_pb, _tb, _v, _s)
 assert_close(_l, _ref)
-_l.backward(); _ref.backward()
-assert_close(_pa.grad, _pb.grad); assert_close(_ta.grad, _tb.grad)
+_l.backward()
+_ref.backward()
+assert_close(_pa.grad, _pb.grad)
+assert_close(_ta.grad, _tb.grad)
 _parts = [filip_loss(_p[sl], _t[sl], _v[sl], _s, _p, _t, _v, off) for sl, off in ((slice(0, 2), 0), (slice(2, 4), 2))]
 assert_close(sum(_parts) / 2, _l.detach())
 assert gradcheck(lambda p, t: filip_loss(p, t, _v, _s), (_pa, _ta), eps=1e-6, atol=1e-5)
@@ -181,7 +194,10 @@ print(f"FILIP loss {float(_l.detach()):.4f} (naive {float(_ref.detach()):.4f})")
 _g = torch.Generator().manual_seed(1)
 _P = torch.randn(4, 196, 32, generator=_g).requires_grad_()
 _T = torch.randn(4, 77, 32, generator=_g).requires_grad_()
-_ids77 = torch.zeros(4, 77, dtype=torch.long); _ids77[:, 0] = 49406; _ids77[:, 1:9] = 5; _ids77[:, 9] = 49407
+_ids77 = torch.zeros(4, 77, dtype=torch.long)
+_ids77[:, 0] = 49406
+_ids77[:, 1:9] = 5
+_ids77[:, 9] = 49407
 _args = (F.normalize(_P, dim=-1), F.normalize(_T, dim=-1), text_token_mask(_ids77), torch.tensor(100.0))
 with torch.autocast("cpu", dtype=torch.bfloat16):
     _lb = filip_loss(*_args)
@@ -210,8 +226,10 @@ class FILIPConfig:
     chunk: int | None = None      # captions per similarity block, to bound memory (None: all at once)
 
     def __post_init__(self):
-        if self.clip_weight < 0: raise ValueError(f"clip_weight must be >= 0, got {self.clip_weight}")
-        if self.chunk is not None and self.chunk < 1: raise ValueError(f"chunk must be >= 1 or None, got {self.chunk}")
+        if self.clip_weight < 0:
+            raise ValueError(f"clip_weight must be >= 0, got {self.clip_weight}")
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1 or None, got {self.chunk}")
 
 
 @register("filip")
@@ -221,16 +239,20 @@ class FILIP(Method):
     needs_patches = True
 
     def loss(self, out, batch, dist: DistContext):
-        patches, tokens = F.normalize(out["patches"], dim=-1), F.normalize(out["tokens"], dim=-1)  # (R, N, D), (R, L, D)
+        # (R, N, D), (R, L, D)
+        patches, tokens = F.normalize(out["patches"], dim=-1), F.normalize(out["tokens"], dim=-1)
         valid = text_token_mask(batch["tokens"].to(tokens.device), self.cfg.special_tokens)    # (R, L)
         s = out["logit_scale"]
         local = {"patches": patches, "tokens": tokens, "token_valid": valid}
-        if self.cfg.clip_weight > 0: local.update(image=out["image"], text=out["text"])
+        if self.cfg.clip_weight > 0:
+            local.update(image=out["image"], text=out["text"])
         g = gather(dist, local)
         a = g.all
-        terms = {"filip": filip_loss(patches, tokens, valid, s, a["patches"], a["tokens"], a["token_valid"], g.offset, self.cfg.chunk)}
+        terms = {"filip": filip_loss(patches, tokens, valid, s, a["patches"], a["tokens"], a["token_valid"], g.offset,
+                                     self.cfg.chunk)}
         if self.cfg.clip_weight > 0:
-            terms["clip"] = self.cfg.clip_weight * clip_loss(out["image"], out["text"], s, a["image"], a["text"], g.offset)
+            terms["clip"] = (self.cfg.clip_weight
+                             * clip_loss(out["image"], out["text"], s, a["image"], a["text"], g.offset))
         terms["_logit_scale"] = s.detach()
         return terms
 
@@ -317,7 +339,8 @@ _fi, _ft = _sc["late"].image_features(_model, _imgs), _sc["late"].text_features(
 _S = _sc["late"].scores(_fi, _ft)
 with torch.no_grad():
     _e = encode(_model, _imgs, _tok[[0, 1, 2, 0, 1]])
-    _ref = filip_scores(F.normalize(_e["patches"], dim=-1), F.normalize(_e["tokens"][:3], dim=-1), text_token_mask(_tok))
+    _ref = filip_scores(F.normalize(_e["patches"], dim=-1), F.normalize(_e["tokens"][:3], dim=-1),
+                        text_token_mask(_tok))
 assert _S.shape == (5, 3)
 assert_close(_S, (_ref[0] + _ref[1]) / 2)
 assert_close(LateInteractionScorer(chunk=1, image_block=2).scores(_fi, _ft), _S)

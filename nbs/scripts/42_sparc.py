@@ -41,7 +41,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # SPARC
 #
-# > Sparse fine-grained contrastive alignment (Bica et al., ICML 2024): each caption token gathers the patches it is most similar to into a language-grouped vision embedding, and is contrasted with it against the other tokens of the same caption.
+# > Sparse fine-grained contrastive alignment (Bica et al., ICML 2024).
+#
+# Each caption token gathers the patches it is most similar to into a language-grouped vision embedding, and is contrasted
+# with it against the other tokens of the same caption.
 
 # %% [markdown]
 # For one image-caption pair with patch embeddings $v_1..v_P$ and real token embeddings $e_1..e_M$:
@@ -140,7 +143,8 @@ def grouped_embeddings(
 # %%
 def _naive_grouped(v, e, sigma=None):
     "One pair, one token at a time, as steps 1-5 say. v (P, D), e (L, D) -> (L, D)"
-    P = v.shape[0]; sigma = 1 / P if sigma is None else sigma
+    P = v.shape[0]
+    sigma = 1 / P if sigma is None else sigma
     out = []
     for r in range(e.shape[0]):
         s = [e[r] @ v[j] for j in range(P)]
@@ -151,9 +155,11 @@ def _naive_grouped(v, e, sigma=None):
     return torch.stack(out)
 
 _g = torch.Generator().manual_seed(0)
-_V, _E = torch.randn(3, 8, 4, generator=_g, dtype=torch.float64), torch.randn(3, 5, 4, generator=_g, dtype=torch.float64)
+_V, _E = (torch.randn(3, 8, 4, generator=_g, dtype=torch.float64),
+          torch.randn(3, 5, 4, generator=_g, dtype=torch.float64))
 _c, _a = grouped_embeddings(_V, _E)
-for k in range(3): assert_close(_c[k], _naive_grouped(_V[k], _E[k]))
+for k in range(3):
+    assert_close(_c[k], _naive_grouped(_V[k], _E[k]))
 assert_close(_a.sum(-1), torch.ones(3, 5, dtype=torch.float64))
 print(f"patches kept per token (P=8, sigma=1/8): mean {float((_a > 0).sum(-1).double().mean()):.2f} of 8")
 # a token equally similar to every patch: uniform weights, not NaN
@@ -177,8 +183,10 @@ def sparc_fine_loss(
                                  # token count (all_sum(count) / processes); None: this batch's own count
 ) -> torch.Tensor:               # scalar: the two-way InfoNCE averaged as `norm` says, halved
     "SPARC's sequence-wise loss: each token against its language-grouped vision embedding, within its own pair."
-    if norm not in ("caption", "tokens"): raise ValueError(f"norm must be 'caption' or 'tokens', got {norm!r}")
-    if not token_valid.any(-1).all(): raise ValueError("every caption needs at least one valid token")
+    if norm not in ("caption", "tokens"):
+        raise ValueError(f"norm must be 'caption' or 'tokens', got {norm!r}")
+    if not token_valid.any(-1).all():
+        raise ValueError("every caption needs at least one valid token")
     L = int(token_valid.any(0).nonzero().max()) + 1                             # trailing slots are padding everywhere
     tokens, token_valid = tokens[:, :L], token_valid[:, :L]                     # (R, L', D): exact, and cheaper
     c, _ = grouped_embeddings(patches, tokens, threshold)                       # (R, L, D), float32 or float64
@@ -189,7 +197,8 @@ def sparc_fine_loss(
     lp_c2t = logits.masked_fill(pad, float("-inf")).log_softmax(-1).diagonal(dim1=1, dim2=2)       # (R, L)
     lp_t2c = logits.transpose(1, 2).masked_fill(pad, float("-inf")).log_softmax(-1).diagonal(dim1=1, dim2=2)
     per_tok = -(lp_c2t + lp_t2c).masked_fill(~token_valid, 0.0)                 # (R, L), padded rows dropped
-    if norm == "caption": return (per_tok.sum(-1) / token_valid.sum(-1)).mean() / 2
+    if norm == "caption":
+        return (per_tok.sum(-1) / token_valid.sum(-1)).mean() / 2
     return per_tok.sum() / (token_valid.sum() if token_count is None else token_count) / 2
 
 
@@ -206,27 +215,34 @@ def _naive_fine(V, E, valid, scale):
         cos = lambda a, b: a @ b / (a.norm() * b.norm())
         Lk = 0
         for r in rs:
-            Lk = Lk - torch.log(torch.exp(scale * cos(c[r], E[k, r])) / sum(torch.exp(scale * cos(c[r], E[k, s])) for s in rs))
-            Lk = Lk - torch.log(torch.exp(scale * cos(E[k, r], c[r])) / sum(torch.exp(scale * cos(E[k, r], c[s])) for s in rs))
+            Lk = (Lk - torch.log(torch.exp(scale * cos(c[r], E[k, r]))
+                                 / sum(torch.exp(scale * cos(c[r], E[k, s])) for s in rs)))
+            Lk = (Lk - torch.log(torch.exp(scale * cos(E[k, r], c[r]))
+                                 / sum(torch.exp(scale * cos(E[k, r], c[s])) for s in rs)))
         tot = tot + Lk / len(rs)
     return tot / (2 * V.shape[0])
 
 _valid = torch.tensor([[True, True, True, False, False], [True, False, False, False, False],
                        [True, True, True, True, True], [True, True, False, True, False]])
 _g = torch.Generator().manual_seed(1)
-_V, _E = torch.randn(4, 8, 4, generator=_g, dtype=torch.float64), torch.randn(4, 5, 4, generator=_g, dtype=torch.float64)
+_V, _E = (torch.randn(4, 8, 4, generator=_g, dtype=torch.float64),
+          torch.randn(4, 5, 4, generator=_g, dtype=torch.float64))
 _args1 = (_V.clone().requires_grad_(), _E.clone().requires_grad_())
 _args2 = (_V.clone().requires_grad_(), _E.clone().requires_grad_())
 _l, _ref = sparc_fine_loss(*_args1, _valid, 5.0), _naive_fine(*_args2, _valid, 5.0)
 assert_close(_l, _ref)
-_l.backward(); _ref.backward()
-for a, b in zip(_args1, _args2): assert_close(a.grad, b.grad)
+_l.backward()
+_ref.backward()
+for a, b in zip(_args1, _args2):
+    assert_close(a.grad, b.grad)
 assert gradcheck(lambda v, e: sparc_fine_loss(v, e, _valid, 5.0), _args1, eps=1e-6, atol=1e-5)
-assert_close((sparc_fine_loss(_V[:2], _E[:2], _valid[:2], 5.0) + sparc_fine_loss(_V[2:], _E[2:], _valid[2:], 5.0)) / 2, _l.detach())
+assert_close((sparc_fine_loss(_V[:2], _E[:2], _valid[:2], 5.0) + sparc_fine_loss(_V[2:], _E[2:], _valid[2:], 5.0))
+             / 2, _l.detach())
 print(f"fine loss {float(_l.detach()):.4f} (naive {float(_ref.detach()):.4f})")
 # Listing 1's token-weighted mean: the naive per-caption sums (L_k times M_k), over all tokens; two processes
 # dividing by their share of the token count (6 + 8 tokens, 7 each) give the same mean
-_per_cap = torch.stack([_naive_fine(_V[k:k + 1], _E[k:k + 1], _valid[k:k + 1], 5.0) * 2 * _valid[k].sum() for k in range(4)])
+_per_cap = torch.stack([_naive_fine(_V[k:k + 1], _E[k:k + 1], _valid[k:k + 1], 5.0) * 2 * _valid[k].sum()
+                        for k in range(4)])
 _lt = sparc_fine_loss(_V, _E, _valid, 5.0, norm="tokens")
 assert_close(_lt, _per_cap.sum() / _valid.sum() / 2)
 _half = _valid.sum() / 2
@@ -241,7 +257,10 @@ assert not torch.allclose(_lt, _l.detach())              # captions of 3, 1, 5 a
 # %%
 _P = torch.randn(4, 196, 32, generator=_g).requires_grad_()
 _T = torch.randn(4, 77, 32, generator=_g).requires_grad_()
-_ids77 = torch.zeros(4, 77, dtype=torch.long); _ids77[:, 0] = 49406; _ids77[:, 1:12] = 5; _ids77[:, 12] = 49407
+_ids77 = torch.zeros(4, 77, dtype=torch.long)
+_ids77[:, 0] = 49406
+_ids77[:, 1:12] = 5
+_ids77[:, 12] = 49407
 with torch.autocast("cpu", dtype=torch.bfloat16):
     _lin = torch.nn.Linear(32, 32)                       # a bf16 layer in front, as the towers' projections
     _lb = sparc_fine_loss(_lin(_P), _lin(_T), text_token_mask(_ids77), torch.tensor(20.0))
@@ -288,7 +307,8 @@ def sparc_encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None,
         pos = text_token_mask(tokens.to(out["tokens"].device), special_tokens=True)   # (C, L) SOT, words, EOT
         out["text"] = pool_normalize(out["tokens"], pos[:, None, :])[:, 0]            # (C, D)
     if image is not None:
-        if head is None: raise RuntimeError("SPARC's mean-pooled image embedding needs its head h_v (method.build_modules)")
+        if head is None:
+            raise RuntimeError("SPARC's mean-pooled image embedding needs its head h_v (method.build_modules)")
         f = vision_patch_features(model, image)                                        # (C, N, width)
         proj = model.visual.proj
         out["patches"] = f @ proj                                                      # (C, N, D) as encode's
@@ -342,17 +362,24 @@ register_configs()
 torch.manual_seed(0)
 _model = create_model("powerclip-micro")[0].eval()
 _img = torch.randn(3, 3, 32, 32, generator=_g)
-_ids3 = torch.zeros(3, 77, dtype=torch.long); _ids3[:, 0] = 49406; _ids3[:, 1:4] = 320; _ids3[:, 4] = 49407; _ids3[2, 4:9] = 7; _ids3[2, 9] = 49407
+_ids3 = torch.zeros(3, 77, dtype=torch.long)
+_ids3[:, 0] = 49406
+_ids3[:, 1:4] = 320
+_ids3[:, 4] = 49407
+_ids3[2, 4:9] = 7
+_ids3[2, 9] = 49407
 _head = SPARCHead(_model.visual.proj.shape[0])
 with torch.no_grad():
     _enc, _sp = encode(_model, _img, _ids3), sparc_encode(_model, _img, _ids3, _head)
-    assert_close(_sp["patches"], _enc["patches"]); assert_close(_sp["tokens"], _enc["tokens"])
+    assert_close(_sp["patches"], _enc["patches"])
+    assert_close(_sp["tokens"], _enc["tokens"])
     _n = (_ids3 != 0).sum(1, keepdim=True)
     assert_close(_sp["text"], F.normalize((_enc["tokens"] * (_ids3 != 0)[..., None]).sum(1) / _n, dim=-1))
     _f = vision_patch_features(_model, _img)
     assert_close(_sp["image"], F.normalize(F.gelu(_head.fc(_f.mean(1))) @ _model.visual.proj, dim=-1))
     assert_close(_f.mean(1) @ _model.visual.proj, _enc["patches"].mean(1))          # g_v linear: pool, then adapt
-    assert not torch.allclose(_sp["image"], _enc["image"]) and set(sparc_encode(_model, None, _ids3, None)) == {"text", "tokens", "logit_scale"}
+    assert (not torch.allclose(_sp["image"], _enc["image"])
+            and set(sparc_encode(_model, None, _ids3, None)) == {"text", "tokens", "logit_scale"})
 print({k: tuple(v.shape) for k, v in _sp.items()})
 
 
@@ -371,18 +398,23 @@ class SPARCConfig:
     lambda_global: float = 0.5      # lambda_g, App. D.4: 0.5
     lambda_fine: float = 1.0        # lambda_f, App. D.4 sweeps {0.5, 1, 5, 10} (pick it on validation data)
     global_pool: str = "mean"       # 'mean': Sec. 2's average-pooled embeddings, image through h_v | 'cls': CLS / EOT
-    fine_norm: str = "caption"      # 'caption': Eq. 6's per-caption token mean | 'tokens': Listing 1's token-weighted mean
+    fine_norm: str = "caption"      # 'caption': Eq. 6's per-caption token mean | 'tokens': Listing 1's token-weighted
+                                    # mean
     threshold: float | None = None  # sparsity threshold sigma (None: 1/P, the paper's choice)
-    fine_scale: float | None = None # fixed 1/tau of the fine loss (None: the model's learnable logit scale, one for both)
+    fine_scale: float | None = None # fixed 1/tau of the fine loss (None: the model's learnable logit scale, one for
+                                    # both)
     special_tokens: bool = False    # count SOT and EOT as caption tokens of the fine loss (default: words only)
 
     def __post_init__(self):
         if self.lambda_global < 0 or self.lambda_fine < 0 or self.lambda_global + self.lambda_fine == 0:
-            raise ValueError(f"need lambda_global, lambda_fine >= 0, not both 0; got {self.lambda_global}, {self.lambda_fine}")
+            raise ValueError("need lambda_global, lambda_fine >= 0, not both 0; got "
+                             f"{self.lambda_global}, {self.lambda_fine}")
         if self.threshold is not None and not 0 <= self.threshold <= 1:
             raise ValueError(f"threshold must be in [0, 1] (min-max normalised similarities), got {self.threshold}")
-        if self.global_pool not in ("mean", "cls"): raise ValueError(f"global_pool must be 'mean' or 'cls', got {self.global_pool!r}")
-        if self.fine_norm not in ("caption", "tokens"): raise ValueError(f"fine_norm must be 'caption' or 'tokens', got {self.fine_norm!r}")
+        if self.global_pool not in ("mean", "cls"):
+            raise ValueError(f"global_pool must be 'mean' or 'cls', got {self.global_pool!r}")
+        if self.fine_norm not in ("caption", "tokens"):
+            raise ValueError(f"fine_norm must be 'caption' or 'tokens', got {self.fine_norm!r}")
 
 
 LAMBDA_FINE_SWEEP = (0.5, 1.0, 5.0, 10.0)   # App. D.4: the values of lambda_f the paper sweeps (lambda_g = 0.5)
@@ -390,7 +422,8 @@ LAMBDA_FINE_SWEEP = (0.5, 1.0, 5.0, 10.0)   # App. D.4: the values of lambda_f t
 
 @register("sparc")
 class SPARC(Method):
-    "SPARC (Bica et al. 2024): lambda_g * CLIP loss on pooled embeddings + lambda_f * sparse fine-grained loss, config `SPARCConfig`."
+    """SPARC (Bica et al. 2024): lambda_g * CLIP loss on pooled embeddings + lambda_f * sparse fine-grained loss, config
+    `SPARCConfig`."""
     Config = SPARCConfig
     needs_patches = True
 
@@ -399,8 +432,10 @@ class SPARC(Method):
         return SPARCHead(model.visual.proj.shape[0]) if self.cfg.global_pool == "mean" else None
 
     def forward(self, model, batch, modules=None):
-        if self.cfg.global_pool == "cls": return super().forward(model, batch)
-        if not isinstance(modules, SPARCHead): raise RuntimeError("SPARC needs its head h_v: pass modules=method.build_modules(model)")
+        if self.cfg.global_pool == "cls":
+            return super().forward(model, batch)
+        if not isinstance(modules, SPARCHead):
+            raise RuntimeError("SPARC needs its head h_v: pass modules=method.build_modules(model)")
         return sparc_encode(model, batch["image"], batch["tokens"], modules)
 
     def loss(self, out, batch, dist: DistContext):
@@ -408,7 +443,8 @@ class SPARC(Method):
         terms = {}
         if self.cfg.lambda_global > 0:
             g = gather(dist, {"image": out["image"], "text": out["text"]})
-            terms["clip"] = self.cfg.lambda_global * clip_loss(out["image"], out["text"], s, g.all["image"], g.all["text"], g.offset)
+            terms["clip"] = (self.cfg.lambda_global
+                             * clip_loss(out["image"], out["text"], s, g.all["image"], g.all["text"], g.offset))
         if self.cfg.lambda_fine > 0:
             valid = text_token_mask(batch["tokens"].to(out["tokens"].device), self.cfg.special_tokens)  # (R, L)
             scale = s if self.cfg.fine_scale is None else self.cfg.fine_scale
@@ -420,9 +456,11 @@ class SPARC(Method):
 
     def scorers(self, modules=None) -> dict[str, Scorer]:
         "SPARC's pooled embeddings first (what its paper evaluates), then open_clip's CLS/EOT cosine."
-        if self.cfg.global_pool == "cls": return {"global": GlobalScorer()}
+        if self.cfg.global_pool == "cls":
+            return {"global": GlobalScorer()}
         if not isinstance(modules, SPARCHead):
-            raise ValueError("SPARC's scorer needs its trained head h_v (method_modules.pt beside model.pt, or the trainer checkpoint)")
+            raise ValueError("SPARC's scorer needs its trained head h_v (method_modules.pt beside model.pt, "
+                             "or the trainer checkpoint)")
         return {"sparc": SPARCScorer(modules), "global": GlobalScorer()}
 
 
@@ -435,9 +473,12 @@ class SPARC(Method):
 from powerclip.methods import METHODS, get_method
 
 assert METHODS["sparc"] is SPARC and get_method("sparc").cfg.lambda_global == 0.5
-_ids = torch.tensor([[49406, 7, 8, 9, 49407, 0], [49406, 7, 49407, 0, 0, 0], [49406, 1, 2, 3, 4, 49407], [49406, 5, 6, 49407, 0, 0]])
-_out = dict(image=F.normalize(torch.randn(4, 4, dtype=torch.float64), dim=-1), text=F.normalize(torch.randn(4, 4, dtype=torch.float64), dim=-1),
-            patches=_V, tokens=torch.randn(4, 6, 4, generator=_g, dtype=torch.float64), logit_scale=torch.tensor(5.0, dtype=torch.float64))
+_ids = torch.tensor([[49406, 7, 8, 9, 49407, 0], [49406, 7, 49407, 0, 0, 0], [49406, 1, 2, 3, 4, 49407],
+                     [49406, 5, 6, 49407, 0, 0]])
+_out = dict(image=F.normalize(torch.randn(4, 4, dtype=torch.float64), dim=-1),
+            text=F.normalize(torch.randn(4, 4, dtype=torch.float64), dim=-1),
+            patches=_V, tokens=torch.randn(4, 6, 4, generator=_g, dtype=torch.float64),
+            logit_scale=torch.tensor(5.0, dtype=torch.float64))
 _terms = get_method("sparc", {"lambda_fine": 0.5, "lambda_global": 1.0}).loss(_out, {"tokens": _ids}, DistContext())
 assert_close(_terms["sparc_fine"], 0.5 * sparc_fine_loss(_V, _out["tokens"], text_token_mask(_ids), 5.0))
 assert_close(_terms["clip"], clip_loss(_out["image"], _out["text"], _out["logit_scale"]))
@@ -453,16 +494,22 @@ _keys = set(_model.state_dict())
 _b = {"image": _img, "tokens": _ids3}
 _terms = _m.loss(_m.forward(_model, _b, _mods), _b, DistContext())
 sum(v for k, v in _terms.items() if not k.startswith("_")).backward()
-assert _mods.fc.weight.grad.abs().sum() > 0 and _model.visual.conv1.weight.grad is not None and _model.token_embedding.weight.grad is not None
+assert (_mods.fc.weight.grad.abs().sum() > 0 and _model.visual.conv1.weight.grad is not None
+        and _model.token_embedding.weight.grad is not None)
 assert set(_model.state_dict()) == _keys
 _model.eval()
 _sc = _m.scorers(_mods)
 assert list(_sc) == ["sparc", "global"]
 with torch.no_grad():
-    _S = _sc["sparc"].scores(_sc["sparc"].image_features(_model, _img), _sc["sparc"].text_features(_model, _ids3))   # (3, 3)
+    # (3, 3)
+    _S = _sc["sparc"].scores(_sc["sparc"].image_features(_model, _img), _sc["sparc"].text_features(_model, _ids3))
     _o = _m.forward(_model, _b, _mods)
 assert_close(_S, _o["image"] @ _o["text"].T)
-assert list(get_method("sparc", {"global_pool": "cls"}).scorers()) == ["global"] and get_method("sparc", {"global_pool": "cls"}).build_modules(_model) is None
-try: _m.scorers(None); raise AssertionError("no head, no scorer")
-except ValueError as e: print("refused:", e)
+assert (list(get_method("sparc", {"global_pool": "cls"}).scorers()) == ["global"]
+        and get_method("sparc", {"global_pool": "cls"}).build_modules(_model) is None)
+try:
+    _m.scorers(None)
+    raise AssertionError("no head, no scorer")
+except ValueError as e:
+    print("refused:", e)
 print({k: round(float(v.detach()), 4) for k, v in _terms.items()})

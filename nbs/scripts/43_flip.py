@@ -34,7 +34,9 @@ from torch.testing import assert_close
 # %% [markdown]
 # # FLIP
 #
-# > Fast language-image pre-training (Li et al., CVPR 2023): CLIP's loss on images of which a random half of the patches is dropped before the vision transformer, in training only.
+# > Fast language-image pre-training (Li et al., CVPR 2023).
+#
+# CLIP's loss on images of which a random half of the patches is dropped before the vision transformer, in training only.
 
 # %% [markdown]
 # FLIP changes the forward pass, not the loss: after the patch and position embeddings, each training image keeps
@@ -56,7 +58,8 @@ class FLIPConfig:
     ratio: float = 0.5  # fraction of patch tokens dropped per training image (FLIP: 0.5); 0 gives CLIP
 
     def __post_init__(self):
-        if not 0 <= self.ratio < 1: raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
+        if not 0 <= self.ratio < 1:
+            raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
 
 
 def random_keep(x: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -93,8 +96,11 @@ from powerclip.methods import METHODS, get_method
 from powerclip.model import PatchTokenSelect
 
 assert METHODS["flip"] is FLIP
-try: get_method("flip", {"ratio": 1.0}); raise AssertionError
-except ValueError as e: print(e)
+try:
+    get_method("flip", {"ratio": 1.0})
+    raise AssertionError
+except ValueError as e:
+    print(e)
 
 _B, _N = 4000, 16
 _x = torch.arange(1 + _N, dtype=torch.float32)[None, :, None].expand(_B, -1, 1)  # token t carries the value t
@@ -122,21 +128,26 @@ _model = create_model("powerclip-micro")[0]
 _img, _tok = torch.randn(3, 3, 32, 32), torch.zeros(3, 77, dtype=torch.long)
 _tok[:, 0], _tok[:, 1:4], _tok[:, 4] = 49406, 100, 49407
 _model.eval()
-with torch.no_grad(): _ref = encode(_model, _img, _tok, need_patches=False)
+with torch.no_grad():
+    _ref = encode(_model, _img, _tok, need_patches=False)
 
 _m = get_method("flip")
 _seen = []
-_h = _model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(y.shape[1]))  # right after the selection
+# right after the selection
+_h = _model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(y.shape[1]))
 _N = _model.visual.grid_size[0] * _model.visual.grid_size[1]
 _model.train()
 _out = _m.forward(_model, {"image": _img, "tokens": _tok})
 _model.eval()
-with torch.no_grad(): _ev = _m.forward(_model, {"image": _img, "tokens": _tok})
+with torch.no_grad():
+    _ev = _m.forward(_model, {"image": _img, "tokens": _tok})
 _h.remove()
 assert _seen == [1 + _N // 2, 1 + _N], _seen
-assert_close(_ev["image"], _ref["image"]); assert_close(_ev["text"], _ref["text"])
+assert_close(_ev["image"], _ref["image"])
+assert_close(_ev["text"], _ref["text"])
 assert isinstance(_model.visual.patch_dropout, torch.nn.Identity)              # nothing left installed
 _terms = _m.loss(_out, {}, DistContext())
 _terms["clip"].backward()
 assert torch.isfinite(_terms["clip"]) and _model.visual.conv1.weight.grad is not None
-print(f"tokens into the vision transformer: train {_seen[0]}, eval {_seen[1]} (N = {_N}); loss {float(_terms['clip'].detach()):.4f}")
+print(f"tokens into the vision transformer: train {_seen[0]}, eval {_seen[1]} (N = {_N}); loss "
+      f"{float(_terms['clip'].detach()):.4f}")

@@ -40,7 +40,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # SmartCLIP
 #
-# > Modular alignment (SmartCLIP, paper `004` in `/work/shared/papers`): each caption selects, through a learned binary mask, the dimensions of the image embedding it is compared on; an L1 penalty keeps the masks small.
+# > Modular alignment (SmartCLIP, paper `004` in `/work/shared/papers`).
+#
+# Each caption selects, through a learned binary mask, the dimensions of the image embedding it is compared on; an L1
+# penalty keeps the masks small.
 
 # %% [markdown]
 # A mask network $\hat m$ maps the caption's token sequence to a binary vector $\hat m(T)\in\{0,1\}^D$ (one
@@ -125,8 +128,10 @@ def modular_loss(
 def _naive_modular(zI, zT, m, s):
     C = zI.shape[0]
     cos = lambda a, b: a @ b / (a.norm() * b.norm())
-    L_I = sum(-torch.log(torch.exp(s * cos(zI[i] * m[i], zT[i])) / sum(torch.exp(s * cos(zI[i] * m[j], zT[j])) for j in range(C))) for i in range(C)) / C
-    L_T = sum(-torch.log(torch.exp(s * cos(zI[i] * m[i], zT[i])) / sum(torch.exp(s * cos(zI[j] * m[i], zT[i])) for j in range(C))) for i in range(C)) / C
+    L_I = (sum(-torch.log(torch.exp(s * cos(zI[i] * m[i], zT[i])) / sum(torch.exp(s * cos(zI[i] * m[j], zT[j]))
+                                                                        for j in range(C))) for i in range(C)) / C)
+    L_T = (sum(-torch.log(torch.exp(s * cos(zI[i] * m[i], zT[i])) / sum(torch.exp(s * cos(zI[j] * m[i], zT[i]))
+                                                                        for j in range(C))) for i in range(C)) / C)
     return (L_I + L_T) / 2
 
 _g = torch.Generator().manual_seed(0)
@@ -137,13 +142,17 @@ _a1 = tuple(t.clone().requires_grad_() for t in (_zI, _zT, _m))
 _a2 = tuple(t.clone().requires_grad_() for t in (_zI, _zT, _m))
 _l, _ref = modular_loss(*_a1, _s), _naive_modular(*_a2, _s)
 assert_close(_l, _ref)
-_l.backward(); _ref.backward()
-for a, b in zip(_a1, _a2): assert_close(a.grad, b.grad)
+_l.backward()
+_ref.backward()
+for a, b in zip(_a1, _a2):
+    assert_close(a.grad, b.grad)
 assert gradcheck(lambda *a: modular_loss(*a, _s), _a1, eps=1e-6, atol=1e-5)
-_parts = [modular_loss(_zI[sl], _zT[sl], _m[sl], _s, _zI, _zT, _m, off) for sl, off in ((slice(0, 2), 0), (slice(2, 4), 2))]
+_parts = [modular_loss(_zI[sl], _zT[sl], _m[sl], _s, _zI, _zT, _m, off)
+          for sl, off in ((slice(0, 2), 0), (slice(2, 4), 2))]
 assert_close(sum(_parts) / 2, _l.detach())
 from powerclip.loss import clip_loss
-assert_close(modular_loss(_zI, _zT, torch.ones_like(_m), _s), clip_loss(F.normalize(_zI, dim=-1), F.normalize(_zT, dim=-1), _s))
+assert_close(modular_loss(_zI, _zT, torch.ones_like(_m), _s),
+             clip_loss(F.normalize(_zI, dim=-1), F.normalize(_zT, dim=-1), _s))
 print(f"modular loss {float(_l.detach()):.4f} (naive {float(_ref.detach()):.4f})")
 
 # %% [markdown]
@@ -151,7 +160,8 @@ print(f"modular loss {float(_l.detach()):.4f} (naive {float(_ref.detach()):.4f})
 
 # %%
 _zI32, _zT32 = torch.randn(8, 32, generator=_g).requires_grad_(), torch.randn(8, 32, generator=_g).requires_grad_()
-_mb = (torch.rand(8, 32, generator=_g) < 0.3).float(); _mb[0] = 0
+_mb = (torch.rand(8, 32, generator=_g) < 0.3).float()
+_mb[0] = 0
 with torch.autocast("cpu", dtype=torch.bfloat16):
     _lb = modular_loss(_zI32 * 1.0, _zT32 * 1.0, _mb, torch.tensor(100.0))
 _lb.backward()
@@ -172,7 +182,8 @@ class MaskNet(nn.Module):
     "Caption token embeddings (C, L, D) + padding (C, L) -> binary masks over the D embedding dimensions (C, D)."
     def __init__(self, dim: int, heads: int = 4):
         super().__init__()
-        if dim % heads: raise ValueError(f"embedding size {dim} is not divisible by {heads} heads")
+        if dim % heads:
+            raise ValueError(f"embedding size {dim} is not divisible by {heads} heads")
         self.block = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
         self.query = nn.Parameter(torch.randn(1, 1, dim) * dim ** -0.5)
         self.pool = nn.MultiheadAttention(dim, heads, batch_first=True)
@@ -184,7 +195,8 @@ class MaskNet(nn.Module):
         q = self.query.expand(tokens.shape[0], -1, -1).to(x.dtype)                 # (C, 1, D)
         pooled = self.pool(q, x, x, key_padding_mask=~valid, need_weights=False)[0][:, 0]  # (C, D)
         logits = self.head(pooled)                                                 # (C, D)
-        p = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))  # at least float32 under autocast
+        # at least float32 under autocast
+        p = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         return (p > 0.5).to(p.dtype) + (p - p.detach()), p          # exactly binary forward, gradient of p
 
 
@@ -194,7 +206,8 @@ _tok = torch.randn(3, 5, 8, generator=_g)
 _valid = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
 _hard, _p = _net(_tok, _valid)
 assert set(_hard.unique().tolist()) <= {0.0, 1.0} and torch.equal(_hard, (_p > 0.5).float())
-_tok2 = _tok.clone(); _tok2[0, 3:] = 99.0                 # padding does not change the mask
+_tok2 = _tok.clone()
+_tok2[0, 3:] = 99.0                 # padding does not change the mask
 assert_close(_net(_tok2, _valid)[1], _p)
 _hard.sum().backward()
 assert _net.head.weight.grad.abs().sum() > 0           # the straight-through estimator passes gradient
@@ -222,13 +235,16 @@ class SmartCLIPConfig:
     heads: int = 4                # attention heads of the mask network (not given in the paper)
     special_tokens: bool = True   # the mask network reads SOT and EOT too (EOT carries the sentence)
     mask_lr: float | None = 1e-3  # peak learning rate of the mask network (Sec. 6: 1e-3, CLIP 1e-6); None: the run's
-    mask_weight_decay: float | None = 0.0  # weight decay of the mask network (issue 13: the authors' code, 0); None: the run's
+    mask_weight_decay: float | None = 0.0  # weight decay of the mask network (issue 13: the authors' code, 0); None:
+                                           # the run's
     detach_mask_input: bool = True  # the mask network reads detached token embeddings (issue 13: the authors' code)
 
     def __post_init__(self):
         if self.lambda_align <= 0 or self.lambda_sparsity < 0:
-            raise ValueError(f"need lambda_align > 0 and lambda_sparsity >= 0, got {self.lambda_align}, {self.lambda_sparsity}")
-        if self.mask_lr is not None and self.mask_lr <= 0: raise ValueError(f"mask_lr must be > 0 or None, got {self.mask_lr}")
+            raise ValueError("need lambda_align > 0 and lambda_sparsity >= 0, got "
+                             f"{self.lambda_align}, {self.lambda_sparsity}")
+        if self.mask_lr is not None and self.mask_lr <= 0:
+            raise ValueError(f"mask_lr must be > 0 or None, got {self.mask_lr}")
         if self.mask_weight_decay is not None and self.mask_weight_decay < 0:
             raise ValueError(f"mask_weight_decay must be >= 0 or None, got {self.mask_weight_decay}")
 
@@ -240,7 +256,8 @@ class SmartCLIP(Method):
 
     def build_modules(self, model) -> MaskNet:
         "The mask network, sized to the model's embedding width D (trained, saved and synced beside the model)."
-        dim = model.text_projection.shape[1] if isinstance(model.text_projection, torch.Tensor) else model.text_projection.out_features
+        dim = (model.text_projection.shape[1] if isinstance(model.text_projection, torch.Tensor)
+               else model.text_projection.out_features)
         net = MaskNet(dim, self.cfg.heads)
         net.weight_decay = self.cfg.mask_weight_decay   # read by the trainer's optimiser (None: the run's)
         return net
@@ -249,7 +266,8 @@ class SmartCLIP(Method):
         return lr if self.cfg.mask_lr is None else self.cfg.mask_lr
 
     def forward(self, model, batch, modules=None):
-        if not isinstance(modules, MaskNet): raise RuntimeError("SmartCLIP needs its mask network: pass modules=method.build_modules(model)")
+        if not isinstance(modules, MaskNet):
+            raise RuntimeError("SmartCLIP needs its mask network: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
         valid = text_token_mask(batch["tokens"], self.cfg.special_tokens)      # (C, L)
         tokens = out["tokens"].detach() if self.cfg.detach_mask_input else out["tokens"]   # (C, L, D)
@@ -263,7 +281,8 @@ class SmartCLIP(Method):
         align = modular_loss(out["image"], out["text"], out["mask"], s, a["image"], a["text"], a["mask"], g.offset)
         terms = {"modular": self.cfg.lambda_align * align}
         if self.cfg.lambda_sparsity > 0:
-            terms["sparsity"] = self.cfg.lambda_sparsity * out["mask"].mean(-1).mean()   # ||m||_1 / D, mean over captions
+            # ||m||_1 / D, mean over captions
+            terms["sparsity"] = self.cfg.lambda_sparsity * out["mask"].mean(-1).mean()
         terms["_kept"] = out["mask"].detach().mean()
         terms["_logit_scale"] = s.detach()
         return terms
@@ -284,7 +303,8 @@ torch.manual_seed(0)
 _model = create_model("powerclip-micro")[0]
 _meth = get_method("smartclip", {"heads": 2})
 _mask = _meth.build_modules(_model)
-_ids = torch.zeros(3, 77, dtype=torch.long); _ids[:, 0], _ids[:, 1:4], _ids[:, 4] = 49406, 100, 49407
+_ids = torch.zeros(3, 77, dtype=torch.long)
+_ids[:, 0], _ids[:, 1:4], _ids[:, 4] = 49406, 100, 49407
 _batch = {"image": torch.randn(3, 3, 32, 32), "tokens": _ids}
 _out = _meth.forward(_model, _batch, _mask)
 _terms = _meth.loss(_out, _batch, DistContext())
@@ -292,14 +312,16 @@ sum(v for k, v in _terms.items() if not k.startswith("_")).backward()
 assert _mask.head.weight.grad is not None and _model.visual.conv1.weight.grad is not None
 assert not any("mask" in k for k in _model.state_dict())       # the open_clip weights stay open_clip's
 assert _meth.modules_lr(1e-6) == 1e-3 and get_method("smartclip", {"mask_lr": None}).modules_lr(1e-6) == 1e-6
-assert _mask.weight_decay == 0.0 and get_method("smartclip", {"mask_weight_decay": None}).build_modules(_model).weight_decay is None
+assert (_mask.weight_decay == 0.0
+        and get_method("smartclip", {"mask_weight_decay": None}).build_modules(_model).weight_decay is None)
 # detached input: the mask network's gradient does not reach the text tower; attached, it does
 for _detach in (True, False):
     _mt = get_method("smartclip", {"heads": 2, "detach_mask_input": _detach})
     _mn = _mt.build_modules(_model)
     _model.zero_grad()
     _tt = _mt.loss(_mt.forward(_model, _batch, _mn), _batch, DistContext())
-    _tt["sparsity"].backward()                                 # the L1 term reaches the towers only through the mask net
+    # the L1 term reaches the towers only through the mask net
+    _tt["sparsity"].backward()
     _g = _model.token_embedding.weight.grad
     assert (_g is None or _g.abs().sum() == 0) == _detach and _mn.head.weight.grad.abs().sum() > 0
 print({k: round(float(v.detach()), 4) for k, v in _terms.items()})

@@ -43,7 +43,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # C2LIP
 #
-# > C2LIP (paper `003` in `/work/shared/papers`) as a training method: SigLIP's sigmoid loss plus the noun-phrase concept (npc) and cross-attended concept (xac) losses, every image against every noun-phrase concept of the batch, positives being the concepts of its own caption.
+# > C2LIP (paper `003` in `/work/shared/papers`) as a training method.
+#
+# SigLIP's sigmoid loss plus the noun-phrase concept (npc) and cross-attended concept (xac) losses, every image against
+# every noun-phrase concept of the batch, positives being the concepts of its own caption.
 
 # %% [markdown]
 # C2LIP adds to SigLIP's sigmoid loss (Eq. 4) two concept losses (Eqs. 5, 7), total
@@ -85,7 +88,9 @@ def concept_targets(
 ) -> torch.Tensor:               # (R, C, K) float: +1 own caption's concepts, -1 others, 0 padding
     "z_ij of Eqs. 5 and 7 for the local images against every concept of the batch."
     C = concept_valid.shape[0]
-    own = torch.arange(C, device=concept_valid.device)[None, :] == (torch.arange(R, device=concept_valid.device) + offset)[:, None]  # (R, C)
+    # (R, C)
+    own = (torch.arange(C, device=concept_valid.device)[None, :]
+           == (torch.arange(R, device=concept_valid.device) + offset)[:, None])
     z = torch.where(own[:, :, None], 1.0, -1.0).expand(R, C, concept_valid.shape[1])
     return z * concept_valid[None]                               # padding: 0, dropped by the masked sum
 
@@ -126,7 +131,8 @@ def xac_loss(
         dot = (w * s).sum(-1)                                                      # (R, C, K) v_hat(c) . c
         if normalize:
             p = patches.to(s.dtype)
-            G = p @ p.transpose(1, 2)                                              # (R, N, N) Gram of each image's patches
+            # (R, N, N) Gram of each image's patches
+            G = p @ p.transpose(1, 2)
             sq = (torch.einsum("ijkn,inm->ijkm", w, G) * w).sum(-1)                # (R, C, K) |v_hat(c)|^2 = w G w
             dot = dot / sq.clamp_min(eps * eps).sqrt()
         logits = scale * dot + bias
@@ -144,13 +150,15 @@ def _naive(image, patches, concepts, valid, t, b, normalize=True):
     for i in range(R):
         for j in range(concepts.shape[0]):
             for k in range(concepts.shape[1]):
-                if not valid[j, k]: continue
+                if not valid[j, k]:
+                    continue
                 z = 1.0 if i == j else -1.0
                 c = concepts[j, k]
                 npc = npc - F.logsigmoid(z * (t * image[i] @ c + b))
                 w = torch.softmax(torch.stack([c @ patches[i, n] for n in range(patches.shape[1])]) / D ** 0.5, 0)
                 v_hat = sum(w[n] * patches[i, n] for n in range(patches.shape[1]))
-                if normalize: v_hat = v_hat / v_hat.norm()
+                if normalize:
+                    v_hat = v_hat / v_hat.norm()
                 xac = xac - F.logsigmoid(z * (t * v_hat @ c + b))
     return npc / R, xac / R
 
@@ -164,16 +172,21 @@ _a1 = tuple(x.clone().requires_grad_() for x in (_img, _pat, _con))
 _a2 = tuple(x.clone().requires_grad_() for x in (_img, _pat, _con))
 _npc, _xac = npc_loss(_a1[0], _a1[2], _val, _t, _b), xac_loss(_a1[1], _a1[2], _val, _t, _b)
 _rn, _rx = _naive(*_a2[:2], _a2[2], _val, _t, _b)
-assert_close(_npc, _rn); assert_close(_xac, _rx)
-(_npc + _xac).backward(); (_rn + _rx).backward()
-for a, b in zip(_a1, _a2): assert_close(a.grad, b.grad)
+assert_close(_npc, _rn)
+assert_close(_xac, _rx)
+(_npc + _xac).backward()
+(_rn + _rx).backward()
+for a, b in zip(_a1, _a2):
+    assert_close(a.grad, b.grad)
 assert gradcheck(lambda i, p, c: npc_loss(i, c, _val, _t, _b) + xac_loss(p, c, _val, _t, _b), _a1, eps=1e-6, atol=1e-5)
 for f, x in ((npc_loss, _img), (xac_loss, _pat)):
     parts = [f(x[sl], _con, _val, _t, _b, off) for sl, off in ((slice(0, 2), 0), (slice(2, 4), 2))]
     assert_close(sum(parts) / 2, f(x, _con, _val, _t, _b))
 # the paper's printed Eq. 7 without the normalisation of v_hat (xac_normalize=False)
-assert_close(xac_loss(_pat, _con, _val, _t, _b, normalize=False), _naive(_img, _pat, _con, _val, _t, _b, normalize=False)[1])
-print(f"npc {float(_npc.detach()):.4f} (naive {float(_rn.detach()):.4f}), xac {float(_xac.detach()):.4f} (naive {float(_rx.detach()):.4f})")
+assert_close(xac_loss(_pat, _con, _val, _t, _b, normalize=False),
+             _naive(_img, _pat, _con, _val, _t, _b, normalize=False)[1])
+print(f"npc {float(_npc.detach()):.4f} (naive {float(_rn.detach()):.4f}), xac {float(_xac.detach()):.4f} (naive "
+      f"{float(_rx.detach()):.4f})")
 
 # %%
 _P32 = torch.randn(4, 196, 32, generator=_g).requires_grad_()
@@ -217,15 +230,19 @@ def siglip_loss(
 
 # %%
 def _naive_siglip(v, t, tau, b):
-    return -sum(F.logsigmoid((1.0 if i == j else -1.0) * (tau * v[i] @ t[j] + b)) for i in range(v.shape[0]) for j in range(t.shape[0])) / v.shape[0]
+    return (-sum(F.logsigmoid((1.0 if i == j else -1.0) * (tau * v[i] @ t[j] + b)) for i in range(v.shape[0])
+                 for j in range(t.shape[0])) / v.shape[0])
 
 _v = F.normalize(torch.randn(4, 5, generator=_g, dtype=torch.float64), dim=-1)
 _tx = F.normalize(torch.randn(4, 5, generator=_g, dtype=torch.float64), dim=-1)
 _s1 = [x.clone().requires_grad_() for x in (_v, _tx, _t, _b)]
 _s2 = [x.clone().requires_grad_() for x in (_v, _tx, _t, _b)]
 _ls, _lr = siglip_loss(*_s1), _naive_siglip(*_s2)
-assert_close(_ls, _lr); _ls.backward(); _lr.backward()
-for a, b in zip(_s1, _s2): assert_close(a.grad, b.grad)                         # t and b get their gradients too
+assert_close(_ls, _lr)
+_ls.backward()
+_lr.backward()
+for a, b in zip(_s1, _s2):
+    assert_close(a.grad, b.grad)                         # t and b get their gradients too
 assert gradcheck(lambda v, t, s, b: siglip_loss(v, t, s, b), _s1, eps=1e-6, atol=1e-5)
 _parts = [siglip_loss(_v[sl], _tx[sl], _t, _b, _tx, off) for sl, off in ((slice(0, 2), 0), (slice(2, 4), 2))]
 assert_close(sum(_parts) / 2, _ls.detach())                                     # two processes: the full batch
@@ -266,8 +283,10 @@ def select_concepts(
     max_concepts: int | None = None,  # keep at most this many per caption, the longest first
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (C, Kc) long node indices, (C, Kc) bool valid; longest first
     "The noun-phrase nodes that are C2LIP's concepts of each caption, longest first."
-    if mode not in ("base", "all"): raise ValueError(f"concepts must be 'base' or 'all', got {mode!r}")
-    if no_concept not in ("caption", "none"): raise ValueError(f"no_concept must be 'caption' or 'none', got {no_concept!r}")
+    if mode not in ("base", "all"):
+        raise ValueError(f"concepts must be 'base' or 'all', got {mode!r}")
+    if no_concept not in ("caption", "none"):
+        raise ValueError(f"no_concept must be 'caption' or 'none', got {no_concept!r}")
     inc = incidence.bool()
     sel = node_np.bool() & node_valid.bool()                                        # (C, K)
     # inside[c, k, j]: node j's words are a subset of node k's (after truncation, two nodes can cover the same words)
@@ -276,14 +295,16 @@ def select_concepts(
     K = inc.shape[1]
     earlier = torch.ones(K, K, dtype=torch.bool, device=inc.device).tril(-1)        # [k, j]: j < k
     sel = sel & ~(same & earlier & sel[:, None, :]).any(-1)                         # one node per word set
-    if mode == "base": sel = sel & ~(inside & ~same & sel[:, None, :]).any(-1)      # no NP strictly inside
+    if mode == "base":
+        sel = sel & ~(inside & ~same & sel[:, None, :]).any(-1)      # no NP strictly inside
     if no_concept == "caption":
         sel[:, 0] |= ~sel.any(1) & node_valid[:, 0].bool()                          # the whole caption
     length = torch.where(sel, inc.sum(-1), -1)                                      # (C, K) words; -1 unselected
     order = torch.sort(length, dim=1, descending=True, stable=True).indices         # longest first, ties in order
     valid = torch.gather(sel, 1, order)
     n = max(1, int(valid.sum(1).max())) if valid.numel() else 1
-    if max_concepts is not None: n = min(n, max_concepts)
+    if max_concepts is not None:
+        n = min(n, max_concepts)
     return order[:, :n], valid[:, :n]
 
 
@@ -307,7 +328,8 @@ def concept_token_ids(
     "Each concept as a text of its own, from the caption's token ids (for `concept_embedding='encode'`)."
     C, Kc, L = masks.shape
     n = masks.sum(-1)                                                               # (C, Kc) pieces (at most L - 2)
-    dest = masks.long().cumsum(-1)                                                  # (C, Kc, L) 1-based slot of each piece
+    # (C, Kc, L) 1-based slot of each piece
+    dest = masks.long().cumsum(-1)
     out = torch.zeros(C, Kc, L + 1, dtype=torch.long, device=tokens.device)         # slot L: dump for non-pieces
     out.scatter_(2, torch.where(masks, dest, L), tokens[:, None, :].expand(C, Kc, L))
     out = out[..., :L]
@@ -402,18 +424,27 @@ class C2LIPConfig:
     modules_lr: float | None = 1e-3  # peak lr of t and b (ours, see "t and b" below); None: the run's
 
     def __post_init__(self):
-        if self.base not in ("siglip", "clip"): raise ValueError(f"base must be 'siglip' or 'clip', got {self.base!r}")
-        if self.concepts not in ("base", "all"): raise ValueError(f"concepts must be 'base' or 'all', got {self.concepts!r}")
-        if self.no_concept not in ("caption", "none"): raise ValueError(f"no_concept must be 'caption' or 'none', got {self.no_concept!r}")
+        if self.base not in ("siglip", "clip"):
+            raise ValueError(f"base must be 'siglip' or 'clip', got {self.base!r}")
+        if self.concepts not in ("base", "all"):
+            raise ValueError(f"concepts must be 'base' or 'all', got {self.concepts!r}")
+        if self.no_concept not in ("caption", "none"):
+            raise ValueError(f"no_concept must be 'caption' or 'none', got {self.no_concept!r}")
         if self.concept_embedding not in ("pool", "encode"):
             raise ValueError(f"concept_embedding must be 'pool' or 'encode', got {self.concept_embedding!r}")
-        if self.npc_weight < 0 or self.xac_weight < 0: raise ValueError("npc_weight and xac_weight must be >= 0")
-        if self.max_concepts is not None and self.max_concepts < 1: raise ValueError("max_concepts must be >= 1 or None")
-        if self.npc_norm not in ("batch", "concepts"): raise ValueError(f"npc_norm must be 'batch' or 'concepts', got {self.npc_norm!r}")
+        if self.npc_weight < 0 or self.xac_weight < 0:
+            raise ValueError("npc_weight and xac_weight must be >= 0")
+        if self.max_concepts is not None and self.max_concepts < 1:
+            raise ValueError("max_concepts must be >= 1 or None")
+        if self.npc_norm not in ("batch", "concepts"):
+            raise ValueError(f"npc_norm must be 'batch' or 'concepts', got {self.npc_norm!r}")
         if isinstance(self.init_scale, str):
-            if self.init_scale != "model": raise ValueError(f"init_scale must be a number > 0 or 'model', got {self.init_scale!r}")
-        elif self.init_scale <= 0: raise ValueError(f"init_scale must be > 0 or 'model', got {self.init_scale}")
-        if self.modules_lr is not None and self.modules_lr <= 0: raise ValueError("modules_lr must be > 0 or None")
+            if self.init_scale != "model":
+                raise ValueError(f"init_scale must be a number > 0 or 'model', got {self.init_scale!r}")
+        elif self.init_scale <= 0:
+            raise ValueError(f"init_scale must be > 0 or 'model', got {self.init_scale}")
+        if self.modules_lr is not None and self.modules_lr <= 0:
+            raise ValueError("modules_lr must be > 0 or None")
 
 
 class SigmoidScaleBias(nn.Module):
@@ -444,14 +475,16 @@ def c2lip_terms(
         # all-reduces a gradient bucket only when every parameter in it got a gradient, so an unused one would
         # leave its bucket's gradients unsynchronised (and fail the next step). Its gradient is exactly 0.
         terms = {"siglip": siglip_loss(image, text, scale, bias, text_all, offset) + 0.0 * logit_scale}
-    else: terms = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    else:
+        terms = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
     # 'concepts': the authors' 1/K instead of Eq. 5's 1/|B|, both counted over the gathered batch
     norm = 1.0 if cfg.npc_norm == "batch" else concept_valid.shape[0] / concept_valid.sum().clamp_min(1)
     if cfg.npc_weight > 0:
         npc = npc_loss(image, concepts, concept_valid, scale, bias, offset) * norm
         terms["npc"], terms["_npc"] = cfg.npc_weight * npc, npc.detach()
     if cfg.xac_weight > 0:
-        if patches is None: raise ValueError("xac needs patch embeddings (patch dropout active?)")
+        if patches is None:
+            raise ValueError("xac needs patch embeddings (patch dropout active?)")
         xac = xac_loss(patches, concepts, concept_valid, scale, bias, offset, cfg.xac_normalize) * norm
         terms["xac"], terms["_xac"] = cfg.xac_weight * xac, xac.detach()
     return terms
@@ -461,7 +494,8 @@ def c2lip_terms(
 #| export
 @register("c2lip")
 class C2LIP(Method):
-    "C2LIP: base (SigLIP or CLIP) + lambda_npc * npc + lambda_xac * xac over noun-phrase concepts, config `C2LIPConfig`."
+    """C2LIP: base (SigLIP or CLIP) + lambda_npc * npc + lambda_xac * xac over noun-phrase concepts, config
+    `C2LIPConfig`."""
     Config = C2LIPConfig
     needs_patches = True
 
@@ -475,7 +509,8 @@ class C2LIP(Method):
 
     def build_modules(self, model) -> SigmoidScaleBias | None:
         "t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict)."
-        if not self._sigmoid: return None
+        if not self._sigmoid:
+            return None
         t = float(model.logit_scale.detach().exp()) if self.cfg.init_scale == "model" else self.cfg.init_scale
         return SigmoidScaleBias(t, self.cfg.init_bias)
 
@@ -493,7 +528,8 @@ class C2LIP(Method):
         if self.cfg.concept_embedding == "encode":
             from powerclip.tokens import default_tokenizer
             tok = default_tokenizer()
-            batch["concept_ids"] = concept_token_ids(batch["tokens"], batch["concept_tokens"], tok.sot_token_id, tok.eot_token_id)
+            batch["concept_ids"] = concept_token_ids(batch["tokens"], batch["concept_tokens"], tok.sot_token_id,
+                                                     tok.eot_token_id)
         return batch
 
     def forward(self, model, batch, modules=None):
@@ -506,20 +542,24 @@ class C2LIP(Method):
             ids, valid = batch["concept_ids"], batch["concept_valid"]                        # (C, Kc, L), (C, Kc)
             enc = model.encode_text(ids[valid], normalize=True)                              # (P, D)
             out["concepts"] = enc.new_zeros(*valid.shape, enc.shape[-1]).index_put((valid,), enc)  # (C, Kc, D)
-        if modules is not None: out["sigmoid_scale"], out["sigmoid_bias"] = modules()
+        if modules is not None:
+            out["sigmoid_scale"], out["sigmoid_bias"] = modules()
         return out
 
     def loss(self, out, batch, dist: DistContext):
         image, text = out["image"], out["text"]
         # ragged K: padded to the largest over the processes; concepts with gradient, their mask without
-        g = gather(dist, {"image": image, "text": text, "concepts": out["concepts"], "concept_valid": batch["concept_valid"]},
+        g = gather(dist,
+                   {"image": image, "text": text, "concepts": out["concepts"], "concept_valid": batch["concept_valid"]},
                    pad={"concepts": {1: 0.0}, "concept_valid": {1: False}})
         a = g.all
-        terms = c2lip_terms(image, text, out["patches"] if self.cfg.xac_weight > 0 else None, a["concepts"], a["concept_valid"],
+        terms = c2lip_terms(image, text, out["patches"] if self.cfg.xac_weight > 0 else None, a["concepts"],
+                            a["concept_valid"],
                             out.get("sigmoid_scale"), out.get("sigmoid_bias"), out["logit_scale"], self.cfg,
                             a["image"], a["text"], g.offset)
         terms["_concepts"] = batch["concept_valid"].sum(1).float().mean()
-        if "sigmoid_scale" in out: terms["_t"], terms["_b"] = out["sigmoid_scale"].detach(), out["sigmoid_bias"].detach()
+        if "sigmoid_scale" in out:
+            terms["_t"], terms["_b"] = out["sigmoid_scale"].detach(), out["sigmoid_bias"].detach()
         terms["_logit_scale"] = out["logit_scale"].detach()
         return terms
 
@@ -538,7 +578,8 @@ def _sim(cfg, seed=1):
              concepts=F.normalize(torch.randn(4, 3, 6, generator=g, dtype=torch.float64), dim=-1))
     x = {k: v.requires_grad_() for k, v in x.items()}
     val = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
-    t, b, ls = torch.tensor(5.0, dtype=torch.float64), torch.tensor(-3.0, dtype=torch.float64), torch.tensor(7.0, dtype=torch.float64)
+    t, b, ls = (torch.tensor(5.0, dtype=torch.float64), torch.tensor(-3.0, dtype=torch.float64),
+                torch.tensor(7.0, dtype=torch.float64))
     full = c2lip_terms(x["image"], x["text"], x["patches"], x["concepts"], val, t, b, ls, cfg)
     parts = [c2lip_terms(x["image"][sl], x["text"][sl], x["patches"][sl], x["concepts"], val, t, b, ls, cfg,
                          x["image"], x["text"], off) for sl, off in ((slice(0, 2), 0), (slice(2, 4), 2))]
@@ -546,8 +587,10 @@ def _sim(cfg, seed=1):
     g1 = torch.autograd.grad(tot(full), list(x.values()))
     g2 = torch.autograd.grad((tot(parts[0]) + tot(parts[1])) / 2, list(x.values()))
     for k in full:
-        if not k.startswith("_"): assert_close((parts[0][k] + parts[1][k]) / 2, full[k])
-    for a, b_ in zip(g1, g2): assert_close(a, b_)
+        if not k.startswith("_"):
+            assert_close((parts[0][k] + parts[1][k]) / 2, full[k])
+    for a, b_ in zip(g1, g2):
+        assert_close(a, b_)
     return full
 
 for _base in ("siglip", "clip"):
@@ -577,13 +620,15 @@ for _emb in ("pool", "encode"):
     _model.zero_grad()
     sum(v for k, v in _terms.items() if not k.startswith("_")).backward()
     assert all(torch.isfinite(v) for v in _terms.values()) and set(_terms) >= {"siglip", "npc", "xac"}
-    assert _mods.log_scale.grad is not None and _mods.bias.grad is not None and _model.visual.conv1.weight.grad is not None
+    assert (_mods.log_scale.grad is not None and _mods.bias.grad is not None
+            and _model.visual.conv1.weight.grad is not None)
     print(_emb, {k: round(float(v.detach()), 4) for k, v in _terms.items()})
 assert set(_model.state_dict()) == _keys                                          # t, b live beside the model
 assert abs(float(_mods()[0]) - 10.0) < 1e-5 and float(_mods()[1]) == -10.0        # SigLIP's init
 test_fail(lambda: get_method("c2lip").forward(_model, _pb), contains="build_modules")
 test_fail(lambda: get_method("c2lip", {"base": "softmax"}), contains="base must be")
-test_fail(lambda: get_method("c2lip").prepare_batch({k: v for k, v in _batch.items() if k != "node_np"}), contains="node_np")
+test_fail(lambda: get_method("c2lip").prepare_batch({k: v for k, v in _batch.items() if k != "node_np"}),
+          contains="node_np")
 assert get_method("c2lip", {"base": "clip", "npc_weight": 0, "xac_weight": 0}).build_modules(_model) is None
 
 # %% [markdown]
@@ -599,5 +644,6 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
 _model.zero_grad()
 sum(v for k, v in _terms.items() if not k.startswith("_")).backward()
 assert all(torch.isfinite(v) for v in _terms.values())
-assert all(torch.isfinite(p.grad).all() for p in list(_model.parameters()) + list(_mods.parameters()) if p.grad is not None)
+assert all(torch.isfinite(p.grad).all() for p in list(_model.parameters()) + list(_mods.parameters())
+           if p.grad is not None)
 print({k: (round(float(v.detach()), 4), v.dtype) for k, v in _terms.items() if not k.startswith("_")})

@@ -24,7 +24,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from powerclip.dist import all_sum
@@ -39,7 +38,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # CLIP-PGS
 #
-# > Patch generation-to-selection (Pei et al., CVPR 2025): CLIP's loss on images of which 30-50 % of the patches are removed before the vision transformer, chosen from a few random seeds by edge strength and optimal-transport-normalised patch similarity instead of uniformly (FLIP).
+# > Patch generation-to-selection (Pei et al., CVPR 2025).
+#
+# CLIP's loss on images of which 30-50 % of the patches are removed before the vision transformer, chosen from a few
+# random seeds by edge strength and optimal-transport-normalised patch similarity instead of uniformly (FLIP).
 
 # %% [markdown]
 # CLIP-PGS is FLIP with a smarter choice of *which* patches to drop. The loss is CLIP's, the towers are
@@ -146,7 +148,8 @@ from torch.testing import assert_close
 def patch_pixels(image: torch.Tensor, patch: int) -> torch.Tensor:
     "image `(C, 3, H, W)` -> `(C, N, 3 * patch**2)`: each patch's pixels, patches row-major."
     C, ch, H, W = image.shape
-    if H % patch or W % patch: raise ValueError(f"image {H}x{W} is not a multiple of the patch size {patch}")
+    if H % patch or W % patch:
+        raise ValueError(f"image {H}x{W} is not a multiple of the patch size {patch}")
     x = image.reshape(C, ch, H // patch, patch, W // patch, patch)       # (C, 3, gh, p, gw, p)
     return x.permute(0, 2, 4, 1, 3, 5).reshape(C, (H // patch) * (W // patch), ch * patch * patch)
 
@@ -158,7 +161,8 @@ def sobel_patch_edges(image: torch.Tensor, patch: int) -> torch.Tensor:
     """image `(C, 3, H, W)` -> `(C, N)`: mean Sobel gradient magnitude inside each patch, the filter run on the
     whole image (replicate padding: the image border is no edge), per channel, magnitudes averaged over channels."""
     C, ch, H, W = image.shape
-    if H % patch or W % patch: raise ValueError(f"image {H}x{W} is not a multiple of the patch size {patch}")
+    if H % patch or W % patch:
+        raise ValueError(f"image {H}x{W} is not a multiple of the patch size {patch}")
     x = image.to(torch.promote_types(image.dtype, torch.float32))
     x = F.pad(x, (1, 1, 1, 1), mode="replicate")                        # (C, 3, H+2, W+2)
     k = torch.stack([_SOBEL_X, _SOBEL_X.T]).to(x)[:, None]              # (2, 1, 3, 3): d/dx, d/dy
@@ -173,7 +177,8 @@ def sobel_patch_edges(image: torch.Tensor, patch: int) -> torch.Tensor:
 # inside a flat region, which is why the response must come from the whole image, not from each patch alone.
 
 # %%
-_img = torch.zeros(1, 3, 32, 32); _img[..., 16:] = 1.0                  # 4 x 4 grid of 8-px patches
+_img = torch.zeros(1, 3, 32, 32)
+_img[..., 16:] = 1.0                  # 4 x 4 grid of 8-px patches
 _e = sobel_patch_edges(_img, 8).reshape(4, 4)
 print(_e)
 assert (_e[:, 1] > 0).all() and (_e[:, 2] > 0).all() and (_e[:, [0, 3]] == 0).all()
@@ -201,7 +206,8 @@ def cosine_matrix(x: torch.Tensor) -> torch.Tensor:
 
 
 def mix_weight(progress: float, start: float = 0.0, end: float = 1.0) -> float:
-    "alpha of `S = alpha * S_feat + (1 - alpha) * S_pix`: linear from `start` to `end` over training progress in [0, 1]."
+    """alpha of `S = alpha * S_feat + (1 - alpha) * S_pix`: linear from `start` to `end` over training progress in [0,
+    1]."""
     p = min(max(float(progress), 0.0), 1.0)
     return start + (end - start) * p
 
@@ -230,7 +236,8 @@ def _ds_err(P): return float(max((P.sum(1) - 1).abs().max(), (P.sum(2) - 1).abs(
 
 _g = torch.Generator().manual_seed(0)
 _S = cosine_matrix(torch.randn(3, 64, 16, generator=_g))
-assert_close(_S.diagonal(dim1=1, dim2=2), torch.ones(3, 64)); assert_close(_S, _S.transpose(1, 2))
+assert_close(_S.diagonal(dim1=1, dim2=2), torch.ones(3, 64))
+assert_close(_S, _S.transpose(1, 2))
 assert mix_weight(0) == 0 and mix_weight(0.25, 0.2, 1.0) == 0.4 and mix_weight(7) == 1
 # many near-identical background patches (cosines close to 1) and a few others: the hard case
 _bg = torch.randn(1, 1, 16, generator=_g).expand(2, 48, 16) + 0.05 * torch.randn(2, 48, 16, generator=_g)
@@ -261,20 +268,24 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16); x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15); x = _mul32(x, 0x846CA68B)
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
 
 
 def hash_uniform(keys: torch.Tensor, step: int, seed: int, n: int) -> torch.Tensor:
     """keys `(C,)` non-negative int64 sample ids -> `(C, n)` float32 uniform in [0, 1), a pure function of
     (seed, step, key, column): the same on every device, process and batch composition."""
-    if (keys < 0).any(): raise ValueError("sample ids must be non-negative")
+    if (keys < 0).any():
+        raise ValueError("sample ids must be non-negative")
     k = keys.long()
     h = torch.full_like(k, 0)
     for part in (seed & _M32, seed >> 32, step & _M32, step >> 32):    # fold the scalars in
         h = _mix32(h ^ part)
-    h = _mix32(h ^ (k & _M32)); h = _mix32(h ^ (k >> 32))                # (C,) one stream per sample
+    h = _mix32(h ^ (k & _M32))
+    h = _mix32(h ^ (k >> 32))                # (C,) one stream per sample
     col = _mix32(torch.arange(n, device=k.device) + 0x9E3779B9)          # (n,)
     v = _mix32(h[:, None] ^ col[None, :])                                # (C, n)
     return (v >> 8).float() / float(1 << 24)                             # 24 bits: exact in float32
@@ -313,7 +324,8 @@ def edge_protected(edges: torch.Tensor, top: float) -> torch.Tensor:
     C, N = edges.shape
     k = int(round(top * N))
     prot = torch.zeros(C, N, dtype=torch.bool, device=edges.device)
-    if k > 0: prot.scatter_(1, edges.topk(k, dim=1).indices, True)
+    if k > 0:
+        prot.scatter_(1, edges.topk(k, dim=1).indices, True)
     return prot & (edges > 0)
 
 
@@ -338,9 +350,11 @@ def select_patches(sim: torch.Tensor, edges: torch.Tensor | None, n_seed: int, n
     is the rounded mean over the *global* batch (None: this batch only)."""
     C, N, _ = sim.shape
     if not 1 <= n_seed <= n_hi or not 0 <= n_lo <= n_hi < N:
-        raise ValueError(f"need 1 <= n_seed <= n_hi, 0 <= n_lo <= n_hi < N; got n_seed={n_seed}, n_lo={n_lo}, n_hi={n_hi}, N={N}")
+        raise ValueError(f"need 1 <= n_seed <= n_hi, 0 <= n_lo <= n_hi < N; got n_seed={n_seed}, "
+                         f"n_lo={n_lo}, n_hi={n_hi}, N={N}")
     dev, ar = sim.device, torch.arange(C, device=sim.device)
-    if noise is None: noise = torch.rand(C, N, generator=generator).to(dev)
+    if noise is None:
+        noise = torch.rand(C, N, generator=generator).to(dev)
     sim = sim.to(torch.promote_types(sim.dtype, torch.float32))
     rank_sim = sim + N * sinkhorn(sim, ot_iters, ot_eps) if ot_iters > 0 else sim   # S' (C, N, N)
     seeds = torch.zeros(C, N, dtype=torch.bool, device=dev)
@@ -367,10 +381,12 @@ def select_patches(sim: torch.Tensor, edges: torch.Tensor | None, n_seed: int, n
     order = torch.stack(order, 1)                                         # (C, n_hi)
     want = (torch.stack(gains, 1) >= sim_threshold).long().cumprod(1).sum(1)   # (C,) prefix above threshold
     counts = want.clamp(n_lo, n_hi)
-    if n_lo == n_hi: n_drop = n_hi
+    if n_lo == n_hi:
+        n_drop = n_hi
     else:                                                                 # round(sum / images), in integers
         tot = torch.stack([counts.sum(), counts.new_tensor(C)])
-        if all_sum is not None: tot = all_sum(tot)
+        if all_sum is not None:
+            tot = all_sum(tot)
         n_drop = int((2 * tot[0] + tot[1]) // (2 * tot[1]))
     keep_mask = torch.ones(C, N, dtype=torch.bool, device=dev)
     keep_mask.scatter_(1, order[:, :n_drop], False)
@@ -423,7 +439,9 @@ _H, _p = 64, 8
 _gen = torch.Generator().manual_seed(0)
 _img = torch.linspace(-1.0, 0.5, _H)[None, None, None, :].expand(1, 3, _H, _H).clone()   # smooth background
 _img[..., 16:48, 16:48] = torch.randn(1, 3, 32, 32, generator=_gen)                      # textured object
-_obj = torch.zeros(8, 8, dtype=torch.bool); _obj[2:6, 2:6] = True; _obj = _obj.flatten()  # its 16 patches
+_obj = torch.zeros(8, 8, dtype=torch.bool)
+_obj[2:6, 2:6] = True
+_obj = _obj.flatten()  # its 16 patches
 _edges = sobel_patch_edges(_img, _p)                                                       # (1, 64)
 _R = 400
 _sim = cosine_matrix(patch_pixels(_img, _p)).expand(_R, -1, -1)                           # pixels only (alpha = 0)
@@ -435,7 +453,8 @@ _tok = torch.arange(65.0)[None, :, None].expand(_R, -1, 1)                      
 _kept_flip = torch.zeros(_R, 65).scatter_(1, PatchDropout(0.5).train()(_tok)[..., 0].long(), 1.0)[:, 1:]
 _f_pgs, _f_flip = float(_kept_pgs[:, _obj].mean()), float(_kept_flip[:, _obj].mean())
 print(f"object patches (16 of 64) kept: PGS-0.5 {_f_pgs:.3f}, FLIP {_f_flip:.3f}; "
-      f"background patches kept: PGS-0.5 {float(_kept_pgs[:, ~_obj].mean()):.3f}, FLIP {float(_kept_flip[:, ~_obj].mean()):.3f}")
+      f"background patches kept: PGS-0.5 {float(_kept_pgs[:, ~_obj].mean()):.3f}, FLIP "
+      f"{float(_kept_flip[:, ~_obj].mean()):.3f}")
 assert _f_pgs > _f_flip + 0.3
 # without edge protection the similarity alone still favours the object: its random patches are dissimilar to
 # each other and to the background, so they are the least redundant
@@ -449,13 +468,18 @@ import matplotlib.pyplot as plt
 def _overlay(ax, img, keep, p, title):
     "The image (first channel) with dropped patches greyed out."
     g = img.shape[-1] // p
-    kept = torch.zeros(g * g); kept[keep] = 1
-    ax.imshow(img[0], cmap="gray"); ax.imshow(kept.reshape(g, g).repeat_interleave(p, 0).repeat_interleave(p, 1) == 0,
+    kept = torch.zeros(g * g)
+    kept[keep] = 1
+    ax.imshow(img[0], cmap="gray")
+    ax.imshow(kept.reshape(g, g).repeat_interleave(p, 0).repeat_interleave(p, 1) == 0,
                                               cmap="Reds", alpha=0.45, vmin=0, vmax=1)
-    ax.set_title(title, fontsize=9); ax.axis("off")
+    ax.set_title(title, fontsize=9)
+    ax.axis("off")
 
 _fig, _ax = plt.subplots(1, 4, figsize=(11, 3))
-_ax[0].imshow(_edges.reshape(8, 8)); _ax[0].set_title("Sobel per patch", fontsize=9); _ax[0].axis("off")
+_ax[0].imshow(_edges.reshape(8, 8))
+_ax[0].set_title("Sobel per patch", fontsize=9)
+_ax[0].axis("off")
 _overlay(_ax[1], _img[0], _sel.keep[0], _p, "PGS-0.5, draw 0 (red: dropped)")
 _overlay(_ax[2], _img[0], _sel.keep[1], _p, "PGS-0.5, draw 1")
 _overlay(_ax[3], _img[0], _kept_flip[0].nonzero()[:, 0], _p, "FLIP, draw 0")
@@ -489,7 +513,8 @@ else:
     _inst = json.loads((_DATA / "annotations" / "instances_val2017.json").read_text())
     _by = {}
     for a in _inst["annotations"]:
-        if isinstance(a["segmentation"], list): _by.setdefault(a["image_id"], []).append(a)
+        if isinstance(a["segmentation"], list):
+            _by.setdefault(a["image_id"], []).append(a)
     _files = {im["id"]: im for im in _inst["images"]}
     _ids = sorted(_by)[:40]
     _mean, _std = torch.tensor(OPENAI_DATASET_MEAN)[:, None, None], torch.tensor(OPENAI_DATASET_STD)[:, None, None]
@@ -508,33 +533,46 @@ else:
     _simc = cosine_matrix(patch_pixels(_imgs, 16))                                      # (P, 196, 196)
     _ns, _hi = round(0.05 * 196), drop_count(196, 0.5)                                 # 10 seeds, 98 dropped
     _rows = []
-    for _name, _lo_, _edge in [("PGS-0.5", _hi, True), ("PGS-0.5 without ED", _hi, False), ("PGS-0.3", drop_count(196, 0.3), True)]:
+    for _name, _lo_, _edge in [("PGS-0.5", _hi, True), ("PGS-0.5 without ED", _hi, False),
+                               ("PGS-0.3", drop_count(196, 0.3), True)]:
         kept = torch.zeros(_D, _P, 196)
         drops = []
         for d in range(_D):
-            s = select_patches(_simc, _edges if _edge else None, _ns, _lo_, _hi, noise=hash_uniform(torch.arange(_P), d, 0, 196))
-            kept[d].scatter_(1, s.keep, 1.0); drops.append(s.n_drop / 196)
+            s = select_patches(_simc, _edges if _edge else None, _ns, _lo_, _hi,
+                               noise=hash_uniform(torch.arange(_P), d, 0, 196))
+            kept[d].scatter_(1, s.keep, 1.0)
+            drops.append(s.n_drop / 196)
         _rows.append((_name, float(kept[:, _objs].mean()), float(kept[:, ~_objs].mean()), float(np.mean(drops))))
     torch.manual_seed(0)
-    _kf = torch.zeros(_D * _P, 197).scatter_(1, PatchDropout(0.5).train()(torch.arange(197.0)[None, :, None].expand(_D * _P, -1, 1))[..., 0].long(), 1.0)[:, 1:]
-    _rows.append(("FLIP 0.5", float(_kf.reshape(_D, _P, 196)[:, _objs].mean()), float(_kf.reshape(_D, _P, 196)[:, ~_objs].mean()), 98 / 196))
+    _kf = torch.zeros(_D * _P, 197).scatter_(
+        1, PatchDropout(0.5).train()(torch.arange(197.0)[None, :, None].expand(_D * _P, -1, 1))[..., 0].long(),
+        1.0)[:, 1:]
+    _rows.append(("FLIP 0.5", float(_kf.reshape(_D, _P, 196)[:, _objs].mean()),
+                  float(_kf.reshape(_D, _P, 196)[:, ~_objs].mean()), 98 / 196))
     print(f"{_P} COCO photos, {int(_objs.sum())} object patches of {_objs.numel()}, {_D} draws each")
     # the calibration of PGS-0.3's sim_threshold: the batch's drop ratio against the threshold
-    print("PGS-0.3 drop ratio by sim_threshold:", {t: round(select_patches(_simc, _edges, _ns, drop_count(196, 0.3), _hi,
-          noise=hash_uniform(torch.arange(_P), 0, 0, 196), sim_threshold=t).n_drop / 196, 3) for t in (0.5, 0.8, 0.84, 0.9)})
+    print("PGS-0.3 drop ratio by sim_threshold:",
+          {t: round(select_patches(_simc, _edges, _ns, drop_count(196, 0.3), _hi,
+          noise=hash_uniform(torch.arange(_P), 0, 0, 196), sim_threshold=t).n_drop / 196, 3)
+           for t in (0.5, 0.8, 0.84, 0.9)})
     print(f"{'scheme':20s} {'object kept':>12s} {'background kept':>16s} {'drop ratio':>11s}")
-    for r in _rows: print(f"{r[0]:20s} {r[1]:12.3f} {r[2]:16.3f} {r[3]:11.3f}")
+    for r in _rows:
+        print(f"{r[0]:20s} {r[1]:12.3f} {r[2]:16.3f} {r[3]:11.3f}")
     assert all(0.3 - 1e-9 <= r[3] <= 0.5 + 1e-9 for r in _rows)
     _fig, _ax = plt.subplots(2, 3, figsize=(7.5, 5), dpi=60)
     _sel5 = select_patches(_simc[:3], _edges[:3], _ns, _hi, _hi, noise=hash_uniform(torch.arange(3), 0, 0, 196))
     for k in range(3):
         rgb = (_imgs[k] * _std + _mean).clamp(0, 1)
-        _ax[0, k].imshow(rgb.permute(1, 2, 0)); _ax[0, k].axis("off"); _ax[0, k].set_title(_files[_ids[k]]["file_name"], fontsize=8)
-        kept = torch.zeros(196); kept[_sel5.keep[k]] = 1
-        _ax[1, k].imshow((rgb * kept.reshape(14, 14).repeat_interleave(16, 0).repeat_interleave(16, 1)).permute(1, 2, 0))
-        _ax[1, k].axis("off"); _ax[1, k].set_title("PGS-0.5 keeps (alpha = 0)", fontsize=8)
+        _ax[0, k].imshow(rgb.permute(1, 2, 0))
+        _ax[0, k].axis("off")
+        _ax[0, k].set_title(_files[_ids[k]]["file_name"], fontsize=8)
+        kept = torch.zeros(196)
+        kept[_sel5.keep[k]] = 1
+        _ax[1, k].imshow((rgb
+                          * kept.reshape(14, 14).repeat_interleave(16, 0).repeat_interleave(16, 1)).permute(1, 2, 0))
+        _ax[1, k].axis("off")
+        _ax[1, k].set_title("PGS-0.5 keeps (alpha = 0)", fontsize=8)
     plt.tight_layout()
-
 
 # %% [markdown]
 # ### On the built-in world
@@ -563,13 +601,15 @@ print(f"pixel cosine of world patches: median {_wsim.flatten().median():.3f}")
 
 def _world_drop(t: float) -> list[float]:
     "PGS_0.3's drop ratio on four world batches of 64 at alpha = 0, sim_threshold `t`."
-    return [select_patches(_wsim[b:b + 64], _wedges[b:b + 64], round(0.05 * _wN), drop_count(_wN, 0.3), drop_count(_wN, 0.5),
+    return [select_patches(_wsim[b:b + 64], _wedges[b:b + 64], round(0.05 * _wN), drop_count(_wN, 0.3),
+                           drop_count(_wN, 0.5),
                            noise=hash_uniform(torch.arange(b, b + 64), 0, 0, _wN), sim_threshold=t).n_drop / _wN
             for b in range(0, 256, 64)]
 
 _cal = {t: _world_drop(t) for t in (0.84, 0.98, 0.983, WORLD_SIM_THRESHOLD, 0.985, 0.99)}
 print("PGS-0.3 drop ratio on world batches by sim_threshold:", {t: [round(r, 3) for r in v] for t, v in _cal.items()})
-test_eq(set(_cal[0.84]), {0.5})                                                   # COCO's threshold: always the upper limit
+# COCO's threshold: always the upper limit
+test_eq(set(_cal[0.84]), {0.5})
 assert all(0.3 <= r <= 0.5 for r in _cal[WORLD_SIM_THRESHOLD]) and 0.35 <= np.mean(_cal[WORLD_SIM_THRESHOLD]) <= 0.45
 
 
@@ -602,25 +642,33 @@ class PGSConfig:
     sim_threshold: float = 0.84  # PGS_0.3: grow while the added patch has cosine >= this (ours, calibrated below)
 
     def __post_init__(self):
-        if not 0 <= self.lower <= self.upper < 1: raise ValueError(f"need 0 <= lower <= upper < 1, got {self.lower}, {self.upper}")
-        if not 0 < self.seed_ratio <= self.upper: raise ValueError(f"seed_ratio must be in (0, upper], got {self.seed_ratio}")
-        if not 0 <= self.edge_top < 1: raise ValueError(f"edge_top must be in [0, 1), got {self.edge_top}")
-        if self.ot_iters < 1 or self.ot_eps <= 0: raise ValueError("need ot_iters >= 1 and ot_eps > 0")
-        if not -1 <= self.sim_threshold <= 1: raise ValueError(f"sim_threshold is a cosine, in [-1, 1]; got {self.sim_threshold}")
+        if not 0 <= self.lower <= self.upper < 1:
+            raise ValueError(f"need 0 <= lower <= upper < 1, got {self.lower}, {self.upper}")
+        if not 0 < self.seed_ratio <= self.upper:
+            raise ValueError(f"seed_ratio must be in (0, upper], got {self.seed_ratio}")
+        if not 0 <= self.edge_top < 1:
+            raise ValueError(f"edge_top must be in [0, 1), got {self.edge_top}")
+        if self.ot_iters < 1 or self.ot_eps <= 0:
+            raise ValueError("need ot_iters >= 1 and ot_eps > 0")
+        if not -1 <= self.sim_threshold <= 1:
+            raise ValueError(f"sim_threshold is a cosine, in [-1, 1]; got {self.sim_threshold}")
 
     def counts(self, n: int) -> tuple[int, int, int]:
         "(n_seed, n_lo, n_hi) for `n` patches."
         n_lo, n_hi = drop_count(n, self.lower), drop_count(n, self.upper)
-        if n_hi < 1: raise ValueError(f"{n} patches at ratio {self.upper}: nothing to drop")
+        if n_hi < 1:
+            raise ValueError(f"{n} patches at ratio {self.upper}: nothing to drop")
         return min(max(1, round(self.seed_ratio * n)), n_hi), n_lo, n_hi
 
 
 class PGSSelector:
-    "The `keep` of `select_patch_tokens` for one forward pass: x `(C, 1 + N, width)` -> kept patch indices `(C, N_keep)`."
+    """The `keep` of `select_patch_tokens` for one forward pass: x `(C, 1 + N, width)` -> kept patch indices `(C,
+    N_keep)`."""
     def __init__(self, cfg: PGSConfig, patch: int, image: torch.Tensor, noise: torch.Tensor, alpha: float,
                  pos: torch.Tensor):
         self.cfg, self.patch = cfg, patch
-        self.image, self.noise, self.alpha, self.pos = image, noise, alpha, pos   # (C, 3, H, W), (C, N), (), (1 + N, width)
+        # (C, 3, H, W), (C, N), (), (1 + N, width)
+        self.image, self.noise, self.alpha, self.pos = image, noise, alpha, pos
         self.last: Selection | None = None     # the choice of the last call (for logging and checks)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -629,7 +677,8 @@ class PGSSelector:
         with torch.no_grad():
             feat = x[:, 1:] - self.pos[1:].to(x.dtype)                      # (C, N, width) content, no position
             pix = patch_pixels(self.image, self.patch)                      # (C, N, 3 p^2)
-            if pix.shape[1] != N: raise ValueError(f"image has {pix.shape[1]} patches, the token sequence {N}")
+            if pix.shape[1] != N:
+                raise ValueError(f"image has {pix.shape[1]} patches, the token sequence {N}")
             a = self.alpha
             sim = a * cosine_matrix(feat) + (1 - a) * cosine_matrix(pix)    # (C, N, N)
             edges = sobel_patch_edges(self.image, self.patch) if cfg.edges else None
@@ -654,7 +703,8 @@ class PGSSelector:
 #| export
 @register("clip-pgs")
 class CLIPPGS(StepClock, CLIP):
-    "CLIP-PGS_0.5: CLIP's loss with patch generation-to-selection in the vision tower during training, config `PGSConfig`."
+    """CLIP-PGS_0.5: CLIP's loss with patch generation-to-selection in the vision tower during training, config
+    `PGSConfig`."""
     Config = PGSConfig
     needs_patches = False
 
@@ -687,7 +737,8 @@ class CLIPPGS(StepClock, CLIP):
 
     def loss(self, out, batch, dist):
         terms = super().loss(out, batch, dist)
-        if "pgs_drop_ratio" in out: terms["_pgs_drop_ratio"] = out["pgs_drop_ratio"]
+        if "pgs_drop_ratio" in out:
+            terms["_pgs_drop_ratio"] = out["pgs_drop_ratio"]
         return terms
 
 
@@ -720,17 +771,22 @@ register_configs()
 assert METHODS["clip-pgs"] is CLIPPGS and METHODS["clip-pgs-0.3"] is CLIPPGS03
 assert get_method("clip-pgs-0.3").cfg.lower == 0.3 and get_method("clip-pgs").cfg.lower == 0.5
 for bad in ({"lower": 0.6}, {"seed_ratio": 0.0}, {"sim_threshold": 2.0}):
-    try: get_method("clip-pgs", bad); raise AssertionError(bad)
-    except ValueError as e: print("refused:", e)
+    try:
+        get_method("clip-pgs", bad)
+        raise AssertionError(bad)
+    except ValueError as e:
+        print("refused:", e)
 
 torch.manual_seed(0)
 _model = create_model("powerclip-micro")[0]
 _keys = set(_model.state_dict())
 _img = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
-_tok = torch.zeros(4, 77, dtype=torch.long); _tok[:, 0], _tok[:, 1:4], _tok[:, 4] = 49406, 100, 49407
+_tok = torch.zeros(4, 77, dtype=torch.long)
+_tok[:, 0], _tok[:, 1:4], _tok[:, 4] = 49406, 100, 49407
 _batch = {"image": _img, "tokens": _tok, "index": torch.tensor([10, 11, 12, 13])}
 _model.eval()
-with torch.no_grad(): _ref = encode(_model, _img, _tok, need_patches=False)
+with torch.no_grad():
+    _ref = encode(_model, _img, _tok, need_patches=False)
 
 _m = get_method("clip-pgs")
 _N = _model.visual.grid_size[0] * _model.visual.grid_size[1]
@@ -740,27 +796,35 @@ _model.train()
 _m.on_step(0, 10)
 _out = _m.forward(_model, _batch)
 _sel = _m.last
-assert set(_model.state_dict()) == _keys and isinstance(_model.visual.patch_dropout, torch.nn.Identity)  # nothing left behind
+# nothing left behind
+assert set(_model.state_dict()) == _keys and isinstance(_model.visual.patch_dropout, torch.nn.Identity)
 _model.eval()
-with torch.no_grad(): _ev = _m.forward(_model, _batch)
+with torch.no_grad():
+    _ev = _m.forward(_model, _batch)
 _hk.remove()
 assert _seen[0].shape[1] == 1 + _N // 2 and _seen[1].shape[1] == 1 + _N, [s.shape for s in _seen]
 # the tokens after selection are exactly the kept rows of the full sequence (eval pass: nothing dropped)
 _W = _seen[0].shape[-1]
 assert_close(_seen[0][:, 1:], _seen[1][:, 1:].gather(1, _sel.keep[..., None].expand(-1, -1, _W)))
 assert_close(_seen[0][:, 0], _seen[1][:, 0])
-for k in ("image", "text"): assert torch.equal(_ev[k], _ref[k])  # evaluation = the plain model, bit for bit
+for k in ("image", "text"):
+    assert torch.equal(_ev[k], _ref[k])  # evaluation = the plain model, bit for bit
 _terms = _m.loss(_out, _batch, DistContext())
 _terms["clip"].backward()
-assert torch.isfinite(_terms["clip"]) and _model.visual.conv1.weight.grad is not None and _terms["_pgs_drop_ratio"] == 0.5
+assert (torch.isfinite(_terms["clip"]) and _model.visual.conv1.weight.grad is not None
+        and _terms["_pgs_drop_ratio"] == 0.5)
 print(f"tokens into the vision transformer: train {_seen[0].shape[1]}, eval {_seen[1].shape[1]} (N = {_N}); "
       f"loss {float(_terms['clip'].detach()):.4f}")
 _model.train()
-_m.on_step(0, 10); _l1 = _m.loss(_m.forward(_model, _batch), _batch, DistContext())["clip"]
-_m.on_step(0, 10); _l2 = _m.loss(_m.forward(_model, _batch), _batch, DistContext())["clip"]
+_m.on_step(0, 10)
+_l1 = _m.loss(_m.forward(_model, _batch), _batch, DistContext())["clip"]
+_m.on_step(0, 10)
+_l2 = _m.loss(_m.forward(_model, _batch), _batch, DistContext())["clip"]
 assert torch.equal(_l1, _l2)                                   # deterministic given (seed, step, index)
 with torch.autocast("cpu", dtype=torch.bfloat16):
-    _m.on_step(5, 10); _ob = _m.forward(_model, _batch); _lb = _m.loss(_ob, _batch, DistContext())["clip"]
+    _m.on_step(5, 10)
+    _ob = _m.forward(_model, _batch)
+    _lb = _m.loss(_ob, _batch, DistContext())["clip"]
 assert torch.isfinite(_lb) and torch.isfinite(_ob["image"].float()).all()
 print(f"bf16 autocast loss {float(_lb.detach()):.4f}, alpha at step 5 of 10 = {_m.alpha:.3f}")
 _model.eval()

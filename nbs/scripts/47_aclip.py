@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from powerclip.baselines.aclip_views import color_augment, crop_boxes, crop_resize, enclosing_box
 from powerclip.baselines.clip_pgs import hash_uniform
 from powerclip.dist import DistContext, gather
 from powerclip.loss import clip_loss
@@ -44,7 +45,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # A-CLIP
 #
-# > Attentive Mask CLIP (Yang et al., ICCV 2023): keep the image tokens that an EMA copy of the vision encoder attends to from its class token, drop the rest before the vision transformer, and add two self-supervised terms between the online and the EMA encoder.
+# > Attentive Mask CLIP (Yang et al., ICCV 2023).
+#
+# Keep the image tokens that an EMA copy of the vision encoder attends to from its class token, drop the rest before the
+# vision transformer, and add two self-supervised terms between the online and the EMA encoder.
 
 # %% [markdown]
 # A-CLIP is FLIP with an informed choice of the kept tokens plus auxiliary image-only losses. Per training step
@@ -118,10 +122,12 @@ def cls_attention(
 ) -> torch.Tensor:                       # (C, n_heads, T) softmax over the T keys of the class-token query
     "Attention probabilities of the class token (query 0) over all tokens, per head, at least float32."
     C, T, W = x.shape
-    if W % n_heads: raise ValueError(f"width {W} is not a multiple of {n_heads} heads")
+    if W % n_heads:
+        raise ValueError(f"width {W} is not a multiple of {n_heads} heads")
     dh = W // n_heads
     bq = bk = None
-    if in_proj_bias is not None: bq, bk = in_proj_bias[:W], in_proj_bias[W:2 * W]
+    if in_proj_bias is not None:
+        bq, bk = in_proj_bias[:W], in_proj_bias[W:2 * W]
     q = F.linear(x[:, :1], in_proj_weight[:W], bq).reshape(C, n_heads, dh)             # (C, H, dh) class query
     k = F.linear(x, in_proj_weight[W:2 * W], bk).reshape(C, T, n_heads, dh)            # (C, T, H, dh)
     dtype = torch.promote_types(q.dtype, torch.float32)
@@ -174,8 +180,10 @@ def _hook(block):
     return f
 
 _hs = [b.ln_1.register_forward_hook(_hook(b)) for b in _blocks]
-with torch.no_grad(): _model.visual(torch.randn(2, 3, 32, 32, generator=_g))
-for h in _hs: h.remove()
+with torch.no_grad():
+    _model.visual(torch.randn(2, 3, 32, 32, generator=_g))
+for h in _hs:
+    h.remove()
 assert len(_rows) == len(_blocks)
 for b, y, r in zip(_blocks, _ins, _rows):
     assert b.attn.batch_first and y.shape[1] == 1 + 16                      # (C, 1 + N, width), class token first
@@ -183,7 +191,8 @@ for b, y, r in zip(_blocks, _ins, _rows):
         w = b.attn(y, y, y, need_weights=True, average_attn_weights=False)[1][:, :, 0]
     assert_close(r, w, atol=1e-6, rtol=1e-5)
 _sc = attentive_scores(torch.stack(_rows))
-print(f"{len(_rows)} blocks, scores {tuple(_sc.shape)}, row sums {_sc.sum(-1).tolist()} (< 1: the class key's share is dropped)")
+print(f"{len(_rows)} blocks, scores {tuple(_sc.shape)}, row sums {_sc.sum(-1).tolist()} (< 1: the "
+      "class key's share is dropped)")
 
 
 # %% [markdown]
@@ -246,9 +255,11 @@ _src = torch.tensor([[10.0, 20.0, 300.0, 280.0], [0.0, 0.0, 224.0, 224.0]])
 assert_close(transfer_scores(_S, _src, _src, (14, 14)), _S)
 _dst = torch.tensor([[50.0, 40.0, 200.0, 150.0], [0.0, 100.0, 124.0, 124.0]])
 _t = transfer_scores(_S, _src, _dst, (14, 14))
-for c in range(2): assert_close(_t[c], _naive_transfer(_S[c], _src[c].tolist(), _dst[c].tolist(), 14, 14))
+for c in range(2):
+    assert_close(_t[c], _naive_transfer(_S[c], _src[c].tolist(), _dst[c].tolist(), 14, 14))
 _ramp = torch.arange(14.0)[None, None].expand(1, 14, 14)                                  # value = column index
-_mid = transfer_scores(_ramp, torch.tensor([[0.0, 0.0, 224.0, 224.0]]), torch.tensor([[0.0, 56.0, 224.0, 112.0]]), (14, 14))
+_mid = transfer_scores(_ramp, torch.tensor([[0.0, 0.0, 224.0, 224.0]]),
+                       torch.tensor([[0.0, 56.0, 224.0, 112.0]]), (14, 14))
 assert_close(_mid[0, 0], (56 + (torch.arange(14.0) + 0.5) * 8) / 16 - 0.5)                # the middle half of the line
 print("transferred row of a ramp:", [round(v, 2) for v in _mid[0, 0].tolist()])
 
@@ -266,14 +277,16 @@ print("transferred row of a ramp:", [round(v, 2) for v in _mid[0, 0].tolist()])
 #| export
 def aclip_keep_count(n_blocks: int, keep_ratio: float) -> int:
     "Blocks kept out of `n_blocks`: the authors' `int(n * ratio) + 1` (25 of 49 at 0.5), at most all of them."
-    if not 0 < keep_ratio <= 1: raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
+    if not 0 < keep_ratio <= 1:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
     return min(n_blocks, int(n_blocks * keep_ratio) + 1)
 
 
 def block_scores(scores: torch.Tensor, grid: tuple[int, int], block: int = 2) -> torch.Tensor:
     "scores `(C, gh * gw)` row-major -> `(C, (gh // block) * (gw // block))` mean over each block, row-major."
     gh, gw = grid
-    if gh % block or gw % block: raise ValueError(f"grid {gh}x{gw} is not a multiple of the block size {block}")
+    if gh % block or gw % block:
+        raise ValueError(f"grid {gh}x{gw} is not a multiple of the block size {block}")
     C = scores.shape[0]
     x = scores.reshape(C, gh // block, block, gw // block, block)                          # (C, bh, b, bw, b)
     return x.mean(dim=(2, 4)).flatten(1)
@@ -287,12 +300,15 @@ def attentive_keep(
 ) -> torch.Tensor:               # (C, n_keep * block**2) long, kept patch indices, ascending
     "A-CLIP's kept tokens: the highest-scoring blocks of patches of each image."
     gh, gw = grid
-    if scores.shape[1] != gh * gw: raise ValueError(f"{scores.shape[1]} scores for a {gh}x{gw} grid")
+    if scores.shape[1] != gh * gw:
+        raise ValueError(f"{scores.shape[1]} scores for a {gh}x{gw} grid")
     b = block_scores(scores.float(), grid, block).nan_to_num(nan=-math.inf)               # (C, nb)
     bw = gw // block
     k = aclip_keep_count(b.shape[1], keep_ratio)
-    top = torch.sort(-b, dim=1, stable=True).indices[:, :k]                                 # (C, k) best first, ties: low index
-    r0, c0 = (top // bw) * block, (top % bw) * block                                        # (C, k) top-left patch of the block
+    # (C, k) best first, ties: low index
+    top = torch.sort(-b, dim=1, stable=True).indices[:, :k]
+    # (C, k) top-left patch of the block
+    r0, c0 = (top // bw) * block, (top % bw) * block
     d = torch.arange(block, device=scores.device)
     rows = r0[:, :, None, None] + d[None, None, :, None]                                    # (C, k, b, 1)
     cols = c0[:, :, None, None] + d[None, None, None, :]                                    # (C, k, 1, b)
@@ -306,7 +322,8 @@ def attentive_keep(
 # is the same for every monotone transform of the scores; at ViT-B/16 size 100 of 196 tokens are kept.
 
 # %%
-_s = torch.ones(2, 16); _s[0, [10, 11, 14, 15]] = 0.0                       # image 0: bottom-right block is dull
+_s = torch.ones(2, 16)
+_s[0, [10, 11, 14, 15]] = 0.0                       # image 0: bottom-right block is dull
 _k = attentive_keep(_s, (4, 4))
 assert _k[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13]
 assert _k[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13]              # all equal: block 3 (bottom-right) goes
@@ -320,10 +337,12 @@ _kb = torch.zeros(5, 49, dtype=torch.bool)
 _kb.scatter_(1, ((_k2 // 14) // 2) * 7 + (_k2 % 14) // 2, True)
 assert _kb.sum(1).eq(25).all()
 assert all(_bs[c][_kb[c]].min() >= _bs[c][~_kb[c]].max() for c in range(5))
-assert_close(block_scores(_s2, (14, 14), 2), F.interpolate(_s2.reshape(5, 1, 14, 14), (7, 7), mode="bilinear").flatten(1))
+assert_close(block_scores(_s2, (14, 14), 2),
+             F.interpolate(_s2.reshape(5, 1, 14, 14), (7, 7), mode="bilinear").flatten(1))
 assert attentive_keep(torch.full((1, 16), float("nan")), (4, 4)).shape == (1, 12)
 assert aclip_keep_count(49, 0.5) == 25 and aclip_keep_count(4, 1.0) == 4
 print("ViT-B/16: kept", _k2.shape[1], "of 196 tokens; the 2x2 mean equals the authors' bilinear 14 -> 7 resize")
+
 
 # %% [markdown]
 # ## EMA
@@ -338,7 +357,8 @@ print("ViT-B/16: kept", _k2.shape[1], "of 196 tokens; the 2x2 mean equals the au
 #| export
 def ema_momentum(step: int, total: int, base: float = 0.996, final: float = 1.0) -> float:
     "Cosine schedule of the EMA momentum: `base` at step 0, `final` at step `total` (clamped outside [0, total])."
-    if total < 1: raise ValueError(f"total must be >= 1, got {total}")
+    if total < 1:
+        raise ValueError(f"total must be >= 1, got {total}")
     s = min(max(step, 0), total)
     return final + 0.5 * (base - final) * (1 + math.cos(math.pi * s / total))
 
@@ -346,12 +366,15 @@ def ema_momentum(step: int, total: int, base: float = 0.996, final: float = 1.0)
 @torch.no_grad()
 def ema_update_(ema: list[torch.Tensor], online: list[torch.Tensor], momentum: float) -> None:
     "In place: `e <- m * e + (1 - m) * o` for each pair (same shapes and dtypes)."
-    if len(ema) != len(online): raise ValueError(f"{len(ema)} EMA tensors for {len(online)} online tensors")
+    if len(ema) != len(online):
+        raise ValueError(f"{len(ema)} EMA tensors for {len(online)} online tensors")
     for e, o in zip(ema, online):
         if e.shape != o.shape or e.dtype != o.dtype:
             raise ValueError(f"EMA tensor {tuple(e.shape)} {e.dtype} does not match online {tuple(o.shape)} {o.dtype}")
-    if not 0 <= momentum <= 1: raise ValueError(f"momentum must be in [0, 1], got {momentum}")
-    if ema: torch._foreach_lerp_(ema, online, 1.0 - momentum)
+    if not 0 <= momentum <= 1:
+        raise ValueError(f"momentum must be in [0, 1], got {momentum}")
+    if ema:
+        torch._foreach_lerp_(ema, online, 1.0 - momentum)
 
 
 # %% [markdown]
@@ -366,16 +389,27 @@ _e = [torch.randn(3, 4, generator=_g), torch.randn(5, generator=_g)]
 _o = [torch.randn(3, 4, generator=_g, requires_grad=True), torch.randn(5, generator=_g, requires_grad=True)]
 _e0 = [t.clone() for t in _e]
 ema_update_(_e, _o, 0.9)
-for a, a0, o in zip(_e, _e0, _o): assert_close(a, 0.9 * a0 + 0.1 * o.detach()); assert not a.requires_grad
-_c = [t.clone() for t in _e]; ema_update_(_c, _o, 1.0)
-for a, b in zip(_c, _e): assert torch.equal(a, b)
-_c = [t.clone() for t in _e]; ema_update_(_c, _o, 0.0)
-for a, o in zip(_c, _o): assert torch.equal(a, o.detach())
+for a, a0, o in zip(_e, _e0, _o):
+    assert_close(a, 0.9 * a0 + 0.1 * o.detach())
+    assert not a.requires_grad
+_c = [t.clone() for t in _e]
+ema_update_(_c, _o, 1.0)
+for a, b in zip(_c, _e):
+    assert torch.equal(a, b)
+_c = [t.clone() for t in _e]
+ema_update_(_c, _o, 0.0)
+for a, o in zip(_c, _o):
+    assert torch.equal(a, o.detach())
 _z, _one = [torch.zeros(4, dtype=torch.float64)], [torch.ones(4, dtype=torch.float64)]
-for _ in range(10): ema_update_(_z, _one, 0.8)
+for _ in range(10):
+    ema_update_(_z, _one, 0.8)
 assert_close(_z[0], torch.full((4,), 1 - 0.8 ** 10, dtype=torch.float64))
-try: ema_update_([torch.zeros(2)], [torch.zeros(3)], 0.5); raise AssertionError
-except ValueError as e: print("refused:", e)
+try:
+    ema_update_([torch.zeros(2)], [torch.zeros(3)], 0.5)
+    raise AssertionError
+except ValueError as e:
+    print("refused:", e)
+
 
 # %% [markdown]
 # ## Auxiliary losses
@@ -442,9 +476,11 @@ _z = torch.randn(5, 8, generator=_g, dtype=torch.float64)
 assert_close(byol_loss(_z[None].expand(3, -1, -1) * 2.5, _z), torch.tensor(0.0, dtype=torch.float64))
 assert_close(byol_loss(-_z[None], _z), torch.tensor(4.0, dtype=torch.float64))
 assert_close(byol_loss(_p * 7, _z * 0.1), byol_loss(_p, _z))
-_naive_byol = sum(2 - 2 * torch.dot(_p[v, i], _z[i]) / (_p[v, i].norm() * _z[i].norm()) for v in range(2) for i in range(5)) / 10
+_naive_byol = (sum(2 - 2 * torch.dot(_p[v, i], _z[i]) / (_p[v, i].norm() * _z[i].norm()) for v in range(2)
+                   for i in range(5)) / 10)
 assert_close(byol_loss(_p, _z), _naive_byol)
-_zt = _z.clone().requires_grad_(); _pt = _p.clone().requires_grad_()
+_zt = _z.clone().requires_grad_()
+_pt = _p.clone().requires_grad_()
 byol_loss(_pt, _zt).backward()
 assert _zt.grad is None and _pt.grad is not None
 assert gradcheck(lambda p: byol_loss(p, _z), (_p.clone().requires_grad_(),))
@@ -455,16 +491,20 @@ def _naive_simclr(a, b, tau):
     R, tot = a.shape[0], 0
     for x, y in ((a, b), (b, a)):
         for i in range(R):
-            den = sum(torch.exp(x[i] @ y[j] / tau) for j in range(R)) + sum(torch.exp(x[i] @ x[j] / tau) for j in range(R) if j != i)
+            den = (sum(torch.exp(x[i] @ y[j] / tau) for j in range(R))
+                   + sum(torch.exp(x[i] @ x[j] / tau) for j in range(R) if j != i))
             tot = tot - torch.log(torch.exp(x[i] @ y[i] / tau) / den)
     return tot / (2 * R)
 
 _A, _B = torch.randn(6, 5, generator=_g, dtype=torch.float64), torch.randn(6, 5, generator=_g, dtype=torch.float64)
-_a1, _a2 = (_A.clone().requires_grad_(), _B.clone().requires_grad_()), (_A.clone().requires_grad_(), _B.clone().requires_grad_())
+_a1, _a2 = ((_A.clone().requires_grad_(), _B.clone().requires_grad_()),
+            (_A.clone().requires_grad_(), _B.clone().requires_grad_()))
 _l, _ref = simclr_loss(*_a1, 0.5), _naive_simclr(*_a2, 0.5)
 assert_close(_l, _ref)
-_l.backward(); _ref.backward()
-for x, y in zip(_a1, _a2): assert_close(x.grad, y.grad)
+_l.backward()
+_ref.backward()
+for x, y in zip(_a1, _a2):
+    assert_close(x.grad, y.grad)
 assert gradcheck(lambda a, b: simclr_loss(a, b, 0.5), _a1, eps=1e-6, atol=1e-5)
 assert_close(simclr_loss(_B, _A, 0.5), _l.detach())                                     # symmetric in the views
 _perm = torch.randperm(6, generator=_g)
@@ -473,7 +513,8 @@ assert_close(simclr_loss(3 * _A, 0.2 * _B, 0.5), _l.detach())                   
 _parts = [simclr_loss(_A[s], _B[s], 0.5, _A, _B, o) for s, o in ((slice(0, 3), 0), (slice(3, 6), 3))]
 assert_close(sum(_parts) / 2, _l.detach())                                             # two processes = one
 # identical views (what the authors' code feeds it) against independent ones, at their tau = 0.1
-print(f"simclr at tau 0.1: identical views {float(simclr_loss(_A, _A, 0.1)):.4f}, independent views {float(simclr_loss(_A, _B, 0.1)):.4f}")
+print(f"simclr at tau 0.1: identical views {float(simclr_loss(_A, _A, 0.1)):.4f}, independent views "
+      f"{float(simclr_loss(_A, _B, 0.1)):.4f}")
 
 # %% [markdown]
 # Finite under bf16 autocast at A-CLIP's sizes (256-d heads, a batch of 256), in float32 inside:
@@ -490,299 +531,13 @@ print(f"bf16 autocast: simclr {float(_ls.detach()):.4f}, byol {float(_lb.detach(
 
 
 # %% [markdown]
-# ## Views, made in the method
+# ## Views and colour augmentation
 #
-# The data pipeline gives each sample one image tensor, normalised, at the model's size. A-CLIP needs three crops of
-# it: two training views and, for the EMA encoder, a crop that encloses both. The method makes them itself, from
-# hashed uniform noise `hash_uniform(index, step, seed, n)` (`46_clip_pgs`), so that a sample's views are a function of
-# (method seed, step, sample id) only: the same on every process and after a resume.
-#
-# **Crop boxes** follow torchvision's `RandomResizedCrop.get_params` exactly, with the noise in place of torch's
-# generator: up to 10 attempts of an area share $s\sim U(0.5, 1)$ and a log-uniform aspect ratio in $[3/4, 4/3]$,
-# $w=\mathrm{round}\sqrt{sHW\,a}$, $h=\mathrm{round}\sqrt{sHW/a}$; the first attempt that fits takes a uniform integer
-# position; if none fits, the central crop of the largest allowed aspect. **The EMA's box** is the union of the two
-# boxes with each side moved towards the image border by a uniform integer amount (the authors' "zoom out", without
-# their two slips, see the table above). **Cropping** samples the box bilinearly at the output pixels' centres, with
-# the sample positions clamped to the box's outer pixels: exactly `F.interpolate` (bilinear, `align_corners=False`) of
-# the cropped tensor, i.e. torchvision's `resized_crop` on tensors, but batched over boxes of different sizes.
-
-# %%
-#| export
-def crop_boxes(
-    u: torch.Tensor,                            # (C, 40) uniform noise in [0, 1): 10 attempts x (area, ratio, top, left)
-    size: tuple[int, int],                      # (H, W) of the image
-    scale: tuple[float, float] = (0.5, 1.0),    # area share of a crop (the authors' RandomResizedCrop scale)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3),  # aspect ratio w / h (torchvision's default)
-) -> torch.Tensor:                              # (C, 4) float64 boxes (top, left, height, width), integer-valued
-    "torchvision's `RandomResizedCrop.get_params` for a batch, driven by the given noise."
-    H, W = size
-    C = u.shape[0]
-    if u.shape[1] < 40: raise ValueError(f"need 40 noise columns per crop, got {u.shape[1]}")
-    a = u[:, :40].double().reshape(C, 10, 4)                                            # (C, 10, 4)
-    target = H * W * (scale[0] + (scale[1] - scale[0]) * a[..., 0])                    # (C, 10)
-    lr0, lr1 = math.log(ratio[0]), math.log(ratio[1])
-    aspect = torch.exp(lr0 + (lr1 - lr0) * a[..., 1])
-    w, h = torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))  # (C, 10)
-    ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
-    first = ok.to(torch.uint8).argmax(1, keepdim=True)                                  # (C, 1) first attempt that fits
-    pick = lambda t: t.gather(1, first)[:, 0]                                           # (C,)
-    hh, ww = pick(h), pick(w)
-    top = torch.floor(pick(a[..., 2]) * (H - hh + 1)); left = torch.floor(pick(a[..., 3]) * (W - ww + 1))
-    in_ratio = W / H                                                                    # fallback: central crop
-    if in_ratio < min(ratio): fw, fh = W, int(round(W / min(ratio)))
-    elif in_ratio > max(ratio): fh, fw = H, int(round(H * max(ratio)))
-    else: fw, fh = W, H
-    fb = torch.tensor([(H - fh) // 2, (W - fw) // 2, fh, fw], dtype=torch.float64, device=u.device)
-    box = torch.stack([top, left, hh, ww], 1)                                           # (C, 4)
-    return torch.where(ok.any(1, keepdim=True), box, fb)
-
-
-def enclosing_box(
-    a: torch.Tensor, b: torch.Tensor,   # (C, 4) boxes (top, left, height, width)
-    u: torch.Tensor,                    # (C, 4) uniform noise: how far each side moves out
-    size: tuple[int, int],              # (H, W)
-) -> torch.Tensor:                      # (C, 4) float64: encloses a and b, inside the image
-    "The EMA's crop: the union of two boxes, each side moved towards the border by a uniform integer amount."
-    H, W = size
-    a, b, u = a.double(), b.double(), u.double()
-    t0, l0 = torch.minimum(a[:, 0], b[:, 0]), torch.minimum(a[:, 1], b[:, 1])
-    b0, r0 = torch.maximum(a[:, 0] + a[:, 2], b[:, 0] + b[:, 2]), torch.maximum(a[:, 1] + a[:, 3], b[:, 1] + b[:, 3])
-    t = torch.floor(u[:, 0] * (t0 + 1)); l = torch.floor(u[:, 1] * (l0 + 1))             # in [0, t0], [0, l0]
-    bt = b0 + torch.floor(u[:, 2] * (H - b0 + 1)); rt = r0 + torch.floor(u[:, 3] * (W - r0 + 1))   # in [b0, H], [r0, W]
-    return torch.stack([t, l, bt - t, rt - l], 1)
-
-
-def crop_resize(
-    image: torch.Tensor,       # (C, ch, H, W)
-    box: torch.Tensor,         # (C, 4) (top, left, height, width) in pixels, inside the image
-    out_hw: tuple[int, int],   # (oh, ow)
-) -> torch.Tensor:             # (C, ch, oh, ow): each box resized (bilinear, as F.interpolate of the crop)
-    "Crop a box of each image and resize it, batched: torchvision's tensor `resized_crop` (bilinear, no antialias)."
-    C, _, H, W = image.shape
-    oh, ow = out_hw
-    bx = box.to(torch.float64)
-    t, l, h, w = bx.unbind(1)                                                           # (C,) each
-    ys = t[:, None] + (torch.arange(oh, dtype=torch.float64, device=bx.device) + 0.5) * (h / oh)[:, None] - 0.5  # (C, oh)
-    xs = l[:, None] + (torch.arange(ow, dtype=torch.float64, device=bx.device) + 0.5) * (w / ow)[:, None] - 0.5
-    ys = torch.minimum(torch.maximum(ys, t[:, None]), (t + h - 1)[:, None])             # clamped to the box's pixels
-    xs = torch.minimum(torch.maximum(xs, l[:, None]), (l + w - 1)[:, None])
-    ny, nx = (2 * ys + 1) / H - 1, (2 * xs + 1) / W - 1                                 # align_corners=False coordinates
-    grid = torch.stack([nx[:, None, :].expand(C, oh, ow), ny[:, :, None].expand(C, oh, ow)], -1)  # (C, oh, ow, 2)
-    return F.grid_sample(image, grid.to(image.dtype), mode="bilinear", padding_mode="border", align_corners=False)
-
-
-# %% [markdown]
-# Checks: the boxes are those of torchvision's algorithm written as a loop over the same numbers, inside the image, of
-# area share $[0.5, 1]$ and aspect $[3/4, 4/3]$ up to rounding; over many draws their statistics match torchvision's own
-# `get_params`; the enclosing box encloses and stays inside; cropping equals torchvision's `resized_crop` of each image
-# (antialias off: the crops are only ever enlarged), and the full box is the identity.
-
-# %%
-import torchvision.transforms.functional as TF
-from torchvision.transforms import RandomResizedCrop
-
-
-def _loop_box(u, H, W, scale=(0.5, 1.0), ratio=(3 / 4, 4 / 3)):
-    "torchvision's get_params with the uniform draws taken from u (40 numbers)."
-    for k in range(10):
-        ta = H * W * (scale[0] + (scale[1] - scale[0]) * float(u[4 * k]))
-        ar = math.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * float(u[4 * k + 1]))
-        w, h = int(round(math.sqrt(ta * ar))), int(round(math.sqrt(ta / ar)))
-        if 0 < w <= W and 0 < h <= H:
-            return [math.floor(float(u[4 * k + 2]) * (H - h + 1)), math.floor(float(u[4 * k + 3]) * (W - w + 1)), h, w]
-    return [0, 0, H, W]
-
-_u = hash_uniform(torch.arange(3000), step=0, seed=1, n=44)
-for H, W in ((224, 224), (32, 32), (64, 48)):
-    _bx = crop_boxes(_u, (H, W))
-    assert all(_bx[i].tolist() == _loop_box(_u[i], H, W) for i in range(0, 3000, 7)), (H, W)
-    assert (_bx[:, :2] >= 0).all() and (_bx[:, 0] + _bx[:, 2] <= H).all() and (_bx[:, 1] + _bx[:, 3] <= W).all()
-_bx = crop_boxes(_u, (224, 224))
-_area, _asp = _bx[:, 2] * _bx[:, 3] / 224 ** 2, _bx[:, 3] / _bx[:, 2]
-assert (_area > 0.49).all() and (_area <= 1).all() and (_asp > 0.74).all() and (_asp < 1.35).all()
-torch.manual_seed(0)
-_tv = torch.tensor([RandomResizedCrop.get_params(torch.zeros(3, 224, 224), [0.5, 1.0], [3 / 4, 4 / 3]) for _ in range(3000)], dtype=torch.float64)
-_tv_area, _tv_asp = _tv[:, 2] * _tv[:, 3] / 224 ** 2, _tv[:, 3] / _tv[:, 2]
-print(f"mean area share: ours {float(_area.mean()):.4f}, torchvision {float(_tv_area.mean()):.4f}; "
-      f"mean aspect: ours {float(_asp.mean()):.4f}, torchvision {float(_tv_asp.mean()):.4f}")
-assert abs(float(_area.mean() - _tv_area.mean())) < 0.01 and abs(float(_asp.mean() - _tv_asp.mean())) < 0.01  # 3000 draws: std ~ 0.003
-_b2 = crop_boxes(_u[:, 4:44], (224, 224))
-_e = enclosing_box(_bx, _b2, hash_uniform(torch.arange(3000), 0, 2, 4), (224, 224))
-for b in (_bx, _b2):
-    assert (_e[:, 0] <= b[:, 0]).all() and (_e[:, 1] <= b[:, 1]).all()
-    assert (_e[:, 0] + _e[:, 2] >= b[:, 0] + b[:, 2]).all() and (_e[:, 1] + _e[:, 3] >= b[:, 1] + b[:, 3]).all()
-assert (_e[:, :2] >= 0).all() and (_e[:, 0] + _e[:, 2] <= 224).all() and (_e[:, 1] + _e[:, 3] <= 224).all()
-print(f"EMA crop area share: mean {float((_e[:, 2] * _e[:, 3]).mean() / 224 ** 2):.3f} (views {float(_area.mean()):.3f})")
-
-_g = torch.Generator().manual_seed(0)
-_im = torch.randn(6, 3, 32, 32, generator=_g, dtype=torch.float64)
-_cb = crop_boxes(hash_uniform(torch.arange(6), 0, 5, 40), (32, 32))
-_cr = crop_resize(_im, _cb, (32, 32))
-for i in range(6):
-    t, l, h, w = (int(v) for v in _cb[i])
-    assert_close(_cr[i], TF.resized_crop(_im[i], t, l, h, w, [32, 32], antialias=False), rtol=0, atol=1e-12)
-assert_close(crop_resize(_im, torch.tensor([[0.0, 0, 32, 32]]).expand(6, 4), (32, 32)), _im, rtol=0, atol=1e-12)
-assert_close(crop_resize(_im, _cb, (16, 24))[2], TF.resized_crop(_im[2], *(int(v) for v in _cb[2]), [16, 24], antialias=False), rtol=0, atol=1e-12)
-
-
-# %% [markdown]
-# ## Colour augmentation
-#
-# The authors' online views go through (`main.py`): `ColorJitter(0.4, 0.4, 0.2, 0.1)` with probability 0.8,
-# `RandomGrayscale(0.2)`, `GaussianBlur` with $\sigma\in[0.1, 2]$ with probability 0.1, `Solarize` with probability 0.2;
-# the EMA's crop gets none of them. `color_augment` is that list as tensor operations on images in $[0, 1]$, batched,
-# with every random choice taken from 13 noise values per image (`u[:, 0]` applies the jitter, `u[:, 1:5]` its
-# brightness, contrast, saturation and hue factors, `u[:, 5:9]` the order of the four, which torchvision also draws at
-# random, then grayscale, blur and its $\sigma$, solarize). The operations are torchvision's tensor functionals
-# (blend-and-clamp for brightness, contrast, saturation; hue through HSV), checked one by one against them below.
-# Two adaptations: the blur's $\sigma$ is in pixels of a 224-pixel image and scales with the image size (at 32 pixels
-# $\sigma\le 0.29$), with a Gaussian kernel of $2\lceil3\sigma_{\max}\rceil+1$ taps and reflected borders (torchvision's
-# tensor blur; the authors' PIL blur approximates a Gaussian by box filters); solarize inverts values $\ge 128/255$, as
-# PIL does on 8-bit images.
-#
-# **On the built-in world** a caption names colours ("a red circle"), so a hue shift or a grayscale view changes what the
-# caption says of the image. The paper's regime is `color_aug=True`; a comparison on the world should also run
-# `views=1, color_aug=False` (below), which keeps A-CLIP's attentive masking and its online-to-EMA term.
-
-# %%
-#| export
-_GRAY = (0.2989, 0.587, 0.114)   # torchvision's rgb_to_grayscale weights
-
-
-def _gray(x: torch.Tensor) -> torch.Tensor:
-    "(C, 3, H, W) -> (C, 1, H, W)"
-    r, g, b = x.unbind(1)
-    return (_GRAY[0] * r + _GRAY[1] * g + _GRAY[2] * b)[:, None]
-
-
-def _blend(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    "torchvision's `_blend`: f x + (1 - f) y, clamped to [0, 1]; f (C,)."
-    f = f.to(x.dtype)[:, None, None, None]
-    return (f * x + (1 - f) * y).clamp(0, 1)
-
-
-def _rgb_to_hsv(x: torch.Tensor) -> torch.Tensor:
-    "torchvision's `_rgb2hsv`: (..., 3, H, W) in [0, 1] -> h, s, v in [0, 1]."
-    r, g, b = x.unbind(-3)
-    maxc, minc = x.max(-3).values, x.min(-3).values
-    eqc = maxc == minc
-    cr = maxc - minc
-    ones = torch.ones_like(maxc)
-    s = cr / torch.where(eqc, ones, maxc)
-    crd = torch.where(eqc, ones, cr)
-    rc, gc, bc = (maxc - r) / crd, (maxc - g) / crd, (maxc - b) / crd
-    h = (maxc == r) * (bc - gc) + ((maxc == g) & (maxc != r)) * (2.0 + rc - bc) + ((maxc != g) & (maxc != r)) * (4.0 + gc - rc)
-    return torch.stack([torch.fmod(h / 6.0 + 1.0, 1.0), s, maxc], -3)
-
-
-def _hsv_to_rgb(x: torch.Tensor) -> torch.Tensor:
-    "torchvision's `_hsv2rgb`."
-    h, s, v = x.unbind(-3)
-    i = torch.floor(h * 6.0)
-    f = h * 6.0 - i
-    i = i.to(torch.int32) % 6
-    p, q, t = ((v * (1.0 - s)).clamp(0, 1), (v * (1.0 - s * f)).clamp(0, 1), (v * (1.0 - s * (1.0 - f))).clamp(0, 1))
-    mask = (i[..., None, :, :] == torch.arange(6, device=i.device).view(-1, 1, 1)).to(x.dtype)   # (..., 6, H, W)
-    a = torch.stack([torch.stack(c, -3) for c in ((v, q, p, p, t, v), (t, v, v, q, p, p), (p, p, t, v, v, q))], -4)
-    return torch.einsum("...ijk,...xijk->...xjk", mask, a)
-
-
-def _jitter_op(x: torch.Tensor, op: int, f: torch.Tensor) -> torch.Tensor:
-    "One ColorJitter operation with per-image factors f (C,): 0 brightness, 1 contrast, 2 saturation, 3 hue."
-    if op == 0: return _blend(x, torch.zeros_like(x), f)
-    if op == 1: return _blend(x, _gray(x).mean(dim=(1, 2, 3), keepdim=True), f)
-    if op == 2: return _blend(x, _gray(x), f)
-    hsv = _rgb_to_hsv(x)
-    h = torch.remainder(hsv[:, 0] + f.to(x.dtype)[:, None, None], 1.0)
-    return _hsv_to_rgb(torch.stack([h, hsv[:, 1], hsv[:, 2]], 1))
-
-
-def _blur(x: torch.Tensor, sigma: torch.Tensor, k: int) -> torch.Tensor:
-    "Gaussian blur with a per-image sigma (C,), k taps, reflected borders: torchvision's `gaussian_blur`, batched."
-    C, ch, H, W = x.shape
-    t = torch.arange(k, dtype=x.dtype, device=x.device) - (k - 1) / 2
-    g = torch.exp(-0.5 * (t[None] / sigma.to(x.dtype)[:, None]) ** 2)
-    g = (g / g.sum(1, keepdim=True)).repeat_interleave(ch, 0)                            # (C ch, k)
-    y = F.pad(x.reshape(1, C * ch, H, W), (k // 2,) * 4, mode="reflect")
-    y = F.conv2d(y, g[:, None, :, None], groups=C * ch)                                   # vertical
-    y = F.conv2d(y, g[:, None, None, :], groups=C * ch)                                   # horizontal
-    return y.reshape(C, ch, H, W)
-
-
-@torch.no_grad()
-def color_augment(
-    x: torch.Tensor,   # (C, 3, H, W) images in [0, 1]
-    u: torch.Tensor,   # (C, 13) uniform noise
-    jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.2, 0.1),  # brightness, contrast, saturation, hue
-    p_jitter: float = 0.8, p_gray: float = 0.2, p_blur: float = 0.1, p_solarize: float = 0.2,
-    sigma: tuple[float, float] = (0.1, 2.0),   # blur sigma in pixels of a 224-pixel image
-) -> torch.Tensor:     # (C, 3, H, W) in [0, 1]
-    "A-CLIP's colour augmentation of the online views (ColorJitter, RandomGrayscale, GaussianBlur, Solarize), batched."
-    C, _, H, W = x.shape
-    u = u.to(torch.float64)
-    lo = torch.tensor([1 - jitter[0], 1 - jitter[1], 1 - jitter[2], -jitter[3]], dtype=torch.float64, device=u.device)
-    hi = torch.tensor([1 + jitter[0], 1 + jitter[1], 1 + jitter[2], jitter[3]], dtype=torch.float64, device=u.device)
-    lo[:3] = lo[:3].clamp_min(0)
-    fac = lo + (hi - lo) * u[:, 1:5]                                                       # (C, 4)
-    order = u[:, 5:9].argsort(1)                                                           # (C, 4) a random permutation
-    x = x.clone()
-    on = u[:, 0] < p_jitter
-    for pos in range(4):
-        for op in range(4):
-            rows = (on & (order[:, pos] == op)).nonzero()[:, 0]
-            if len(rows): x[rows] = _jitter_op(x[rows], op, fac[rows, op])
-    gray = (u[:, 9] < p_gray).nonzero()[:, 0]
-    if len(gray): x[gray] = _gray(x[gray]).expand(-1, 3, -1, -1)
-    scale = min(H, W) / 224
-    blur = (u[:, 10] < p_blur).nonzero()[:, 0]
-    if len(blur):
-        s = (sigma[0] + (sigma[1] - sigma[0]) * u[blur, 11]) * scale
-        x[blur] = _blur(x[blur], s, 2 * math.ceil(3 * sigma[1] * scale) + 1)
-    sol = (u[:, 12] < p_solarize).nonzero()[:, 0]
-    if len(sol): x[sol] = torch.where(x[sol] >= 128 / 255, 1 - x[sol], x[sol])
-    return x
-
-
-# %% [markdown]
-# Checks, image by image against torchvision's functionals: each jitter operation, the blur; then the whole chain
-# against torchvision's functionals applied in the order and with the factors the noise gave. The share of images
-# each step touches matches its probability.
-
-# %%
-_x01 = torch.rand(8, 3, 16, 16, generator=_g, dtype=torch.float64)
-_f = torch.linspace(0.6, 1.4, 8, dtype=torch.float64)
-_hf = torch.linspace(-0.1, 0.1, 8, dtype=torch.float64)
-for op, fn, fs in ((0, TF.adjust_brightness, _f), (1, TF.adjust_contrast, _f), (2, TF.adjust_saturation, _f), (3, TF.adjust_hue, _hf)):
-    _y = _jitter_op(_x01, op, fs)
-    for i in range(8): assert_close(_y[i], fn(_x01[i], float(fs[i])), rtol=0, atol=1e-5 if op == 3 else 1e-12, msg=fn.__name__)
-_sg = torch.linspace(0.3, 1.9, 8, dtype=torch.float64)
-_yb = _blur(_x01, _sg, 7)
-for i in range(8): assert_close(_yb[i], TF.gaussian_blur(_x01[i], [7, 7], [float(_sg[i])] * 2), rtol=0, atol=1e-12)
-assert_close(_gray(_x01)[:, 0], TF.rgb_to_grayscale(_x01)[:, 0])
-
-
-def _tv_chain(x, u, H=16):
-    "The same chain with torchvision's functionals, one image."
-    lo, hi = [0.6, 0.6, 0.8, -0.1], [1.4, 1.4, 1.2, 0.1]
-    fac = [lo[j] + (hi[j] - lo[j]) * float(u[1 + j]) for j in range(4)]
-    fns = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
-    if u[0] < 0.8:
-        for op in u[5:9].argsort().tolist(): x = fns[op](x, fac[op])
-    if u[9] < 0.2: x = TF.rgb_to_grayscale(x, 3)
-    if u[10] < 0.1:
-        s = (0.1 + 1.9 * float(u[11])) * H / 224
-        x = TF.gaussian_blur(x, [2 * math.ceil(3 * 2.0 * H / 224) + 1] * 2, [s, s])
-    if u[12] < 0.2: x = TF.solarize(x, 128 / 255)
-    return x
-
-_uc = hash_uniform(torch.arange(400), 0, 3, 13)
-_uc[:, 10] = _uc[:, 10] * 0.2                                                 # blur more often, to test it
-_xc = torch.rand(400, 3, 16, 16, generator=_g, dtype=torch.float64)
-_ya = color_augment(_xc, _uc)
-for i in range(400): assert_close(_ya[i], _tv_chain(_xc[i], _uc[i]), rtol=0, atol=1e-5, msg=str(i))  # torchvision's hue runs in float32
-assert (_ya >= 0).all() and (_ya <= 1).all() and torch.equal(color_augment(_xc[5:9], _uc[5:9]), _ya[5:9])
-_touched = (_ya - _xc).abs().flatten(1).amax(1) > 0
-print(f"images changed: {float(_touched.double().mean()):.3f} (jitter 0.8, grayscale 0.2, blur, solarize 0.2)")
+# The three crops (two training views and the EMA's enclosing crop) and the colour augmentation of the online views are
+# made from the batch's image tensor by `46a_aclip_views` (`crop_boxes`, `enclosing_box`, `crop_resize`,
+# `color_augment`): torchvision's transforms as batched tensor operations, every random choice read from the hashed
+# noise `hash_uniform(index, step, seed, n)`, so that a sample's views are the same on every process and after a resume.
+# On the built-in world, whose captions name colours, a comparison should also run `views=1, color_aug=False` (below).
 
 
 # %% [markdown]
@@ -807,7 +562,8 @@ print(f"images changed: {float(_touched.double().mean()):.3f} (jitter 0.8, grays
 # %%
 #| export
 class GlobalBatchNorm(nn.Module):
-    "BatchNorm1d in training mode with the statistics of the global batch (through `powerclip.dist.gather`), no running stats."
+    """BatchNorm1d in training mode with the statistics of the global batch (through `powerclip.dist.gather`), no
+    running stats."""
     def __init__(self, dim: int, affine: bool = True, eps: float = 1e-5):
         super().__init__()
         self.dim, self.eps = dim, eps
@@ -818,7 +574,8 @@ class GlobalBatchNorm(nn.Module):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         m = xf.mean(0)                                                                 # (dim,)
         M = (xf - m).square().sum(0)                                                   # (dim,)
-        s = gather(ctx, {"stats": torch.cat([xf.new_full((1,), xf.shape[0]), m, M])[None]}).all["stats"]  # (G, 1 + 2 dim)
+        # (G, 1 + 2 dim)
+        s = gather(ctx, {"stats": torch.cat([xf.new_full((1,), xf.shape[0]), m, M])[None]}).all["stats"]
         n, ms, Ms = s[:, :1], s[:, 1:1 + self.dim], s[:, 1 + self.dim:]
         N = n.sum()
         mu = (n * ms).sum(0) / N
@@ -834,19 +591,21 @@ class Head(nn.Module):
         self.layers = nn.ModuleList(layers)
 
     def forward(self, x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-        for l in self.layers: x = l(x, ctx) if isinstance(l, GlobalBatchNorm) else l(x)
+        for l in self.layers:
+            x = l(x, ctx) if isinstance(l, GlobalBatchNorm) else l(x)
         return x
 
 
 def simclr_head(dim: int, hidden: int, out: int) -> Head:
     "SLIP's SimCLR head `_build_mlp`: Linear-BN-ReLU-Linear-BN-ReLU-Linear (with biases)."
-    return Head(nn.Linear(dim, hidden), GlobalBatchNorm(hidden), nn.ReLU(), nn.Linear(hidden, hidden), GlobalBatchNorm(hidden),
-                nn.ReLU(), nn.Linear(hidden, out))
+    return Head(nn.Linear(dim, hidden), GlobalBatchNorm(hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                GlobalBatchNorm(hidden), nn.ReLU(), nn.Linear(hidden, out))
 
 
 def byol_mlp(dim: int, hidden: int, out: int) -> Head:
     "A-CLIP's `_build_mlp_byol(2, dim, hidden, out, last_bn=False)`: Linear-BN-ReLU-Linear, no biases."
-    return Head(nn.Linear(dim, hidden, bias=False), GlobalBatchNorm(hidden), nn.ReLU(), nn.Linear(hidden, out, bias=False))
+    return Head(nn.Linear(dim, hidden, bias=False), GlobalBatchNorm(hidden), nn.ReLU(),
+                nn.Linear(hidden, out, bias=False))
 
 
 # %% [markdown]
@@ -859,17 +618,26 @@ _one = DistContext()
 _xb = torch.randn(10, 6, generator=_g, dtype=torch.float64) * 3 + 1
 _gbn, _tbn = GlobalBatchNorm(6).double(), nn.BatchNorm1d(6, track_running_stats=False).double()
 with torch.no_grad():
-    for m_ in (_gbn, _tbn): m_.weight.copy_(torch.linspace(0.5, 2, 6)); m_.bias.copy_(torch.linspace(-1, 1, 6))
+    for m_ in (_gbn, _tbn):
+        m_.weight.copy_(torch.linspace(0.5, 2, 6))
+        m_.bias.copy_(torch.linspace(-1, 1, 6))
 _x1, _x2 = _xb.clone().requires_grad_(), _xb.clone().requires_grad_()
 _w = torch.randn(10, 6, generator=_g, dtype=torch.float64)
-(_gbn(_x1, _one) * _w).sum().backward(); (_tbn(_x2) * _w).sum().backward()
-assert_close(_gbn(_xb, _one), _tbn(_xb)); assert_close(_x1.grad, _x2.grad); assert_close(_gbn.weight.grad, _tbn.weight.grad)
+(_gbn(_x1, _one) * _w).sum().backward()
+(_tbn(_x2) * _w).sum().backward()
+assert_close(_gbn(_xb, _one), _tbn(_xb))
+assert_close(_x1.grad, _x2.grad)
+assert_close(_gbn.weight.grad, _tbn.weight.grad)
 _parts = [_xb[:3], _xb[3:]]                                                      # two "processes" of 3 and 7 rows
-_st = torch.stack([torch.cat([torch.tensor([float(len(p))], dtype=torch.float64), p.mean(0), (p - p.mean(0)).square().sum(0)]) for p in _parts])
-_n = _st[:, :1]; _mu = (_n * _st[:, 1:7]).sum(0) / _n.sum()
-assert_close(_mu, _xb.mean(0)); assert_close((_st[:, 7:] + _n * (_st[:, 1:7] - _mu) ** 2).sum(0) / _n.sum(), _xb.var(0, unbiased=False))
+_st = torch.stack([torch.cat([torch.tensor([float(len(p))], dtype=torch.float64), p.mean(0),
+                              (p - p.mean(0)).square().sum(0)]) for p in _parts])
+_n = _st[:, :1]
+_mu = (_n * _st[:, 1:7]).sum(0) / _n.sum()
+assert_close(_mu, _xb.mean(0))
+assert_close((_st[:, 7:] + _n * (_st[:, 1:7] - _mu) ** 2).sum(0) / _n.sum(), _xb.var(0, unbiased=False))
 _h = simclr_head(6, 16, 4).double()
-_ref = nn.Sequential(*[nn.BatchNorm1d(l.dim, track_running_stats=False) if isinstance(l, GlobalBatchNorm) else l for l in _h.layers]).double()
+_ref = nn.Sequential(*[nn.BatchNorm1d(l.dim, track_running_stats=False) if isinstance(l, GlobalBatchNorm) else l
+                       for l in _h.layers]).double()
 assert_close(_h(_xb, _one), _ref(_xb))
 assert byol_mlp(6, 16, 4).layers[0].bias is None and len(byol_mlp(6, 16, 4).layers) == 4
 with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -898,7 +666,8 @@ assert torch.isfinite(_yb16).all()
 # %%
 #| export
 def head_dims(width: int, embed_dim: int, hidden: int = 0, out: int = 0) -> tuple[int, int]:
-    "(hidden, out) of the heads: the authors' 4096 and 256 at width >= 768; else 4 * width and the embedding dim; non-zero given values win."
+    """(hidden, out) of the heads: the authors' 4096 and 256 at width >= 768; else 4 * width and the embedding dim;
+    non-zero given values win."""
     h, o = (4096, 256) if width >= 768 else (4 * width, embed_dim)
     return hidden or h, out or o
 
@@ -918,24 +687,30 @@ class ACLIPModules(nn.Module):
         self.byol_proj = byol_mlp(width, hidden, out)
         self.byol_pred = byol_mlp(out, hidden, out)
         self.byol_proj_ema = copy.deepcopy(self.byol_proj)
-        for p in self.ema_parameters(): p.requires_grad_(False)
+        for p in self.ema_parameters():
+            p.requires_grad_(False)
 
     def _pairs(self, model) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         "(name, EMA tensor, online tensor) of every parameter the EMA follows, matched by name."
         tp = model.text_projection
-        mods = [(self.visual_ema, model.visual), (self.transformer_ema, model.transformer), (self.byol_proj_ema, self.byol_proj)]
-        if isinstance(tp, nn.Module): mods.append((self.text_projection_ema, tp))
+        mods = [(self.visual_ema, model.visual), (self.transformer_ema, model.transformer),
+                (self.byol_proj_ema, self.byol_proj)]
+        if isinstance(tp, nn.Module):
+            mods.append((self.text_projection_ema, tp))
         out = []
         for me, mo in mods:
             e, o = dict(me.named_parameters()), dict(mo.named_parameters())
-            if list(e) != list(o): raise ValueError(f"EMA parameters {sorted(set(e) ^ set(o))} do not match the online ones")
+            if list(e) != list(o):
+                raise ValueError(f"EMA parameters {sorted(set(e) ^ set(o))} do not match the online ones")
             out += [(n, e[n], o[n]) for n in e]
-        if not isinstance(tp, nn.Module): out.append(("text_projection", self.text_projection_ema, tp))
+        if not isinstance(tp, nn.Module):
+            out.append(("text_projection", self.text_projection_ema, tp))
         return out
 
     def ema_parameters(self) -> list[nn.Parameter]:
         ps = [*self.visual_ema.parameters(), *self.transformer_ema.parameters(), *self.byol_proj_ema.parameters()]
-        return ps + ([self.text_projection_ema] if isinstance(self.text_projection_ema, nn.Parameter) else [*self.text_projection_ema.parameters()])
+        return (ps + ([self.text_projection_ema] if isinstance(self.text_projection_ema, nn.Parameter)
+                      else [*self.text_projection_ema.parameters()]))
 
     @torch.no_grad()
     def update(self, model, momentum: float) -> None:
@@ -948,17 +723,22 @@ class ACLIPModules(nn.Module):
         "images (C, 3, H, W) -> A-CLIP's patch scores (C, N) and the EMA class token after ln_post (C, width)."
         v, rows, cls = self.visual_ema, [], []
         def on_ln1(b):
-            return lambda mod, args, y: rows.append(cls_attention(y, b.attn.in_proj_weight, b.attn.in_proj_bias, b.attn.num_heads))
+            return lambda mod, args, y: rows.append(cls_attention(y, b.attn.in_proj_weight, b.attn.in_proj_bias,
+                                                                  b.attn.num_heads))
         hooks = [b.ln_1.register_forward_hook(on_ln1(b)) for b in v.transformer.resblocks]
         hooks.append(v.ln_post.register_forward_hook(lambda mod, args, y: cls.append(y[:, 0] if y.dim() == 3 else y)))
-        try: v(images)
+        try:
+            v(images)
         finally:
-            for h in hooks: h.remove()
-        if len(rows) != len(v.transformer.resblocks) or len(cls) != 1: raise RuntimeError("EMA attention hooks fired unexpectedly")
+            for h in hooks:
+                h.remove()
+        if len(rows) != len(v.transformer.resblocks) or len(cls) != 1:
+            raise RuntimeError("EMA attention hooks fired unexpectedly")
         return attentive_scores(torch.stack(rows)), cls[0]
 
     def encode_text_ema(self, model, tokens: torch.Tensor) -> torch.Tensor:
-        "open_clip's `encode_text` with the EMA transformer and projection (token/positional embedding, ln_final: the model's)."
+        """open_clip's `encode_text` with the EMA transformer and projection (token/positional embedding, ln_final: the
+        model's)."""
         from open_clip.transformer import text_global_pool
         cast = self.transformer_ema.get_cast_dtype()
         x = model.token_embedding(tokens).to(cast) + model.positional_embedding.to(cast)
@@ -1023,11 +803,14 @@ class ACLIPModules(nn.Module):
 @dataclass
 class ACLIPConfig:
     "A-CLIP's options: the authors' code (`microsoft/A-CLIP`) where it sets them."
-    keep_ratio: float = 0.5          # kept share of blocks of patches (get_att_mask ratio: 25 of 49 blocks, 100 of 196 tokens)
+    keep_ratio: float = 0.5          # kept share of blocks of patches (get_att_mask ratio: 25 of 49 blocks, 100 of 196
+                                     # tokens)
     block: int = 2                   # side of the blocks chosen together (their 2 x 2)
-    views: int = 2                   # 2: two crops + the enclosing crop for the EMA (their "2x50%"); 1: the batch image ("1x50%")
+    views: int = 2                   # 2: two crops + the enclosing crop for the EMA (their "2x50%"); 1: the batch image
+                                     # ("1x50%")
     crop_scale: tuple = (0.5, 1.0)   # area share of the two crops (GetThreeRandomResizedCrop(224, scale=(0.5, 1.0)))
-    color_aug: bool = True           # ColorJitter(0.4, 0.4, 0.2, 0.1) p 0.8, grayscale 0.2, blur 0.1, solarize 0.2 (main.py)
+    color_aug: bool = True           # ColorJitter(0.4, 0.4, 0.2, 0.1) p 0.8, grayscale 0.2, blur 0.1, solarize 0.2
+                                     # (main.py)
     momentum: float = 0.996          # EMA momentum at step 0, cosine to 1 at the end (--momentum-ema)
     momentum_steps: int | None = None  # the run length `momentum` was set for (the paper's ~90k steps): 1 - momentum
                                      # is scaled by momentum_steps / T (m0 >= 0), the EMA's horizon the same share
@@ -1037,22 +820,30 @@ class ACLIPConfig:
     simclr_tau: float = 0.1          # SimCLR temperature (--ssl-temp)
     byol_weight: float = 2.0         # weight of the online-to-EMA (BYOL) term (their 2)
     head_hidden: int = 0             # hidden width of the heads; 0: 4096 at width >= 768 (theirs), else 4 * width
-    head_out: int = 0                # output width of the heads; 0: 256 at width >= 768 (theirs), else the embedding dim
+    head_out: int = 0                # output width of the heads; 0: 256 at width >= 768 (theirs), else the embedding
+                                     # dim
     freeze_patch_embed: bool = True  # keep the patch projection at its initial weights (their MoCo-v3 trick)
 
     def __post_init__(self):
         self.crop_scale = tuple(self.crop_scale)
-        if not 0 < self.keep_ratio <= 1: raise ValueError(f"keep_ratio must be in (0, 1], got {self.keep_ratio}")
-        if self.block < 1: raise ValueError(f"block must be >= 1, got {self.block}")
-        if self.views not in (1, 2): raise ValueError(f"views must be 1 or 2, got {self.views}")
+        if not 0 < self.keep_ratio <= 1:
+            raise ValueError(f"keep_ratio must be in (0, 1], got {self.keep_ratio}")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}")
+        if self.views not in (1, 2):
+            raise ValueError(f"views must be 1 or 2, got {self.views}")
         if len(self.crop_scale) != 2 or not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
             raise ValueError(f"crop_scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.crop_scale}")
-        if not 0 <= self.momentum <= 1: raise ValueError(f"momentum must be in [0, 1], got {self.momentum}")
+        if not 0 <= self.momentum <= 1:
+            raise ValueError(f"momentum must be in [0, 1], got {self.momentum}")
         if self.momentum_steps is not None and self.momentum_steps < 1:
             raise ValueError(f"momentum_steps must be at least 1 or None, got {self.momentum_steps}")
-        if min(self.clip_weight, self.simclr_weight, self.byol_weight) < 0: raise ValueError("loss weights must be >= 0")
-        if self.simclr_tau <= 0: raise ValueError(f"simclr_tau must be > 0, got {self.simclr_tau}")
-        if self.head_hidden < 0 or self.head_out < 0: raise ValueError("head_hidden and head_out must be >= 0 (0: automatic)")
+        if min(self.clip_weight, self.simclr_weight, self.byol_weight) < 0:
+            raise ValueError("loss weights must be >= 0")
+        if self.simclr_tau <= 0:
+            raise ValueError(f"simclr_tau must be > 0, got {self.simclr_tau}")
+        if self.head_hidden < 0 or self.head_out < 0:
+            raise ValueError("head_hidden and head_out must be >= 0 (0: automatic)")
 
 
 _NOISE = 110   # hashed noise per sample and step: 2 x 40 crop draws, 4 for the EMA box, 2 x 13 colour draws
@@ -1067,8 +858,9 @@ class EMAScorer(GlobalScorer):
 
     def _mods(self) -> ACLIPModules:
         if self.modules is None:
-            raise ValueError("A-CLIP's 'ema' scorer needs the trained EMA towers (method_modules.pt beside model.pt, or a "
-                             "trainer checkpoint); none were found: evaluate with the 'global' scorer or give the run folder")
+            raise ValueError("A-CLIP's 'ema' scorer needs the trained EMA towers (method_modules.pt beside model.pt, "
+                             "or a trainer checkpoint); none were found: evaluate with the 'global' "
+                             "scorer or give the run folder")
         return self.modules
 
     @torch.no_grad()
@@ -1083,7 +875,8 @@ class EMAScorer(GlobalScorer):
     def region_features(self, model, images, masks):
         "Regions of the EMA image tower: its projected patch embeddings pooled as PowerCLIP's Eq. 2, `(B, R, D)`."
         v = self._mods().visual_ema
-        x = v.forward_intermediates(images, indices=1, output_fmt="NLC", intermediates_only=True)["image_intermediates"][-1]
+        x = v.forward_intermediates(images, indices=1, output_fmt="NLC",
+                                    intermediates_only=True)["image_intermediates"][-1]
         return pool_normalize(v.ln_post(x) @ v.proj, masks.to(x.device)).float()
 
     @torch.no_grad()
@@ -1108,7 +901,8 @@ class ACLIP(StepClock, CLIP):
 
     def setup_model(self, model) -> None:
         if self.cfg.freeze_patch_embed:
-            for p in model.visual.conv1.parameters(): p.requires_grad_(False)
+            for p in model.visual.conv1.parameters():
+                p.requires_grad_(False)
 
     def build_modules(self, model) -> ACLIPModules:
         return ACLIPModules(model, self.cfg.views, self.cfg.head_hidden, self.cfg.head_out)
@@ -1118,7 +912,8 @@ class ACLIP(StepClock, CLIP):
     def start_momentum(self) -> float:
         "m0 of the schedule: the config's, rescaled to this run's length when `momentum_steps` is given (above)."
         m0, ref = self.cfg.momentum, self.cfg.momentum_steps
-        if ref is None or not self.total: return m0
+        if ref is None or not self.total:
+            return m0
         return max(0.0, 1.0 - (1.0 - m0) * ref / self.total)
 
     @property
@@ -1132,8 +927,10 @@ class ACLIP(StepClock, CLIP):
         "The online views (V C, 3, H, W), the EMA's input (C, 3, H, W), the boxes [(C, 4)] * V and the EMA box (C, 4)."
         cfg, (C, _, H, W) = self.cfg, image.shape
         v = model.visual
-        mean = torch.tensor(getattr(v, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073), dtype=image.dtype, device=image.device)
-        std = torch.tensor(getattr(v, "image_std", None) or (0.26862954, 0.26130258, 0.27577711), dtype=image.dtype, device=image.device)
+        mean = torch.tensor(getattr(v, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073), dtype=image.dtype,
+                            device=image.device)
+        std = torch.tensor(getattr(v, "image_std", None) or (0.26862954, 0.26130258, 0.27577711), dtype=image.dtype,
+                           device=image.device)
         full = torch.tensor([0.0, 0.0, H, W], dtype=torch.float64, device=image.device).expand(C, 4)
         if cfg.views == 2:
             boxes = [crop_boxes(u[:, 40 * i:40 * (i + 1)], (H, W), cfg.crop_scale) for i in range(2)]
@@ -1143,13 +940,15 @@ class ACLIP(StepClock, CLIP):
         else:
             boxes, ema_box, views, ema_in = [full], full, [image], image
         if cfg.color_aug:
-            un = lambda x: (x * std[:, None, None] + mean[:, None, None]).clamp(0, 1)     # the model's normalisation undone
+            # the model's normalisation undone
+            un = lambda x: (x * std[:, None, None] + mean[:, None, None]).clamp(0, 1)
             views = [(color_augment(un(x), u[:, 84 + 13 * i:97 + 13 * i]) - mean[:, None, None]) / std[:, None, None]
                      for i, x in enumerate(views)]
         return torch.cat(views), ema_in, boxes, ema_box
 
     def forward(self, model, batch, modules=None):
-        from powerclip.model import encode, grid_size, select_patch_tokens  # late: keeps this module importable without open_clip
+        # late: keeps this module importable without open_clip
+        from powerclip.model import encode, grid_size, select_patch_tokens
         image, tokens = batch["image"], batch["tokens"]
         if not model.visual.training:                            # evaluation: the online model, every patch
             return encode(model, image, tokens, need_patches=False)
@@ -1167,14 +966,17 @@ class ACLIP(StepClock, CLIP):
                 views, ema_in, boxes, ema_box = self._views(model, image, u)        # 2. (V C, 3, H, W), (C, 3, H, W)
             scores, cls_ema = modules.ema_attention(ema_in)                          # 3. (C, N), (C, width)
             smap = scores.reshape(C, gh, gw)
-            keep = torch.cat([attentive_keep(transfer_scores(smap, ema_box, b, (gh, gw)).flatten(1), (gh, gw), cfg.keep_ratio, cfg.block)
+            keep = torch.cat([attentive_keep(transfer_scores(smap, ema_box, b, (gh, gw)).flatten(1), (gh, gw),
+                                             cfg.keep_ratio, cfg.block)
                               for b in boxes])                                       # (V C, K)
         cls = []
-        hook = model.visual.ln_post.register_forward_hook(lambda mod, args, y: cls.append(y[:, 0] if y.dim() == 3 else y))
+        hook = model.visual.ln_post.register_forward_hook(
+            lambda mod, args, y: cls.append(y[:, 0] if y.dim() == 3 else y))
         try:
             with select_patch_tokens(model, lambda x: keep):                         # 4. the online views, selected
                 img = encode(model, views, None, need_patches=False)
-        finally: hook.remove()
+        finally:
+            hook.remove()
         txt = encode(model, None, tokens)
         self.tick()
         self.last = dict(boxes=boxes, ema_box=ema_box, keep=keep, scores=scores, views=views, ema_in=ema_in)
@@ -1187,19 +989,23 @@ class ACLIP(StepClock, CLIP):
         V, C = cfg.views, out["text"].shape[0]
         z = out["image"].reshape(V, C, -1)                                           # (V, C, D) each view's embeddings
         pred = mods.byol_pred(mods.byol_proj(out["cls"], dist), dist).reshape(V, C, -1)   # (V, C, out)
-        with torch.no_grad(): target = mods.byol_proj_ema(out["cls_ema"].detach(), dist)  # (C, out)
+        with torch.no_grad():
+            target = mods.byol_proj_ema(out["cls_ema"].detach(), dist)  # (C, out)
         send = {f"image{v}": z[v] for v in range(V)} | {"text": out["text"]}
         if V == 2:
             ssl = mods.simclr(out["cls"], dist).reshape(2, C, -1)                    # (2, C, out)
             send |= {"ssl1": ssl[0], "ssl2": ssl[1]}
         g = gather(dist, send)
         a = g.all
-        clips = [clip_loss(z[v], out["text"], out["logit_scale"], a[f"image{v}"], a["text"], g.offset) for v in range(V)]
+        clips = [clip_loss(z[v], out["text"], out["logit_scale"], a[f"image{v}"], a["text"], g.offset)
+                 for v in range(V)]
         terms = {"clip": cfg.clip_weight * sum(clips) / V, "byol": cfg.byol_weight * byol_loss(pred, target)}
         if V == 2:
-            terms["simclr"] = cfg.simclr_weight * simclr_loss(ssl[0], ssl[1], cfg.simclr_tau, a["ssl1"], a["ssl2"], g.offset)
+            terms["simclr"] = (cfg.simclr_weight
+                               * simclr_loss(ssl[0], ssl[1], cfg.simclr_tau, a["ssl1"], a["ssl2"], g.offset))
         terms |= {f"_clip_view{v + 1}": c.detach() for v, c in enumerate(clips)}
-        terms |= {"_momentum": out["momentum"], "_keep_ratio": out["keep_ratio"], "_logit_scale": out["logit_scale"].detach()}
+        terms |= {"_momentum": out["momentum"], "_keep_ratio": out["keep_ratio"],
+                  "_logit_scale": out["logit_scale"].detach()}
         return terms
 
 
@@ -1215,10 +1021,13 @@ def _ema_age(T: int, m0: float) -> tuple[float, float]:
     w = (1 - m) * later                                                                  # the weight of step t's online
     return float(m.prod()), float((w * (T - torch.arange(T))).sum() / w.sum() / T)
 
-_a = ACLIP(ACLIPConfig(momentum_steps=90_000)); _a.on_step(0, 150)
+_a = ACLIP(ACLIPConfig(momentum_steps=90_000))
+_a.on_step(0, 150)
 test_eq((_a.start_momentum, _a.momentum), (0.0, 0.0))                                   # capped: m0 = 0 at T = 150
-_a.on_step(0, 90_000); test_close(_a.start_momentum, 0.996, eps=1e-12)                   # the paper's length: unchanged
-_a.on_step(0, 400); test_close(_a.start_momentum, 1 - 0.004 * 90_000 / 400, eps=1e-12)
+_a.on_step(0, 90_000)
+test_close(_a.start_momentum, 0.996, eps=1e-12)                   # the paper's length: unchanged
+_a.on_step(0, 400)
+test_close(_a.start_momentum, 1 - 0.004 * 90_000 / 400, eps=1e-12)
 test_eq(ACLIP(ACLIPConfig()).start_momentum, 0.996)                                     # None: the authors' schedule
 _paper, _short, _scaled = _ema_age(90_000, 0.996), _ema_age(150, 0.996), _ema_age(150, 0.0)
 test_close(_short[0], 0.739, eps=1e-3)                                                  # 74 % initial weights unscaled
@@ -1240,12 +1049,15 @@ print(f"mean age / T: paper {_paper[1]:.3f}, T = 150 unscaled {_short[1]:.3f}, r
 # %%
 from powerclip.data import BatchNeeds
 from powerclip.methods import METHODS, get_method
-from powerclip.model import encode, select_patch_tokens
+from powerclip.model import encode
 
 assert METHODS["aclip"] is ACLIP and get_method("aclip").needs() == BatchNeeds()
 for bad in ({"views": 3}, {"keep_ratio": 0.0}, {"crop_scale": [0.6, 0.5]}, {"momentum": 1.5}):
-    try: get_method("aclip", bad); raise AssertionError(bad)
-    except ValueError as e: print("refused:", e)
+    try:
+        get_method("aclip", bad)
+        raise AssertionError(bad)
+    except ValueError as e:
+        print("refused:", e)
 assert get_method("aclip", {"crop_scale": [0.4, 1.0]}).cfg.crop_scale == (0.4, 1.0)   # YAML lists become tuples
 assert head_dims(768, 512) == (4096, 256) and head_dims(64, 32) == (256, 32) and head_dims(64, 32, 100) == (100, 32)
 
@@ -1256,38 +1068,48 @@ _am = get_method("aclip", seed=3)
 _am.setup_model(_model)
 _mods = _am.build_modules(_model)
 assert not _model.visual.conv1.weight.requires_grad and set(_model.state_dict()) == _keys
-assert not any(p.requires_grad for p in _mods.ema_parameters()) and all(p.requires_grad for p in _mods.byol_pred.parameters())
+assert (not any(p.requires_grad for p in _mods.ema_parameters())
+        and all(p.requires_grad for p in _mods.byol_pred.parameters()))
 assert [l.out_features for l in _mods.simclr.layers if isinstance(l, nn.Linear)] == [256, 256, 32]
 assert {n.split(".")[0] for n, p in _mods.named_parameters() if p.requires_grad} == {"simclr", "byol_proj", "byol_pred"}
 _img = torch.randn(4, 3, 32, 32, generator=_g)
-_tok = torch.zeros(4, 77, dtype=torch.long); _tok[:, 0], _tok[:, 1:4], _tok[:, 4] = 49406, torch.arange(100, 112).reshape(4, 3), 49407
+_tok = torch.zeros(4, 77, dtype=torch.long)
+_tok[:, 0], _tok[:, 1:4], _tok[:, 4] = 49406, torch.arange(100, 112).reshape(4, 3), 49407
 _batch = {"image": _img, "tokens": _tok, "index": torch.tensor([5, 6, 7, 8])}
 
 # EMA scores against nn.MultiheadAttention's own weights, and the EMA class token against open_clip's pooled output
 with torch.no_grad():
     _sc, _ce = _mods.ema_attention(_img)
     _ws = []
-    _hk = [b.ln_1.register_forward_hook(lambda mod, a, y, b=b: _ws.append(b.attn(y, y, y, need_weights=True, average_attn_weights=False)[1][:, :, 0]))
+    _hk = [b.ln_1.register_forward_hook(lambda mod, a, y, b=b: _ws.append(
+               b.attn(y, y, y, need_weights=True, average_attn_weights=False)[1][:, :, 0]))
            for b in _mods.visual_ema.transformer.resblocks]
     _pooled = _mods.visual_ema(_img)
-    for h in _hk: h.remove()
-assert_close(_sc, torch.stack(_ws).mean(dim=(0, 2))[:, 1:]); assert_close(_ce @ _mods.visual_ema.proj, _pooled)
+    for h in _hk:
+        h.remove()
+assert_close(_sc, torch.stack(_ws).mean(dim=(0, 2))[:, 1:])
+assert_close(_ce @ _mods.visual_ema.proj, _pooled)
 
 # a training step: tokens seen, the EMA step, the loss terms, the gradients
 _seen = []
 _hk = _model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(tuple(args[0].shape)))
-with torch.no_grad():                                   # move the online model away from its EMA copy, to see the EMA step
-    for p in _model.parameters(): p.add_(0.01 * torch.randn(p.shape, generator=_g))
+# move the online model away from its EMA copy, to see the EMA step
+with torch.no_grad():
+    for p in _model.parameters():
+        p.add_(0.01 * torch.randn(p.shape, generator=_g))
 _before = {n: e.detach().clone() for n, e, _ in _mods._pairs(_model)}
 _snap = copy.deepcopy((_model.state_dict(), _mods.state_dict()))
-_model.train(); _mods.train()
+_model.train()
+_mods.train()
 _am.on_step(40, 100)
 _out = _am.forward(_model, _batch, _mods)
 _hk.remove()
 _mom = ema_momentum(40, 100)
 assert abs(float(_out["momentum"]) - _mom) < 1e-7
-for n, e, o in _mods._pairs(_model): assert_close(e, _mom * _before[n] + (1 - _mom) * o.detach())
-assert _seen == [(8, 1 + 12, 64)], _seen                                                  # 2 views x 4 images, 12 of 16 patches
+for n, e, o in _mods._pairs(_model):
+    assert_close(e, _mom * _before[n] + (1 - _mom) * o.detach())
+# 2 views x 4 images, 12 of 16 patches
+assert _seen == [(8, 1 + 12, 64)], _seen
 assert _out["image"].shape == (8, 32) and _out["cls"].shape == (8, 64) and _out["cls_ema"].shape == (4, 64)
 _terms = _am.loss(_out, _batch, DistContext())
 # the terms, recomputed from the outputs
@@ -1299,18 +1121,22 @@ assert_close(_terms["simclr"], simclr_loss(_ss[0], _ss[1], 0.1))
 _pr = _mods.byol_pred(_mods.byol_proj(_out["cls"], DistContext()), DistContext()).reshape(2, 4, -1)
 assert_close(_terms["byol"], 2 * byol_loss(_pr, _mods.byol_proj_ema(_out["cls_ema"], DistContext())))
 (_terms["clip"] + _terms["simclr"] + _terms["byol"]).backward()
-assert _model.visual.transformer.resblocks[0].attn.in_proj_weight.grad is not None and _model.visual.conv1.weight.grad is None
+assert (_model.visual.transformer.resblocks[0].attn.in_proj_weight.grad is not None
+        and _model.visual.conv1.weight.grad is None)
 assert all(p.grad is not None for n, p in _mods.named_parameters() if p.requires_grad)
 assert all(p.grad is None for p in _mods.ema_parameters())
 print({k: round(float(v.detach()), 4) for k, v in _terms.items()})
 
 # deterministic in (seed, step, index): from the same weights, the same step gives the same views, patches and loss
 _kp, _b40 = _am.last["keep"], _am.last["boxes"][0]
-_model.load_state_dict(_snap[0]); _mods.load_state_dict(_snap[1])
+_model.load_state_dict(_snap[0])
+_mods.load_state_dict(_snap[1])
 _am.on_step(40, 100)
 _terms2 = _am.loss(_am.forward(_model, _batch, _mods), _batch, DistContext())
-assert torch.equal(_am.last["keep"], _kp) and all(torch.equal(_terms2[k], _terms[k].detach()) for k in ("clip", "simclr", "byol"))
-_am.on_step(41, 100); _am.forward(_model, _batch, _mods)
+assert (torch.equal(_am.last["keep"], _kp)
+        and all(torch.equal(_terms2[k], _terms[k].detach()) for k in ("clip", "simclr", "byol")))
+_am.on_step(41, 100)
+_am.forward(_model, _batch, _mods)
 assert not torch.equal(_am.last["boxes"][0], _b40)                                     # another step, other crops
 # evaluation: the plain online model
 _model.eval()
@@ -1326,8 +1152,11 @@ assert torch.equal(_ev["image"], _ref["image"]) and isinstance(_model.visual.pat
 
 # %%
 _a1 = get_method("aclip", {"views": 1, "color_aug": False}, seed=3)
-_m1 = create_model("powerclip-micro")[0]; _a1.setup_model(_m1)
-_md1 = _a1.build_modules(_m1); _m1.train(); _md1.train()
+_m1 = create_model("powerclip-micro")[0]
+_a1.setup_model(_m1)
+_md1 = _a1.build_modules(_m1)
+_m1.train()
+_md1.train()
 assert _md1.simclr is None
 _o1 = _a1.forward(_m1, _batch, _md1)
 assert torch.equal(_a1.last["views"], _img) and torch.equal(_a1.last["ema_in"], _img)
@@ -1337,21 +1166,30 @@ assert set(k for k in _t1 if not k.startswith("_")) == {"clip", "byol"} and "_cl
 (_t1["clip"] + _t1["byol"]).backward()
 print({k: round(float(v.detach()), 4) for k, v in _t1.items()})
 
-_m1.eval(); _md1.eval()
+_m1.eval()
+_md1.eval()
 _sc1 = _a1.scorers(_md1)
 assert list(_sc1) == ["ema", "global"]
-_ids = torch.zeros(3, 77, dtype=torch.long); _ids[:, 0], _ids[:, 1:3], _ids[:, 3] = 49406, torch.arange(300, 306).reshape(3, 2), 49407
+_ids = torch.zeros(3, 77, dtype=torch.long)
+_ids[:, 0], _ids[:, 1:3], _ids[:, 3] = 49406, torch.arange(300, 306).reshape(3, 2), 49407
 _fresh = ACLIPModules(_m1, 1).eval()                                                     # EMA = online
 _se, _sg = EMAScorer(_fresh), _sc1["global"]
 assert_close(_se.scores(_se.image_features(_m1, _img), _se.text_features(_m1, _ids)),
              _sg.scores(_sg.image_features(_m1, _img), _sg.text_features(_m1, _ids)))
-try: _a1.scorers(None)["ema"].image_features(_m1, _img); raise AssertionError
-except ValueError as e: assert "\n" not in str(e); print("refused:", e)
+try:
+    _a1.scorers(None)["ema"].image_features(_m1, _img)
+    raise AssertionError
+except ValueError as e:
+    assert "\n" not in str(e)
+    print("refused:", e)
 
-_model.train(); _mods.train()
-_am.on_step(7, 100); _l32 = _am.loss(_am.forward(_model, _batch, _mods), _batch, DistContext())
+_model.train()
+_mods.train()
+_am.on_step(7, 100)
+_l32 = _am.loss(_am.forward(_model, _batch, _mods), _batch, DistContext())
 with torch.autocast("cpu", dtype=torch.bfloat16):
-    _am.on_step(7, 100); _l16 = _am.loss(_am.forward(_model, _batch, _mods), _batch, DistContext())
+    _am.on_step(7, 100)
+    _l16 = _am.loss(_am.forward(_model, _batch, _mods), _batch, DistContext())
 for k in ("clip", "simclr", "byol"):
     a, b = float(_l16[k].detach()), float(_l32[k].detach())
     assert math.isfinite(a) and abs(a - b) < 0.05 * abs(b) + 0.02, (k, a, b)

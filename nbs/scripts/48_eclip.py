@@ -38,7 +38,10 @@ from torch.testing import assert_close
 # %% [markdown]
 # # E-CLIP
 #
-# > Cluster masking (Wei, Pan, Owens, CVPR 2024): a few random anchor patches each take with them every patch whose normalised pixels are similar to theirs, and these clusters leave the image before the vision transformer; CLIP's loss is unchanged.
+# > Cluster masking (Wei, Pan, Owens, CVPR 2024).
+#
+# A few random anchor patches each take with them every patch whose normalised pixels are similar to theirs, and these
+# clusters leave the image before the vision transformer; CLIP's loss is unchanged.
 
 # %% [markdown]
 # E-CLIP changes which patches FLIP drops. Per training image with patches $x_1..x_N$ (the model's normalised
@@ -97,7 +100,8 @@ def pixel_similarity(
 ) -> torch.Tensor:           # (C, N, N) cosine of per-patch standardised pixels, at least float32
     "E-CLIP's pixel similarity: the Pearson correlation of two patches' pixel vectors (flat-flat: 1, flat-other: 0)."
     x = pix.to(torch.promote_types(pix.dtype, torch.float32))
-    xc = x - x.mean(-1, keepdim=True)                                        # (C, N, P) centred; scaling cannot change a cosine
+    # (C, N, P) centred; scaling cannot change a cosine
+    xc = x - x.mean(-1, keepdim=True)
     flat = xc.norm(dim=-1) <= flat_std * math.sqrt(x.shape[-1])            # (C, N)
     S = cosine_matrix(xc)                                                    # (C, N, N)
     either, both = flat[:, :, None] | flat[:, None, :], flat[:, :, None] & flat[:, None, :]
@@ -110,11 +114,15 @@ def patch_similarity(
     alpha: float = 0.0,               # weight of the embedding similarity
 ) -> torch.Tensor:                    # (C, N, N) (1 - alpha) S_pix + alpha S_emb
     "The similarity the clusters are drawn in: pixels, optionally mixed with embeddings (`mix_weight` gives alpha)."
-    if not 0 <= alpha <= 1: raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if alpha == 0: return pixel_similarity(pix)
-    if emb is None: raise ValueError("alpha > 0 needs the patch embeddings")
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if alpha == 0:
+        return pixel_similarity(pix)
+    if emb is None:
+        raise ValueError("alpha > 0 needs the patch embeddings")
     S_emb = cosine_matrix(emb)
-    if alpha == 1: return S_emb
+    if alpha == 1:
+        return S_emb
     return (1 - alpha) * pixel_similarity(pix) + alpha * S_emb
 
 
@@ -126,13 +134,19 @@ def patch_similarity(
 _g = torch.Generator().manual_seed(0)
 _pix = torch.randn(2, 9, 12, generator=_g, dtype=torch.float64)
 _S = pixel_similarity(_pix)
-for c in range(2): assert_close(_S[c], torch.corrcoef(_pix[c]))
-_aff = _pix * torch.rand(2, 9, 1, generator=_g, dtype=torch.float64).add(0.1) + torch.randn(2, 9, 1, generator=_g, dtype=torch.float64)
+for c in range(2):
+    assert_close(_S[c], torch.corrcoef(_pix[c]))
+_aff = (_pix * torch.rand(2, 9, 1, generator=_g, dtype=torch.float64).add(0.1)
+        + torch.randn(2, 9, 1, generator=_g, dtype=torch.float64))
 assert_close(pixel_similarity(_aff), _S)
-_inv = _pix.clone(); _inv[:, 0] = -_inv[:, 0]
+_inv = _pix.clone()
+_inv[:, 0] = -_inv[:, 0]
 assert_close(pixel_similarity(_inv)[:, 0, 1:], -_S[:, 0, 1:])
-assert_close(_S, _S.transpose(1, 2)); assert_close(_S.diagonal(dim1=1, dim2=2), torch.ones(2, 9, dtype=torch.float64))
-_fl = _pix.clone(); _fl[0, 2] = 0.7; _fl[0, 5] = -1.3                      # two flat patches of different colours
+assert_close(_S, _S.transpose(1, 2))
+assert_close(_S.diagonal(dim1=1, dim2=2), torch.ones(2, 9, dtype=torch.float64))
+_fl = _pix.clone()
+_fl[0, 2] = 0.7
+_fl[0, 5] = -1.3                      # two flat patches of different colours
 _Sf = pixel_similarity(_fl)
 assert _Sf[0, 2, 5] == 1 and _Sf[0, 2, 2] == 1 and (_Sf[0, 2, [0, 1, 3, 4, 6, 7, 8]] == 0).all()
 _emb = torch.randn(2, 9, 4, generator=_g, dtype=torch.float64)
@@ -152,15 +166,18 @@ print("pixel similarity = Pearson correlation; flat-flat", float(_Sf[0, 2, 5]), 
 # %%
 #| export
 def anchor_count(n: int, ratio: float = 0.03) -> int:
-    "Anchors out of `n` patches: `n - int(n * (1 - ratio))` (the authors' `--force-patch-dropout 0.03`: 6 of 196), at least 1."
-    if not 0 < ratio < 1: raise ValueError(f"anchor ratio must be in (0, 1), got {ratio}")
+    """Anchors out of `n` patches: `n - int(n * (1 - ratio))` (the authors' `--force-patch-dropout 0.03`: 6 of 196), at
+    least 1."""
+    if not 0 < ratio < 1:
+        raise ValueError(f"anchor ratio must be in (0, 1), got {ratio}")
     return max(1, drop_count(n, ratio))
 
 
 def draw_anchors(noise: torch.Tensor, n_anchor: int) -> torch.Tensor:
     "noise `(C, N)` -> `(C, N)` bool: the `n_anchor` patches of smallest noise in each image."
     C, N = noise.shape
-    if not 1 <= n_anchor <= N: raise ValueError(f"need 1 <= n_anchor <= {N}, got {n_anchor}")
+    if not 1 <= n_anchor <= N:
+        raise ValueError(f"need 1 <= n_anchor <= {N}, got {n_anchor}")
     first = torch.sort(noise, dim=1, stable=True).indices[:, :n_anchor]                  # (C, n_anchor)
     return torch.zeros(C, N, dtype=torch.bool, device=noise.device).scatter_(1, first, True)
 
@@ -196,7 +213,8 @@ _img = _quadrant_image()
 _px = patch_pixels(_img, 8)                                                      # (1, 64, 192), 8 x 8 grid
 _Sq = pixel_similarity(_px)
 _quad = torch.tensor([(r >= 4) * 2 + (c >= 4) for r in range(8) for c in range(8)])  # quadrant of each patch
-_anc = torch.zeros(1, 64, dtype=torch.bool); _anc[0, 9] = True                   # patch (1, 1): top-left quadrant
+_anc = torch.zeros(1, 64, dtype=torch.bool)
+_anc[0, 9] = True                   # patch (1, 1): top-left quadrant
 assert torch.equal(cluster_mask(_Sq, _anc, 0.5)[0], _quad == 0)
 _anc[0, 54] = True                                                               # patch (6, 6): bottom-right
 assert torch.equal(cluster_mask(_Sq, _anc, 0.5)[0], (_quad == 0) | (_quad == 3))
@@ -232,8 +250,10 @@ assert torch.equal(draw_anchors(_u, 4)[4:7], draw_anchors(_u[4:7], 4))         #
 # %%
 #| export
 def cluster_drop_count(min_masked: int, n: int, min_ratio: float = 0.3) -> int:
-    "Patches every image of the batch drops: FLIP-rounded `min_ratio` of `n`, or the batch's smallest cluster mask if larger; at most n - 1."
-    if not 0 <= min_ratio < 1: raise ValueError(f"min_ratio must be in [0, 1), got {min_ratio}")
+    """Patches every image of the batch drops: FLIP-rounded `min_ratio` of `n`, or the batch's smallest cluster mask if
+    larger; at most n - 1."""
+    if not 0 <= min_ratio < 1:
+        raise ValueError(f"min_ratio must be in [0, 1), got {min_ratio}")
     return min(n - 1, max(drop_count(n, min_ratio), int(min_masked)))
 
 
@@ -244,7 +264,8 @@ def select_kept(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # keep (C, N - n_drop) long ascending, hidden (C, N - n_drop) bool
     "Drop `n_drop` patches per image, cluster patches first (random order), then others (random order)."
     C, N = masked.shape
-    if not 0 <= n_drop < N: raise ValueError(f"need 0 <= n_drop < {N}, got {n_drop}")
+    if not 0 <= n_drop < N:
+        raise ValueError(f"need 0 <= n_drop < {N}, got {n_drop}")
     by_noise = torch.sort(noise, dim=1, stable=True).indices                              # (C, N)
     outside = (~masked).gather(1, by_noise).to(torch.uint8)                              # (C, N) 0: cluster, 1: other
     order = by_noise.gather(1, torch.sort(outside, dim=1, stable=True).indices)           # (C, N) drop order
@@ -273,7 +294,9 @@ def effective_ratio(masked: torch.Tensor, min_ratio: float = 0.3) -> float:
 assert cluster_drop_count(0, 196) == 59 and cluster_drop_count(80, 196) == 80 and cluster_drop_count(196, 196) == 195
 assert cluster_drop_count(3, 16, 0.0) == 3
 _m = torch.zeros(3, 20, dtype=torch.bool)
-_m[0, :3] = True; _m[1, 5:15] = True; _m[2, ::2] = True                    # clusters of 3, 10 and 10 patches
+_m[0, :3] = True
+_m[1, 5:15] = True
+_m[2, ::2] = True                    # clusters of 3, 10 and 10 patches
 _n = hash_uniform(torch.arange(3), 0, 0, 20)
 _keep, _hid = select_kept(_m, _n, 6)
 assert _keep.shape == (3, 14) and (_keep.diff(dim=1) > 0).all()
@@ -308,16 +331,21 @@ def calibrate_threshold(
     iters: int = 40,
 ) -> float:                  # the threshold whose effective ratio is closest to the target
     "Bisection on the cluster threshold so that the batch's effective masking ratio meets `target`."
-    if not 0 < target < 1: raise ValueError(f"target must be in (0, 1), got {target}")
+    if not 0 < target < 1:
+        raise ValueError(f"target must be in (0, 1), got {target}")
     lo, hi = -1.0, 1.0
     best, best_err = hi, math.inf
     for _ in range(iters):
         mid = (lo + hi) / 2
         r = effective_ratio(cluster_mask(sim, anchors, mid), min_ratio)
-        if abs(r - target) < best_err: best, best_err = mid, abs(r - target)
-        if best_err < tol: break
-        if r > target: lo = mid                                                      # too much masked: raise r
-        else: hi = mid
+        if abs(r - target) < best_err:
+            best, best_err = mid, abs(r - target)
+        if best_err < tol:
+            break
+        if r > target:
+            lo = mid                                                      # too much masked: raise r
+        else:
+            hi = mid
     return best
 
 
@@ -368,7 +396,8 @@ def cluster_masking(
     anchors = draw_anchors(anchor_noise, n_anchor)
     masked = cluster_mask(sim, anchors, threshold)
     m_min = masked.sum(1).min()
-    if all_min is not None: m_min = all_min(m_min)
+    if all_min is not None:
+        m_min = all_min(m_min)
     n_drop = cluster_drop_count(int(m_min), masked.shape[1], min_ratio)
     keep, hidden = select_kept(masked, order_noise, n_drop)
     return ClusterMasking(keep, hidden, masked, anchors, n_drop)
@@ -391,13 +420,13 @@ _glob = min(int(h.masked.sum(1).min()) for h in _halves_local)          # what a
 _gmin = lambda t: torch.minimum(t, torch.tensor(_glob))
 _halves = [cluster_masking(_S2[s], _u2[s, :64], _u2[s, 64:], 3, 0.4, all_min=_gmin) for s in (slice(0, 3), slice(3, 6))]
 assert all(h.n_drop == _full.n_drop for h in _halves) and _halves_local[0].n_drop > _full.n_drop
-assert torch.equal(torch.cat([h.keep for h in _halves]), _full.keep) and torch.equal(torch.cat([h.hidden for h in _halves]), _full.hidden)
+assert (torch.equal(torch.cat([h.keep for h in _halves]), _full.keep)
+        and torch.equal(torch.cat([h.hidden for h in _halves]), _full.hidden))
 print("cluster sizes:", _full.masked.sum(1).tolist(), " n_drop: one process", _full.n_drop,
       "| per-process without all_min", [h.n_drop for h in _halves_local])
-_flat = cluster_masking(pixel_similarity(patch_pixels(torch.full((2, 3, 32, 32), 0.2), 8)), torch.rand(2, 16, generator=_g),
-                        torch.rand(2, 16, generator=_g), 1, 0.5)
+_flat = cluster_masking(pixel_similarity(patch_pixels(torch.full((2, 3, 32, 32), 0.2), 8)),
+                        torch.rand(2, 16, generator=_g), torch.rand(2, 16, generator=_g), 1, 0.5)
 assert _flat.masked.all() and _flat.n_drop == 15 and _flat.keep.shape == (2, 1) and _flat.hidden.all()
-
 
 # %% [markdown]
 # ### On real photos
@@ -429,7 +458,8 @@ else:
     _thr_c = calibrate_threshold(_Sp, _cm.anchors, 0.5)
     print(f"{len(_files)} photos, 6 anchors, threshold 0.5: cluster share mean {float(_sizes.mean()):.3f} "
           f"(min {float(_sizes.min()):.3f}, max {float(_sizes.max()):.3f}); n_drop {_cm.n_drop} of 196; "
-          f"effective ratio {effective_ratio(_cm.masked):.3f}; hidden per image {float(_cm.hidden.sum(1).double().mean()):.1f}")
+          f"effective ratio {effective_ratio(_cm.masked):.3f}; hidden per image "
+          f"{float(_cm.hidden.sum(1).double().mean()):.1f}")
     print(f"threshold for an effective ratio of 0.5 on these photos: {_thr_c:.3f} "
           f"(gives {effective_ratio(cluster_mask(_Sp, _cm.anchors, _thr_c)):.3f})")
     assert _cm.keep.shape == (len(_files), 196 - _cm.n_drop) and _cm.n_drop >= 59
@@ -479,9 +509,12 @@ class ECLIPConfig:
     use_embed: bool = False      # mix the token similarity in with weight alpha = progress (their use_embed; off)
 
     def __post_init__(self):
-        if not 0 < self.anchor_ratio < 1: raise ValueError(f"anchor_ratio must be in (0, 1), got {self.anchor_ratio}")
-        if not -1 <= self.threshold <= 1: raise ValueError(f"threshold is a cosine, in [-1, 1]; got {self.threshold}")
-        if not 0 <= self.min_ratio < 1: raise ValueError(f"min_ratio must be in [0, 1), got {self.min_ratio}")
+        if not 0 < self.anchor_ratio < 1:
+            raise ValueError(f"anchor_ratio must be in (0, 1), got {self.anchor_ratio}")
+        if not -1 <= self.threshold <= 1:
+            raise ValueError(f"threshold is a cosine, in [-1, 1]; got {self.threshold}")
+        if not 0 <= self.min_ratio < 1:
+            raise ValueError(f"min_ratio must be in [0, 1), got {self.min_ratio}")
 
 
 def _all_min(t: torch.Tensor) -> torch.Tensor:
@@ -490,19 +523,23 @@ def _all_min(t: torch.Tensor) -> torch.Tensor:
 
 
 class ClusterSelector:
-    "The `keep` (and `hidden`) of `select_patch_tokens` for one forward pass: x `(C, 1 + N, width)` -> `(C, N - n_drop)`."
+    """The `keep` (and `hidden`) of `select_patch_tokens` for one forward pass: x `(C, 1 + N, width)` -> `(C, N -
+    n_drop)`."""
     def __init__(self, cfg: ECLIPConfig, patch: int, image: torch.Tensor, noise: torch.Tensor, alpha: float):
-        self.cfg, self.patch, self.image, self.noise, self.alpha = cfg, patch, image, noise, alpha  # (C, 3, H, W), (C, 2N)
+        # (C, 3, H, W), (C, 2N)
+        self.cfg, self.patch, self.image, self.noise, self.alpha = cfg, patch, image, noise, alpha
         self.last: ClusterMasking | None = None   # the choice of the last call
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         N = x.shape[1] - 1
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             pix = patch_pixels(self.image, self.patch)                         # (C, N, 3 p^2)
-            if pix.shape[1] != N: raise ValueError(f"image has {pix.shape[1]} patches, the token sequence {N}")
+            if pix.shape[1] != N:
+                raise ValueError(f"image has {pix.shape[1]} patches, the token sequence {N}")
             emb = x[:, 1:].detach() if self.alpha > 0 else None                # (C, N, width) with position, as theirs
             sim = patch_similarity(pix, emb, self.alpha)                       # (C, N, N)
-            self.last = cluster_masking(sim, self.noise[:, :N], self.noise[:, N:], anchor_count(N, self.cfg.anchor_ratio),
+            self.last = cluster_masking(sim, self.noise[:, :N], self.noise[:, N:],
+                                        anchor_count(N, self.cfg.anchor_ratio),
                                         self.cfg.threshold, self.cfg.min_ratio, all_min=_all_min)
         return self.last.keep
 
@@ -523,7 +560,8 @@ class ECLIP(StepClock, CLIP):
 
     @property
     def alpha(self) -> float:
-        if not self.cfg.use_embed: return 0.0
+        if not self.cfg.use_embed:
+            return 0.0
         return mix_weight(self.step / self.total if self.total else 0.0)
 
     def forward(self, model, batch, modules=None):
@@ -549,7 +587,8 @@ class ECLIP(StepClock, CLIP):
     def loss(self, out, batch, dist):
         terms = super().loss(out, batch, dist)
         for k in ("eclip_drop_ratio", "eclip_cluster_ratio", "eclip_hidden_ratio"):
-            if k in out: terms[f"_{k}"] = out[k]
+            if k in out:
+                terms[f"_{k}"] = out[k]
         return terms
 
 
@@ -573,42 +612,54 @@ from powerclip.model import create_model, encode, register_configs, select_patch
 register_configs()
 assert METHODS["eclip"] is ECLIP and get_method("eclip").needs() == BatchNeeds()   # pixels only: no tree, no regions
 for bad in ({"anchor_ratio": 0.0}, {"threshold": 1.5}, {"min_ratio": 1.0}):
-    try: get_method("eclip", bad); raise AssertionError(bad)
-    except ValueError as e: print("refused:", e)
+    try:
+        get_method("eclip", bad)
+        raise AssertionError(bad)
+    except ValueError as e:
+        print("refused:", e)
 
 torch.manual_seed(0)
 _model = create_model("powerclip-micro")[0]
 _keys = set(_model.state_dict())
-_imgq = torch.stack([_quadrant_image(H=32, p=8, noise=0.05, seed=s)[0] for s in range(4)])   # (4, 3, 32, 32), 4 x 4 grid
-_tok = torch.zeros(4, 77, dtype=torch.long); _tok[:, 0], _tok[:, 1:4], _tok[:, 4] = 49406, 100, 49407
+# (4, 3, 32, 32), 4 x 4 grid
+_imgq = torch.stack([_quadrant_image(H=32, p=8, noise=0.05, seed=s)[0] for s in range(4)])
+_tok = torch.zeros(4, 77, dtype=torch.long)
+_tok[:, 0], _tok[:, 1:4], _tok[:, 4] = 49406, 100, 49407
 _batch = {"image": _imgq, "tokens": _tok, "index": torch.tensor([3, 1, 4, 1_000_001])}
 _m = get_method("eclip", {"min_ratio": 0.25}, seed=7)
 _N = 16
 _seen = []
 _hk = _model.visual.ln_pre.register_forward_hook(lambda mod, args, y: _seen.append(args[0].detach().clone()))
-_model.train(); _m.on_step(0, 10)
+_model.train()
+_m.on_step(0, 10)
 _out = _m.forward(_model, _batch)
 _mk = _m.last
 _model.eval()
-with torch.no_grad(): _ev, _ref = _m.forward(_model, _batch), encode(_model, _imgq, _tok, need_patches=False)
+with torch.no_grad():
+    _ev, _ref = _m.forward(_model, _batch), encode(_model, _imgq, _tok, need_patches=False)
 _hk.remove()
 print(f"cluster sizes {_mk.masked.sum(1).tolist()}, n_drop {_mk.n_drop}, hidden per image {_mk.hidden.sum(1).tolist()}")
 assert _mk.masked.sum(1).eq(4).all() and _mk.n_drop == 4 and not _mk.hidden.any()   # one quadrant each, all dropped
 assert _seen[0].shape[1] == 1 + _N - _mk.n_drop and _seen[1].shape[1] == 1 + _N
 _W = _seen[0].shape[-1]
 assert_close(_seen[0][:, 1:], _seen[1][:, 1:].gather(1, _mk.keep[..., None].expand(-1, -1, _W)))
-for k in ("image", "text"): assert torch.equal(_ev[k], _ref[k])          # evaluation = the plain model
+for k in ("image", "text"):
+    assert torch.equal(_ev[k], _ref[k])          # evaluation = the plain model
 assert set(_model.state_dict()) == _keys and isinstance(_model.visual.patch_dropout, torch.nn.Identity)
 _model.train()
 _terms = _m.loss(_out, _batch, DistContext())
 _terms["clip"].backward()
 assert torch.isfinite(_terms["clip"]) and _model.visual.transformer.resblocks[0].attn.in_proj_weight.grad is not None
 assert float(_terms["_eclip_drop_ratio"]) == 0.25 and float(_terms["_eclip_hidden_ratio"]) == 0.0
-_m.on_step(0, 10); _l1 = _m.loss(_m.forward(_model, _batch), _batch, DistContext())["clip"]
+_m.on_step(0, 10)
+_l1 = _m.loss(_m.forward(_model, _batch), _batch, DistContext())["clip"]
 assert torch.equal(_l1.detach(), _terms["clip"].detach())                  # deterministic in (seed, step, index)
-_m.on_step(1, 10); _m.forward(_model, _batch)
+_m.on_step(1, 10)
+_m.forward(_model, _batch)
 assert not torch.equal(_m.last.anchors, _mk.anchors)                       # another step, other anchors
-print(f"tokens into the vision transformer: train {_seen[0].shape[1]}, eval {_seen[1].shape[1]}; loss {float(_terms['clip'].detach()):.4f}")
+print(f"tokens into the vision transformer: train {_seen[0].shape[1]}, eval {_seen[1].shape[1]}; loss "
+      f"{float(_terms['clip'].detach()):.4f}")
+
 
 # %% [markdown]
 # Clusters of different sizes in one batch: two quadrant images (clusters of 4) and two images of two halves (clusters
@@ -626,7 +677,8 @@ def _halves_image(H=32, p=8, noise=0.05, seed=0):
 
 _batch2 = dict(_batch, image=torch.cat([_imgq[:2], torch.stack([_halves_image(seed=s) for s in (10, 11)])]))
 _m.on_step(3, 10)
-with torch.no_grad(): _o1 = _m.forward(_model, _batch2)
+with torch.no_grad():
+    _o1 = _m.forward(_model, _batch2)
 _mk2 = _m.last
 assert _mk2.masked.sum(1).tolist() == [4, 4, 8, 8] and _mk2.n_drop == 4 and _mk2.hidden.sum(1).tolist() == [0, 0, 4, 4]
 with torch.no_grad():
@@ -634,14 +686,17 @@ with torch.no_grad():
         vis = _mk2.keep[c][~_mk2.hidden[c]]                                      # the patches the class token may see
         assert not _mk2.masked[c, vis].any()
         with select_patch_tokens(_model, lambda x: vis[None]):
-            assert_close(encode(_model, _batch2["image"][c:c + 1], None, need_patches=False)["image"], _o1["image"][c:c + 1])
-    _mv = get_method("eclip", {"min_ratio": 0.25, "hide_clusters": False}, seed=7); _mv.on_step(3, 10)
+            assert_close(encode(_model, _batch2["image"][c:c + 1], None, need_patches=False)["image"],
+                         _o1["image"][c:c + 1])
+    _mv = get_method("eclip", {"min_ratio": 0.25, "hide_clusters": False}, seed=7)
+    _mv.on_step(3, 10)
     _o2 = _mv.forward(_model, _batch2)
 assert torch.equal(_mv.last.keep, _mk2.keep)
 assert torch.equal(_o2["image"][:2], _o1["image"][:2]) and not torch.allclose(_o2["image"][2:], _o1["image"][2:])
 _l32 = _m.loss(_o1, _batch2, DistContext())
 with torch.autocast("cpu", dtype=torch.bfloat16):
-    _m.on_step(3, 10); _l16 = _m.loss(_m.forward(_model, _batch2), _batch2, DistContext())
+    _m.on_step(3, 10)
+    _l16 = _m.loss(_m.forward(_model, _batch2), _batch2, DistContext())
 assert torch.equal(_m.last.keep, _mk2.keep)                               # the selection runs outside autocast
 _a, _b = float(_l16["clip"].detach()), float(_l32["clip"].detach())
 assert math.isfinite(_a) and abs(_a - _b) < 0.05 * _b
@@ -656,12 +711,15 @@ print(f"loss fp32 {_b:.4f}, bf16 autocast {_a:.4f}; hidden ratio {float(_l32['_e
 # %%
 from powerclip.data import BatchSpec, DataConfig, make_loader
 from powerclip.model import model_geometry
-_wb = next(iter(make_loader(BatchSpec(DataConfig(batch_size=32, workers=0, world_length=64), model_geometry("powerclip-demo"),
-                                      BatchNeeds(), seed=0))))
-_me = get_method("eclip"); _md = create_model("powerclip-demo")[0].train()
-with torch.no_grad(): _me.forward(_md, _wb)
+_wb = next(iter(make_loader(BatchSpec(DataConfig(batch_size=32, workers=0, world_length=64),
+                                      model_geometry("powerclip-demo"), BatchNeeds(), seed=0))))
+_me = get_method("eclip")
+_md = create_model("powerclip-demo")[0].train()
+with torch.no_grad():
+    _me.forward(_md, _wb)
 _lm = _me.last
-print(f"world scenes: cluster share mean {float(_lm.masked.double().mean()):.3f} (min {float(_lm.masked.double().mean(1).min()):.3f}, "
-      f"max {float(_lm.masked.double().mean(1).max()):.3f}); n_drop {_lm.n_drop} of 64; hidden per image "
-      f"{float(_lm.hidden.sum(1).double().mean()):.1f}; the class token sees {float((~_lm.hidden).sum(1).double().mean()):.1f} patches")
+print(f"world scenes: cluster share mean {float(_lm.masked.double().mean()):.3f} (min "
+      f"{float(_lm.masked.double().mean(1).min()):.3f}, max {float(_lm.masked.double().mean(1).max()):.3f}); n_drop "
+      f"{_lm.n_drop} of 64; hidden per image {float(_lm.hidden.sum(1).double().mean()):.1f}; the class token sees "
+      f"{float((~_lm.hidden).sum(1).double().mean()):.1f} patches")
 _model.eval();

@@ -37,7 +37,10 @@ from fastcore.test import test_eq, test_fail
 # %% [markdown]
 # # The run's config
 #
-# > One dataclass per component (model, data, method, optimiser) composed into a run's `TrainConfig`, read from a small YAML preset plus `key=value` overrides with every key and scalar type checked, the error naming the dotted key.
+# > One dataclass per component (model, data, method, optimiser) composed into a run's `TrainConfig`.
+#
+# It is read from a small YAML preset plus `key=value` overrides with every key and scalar type checked, the error naming
+# the dotted key.
 
 # %% [markdown]
 # The trainer (`50_train`) reads a run from one `TrainConfig`. This notebook defines it and reads it: a dataclass per
@@ -67,7 +70,8 @@ class ModelConfig:
                                        # geometry of the data follows it
 
     def __post_init__(self):
-        if not self.name: raise ValueError("name: needs an open_clip architecture name (e.g. ViT-B-16, powerclip-tiny)")
+        if not self.name:
+            raise ValueError("name: needs an open_clip architecture name (e.g. ViT-B-16, powerclip-tiny)")
         if self.pool not in (None, "tok", "avg"):
             raise ValueError(f"pool: must be tok, avg or null (the architecture's), got {self.pool!r}")
 
@@ -84,9 +88,12 @@ class OptimConfig:
 
     def __post_init__(self):
         for k in ("lr", "weight_decay", "min_lr", "warmup_steps"):
-            if getattr(self, k) < 0: raise ValueError(f"{k}: must be at least 0, got {getattr(self, k)}")
-        if self.eps <= 0: raise ValueError(f"eps: must be above 0, got {self.eps}")
-        if self.grad_clip is not None and self.grad_clip <= 0: raise ValueError(f"grad_clip: must be above 0 or null (no clipping), got {self.grad_clip}")
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k}: must be at least 0, got {getattr(self, k)}")
+        if self.eps <= 0:
+            raise ValueError(f"eps: must be above 0, got {self.eps}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip: must be above 0 or null (no clipping), got {self.grad_clip}")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas: must be two numbers in [0, 1), got {list(self.betas)}")
 
@@ -114,13 +121,15 @@ class TrainConfig:
     stop_at: int | None = None         # leave early after this step, with a checkpoint (time-limited jobs); the
                                        # schedule still runs to the full length, and resuming continues it
     global_batch_size: int | None = None  # if set: data.batch_size = global_batch_size / processes
-    precision: str = "auto"            # 'fp32' | 'bf16' (autocast) | 'auto' (bf16 on GPU, fp32 on CPU) | 'fp64' (exactness checks)
+    precision: str = "auto"            # 'fp32' | 'bf16' (autocast) | 'auto' (bf16 on GPU, fp32 on CPU) | 'fp64'
+                                       # (exactness checks)
     seed: int = 0                      # the run seed: every random stream (init, data order, world scenes, region
                                        # draws, method noise, forward pass) derives from it by name (config.yaml)
     out_dir: str = "runs/run"          # config.yaml, metrics.csv, tb/, checkpoints/, loss.png
     log_every: int = 10                # steps between metric rows
     ckpt_every: int = 500              # steps between checkpoints (and one at the end)
-    resume: str = "auto"               # 'auto' (out_dir/checkpoints/last.pt, else prev.pt, if present) | 'never' | a checkpoint path
+    resume: str = "auto"               # 'auto' (out_dir/checkpoints/last.pt, else prev.pt, if present) | 'never' | a
+                                       # checkpoint path
     max_bad_in_row: int = 20           # abort after this many consecutive non-finite steps
     device: str | None = None          # 'cpu' | 'cuda' | 'cuda:N' | None (cuda when available)
     progress: bool = True              # tqdm progress bar on the main process
@@ -138,17 +147,26 @@ class TrainConfig:
         if self.resume not in ("auto", "never") and not str(self.resume).endswith(".pt"):
             raise ValueError(f"resume: must be auto, never or a .pt checkpoint path, got {self.resume!r}")
         for k in ("epochs", "log_every", "ckpt_every", "max_bad_in_row"):
-            if getattr(self, k) < 1: raise ValueError(f"{k}: must be at least 1, got {getattr(self, k)}")
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k}: must be at least 1, got {getattr(self, k)}")
         for k in ("max_steps", "stop_at", "global_batch_size"):
-            if getattr(self, k) is not None and getattr(self, k) < 1: raise ValueError(f"{k}: must be at least 1 or null, got {getattr(self, k)}")
-        if self.seed < 0: raise ValueError(f"seed: must be at least 0, got {self.seed}")
-        if self.device is not None and not (self.device in ("cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            if getattr(self, k) is not None and getattr(self, k) < 1:
+                raise ValueError(f"{k}: must be at least 1 or null, got {getattr(self, k)}")
+        if self.seed < 0:
+            raise ValueError(f"seed: must be at least 0, got {self.seed}")
+        if (self.device is not None and not (self.device in ("cpu", "cuda")
+                                             or (self.device.startswith("cuda:") and self.device[5:].isdigit()))):
             raise ValueError(f"device: must be cpu, cuda, cuda:N or null (cuda when available), got {self.device!r}")
-        if not self.out_dir: raise ValueError("out_dir: needs a folder for the run's outputs")
-        if not self.method: raise ValueError("method: needs a method name (e.g. powerclip, clip)")
-        if self.start_batch < 0: raise ValueError(f"start_batch: must be at least 0, got {self.start_batch}")
-        if self.start_batch and getattr(self.data, "source", None) == "wds":   # shards position by a checkpoint's StreamPosition
-            raise ValueError("start_batch: continues a run's data order on the built-in world only; on shards, resume the base run's checkpoint")
+        if not self.out_dir:
+            raise ValueError("out_dir: needs a folder for the run's outputs")
+        if not self.method:
+            raise ValueError("method: needs a method name (e.g. powerclip, clip)")
+        if self.start_batch < 0:
+            raise ValueError(f"start_batch: must be at least 0, got {self.start_batch}")
+        # shards position by a checkpoint's StreamPosition
+        if self.start_batch and getattr(self.data, "source", None) == "wds":
+            raise ValueError("start_batch: continues a run's data order on the built-in world only; on shards, resume "
+                             "the base run's checkpoint")
         if any(int(n) != n or n < 1 for n in self.snapshot_steps):
             raise ValueError(f"snapshot_steps: must be integers of at least 1, got {list(self.snapshot_steps)}")
 
@@ -166,85 +184,114 @@ def from_dict(cls, d: dict, path: str = ""):
     None: YAML's own) or a value the dataclass refuses is a ValueError naming the dotted key; lists become tuples where
     typed so. `path`: the dotted name of `d` in the whole config ('' for the top)."""
     where = f"{path}." if path else ""
-    if not isinstance(d, dict): raise ValueError(f"{path or cls.__name__}: must be a section of key: value entries, got {d!r}")
+    if not isinstance(d, dict):
+        raise ValueError(f"{path or cls.__name__}: must be a section of key: value entries, got {d!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for k in d:
-        if k not in names: raise ValueError(f"{where}{k}: unknown key (known: {', '.join(sorted(names))})")
+        if k not in names:
+            raise ValueError(f"{where}{k}: unknown key (known: {', '.join(sorted(names))})")
     kw = {k: _typed(hints[k], v, where + k) for k, v in d.items()}
-    try: return cls(**kw)
-    except (ValueError, TypeError) as e: raise ValueError(_name_key(cls, str(e), path, kw)) from None
+    try:
+        return cls(**kw)
+    except (ValueError, TypeError) as e:
+        raise ValueError(_name_key(cls, str(e), path, kw)) from None
 
 
 def _name_key(cls, msg: str, path: str, kw: dict) -> str:
     """A dataclass check's message with the dotted key in front: the field its message starts with, else the one given
     value the dataclass refuses on its own (the others at their defaults), else the section."""
     where = f"{path}." if path else ""
-    if msg.split(":", 1)[0].strip() in kw: return where + msg
+    if msg.split(":", 1)[0].strip() in kw:
+        return where + msg
     def refused(k):
-        try: cls(**{k: kw[k]}); return False
-        except (ValueError, TypeError): return True
+        try:
+            cls(**{k: kw[k]})
+            return False
+        except (ValueError, TypeError):
+            return True
     alone = [k for k in kw if refused(k)]
-    if len(alone) == 1: return f"{where}{alone[0]}: {msg}"
+    if len(alone) == 1:
+        return f"{where}{alone[0]}: {msg}"
     return f"{path}: {msg}" if path else msg
 
 
-_TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "text", tuple: "a list", list: "a list",
-               dict: "a section of key: value entries"}
+_TYPE_WORDS = {float: "a number", int: "an integer", bool: "true or false", str: "text", tuple: "a list",
+               list: "a list", dict: "a section of key: value entries"}
 
 
 def _typed(t, v, key: str):
     "`v` as the annotation `t` wants it, or a ValueError naming `key` (see `from_dict`)."
-    if dataclasses.is_dataclass(t): return from_dict(t, v, key)
+    if dataclasses.is_dataclass(t):
+        return from_dict(t, v, key)
     opts = _types(t)
     if v is None:
-        if type(None) in opts or t is typing.Any: return None
+        if type(None) in opts or t is typing.Any:
+            return None
         raise ValueError(f"{key}: may not be null (give {' or '.join(_TYPE_WORDS.get(o, str(o)) for o in opts)})")
     for o in opts:
         o = typing.get_origin(o) or o
-        if o is bool and isinstance(v, bool): return v
+        if o is bool and isinstance(v, bool):
+            return v
         if o is int and not isinstance(v, bool):
-            if isinstance(v, int): return v
+            if isinstance(v, int):
+                return v
             n = _number(v)
-            if n is not None and n.is_integer(): return int(n)
-        if o is float and _number(v) is not None: return _number(v)
-        if o is str and isinstance(v, str): return v
-        if o is str and isinstance(v, (int, float)) and not isinstance(v, bool): return str(v)   # out_dir=2024
-        if o in (tuple, list) and isinstance(v, (list, tuple)): return o(v)
-        if o is dict and isinstance(v, dict): return v
-        if o not in _TYPE_WORDS and o is not type(None): return v                                 # not checked here
+            if n is not None and n.is_integer():
+                return int(n)
+        if o is float and _number(v) is not None:
+            return _number(v)
+        if o is str and isinstance(v, str):
+            return v
+        if o is str and isinstance(v, (int, float)) and not isinstance(v, bool):
+            return str(v)   # out_dir=2024
+        if o in (tuple, list) and isinstance(v, (list, tuple)):
+            return o(v)
+        if o is dict and isinstance(v, dict):
+            return v
+        if o not in _TYPE_WORDS and o is not type(None):
+            return v                                 # not checked here
     want = " or ".join(_TYPE_WORDS.get(typing.get_origin(o) or o, str(o)) for o in opts if o is not type(None))
     raise ValueError(f"{key}: must be {want}{' or null' if type(None) in opts else ''}, got {v!r}")
 
 
 def _number(v) -> float | None:
     "A number as float (YAML 1.1 reads '1e-3' as a string), or None."
-    if isinstance(v, bool): return None
-    if isinstance(v, (int, float)): return float(v)
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
     if isinstance(v, str):
-        try: return float(v)
-        except ValueError: return None
+        try:
+            return float(v)
+        except ValueError:
+            return None
     return None
 
 
 def _types(t) -> tuple:
-    return typing.get_args(t) if typing.get_origin(t) in (typing.Union, getattr(__import__("types"), "UnionType", None)) else (t,)
+    return (typing.get_args(t)
+            if typing.get_origin(t) in (typing.Union, getattr(__import__("types"), "UnionType", None)) else (t,))
 
 
 def to_dict(cfg) -> dict:
     "Plain nested dict of a config (tuples as lists: what YAML writes)."
     def plain(x):
-        if isinstance(x, dict): return {k: plain(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)): return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
         return x
     return plain(asdict(cfg))
 
 
 # %%
-_c = from_dict(TrainConfig, {"optim": {"lr": "1e-3", "betas": [0.9, 0.95]}, "data": {"batch_size": 8}, "method": "clip"})
+_c = from_dict(TrainConfig,
+               {"optim": {"lr": "1e-3", "betas": [0.9, 0.95]}, "data": {"batch_size": 8}, "method": "clip"})
 test_eq((_c.optim.lr, _c.optim.betas, _c.data.batch_size, _c.method), (1e-3, (0.9, 0.95), 8, "clip"))
 test_eq(from_dict(TrainConfig, to_dict(_c)), _c)
-test_fail(lambda: from_dict(TrainConfig, {"optim": {"learning_rate": 1.0}}), contains="optim.learning_rate: unknown key")
+test_fail(lambda: from_dict(TrainConfig, {"optim": {"learning_rate": 1.0}}),
+          contains="optim.learning_rate: unknown key")
 # every message names the dotted key
 for d, msg in [({"optim": {"lr": "abc"}}, "optim.lr: must be a number, got 'abc'"),
                ({"data": {"batch_size": 0}}, "data.batch_size: must be at least 1, got 0"),
@@ -252,7 +299,8 @@ for d, msg in [({"optim": {"lr": "abc"}}, "optim.lr: must be a number, got 'abc'
                ({"max_steps": -1}, "max_steps: must be at least 1 or null, got -1"),
                ({"progress": "maybe"}, "progress: must be true or false, got 'maybe'"),
                ({"precision": "fp16"}, "precision: must be one of fp32, bf16, auto, fp64, got 'fp16'"),
-               ({"optim": 3}, "optim: must be a section"), ({"model": {"kwargs": [1]}}, "model.kwargs: must be a section")]:
+               ({"optim": 3}, "optim: must be a section"),
+               ({"model": {"kwargs": [1]}}, "model.kwargs: must be a section")]:
     test_fail(lambda: from_dict(TrainConfig, d), contains=msg)
 test_eq(from_dict(TrainConfig, {"max_steps": "1e3", "optim": {"weight_decay": 0}}).max_steps, 1000)  # YAML 1.1 strings
 assert isinstance(from_dict(TrainConfig, {"optim": {"weight_decay": 0}}).optim.weight_decay, float)
@@ -284,20 +332,24 @@ def preset_path(name: str) -> Path:
     p = Path(name)
     known = ", ".join(sorted(q.stem for q in PRESET_DIR.glob("*.yaml")))
     if p.suffix in (".yaml", ".yml"):
-        if p.is_file(): return p
+        if p.is_file():
+            return p
         raise FileNotFoundError(f"--preset: no file {name!r} (a preset name: {known}; or a path to a .yaml file)")
     p = PRESET_DIR / f"{name}.yaml"
-    if not p.is_file(): raise FileNotFoundError(f"--preset: no preset {name!r} (known: {known}; or a path to a .yaml file)")
+    if not p.is_file():
+        raise FileNotFoundError(f"--preset: no preset {name!r} (known: {known}; or a path to a .yaml file)")
     return p
 
 
 def set_dotted(d: dict, key: str, value) -> None:
     "d['a']['b'] = value for key 'a.b' (creating the inner dicts)."
     *head, last = key.split(".")
-    if not all(head + [last]): raise ValueError(f"{key}: not a dotted key (e.g. optim.lr)")
+    if not all(head + [last]):
+        raise ValueError(f"{key}: not a dotted key (e.g. optim.lr)")
     for i, k in enumerate(head):
         d = d.setdefault(k, {})
-        if not isinstance(d, dict): raise ValueError(f"{key}: {'.'.join(head[:i + 1])} is not a section of the config")
+        if not isinstance(d, dict):
+            raise ValueError(f"{key}: {'.'.join(head[:i + 1])} is not a section of the config")
     d[last] = value
 
 
@@ -306,37 +358,48 @@ def parse_override(s: str) -> tuple[str, object]:
     if "=" not in s or not s.split("=", 1)[0].strip():
         raise ValueError(f"override {s!r}: not key=value (e.g. optim.lr=1e-3 data.batch_size=32)")
     k, v = s.split("=", 1)
-    try: v = yaml.safe_load(v)
-    except yaml.YAMLError: pass
+    try:
+        v = yaml.safe_load(v)
+    except yaml.YAMLError:
+        pass
     return k.strip(), v
 
 
 def method_options(method: str, cfg: dict) -> dict:
     """The options of `method` checked against its config dataclass (unknown keys, types, the dataclass's own checks:
     a ValueError naming `method_cfg.KEY`), with values as the dataclass typed them."""
-    try: cls = type(method_config(method))
-    except KeyError: raise ValueError(f"method: unknown method {method!r} (registered: {', '.join(sorted(METHODS))})") from None
+    try:
+        cls = type(method_config(method))
+    except KeyError:
+        raise ValueError(f"method: unknown method {method!r} (registered: {', '.join(sorted(METHODS))})") from None
     opts = from_dict(cls, dict(cfg or {}), "method_cfg")
     return {k: getattr(opts, k) for k in (cfg or {})}
 
 
-def load_config(preset: str | None = "demo", overrides: list[str] | dict | None = (), method: str | None = None) -> TrainConfig:
+def load_config(preset: str | None = "demo", overrides: list[str] | dict | None = (),
+                method: str | None = None) -> TrainConfig:
     "TrainConfig from a preset, a method name and `key=value` overrides (applied in that order)."
     d = {}
     if preset:
         path = preset_path(preset)
-        try: d = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e: raise ValueError(f"--preset: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(d, dict): raise ValueError(f"--preset: {path} must hold key: value entries, got {type(d).__name__}")
+        try:
+            d = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"--preset: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"--preset: {path} must hold key: value entries, got {type(d).__name__}")
     d.pop("derived", None)  # a run's record of what it derived (seeds, geometry, needs): recomputed, never read
     method_cfgs = d.pop("method_cfgs", {}) or {}
-    if method: d["method"] = method
+    if method:
+        d["method"] = method
     m = d.get("method", TrainConfig.method)
     d["method_cfg"] = {**(method_cfgs.get(m) or {}), **(d.get("method_cfg") or {})}
     items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or ())
-    for k, v in items: set_dotted(d, k, v)
+    for k, v in items:
+        set_dotted(d, k, v)
     cfg = from_dict(TrainConfig, d)
-    cfg.method_cfg = method_options(cfg.method, cfg.method_cfg)  # an unknown method or option fails here, not after the model is built
+    # an unknown method or option fails here, not after the model is built
+    cfg.method_cfg = method_options(cfg.method, cfg.method_cfg)
     return cfg
 
 
@@ -345,8 +408,10 @@ _c = load_config("demo", ["optim.lr=2e-3", "method_cfg.masks=gold", "method_cfg.
 test_eq((_c.optim.lr, _c.method_cfg["masks"], _c.method, _c.method_cfg["lam"]), (2e-3, "gold", "powerclip", 0.3))
 test_eq(load_config("demo", method="clip").method_cfg, {})
 test_fail(lambda: load_config("nope"), contains="known")
-for ov, msg in [(["method_cfg.lamda=1"], "method_cfg.lamda: unknown key"), (["method_cfg.tau=-1"], "method_cfg.tau: need tau > 0"),
-                (["method_cfg.M=0"], "method_cfg.M: M must be >= 1"), (["method_cfg.tau=abc"], "method_cfg.tau: must be a number"),
+for ov, msg in [(["method_cfg.lamda=1"], "method_cfg.lamda: unknown key"),
+                (["method_cfg.tau=-1"], "method_cfg.tau: need tau > 0"),
+                (["method_cfg.M=0"], "method_cfg.M: M must be >= 1"),
+                (["method_cfg.tau=abc"], "method_cfg.tau: must be a number"),
                 (["lr"], "override 'lr': not key=value"), (["optim.lr.x=1"], "optim.lr.x: optim.lr is not a section")]:
     test_fail(lambda: load_config("demo", ov), contains=msg)
 test_fail(lambda: load_config("demo", method="nope"), contains="method: unknown method 'nope' (registered: ")

@@ -42,7 +42,11 @@ from torch.testing import assert_close
 # %% [markdown]
 # # Checkpoints
 #
-# > What a run leaves on disk and reads back: checkpoints that resume exactly (weights, optimiser, schedule, every random generator, data positions), written atomically with the previous one kept; the open_clip weights alone; snapshots for learning curves; and the one reading of a checkpoint to resume from.
+# > What a run leaves on disk and reads back.
+#
+# Checkpoints that resume exactly (weights, optimiser, schedule, every random generator, data positions), written
+# atomically with the previous one kept; the open_clip weights alone; snapshots for learning curves; and the one reading
+# of a checkpoint to resume from.
 
 # %% [markdown]
 # ## Checkpoints that resume exactly
@@ -83,38 +87,52 @@ def rng_state() -> dict:
 
 
 def set_rng_state(s: dict) -> None:
-    random.setstate(s["python"]); np.random.set_state(s["numpy"]); torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
 
 
 def seed_all(seed: int) -> None:
-    random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def previous_checkpoint(path) -> Path:
-    "Where the checkpoint that `path` replaced is kept: `prev.pt` beside `last.pt` (`NAME.prev.pt` beside another name)."
+    """Where the checkpoint that `path` replaced is kept: `prev.pt` beside `last.pt` (`NAME.prev.pt` beside another
+    name)."""
     path = Path(path)
     return path.with_name("prev.pt" if path.name == "last.pt" else f"{path.stem}.prev{path.suffix}")
 
 
 def _fsync_dir(d: Path) -> None:
     "Make a rename in folder `d` durable (where the file system lets a folder be opened)."
-    try: fd = os.open(d, os.O_RDONLY)
-    except OSError: return
-    try: os.fsync(fd)
-    except OSError: pass
-    finally: os.close(fd)
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _atomic_save(obj, path: Path, keep_previous: bool = False) -> Path:
     """torch.save to a temporary name, fsync, then rename: a kill or a crash mid-write leaves the previous file intact.
     `keep_previous`: the file replaced is kept as `previous_checkpoint(path)`."""
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
-        f.flush(); os.fsync(f.fileno())   # on the disk before the rename makes it the checkpoint
-    if keep_previous and path.exists(): os.replace(path, previous_checkpoint(path))
+        f.flush()
+        os.fsync(f.fileno())   # on the disk before the rename makes it the checkpoint
+    if keep_previous and path.exists():
+        os.replace(path, previous_checkpoint(path))
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     return path
@@ -137,7 +155,8 @@ def export_weights(run_dir, model, modules: torch.nn.Module | None = None) -> di
     (`open_clip.create_model_and_transforms(name, pretrained=path)` after `powerclip.model.register_configs()`),
     whatever the method; `run_dir/method_modules.pt` beside it when the method trained modules of its own."""
     out = dict(model=_atomic_save(model.state_dict(), Path(run_dir) / "model.pt"))
-    if modules is not None: out["method_modules"] = _atomic_save(modules.state_dict(), Path(run_dir) / "method_modules.pt")
+    if modules is not None:
+        out["method_modules"] = _atomic_save(modules.state_dict(), Path(run_dir) / "method_modules.pt")
     return out
 
 
@@ -149,7 +168,9 @@ def save_snapshot(run_dir, step: int, seconds: float, model, modules: torch.nn.M
     export_weights(d, model, modules)
     for name, text in (("config.yaml", (Path(run_dir) / "config.yaml").read_text()),
                        ("snapshot.json", json.dumps(dict(step=step, seconds=seconds)))):
-        tmp = d / (name + ".tmp"); tmp.write_text(text); os.replace(tmp, d / name)
+        tmp = d / (name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, d / name)
     return d
 
 
@@ -166,24 +187,31 @@ def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True) -> tuple[P
     checkpoint it replaced; (None, None) to start afresh. Neither readable: a `UsageError` saying how to start afresh.
     `set_aside` (the main process): an unreadable `last.pt` becomes `last.pt.damaged`, so that the next checkpoint
     does not push it over the good `prev.pt`."""
-    if cfg.resume == "never": return None, None
+    if cfg.resume == "never":
+        return None, None
     last = Path(cfg.out_dir) / "checkpoints" / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
     prev = previous_checkpoint(last)
     if not last.is_file() and not prev.is_file():
-        if cfg.resume == "auto": return None, None
+        if cfg.resume == "auto":
+            return None, None
         raise UsageError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
     problems = []
     for p in (last, prev):
-        if not p.is_file(): problems.append(f"{p} is missing"); continue
+        if not p.is_file():
+            problems.append(f"{p} is missing")
+            continue
         try:
             ck = load_checkpoint(p)
-            if not isinstance(ck, dict) or not set(CHECKPOINT_KEYS) <= set(ck): raise ValueError("not a trainer checkpoint")
+            if not isinstance(ck, dict) or not set(CHECKPOINT_KEYS) <= set(ck):
+                raise ValueError("not a trainer checkpoint")
         except Exception as e:   # a torn or foreign file: say what, then try the older one
-            problems.append(f"{p} cannot be read ({type(e).__name__}: {str(e).strip().split('. ')[0][:120]})"); continue
+            problems.append(f"{p} cannot be read ({type(e).__name__}: {str(e).strip().split('. ')[0][:120]})")
+            continue
         if problems:
             kept = ""
             if set_aside and last.is_file():
-                os.replace(last, last.with_name(last.name + ".damaged")); kept = f" ({last.name} kept as {last.name}.damaged)"
+                os.replace(last, last.with_name(last.name + ".damaged"))
+                kept = f" ({last.name} kept as {last.name}.damaged)"
             warn(f"{problems[0]}: resuming from the previous checkpoint {p} (step {ck['state']['step']}){kept}")
         return p, ck
     raise UsageError(f"resume: {'; '.join(problems)}; no checkpoint to resume from. Start afresh with resume=never "
@@ -191,20 +219,24 @@ def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True) -> tuple[P
 
 
 def resume_position(cfg: TrainConfig, ctx: DistContext, ck: dict | None, path: Path | None) -> dict | None:
-    "This process's data position in the checkpoint `ck` (None: from the step alone); one line if shards cannot resume from it."
-    if ck is None: return None
+    """This process's data position in the checkpoint `ck` (None: from the step alone); one line if shards cannot resume
+    from it."""
+    if ck is None:
+        return None
     positions, step = ck.get("loader"), ck["state"]["step_in_epoch"]
     ok = positions is not None and len(positions) == ctx.world_size and positions[ctx.rank] is not None
-    if cfg.data.source != "wds" or (step == 0 and not ok): return positions[ctx.rank] if ok else None
+    if cfg.data.source != "wds" or (step == 0 and not ok):
+        return positions[ctx.rank] if ok else None
     if positions is None:
-        raise UsageError(f"resume: {path} holds no data position (written before shard runs resumed exactly): resume=never starts afresh")
+        raise UsageError(f"resume: {path} holds no data position (written before shard runs resumed exactly): "
+                         "resume=never starts afresh")
     if len(positions) != ctx.world_size:
-        raise UsageError(f"resume: {path} was written by {len(positions)} process(es), this run has {ctx.world_size}: shards are split by "
-                         f"process, so resume with {len(positions)}")
+        raise UsageError(f"resume: {path} was written by {len(positions)} process(es), this run has {ctx.world_size}: "
+                         f"shards are split by process, so resume with {len(positions)}")
     if positions[ctx.rank]["workers"] != n_streams(cfg.data):
         w = positions[ctx.rank]["workers"]
-        raise UsageError(f"data.workers: {path} was written with {w} worker stream(s); shards are split by worker, so resume with "
-                         f"data.workers={w}" + (" (or 0)" if w == 1 else ""))
+        raise UsageError(f"data.workers: {path} was written with {w} worker stream(s); shards are split by worker, so "
+                         f"resume with data.workers={w}" + (" (or 0)" if w == 1 else ""))
     return positions[ctx.rank]
 
 
@@ -213,19 +245,27 @@ from powerclip.model import create_model
 _m, _, _ = create_model("powerclip-micro")
 _opt = torch.optim.AdamW(_m.parameters())
 with tempfile.TemporaryDirectory() as d:
-    seed_all(3); _s0 = rng_state(); _a = (random.random(), np.random.rand(), torch.rand(1))
-    set_rng_state(_s0); assert (random.random(), np.random.rand(), torch.rand(1)) == _a
-    _sch = torch.optim.lr_scheduler.LambdaLR(_opt, lambda s: 1.0); _opt.step(); _sch.step()
+    seed_all(3)
+    _s0 = rng_state()
+    _a = (random.random(), np.random.rand(), torch.rand(1))
+    set_rng_state(_s0)
+    assert (random.random(), np.random.rand(), torch.rand(1)) == _a
+    _sch = torch.optim.lr_scheduler.LambdaLR(_opt, lambda s: 1.0)
+    _opt.step()
+    _sch.step()
     p = save_checkpoint(Path(d) / "checkpoints" / "last.pt", _m, _opt, _sch, TrainState(step=1), TrainConfig(), [_s0])
     ck = load_checkpoint(p)
-    test_eq(ck["state"]["step"], 1); test_eq(ck["scheduler"]["last_epoch"], 1)
+    test_eq(ck["state"]["step"], 1)
+    test_eq(ck["scheduler"]["last_epoch"], 1)
     assert_close(ck["model"]["logit_scale"], _m.logit_scale.detach())
     assert not list(Path(d, "checkpoints").glob("*.tmp"))
     # the second save keeps the first as prev.pt; a damaged last.pt falls back to it, with one line
     save_checkpoint(p, _m, _opt, _sch, TrainState(step=2), TrainConfig(), [_s0])
     test_eq(load_checkpoint(Path(d) / "checkpoints" / "prev.pt")["state"]["step"], 1)
-    _cfg = TrainConfig(out_dir=d); _said = []
-    test_eq(read_resume(_cfg, _said.append)[1]["state"]["step"], 2); test_eq(_said, [])
+    _cfg = TrainConfig(out_dir=d)
+    _said = []
+    test_eq(read_resume(_cfg, _said.append)[1]["state"]["step"], 2)
+    test_eq(_said, [])
     p.write_bytes(p.read_bytes()[:1000])                      # a torn last.pt
     _path, _ck = read_resume(_cfg, _said.append)
     test_eq((_path.name, _ck["state"]["step"]), ("prev.pt", 1))

@@ -29,12 +29,12 @@ import torch
 import yaml
 
 from powerclip import dist as pdist
-from powerclip.checkpoint import (TrainState, export_weights, load_checkpoint, previous_checkpoint, read_resume, resume_position,
-                                  rng_state, save_checkpoint, save_snapshot, seed_all, set_rng_state)
+from powerclip.checkpoint import (TrainState, export_weights, load_checkpoint, previous_checkpoint, read_resume,
+                                  resume_position, rng_state, save_checkpoint, save_snapshot, seed_all, set_rng_state)
 from powerclip.commandline import ArgumentParser, check_device, run_main, usage_errors
 from powerclip.config import OptimConfig, TrainConfig, load_config, method_options, to_dict
-from powerclip.data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader, mix_seed,
-                            run_seeds, shard_urls, steps_per_epoch, world_config)
+from powerclip.data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
+                            mix_seed, run_seeds, shard_urls, steps_per_epoch, world_config)
 from powerclip.measure import PeakMemory
 from powerclip.methods import Method, get_method
 
@@ -49,7 +49,11 @@ from torch.testing import assert_close
 # %% [markdown]
 # # The trainer
 #
-# > One trainer for every method: a config per component, one run seed, `build_run` that assembles a run once, AdamW with cosine warm-up, precision, exact resume from checkpoints, skipped bad steps, progress, CSV/TensorBoard logs and plots, data-parallel on any number of processes.
+# > One trainer for every method.
+#
+# A config per component, one run seed, `build_run` that assembles a run once, AdamW with cosine warm-up, precision, exact
+# resume from checkpoints, skipped bad steps, progress, CSV/TensorBoard logs and plots, data-parallel on any number of
+# processes.
 
 # %% [markdown]
 # The trainer composes the pieces of the earlier notebooks and knows none of them by name:
@@ -92,11 +96,13 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, modules: torch.nn.M
     absent: the run's). The schedule scales every group's peak rate by the same factor."""
     groups = []
     for mod, lr in ((model, cfg.lr), (modules, cfg.lr if modules_lr is None else modules_lr)):
-        if mod is None: continue
+        if mod is None:
+            continue
         wd = getattr(mod, "weight_decay", None) if mod is modules else None
         decay, rest = [], []
         for n, p in mod.named_parameters():
-            if p.requires_grad: (rest if no_decay(n, p) else decay).append(p)
+            if p.requires_grad:
+                (rest if no_decay(n, p) else decay).append(p)
         groups += [dict(params=decay, weight_decay=cfg.weight_decay if wd is None else wd, lr=lr),
                    dict(params=rest, weight_decay=0.0, lr=lr)]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
@@ -104,7 +110,8 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, modules: torch.nn.M
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
     "Multiplier of the peak lr at `step` (0-based): linear warm-up, then cosine down to `min_ratio`."
-    if step < warmup: return (step + 1) / warmup
+    if step < warmup:
+        return (step + 1) / warmup
     t = (step - warmup) / max(1, total - warmup)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
@@ -140,40 +147,51 @@ class MetricLogger:
     "metrics.csv (+ TensorBoard) in `run_dir`; inactive on processes other than the main one."
     def __init__(self, run_dir, enabled: bool = True, resume_step: int | None = None, tensorboard: bool = True):
         self.path, self.enabled, self.rows, self.tb = Path(run_dir) / "metrics.csv", enabled, [], None
-        if not enabled: return
+        if not enabled:
+            return
         if resume_step is not None and self.path.is_file():
             self.rows = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
         self.cols = list(dict.fromkeys(k for r in self.rows for k in r))
         self._rewrite()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=None if resume_step is None else resume_step + 1)
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"),
+                                    purge_step=None if resume_step is None else resume_step + 1)
 
     def _rewrite(self):
         with open(self.path, "w", newline="") as f:
-            w = csv.DictWriter(f, self.cols); w.writeheader(); w.writerows(self.rows)
+            w = csv.DictWriter(f, self.cols)
+            w.writeheader()
+            w.writerows(self.rows)
 
     def log(self, row: dict) -> None:
-        if not self.enabled: return
+        if not self.enabled:
+            return
         row = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
         self.rows.append(row)
         if any(k not in self.cols for k in row):
-            self.cols += [k for k in row if k not in self.cols]; self._rewrite()
+            self.cols += [k for k in row if k not in self.cols]
+            self._rewrite()
         else:
-            with open(self.path, "a", newline="") as f: csv.DictWriter(f, self.cols).writerow(row)
+            with open(self.path, "a", newline="") as f:
+                csv.DictWriter(f, self.cols).writerow(row)
         if self.tb is not None:
             for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)): self.tb.add_scalar(k.lstrip("_"), v, row["step"])
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k.lstrip("_"), v, row["step"])
 
     def close(self):
-        if self.tb is not None: self.tb.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def read_metrics(path) -> list[dict]:
     "Rows of a metrics.csv with numbers parsed (empty cells dropped)."
     def num(v):
-        try: return int(v)
-        except ValueError: return float(v)
+        try:
+            return int(v)
+        except ValueError:
+            return float(v)
     with open(path, newline="") as f:
         return [{k: num(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
 
@@ -191,19 +209,25 @@ def plot_metrics(runs: dict[str, list[dict]] | list[dict], path=None, title: str
     for ax, key in zip(np.atleast_1d(axes), panels):
         for name, rows in runs.items():
             xs = [r["step"] for r in rows if key in r]
-            if xs: ax.plot(xs, [r[key] for r in rows if key in r], label=name or None, lw=1)
-        ax.set_title(key); ax.set_xlabel("step")
-    if len(runs) > 1: np.atleast_1d(axes)[0].legend(fontsize=7)
-    if title: fig.suptitle(title)
+            if xs:
+                ax.plot(xs, [r[key] for r in rows if key in r], label=name or None, lw=1)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    if len(runs) > 1:
+        np.atleast_1d(axes)[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
-    if path is not None: fig.savefig(path, dpi=110)
+    if path is not None:
+        fig.savefig(path, dpi=110)
     return fig
 
 
 # %%
 with tempfile.TemporaryDirectory() as d:
     lg = MetricLogger(d, tensorboard=False)
-    lg.log(dict(step=1, loss=2.0, clip=2.0)); lg.log(dict(step=2, loss=1.5, clip=1.4, powerset=torch.tensor(0.5)))
+    lg.log(dict(step=1, loss=2.0, clip=2.0))
+    lg.log(dict(step=2, loss=1.5, clip=1.4, powerset=torch.tensor(0.5)))
     test_eq(read_metrics(Path(d) / "metrics.csv")[1], dict(step=2, loss=1.5, clip=1.4, powerset=0.5))
     test_eq(len(MetricLogger(d, resume_step=1, tensorboard=False).rows), 1)  # the row after the checkpoint is dropped
 
@@ -233,7 +257,8 @@ def method_forward(model: torch.nn.Module, method) -> MethodForward:
     "Let the method change the model (`setup_model`) and build its modules (on the model's device), then wrap both."
     method.setup_model(model)
     modules = method.build_modules(model)
-    if modules is not None: modules.to(next(model.parameters()).device)
+    if modules is not None:
+        modules.to(next(model.parameters()).device)
     return MethodForward(model, method, modules)
 
 
@@ -248,13 +273,15 @@ def autocast_for(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def forward_loss(fwd, method, batch: dict, ctx: pdist.DistContext, precision: str = "fp32") -> tuple[torch.Tensor, dict]:
+def forward_loss(fwd, method, batch: dict, ctx: pdist.DistContext,
+                 precision: str = "fp32") -> tuple[torch.Tensor, dict]:
     "(total loss, named terms) of one batch: the sum of the terms without a leading underscore."
     with autocast_for(precision, ctx.device):
         out = fwd(batch)
         terms = method.loss(out, batch, ctx)
     summed = [v for k, v in terms.items() if not k.startswith("_")]
-    if not summed: raise ValueError(f"method {method.name!r} returned no loss term (only {sorted(terms)})")
+    if not summed:
+        raise ValueError(f"method {method.name!r} returned no loss term (only {sorted(terms)})")
     return sum(summed), terms
 
 
@@ -273,11 +300,13 @@ def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: Trai
     if ok:
         opt.step()
         with torch.no_grad():  # as CLIP: the temperature stays below 100
-            if hasattr(model, "logit_scale"): model.logit_scale.clamp_(0, math.log(100))
+            if hasattr(model, "logit_scale"):
+                model.logit_scale.clamp_(0, math.log(100))
         state.bad_in_row = 0
     else:
         opt.zero_grad(set_to_none=True)
-        state.bad_total += 1; state.bad_in_row += 1
+        state.bad_total += 1
+        state.bad_in_row += 1
     lr = opt.param_groups[0]["lr"]  # the rate this step used (logged), before the schedule moves on
     with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order; the
         warnings.simplefilter("ignore", UserWarning)  # schedule is indexed by step, so nothing is lost
@@ -317,74 +346,103 @@ class Checked:
 
 def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
     """Check a run before its model is built (see above); a ValueError naming the key, else what was built on the way
-    (`Checked`). `world_size`: processes (None: torchrun's WORLD_SIZE, else 1). The checks that need no import come first."""
+    (`Checked`). `world_size`: processes (None: torchrun's WORLD_SIZE, else 1). The checks that need no import come
+    first."""
     G = world_size or int(os.environ.get("WORLD_SIZE", 1))
     method_options(cfg.method, cfg.method_cfg)       # an unknown method or option: a ValueError naming the key
     seeds = run_seeds(cfg.seed)
     method = get_method(cfg.method, cfg.method_cfg, seed=seeds["method"])
     B = cfg.data.batch_size
     if cfg.global_batch_size is not None:
-        if cfg.global_batch_size % G: raise ValueError(f"global_batch_size: {cfg.global_batch_size} is not divisible by the {G} processes (give a multiple of {G})")
+        if cfg.global_batch_size % G:
+            raise ValueError(f"global_batch_size: {cfg.global_batch_size} is not divisible by the {G} processes "
+                             f"(give a multiple of {G})")
         B = cfg.global_batch_size // G
     pre = cfg.model.pretrained
     if pre == "required":
-        raise ValueError(f"model.pretrained: this preset fine-tunes a pretrained {cfg.model.name}: give its weights with "
-                         "model.pretrained=/path/to/open_clip_state_dict.pt (nothing is downloaded)")
-    if pre is not None and not Path(pre).is_file(): raise ValueError(f"model.pretrained: no file {pre!r} (a local open_clip state dict; nothing is downloaded)")
+        raise ValueError(f"model.pretrained: this preset fine-tunes a pretrained {cfg.model.name}: give its weights "
+                         "with model.pretrained=/path/to/open_clip_state_dict.pt (nothing is downloaded)")
+    if pre is not None and not Path(pre).is_file():
+        raise ValueError(f"model.pretrained: no file {pre!r} (a local open_clip state dict; nothing is downloaded)")
     data = dataclasses.replace(cfg.data, batch_size=B)
     if data.source == "world" and B * G > data.world_length:
-        raise ValueError(f"data.batch_size: {B} per process x {G} process(es) is more than data.world_length={data.world_length}: "
-                         "an epoch would have no step (a smaller batch or a longer world)")
+        raise ValueError(f"data.batch_size: {B} per process x {G} process(es) is more than "
+                         f"data.world_length={data.world_length}: an epoch would have no step (a smaller "
+                         "batch or a longer world)")
     if data.source == "wds":
         urls = shard_urls(data.shards)
         missing = [u for u in urls if not _is_url(u) and not Path(u).is_file()]
         if not urls or missing:
-            raise ValueError(f"data.shards: {len(missing)} of {len(urls)} shard file(s) do not exist, e.g. {(missing or [data.shards])[0]!r} "
-                             "(give files, brace patterns such as cc12m/{00000..01242}.tar, or urls)")
+            raise ValueError(f"data.shards: {len(missing)} of {len(urls)} shard file(s) do not exist, e.g. "
+                             f"{(missing or [data.shards])[0]!r} (give files, brace patterns such as "
+                             "cc12m/{00000..01242}.tar, or urls)")
         if data.samples_per_epoch is not None and data.samples_per_epoch < B:
             raise ValueError(f"data.samples_per_epoch: {data.samples_per_epoch} is less than one batch of {B}")
         if cfg.max_steps is None and data.samples_per_epoch is None:
-            raise ValueError("max_steps: shards without data.samples_per_epoch have no known epoch length: set max_steps (or data.samples_per_epoch)")
+            raise ValueError("max_steps: shards without data.samples_per_epoch have no known epoch length: set "
+                             "max_steps (or data.samples_per_epoch)")
     out = Path(cfg.out_dir)
-    if out.exists() and not out.is_dir(): raise ValueError(f"out_dir: {cfg.out_dir!r} is a file (give a folder; it is created if missing)")
-    if any(a.exists() and not a.is_dir() for a in out.parents): raise ValueError(f"out_dir: {cfg.out_dir!r} is inside a file (give a folder)")
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file() and not previous_checkpoint(cfg.resume).is_file():
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir: {cfg.out_dir!r} is a file (give a folder; it is created if missing)")
+    if any(a.exists() and not a.is_dir() for a in out.parents):
+        raise ValueError(f"out_dir: {cfg.out_dir!r} is inside a file (give a folder)")
+    if (cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_file()
+        and not previous_checkpoint(cfg.resume).is_file()):
         raise ValueError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
-    if cfg.device is not None: check_device("device", cfg.device, hint="device=cpu, or null: a GPU when there is one")
+    if cfg.device is not None:
+        check_device("device", cfg.device, hint="device=cpu, or null: a GPU when there is one")
     from powerclip.model import arch_pool, model_geometry   # imports open_clip: seconds
     try:
         geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
         pool = cfg.model.pool or arch_pool(cfg.model.name, cfg.model.kwargs)
-    except (ValueError, TypeError, NotImplementedError) as e: raise ValueError(f"model: {e}") from None
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise ValueError(f"model: {e}") from None
     if pool not in method.pools:
-        raise ValueError(f"model.pool: method {cfg.method!r} pools by {' or '.join(method.pools)}, not {pool!r} (see its notebook)")
-    try: spec = BatchSpec(data, geometry, method.needs(), cfg.seed)
-    except ValueError as e: raise ValueError(f"method_cfg: {e}") from None      # e.g. stored masks on the world
+        raise ValueError(f"model.pool: method {cfg.method!r} pools by {' or '.join(method.pools)}, not "
+                         f"{pool!r} (see its notebook)")
+    try:
+        spec = BatchSpec(data, geometry, method.needs(), cfg.seed)
+    except ValueError as e:
+        raise ValueError(f"method_cfg: {e}") from None      # e.g. stored masks on the world
     if data.source == "world":
-        try: world_config(data, geometry)
-        except (TypeError, ValueError) as e: raise ValueError(f"data.world: {e}") from None
+        try:
+            world_config(data, geometry)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"data.world: {e}") from None
     return Checked(dataclasses.replace(cfg, data=data), seeds, method, geometry, spec)
 
 
 # %%
 with tempfile.TemporaryDirectory() as d:
-    _file = Path(d) / "a_file"; _file.write_text("")
+    _file = Path(d) / "a_file"
+    _file.write_text("")
     _ck = validate(load_config("smoke", {"global_batch_size": 16}), world_size=2)
-    test_eq((_ck.geometry, _ck.cfg.data.batch_size, _ck.spec.data.batch_size, _ck.method.name), (Geometry(32, 8, 77), 8, 8, "powerclip"))
-    for ov, msg in [({"data.batch_size": 65}, "data.batch_size: 65 per process x 1 process(es) is more than data.world_length=64"),
+    test_eq((_ck.geometry, _ck.cfg.data.batch_size, _ck.spec.data.batch_size, _ck.method.name),
+            (Geometry(32, 8, 77), 8, 8, "powerclip"))
+    for ov, msg in [({"data.batch_size": 65}, "data.batch_size: 65 per process x 1 process(es) is more "
+                                              "than data.world_length=64"),
                     ({"out_dir": str(_file)}, "out_dir: "), ({"out_dir": str(_file / "x")}, "is inside a file"),
                     ({"resume": f"{d}/none.pt"}, "resume: no checkpoint"), ({"global_batch_size": 9}, None),
-                    ({"model.name": "ViT-X"}, "model: unknown model 'ViT-X'"), ({"method_cfg.masks": "stored"}, "method_cfg: region masks 'stored'"),
-                    ({"data.source": "wds", "data.shards": f"{d}/{{0..3}}.tar"}, "data.shards: 4 of 4 shard file(s) do not exist"),
-                    ({"data.world": {"max_objectz": 2}}, "data.world: "), ({"model.pretrained": "required"}, "model.pretrained=/path"),
+                    ({"model.name": "ViT-X"}, "model: unknown model 'ViT-X'"),
+                    ({"method_cfg.masks": "stored"}, "method_cfg: region masks 'stored'"),
+                    ({"data.source": "wds", "data.shards": f"{d}/{{0..3}}.tar"},
+                     "data.shards: 4 of 4 shard file(s) do not exist"),
+                    ({"data.world": {"max_objectz": 2}}, "data.world: "),
+                    ({"model.pretrained": "required"}, "model.pretrained=/path"),
                     ({"model.pool": "mean"}, "model.pool: must be tok, avg or null")]:
-        if msg: test_fail(lambda: validate(load_config("smoke", ov)), contains=msg)
-    test_fail(lambda: validate(load_config("smoke", {"global_batch_size": 9}), world_size=2), contains="global_batch_size: 9 is not divisible by the 2")
+        if msg:
+            test_fail(lambda: validate(load_config("smoke", ov)), contains=msg)
+    test_fail(lambda: validate(load_config("smoke", {"global_batch_size": 9}), world_size=2),
+              contains="global_batch_size: 9 is not divisible by the 2")
     # a method that works with one pooling refuses the other (A-CLIP's EMA towers pool by the class token)
-    test_fail(lambda: validate(load_config("smoke", {"model.pool": "avg"}, "aclip")), contains="model.pool: method 'aclip' pools by tok")
-    if not torch.cuda.is_available(): test_fail(lambda: validate(load_config("smoke", {"device": "cuda"})), contains="device: 'cuda' asks for a GPU")
-    for n in range(4): write_shard(Path(d) / f"{n}.tar", [])
-    test_fail(lambda: validate(load_config("smoke", {"data.source": "wds", "data.shards": f"{d}/{{0..3}}.tar", "max_steps": None})),
+    test_fail(lambda: validate(load_config("smoke", {"model.pool": "avg"}, "aclip")),
+              contains="model.pool: method 'aclip' pools by tok")
+    if not torch.cuda.is_available():
+        test_fail(lambda: validate(load_config("smoke", {"device": "cuda"})), contains="device: 'cuda' asks for a GPU")
+    for n in range(4):
+        write_shard(Path(d) / f"{n}.tar", [])
+    test_fail(lambda: validate(load_config("smoke", {"data.source": "wds", "data.shards": f"{d}/{{0..3}}.tar",
+                                                     "max_steps": None})),
               contains="max_steps: shards")
 
 
@@ -417,7 +475,8 @@ class Run:
     model: torch.nn.Module           # the open_clip model, on ctx.device
     method: Method
     modules: torch.nn.Module | None  # the method's own trained modules (saved beside the model)
-    fwd: torch.nn.Module             # MethodForward(model, method, modules), in DDP when distributed (compiled if asked)
+    fwd: torch.nn.Module             # MethodForward(model, method, modules), in DDP when distributed (compiled if
+                                     # asked)
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     total: int                       # optimiser steps of the schedule
@@ -427,7 +486,8 @@ class Run:
 
     def loader(self, epoch: int = 0, start_step: int = 0, position: StreamPosition | dict | None = None) -> Loader:
         "This process's batches of `epoch`, from `start_step` on, or from `position` (a checkpoint's; shards need it)."
-        return make_loader(self.spec, epoch, start_step, rank=self.ctx.rank, world_size=self.ctx.world_size, position=position)
+        return make_loader(self.spec, epoch, start_step, rank=self.ctx.rank, world_size=self.ctx.world_size,
+                           position=position, pin_memory=self.ctx.device.type == 'cuda')
 
     def prepare(self, batch: dict) -> dict:
         "A host batch made ready for `fwd`: the method's derived inputs, on the device (float64 under precision fp64)."
@@ -446,21 +506,28 @@ class Run:
 
 
 def build_run(cfg: TrainConfig, ctx: pdist.DistContext, total: int | None = None) -> Run:
-    "Model, method, forward, modules, optimiser and schedule of a run, assembled once (see above). `total`: schedule length (None: from cfg)."
+    """Model, method, forward, modules, optimiser and schedule of a run, assembled once (see above). `total`: schedule
+    length (None: from cfg)."""
     from powerclip.model import create_model, geometry_of
     ok = validate(cfg, ctx.world_size)  # everything that can be checked before the model is built, and built on the way
-    cfg, seeds, method, geometry, spec = ok.cfg, ok.seeds, ok.method, ok.geometry, ok.spec   # cfg: a copy, batch per process
+    # cfg: a copy, batch per process
+    cfg, seeds, method, geometry, spec = ok.cfg, ok.seeds, ok.method, ok.geometry, ok.spec
     seed_all(seeds["init"])  # the same initial weights on every process
     model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, cfg.model.pool, **cfg.model.kwargs)
-    if geometry_of(model) != geometry: raise RuntimeError(f"model geometry {geometry_of(model)} is not its config's {geometry}")
+    if geometry_of(model) != geometry:
+        raise RuntimeError(f"model geometry {geometry_of(model)} is not its config's {geometry}")
     model.to(ctx.device)
-    if cfg.precision == "fp64": model.double()
-    if cfg.model.grad_checkpointing: model.set_grad_checkpointing(True)
+    if cfg.precision == "fp64":
+        model.double()
+    if cfg.model.grad_checkpointing:
+        model.set_grad_checkpointing(True)
     mf = method_forward(model, method)  # the model as the method changes it, and the method's own modules
-    if cfg.precision == "fp64": mf.double()
+    if cfg.precision == "fp64":
+        mf.double()
     mf.train()
     fwd = pdist.wrap_ddp(mf, ctx, cfg.find_unused_parameters)
-    if cfg.model.compile: fwd = torch.compile(fwd)
+    if cfg.model.compile:
+        fwd = torch.compile(fwd)
     opt = make_optimizer(model, cfg.optim, mf.modules_, method.modules_lr(cfg.optim.lr))
     total = _total_steps(cfg, steps_per_epoch(cfg.data, ctx.world_size)) if total is None else total
     sched = make_scheduler(opt, cfg.optim, total)
@@ -469,8 +536,10 @@ def build_run(cfg: TrainConfig, ctx: pdist.DistContext, total: int | None = None
 
 
 def _total_steps(cfg: TrainConfig, spe: int | None) -> int:
-    if cfg.max_steps is not None: return cfg.max_steps
-    if spe is None: raise ValueError("the data has no known epoch length (shards without samples_per_epoch): set max_steps")
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    if spe is None:
+        raise ValueError("the data has no known epoch length (shards without samples_per_epoch): set max_steps")
     return cfg.epochs * spe
 
 
@@ -483,7 +552,8 @@ _run = build_run(load_config("smoke", {"max_steps": 2}), pdist.init_distributed(
 test_eq((_run.geometry, _run.total), (Geometry(32, 8, 77), 2))
 _b = next(iter(_run.loader()))
 test_eq((_b["image"].shape[-1], _b["tokens"].shape[-1], tuple(_b["region_masks"].shape[1:])), (32, 77, (4, 16)))
-test_eq(set(next(iter(build_run(load_config("smoke", method="clip"), pdist.init_distributed("cpu")).loader()))), {"image", "tokens", "index"})
+test_eq(set(next(iter(build_run(load_config("smoke", method="clip"), pdist.init_distributed("cpu")).loader()))),
+        {"image", "tokens", "index"})
 _out = _run.step(_run.prepare(_b), TrainState())
 assert _out["ok"] and set(_run.derived()) == {"seeds", "geometry", "needs"} and _run.derived()["needs"]["regions"] == 4
 
@@ -502,13 +572,16 @@ assert _out["ok"] and set(_run.derived()) == {"seeds", "geometry", "needs"} and 
 def _skip_columns(epoch: dict, before: dict, ctx: pdist.DistContext) -> dict:
     "The metrics row's skip columns: this epoch's and the run's counts, each summed over the processes."
     n = pdist.all_sum(torch.tensor([epoch.get(k, 0) for k in SAMPLE_SKIP_REASONS], device=ctx.device)).tolist()
-    ep = dict(zip(SAMPLE_SKIP_REASONS, n)); cum = add_counts(before, ep)
+    ep = dict(zip(SAMPLE_SKIP_REASONS, n))
+    cum = add_counts(before, ep)
     return dict(skipped=sum(ep.values()), skipped_cum=sum(cum[k] for k in SAMPLE_SKIP_REASONS),
-                **{f"skipped_{k}": ep[k] for k in SAMPLE_SKIP_REASONS}, **{f"skipped_cum_{k}": cum[k] for k in SAMPLE_SKIP_REASONS})
+                **{f"skipped_{k}": ep[k] for k in SAMPLE_SKIP_REASONS},
+                **{f"skipped_cum_{k}": cum[k] for k in SAMPLE_SKIP_REASONS})
 
 
 def _log(msg: str, ctx: pdist.DistContext):
-    if ctx.is_main: print(f"[powerclip.train] {msg}", file=sys.stderr, flush=True)
+    if ctx.is_main:
+        print(f"[powerclip.train] {msg}", file=sys.stderr, flush=True)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -521,14 +594,17 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
-    ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main)   # before the model: a damaged checkpoint is one line
+    # before the model: a damaged checkpoint is one line
+    ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main)
     position = resume_position(cfg, ctx, ck, ck_path)
     run = build_run(cfg, ctx)
-    cfg, model, method, modules, opt, sched, total = run.cfg, run.model, run.method, run.modules, run.opt, run.sched, run.total
+    cfg, model, method, modules, opt, sched, total = (run.cfg, run.model, run.method, run.modules, run.opt,
+                                                      run.sched, run.total)
     run_dir = Path(cfg.out_dir)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False) + "# what the run derived from the "
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False)
+                                             + "# what the run derived from the "
                                              "config above (a record: change seed or model, not these)\n"
                                              + yaml.safe_dump(dict(derived=run.derived()), sort_keys=False))
     state = TrainState()
@@ -537,16 +613,20 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
         state.epoch, state.step_in_epoch = divmod(cfg.start_batch, spe) if spe else (0, cfg.start_batch)
 
     if ck is not None:
-        model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]); sched.load_state_dict(ck["scheduler"])
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
         if modules is not None:
             if ck.get("method_modules") is None:
-                raise ValueError(f"{ck_path} has no state for {cfg.method}'s own modules (a checkpoint of another method, or from "
-                                 "before methods kept their modules beside the model): resume=never starts afresh")
+                raise ValueError(f"{ck_path} has no state for {cfg.method}'s own modules (a checkpoint of another "
+                                 "method, or from before methods kept their modules beside the model): "
+                                 "resume=never starts afresh")
             modules.load_state_dict(ck["method_modules"])
         state = TrainState(**ck["state"])
         rngs = ck["rng"]
         set_rng_state(rngs[ctx.rank] if len(rngs) == ctx.world_size else rngs[0])
-        if len(rngs) != ctx.world_size: _log(f"checkpoint has {len(rngs)} processes, this run {ctx.world_size}: resume is not exact", ctx)
+        if len(rngs) != ctx.world_size:
+            _log(f"checkpoint has {len(rngs)} processes, this run {ctx.world_size}: resume is not exact", ctx)
         _log(f"resumed from {ck_path} at step {state.step} (epoch {state.epoch}, batch {state.step_in_epoch})", ctx)
     logger = MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard)
 
@@ -554,20 +634,24 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
 
     def checkpoint(position):
         nonlocal saved_at
-        if saved_at == state.step: return   # stopped right after a checkpoint: writing it again would make prev.pt the same
+        if saved_at == state.step:
+            return   # stopped right after a checkpoint: writing it again would make prev.pt the same
         saved_at = state.step
         rngs = pdist.all_gather_object(rng_state())
         positions = pdist.all_gather_object(position.to_dict() if isinstance(position, StreamPosition) else position)
-        if ctx.is_main: save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs, modules=modules,
+        if ctx.is_main:
+            save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs, modules=modules,
                                         loader=positions)
         pdist.barrier()
 
     from tqdm.auto import tqdm
     bar = tqdm(total=total, initial=state.step, disable=not (ctx.is_main and cfg.progress), unit="step",
                dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
-    t_start = t_last = time.time(); n_since, last_row, skipped = 0, {}, {}
+    t_start = t_last = time.time()
+    n_since, last_row, skipped = 0, {}, {}
     seconds0, snapshots = state.seconds, set(cfg.snapshot_steps)
-    mem = PeakMemory(ctx.device.type); mem.start()
+    mem = PeakMemory(ctx.device.type)
+    mem.start()
     first_step = state.step
     global_batch = cfg.data.batch_size * ctx.world_size
     while state.step < min(total, cfg.stop_at or total):
@@ -577,16 +661,21 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
             n_batches += 1
             method.on_step(state.step, total)
             out = run.step(run.prepare(batch), state)
-            state.step += 1; state.step_in_epoch += 1; n_since += 1
+            state.step += 1
+            state.step_in_epoch += 1
+            n_since += 1
             state.seconds = seconds0 + time.time() - t_start
             if not out["ok"]:
-                _log(f"step {state.step}: non-finite loss or gradient, update skipped ({state.bad_in_row} in a row, {state.bad_total} in all)", ctx)
+                _log(f"step {state.step}: non-finite loss or gradient, update skipped ({state.bad_in_row} in a row, "
+                     f"{state.bad_total} in all)", ctx)
                 if state.bad_in_row >= cfg.max_bad_in_row:
-                    raise RuntimeError(f"{state.bad_in_row} non-finite steps in a row (max_bad_in_row={cfg.max_bad_in_row}): aborting at step {state.step}")
+                    raise RuntimeError(f"{state.bad_in_row} non-finite steps in a row "
+                                       f"(max_bad_in_row={cfg.max_bad_in_row}): aborting at step {state.step}")
             bar.update(1)
             if state.step % cfg.log_every == 0 or state.step == total:
                 now = time.time()
-                terms = {k: float(pdist.all_mean(v.float())) for k, v in sorted(out.items()) if k not in ("loss", "ok", "lr")}
+                terms = {k: float(pdist.all_mean(v.float())) for k, v in sorted(out.items())
+                         if k not in ("loss", "ok", "lr")}
                 skipped = _skip_columns(loader.skipped(), state.skipped, ctx) if cfg.data.source == "wds" else {}
                 last_row = dict(step=state.step, epoch=state.epoch, lr=out["lr"], loss=float(out["loss"]),
                                 **terms, img_per_s=global_batch * n_since / max(now - t_last, 1e-9),
@@ -594,26 +683,33 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                 logger.log(last_row)
                 bar.set_postfix(loss=f"{last_row['loss']:.4f}", img_s=f"{last_row['img_per_s']:.0f}", refresh=False)
                 t_last, n_since = now, 0
-            if state.step in snapshots and ctx.is_main: save_snapshot(run_dir, state.step, state.seconds, model, modules)
-            if state.step % cfg.ckpt_every == 0 and state.step < total: checkpoint(loader.state())
-            if state.step >= min(total, cfg.stop_at or total): break
+            if state.step in snapshots and ctx.is_main:
+                save_snapshot(run_dir, state.step, state.seconds, model, modules)
+            if state.step % cfg.ckpt_every == 0 and state.step < total:
+                checkpoint(loader.state())
+            if state.step >= min(total, cfg.stop_at or total):
+                break
         else:  # the epoch ran out
             if n_batches == 0 and state.step_in_epoch == 0:
-                raise RuntimeError(f"epoch {state.epoch} yielded no batch: too little data for batch_size {cfg.data.batch_size}")
+                raise RuntimeError(f"epoch {state.epoch} yielded no batch: too little data for "
+                                   f"batch_size {cfg.data.batch_size}")
             if cfg.data.source == "wds":   # the finished epoch's skips, over all processes, join the run's count
                 state.skipped = add_counts(state.skipped, dict(zip(SAMPLE_SKIP_REASONS, pdist.all_sum(
                     torch.tensor([loader.skipped()[k] for k in SAMPLE_SKIP_REASONS], device=ctx.device)).tolist())))
-            state.epoch += 1; state.step_in_epoch = 0; loader = None
+            state.epoch += 1
+            state.step_in_epoch = 0
+            loader = None
         position = None if loader is None else loader.state()
     bar.close()
     checkpoint(position)
-    if ctx.is_main: export_weights(run_dir, model, modules)
+    if ctx.is_main:
+        export_weights(run_dir, model, modules)
     logger.close()
     if ctx.is_main and logger.rows:
         plot_metrics(logger.rows, run_dir / "loss.png", title=f"{cfg.method} ({cfg.model.name})")
     return dict(run_dir=str(run_dir), steps=state.step, last=last_row, bad_total=state.bad_total,
-                seconds=time.time() - t_start, world_size=ctx.world_size, checkpoint=str(run_dir / "checkpoints" / "last.pt"),
-                weights=str(run_dir / "model.pt"),
+                seconds=time.time() - t_start, world_size=ctx.world_size,
+                checkpoint=str(run_dir / "checkpoints" / "last.pt"), weights=str(run_dir / "model.pt"),
                 # the peak of the steps this call took (NaN when it took none: a finished run called again)
                 peak_mib=mem.mib() if state.step > first_step else float("nan"))
 
@@ -663,7 +759,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap.add_argument("--preset", default="demo", help="preset name (powerclip/presets/*.yaml) or a YAML path")
     ap.add_argument("--method", default=None, help="method name (registered in powerclip.methods)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
-    ap.add_argument("overrides", nargs="*", help="key=value, dotted keys: optim.lr=1e-3 method_cfg.masks=gold out_dir=runs/x")
+    ap.add_argument("overrides", nargs="*", help="key=value, dotted keys: optim.lr=1e-3 "
+                                                 "method_cfg.masks=gold out_dir=runs/x")
     a = ap.parse_intermixed_args(argv)  # options and key=value pairs in any order
     return load_config(a.preset, a.overrides, a.method)
 
@@ -673,7 +770,8 @@ def _main(argv: list[str]) -> int:
         cfg = parse_args(argv)
         validate(cfg)
     summary = train(cfg)
-    if int(os.environ.get("RANK", 0)) == 0: print(yaml.safe_dump(summary, sort_keys=False))
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(yaml.safe_dump(summary, sort_keys=False))
     return 0
 
 
@@ -683,21 +781,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.train` trains here
-if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
+if __name__ == "__main__" and "__file__" in globals():
+    sys.exit(main())
 
 # %%
 import contextlib as _cl, io as _io
 def _cli(*argv):
     err = _io.StringIO()
-    with _cl.redirect_stderr(err): rc = main(list(argv))
+    with _cl.redirect_stderr(err):
+        rc = main(list(argv))
     return rc, err.getvalue()
-for argv, key in [(["optim.lr=abc"], "optim.lr: must be a number, got 'abc'"), (["--method", "nope"], "method: unknown method"),
-                  (["max_steps"], "override 'max_steps': not key=value"), (["--nope"], "unrecognized arguments: --nope"),
+for argv, key in [(["optim.lr=abc"], "optim.lr: must be a number, got 'abc'"),
+                  (["--method", "nope"], "method: unknown method"),
+                  (["max_steps"], "override 'max_steps': not key=value"),
+                  (["--nope"], "unrecognized arguments: --nope"),
                   (["data.batch_size=1000"], "data.batch_size: 1000 per process")]:
     rc, err = _cli("--preset", "smoke", *argv)
     assert rc == 2 and err.count("\n") == 1 and err.startswith("powerclip-train: error: ") and key in err, (argv, err)
-rc, err = _cli("--preset", "nope"); assert rc == 2 and "--preset: no preset 'nope'" in err, err
-test_fail(lambda: main(["--preset", "smoke", "optim.lr=abc", "--debug"]), contains="optim.lr")    # --debug: the traceback
+rc, err = _cli("--preset", "nope")
+assert rc == 2 and "--preset: no preset 'nope'" in err, err
+# --debug: the traceback
+test_fail(lambda: main(["--preset", "smoke", "optim.lr=abc", "--debug"]), contains="optim.lr")
 
 
 # %% [markdown]
@@ -716,7 +820,8 @@ _tmp = Path(tempfile.mkdtemp())
 _s = train(_micro(_tmp / "straight"))
 _a = read_metrics(_tmp / "straight" / "metrics.csv")
 print(f"{_s['steps']} steps in {_s['seconds']:.1f}s; losses", [round(r["loss"], 4) for r in _a])
-train(_micro(_tmp / "resumed", stop_at=3)); _r = train(_micro(_tmp / "resumed"))  # second call resumes at step 3
+train(_micro(_tmp / "resumed", stop_at=3))
+_r = train(_micro(_tmp / "resumed"))  # second call resumes at step 3
 _b = read_metrics(_tmp / "resumed" / "metrics.csv")
 test_eq([r["step"] for r in _b], list(range(1, 7)))
 assert_close(torch.tensor([r["loss"] for r in _b]), torch.tensor([r["loss"] for r in _a]), rtol=0, atol=1e-6)
@@ -754,10 +859,12 @@ _base = train(_clip(_tmp / "base", snapshot_steps=[3, 6]))
 _snaps = {n: json.loads((_tmp / "base" / "snapshots" / f"step{n}" / "snapshot.json").read_text()) for n in (3, 6)}
 assert 0 < _snaps[3]["seconds"] < _snaps[6]["seconds"] and _snaps[6]["step"] == 6
 assert (_tmp / "base" / "snapshots" / "step3" / "config.yaml").is_file()
-assert all(torch.equal(v, torch.load(_tmp / "base" / "model.pt")[k]) for k, v in torch.load(_tmp / "base" / "snapshots" / "step6" / "model.pt").items())
+assert all(torch.equal(v, torch.load(_tmp / "base" / "model.pt")[k])
+           for k, v in torch.load(_tmp / "base" / "snapshots" / "step6" / "model.pt").items())
 _ft = train(_clip(_tmp / "ft0", max_steps=2, start_batch=3, **{"optim.lr": 0.0,
                   "model.pretrained": str(_tmp / "base" / "snapshots" / "step3" / "model.pt")}))
-test_close(read_metrics(_tmp / "ft0" / "metrics.csv")[0]["loss"], read_metrics(_tmp / "base" / "metrics.csv")[3]["loss"], eps=1e-6)
+test_close(read_metrics(_tmp / "ft0" / "metrics.csv")[0]["loss"],
+           read_metrics(_tmp / "base" / "metrics.csv")[3]["loss"], eps=1e-6)
 test_fail(lambda: _micro(_tmp / "x", snapshot_steps=[0]), contains="snapshot_steps")
 
 # %% [markdown]

@@ -35,7 +35,10 @@ from fastcore.test import test_close, test_eq, test_fail
 # %% [markdown]
 # # Evaluation metrics
 #
-# > One implementation of each metric the project reports (retrieval recall, classification accuracy, hard-negative accuracy, Winoground scores, region classification, the linear probe), with one rule for ties and NaNs, in percent.
+# > One implementation of each metric the project reports, with one rule for ties and NaNs, in percent.
+#
+# Retrieval recall, classification accuracy, hard-negative accuracy, Winoground scores, region classification and the
+# linear probe.
 
 # %% [markdown]
 # The evaluation package `powerclip.eval` is read in this order:
@@ -74,12 +77,14 @@ from fastcore.test import test_close, test_eq, test_fail
 # %%
 #| export
 def outranks(wrong: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    "Elementwise (broadcast) bool: the wrong candidate's score is not strictly below the right one's (ties and NaN: True)."
+    """Elementwise (broadcast) bool: the wrong candidate's score is not strictly below the right one's (ties and NaN:
+    True)."""
     return ~(wrong < right)
 
 
 # %%
-test_eq(outranks(torch.tensor([0.1, 0.5, 0.9, float('nan'), 0.2]), torch.tensor([0.5, 0.5, 0.5, 0.5, float('nan')])).tolist(),
+test_eq(outranks(torch.tensor([0.1, 0.5, 0.9, float('nan'), 0.2]),
+                 torch.tensor([0.5, 0.5, 0.5, 0.5, float('nan')])).tolist(),
         [False, True, True, True, True])
 
 
@@ -109,11 +114,16 @@ def retrieval_ranks(sim: torch.Tensor, text_image: torch.Tensor) -> RetrievalRan
     directions (see above), the one rank computation under `retrieval_recall` and `recall_hits`."""
     I, T = sim.shape
     text_image = torch.as_tensor(text_image, dtype=torch.long)
-    if text_image.shape != (T,): raise ValueError(f'text_image must be ({T},), got {tuple(text_image.shape)}')
-    if T and (text_image.min() < 0 or text_image.max() >= I): raise ValueError('text_image holds an index outside [0, I)')
-    own = torch.zeros(I, T, dtype=torch.bool); own[text_image, torch.arange(T)] = True
-    has = own.any(1)                                                            # images without captions: text->image distractors only
-    if not has.any(): raise ValueError('no image has a caption')
+    if text_image.shape != (T,):
+        raise ValueError(f'text_image must be ({T},), got {tuple(text_image.shape)}')
+    if T and (text_image.min() < 0 or text_image.max() >= I):
+        raise ValueError('text_image holds an index outside [0, I)')
+    own = torch.zeros(I, T, dtype=torch.bool)
+    own[text_image, torch.arange(T)] = True
+    # images without captions: text->image distractors only
+    has = own.any(1)
+    if not has.any():
+        raise ValueError('no image has a caption')
     sim = sim.float()
     # text -> image: wrong images that outrank the caption's own image
     pos_t = sim[text_image, torch.arange(T)]                                    # (T,)
@@ -131,8 +141,10 @@ def retrieval_recall(sim: torch.Tensor, text_image: torch.Tensor, ks=(1, 5, 10))
     Returns `i2t_R@k` and `t2i_R@k` in percent (see the tie rule above)."""
     r = retrieval_ranks(sim, text_image)
     out = {}
-    for k in ks: out[f'i2t_R@{k}'] = 100 * ((r.rank_i < k) & r.hit_i)[r.has].double().mean().item()
-    for k in ks: out[f't2i_R@{k}'] = 100 * ((r.rank_t < k) & r.hit_t).double().mean().item()
+    for k in ks:
+        out[f'i2t_R@{k}'] = 100 * ((r.rank_i < k) & r.hit_i)[r.has].double().mean().item()
+    for k in ks:
+        out[f't2i_R@{k}'] = 100 * ((r.rank_t < k) & r.hit_t).double().mean().item()
     return out
 
 def recall_hits(sim: torch.Tensor, text_image: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,10 +176,12 @@ assert all(v == 100 for v in r.values()), r
 r = retrieval_recall(e @ e.repeat_interleave(2, 0).T, torch.arange(20).repeat_interleave(2))
 assert all(v == 100 for v in r.values()), r
 assert all(v == 0 for v in retrieval_recall(torch.ones(20, 20), torch.arange(20)).values())
-sim = torch.tensor([[0.9, 0.0], [0.8, 0.0], [0.7, 0.2], [0.4, 0.3]])   # caption 0 of image 2 sits third; image 3 prefers caption 0
+# caption 0 of image 2 sits third; image 3 prefers caption 0
+sim = torch.tensor([[0.9, 0.0], [0.8, 0.0], [0.7, 0.2], [0.4, 0.3]])
 test_eq(retrieval_recall(sim, torch.tensor([2, 3]), ks=(1, 2, 3)), {'i2t_R@1': 50.0, 'i2t_R@2': 100.0, 'i2t_R@3': 100.0,
                                                                     't2i_R@1': 50.0, 't2i_R@2': 50.0, 't2i_R@3': 100.0})
-test_fail(lambda: retrieval_recall(torch.ones(3, 0), torch.zeros(0, dtype=torch.long)), contains='no image has a caption')
+test_fail(lambda: retrieval_recall(torch.ones(3, 0), torch.zeros(0, dtype=torch.long)),
+          contains='no image has a caption')
 # per item (the world evaluation's bootstrap resamples them): ties count against, an image without a caption misses
 _sim, _ti = torch.tensor([[1.0, 1.0, 1.0], [0.0, 2.0, 1.0], [0.0, 0.0, 0.0]]), torch.tensor([0, 1, 1])
 _i2t, _t2i = recall_hits(_sim, _ti)
@@ -177,7 +191,8 @@ test_close([100 * _i2t[:2].float().mean().item(), 100 * _t2i.float().mean().item
 test_close(chance_recall(100, 1, ks=(1,))['i2t_R@1'], 1.0)
 test_close(chance_recall(239, 5)['t2i_R@5'], 500 / 239)
 # Monte-Carlo check of the image->text formula
-sims = torch.rand(400, 10, 30, generator=g); ti = torch.arange(10).repeat_interleave(3)
+sims = torch.rand(400, 10, 30, generator=g)
+ti = torch.arange(10).repeat_interleave(3)
 mc = np.mean([retrieval_recall(s, ti, ks=(1, 5))['i2t_R@5'] for s in sims])
 test_close(mc, chance_recall(10, 3, ks=(5,))['i2t_R@5'], eps=4)
 
@@ -189,9 +204,11 @@ test_close(mc, chance_recall(10, 3, ks=(5,))['i2t_R@5'], eps=4)
 # %%
 _sim = torch.tensor([[0.9, 0.1, 0.8], [0.2, 0.7, 0.1]])
 test_eq(retrieval_recall(_sim, torch.tensor([0, 1, 0]), ks=(1,)), {'i2t_R@1': 100.0, 't2i_R@1': 100.0})
-_sim = torch.tensor([[0.1, 0.9, 0.8], [0.2, 0.7, 0.1]])                    # captions 0 and 1 are closer to the other image
+# captions 0 and 1 are closer to the other image
+_sim = torch.tensor([[0.1, 0.9, 0.8], [0.2, 0.7, 0.1]])
 _r = retrieval_recall(_sim, torch.tensor([0, 1, 0]), ks=(1, 2))
-test_close(list(_r.values()), [50.0, 100.0, 100 / 3, 100.0]); test_eq(list(_r), ['i2t_R@1', 'i2t_R@2', 't2i_R@1', 't2i_R@2'])
+test_close(list(_r.values()), [50.0, 100.0, 100 / 3, 100.0])
+test_eq(list(_r), ['i2t_R@1', 'i2t_R@2', 't2i_R@1', 't2i_R@2'])
 _tie = torch.tensor([[0.5, 0.5], [0.5, 0.5]])                               # every score tied
 _topk_hits = (_tie.topk(1, dim=0).indices == torch.arange(2)[None]).any(0).float().mean().item()
 test_eq((_topk_hits, retrieval_recall(_tie, torch.arange(2), ks=(1,))['t2i_R@1']), (0.5, 0.0))
@@ -203,7 +220,8 @@ test_eq((_topk_hits, retrieval_recall(_tie, torch.arange(2), ks=(1,))['t2i_R@1']
 # %%
 _sim = torch.tensor([[float('nan'), 0.1, 0.9], [0.2, 0.7, 0.1]])           # image 0 owns captions 0 and 2
 _r = retrieval_recall(_sim, torch.tensor([0, 1, 0]), ks=(1, 2))
-test_eq(list(_r), ['i2t_R@1', 'i2t_R@2', 't2i_R@1', 't2i_R@2']); test_close(list(_r.values()), [100.0, 100.0, 200 / 3, 200 / 3])
+test_eq(list(_r), ['i2t_R@1', 'i2t_R@2', 't2i_R@1', 't2i_R@2'])
+test_close(list(_r.values()), [100.0, 100.0, 200 / 3, 200 / 3])
 _r = retrieval_recall(torch.tensor([[0.9, 0.1], [float('nan'), 0.7]]), torch.arange(2), ks=(1,))
 test_eq(_r, {'i2t_R@1': 50.0, 't2i_R@1': 50.0})                           # the NaN wrong image outranks caption 0's own
 assert all(v == 0 for v in retrieval_recall(torch.full((3, 3), float('nan')), torch.arange(3), ks=(1, 5)).values())
@@ -219,7 +237,8 @@ assert all(v == 0 for v in retrieval_recall(torch.full((3, 3), float('nan')), to
 # %%
 #| export
 def true_class_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    "logits `(n, K)`, labels `(n,)` -> `(n,)` long: the other classes that outrank the true one (K when its logit is NaN)."
+    """logits `(n, K)`, labels `(n,)` -> `(n,)` long: the other classes that outrank the true one (K when its logit is
+    NaN)."""
     true = logits.gather(1, labels[:, None])                                    # (n, 1)
     other = torch.ones_like(logits, dtype=torch.bool).scatter(1, labels[:, None], False)   # (n, K)
     rank = (outranks(logits, true) & other).sum(1)                              # (n,)
@@ -229,9 +248,12 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)
     "logits `(n, K)`, labels `(n,)` long -> `top{k}` accuracy and `mean_per_class_recall` in percent."
     n, K = logits.shape
     labels = torch.as_tensor(labels, dtype=torch.long)
-    if labels.shape != (n,): raise ValueError(f'labels must be ({n},), got {tuple(labels.shape)}')
-    if n == 0: raise ValueError('no samples')
-    if labels.min() < 0 or labels.max() >= K: raise ValueError(f'labels outside [0, {K})')
+    if labels.shape != (n,):
+        raise ValueError(f'labels must be ({n},), got {tuple(labels.shape)}')
+    if n == 0:
+        raise ValueError('no samples')
+    if labels.min() < 0 or labels.max() >= K:
+        raise ValueError(f'labels outside [0, {K})')
     rank = true_class_rank(logits, labels)                                      # (n,)
     out = {f'top{k}': 100 * (rank < k).double().mean().item() for k in ks if k < K}   # top-K is always 100: left out
     hit = (rank == 0).double()
@@ -246,7 +268,9 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, ks=(1, 5)
 labels = torch.tensor([0, 1, 2, 2, 2, 3, 3, 1, 2, 0])
 always2 = F.one_hot(torch.full((10,), 2), 4).float()
 m = classification_metrics(always2, labels, ks=(1, 2))
-test_close(m['top1'], 40.0); test_close(m['mean_per_class_recall'], 25.0); test_eq(m['top2'], 40.0)  # ties: others at 0
+test_close(m['top1'], 40.0)
+test_close(m['mean_per_class_recall'], 25.0)
+test_eq(m['top2'], 40.0)  # ties: others at 0
 test_eq(classification_metrics(F.one_hot(labels, 4).float(), labels)['top1'], 100.0)
 assert 'top5' not in m
 test_eq(classification_metrics(torch.full((3, 4), float('nan')), torch.tensor([0, 1, 2]), ks=(1, 3))['top3'], 0.0)
@@ -266,14 +290,17 @@ test_eq(classification_metrics(torch.full((3, 4), float('nan')), torch.tensor([0
 def hard_negative_accuracy(pos: torch.Tensor, neg: torch.Tensor) -> dict[str, float]:
     "pos, neg `(n,)` scores of the true and the negative caption -> `acc` (%), `n`, `ties` (ties count as wrong)."
     pos, neg = torch.as_tensor(pos).float(), torch.as_tensor(neg).float()
-    if pos.shape != neg.shape or pos.ndim != 1: raise ValueError(f'pos and neg must be (n,), got {tuple(pos.shape)}, {tuple(neg.shape)}')
-    if len(pos) == 0: raise ValueError('no items')
+    if pos.shape != neg.shape or pos.ndim != 1:
+        raise ValueError(f'pos and neg must be (n,), got {tuple(pos.shape)}, {tuple(neg.shape)}')
+    if len(pos) == 0:
+        raise ValueError('no items')
     return dict(acc=100 * (~outranks(neg, pos)).double().mean().item(), n=len(pos), ties=int((pos == neg).sum()))
 
 def winoground_scores(s: torch.Tensor) -> dict[str, float]:
     "s `(n, 2, 2)`: s[:, c, i] = score of caption c and image i -> `text`, `image`, `group` scores (%), `n`."
     s = torch.as_tensor(s).float()
-    if s.ndim != 3 or s.shape[1:] != (2, 2): raise ValueError(f's must be (n, 2, 2), got {tuple(s.shape)}')
+    if s.ndim != 3 or s.shape[1:] != (2, 2):
+        raise ValueError(f's must be (n, 2, 2), got {tuple(s.shape)}')
     beats = lambda right, wrong: ~outranks(wrong, right)
     text = beats(s[:, 0, 0], s[:, 1, 0]) & beats(s[:, 1, 1], s[:, 0, 1])
     image = beats(s[:, 0, 0], s[:, 0, 1]) & beats(s[:, 1, 1], s[:, 1, 0])
@@ -282,8 +309,10 @@ def winoground_scores(s: torch.Tensor) -> dict[str, float]:
 
 
 # %%
-test_eq(hard_negative_accuracy(torch.tensor([0.5, 0.2, 0.3]), torch.tensor([0.5, 0.2, 0.3])), dict(acc=0.0, n=3, ties=3))
-test_eq(hard_negative_accuracy(torch.tensor([0.6, 0.2, 0.3, 0.9]), torch.tensor([0.5, 0.4, 0.3, 0.1])), dict(acc=50.0, n=4, ties=1))
+test_eq(hard_negative_accuracy(torch.tensor([0.5, 0.2, 0.3]), torch.tensor([0.5, 0.2, 0.3])),
+        dict(acc=0.0, n=3, ties=3))
+test_eq(hard_negative_accuracy(torch.tensor([0.6, 0.2, 0.3, 0.9]), torch.tensor([0.5, 0.4, 0.3, 0.1])),
+        dict(acc=50.0, n=4, ties=1))
 test_eq(hard_negative_accuracy(torch.tensor([float('nan'), 0.6]), torch.tensor([0.1, float('nan')]))['acc'], 0.0)
 cases = torch.tensor([[[1.0, 0.0], [0.0, 1.0]],     # perfect: 1, 1, 1
                       [[0.5, 0.6], [0.4, 0.7]],     # each image picks its caption, but caption 0 picks image 1: 1, 0, 0
@@ -293,7 +322,6 @@ test_eq([winoground_scores(c[None]) for c in cases][:3],
         [dict(text=100.0, image=100.0, group=100.0, n=1), dict(text=100.0, image=0.0, group=0.0, n=1),
          dict(text=0.0, image=100.0, group=0.0, n=1)])
 test_eq(winoground_scores(cases), dict(text=50.0, image=50.0, group=25.0, n=4))
-
 
 # %% [markdown]
 # ## Region classification
@@ -334,7 +362,8 @@ def average_precision(scores: torch.Tensor, positive: torch.Tensor) -> float:
     if s.shape != pos.shape or s.ndim != 1:
         raise ValueError(f'scores and positive must be (n,), got {tuple(s.shape)}, {tuple(pos.shape)}')
     P = int(pos.sum())
-    if P == 0: return math.nan
+    if P == 0:
+        return math.nan
     key = torch.where(pos, s.nan_to_num(-math.inf), s.nan_to_num(math.inf))     # NaN: negatives first, positives last
     first = torch.argsort(pos.long(), stable=True)                              # negatives before positives ...
     order = first[torch.argsort(-key[first], stable=True)]                      # ... within each tie of scores
@@ -355,9 +384,12 @@ def region_classification_metrics(logits: torch.Tensor, labels: torch.Tensor, gr
     logits = torch.as_tensor(logits).double()
     R, K = logits.shape
     labels = torch.as_tensor(labels, dtype=torch.long)
-    if labels.shape != (R,): raise ValueError(f'labels must be ({R},), got {tuple(labels.shape)}')
-    if R == 0: raise ValueError('no regions')
-    if K < 2: raise ValueError(f'need at least 2 classes, got {K}')
+    if labels.shape != (R,):
+        raise ValueError(f'labels must be ({R},), got {tuple(labels.shape)}')
+    if R == 0:
+        raise ValueError('no regions')
+    if K < 2:
+        raise ValueError(f'need at least 2 classes, got {K}')
     out = classification_metrics(logits, labels, ks=(1,))
     prob = logits.softmax(1)                                                    # (R, K) a detector's class scores
     ap = {k: average_precision(prob[:, k], labels == k) for k in labels.unique().tolist()}
@@ -394,14 +426,16 @@ _L = torch.tensor([[5., 1., 0., 0.],     # region 0, class 0: right
                    [0., 4., 4., 0.],     # region 1, class 1: tied with class 2, so not a top-1 hit
                    [0., 0., 3., 1.]])    # region 2, class 2: right; class 3 has no region
 _m = region_classification_metrics(_L, torch.tensor([0, 1, 2]), groups={'base': [0, 1], 'novel': [2, 3]})
-test_close(_m['top1'], 200 / 3, eps=1e-9); test_eq((_m['n_regions'], _m['n_classes']), (3, 3))
+test_close(_m['top1'], 200 / 3, eps=1e-9)
+test_eq((_m['n_regions'], _m['n_classes']), (3, 3))
 test_eq(sorted(_m['ap_per_class']), [0, 1, 2])                                       # class 3 left out of the mean
 test_close(_m['ap50'], sum(_m['ap_per_class'].values()) / 3, eps=1e-12)
 test_eq((_m['top1_base'], _m['top1_novel'], _m['n_regions_novel']), (50.0, 100.0, 1))
 test_eq(_m['ap50_novel'], _m['ap_per_class'][2])
 _one = region_classification_metrics(torch.tensor([[0.1, 2.0, 0.3]]), torch.tensor([1]))   # one region
 test_eq((_one['top1'], _one['ap50'], _one['n_classes']), (100.0, 100.0, 1))
-test_fail(lambda: region_classification_metrics(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)), contains='no regions')
+test_fail(lambda: region_classification_metrics(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)),
+          contains='no regions')
 
 def _ap_reference(scores: list, positive: list) -> float:
     "The definition in plain floats: rank (score down, negatives first on ties), precision, monotone, 101 recalls."
@@ -411,16 +445,20 @@ def _ap_reference(scores: list, positive: list) -> float:
     for i in order:
         found = positive[i] and not math.isnan(scores[i])
         tp, fp = tp + found, fp + (not positive[i])
-        prec.append(tp / max(tp + fp, 1)); rec.append(tp / P)
-    for j in range(len(prec) - 2, -1, -1): prec[j] = max(prec[j], prec[j + 1])
-    return 100 * sum(next((prec[j] for j in range(len(rec)) if rec[j] >= r / 100 - 1e-12), 0.0) for r in range(101)) / 101
+        prec.append(tp / max(tp + fp, 1))
+        rec.append(tp / P)
+    for j in range(len(prec) - 2, -1, -1):
+        prec[j] = max(prec[j], prec[j + 1])
+    return (100
+            * sum(next((prec[j] for j in range(len(rec)) if rec[j] >= r / 100 - 1e-12), 0.0) for r in range(101)) / 101)
 
 _g = torch.Generator().manual_seed(0)
 for _ in range(200):
     n = int(torch.randint(1, 30, (), generator=_g))
     sc = torch.randint(0, 5, (n,), generator=_g).double() / 4                          # few values: many ties
     pos = torch.rand(n, generator=_g) < 0.4
-    if not pos.any(): pos[0] = True
+    if not pos.any():
+        pos[0] = True
     test_close(_ap(sc, pos), _ap_reference(sc.tolist(), pos.tolist()), eps=1e-9)
 
 
@@ -437,13 +475,17 @@ for _ in range(200):
 
 # %%
 #| export
-def fit_logreg(x: torch.Tensor, y: torch.Tensor, n_classes: int, lam: float, max_iter: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_logreg(x: torch.Tensor, y: torch.Tensor, n_classes: int, lam: float,
+               max_iter: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
     "x `(n, D)`, y `(n,)` -> W `(D, K)`, b `(K,)` of the L2-regularised multinomial logistic regression."
     threads = torch.get_num_threads()
     # small problems: thread start-up dominates, and on a busy machine many threads are 10-20x slower than one
-    if x.numel() < 1_000_000: torch.set_num_threads(1)
-    try: return _fit_logreg(x, y, n_classes, lam, max_iter)
-    finally: torch.set_num_threads(threads)
+    if x.numel() < 1_000_000:
+        torch.set_num_threads(1)
+    try:
+        return _fit_logreg(x, y, n_classes, lam, max_iter)
+    finally:
+        torch.set_num_threads(threads)
 
 def _fit_logreg(x, y, n_classes, lam, max_iter):
     x, y = x.double(), torch.as_tensor(y, dtype=torch.long)
@@ -464,16 +506,19 @@ LAMBDAS = tuple(10.0 ** e for e in range(-6, 1))
 def linear_probe(train: tuple, val: tuple, test: tuple, n_classes: int, lambdas=LAMBDAS) -> dict:
     "Each split a pair (features `(n, D)`, labels `(n,)`) -> test `acc` (%), chosen `lambda`, `val_acc` per lambda."
     for name, (x, y) in dict(train=train, val=val, test=test).items():
-        if len(x) == 0 or len(x) != len(y): raise ValueError(f'{name} split: {len(x)} features, {len(y)} labels')
+        if len(x) == 0 or len(x) != len(y):
+            raise ValueError(f'{name} split: {len(x)} features, {len(y)} labels')
         # argmax puts NaN first: a NaN probe would "predict" whatever class index a NaN lands on
-        if not torch.isfinite(torch.as_tensor(x)).all(): raise ValueError(f'{name} split: non-finite features')
+        if not torch.isfinite(torch.as_tensor(x)).all():
+            raise ValueError(f'{name} split: non-finite features')
     def acc(W, b, x, y): return 100 * ((x.double() @ W + b).argmax(1) == torch.as_tensor(y)).double().mean().item()
     val_acc = {}
     for lam in lambdas:
         W, b = fit_logreg(*train, n_classes, lam)
         val_acc[lam] = acc(W, b, *val)
     best = max(sorted(lambdas, reverse=True), key=lambda l: val_acc[l])     # first max = largest lambda on ties
-    W, b = fit_logreg(torch.cat([train[0], val[0]]), torch.cat([torch.as_tensor(train[1]), torch.as_tensor(val[1])]), n_classes, best)
+    W, b = fit_logreg(torch.cat([train[0], val[0]]), torch.cat([torch.as_tensor(train[1]), torch.as_tensor(val[1])]),
+                      n_classes, best)
     return dict(acc=acc(W, b, *test), **{'lambda': best}, val_acc={f'{l:g}': a for l, a in val_acc.items()},
                 n_train=len(train[0]), n_val=len(val[0]), n_test=len(test[0]))
 
@@ -492,5 +537,6 @@ assert res['acc'] > 95, res
 noise = [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in (90, 60, 600)]
 res_noise = linear_probe(*noise, 3)
 assert 20 < res_noise['acc'] < 47, res_noise
-test_fail(lambda: linear_probe(*noise[:2], (torch.full((5, 8), float('nan')), torch.zeros(5, dtype=torch.long)), 3), contains='test split: non-finite')
+test_fail(lambda: linear_probe(*noise[:2], (torch.full((5, 8), float('nan')), torch.zeros(5, dtype=torch.long)), 3),
+          contains='test split: non-finite')
 res['acc'], res['lambda'], res_noise['acc']

@@ -24,7 +24,6 @@ import functools
 import io
 import json
 import logging
-import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -41,14 +40,16 @@ log = logging.getLogger(__name__)
 # %%
 #| hide
 import tempfile
-import numpy as np
 from fastcore.test import test_eq, test_fail
 
 
 # %% [markdown]
 # # Benchmark data on disk
 #
-# > Readers of the benchmark folders the evaluation scores (retrieval lists, SugarCrepe, classification sets, Winoground, Karpathy's test splits), and the one writer of the built-in world's benchmark folder in those same formats.
+# > Readers of the benchmark folders the evaluation scores, and the one writer of the world's benchmark folder.
+#
+# The readers take retrieval lists, SugarCrepe, classification sets, Winoground and Karpathy's test splits; the writer
+# writes the built-in world's benchmark folder in those same formats.
 
 # %% [markdown]
 # Readers return plain lists of absolute paths and strings; nothing is downloaded. A missing data set stops with
@@ -65,6 +66,7 @@ from fastcore.test import test_eq, test_fail
 #
 # The built-in world writes one folder that every task reads (`write_world_benchmark`, below): the demo's
 # held-out scenes and `powerclip-eval make-world` are the same writer.
+# The region task's reader, of COCO-format instances files, is `61a_eval_region_data`'s.
 
 # %%
 #| export
@@ -112,13 +114,16 @@ ITEM_SKIP_REASONS = ('missing_image', 'bad_image', 'bad_caption', 'bad_negative'
 
 @dataclass
 class ItemSkips:
-    "The items a reader dropped, `(reason, file, detail, group)` each; `strict`: the first one raises `BadData` instead."
+    """The items a reader dropped, `(reason, file, detail, group)` each; `strict`: the first one raises `BadData`
+    instead."""
     strict: bool = False
     items: list = field(default_factory=list)
 
     def add(self, reason: str, file, detail: str = '', group: str | None = None):
-        if reason not in ITEM_SKIP_REASONS: raise ValueError(f'unknown skip reason {reason!r}; known: {ITEM_SKIP_REASONS}')
-        if self.strict: raise BadData(f'{file}: {reason.replace("_", " ")}' + (f' ({detail})' if detail else '') + ' [strict mode]')
+        if reason not in ITEM_SKIP_REASONS:
+            raise ValueError(f'unknown skip reason {reason!r}; known: {ITEM_SKIP_REASONS}')
+        if self.strict:
+            raise BadData(f'{file}: {reason.replace("_", " ")}' + (f' ({detail})' if detail else '') + ' [strict mode]')
         self.items.append((reason, str(file), detail, group))
 
     def __len__(self): return len(self.items)
@@ -130,19 +135,23 @@ class ItemSkips:
     def counts(self) -> dict[str, int]:
         "`{reason: n}` of the reasons that occur, in `ITEM_SKIP_REASONS` order."
         n = {r: 0 for r in ITEM_SKIP_REASONS}
-        for it in self.items: n[it[0]] += 1
+        for it in self.items:
+            n[it[0]] += 1
         return {r: k for r, k in n.items() if k}
 
     def report(self, names: int = 100) -> dict:
-        "What the result JSON records: `n`, `counts` per reason, `items` (reason, file, detail, group; `names` per reason at most), `items_left_out`."
+        """What the result JSON records: `n`, `counts` per reason, `items` (reason, file, detail, group; `names` per
+        reason at most), `items_left_out`."""
         kept, per = [], {}
         for r, f, d, g in self.items:
             per[r] = per.get(r, 0) + 1
-            if per[r] <= names: kept.append(dict(reason=r, file=f, detail=d, **({'group': g} if g is not None else {})))
+            if per[r] <= names:
+                kept.append(dict(reason=r, file=f, detail=d, **({'group': g} if g is not None else {})))
         return dict(n=len(self), counts=self.counts(), items=kept, items_left_out=len(self) - len(kept))
 
     def log(self, what: str, total: int | None = None):
-        if not self.items: return
+        if not self.items:
+            return
         r, f, d, _ = self.items[0]
         among = f' in {total} items' if total is not None else ''
         log.warning('%s: %d bad parts skipped%s (%s); first: %s %s (%s)', what, len(self), among,
@@ -151,21 +160,25 @@ class ItemSkips:
 @functools.lru_cache(maxsize=1 << 20)
 def _decode_problem(path: str, size: int, mtime_ns: int) -> str | None:
     "Why the image file at `path` (of this size and mtime: the memo's key) does not decode; None if it does."
-    if size == 0: return 'zero bytes'
-    truncated, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False   # a truncated file is bad, never padded
+    if size == 0:
+        return 'zero bytes'
+    # a truncated file is bad, never padded
+    truncated, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False
     try:
         with Image.open(path) as im:
             im.draft('RGB', (64, 64))        # JPEG: decode at 1/8 scale; every byte of the stream is still read
             im.load()
     except Exception as e:                   # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError ..
         return f'{type(e).__name__}: {e}'.replace(path, Path(path).name)
-    finally: ImageFile.LOAD_TRUNCATED_IMAGES = truncated
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = truncated
     return None
 
 def image_problem(path) -> tuple[str, str] | None:
     "`('missing_image' | 'bad_image', detail)` when the image file cannot be scored, None when it decodes."
     p = Path(path)
-    if not p.is_file(): return 'missing_image', 'no such file'
+    if not p.is_file():
+        return 'missing_image', 'no such file'
     st = p.stat()
     bad = _decode_problem(str(p.resolve()), st.st_size, st.st_mtime_ns)
     return None if bad is None else ('bad_image', bad)
@@ -173,33 +186,43 @@ def image_problem(path) -> tuple[str, str] | None:
 def read_image(path) -> Image.Image:
     "An image file as RGB; a file that does not decode raises `BadData` naming it (not PIL's message alone)."
     try:
-        with Image.open(path) as im: return im.convert('RGB')
-    except FileNotFoundError: raise MissingData(f'image file not found: {path}') from None
-    except Exception as e: raise BadData(f'{path}: bad image ({type(e).__name__}: {e})') from None
+        with Image.open(path) as im:
+            return im.convert('RGB')
+    except FileNotFoundError:
+        raise MissingData(f'image file not found: {path}') from None
+    except Exception as e:
+        raise BadData(f'{path}: bad image ({type(e).__name__}: {e})') from None
 
 def check_image(path, skips: ItemSkips, group: str | None = None) -> bool:
     "True if the image decodes; else the problem goes into `skips`."
     bad = image_problem(path)
-    if bad: skips.add(bad[0], path, bad[1], group)
+    if bad:
+        skips.add(bad[0], path, bad[1], group)
     return bad is None
 
-def check_caption(text, skips: ItemSkips, file, what: str = 'caption', reason: str = 'bad_caption', group: str | None = None) -> bool:
+def check_caption(text, skips: ItemSkips, file, what: str = 'caption', reason: str = 'bad_caption',
+                  group: str | None = None) -> bool:
     "True if `text` is a usable caption (`parsing.caption_problem`); else the problem goes into `skips`, under `file`."
     why = caption_problem(text)
-    if why: skips.add(reason, file, f'{what}: {why}' + ('' if isinstance(text, str) or text is None else f' ({text!r:.40})'), group)
+    if why:
+        skips.add(reason, file,
+                  f'{what}: {why}' + ('' if isinstance(text, str) or text is None else f' ({text!r:.40})'), group)
     return why is None
 
 def _read_json(path: Path, jsonl: bool = False):
     "A JSON (or JSON-lines) file; one that does not parse raises `BadData` naming it and the line."
     text = path.read_text(encoding='utf-8', errors='replace')
     try:
-        if not jsonl: return json.loads(text)
+        if not jsonl:
+            return json.loads(text)
         return [json.loads(l) for l in text.splitlines() if l.strip()]
-    except json.JSONDecodeError as e: raise BadData(f'{path}: not valid JSON{"-lines" if jsonl else ""} ({e})') from None
+    except json.JSONDecodeError as e:
+        raise BadData(f'{path}: not valid JSON{"-lines" if jsonl else ""} ({e})') from None
 
 def _field(row, key: str, path: Path, what: str):
     "`row[key]`, or a `BadData` that names the file and says what a row should hold."
-    if not isinstance(row, dict) or key not in row: raise BadData(f'{path}: an item without {key!r} ({what}); got {str(row)[:80]}')
+    if not isinstance(row, dict) or key not in row:
+        raise BadData(f'{path}: an item without {key!r} ({what}); got {str(row)[:80]}')
     return row[key]
 
 
@@ -212,7 +235,8 @@ def _field(row, key: str, path: Path, what: str):
 class RetrievalSet:
     images: list            # list[Path]
     captions: list          # list[list[str]], one list per image, every one non-empty
-    skips: ItemSkips = field(default_factory=ItemSkips)   # what the reader dropped (missing or bad image, bad caption, no caption)
+    skips: ItemSkips = field(default_factory=ItemSkips)   # what the reader dropped (missing or bad image, bad caption,
+                                                          # no caption)
 
     @property
     def skipped(self) -> int: return len(self.skips)
@@ -223,7 +247,8 @@ class RetrievalSet:
         return texts, torch.tensor([i for i, cs in enumerate(self.captions) for _ in cs], dtype=torch.long)
 
 def _need(path: Path, what: str) -> Path:
-    if not Path(path).exists(): raise MissingData(f'{what}: expected {path}')
+    if not Path(path).exists():
+        raise MissingData(f'{what}: expected {path}')
     return Path(path)
 
 def _as_list(caps) -> list:
@@ -236,12 +261,17 @@ def retrieval_set(rows: list, what: str, strict: bool = False, skips: ItemSkips 
     skips = skips if skips is not None else ItemSkips(strict)
     images, captions = [], []
     for img, caps in rows:
-        if not check_image(img, skips): continue
+        if not check_image(img, skips):
+            continue
         good = [c.strip() for j, c in enumerate(caps) if check_caption(c, skips, img, f'caption {j}')]
-        if not good: skips.add('no_caption', img, 'no usable caption: image dropped'); continue
-        images.append(Path(img)); captions.append(good)
+        if not good:
+            skips.add('no_caption', img, 'no usable caption: image dropped')
+            continue
+        images.append(Path(img))
+        captions.append(good)
     skips.log(what, len(rows))
-    if not images: raise MissingData(f'{what}: no usable item ({len(rows)} listed; {skips.counts() or "none"})')
+    if not images:
+        raise MissingData(f'{what}: no usable item ({len(rows)} listed; {skips.counts() or "none"})')
     return RetrievalSet(images, captions, skips)
 
 def load_retrieval(path, image_root=None, split: str = 'test', strict: bool = False) -> RetrievalSet:
@@ -259,7 +289,9 @@ def load_retrieval(path, image_root=None, split: str = 'test', strict: bool = Fa
     elif isinstance(d, list):
         what = '[{"image", "caption": [..]}]'
         rows = [(root / str(_field(r, 'image', path, what)), _as_list(_field(r, 'caption', path, what))) for r in d]
-    else: raise BadData(f'{path}: expected a list [{{"image", "caption": [..]}}] or Karpathy\'s {{"images": [..]}}, got {type(d).__name__}')
+    else:
+        raise BadData(f'{path}: expected a list [{{"image", "caption": [..]}}] or Karpathy\'s {{"images": '
+                      f'[..]}}, got {type(d).__name__}')
     return retrieval_set(rows, str(path), strict)
 
 def load_coco_sample(root, split: str | None = None, strict: bool = False) -> RetrievalSet:
@@ -268,24 +300,32 @@ def load_coco_sample(root, split: str | None = None, strict: bool = False) -> Re
     f = _need(root / 'captions.jsonl', 'coco_sample')
     rows = [r for r in _read_json(f, jsonl=True) if split is None or r.get('split') == split]
     what = 'coco_sample rows {"file_name", "captions": [..]}'
-    return retrieval_set([(root / 'images' / str(_field(r, 'file_name', f, what)), _as_list(_field(r, 'captions', f, what))) for r in rows],
+    return retrieval_set([(root / 'images' / str(_field(r, 'file_name', f, what)),
+                           _as_list(_field(r, 'captions', f, what))) for r in rows],
                          str(root), strict)
 
 def load_coco_karpathy(ann, image_root, strict: bool = False) -> RetrievalSet:
-    "clip_benchmark's `coco_test_karpathy.json` (COCO format: images `{id, file_name}`, annotations `{image_id, caption}`)."
-    ann = Path(ann); d = _read_json(ann)
+    """clip_benchmark's `coco_test_karpathy.json` (COCO format: images `{id, file_name}`, annotations `{image_id,
+    caption}`)."""
+    ann = Path(ann)
+    d = _read_json(ann)
     what = 'COCO format {"images": [{"id", "file_name"}], "annotations": [{"image_id", "caption"}]}'
     caps = {}
-    for a in _field(d, 'annotations', ann, what): caps.setdefault(_field(a, 'image_id', ann, what), []).append(a.get('caption'))
-    rows = [(Path(image_root) / str(_field(im, 'file_name', ann, what)), caps.get(_field(im, 'id', ann, what), [])) for im in _field(d, 'images', ann, what)]
+    for a in _field(d, 'annotations', ann, what):
+        caps.setdefault(_field(a, 'image_id', ann, what), []).append(a.get('caption'))
+    rows = [(Path(image_root) / str(_field(im, 'file_name', ann, what)), caps.get(_field(im, 'id', ann, what), []))
+            for im in _field(d, 'images', ann, what)]
     return retrieval_set(rows, str(ann), strict)
 
 def load_flickr_karpathy(txt, image_root, strict: bool = False) -> RetrievalSet:
     "clip_benchmark's `flickr{8k,30k}_test_karpathy.txt`: a header line, then `name.jpg,caption` lines."
     caps, skips, txt = {}, ItemSkips(strict), Path(txt)
     for n, line in enumerate(txt.read_text(encoding='utf-8', errors='replace').splitlines()[1:], 2):
-        if not line.strip(): continue
-        if '.jpg,' not in line: skips.add('bad_caption', txt, f'line {n}: no "<name>.jpg," before the caption'); continue
+        if not line.strip():
+            continue
+        if '.jpg,' not in line:
+            skips.add('bad_caption', txt, f'line {n}: no "<name>.jpg," before the caption')
+            continue
         img, cap = line.strip().split('.jpg,', 1)      # captions may hold commas
         caps.setdefault(img + '.jpg', []).append(cap)
     return retrieval_set([(Path(image_root) / k, v) for k, v in caps.items()], str(txt), strict, skips)
@@ -316,20 +356,29 @@ def load_sugarcrepe(root, image_root=None, categories=SUGARCREPE, strict: bool =
         for r in _read_json(f, jsonl=True):
             for s in r.get('sugarcrepe') or []:
                 if s.get('category') in items:
-                    items[s['category']].append((image_root / str(_field(r, 'file_name', f, what)), s.get('caption'), s.get('negative_caption')))
+                    items[s['category']].append((image_root / str(_field(r, 'file_name', f, what)), s.get('caption'),
+                                                 s.get('negative_caption')))
     else:
-        flat = any((root / f'{c}.json').is_file() for c in categories)       # clip_benchmark's layout: ROOT/{c}.json, ROOT/val2017/
-        if flat and image_root == root / 'images' and not image_root.is_dir(): image_root = root / 'val2017'
+        # clip_benchmark's layout: ROOT/{c}.json, ROOT/val2017/
+        flat = any((root / f'{c}.json').is_file() for c in categories)
+        if flat and image_root == root / 'images' and not image_root.is_dir():
+            image_root = root / 'val2017'
         files = {c: (root if flat else root / 'data') / f'{c}.json' for c in categories}
         if not any(f.is_file() for f in files.values()):
-            raise MissingData(f'SugarCrepe: expected {root}/data/{{{",".join(categories)}}}.json (from github.com/RAIVNLab/sugar-crepe, '
-                              f'folder data/) and the COCO val2017 images in {image_root}')
+            raise MissingData(f'SugarCrepe: expected {root}/data/{{{",".join(categories)}}}.json (from '
+                              'github.com/RAIVNLab/sugar-crepe, folder data/) and the COCO '
+                              f'val2017 images in {image_root}')
         items = {}
         for c, f in files.items():
-            if not f.is_file(): log.warning('SugarCrepe: %s missing, category skipped', f); continue
+            if not f.is_file():
+                log.warning('SugarCrepe: %s missing, category skipped', f)
+                continue
             d = _read_json(f)
-            if not isinstance(d, dict): raise BadData(f'{f}: expected {{id: {{"filename", "caption", "negative_caption"}}}}, got {type(d).__name__}')
-            items[c] = [(image_root / str(_field(r, 'filename', f, what)), r.get('caption'), r.get('negative_caption')) for r in d.values()]
+            if not isinstance(d, dict):
+                raise BadData(f'{f}: expected {{id: {{"filename", "caption", '
+                              f'"negative_caption"}}}}, got {type(d).__name__}')
+            items[c] = [(image_root / str(_field(r, 'filename', f, what)), r.get('caption'), r.get('negative_caption'))
+                        for r in d.values()]
     for c, rows in items.items():
         # an item needs its photo, its caption and its negative; the photo is checked first (the full benchmark's text
         # against a subset of the photos: most items are missing_image, and their captions are not looked at)
@@ -338,7 +387,9 @@ def load_sugarcrepe(root, image_root=None, categories=SUGARCREPE, strict: bool =
                   and check_caption(neg, skips, img, f'{c} negative', 'bad_negative', c)]
     skips.log(f'SugarCrepe under {root}', sum(map(len, items.values())))
     out = {c: v for c, v in out.items() if v}
-    if not out: raise MissingData(f'SugarCrepe under {root}: no usable item (images looked for in {image_root}; {skips.counts() or "no item"})')
+    if not out:
+        raise MissingData(f'SugarCrepe under {root}: no usable item (images looked for in {image_root}; '
+                          f'{skips.counts() or "no item"})')
     return out, skips
 
 
@@ -369,33 +420,46 @@ def classification_from_folders(root) -> dict:
     root = Path(root)
     splits = [s for s in ('train', 'val', 'test') if (root / s).is_dir()]
     folders = sorted({d.name for s in splits for d in (root / s).iterdir() if d.is_dir()})
-    if not folders: raise MissingData(f'classification: expected {root}/classification.json or image folders {root}/test/<class>/*.jpg')
+    if not folders:
+        raise MissingData(f'classification: expected {root}/classification.json or image folders '
+                          f'{root}/test/<class>/*.jpg')
     tf = root / 'templates.txt'
     templates = [l.strip() for l in tf.read_text().splitlines() if l.strip()] if tf.is_file() else ['a photo of a {c}.']
     rows = {s: [dict(image=str(p.relative_to(root)), label=k) for k, c in enumerate(folders) if (root / s / c).is_dir()
                 for p in sorted((root / s / c).iterdir()) if p.suffix.lower() in IMAGE_EXTS] for s in splits}
     return dict(classnames=[c.replace('_', ' ') for c in folders], templates=templates, splits=rows)
 
-CLASSIFICATION_FORMAT = 'classification set: {"classnames", "templates", "splits": {"train"|"val"|"test": [{"image", "label"}]}}'
+CLASSIFICATION_FORMAT = ('classification set: {"classnames", "templates", "splits": '
+                         '{"train"|"val"|"test": [{"image", "label"}]}}')
 
 def load_classification(path, strict: bool = False) -> ClassificationSet:
-    "A `classification.json` (or a folder holding one), or an image-folder layout; images that are missing or bad are skipped per split."
+    """A `classification.json` (or a folder holding one), or an image-folder layout; images that are missing or bad are
+    skipped per split."""
     path = Path(path)
-    if path.is_dir() and not (path / 'classification.json').is_file() and any((path / s).is_dir() for s in ('train', 'val', 'test')):
+    if (path.is_dir() and not (path / 'classification.json').is_file()
+        and any((path / s).is_dir() for s in ('train', 'val', 'test'))):
         d, path = classification_from_folders(path), path / 'classification.json'   # image paths relative to the folder
     else:
-        if path.is_dir(): path = path / 'classification.json'
+        if path.is_dir():
+            path = path / 'classification.json'
         d = _read_json(_need(path, CLASSIFICATION_FORMAT))
-    classnames, templates, rows_of = (_field(d, k, path, CLASSIFICATION_FORMAT) for k in ('classnames', 'templates', 'splits'))
+    classnames, templates, rows_of = (_field(d, k, path, CLASSIFICATION_FORMAT)
+                                      for k in ('classnames', 'templates', 'splits'))
     K, splits, skips = len(classnames), {}, ItemSkips(strict)
-    if not templates or any(not isinstance(t, str) or '{c}' not in t for t in templates): raise BadData(f'{path}: every template needs a {{c}} slot')
-    if any(caption_problem(c) for c in classnames): raise BadData(f'{path}: a class name that is not text: {next(c for c in classnames if caption_problem(c))!r}')
+    if not templates or any(not isinstance(t, str) or '{c}' not in t for t in templates):
+        raise BadData(f'{path}: every template needs a {{c}} slot')
+    if any(caption_problem(c) for c in classnames):
+        raise BadData(f'{path}: a class name that is not text: {next(c for c in classnames if caption_problem(c))!r}')
     for name, rows in rows_of.items():
         label = lambda r: _field(r, 'label', path, CLASSIFICATION_FORMAT)
         bad = [r for r in rows if not (isinstance(label(r), int) and 0 <= label(r) < K)]
-        if bad: raise BadData(f'{path}: {len(bad)} labels of split {name} are not integers in [0, {K}), e.g. {label(bad[0])!r}')
-        rows = [r for r in rows if check_image(path.parent / str(_field(r, 'image', path, CLASSIFICATION_FORMAT)), skips, name)]
-        splits[name] = ([path.parent / r['image'] for r in rows], torch.tensor([r['label'] for r in rows], dtype=torch.long))
+        if bad:
+            raise BadData(f'{path}: {len(bad)} labels of split {name} are not integers in [0, '
+                          f'{K}), e.g. {label(bad[0])!r}')
+        rows = [r for r in rows
+                if check_image(path.parent / str(_field(r, 'image', path, CLASSIFICATION_FORMAT)), skips, name)]
+        splits[name] = ([path.parent / r['image'] for r in rows],
+                        torch.tensor([r['label'] for r in rows], dtype=torch.long))
     skips.log(str(path), sum(map(len, rows_of.values())))
     return ClassificationSet(list(classnames), list(templates), splits, skips)
 
@@ -404,10 +468,12 @@ WINOGROUND_HELP = ('Winoground is not on this machine and is never downloaded. G
                    '{root}/data/examples.jsonl and the images as {root}/data/images/<image_0|image_1>.png')
 
 def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, str, str]], ItemSkips]:
-    "`[(image_0, image_1, caption_0, caption_1)]` from the Hugging Face layout under `root`, and the `ItemSkips` (an item needs both images and both captions)."
+    """`[(image_0, image_1, caption_0, caption_1)]` from the Hugging Face layout under `root`, and the `ItemSkips` (an
+    item needs both images and both captions)."""
     root = Path(root)
     f = root / 'data' / 'examples.jsonl'
-    if not f.is_file(): raise MissingData(WINOGROUND_HELP.format(root=root))
+    if not f.is_file():
+        raise MissingData(WINOGROUND_HELP.format(root=root))
     what = 'Winoground rows {"image_0", "image_1", "caption_0", "caption_1"}'
     img = lambda r, k: root / 'data' / 'images' / f'{_field(r, f"image_{k}", f, what)}.png'
     rows = [(img(r, 0), img(r, 1), r.get('caption_0'), r.get('caption_1')) for r in _read_json(f, jsonl=True)]
@@ -416,7 +482,9 @@ def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, 
              if check_image(i0, skips) and check_image(i1, skips)
              and check_caption(c0, skips, i0, 'caption_0') and check_caption(c1, skips, i1, 'caption_1')]
     skips.log(str(f), len(rows))
-    if not items: raise MissingData(WINOGROUND_HELP.format(root=root) + f' (examples.jsonl found, but no usable pair: {skips.counts()})')
+    if not items:
+        raise MissingData(WINOGROUND_HELP.format(root=root) + ' (examples.jsonl found, but no '
+                                                              f'usable pair: {skips.counts()})')
     return items, skips
 
 
@@ -425,10 +493,15 @@ def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, 
 # photo is counted.
 
 # %%
-_kr = Path(tempfile.mkdtemp()); (_kr / 'val2014').mkdir()
-for _n in ('a', 'b'): Image.new('RGB', (8, 8)).save(_kr / 'val2014' / f'{_n}.jpg')
-(_kr / 'coco_test_karpathy.json').write_text(json.dumps(dict(images=[dict(id=1, file_name='a.jpg'), dict(id=2, file_name='b.jpg'), dict(id=3, file_name='c.jpg')],
-    annotations=[dict(image_id=1, caption='one '), dict(image_id=2, caption='two'), dict(image_id=1, caption='uno'), dict(image_id=3, caption='gone')])))
+_kr = Path(tempfile.mkdtemp())
+(_kr / 'val2014').mkdir()
+for _n in ('a', 'b'):
+    Image.new('RGB', (8, 8)).save(_kr / 'val2014' / f'{_n}.jpg')
+(_kr / 'coco_test_karpathy.json').write_text(json.dumps(dict(images=[dict(id=1, file_name='a.jpg'),
+                                                                     dict(id=2, file_name='b.jpg'),
+                                                                     dict(id=3, file_name='c.jpg')],
+    annotations=[dict(image_id=1, caption='one '), dict(image_id=2, caption='two'), dict(image_id=1, caption='uno'),
+                 dict(image_id=3, caption='gone')])))
 _r = load_coco_karpathy(_kr / 'coco_test_karpathy.json', _kr / 'val2014')
 test_eq((_r.captions, _r.skipped, _r.skips.counts()), ([['one', 'uno'], ['two']], 1, {'missing_image': 1}))
 Image.new('RGB', (8, 8)).save(_kr / 'x.jpg')
@@ -442,171 +515,37 @@ test_eq(load_flickr_karpathy(_kr / 'flickr8k_test_karpathy.txt', _kr).captions, 
 # `no_caption`. Strict mode stops at the first, naming it.
 
 # %%
-_bd = Path(tempfile.mkdtemp()); (_bd / 'images').mkdir()
+_bd = Path(tempfile.mkdtemp())
+(_bd / 'images').mkdir()
 _rng = np.random.default_rng(0)
 for _n in ('ok0', 'ok1', 'ok2', 'trunc', 'scram', 'caps'):
     Image.fromarray(_rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(_bd / 'images' / f'{_n}.jpg', quality=90)
-_b = (_bd / 'images' / 'trunc.jpg').read_bytes(); (_bd / 'images' / 'trunc.jpg').write_bytes(_b[:len(_b) // 2])
-_b = (_bd / 'images' / 'scram.jpg').read_bytes(); (_bd / 'images' / 'scram.jpg').write_bytes(_b[:16] + _rng.integers(0, 255, len(_b) - 16, dtype=np.uint8).tobytes())
-(_bd / 'images' / 'zero.jpg').write_bytes(b''); (_bd / 'images' / 'text.jpg').write_text('not an image')
+_b = (_bd / 'images' / 'trunc.jpg').read_bytes()
+(_bd / 'images' / 'trunc.jpg').write_bytes(_b[:len(_b) // 2])
+_b = (_bd / 'images' / 'scram.jpg').read_bytes()
+(_bd / 'images' / 'scram.jpg').write_bytes(_b[:16] + _rng.integers(0, 255, len(_b) - 16, dtype=np.uint8).tobytes())
+(_bd / 'images' / 'zero.jpg').write_bytes(b'')
+(_bd / 'images' / 'text.jpg').write_text('not an image')
 (_bd / 'retrieval.json').write_text(json.dumps([
     dict(image='ok0.jpg', caption=['a red square', None, '']), dict(image='ok1.jpg', caption='a blue circle'),
     dict(image='ok2.jpg', caption=['a green cross', 7]), dict(image='caps.jpg', caption=['!!!', '   ']),
     *[dict(image=f'{_n}.jpg', caption=['fine words']) for _n in ('trunc', 'scram', 'zero', 'text', 'gone')]]))
 _bs = load_retrieval(_bd / 'retrieval.json')
-test_eq(([p.name for p in _bs.images], _bs.captions), (['ok0.jpg', 'ok1.jpg', 'ok2.jpg'], [['a red square'], ['a blue circle'], ['a green cross']]))
+test_eq(([p.name for p in _bs.images], _bs.captions),
+        (['ok0.jpg', 'ok1.jpg', 'ok2.jpg'], [['a red square'], ['a blue circle'], ['a green cross']]))
 _rep = _bs.skips.report()
 test_eq(_rep['counts'], dict(missing_image=1, bad_image=4, bad_caption=5, no_caption=1))
-test_eq({Path(i['file']).name for i in _rep['items'] if i['reason'] == 'bad_image'}, {'trunc.jpg', 'scram.jpg', 'zero.jpg', 'text.jpg'})
+test_eq({Path(i['file']).name for i in _rep['items'] if i['reason'] == 'bad_image'},
+        {'trunc.jpg', 'scram.jpg', 'zero.jpg', 'text.jpg'})
 test_eq([i['detail'] for i in _rep['items'] if i['reason'] == 'bad_caption'][:3],
         ['caption 1: no caption', 'caption 2: empty caption', 'caption 1: caption is int, not text (7)'])
 test_eq(texts_ti := _bs.flat()[1].tolist(), [0, 1, 2])               # the ground truth follows the kept images
-test_fail(lambda: load_retrieval(_bd / 'retrieval.json', strict=True), contains='ok0.jpg: bad caption (caption 1: no caption) [strict mode]')
+test_fail(lambda: load_retrieval(_bd / 'retrieval.json', strict=True), contains='ok0.jpg: bad caption (caption 1: '
+                                                                                'no caption) [strict mode]')
 test_fail(lambda: read_image(_bd / 'images' / 'trunc.jpg'), contains='trunc.jpg: bad image')
 (_bd / 'broken.json').write_text('[{"image": "ok0.jpg", "caption": ["a"]')
 test_fail(lambda: load_retrieval(_bd / 'broken.json'), contains='broken.json: not valid JSON')
 {i['reason']: i['detail'] for i in _rep['items']}
-
-
-# %% [markdown]
-# ### Regions
-#
-# The region task (`64_eval_tasks`) classifies ground-truth regions: every annotated object of an image, its box, its
-# mask and its class. It reads the **COCO instances format** (`instances_*.json`: `images` with `id`, `file_name`,
-# `width`, `height`; `annotations` with `image_id`, `category_id`, `bbox` as `[x, y, w, h]`, `segmentation` as polygons
-# or RLE, `area`, `iscrowd`; `categories` with `id`, `name`), whatever wrote it: COCO itself, `coco_sample`'s two files,
-# a user's own detection set, or the world's benchmark folder (below), which writes its objects in the same format.
-# Images are looked for in `image_root`, else in `images/` or the folder named like the file's split (`val2017/`)
-# beside the `annotations/` folder.
-#
-# **The vocabulary.** By default every category in the file is a class. `vocabulary='ov-coco'` keeps the 65 classes
-# of the open-vocabulary COCO split of Zareian et al. (OVR-CNN, CVPR 2021), which RegionCLIP, CLIM and the PowerCLIP
-# paper's Table 15 use: 48 **base** classes (seen in detector training) and 17 **novel** ones (never seen), the other
-# 15 COCO classes left out (counted as `outside_vocabulary`). Whenever the classes include OV-COCO's, the set carries
-# the two groups so that novel classes are reported apart.
-
-# %%
-#| export
-OV_COCO_BASE = ('person', 'bicycle', 'car', 'motorcycle', 'train', 'truck', 'boat', 'bench', 'bird', 'horse', 'sheep',
-                'bear', 'zebra', 'giraffe', 'backpack', 'handbag', 'suitcase', 'frisbee', 'skis', 'kite', 'surfboard',
-                'bottle', 'fork', 'spoon', 'bowl', 'banana', 'apple', 'sandwich', 'orange', 'broccoli', 'carrot', 'pizza',
-                'donut', 'chair', 'bed', 'toilet', 'tv', 'laptop', 'mouse', 'remote', 'microwave', 'oven', 'toaster',
-                'refrigerator', 'book', 'clock', 'vase', 'toothbrush')        # 48 (OVR-CNN's split)
-OV_COCO_NOVEL = ('airplane', 'bus', 'cat', 'dog', 'cow', 'elephant', 'umbrella', 'tie', 'snowboard', 'skateboard', 'cup',
-                 'knife', 'cake', 'couch', 'keyboard', 'sink', 'scissors')   # 17
-REGION_TEMPLATES = ('a photo of a {c}.', 'a photo of the {c}.', 'a cropped photo of a {c}.', 'a {c}.')
-
-@dataclass
-class RegionSet:
-    "Ground-truth regions to classify: the images, and per region its image, box, segmentation and class."
-    images: list            # [Path]
-    sizes: list             # [(width, height)] of each image, as the annotations say
-    regions: list           # [dict(image=i, box=(x0, y0, x1, y1) pixels, segmentation=COCO's, label=k, id=annotation id)]
-    classnames: list        # [str] K class names
-    templates: list         # prompt templates with '{c}'
-    groups: dict            # {'base': [k..], 'novel': [k..]} when the classes include OV-COCO's, else {}
-    skips: ItemSkips        # the annotations and images left out, by reason
-    unseen: set = field(default_factory=set)   # ids of regions an evaluation found outside the model's view (counted once)
-
-def _region_images(path: Path, image_root) -> Path:
-    "Where the images of an instances file are: `image_root`, else `images/` or `<split>/` beside `annotations/`."
-    if image_root is not None: return _need(Path(image_root), 'the images folder of the instances file')
-    base = path.parent.parent if path.parent.name == 'annotations' else path.parent
-    split = path.stem.split('_', 1)[-1]                                          # instances_val2017 -> val2017
-    for d in (base / 'images', base / split):
-        if d.is_dir(): return d
-    raise MissingData(f'{path}: no images folder found (looked for {base / "images"} and {base / split}): pass image_root')
-
-def _bad_box(box, width: int, height: int) -> str | None:
-    "Why a COCO box `[x, y, w, h]` cannot be a region of a `width x height` image (None: it can)."
-    if not (isinstance(box, (list, tuple)) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
-        return f'box {box!r:.40} is not [x, y, w, h]'
-    x, y, w, h = map(float, box)
-    if not all(math.isfinite(v) for v in (x, y, w, h)): return f'box {box} is not finite'
-    if w <= 0 or h <= 0: return f'degenerate box {box} (no width or height)'
-    if x < -1 or y < -1 or x + w > width + 1 or y + h > height + 1: return f'box {box} outside the {width}x{height} image'
-    return None
-
-def load_regions(path, image_root=None, vocabulary: str = 'all', templates=REGION_TEMPLATES, strict: bool = False) -> RegionSet:
-    """The regions of a COCO-format instances file (see above); `vocabulary` 'all' (every category of the file) or
-    'ov-coco' (OV-COCO's 48 base + 17 novel classes). Bad annotations are skipped, counted and named (`ItemSkips`)."""
-    path = _need(Path(path), 'a COCO-format instances file (instances_*.json)')
-    if vocabulary not in ('all', 'ov-coco'): raise ValueError(f"vocabulary must be 'all' or 'ov-coco', got {vocabulary!r}")
-    d = _read_json(path)
-    what = 'COCO instances: {"images", "annotations", "categories"}'
-    cats = {c['id']: c['name'] for c in _field(d, 'categories', path, what) if isinstance(c, dict) and 'id' in c and 'name' in c}
-    names = list(dict.fromkeys(cats.values())) if vocabulary == 'all' else [*OV_COCO_BASE, *OV_COCO_NOVEL]
-    if vocabulary == 'ov-coco' and not set(names) <= set(cats.values()):
-        raise BadData(f'{path}: vocabulary ov-coco needs COCO category names; missing {sorted(set(names) - set(cats.values()))[:5]}')
-    index = {n: k for k, n in enumerate(names)}
-    root, skips = _region_images(path, image_root), ItemSkips(strict)
-    images, sizes, at, bad_images = [], [], {}, set()
-    for im in _field(d, 'images', path, what):
-        f = root / str(_field(im, 'file_name', path, what))
-        if not check_image(f, skips): bad_images.add(im.get('id')); continue
-        at[im.get('id')] = len(images)
-        images.append(f); sizes.append((int(im.get('width', 0)), int(im.get('height', 0))))
-    regions = []
-    for a in _field(d, 'annotations', path, what):
-        if not isinstance(a, dict) or a.get('image_id') in bad_images: continue          # its image is already counted
-        where = f"{path.name} annotation {a.get('id')}"
-        if a.get('image_id') not in at: skips.add('missing_image', where, f"image id {a.get('image_id')} not listed"); continue
-        i = at[a['image_id']]
-        if a.get('category_id') not in cats: skips.add('unknown_category', where, f"category id {a.get('category_id')}"); continue
-        if a.get('iscrowd'): skips.add('crowd_region', where, cats[a['category_id']]); continue
-        if cats[a['category_id']] not in index: skips.add('outside_vocabulary', where, cats[a['category_id']]); continue
-        why = _bad_box(a.get('bbox'), *sizes[i])
-        seg = a.get('segmentation')
-        if why is None and (not seg or float(a.get('area', 1)) <= 0): why = 'empty area or segmentation'
-        if why is None and isinstance(seg, dict) and isinstance(seg.get('counts'), str):
-            why = 'compressed RLE segmentation (a string of counts; this reader decodes polygons and uncompressed RLE)'
-        if why: skips.add('bad_region', where, why); continue
-        x, y, w, h = map(float, a['bbox'])
-        regions.append(dict(image=i, box=(x, y, x + w, y + h), segmentation=a['segmentation'], label=index[cats[a['category_id']]],
-                            id=a.get('id')))
-    groups = {}
-    if set(OV_COCO_BASE) | set(OV_COCO_NOVEL) <= set(names):
-        groups = {g: [index[n] for n in ns] for g, ns in (('base', OV_COCO_BASE), ('novel', OV_COCO_NOVEL))}
-    skips.log(str(path), len(d.get('annotations') or []))
-    if not regions: raise MissingData(f'{path}: no usable region ({skips.counts() or "no annotations"})')
-    return RegionSet(images, sizes, regions, names, list(templates), groups, skips)
-
-
-# %% [markdown]
-# Every kind of bad annotation in one hand-written file: an empty segmentation, a degenerate box, a box outside its
-# image, an unknown category id, a crowd region, an annotation of an image that is not listed, and one whose image
-# file is missing (its image counted once). The good regions stay, with their boxes in pixels; strict mode stops at
-# the first bad one. With the OV-COCO vocabulary the classes are the split's 65 and the groups index them.
-
-# %%
-_rd = Path(tempfile.mkdtemp()); (_rd / 'images').mkdir(); (_rd / 'annotations').mkdir()
-for _n in ('a', 'b'): Image.new('RGB', (40, 30)).save(_rd / 'images' / f'{_n}.png')
-_sq = [[2, 2, 12, 2, 12, 12, 2, 12]]                                             # a 10 x 10 square polygon
-_ann = [dict(id=1, image_id=1, category_id=1, bbox=[2, 2, 10, 10], segmentation=_sq, area=100, iscrowd=0),
-        dict(id=2, image_id=1, category_id=2, bbox=[20, 5, 8, 6], segmentation=_sq, area=48, iscrowd=0),
-        dict(id=3, image_id=1, category_id=1, bbox=[2, 2, 10, 10], segmentation=[], area=0, iscrowd=0),      # empty
-        dict(id=4, image_id=1, category_id=1, bbox=[5, 5, 0, 4], segmentation=_sq, area=10, iscrowd=0),      # degenerate
-        dict(id=5, image_id=2, category_id=2, bbox=[35, 20, 20, 20], segmentation=_sq, area=10, iscrowd=0),  # outside
-        dict(id=6, image_id=2, category_id=9, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=0),      # unknown cat
-        dict(id=7, image_id=2, category_id=1, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=1),      # crowd
-        dict(id=8, image_id=7, category_id=1, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=0),      # no such image
-        dict(id=9, image_id=3, category_id=1, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=0),      # image file gone
-        dict(id=10, image_id=2, category_id=2, bbox=[1, 1, 5, 5], segmentation=_sq, area=25, iscrowd=0)]
-(_rd / 'annotations' / 'instances_val.json').write_text(json.dumps(dict(
-    images=[dict(id=1, file_name='a.png', width=40, height=30), dict(id=2, file_name='b.png', width=40, height=30),
-            dict(id=3, file_name='c.png', width=40, height=30)],
-    annotations=_ann, categories=[dict(id=1, name='dog'), dict(id=2, name='red circle')])))
-_rs = load_regions(_rd / 'annotations' / 'instances_val.json')
-test_eq([(r['id'], r['image'], r['box'], r['label']) for r in _rs.regions],
-        [(1, 0, (2.0, 2.0, 12.0, 12.0), 0), (2, 0, (20.0, 5.0, 28.0, 11.0), 1), (10, 1, (1.0, 1.0, 6.0, 6.0), 1)])
-test_eq((_rs.classnames, _rs.groups, [p.name for p in _rs.images]), (['dog', 'red circle'], {}, ['a.png', 'b.png']))
-test_eq(_rs.skips.counts(), dict(missing_image=2, bad_region=3, unknown_category=1, crowd_region=1))
-test_eq(sorted(i['detail'] for i in _rs.skips.report()['items'] if i['reason'] == 'bad_region'),
-        ['box [35, 20, 20, 20] outside the 40x30 image', 'degenerate box [5, 5, 0, 4] (no width or height)', 'empty area or segmentation'])
-test_fail(lambda: load_regions(_rd / 'annotations' / 'instances_val.json', strict=True), contains='c.png: missing image')
-test_fail(lambda: load_regions(_rd / 'annotations' / 'instances_val.json', vocabulary='ov-coco'), contains='needs COCO category names')
-test_fail(lambda: load_regions(_rd / 'nothing.json'), contains='instances_*.json')
-
 
 # %% [markdown]
 # ## The world's benchmark folder
@@ -623,7 +562,7 @@ test_fail(lambda: load_regions(_rd / 'nothing.json'), contains='instances_*.json
 # - `annotations/instances_shape.json` and `annotations/instances_colour_shape.json`, every object of every scene in
 #   the COCO instances format (box, pixel mask as uncompressed RLE), labelled by its shape ("circle") or by its colour
 #   and shape ("red circle": the attribute-bound, compositional vocabulary): the region task's data, read by
-#   `load_regions` like any COCO file;
+#   `load_regions` (`61a_eval_region_data`) like any COCO file;
 # - `scenes.json`, per file name its `index`, scene, gold tree and gold patch masks, and `parses.json`, the gold tree
 #   of every caption and negative;
 # - `config.json`, the `WorldConfig`, and `summary.json`, the counts and what was asked for.
@@ -644,14 +583,17 @@ test_fail(lambda: load_regions(_rd / 'nothing.json'), contains='instances_*.json
 def write_wds_classification(out_dir, cls: ClassificationSet, splits=('train', 'test')) -> dict:
     "Write a `ClassificationSet` as clip_benchmark's webdataset export (one shard per split); returns counts per split."
     import tarfile
-    out = Path(out_dir); counts = {}
+    out = Path(out_dir)
+    counts = {}
     for split in splits:
         paths, labels = cls.splits[split]
         (out / split).mkdir(parents=True, exist_ok=True)
         with tarfile.open(out / split / '0.tar', 'w') as tar:
             for i, (p, y) in enumerate(zip(paths, labels.tolist())):
                 for ext, data in (('png', Path(p).read_bytes()), ('cls', str(y).encode())):
-                    info = tarfile.TarInfo(f'{i:06d}.{ext}'); info.size = len(data); info.mtime = 0
+                    info = tarfile.TarInfo(f'{i:06d}.{ext}')
+                    info.size = len(data)
+                    info.mtime = 0
                     tar.addfile(info, io.BytesIO(data))
         (out / split / 'nshards.txt').write_text('1\n')
         counts[split] = len(paths)
@@ -661,10 +603,14 @@ def write_wds_classification(out_dir, cls: ClassificationSet, splits=('train', '
 
 WORLD_TEMPLATES = ('a photo of a {c}.', 'a {c}.')
 
-def write_world_classification(out_dir, n: dict | None = None, attribute: str = 'shape', cfg: WorldConfig | None = None) -> dict:
-    "Single-object scenes of the world `cfg` labelled by `attribute` ('shape' | 'colour') -> `out_dir/classification.json`; returns counts."
-    if attribute not in ('shape', 'colour'): raise ValueError(f"attribute must be 'shape' or 'colour', got {attribute!r}")
-    out = Path(out_dir); (out / 'cls_images').mkdir(parents=True, exist_ok=True)
+def write_world_classification(out_dir, n: dict | None = None, attribute: str = 'shape',
+                               cfg: WorldConfig | None = None) -> dict:
+    """Single-object scenes of the world `cfg` labelled by `attribute` ('shape' | 'colour') ->
+    `out_dir/classification.json`; returns counts."""
+    if attribute not in ('shape', 'colour'):
+        raise ValueError(f"attribute must be 'shape' or 'colour', got {attribute!r}")
+    out = Path(out_dir)
+    (out / 'cls_images').mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg or WorldConfig(), min_objects=1, max_objects=1)
     classes = list(cfg.shapes if attribute == 'shape' else cfg.colours)
     splits = {}
@@ -676,7 +622,8 @@ def write_world_classification(out_dir, n: dict | None = None, attribute: str = 
             Image.fromarray(s['image']).save(out / fname)
             rows.append(dict(image=fname, label=classes.index(getattr(s['scene'].objects[0], attribute))))
         splits[split] = rows
-    (out / 'classification.json').write_text(json.dumps(dict(classnames=classes, templates=list(WORLD_TEMPLATES), splits=splits,
+    (out / 'classification.json').write_text(json.dumps(dict(classnames=classes,
+                                                             templates=list(WORLD_TEMPLATES), splits=splits,
                                                              attribute=attribute, world_config=asdict(cfg)), indent=1))
     return {k: len(v) for k, v in splits.items()}
 
@@ -684,12 +631,15 @@ def write_world_winoground(out_dir, n_pairs: int = 50, cfg: WorldConfig | None =
     """Winoground-format pairs of world scenes (split 'val') under `out_dir/data/`; returns the number of pairs. Two
     random scenes make a pair: unlike Winoground the two captions are not word permutations of each other, so the
     score is no compositionality measure (the world's hard negatives are)."""
-    out = Path(out_dir); (out / 'data' / 'images').mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)
+    (out / 'data' / 'images').mkdir(parents=True, exist_ok=True)
     cfg, rows = cfg or WorldConfig(), []
     for k in range(n_pairs):
         a, b = generate(cfg, 2 * k, 'val'), generate(cfg, 2 * k + 1, 'val')
-        if a['text'] == b['text']: continue      # a pair needs two different captions
-        for j, s in enumerate((a, b)): Image.fromarray(s['image']).save(out / 'data' / 'images' / f'wg_{k}_{j}.png')
+        if a['text'] == b['text']:
+            continue      # a pair needs two different captions
+        for j, s in enumerate((a, b)):
+            Image.fromarray(s['image']).save(out / 'data' / 'images' / f'wg_{k}_{j}.png')
         rows.append(dict(id=k, image_0=f'wg_{k}_0', image_1=f'wg_{k}_1', caption_0=a['text'], caption_1=b['text']))
     (out / 'data' / 'examples.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     return len(rows)
@@ -736,7 +686,8 @@ def write_world_regions(out, cfg: WorldConfig, n_images: int, split: str = 'test
 
 def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captions_per_image: int) -> dict:
     "Images, hard negatives, retrieval list, scenes and gold trees of `n_images` scenes; returns their counts."
-    (out / 'images').mkdir(parents=True, exist_ok=True); (out / 'data').mkdir(exist_ok=True)
+    (out / 'images').mkdir(parents=True, exist_ok=True)
+    (out / 'data').mkdir(exist_ok=True)
     sugar = {k: {} for k in NEGATIVE_KINDS}
     retrieval, scenes, parses, seen = [], {}, {}, set()
     dropped_captions = skipped_images = 0
@@ -744,7 +695,8 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
         b = benchmark_scene(cfg, i, split, captions_per_image)
         s, fname = b['sample'], f'world_{i:06d}.png'
         Image.fromarray(s['image']).save(out / 'images' / fname)
-        scenes[fname] = dict(index=i, split=split, caption=s['text'], tree=s['parsed'].to_dict(), scene=s['scene'].to_dict(),
+        scenes[fname] = dict(index=i, split=split, caption=s['text'], tree=s['parsed'].to_dict(),
+                             scene=s['scene'].to_dict(),
                              order=s['order'], masks=s['masks'][s['mask_valid']].astype(int).tolist())
         parses[s['text']] = s['parsed'].to_dict()
         for kind, neg in b['negatives'].items():
@@ -752,13 +704,23 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
             sugar[kind][str(len(sugar[kind]))] = dict(filename=fname, caption=s['text'], negative_caption=neg.text)
         caps = []
         for c in b['captions']:
-            if c.text in seen: dropped_captions += 1; continue
-            seen.add(c.text); caps.append(c.text); parses[c.text] = c.to_dict()
-        if caps: retrieval.append(dict(image=fname, caption=caps))
-        else: skipped_images += 1
-    def dump(obj, name): (out / name).write_text(json.dumps(obj, indent=1))
-    for kind, items in sugar.items(): dump(items, f'data/{kind}.json')
-    dump(retrieval, 'retrieval.json'); dump(scenes, 'scenes.json'); dump(parses, 'parses.json')
+            if c.text in seen:
+                dropped_captions += 1
+                continue
+            seen.add(c.text)
+            caps.append(c.text)
+            parses[c.text] = c.to_dict()
+        if caps:
+            retrieval.append(dict(image=fname, caption=caps))
+        else:
+            skipped_images += 1
+    def dump(obj, name):
+        (out / name).write_text(json.dumps(obj, indent=1))
+    for kind, items in sugar.items():
+        dump(items, f'data/{kind}.json')
+    dump(retrieval, 'retrieval.json')
+    dump(scenes, 'scenes.json')
+    dump(parses, 'parses.json')
     return dict(sugarcrepe={k: len(v) for k, v in sugar.items()},
                 retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
                 retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
@@ -769,8 +731,8 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
     set, its webdataset export and the Winoground-format pairs. Returns the summary (also `summary.json`); a folder
     that already holds this request is left as it is."""
     cfg, out = cfg or WorldConfig(), Path(out_dir)
-    request = json.loads(json.dumps(dict(n_images=n_images, split=split, extras=extras, captions_per_image=captions_per_image,
-                                         config=asdict(cfg))))
+    request = json.loads(json.dumps(dict(n_images=n_images, split=split, extras=extras,
+                                         captions_per_image=captions_per_image, config=asdict(cfg))))
     regions = [out / 'annotations' / f'instances_{v}.json' for v in WORLD_REGION_VOCABULARIES]
     if (out / 'summary.json').is_file():
         old = json.loads((out / 'summary.json').read_text())
@@ -784,7 +746,8 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
     summary = dict(n_images=n_images, split=split, **_world_scenes(out, cfg, n_images, split, captions_per_image),
                    regions=write_world_regions(out, cfg, n_images, split, captions_per_image))
     if extras:
-        summary['classification'] = write_world_classification(out, dict(train=n_images, val=n_images // 2, test=n_images), cfg=cfg)
+        summary['classification'] = write_world_classification(out, dict(train=n_images, val=n_images // 2,
+                                                                         test=n_images), cfg=cfg)
         summary['winoground_pairs'] = write_world_winoground(out, max(1, n_images // 4), cfg=cfg)
         summary['wds_shape'] = write_wds_classification(out / 'wds_shape', load_classification(out))
     summary['request'] = request
@@ -800,7 +763,7 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
 
 # %%
 from powerclip.parsing import ParsedCaption
-from powerclip.world import Scene, caption_truth, render, spec_from_text
+from powerclip.world import Scene, caption_truth, spec_from_text
 tmp = Path(tempfile.mkdtemp())
 world_summary = write_world_benchmark(tmp / 'world', n_images=60)
 cfg = WorldConfig()
@@ -818,32 +781,24 @@ for kind, items in sc.items():
         scene = Scene.from_dict(scenes[path.name]['scene'])
         test_eq(np.asarray(Image.open(path).convert('RGB')), render(scene, cfg)[0])
         test_eq(cap, scenes[path.name]['caption'])
-        assert caption_truth(spec_from_text(cap, cfg), scene, cfg) is True and caption_truth(spec_from_text(neg, cfg), scene, cfg) is False
+        assert (caption_truth(spec_from_text(cap, cfg), scene, cfg) is True
+                and caption_truth(spec_from_text(neg, cfg), scene, cfg) is False)
         assert ParsedCaption.from_dict(parses[neg]).text == neg
 texts, _ = ret.flat()
-test_eq(len(texts), len(set(texts))); assert all(t in parses for t in texts)
+test_eq(len(texts), len(set(texts)))
+assert all(t in parses for t in texts)
 _mtime = (tmp / 'world' / 'retrieval.json').stat().st_mtime_ns
-test_eq(write_world_benchmark(tmp / 'world', n_images=60), world_summary)                      # the same request: nothing written
-for _f in (tmp / 'world' / 'annotations').glob('*.json'): _f.unlink()                        # a folder from before the regions
+# the same request: nothing written
+test_eq(write_world_benchmark(tmp / 'world', n_images=60), world_summary)
+for _f in (tmp / 'world' / 'annotations').glob('*.json'):
+    _f.unlink()                        # a folder from before the regions
 test_eq(write_world_benchmark(tmp / 'world', n_images=60)['request'], world_summary['request'])
-test_eq(len(load_regions(tmp / 'world' / 'annotations' / 'instances_shape.json').regions), world_summary['regions'])
+test_eq(len(json.loads((tmp / 'world' / 'annotations' / 'instances_shape.json').read_text())['annotations']),
+        world_summary['regions'])
 test_eq((tmp / 'world' / 'retrieval.json').stat().st_mtime_ns, _mtime)                       # the rest untouched
 test_eq((tmp / 'world' / 'retrieval.json').stat().st_mtime_ns, _mtime)
 test_fail(lambda: load_winoground(tmp / 'nowhere'), contains='data/examples.jsonl')
 test_fail(lambda: load_sugarcrepe(tmp / 'nowhere'), contains='sugar-crepe')
-# the regions: every object of every scene, its pixel mask and box, under both vocabularies
-from powerclip.regions import coco_mask
-_wr = {v: load_regions(tmp / 'world' / 'annotations' / f'instances_{v}.json') for v in WORLD_REGION_VOCABULARIES}
-test_eq(len(_wr['shape'].regions), world_summary['regions']); test_eq(len(_wr['colour_shape'].classnames), 35)
-for _r0, _r1 in zip(_wr['shape'].regions[:20], _wr['colour_shape'].regions[:20]):
-    _im = _wr['shape'].images[_r0['image']]
-    _sc = Scene.from_dict(scenes[_im.name]['scene'])
-    _m = coco_mask(_r0['segmentation'], 64, 64)
-    _k = next(k for k, m in enumerate(render(_sc, cfg)[1]) if np.array_equal(m, _m))   # the object it is
-    _o = _sc.objects[_k]
-    test_eq((_wr['shape'].classnames[_r0['label']], _wr['colour_shape'].classnames[_r1['label']]), (_o.shape, f'{_o.colour} {_o.shape}'))
-    _rows, _cols = np.nonzero(_m)
-    test_eq(_r0['box'], (float(_cols.min()), float(_rows.min()), float(_cols.max() + 1), float(_rows.max() + 1)))
 {k: v for k, v in world_summary.items() if k != 'request'}, cls.classnames, len(wg)
 
 # %% [markdown]
@@ -860,15 +815,10 @@ if (DATA / 'coco_sample').is_dir():
     test_eq((len(coco.images), sum(map(len, coco.captions))), (239, 1195))
     test_eq(sum(map(len, coco_sc.values())), 211)
     real = json.loads((DATA / 'sugarcrepe' / 'data' / 'swap_att.json').read_text())
-    test_eq(set(next(iter(real.values()))), set(json.loads((tmp / 'world' / 'data' / 'swap_att.json').read_text())['0']))
+    test_eq(set(next(iter(real.values()))),
+            set(json.loads((tmp / 'world' / 'data' / 'swap_att.json').read_text())['0']))
     test_eq((coco.skipped, full_skipped.counts()), (0, {'missing_image': 7511 - 211}))
-    print({c: len(v) for c, v in coco_sc.items()}, 'full benchmark kept', sum(map(len, full_sc.values())), 'skipped', full_skipped.counts())
-    # the real regions: COCO's instance annotations of the sample's photos, all 80 classes and OV-COCO's 65
-    for _split in ('val2017', 'train2017'):
-        for _v in ('all', 'ov-coco'):
-            _cr = load_regions(DATA / 'coco_sample' / 'annotations' / f'instances_{_split}.json', vocabulary=_v)
-            assert _cr.regions and all(0 <= r['label'] < len(_cr.classnames) for r in _cr.regions)
-            test_eq(sorted(_cr.groups), ['base', 'novel']); test_eq(len(_cr.groups['novel']), 17)
-            print(f"{_split} {_v}: {len(_cr.regions)} regions of {len(_cr.classnames)} classes on {len(_cr.images)} photos, "
-                  f"novel {sum(r['label'] in _cr.groups['novel'] for r in _cr.regions)}; left out {_cr.skips.counts()}")
-else: print('skipped: ../shared/data is absent')
+    print({c: len(v) for c, v in coco_sc.items()}, 'full benchmark kept', sum(map(len, full_sc.values())), 'skipped',
+          full_skipped.counts())
+else:
+    print('skipped: ../shared/data is absent')

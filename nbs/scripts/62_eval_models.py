@@ -45,7 +45,10 @@ from fastcore.test import test_eq, test_fail
 # %% [markdown]
 # # Models, scorers and the feature cache
 #
-# > The one way a checkpoint is loaded for evaluation (a file, a run folder or a random initialisation, with the architecture and the method read from the run), the scorers its method offers, and an `Evaluator` that turns images and captions into cached features and scores.
+# > The one way a checkpoint is loaded for evaluation, the scorers its method offers, and an `Evaluator`.
+#
+# A checkpoint is a file, a run folder or a random initialisation, with the architecture and the method read from the run;
+# the `Evaluator` turns images and captions into cached features and scores.
 
 # %% [markdown]
 # ## Loading a checkpoint
@@ -91,7 +94,8 @@ from fastcore.test import test_eq, test_fail
 # %%
 #| export
 class CheckpointError(ValueError):
-    "A checkpoint that cannot be evaluated: no architecture named, weights that do not fit it, an unknown method, non-finite weights."
+    """A checkpoint that cannot be evaluated: no architecture named, weights that do not fit it, an unknown method,
+    non-finite weights."""
 
 class NonFiniteWeights(CheckpointError):
     "A checkpoint holding NaN or infinite weights (a diverged run): it is never scored."
@@ -115,7 +119,10 @@ def check_finite(sd: dict, where: str):
                                'the run diverged, and a model with such weights is never scored')
 
 class _DropMessage(logging.Filter):
-    def __init__(self, text: str): super().__init__(); self.text = text
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
     def filter(self, record): return self.text not in record.getMessage()
 
 @contextlib.contextmanager
@@ -123,22 +130,28 @@ def _quiet_open_clip_random_init():
     "While open_clip builds a model, drop its root-logger line 'No pretrained weights loaded ... initialized randomly'."
     f, root = _DropMessage('initialized randomly'), logging.getLogger()
     root.addFilter(f)
-    try: yield
-    finally: root.removeFilter(f)
+    try:
+        yield
+    finally:
+        root.removeFilter(f)
 
 def sha256_file(path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, 'rb') as f:
-        for b in iter(lambda: f.read(chunk), b''): h.update(b)
+        for b in iter(lambda: f.read(chunk), b''):
+            h.update(b)
     return h.hexdigest()
 
 def _state_dict(ck) -> dict:
     for k in ('state_dict', 'model'):
-        if isinstance(ck, dict) and k in ck and isinstance(ck[k], dict): ck = ck[k]; break
+        if isinstance(ck, dict) and k in ck and isinstance(ck[k], dict):
+            ck = ck[k]
+            break
     sd = {}
     for k, v in ck.items():
         for p in ('module.', 'model.'):
-            if k.startswith(p): k = k[len(p):]
+            if k.startswith(p):
+                k = k[len(p):]
         sd[k] = v
     return sd
 
@@ -147,28 +160,37 @@ def checkpoint_file(path) -> Path:
     path = Path(path)
     if path.is_dir():
         found = [p for p in (path / 'model.pt', path / 'checkpoints' / 'last.pt') if p.is_file()]
-        if not found: raise MissingData(f'run directory {path} has neither model.pt nor checkpoints/last.pt')
+        if not found:
+            raise MissingData(f'run directory {path} has neither model.pt nor checkpoints/last.pt')
         return found[0]
     return _need_file(path)
 
 def _need_file(path: Path) -> Path:
-    if not path.is_file(): raise MissingData(f'checkpoint: expected {path}')
+    if not path.is_file():
+        raise MissingData(f'checkpoint: expected {path}')
     return path
 
 def run_config(checkpoint, ck=None) -> dict:
-    "The config of the run a checkpoint belongs to: the one inside a trainer checkpoint `ck`, else `config.yaml` beside the file or one folder up ({} when none)."
-    if isinstance(ck, dict) and isinstance(ck.get('config'), dict): return ck['config']
+    """The config of the run a checkpoint belongs to: the one inside a trainer checkpoint `ck`, else `config.yaml`
+    beside the file or one folder up ({} when none)."""
+    if isinstance(ck, dict) and isinstance(ck.get('config'), dict):
+        return ck['config']
     import yaml
     p = Path(checkpoint)
     for d in (p.parent, p.parent.parent):
-        if (d / 'config.yaml').is_file(): return yaml.safe_load((d / 'config.yaml').read_text()) or {}
+        if (d / 'config.yaml').is_file():
+            return yaml.safe_load((d / 'config.yaml').read_text()) or {}
     return {}
 
 def _method(method: str | None, method_cfg: dict | None):
-    if method is None: return None
-    try: return get_method(method, method_cfg or {})
-    except KeyError as e: raise CheckpointError(e.args[0]) from None     # an unknown method: one line, not a KeyError repr
-    except (TypeError, ValueError) as e: raise CheckpointError(f'method {method!r} with config {method_cfg}: {e}') from None
+    if method is None:
+        return None
+    try:
+        return get_method(method, method_cfg or {})
+    except KeyError as e:
+        raise CheckpointError(e.args[0]) from None     # an unknown method: one line, not a KeyError repr
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f'method {method!r} with config {method_cfg}: {e}') from None
 
 def method_modules(m, model, checkpoint=None, ck=None):
     """The method's own trained modules (`build_modules`, e.g. SPARC's pooling head, A-CLIP's EMA towers) with the run's
@@ -176,15 +198,20 @@ def method_modules(m, model, checkpoint=None, ck=None):
     None when the method has none, or when its weights are not found (a scorer that needs them then says so);
     freshly built ones for a random initialisation (`checkpoint` None)."""
     mods = None if m is None else m.build_modules(model)
-    if mods is None or checkpoint is None: return None if mods is None else mods.eval()
+    if mods is None or checkpoint is None:
+        return None if mods is None else mods.eval()
     sd = ck.get('method_modules') if isinstance(ck, dict) and isinstance(ck.get('method_modules'), dict) else None
     f = Path(checkpoint).parent / 'method_modules.pt'
-    if sd is None and f.is_file(): sd, checkpoint = torch.load(f, map_location='cpu', weights_only=True), f
+    if sd is None and f.is_file():
+        sd, checkpoint = torch.load(f, map_location='cpu', weights_only=True), f
     if sd is None:
-        log.info('no trained modules of method %s beside %s', type(m).__name__, checkpoint); return None
+        log.info('no trained modules of method %s beside %s', type(m).__name__, checkpoint)
+        return None
     check_finite(sd, f'the method modules of {checkpoint}')
-    try: mods.load_state_dict(sd)
-    except RuntimeError as e: raise CheckpointError(f'the method modules of {checkpoint} do not fit {type(m).__name__}: {e}') from None
+    try:
+        mods.load_state_dict(sd)
+    except RuntimeError as e:
+        raise CheckpointError(f'the method modules of {checkpoint} do not fit {type(m).__name__}: {e}') from None
     return mods.eval()
 
 @dataclass
@@ -206,34 +233,46 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     pooling (`model.pool`) and the method; `model_name` / `method` / `pool` given here win (a pool None and none in the
     run: the architecture's, `30_model`). Raises `CheckpointError` (`NonFiniteWeights`) before building
     anything for a checkpoint that cannot be evaluated."""
-    import open_clip                                     # here, not at the top: `--help`, `table`, `make-world` stay fast
+    # here, not at the top: `--help`, `table`, `make-world` stay fast
+    import open_clip
     from powerclip.model import create_model, pool_of
     sd, run, ck = None, {}, None
     if checkpoint is not None:
         checkpoint = checkpoint_file(checkpoint)
-        try: ck = torch.load(checkpoint, map_location='cpu', weights_only=True)
+        try:
+            ck = torch.load(checkpoint, map_location='cpu', weights_only=True)
         except Exception as e:   # the trainer's checkpoints also hold RNG states and configs
-            log.info('weights_only load failed (%s); loading %s as a trusted local pickle', type(e).__name__, checkpoint)
-            try: ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
-            except Exception as e2: raise CheckpointError(f'{checkpoint}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
-        if not isinstance(ck, dict): raise CheckpointError(f'{checkpoint}: not a state dict or a trainer checkpoint (a {type(ck).__name__})')
+            log.info('weights_only load failed (%s); loading %s as a trusted local pickle',
+                     type(e).__name__, checkpoint)
+            try:
+                ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
+            except Exception as e2:
+                raise CheckpointError(
+                    f'{checkpoint}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
+        if not isinstance(ck, dict):
+            raise CheckpointError(f'{checkpoint}: not a state dict or a trainer checkpoint (a {type(ck).__name__})')
         sd, run = _state_dict(ck), run_config(checkpoint, ck)
         check_finite(sd, f'checkpoint {checkpoint}')
     run_model = run.get('model') or {}
     name = model_name or run_model.get('name')
     if name is None:
         raise CheckpointError('no model name given: pass --model' if checkpoint is None else
-                              f'no model name given, and neither {checkpoint} nor a config.yaml beside it names one: pass --model')
+                              f'no model name given, and neither {checkpoint} nor a config.yaml beside '
+                              'it names one: pass --model')
     kw = dict(run_model.get('kwargs') or {}) if run_model.get('name') in (None, name) else {}
     kw.update(model_kwargs or {})
-    if pool is None and run_model.get('name') in (None, name): pool = run_model.get('pool')
+    if pool is None and run_model.get('name') in (None, name):
+        pool = run_model.get('pool')
     method = method or run.get('method')
-    if method_cfg is None: method_cfg = (run.get('method_cfg') or {}) if run.get('method') == method else {}
+    if method_cfg is None:
+        method_cfg = (run.get('method_cfg') or {}) if run.get('method') == method else {}
     m = _method(method, method_cfg)                      # an unknown method stops here, before the model is built
     torch.manual_seed(seed)
     with _quiet_open_clip_random_init():
-        try: model, _, preprocess = create_model(name, pool=pool, **kw)
-        except ValueError as e: raise CheckpointError(str(e)) from None     # an unknown architecture name
+        try:
+            model, _, preprocess = create_model(name, pool=pool, **kw)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None     # an unknown architecture name
     arch = name                                          # architecture names only (no aliases)
     pooled = pool_of(model)
     if m is not None and pooled not in m.pools:
@@ -241,20 +280,26 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     # the same weights pooled another way are another model: its features must not share the cache ('tok' ids unchanged)
     tag = '' if pooled == 'tok' else f'-{pooled}'
     if sd is None:
-        ckpt_id = f'random-init-{arch}-seed{seed}' + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}' if kw else '') + tag
+        ckpt_id = (f'random-init-{arch}-seed{seed}'
+                   + (f'-{hashlib.sha256(json.dumps(kw, sort_keys=True).encode()).hexdigest()[:8]}'
+                      if kw else '') + tag)
         log.warning('no checkpoint given: %s is a random initialisation (seed %d), an untrained model', arch, seed)
     else:
         ckpt_id = sha256_file(checkpoint) + tag
-        try: missing, unexpected = model.load_state_dict(sd, strict=False)
-        except RuntimeError as e: raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: {e}') from None   # shape mismatches
+        try:
+            missing, unexpected = model.load_state_dict(sd, strict=False)
+        except RuntimeError as e:
+            raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: {e}') from None   # shape mismatches
         if missing or unexpected:
-            raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), unexpected {unexpected[:5]}.. ({len(unexpected)})')
+            raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), '
+                                  f'unexpected {unexpected[:5]}.. ({len(unexpected)})')
     tok = open_clip.get_tokenizer(arch, context_length=model.context_length)
     modules = method_modules(m, model, checkpoint, ck)
-    if modules is not None: modules.to(device)
+    if modules is not None:
+        modules.to(device)
     scorers = {'global': GlobalScorer()} if m is None else dict(m.scorers(modules))
-    return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw, pool=pooled), method,
-                       scorers, modules)
+    return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw, pool=pooled),
+                       method, scorers, modules)
 
 
 # %% [markdown]
@@ -266,22 +311,29 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
 # %%
 from powerclip.model import create_model
 d = Path(tempfile.mkdtemp())
-torch.manual_seed(1); _sd = create_model('powerclip-micro')[0].state_dict()
+torch.manual_seed(1)
+_sd = create_model('powerclip-micro')[0].state_dict()
 (d / 'run' / 'checkpoints').mkdir(parents=True)
 (d / 'run' / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\nmethod: filip\nmethod_cfg: {}\n')
 torch.save(_sd, d / 'run' / 'model.pt')
-torch.save(dict(model=_sd, config=dict(model=dict(name='powerclip-micro', kwargs={}), method='clip'), step=3), d / 'run' / 'checkpoints' / 'last.pt')
-a, b, c = load_model(checkpoint=d / 'run'), load_model(checkpoint=d / 'run' / 'model.pt'), load_model(checkpoint=d / 'run' / 'checkpoints' / 'last.pt')
-test_eq(a.ckpt_id, b.ckpt_id); assert not a.ckpt_id.startswith('random')
+torch.save(dict(model=_sd, config=dict(model=dict(name='powerclip-micro', kwargs={}), method='clip'), step=3),
+           d / 'run' / 'checkpoints' / 'last.pt')
+a, b, c = (load_model(checkpoint=d / 'run'), load_model(checkpoint=d / 'run' / 'model.pt'),
+           load_model(checkpoint=d / 'run' / 'checkpoints' / 'last.pt'))
+test_eq(a.ckpt_id, b.ckpt_id)
+assert not a.ckpt_id.startswith('random')
 assert all(torch.equal(v, c.model.state_dict()[k]) for k, v in a.model.state_dict().items())
 test_eq((a.method, list(a.scorers)), ('filip', ['late', 'global']))
-test_eq((c.method, list(c.scorers)), ('clip', ['global']))                          # the trainer checkpoint's own config
+# the trainer checkpoint's own config
+test_eq((c.method, list(c.scorers)), ('clip', ['global']))
 test_eq(list(load_model(checkpoint=d / 'run', method='clip').scorers), ['global'])   # --method wins
 test_eq(load_model('powerclip-micro').ckpt_id, 'random-init-powerclip-micro-seed0')
-(d / 'bare').mkdir(); torch.save(_sd, d / 'bare' / 'model.pt')
+(d / 'bare').mkdir()
+torch.save(_sd, d / 'bare' / 'model.pt')
 test_fail(lambda: load_model(checkpoint=d / 'bare' / 'model.pt'), contains='config.yaml')
 test_fail(lambda: load_model(checkpoint=d), contains='neither model.pt')
-(d / 'notes.pt').write_text('not a checkpoint'); test_fail(lambda: load_model('powerclip-micro', d / 'notes.pt'), contains='not a checkpoint torch can read')
+(d / 'notes.pt').write_text('not a checkpoint')
+test_fail(lambda: load_model('powerclip-micro', d / 'notes.pt'), contains='not a checkpoint torch can read')
 test_fail(lambda: load_model('powerclip-micro', method='nosuch'), contains='unknown method')
 test_fail(lambda: load_model(), contains='pass --model')
 
@@ -299,23 +351,27 @@ test_fail(lambda: load_model(), contains='pass --model')
 
 # %%
 from powerclip.model import encode, pool_of
-torch.manual_seed(2); _avg = create_model('powerclip-micro', pool='avg')[0].eval()
+torch.manual_seed(2)
+_avg = create_model('powerclip-micro', pool='avg')[0].eval()
 (d / 'authors').mkdir()
-torch.save(dict(epoch=32, name='powerclip-micro-avg', state_dict={f'module.{k}': v for k, v in _avg.state_dict().items()},
+torch.save(dict(epoch=32, name='powerclip-micro-avg',
+                state_dict={f'module.{k}': v for k, v in _avg.state_dict().items()},
                 optimizer={'state': {}, 'param_groups': []}), d / 'authors' / 'epoch_32.pt')
 _la = load_model('powerclip-micro', d / 'authors' / 'epoch_32.pt', pool='avg')
 test_eq((pool_of(_la.model), _la.spec['pool'], _la.ckpt_id[-4:], list(_la.scorers)), ('avg', 'avg', '-avg', ['global']))
 assert all(torch.equal(v, _avg.state_dict()[k]) for k, v in _la.model.state_dict().items())
 _lt = load_model('powerclip-micro', d / 'authors' / 'epoch_32.pt')                     # the same weights, class token
 test_eq((pool_of(_lt.model), _lt.ckpt_id, _la.ckpt_id), ('tok', _la.ckpt_id[:-4], _lt.ckpt_id + '-avg'))
-_x = torch.randn(2, 3, 32, 32); _tk = _la.tokenizer(['a red circle', 'two blue squares'])
+_x = torch.randn(2, 3, 32, 32)
+_tk = _la.tokenizer(['a red circle', 'two blue squares'])
 with torch.no_grad():
     _e = encode(_avg, _x, _tk)
     torch.testing.assert_close(_la.scorers['global'].image_features(_la.model, _x)['image'], _e['image'])
     torch.testing.assert_close(_la.scorers['global'].text_features(_la.model, _tk)['text'], _e['text'])
     assert not torch.allclose(_lt.scorers['global'].text_features(_lt.model, _tk)['text'], _e['text'])
 # a run folder's config.yaml says how it pools; a method that cannot pool that way is refused
-(d / 'avgrun').mkdir(); torch.save(_avg.state_dict(), d / 'avgrun' / 'model.pt')
+(d / 'avgrun').mkdir()
+torch.save(_avg.state_dict(), d / 'avgrun' / 'model.pt')
 (d / 'avgrun' / 'config.yaml').write_text('model: {name: powerclip-micro, pool: avg}\nmethod: clip\nmethod_cfg: {}\n')
 test_eq(pool_of(load_model(checkpoint=d / 'avgrun').model), 'avg')
 test_fail(lambda: load_model(checkpoint=d / 'avgrun', method='aclip'), contains="method 'aclip' pools by tok")
@@ -325,16 +381,21 @@ test_fail(lambda: load_model(checkpoint=d / 'avgrun', method='aclip'), contains=
 # `method_modules.pt` beside `model.pt` or from inside a trainer checkpoint, and hands them to its scorers:
 
 # %%
-from powerclip.methods import get_method
 _mods = get_method('smartclip', {'heads': 2}).build_modules(create_model('powerclip-micro')[0])
-with torch.no_grad(): [q.add_(1.0) for q in _mods.parameters()]                    # weights no fresh module has
-(d / 'sc').mkdir(); torch.save(_sd, d / 'sc' / 'model.pt'); torch.save(_mods.state_dict(), d / 'sc' / 'method_modules.pt')
+with torch.no_grad():
+    [q.add_(1.0) for q in _mods.parameters()]                    # weights no fresh module has
+(d / 'sc').mkdir()
+torch.save(_sd, d / 'sc' / 'model.pt')
+torch.save(_mods.state_dict(), d / 'sc' / 'method_modules.pt')
 (d / 'sc' / 'config.yaml').write_text('model: {name: powerclip-micro}\nmethod: smartclip\nmethod_cfg: {heads: 2}\n')
 _lm = load_model(checkpoint=d / 'sc')
 assert all(torch.equal(v, _mods.state_dict()[k]) for k, v in _lm.modules.state_dict().items())
-torch.save(dict(model=_sd, method_modules=_mods.state_dict(), config=dict(model=dict(name='powerclip-micro'), method='smartclip',
-                                                                          method_cfg=dict(heads=2))), d / 'sc' / 'last.pt')
-assert all(torch.equal(v, _mods.state_dict()[k]) for k, v in load_model(checkpoint=d / 'sc' / 'last.pt').modules.state_dict().items())
+torch.save(dict(model=_sd, method_modules=_mods.state_dict(),
+                config=dict(model=dict(name='powerclip-micro'), method='smartclip',
+                                                                          method_cfg=dict(heads=2))),
+           d / 'sc' / 'last.pt')
+assert all(torch.equal(v, _mods.state_dict()[k])
+           for k, v in load_model(checkpoint=d / 'sc' / 'last.pt').modules.state_dict().items())
 assert load_model(checkpoint=d / 'run').modules is None                               # FILIP trains no module
 
 
@@ -357,18 +418,23 @@ class FeatureCache:
     def key(items: list) -> str:
         def ident(x):
             if isinstance(x, Path):
-                st = x.stat(); return [str(x.resolve()), st.st_size, st.st_mtime_ns]
+                st = x.stat()
+                return [str(x.resolve()), st.st_size, st.st_mtime_ns]
             return x
         return hashlib.sha256(json.dumps([ident(x) for x in items]).encode()).hexdigest()[:24]
     def get(self, name: str, items: list, compute):
-        if self.dir is None: return compute()
+        if self.dir is None:
+            return compute()
         f = self.dir / f'{name}-{self.key(items)}.pt'
         if f.is_file():
-            self.hits += 1; return torch.load(f, weights_only=True)
+            self.hits += 1
+            return torch.load(f, weights_only=True)
         self.misses += 1
         x = compute()
         f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix('.tmp'); torch.save(x, tmp); tmp.replace(f)   # atomic: a killed run leaves no half file
+        tmp = f.with_suffix('.tmp')
+        torch.save(x, tmp)
+        tmp.replace(f)   # atomic: a killed run leaves no half file
         return x
 
 
@@ -398,10 +464,12 @@ class NonFiniteFeatures(ValueError):
     "A scorer returned NaN or infinite features or scores (non-finite weights, or a forward pass that overflows)."
 
 def _reader_failed(e: Exception) -> str:
-    "One line for an error raised by a data set's own reader (clip_benchmark's; webdataset's DecodingError has no message, only where)."
+    """One line for an error raised by a data set's own reader (clip_benchmark's; webdataset's DecodingError has no
+    message, only where)."""
     where = {k: getattr(e, k) for k in ('url', 'key', 'k') if getattr(e, k, None)}
     what = str(e) or ', '.join(f'{k} {v}' for k, v in where.items())
-    return f"the data set's reader failed on a file it holds ({type(e).__name__}: {what}); it cannot skip bad files: remove or fix it"
+    return (f"the data set's reader failed on a file it holds ({type(e).__name__}: {what}); it cannot skip "
+            "bad files: remove or fix it")
 
 def _rows(d: dict, idx) -> dict:
     "Rows `idx` (a slice or an index tensor) of every tensor of a feature dict."
@@ -422,8 +490,10 @@ class Evaluator:
     score_block: int = 1024         # images per block of `scores`
 
     def __post_init__(self):
-        if self.precision not in ('fp32', 'bf16'): raise ValueError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
-        if self.device is None: self.device = str(next(self.lm.model.parameters()).device)
+        if self.precision not in ('fp32', 'bf16'):
+            raise ValueError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        if self.device is None:
+            self.device = str(next(self.lm.model.parameters()).device)
 
     model = property(lambda self: self.lm.model)
     preprocess = property(lambda self: self.lm.preprocess)
@@ -440,7 +510,8 @@ class Evaluator:
 
     def scorer(self, name: str | None = None) -> Scorer:
         name = name or self.headline
-        if name not in self.scorers: raise ValueError(f'scorer {name!r} is not offered by method {self.method!r}: {list(self.scorers)}')
+        if name not in self.scorers:
+            raise ValueError(f'scorer {name!r} is not offered by method {self.method!r}: {list(self.scorers)}')
         return self.scorers[name]
 
     def _name(self, kind: str, scorer: str | None) -> str:
@@ -451,21 +522,25 @@ class Evaluator:
         return tag if self.precision == 'fp32' else f'{tag}-{self.precision}'
 
     def _autocast(self):
-        return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.precision == 'bf16')
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16,
+                              enabled=self.precision == 'bf16')
 
     def _finite(self, f: dict, what: str, scorer: str | None) -> dict:
         "`f` itself, or `NonFiniteFeatures` when one of its float tensors is not finite."
         bad = [k for k, v in f.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
-            hint = ('; in bfloat16 a forward pass overflows sooner: try --precision fp32' if self.precision == 'bf16' else '')
-            raise NonFiniteFeatures(f'non-finite {what} {bad} from checkpoint {self.ckpt_id[:16]} (scorer {scorer or self.headline!r}, '
-                                    f'precision {self.precision}): non-finite weights or a forward pass that overflows{hint}')
+            hint = ('; in bfloat16 a forward pass overflows sooner: try --precision fp32'
+                    if self.precision == 'bf16' else '')
+            raise NonFiniteFeatures(f'non-finite {what} {bad} from checkpoint {self.ckpt_id[:16]} (scorer '
+                                    f'{scorer or self.headline!r}, precision {self.precision}): non-finite weights or '
+                                    f'a forward pass that overflows{hint}')
         return f
 
     def _features(self, fn, x, what: str, scorer: str | None) -> dict:
         with torch.no_grad(), self._autocast():
             f = fn(self.model, x.to(self.device, non_blocking=True))
-        return self._finite({k: (v.float() if v.is_floating_point() else v).cpu() for k, v in f.items()}, f'{what} features', scorer)
+        return self._finite({k: (v.float() if v.is_floating_point() else v).cpu() for k, v in f.items()},
+                            f'{what} features', scorer)
 
     def encode_images(self, x: torch.Tensor, scorer: str | None = None) -> dict:
         "`(B, 3, H, W)` preprocessed batch -> the scorer's image features, B rows each, float32 on the CPU."
@@ -491,23 +566,32 @@ class Evaluator:
         texts = list(texts)
         def compute():
             return _cat([self.encode_texts(texts[i:i + self.batch_size], scorer)
-                         for i in tqdm(range(0, len(texts), self.batch_size), desc='texts', disable=not self.progress, leave=False)])
+                         for i in tqdm(range(0, len(texts), self.batch_size), desc='texts',
+                                       disable=not self.progress, leave=False)])
         return self._finite(self.cache.get(self._name('txt', scorer), texts, compute), 'text features', scorer)
 
-    def dataset_features(self, make_ds, key: list, scorer: str | None = None, desc: str = 'images') -> tuple[dict, torch.Tensor]:
+    def dataset_features(self, make_ds, key: list, scorer: str | None = None,
+                         desc: str = 'images') -> tuple[dict, torch.Tensor]:
         """Features and labels `(n,)` of the torch data set `make_ds()` (yielding `(image tensor, label)`), cached under
         `key`: a cache hit does not even open the data set."""
         def compute():
             from torch.utils.data import DataLoader
             ds, xs, ys = make_ds(), [], []
-            loader = DataLoader(ds, batch_size=self.batch_size, num_workers=self.workers, pin_memory=torch.device(self.device).type == 'cuda')
+            loader = DataLoader(ds, batch_size=self.batch_size, num_workers=self.workers,
+                                pin_memory=torch.device(self.device).type == 'cuda')
             batches = iter(tqdm(loader, desc=desc, disable=not self.progress, leave=False))
             while True:
-                try: x, y = next(batches)
-                except StopIteration: break
-                except Exception as e: raise BadData(f'{desc}: ' + _reader_failed(e)) from e   # a bad file inside a data set we do not read ourselves
-                xs.append(self.encode_images(x, scorer)); ys.append(torch.as_tensor(y).long().reshape(-1))
-            if not xs: raise MissingData(f'{desc}: the data set yielded no image')
+                try:
+                    x, y = next(batches)
+                except StopIteration:
+                    break
+                except Exception as e:
+                    # a bad file inside a data set we do not read ourselves
+                    raise BadData(f'{desc}: ' + _reader_failed(e)) from e
+                xs.append(self.encode_images(x, scorer))
+                ys.append(torch.as_tensor(y).long().reshape(-1))
+            if not xs:
+                raise MissingData(f'{desc}: the data set yielded no image')
             return dict(x=_cat(xs), y=torch.cat(ys))
         d = self.cache.get(self._name('ds', scorer), key, compute)
         return self._finite(d['x'], 'image features', scorer), d['y']
@@ -517,7 +601,8 @@ class Evaluator:
         "Features of I images and T captions -> `(I, T)` float32 scores on the CPU, in blocks of `score_block` images."
         s, n = self.scorer(scorer), len(next(iter(img.values())))
         txt = {k: v.to(self.device) for k, v in txt.items()}
-        S = torch.cat([s.scores({k: v.to(self.device) for k, v in _rows(img, slice(i, i + self.score_block)).items()}, txt).float().cpu()
+        S = torch.cat([s.scores({k: v.to(self.device) for k, v in _rows(img, slice(i, i + self.score_block)).items()},
+                                txt).float().cpu()
                        for i in range(0, n, self.score_block)]) if n else torch.zeros(0, len(next(iter(txt.values()))))
         return self._finite({'scores': S}, 'scores', scorer)['scores']
 
@@ -540,7 +625,8 @@ class Evaluator:
 
     @classmethod
     def build(cls, model_name: str | None, checkpoint=None, cache_dir=None, seed: int = 0, device: str = 'cpu',
-              model_kwargs: dict | None = None, method: str | None = None, pool: str | None = None, **kw) -> 'Evaluator':
+              model_kwargs: dict | None = None, method: str | None = None, pool: str | None = None,
+              **kw) -> 'Evaluator':
         "`load_model` then `of`."
         lm = load_model(model_name, checkpoint, seed, device, model_kwargs, method, pool=pool)
         return cls.of(lm, cache_dir, device=device, **kw)
@@ -557,7 +643,8 @@ _ev = Evaluator.build('powerclip-micro', None, progress=False)
 _ev16 = Evaluator.build('powerclip-micro', None, progress=False, precision='bf16')
 _x = torch.randn(3, 3, 32, 32)
 _f, _f16 = _ev.encode_images(_x), _ev16.encode_images(_x)
-test_eq(list(_f), ['image']); test_eq(_f16['image'].dtype, torch.float32)
+test_eq(list(_f), ['image'])
+test_eq(_f16['image'].dtype, torch.float32)
 _cos = (_f['image'] * _f16['image']).sum(1)
 assert _cos.min() > 0.99, _cos
 _t = _ev.encode_texts(['a red circle', 'a blue square'])
@@ -567,10 +654,12 @@ test_eq((_ev._name('img', None), _ev16._name('img', None)), ('img-global', 'img-
 test_fail(lambda: Evaluator.build('powerclip-micro', None, precision='fp8'), contains='precision')
 
 _fe = Evaluator.of(a, cache_dir=d / 'cache', progress=False, score_block=2)
-test_eq((_fe.headline, _fe._name('img', 'global')), ('late', 'img-global')); assert _fe._name('img', 'late').startswith('img-late-')
+test_eq((_fe.headline, _fe._name('img', 'global')), ('late', 'img-global'))
+assert _fe._name('img', 'late').startswith('img-late-')
 _paths = []
 for i in range(5):
-    _paths.append(d / f'im{i}.png'); Image.fromarray(torch.randint(0, 255, (32, 32, 3), dtype=torch.uint8).numpy()).save(_paths[-1])
+    _paths.append(d / f'im{i}.png')
+    Image.fromarray(torch.randint(0, 255, (32, 32, 3), dtype=torch.uint8).numpy()).save(_paths[-1])
 _caps = ['a red circle', 'a small blue square', 'a cross', 'two green diamonds']
 for _s in ('late', 'global'):
     _I, _T = _fe.image_features(_paths, _s), _fe.text_features(_caps, _s)
@@ -579,7 +668,8 @@ for _s in ('late', 'global'):
     _r, _c = torch.tensor([4, 0, 0, 3, 1, 4]), torch.tensor([1, 3, 0, 3, 2, 0])
     torch.testing.assert_close(_fe.pair_scores(_I, _T, _r, _c, _s), _S[_r, _c])
 test_eq((_fe.cache.misses, _fe.cache.hits), (4, 0))
-_fe.image_features(_paths, 'late'); test_eq(_fe.cache.hits, 1)
+_fe.image_features(_paths, 'late')
+test_eq(_fe.cache.hits, 1)
 test_fail(lambda: _fe.scorer('nosuch'), contains='not offered')
 
 
@@ -591,18 +681,25 @@ test_fail(lambda: _fe.scorer('nosuch'), contains='not offered')
 # %%
 def _broken(kind):
     sd = {k: v.clone() for k, v in _sd.items()}
-    if kind == 'all NaN': sd = {k: torch.full_like(v, float('nan')) if v.is_floating_point() else v for k, v in sd.items()}
-    if kind == 'one NaN tensor': sd['visual.proj'].fill_(float('nan'))
-    if kind == 'one Inf value': sd['text_projection'][3, 1] = float('-inf')
+    if kind == 'all NaN':
+        sd = {k: torch.full_like(v, float('nan')) if v.is_floating_point() else v for k, v in sd.items()}
+    if kind == 'one NaN tensor':
+        sd['visual.proj'].fill_(float('nan'))
+    if kind == 'one Inf value':
+        sd['text_projection'][3, 1] = float('-inf')
     return sd
 for _kind, _trainer in [('all NaN', False), ('one NaN tensor', True), ('one Inf value', False)]:
     _f = d / f'broken-{_kind}.pt'
-    torch.save(dict(model=_broken(_kind), config=dict(model=dict(name='powerclip-micro'))) if _trainer else _broken(_kind), _f)
+    torch.save(dict(model=_broken(_kind), config=dict(model=dict(name='powerclip-micro'))) if _trainer
+               else _broken(_kind), _f)
     test_fail(lambda: load_model('powerclip-micro', _f), contains='non-finite weights')
-    try: load_model('powerclip-micro', _f)
-    except NonFiniteWeights as e: print(e)
+    try:
+        load_model('powerclip-micro', _f)
+    except NonFiniteWeights as e:
+        print(e)
 _bad = load_model('powerclip-micro')
-with torch.no_grad(): _bad.model.visual.proj.fill_(float('nan'))
+with torch.no_grad():
+    _bad.model.visual.proj.fill_(float('nan'))
 test_fail(lambda: Evaluator.of(_bad).encode_images(_x), contains='non-finite image features')
 
 
@@ -617,8 +714,11 @@ def overflow_bf16(lm):
     "Make a micro model's image features overflow in bfloat16 only (finite weights)."
     with torch.no_grad():
         v = lm.model.visual
-        v.ln_post.weight.zero_(); v.ln_post.bias.zero_(); v.ln_post.bias[0] = 1.0
-        v.proj.zero_(); v.proj[0] = 3.4e38
+        v.ln_post.weight.zero_()
+        v.ln_post.bias.zero_()
+        v.ln_post.bias[0] = 1.0
+        v.proj.zero_()
+        v.proj[0] = 3.4e38
     return lm
 _ov = overflow_bf16(load_model('powerclip-micro'))
 assert not nonfinite_tensors(_ov.model.state_dict())
@@ -631,12 +731,16 @@ test_fail(lambda: Evaluator.of(_ov, precision='bf16').encode_images(_x), contain
 
 # %%
 import io as _io
-_h = logging.StreamHandler(_buf := _io.StringIO()); logging.getLogger().addHandler(_h)
+_h = logging.StreamHandler(_buf := _io.StringIO())
+logging.getLogger().addHandler(_h)
 try:
     load_model(checkpoint=d / 'run')
-    _loaded_log = _buf.getvalue(); _buf.truncate(0); _buf.seek(0)
+    _loaded_log = _buf.getvalue()
+    _buf.truncate(0)
+    _buf.seek(0)
     load_model('powerclip-micro', seed=3)
     _random_log = _buf.getvalue()
-finally: logging.getLogger().removeHandler(_h)
+finally:
+    logging.getLogger().removeHandler(_h)
 assert 'initialized randomly' not in _loaded_log + _random_log and 'random initialisation' not in _loaded_log
 test_eq(_random_log.count('random initialisation (seed 3)'), 1)

@@ -36,12 +36,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from powerclip.eval.benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchmark_data, open_wds, select
-from powerclip.eval.data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, RegionSet, RetrievalSet,
-                                 load_classification, load_coco_sample, load_regions, load_retrieval, load_sugarcrepe,
+from powerclip.eval.data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, RetrievalSet,
+                                 load_classification, load_coco_sample, load_retrieval, load_sugarcrepe,
                                  load_winoground)
-from powerclip.eval.metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy, linear_probe,
-                                    retrieval_recall, winoground_scores)
+from powerclip.eval.metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy,
+                                    linear_probe, retrieval_recall, winoground_scores)
 from powerclip.eval.models import Evaluator
+from powerclip.eval.region_data import RegionSet, load_regions
 from powerclip.eval.regions import region_task
 from powerclip.methods import GlobalScorer
 
@@ -56,7 +57,10 @@ from fastcore.test import test_close, test_eq, test_fail
 # %% [markdown]
 # # Evaluation tasks
 #
-# > The six tasks (retrieval, hard negatives, zero-shot classification, linear probe, Winoground, region classification) on an `Evaluator`, for each scorer the checkpoint's method offers, each one record of the task registry; one run of a checkpoint on a data folder, and the suite of the paper's benchmarks.
+# > The six tasks on an `Evaluator`, one run of a checkpoint on a data folder, and the paper's suite.
+#
+# The tasks (retrieval, hard negatives, zero-shot classification, linear probe, Winoground, region classification) run for
+# each scorer the checkpoint's method offers, each one record of the task registry.
 
 # %% [markdown]
 # ## The five tasks
@@ -89,8 +93,10 @@ def task_retrieval(ev: Evaluator, data: RetrievalSet, scorer: str | None = None,
     texts, text_image = data.flat()
     sim = ev.scores(ev.image_features(data.images, scorer), ev.text_features(texts, scorer), scorer)   # (I, T)
     per = len(texts) / len(data.images)
-    return dict(retrieval_recall(sim, text_image, ks), n_images=len(data.images), n_texts=len(texts), skipped=data.skipped,
-                **{f'chance_{k}': v for k, v in chance_recall(len(data.images), round(per), ks).items()} if per == round(per) else {})
+    return dict(retrieval_recall(sim, text_image, ks), n_images=len(data.images), n_texts=len(texts),
+                skipped=data.skipped,
+                **{f'chance_{k}': v for k, v in chance_recall(len(data.images), round(per), ks).items()}
+                if per == round(per) else {})
 
 def unique_index(items: list) -> tuple[list, dict]:
     "The distinct items (categories share photos and captions, each is embedded once) and item -> row."
@@ -109,14 +115,18 @@ def task_sugarcrepe(ev: Evaluator, data: dict, skipped: ItemSkips | None = None,
     neg = ev.pair_scores(V, T, img, [ti[r[2]] for r in rows], scorer)
     out, start = {}, 0
     for c, rs in data.items():
-        a = hard_negative_accuracy(pos[start:start + len(rs)], neg[start:start + len(rs)]); start += len(rs)
+        a = hard_negative_accuracy(pos[start:start + len(rs)], neg[start:start + len(rs)])
+        start += len(rs)
         out.update({f'{c}': a['acc'], f'{c}_n': a['n'], f'{c}_ties': a['ties']})
-        if skipped is not None: out[f'{c}_skipped'] = skipped.count(c)
+        if skipped is not None:
+            out[f'{c}_skipped'] = skipped.count(c)
     out['mean'] = float(np.mean([out[c] for c in data]))
     return out
 
-def zeroshot_logits(ev: Evaluator, img: dict, classnames: list, templates: list, scorer: str | None = None) -> torch.Tensor:
-    "`(n, K)` class scores of `n` images' features: CLIP's prompt ensemble for the global scorer, else the mean score over templates."
+def zeroshot_logits(ev: Evaluator, img: dict, classnames: list, templates: list,
+                    scorer: str | None = None) -> torch.Tensor:
+    """`(n, K)` class scores of `n` images' features: CLIP's prompt ensemble for the global scorer, else the mean score
+    over templates."""
     K, P = len(classnames), len(templates)
     txt = ev.text_features([tpl.format(c=c) for c in classnames for tpl in templates], scorer)   # K * P rows
     if isinstance(ev.scorer(scorer), GlobalScorer):
@@ -125,31 +135,41 @@ def zeroshot_logits(ev: Evaluator, img: dict, classnames: list, templates: list,
     return ev.scores(img, txt, scorer).view(-1, K, P).mean(2)
 
 def _labelled(ev: Evaluator, data, split: str, scorer: str | None) -> tuple[dict, torch.Tensor]:
-    "Features and labels of a split of a ClassificationSet (image files) or a BenchmarkData (a clip_benchmark data set)."
+    """Features and labels of a split of a ClassificationSet (image files) or a BenchmarkData (a clip_benchmark data
+    set)."""
     if isinstance(data, ClassificationSet):
         paths, labels = data.splits[split]
         return ev.image_features(paths, scorer), labels
-    return ev.dataset_features(lambda: data.open(split, ev.preprocess), data.key(split), scorer, desc=f'{data.name} {split}')
+    return ev.dataset_features(lambda: data.open(split, ev.preprocess), data.key(split), scorer,
+                               desc=f'{data.name} {split}')
 
 def task_zeroshot(ev: Evaluator, data, split: str = 'test', scorer: str | None = None) -> dict:
     "`data`: a `ClassificationSet` (image files) or a `BenchmarkData` (a clip_benchmark data set)."
     x, y = _labelled(ev, data, split, scorer)
-    if y.max() >= len(data.classnames): raise ValueError(f'{getattr(data, "name", "data")}: label {int(y.max())} but {len(data.classnames)} class names')
+    if y.max() >= len(data.classnames):
+        raise ValueError(f'{getattr(data, "name", "data")}: label {int(y.max())} but '
+                         f'{len(data.classnames)} class names')
     logits = zeroshot_logits(ev, x, data.classnames, data.templates, scorer)                 # (n, K)
     return dict(classification_metrics(logits, y), n=len(y), n_classes=len(data.classnames),
                 chance_top1=100 * float(torch.bincount(y).max()) / len(y),
-                **(dict(layout=data.layout) if isinstance(data, BenchmarkData) else dict(skipped=data.skips.count(split))))
+                **(dict(layout=data.layout) if isinstance(data, BenchmarkData)
+                   else dict(skipped=data.skips.count(split))))
 
 def task_linear_probe(ev: Evaluator, data, lambdas=LAMBDAS, val_share: float = 0.2, seed: int = 0) -> dict:
     """A probe on the global image features. A `ClassificationSet` brings train/val/test splits; a clip_benchmark data
-    set brings train/test, and the validation split is a seeded `val_share` of train (clip_benchmark's `val_proportion`)."""
+    set brings train/test, and the validation split is a seeded `val_share` of train (clip_benchmark's
+    `val_proportion`)."""
     g = lambda split: (lambda x, y: (x['image'], y))(*_labelled(ev, data, split, 'global'))
     if isinstance(data, ClassificationSet):
         need = {'train', 'val', 'test'} - set(data.splits)
-        if need: raise MissingData(f'linear probe needs train/val/test splits in classification.json; missing {sorted(need)}')
+        if need:
+            raise MissingData('linear probe needs train/val/test splits in '
+                              f'classification.json; missing {sorted(need)}')
         tr, va, te = g('train'), g('val'), g('test')
     else:
-        if 'train' not in data.splits: raise MissingData(f'{data.name}: the linear probe needs the train split too (train/nshards.txt or the raw train files)')
+        if 'train' not in data.splits:
+            raise MissingData(f'{data.name}: the linear probe needs the train split too '
+                              '(train/nshards.txt or the raw train files)')
         (x, y), te = g('train'), g('test')
         perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
         nv = max(1, int(round(val_share * len(y))))
@@ -160,13 +180,15 @@ def task_linear_probe(ev: Evaluator, data, lambdas=LAMBDAS, val_share: float = 0
                 **(dict(skipped=len(data.skips)) if isinstance(data, ClassificationSet) else {}))
 
 def task_winoground(ev: Evaluator, items: list, skipped: ItemSkips | None = None, scorer: str | None = None) -> dict:
-    "`items`: [(image_0, image_1, caption_0, caption_1)], `skipped`: the reader's `ItemSkips` -> text, image and group scores (%)."
+    """`items`: [(image_0, image_1, caption_0, caption_1)], `skipped`: the reader's `ItemSkips` -> text, image and group
+    scores (%)."""
     n = len(items)
     I = ev.image_features([r[0] for r in items] + [r[1] for r in items], scorer)           # rows: i0 then i1
     C = ev.text_features([r[2] for r in items] + [r[3] for r in items], scorer)            # rows: c0 then c1
     k = torch.arange(n)
     s = lambda c, i: ev.pair_scores(I, C, k + i * n, k + c * n, scorer)                      # (n,) caption c, image i
-    out = winoground_scores(torch.stack([torch.stack([s(0, 0), s(0, 1)], 1), torch.stack([s(1, 0), s(1, 1)], 1)], 1))  # (n, caption, image)
+    # (n, caption, image)
+    out = winoground_scores(torch.stack([torch.stack([s(0, 0), s(0, 1)], 1), torch.stack([s(1, 0), s(1, 1)], 1)], 1))
     return dict(out, **(dict(skipped=len(skipped)) if skipped is not None else {}))
 
 
@@ -186,8 +208,10 @@ def task_winoground(ev: Evaluator, items: list, skipped: ItemSkips | None = None
 class Task:
     "One evaluation task (see above)."
     name: str
-    load: Callable        # (root: Path, image_root, strict) -> the runner's arguments after the evaluator; MissingData when absent
-    run: Callable         # (ev, *args[, scorer=]) -> {metric: number} in percent; an unscored task's runner takes no scorer
+    load: Callable        # (root: Path, image_root, strict) -> the runner's arguments after the evaluator; MissingData
+                          # when absent
+    run: Callable         # (ev, *args[, scorer=]) -> {metric: number} in percent; an unscored task's runner takes no
+                          # scorer
     skips: Callable       # load's answer -> the reader's `ItemSkips` (the items it dropped)
     headline: dict        # metric -> display name: the numbers the tables show, in their order
     scored: bool = True   # False: one run with the headline scorer, reading the global image features
@@ -203,15 +227,20 @@ def register_task(task: Task) -> Task:
     return task
 
 def _retrieval_data(root: Path, image_root=None, strict: bool = False) -> tuple:
-    if (root / 'captions.jsonl').is_file(): return (load_coco_sample(root, strict=strict),)
-    if root.is_file(): return (load_retrieval(root, image_root, strict=strict),)
+    if (root / 'captions.jsonl').is_file():
+        return (load_coco_sample(root, strict=strict),)
+    if root.is_file():
+        return (load_retrieval(root, image_root, strict=strict),)
     for name in ('retrieval.json', 'dataset_coco.json', 'dataset_flickr30k.json', 'dataset_flickr8k.json'):
-        if (root / name).is_file(): return (load_retrieval(root / name, image_root, strict=strict),)
-    raise MissingData(f'retrieval: expected {root}/retrieval.json ([{{"image", "caption": [..]}}], images in {root}/images), '
-                      f"Karpathy's {root}/dataset_coco.json, or a coco_sample-style {root}/captions.jsonl")
+        if (root / name).is_file():
+            return (load_retrieval(root / name, image_root, strict=strict),)
+    raise MissingData(f'retrieval: expected {root}/retrieval.json ([{{"image", "caption": [..]}}], images in '
+                      f"{root}/images), Karpathy's {root}/dataset_coco.json, or a "
+                      f"coco_sample-style {root}/captions.jsonl")
 
 def _classification_data(root: Path, image_root=None, strict: bool = False) -> tuple:
-    if (root / 'test' / 'nshards.txt').is_file(): return (open_wds(root),)         # clip_benchmark's webdataset export
+    if (root / 'test' / 'nshards.txt').is_file():
+        return (open_wds(root),)         # clip_benchmark's webdataset export
     return (load_classification(root, strict),)
 
 def _own_skips(args: tuple) -> ItemSkips:
@@ -231,6 +260,7 @@ for _t in [
 ]:
     register_task(_t)
 
+
 # %% [markdown]
 # **Regions** (`63a_eval_regions`): the sixth task reads every COCO-format instances file of a folder
 # (`annotations/instances_*.json`, or the file itself), files with the same classes merged into one set (`coco_sample`'s
@@ -246,15 +276,17 @@ def merge_region_sets(sets: list) -> RegionSet:
     images, sizes, regions, skips = [], [], [], ItemSkips(sets[0].skips.strict)
     for rs in sets:
         regions += [dict(r, image=r['image'] + len(images)) for r in rs.regions]
-        images += rs.images; sizes += rs.sizes; skips.items += rs.skips.items
+        images += rs.images
+        sizes += rs.sizes
+        skips.items += rs.skips.items
     return RegionSet(images, sizes, regions, sets[0].classnames, sets[0].templates, sets[0].groups, skips)
 
 def region_sets(root: Path, image_root=None, strict: bool = False) -> tuple:
     "`({name: RegionSet}, )`, the set with the most classes first (see above); `MissingData` without instances files."
     files = [root] if root.is_file() else sorted((root / 'annotations').glob('instances_*.json'))
     if not files:
-        raise MissingData(f'regions: expected COCO-format instance files {root}/annotations/instances_*.json (images in '
-                          f'{root}/images or {root}/<split>), or an instances file')
+        raise MissingData(f'regions: expected COCO-format instance files {root}/annotations/instances_*.json (images '
+                          f'in {root}/images or {root}/<split>), or an instances file')
     by_classes = {}
     for f in files:
         rs = load_regions(f, image_root, strict=strict)
@@ -263,20 +295,23 @@ def region_sets(root: Path, image_root=None, strict: bool = False) -> tuple:
     return (dict(sorted(sets.items(), key=lambda kv: -len(kv[1].classnames))),)
 
 def task_regions(ev: Evaluator, sets: dict, scorer: str | None = None) -> dict:
-    "Region classification (`region_task`) of every set: the first set's numbers unprefixed, the others' as `name/metric`."
+    """Region classification (`region_task`) of every set: the first set's numbers unprefixed, the others' as
+    `name/metric`."""
     out = {}
     for k, (name, rs) in enumerate(sets.items()):
         r = region_task(ev, rs, scorer)
         flat = {**{f'{e}_{m}': v for e in ('pooled', 'crop') for m, v in r[e].items()},
                 **{m: r[m] for m in ('n_regions', 'classes', 'chance_top1', 'chance_ap50')}}
         out.update({(m if k == 0 else f'{name}/{m}'): v for m, v in flat.items()})
-        if k == 0: out['set'] = name
+        if k == 0:
+            out['set'] = name
     return out
 
 def _region_skips(args: tuple) -> ItemSkips:
     "The skips of every region set of a folder, together."
     out = ItemSkips()
-    for rs in args[0].values(): out.items += rs.skips.items
+    for rs in args[0].values():
+        out.items += rs.skips.items
     return out
 
 register_task(Task('regions', region_sets, task_regions, _region_skips,
@@ -288,7 +323,8 @@ register_task(Task('regions', region_sets, task_regions, _region_skips,
 test_eq(list(TASKS)[:5], ['retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground'])
 test_eq([t for t, r in TASKS.items() if not r.scored], ['linear_probe'])
 test_eq(list(TASKS['retrieval'].headline)[:2], ['i2t_R@1', 'i2t_R@5'])
-test_fail(lambda: register_task(Task('retrieval', _retrieval_data, task_zeroshot, _own_skips, {})), contains='already registered')
+test_fail(lambda: register_task(Task('retrieval', _retrieval_data, task_zeroshot, _own_skips, {})),
+          contains='already registered')
 
 
 # %% [markdown]
@@ -306,11 +342,13 @@ test_fail(lambda: register_task(Task('retrieval', _retrieval_data, task_zeroshot
 #| export
 def task_record(task: str) -> Task:
     "The registry's record of `task`; a ValueError naming the known tasks for another name."
-    if task not in TASKS: raise ValueError(f'unknown task {task!r}; known: {tuple(TASKS)}')
+    if task not in TASKS:
+        raise ValueError(f'unknown task {task!r}; known: {tuple(TASKS)}')
     return TASKS[task]
 
 def load_task_data(task: str, root, image_root=None, strict: bool = False) -> tuple:
-    "The arguments of task `task`'s runner (after the evaluator) read from `root`; `strict`: a bad item raises `BadData`."
+    """The arguments of task `task`'s runner (after the evaluator) read from `root`; `strict`: a bad item raises
+    `BadData`."""
     return task_record(task).load(Path(root), image_root, strict)
 
 def item_skips(task: str, args: tuple) -> ItemSkips:
@@ -327,10 +365,13 @@ def find_data(root, tasks=TASKS, image_root=None, require: bool = True, strict: 
     found, skipped = {}, {}
     for task in tasks:
         task_record(task)
-        try: found[task] = load_task_data(task, root, image_root, strict)
+        try:
+            found[task] = load_task_data(task, root, image_root, strict)
         except MissingData as e:
-            if require: raise
-            skipped[task] = str(e)          # not logged here: a command line validating its data prints one line, or none
+            if require:
+                raise
+            # not logged here: a command line validating its data prints one line, or none
+            skipped[task] = str(e)
     return found, skipped
 
 def _run_tasks(ev: Evaluator, data: dict, scorer: str, require: bool = True) -> tuple[dict, dict]:
@@ -338,24 +379,30 @@ def _run_tasks(ev: Evaluator, data: dict, scorer: str, require: bool = True) -> 
     metrics, skipped = {}, {}
     for task, d in data.items():
         t = task_record(task)
-        if not t.scored and scorer != ev.headline: continue
+        if not t.scored and scorer != ev.headline:
+            continue
         t0 = time.time()
-        try: metrics[task] = t.run(ev, *d, scorer=scorer) if t.scored else t.run(ev, *d)
+        try:
+            metrics[task] = t.run(ev, *d, scorer=scorer) if t.scored else t.run(ev, *d)
         except MissingData as e:           # e.g. a probe without a train split: the zero-shot number still counts
-            if require: raise
-            skipped[task] = str(e); continue
+            if require:
+                raise
+            skipped[task] = str(e)
+            continue
         metrics[task]['seconds'] = round(time.time() - t0, 3)
     return metrics, skipped
 
 def evaluate(ev: Evaluator, root, tasks=TASKS, image_root=None, require: bool = True, found: tuple | None = None,
              scorer: str | None = None, strict: bool = False) -> tuple[dict, dict]:
-    "`({task: metrics}, {task: reason skipped})` with one scorer (default: the headline); `found`: `find_data`'s answer when the caller has it."
+    """`({task: metrics}, {task: reason skipped})` with one scorer (default: the headline); `found`: `find_data`'s
+    answer when the caller has it."""
     data, skipped = found or find_data(root, tasks, image_root, require, strict)
     return _run_tasks(ev, data, scorer or ev.headline)[0], skipped
 
-def evaluate_scorers(ev: Evaluator, root, tasks=TASKS, image_root=None, require: bool = True, found: tuple | None = None,
-                     strict: bool = False) -> tuple[dict, dict]:
-    "`({scorer: {task: metrics}}, {task: reason skipped})` for every scorer of the checkpoint's method, the headline first."
+def evaluate_scorers(ev: Evaluator, root, tasks=TASKS, image_root=None, require: bool = True,
+                     found: tuple | None = None, strict: bool = False) -> tuple[dict, dict]:
+    """`({scorer: {task: metrics}}, {task: reason skipped})` for every scorer of the checkpoint's method, the headline
+    first."""
     found = found or find_data(root, tasks, image_root, require, strict)
     return {s: evaluate(ev, root, found=found, scorer=s)[0] for s in ev.scorers}, found[1]
 
@@ -370,17 +417,26 @@ from powerclip.eval.data import write_world_benchmark
 tmp = Path(tempfile.mkdtemp())
 write_world_benchmark(tmp / 'world', n_images=60)
 ev = Evaluator.build('powerclip-micro', None, cache_dir=tmp / 'cache', progress=False)
-t0 = time.time(); m1, _ = evaluate(ev, tmp / 'world'); t1 = time.time() - t0
+t0 = time.time()
+m1, _ = evaluate(ev, tmp / 'world')
+t1 = time.time() - t0
 ev2 = Evaluator.build('powerclip-micro', None, cache_dir=tmp / 'cache', progress=False)
-t0 = time.time(); m2, _ = evaluate(ev2, tmp / 'world'); t2 = time.time() - t0
+t0 = time.time()
+m2, _ = evaluate(ev2, tmp / 'world')
+t2 = time.time() - t0
 strip = lambda m: {t: {k: v for k, v in d.items() if k != 'seconds'} for t, d in m.items()}
-test_eq(strip(m1), strip(m2)); test_eq(ev2.cache.misses, 0); assert ev2.cache.hits > 0
+test_eq(strip(m1), strip(m2))
+test_eq(ev2.cache.misses, 0)
+assert ev2.cache.hits > 0
 print(f'first run {t1:.1f}s, cached rerun {t2:.1f}s ({ev2.cache.hits} cache hits)')
 # regions: the attribute-bound vocabulary (35 classes) first, the shapes (5) beside it, both embeddings
 test_eq((m1['regions']['set'], m1['regions']['classes'], m1['regions']['shape/classes']), ('colour_shape', 35, 5))
-test_close(m1['regions']['chance_top1'], 100 / 35, eps=1e-9); assert {'pooled_ap50', 'crop_top1'} <= set(m1['regions'])
-{t: {k: round(v, 1) for k, v in d.items() if k in ('i2t_R@1', 't2i_R@1', 'chance_t2i_R@1', 'mean', 'top1', 'chance_top1', 'acc',
-                                                    'text', 'image', 'group', 'pooled_top1', 'crop_top1')} for t, d in m1.items()}
+test_close(m1['regions']['chance_top1'], 100 / 35, eps=1e-9)
+assert {'pooled_ap50', 'crop_top1'} <= set(m1['regions'])
+{t: {k: round(v, 1) for k, v in d.items()
+     if k in ('i2t_R@1', 't2i_R@1', 'chance_t2i_R@1', 'mean', 'top1', 'chance_top1', 'acc',
+                                                    'text', 'image', 'group', 'pooled_top1', 'crop_top1')}
+ for t, d in m1.items()}
 
 # %% [markdown]
 # A model that gives NaN features (NaN weights put into a loaded model, past the loader's check) cannot produce a
@@ -388,9 +444,10 @@ test_close(m1['regions']['chance_top1'], 100 / 35, eps=1e-9); assert {'pooled_ap
 # checkpoint file with such weights is refused earlier, by `load_model`; `tests/test_eval.py` runs both ends).
 
 # %%
-from powerclip.eval.models import NonFiniteFeatures, load_model
+from powerclip.eval.models import load_model
 _nan = load_model('powerclip-micro')
-with torch.no_grad(): [q.fill_(float('nan')) for q in _nan.model.parameters()]
+with torch.no_grad():
+    [q.fill_(float('nan')) for q in _nan.model.parameters()]
 _nev = Evaluator.of(_nan, progress=False)
 _found, _ = find_data(tmp / 'world')
 for _task, _args in _found.items():
@@ -403,13 +460,16 @@ for _task, _args in _found.items():
 # %%
 sc, _ = load_sugarcrepe(tmp / 'world')
 _rows = [r for rs in sc.values() for r in rs]
-_V = ev.image_features([r[0] for r in _rows])['image']; _P, _N = (ev.text_features([r[k] for r in _rows])['text'] for k in (1, 2))
+_V = ev.image_features([r[0] for r in _rows])['image']
+_P, _N = (ev.text_features([r[k] for r in _rows])['text'] for k in (1, 2))
 _acc = [hard_negative_accuracy((_V * _P).sum(1)[a:a + len(rs)], (_V * _N).sum(1)[a:a + len(rs)])['acc']
         for a, rs in zip(np.cumsum([0] + [len(rs) for rs in sc.values()]), sc.values())]
 test_close(_acc, [m1['sugarcrepe'][c] for c in sc])
 wg, _ = load_winoground(tmp / 'world')
-_i0, _i1 = (ev.image_features([r[k] for r in wg])['image'] for k in (0, 1)); _c0, _c1 = (ev.text_features([r[k] for r in wg])['text'] for k in (2, 3))
-_s = torch.stack([torch.stack([(_c0 * _i0).sum(1), (_c0 * _i1).sum(1)], 1), torch.stack([(_c1 * _i0).sum(1), (_c1 * _i1).sum(1)], 1)], 1)
+_i0, _i1 = (ev.image_features([r[k] for r in wg])['image'] for k in (0, 1))
+_c0, _c1 = (ev.text_features([r[k] for r in wg])['text'] for k in (2, 3))
+_s = torch.stack([torch.stack([(_c0 * _i0).sum(1), (_c0 * _i1).sum(1)], 1),
+                  torch.stack([(_c1 * _i0).sum(1), (_c1 * _i1).sum(1)], 1)], 1)
 test_eq(winoground_scores(_s), {k: v for k, v in m1['winoground'].items() if k not in ('seconds', 'skipped')})
 
 # %% [markdown]
@@ -420,7 +480,8 @@ test_eq(winoground_scores(_s), {k: v for k, v in m1['winoground'].items() if k n
 cls = load_classification(tmp / 'world')
 wdata = open_wds(tmp / 'world' / 'wds_shape')
 _zs_wds, _zs_json = task_zeroshot(ev, wdata), task_zeroshot(ev, cls)
-test_eq({k: _zs_wds[k] for k in ('top1', 'mean_per_class_recall', 'n')}, {k: _zs_json[k] for k in ('top1', 'mean_per_class_recall', 'n')})
+test_eq({k: _zs_wds[k] for k in ('top1', 'mean_per_class_recall', 'n')},
+        {k: _zs_json[k] for k in ('top1', 'mean_per_class_recall', 'n')})
 test_eq(_zs_wds['layout'], 'wds')
 _lp = task_linear_probe(ev, wdata)
 test_eq((_lp['n_train'] + _lp['n_val'], _lp['n_test']), (60, 60))
@@ -435,15 +496,21 @@ test_eq((_lp['n_train'] + _lp['n_val'], _lp['n_test']), (60, 60))
 from powerclip.eval.models import load_model
 from powerclip.model import create_model
 (tmp / 'filip').mkdir()
-torch.manual_seed(2); torch.save(create_model('powerclip-micro')[0].state_dict(), tmp / 'filip' / 'model.pt')
-(tmp / 'filip' / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\nmethod: filip\nmethod_cfg: {}\n')
+torch.manual_seed(2)
+torch.save(create_model('powerclip-micro')[0].state_dict(), tmp / 'filip' / 'model.pt')
+(tmp / 'filip' / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: '
+                                           '{}\nmethod: filip\nmethod_cfg: {}\n')
 fev = Evaluator.of(load_model(checkpoint=tmp / 'filip'), cache_dir=tmp / 'cache', progress=False)
 by, _ = evaluate_scorers(fev, tmp / 'world', tasks=('retrieval', 'zeroshot', 'linear_probe'))
-test_eq({s: sorted(m) for s, m in by.items()}, {'late': ['linear_probe', 'retrieval', 'zeroshot'], 'global': ['retrieval', 'zeroshot']})
-assert by['late']['retrieval']['i2t_R@1'] != by['global']['retrieval']['i2t_R@1'] or by['late']['zeroshot'] != by['global']['zeroshot']
+test_eq({s: sorted(m) for s, m in by.items()},
+        {'late': ['linear_probe', 'retrieval', 'zeroshot'], 'global': ['retrieval', 'zeroshot']})
+assert (by['late']['retrieval']['i2t_R@1'] != by['global']['retrieval']['i2t_R@1']
+        or by['late']['zeroshot'] != by['global']['zeroshot'])
 _x = fev.image_features(cls.splits['test'][0][:3], 'late')
-_full = fev.scores(_x, fev.text_features([t.format(c=c) for c in cls.classnames for t in cls.templates], 'late'), 'late')
-torch.testing.assert_close(zeroshot_logits(fev, _x, cls.classnames, cls.templates, 'late'), _full.view(3, len(cls.classnames), -1).mean(2))
+_full = fev.scores(_x,
+                   fev.text_features([t.format(c=c) for c in cls.classnames for t in cls.templates], 'late'), 'late')
+torch.testing.assert_close(zeroshot_logits(fev, _x, cls.classnames, cls.templates, 'late'),
+                           _full.view(3, len(cls.classnames), -1).mean(2))
 {s: {t: round(m[t].get('i2t_R@1', m[t].get('top1', m[t].get('acc'))), 1) for t in m} for s, m in by.items()}
 
 
@@ -472,27 +539,36 @@ torch.testing.assert_close(zeroshot_logits(fev, _x, cls.classnames, cls.template
 # %%
 #| export
 def default_label(checkpoint) -> str:
-    "The run folder's name for a run folder, its `model.pt` or its `checkpoints/last.pt`; else the file's stem; 'random-init' for None."
-    if checkpoint is None: return 'random-init'
+    """The run folder's name for a run folder, its `model.pt` or its `checkpoints/last.pt`; else the file's stem;
+    'random-init' for None."""
+    if checkpoint is None:
+        return 'random-init'
     p = Path(checkpoint).resolve()
-    if p.is_dir(): return p.name
-    if p.name == 'model.pt': return p.parent.name
-    if p.name == 'last.pt': return p.parent.parent.name if p.parent.name == 'checkpoints' else p.parent.name
+    if p.is_dir():
+        return p.name
+    if p.name == 'model.pt':
+        return p.parent.name
+    if p.name == 'last.pt':
+        return p.parent.parent.name if p.parent.name == 'checkpoints' else p.parent.name
     return p.stem
 
 def result_label(out_dir, label: str, ckpt_id: str) -> str:
     "`label`, or `label-<sha8>` when results of another checkpoint already hold `out_dir/<label>/` (see above)."
     others = set()
     for f in sorted((Path(out_dir) / label).glob('*.json')):
-        try: r = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError): continue              # not a result of ours
-        if isinstance(r, dict) and 'metrics' in r: others.add(r.get('checkpoint_id') or r.get('sha256') or f'unknown ({f.name})')
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue              # not a result of ours
+        if isinstance(r, dict) and 'metrics' in r:
+            others.add(r.get('checkpoint_id') or r.get('sha256') or f'unknown ({f.name})')
     others.discard(ckpt_id)
-    if not others: return label
+    if not others:
+        return label
     sha8 = (ckpt_id if not ckpt_id.startswith('random-init') else hashlib.sha256(ckpt_id.encode()).hexdigest())[:8]
     new = f'{label}-{sha8}'
-    log.warning('result label %r in %s holds another checkpoint (%s); this one (%s) is written under %r', label, out_dir,
-                ', '.join(sorted(o[:16] for o in others)), ckpt_id[:16], new)
+    log.warning('result label %r in %s holds another checkpoint (%s); this one (%s) is written under %r', label,
+                out_dir, ', '.join(sorted(o[:16] for o in others)), ckpt_id[:16], new)
     return new
 
 def write_result(out_dir, metrics: dict, skipped: dict, *, model, checkpoint, ckpt_id: str, data_root,
@@ -503,8 +579,10 @@ def write_result(out_dir, metrics: dict, skipped: dict, *, model, checkpoint, ck
     label = result_label(out_dir, label or default_label(checkpoint), ckpt_id)
     name = name or Path(data_root).name
     res = dict(checkpoint=None if checkpoint is None else str(checkpoint), label=label,
-               sha256='random-init' if checkpoint is None else ckpt_id, checkpoint_id=ckpt_id, model=model, method=method,
-               dataset=name, data_root=str(data_root), scorer=scorer, metrics=metrics, other_scorers=other_scorers or {},
+               sha256='random-init' if checkpoint is None else ckpt_id, checkpoint_id=ckpt_id,
+               model=model, method=method,
+               dataset=name, data_root=str(data_root), scorer=scorer, metrics=metrics,
+               other_scorers=other_scorers or {},
                skipped=skipped, skipped_items=skipped_items or {}, command=command or shlex.join(sys.argv),
                time=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()), torch=torch.__version__)
     f = Path(out_dir) / label / f'{name}.json'
@@ -515,18 +593,24 @@ def write_result(out_dir, metrics: dict, skipped: dict, *, model, checkpoint, ck
 def write_scored(out_dir, ev: Evaluator, by_scorer: dict, skipped: dict, **kw) -> Path:
     "`write_result` of `evaluate_scorers`' answer: the headline's metrics, the others beside them."
     return write_result(out_dir, by_scorer[ev.headline], skipped, model=ev.spec, ckpt_id=ev.ckpt_id, method=ev.method,
-                        scorer=ev.headline, other_scorers={s: m for s, m in by_scorer.items() if s != ev.headline}, **kw)
+                        scorer=ev.headline,
+                        other_scorers={s: m for s, m in by_scorer.items() if s != ev.headline}, **kw)
 
 def run_suite(ev: Evaluator, root, names=('all',), out_dir='results/eval', label: str | None = None, checkpoint=None,
               require: bool = False, command: str | None = None, strict: bool = False) -> tuple[dict, dict]:
-    "`({benchmark: result JSON path}, {benchmark: reason skipped})`; `require`: an absent benchmark raises; `strict`: a bad item raises."
+    """`({benchmark: result JSON path}, {benchmark: reason skipped})`; `require`: an absent benchmark raises; `strict`:
+    a bad item raises."""
     results, skipped = {}, {}
     for name in tqdm(select(names), desc='benchmarks', disable=not ev.progress):
         b = BENCHMARKS[name]
-        try: data = benchmark_data(name, Path(root) / b.folder, strict)
+        try:
+            data = benchmark_data(name, Path(root) / b.folder, strict)
         except MissingData as e:
-            if require: raise
-            log.warning('%s skipped: %s', name, e); skipped[name] = str(e); continue
+            if require:
+                raise
+            log.warning('%s skipped: %s', name, e)
+            skipped[name] = str(e)
+            continue
         by, task_skipped = {}, {}
         for s in ev.scorers:
             by[s], sk = _run_tasks(ev, data, s, require)
@@ -535,19 +619,23 @@ def run_suite(ev: Evaluator, root, names=('all',), out_dir='results/eval', label
                 ok = by[s]['retrieval']['n_images'] == KARPATHY_TEST_IMAGES[name]
                 by[s]['retrieval']['karpathy_size_ok'] = ok
                 if not ok and s == ev.headline:
-                    log.warning('%s: %d test images, the Karpathy test split has %d', name, by[s]['retrieval']['n_images'], KARPATHY_TEST_IMAGES[name])
+                    log.warning('%s: %d test images, the Karpathy test split has %d', name,
+                                by[s]['retrieval']['n_images'], KARPATHY_TEST_IMAGES[name])
         results[name] = (by, task_skipped, skip_report(data))
-    written = {name: write_scored(out_dir, ev, by, task_skipped, checkpoint=checkpoint, data_root=Path(root) / BENCHMARKS[name].folder,
+    written = {name: write_scored(out_dir, ev, by, task_skipped, checkpoint=checkpoint,
+                                  data_root=Path(root) / BENCHMARKS[name].folder,
                                   name=BENCHMARKS[name].folder, label=label, command=command, skipped_items=items)
                for name, (by, task_skipped, items) in results.items()}
     return written, skipped
 
 
 # %%
-f1 = write_scored(tmp / 'results', fev, by, {}, checkpoint=tmp / 'filip' / 'model.pt', data_root=tmp / 'world', command='notebook')
+f1 = write_scored(tmp / 'results', fev, by, {}, checkpoint=tmp / 'filip' / 'model.pt', data_root=tmp / 'world',
+                  command='notebook')
 r1 = json.loads(f1.read_text())
 test_eq((r1['label'], r1['method'], r1['scorer'], list(r1['other_scorers'])), ('filip', 'filip', 'late', ['global']))
-test_eq(r1['metrics'], by['late']); test_eq(r1['sha256'], fev.ckpt_id)
+test_eq(r1['metrics'], by['late'])
+test_eq(r1['sha256'], fev.ckpt_id)
 
 # %% [markdown]
 # Labels: a run folder, its `model.pt` and its `checkpoints/last.pt` are all the run's name. Another checkpoint under
@@ -555,11 +643,14 @@ test_eq(r1['metrics'], by['late']); test_eq(r1['sha256'], fev.ckpt_id)
 
 # %%
 test_eq([default_label(x) for x in (tmp / 'filip', tmp / 'filip' / 'model.pt', tmp / 'r7' / 'checkpoints' / 'last.pt',
-                                    tmp / 'ck' / 'step_100.pt', None)], ['filip', 'filip', 'r7', 'step_100', 'random-init'])
+                                    tmp / 'ck' / 'step_100.pt', None)],
+        ['filip', 'filip', 'r7', 'step_100', 'random-init'])
 _other = dict(model=fev.spec, data_root=tmp / 'world', command='notebook')
 f2 = write_result(tmp / 'results', {}, {}, checkpoint=tmp / 'x' / 'filip' / 'model.pt', ckpt_id='ab' * 32, **_other)
 test_eq(f2.parent.name, 'filip-abababab')
-test_eq(write_scored(tmp / 'results', fev, by, {}, checkpoint=tmp / 'filip' / 'model.pt', data_root=tmp / 'world', command='notebook'), f1)
-test_eq(write_result(tmp / 'results', {}, {}, checkpoint=None, ckpt_id='random-init-powerclip-micro-seed1', **_other).parent.name, 'random-init')
+test_eq(write_scored(tmp / 'results', fev, by, {}, checkpoint=tmp / 'filip' / 'model.pt', data_root=tmp / 'world',
+                     command='notebook'), f1)
+test_eq(write_result(tmp / 'results', {}, {}, checkpoint=None, ckpt_id='random-init-powerclip-micro-seed1',
+                     **_other).parent.name, 'random-init')
 _f3 = write_result(tmp / 'results', {}, {}, checkpoint=None, ckpt_id='random-init-powerclip-micro-seed2', **_other)
 test_eq(_f3.parent.name, 'random-init-' + hashlib.sha256(b'random-init-powerclip-micro-seed2').hexdigest()[:8])

@@ -39,9 +39,11 @@ from pathlib import Path
 # %%
 #| export
 # a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.eval` runs here
-if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())
+if __name__ == '__main__' and '__file__' in globals():
+    sys.exit(main())
 
 # %%
 _root = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / 'settings.ini').is_file())
-_r = subprocess.run([sys.executable, '-m', 'powerclip.eval', 'run', '--help'], capture_output=True, text=True, cwd=_root, timeout=300)
+_r = subprocess.run([sys.executable, '-m', 'powerclip.eval', 'run', '--help'], capture_output=True, text=True,
+                    cwd=_root, timeout=300)
 assert _r.returncode == 0 and '--checkpoint' in _r.stdout and '--method' in _r.stdout, _r.stderr

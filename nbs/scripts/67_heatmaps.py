@@ -43,7 +43,10 @@ from fastcore.test import test_close, test_eq, test_fail
 # %% [markdown]
 # # Text-to-patch heatmaps and a grounding score
 #
-# > Where does a text look in an image: the cosine of its embedding with every projected patch embedding, side by side for several checkpoints and for compositional edits of the caption, and, on the built-in world where every object's mask is known, the pointing-game accuracy and mean IoU of that map against the object the phrase names.
+# > Where does a text look in an image: the cosine of its embedding with every projected patch embedding.
+#
+# Side by side for several checkpoints and for compositional edits of the caption, and, on the built-in world where every
+# object's mask is known, the pointing-game accuracy and mean IoU of that map against the object the phrase names.
 
 # %% [markdown]
 # For a text embedding $t$ (L2-normalised, `encode_text`) and the projected patch embeddings $p_n$
@@ -116,8 +119,11 @@ def heat_iou(heat: torch.Tensor, mask: torch.Tensor, thresh: float = 0.5) -> tor
 # (IoU $2/16$); a map with its maximum tied between one patch inside and one outside scores a half hit.
 
 # %%
-mask = torch.zeros(4, 16, dtype=torch.bool); mask[:, [5, 6]] = True
-heat = torch.zeros(4, 4, 4); heat[0].view(-1)[[5, 6]] = 1.0; heat[1].view(-1)[0] = 1.0
+mask = torch.zeros(4, 16, dtype=torch.bool)
+mask[:, [5, 6]] = True
+heat = torch.zeros(4, 4, 4)
+heat[0].view(-1)[[5, 6]] = 1.0
+heat[1].view(-1)[0] = 1.0
 heat[3].view(-1)[[6, 15]] = 2.0                                                  # heat[2] stays uniform
 test_close(pointing_hit(heat, mask), torch.tensor([1.0, 0.0, 2 / 16, 0.5]))
 test_eq(pointing_hit(torch.full((1, 4, 4), float('nan')), mask[:1]).tolist(), [0.0])
@@ -125,7 +131,8 @@ test_close(heat_iou(heat, mask), torch.tensor([1.0, 0.0, 2 / 16, 1 / 3]))
 test_eq(upsample(heat, (8, 8)).shape, (4, 8, 8))
 # a peak inside the mask on a noisy map still hits; IoU grows with the threshold's selectivity
 g = torch.Generator().manual_seed(0)
-noisy = torch.rand(1, 4, 4, generator=g) * 0.1; noisy.view(-1)[5] = 1.0
+noisy = torch.rand(1, 4, 4, generator=g) * 0.1
+noisy.view(-1)[5] = 1.0
 test_eq(pointing_hit(noisy, mask[:1]).item(), 1.0)
 test_close(heat_iou(noisy, mask[:1]), torch.tensor([0.5]))                      # predicts {5} of {5, 6}
 
@@ -145,7 +152,8 @@ def np_phrases(sample: dict) -> list[tuple[str, np.ndarray]]:
     "`[(noun phrase text, gold patch mask (N,) bool)]` for each mentioned object of a `world.generate` sample."
     parsed, out = sample['parsed'], []
     for k, node in enumerate(sample['mention_nodes']):
-        if node < 0 or not sample['mask_valid'][k]: continue
+        if node < 0 or not sample['mask_valid'][k]:
+            continue
         a, b = parsed.spans[node]
         out.append((' '.join(parsed.words[a:b]), sample['masks'][k]))
     return out
@@ -155,7 +163,8 @@ def model_heat_fn(model, tokenizer):
     size = model.visual.image_size if isinstance(model.visual.image_size, int) else model.visual.image_size[0]
     def fn(image: np.ndarray, texts: list) -> torch.Tensor:
         x = to_clip_tensor(image)
-        if x.shape[-1] != size: x = F.interpolate(x[None], size=(size, size), mode='bilinear', align_corners=False)[0]
+        if x.shape[-1] != size:
+            x = F.interpolate(x[None], size=(size, size), mode='bilinear', align_corners=False)[0]
         return text_patch_heatmaps(model, x, texts, tokenizer)
     return fn
 
@@ -173,27 +182,36 @@ def grounding_score(heat_fn, n_scenes: int = 100, cfg: WorldConfig | None = None
                     per_scene: bool = False) -> dict:
     """Pointing-game accuracy, its chance level, pointing at any object, inverted pointing and mean IoU (%) over the NPs
     of `n_scenes` world scenes; `per_scene`: also each scene's share of the pointing number (a phrase weighs one over
-    the phrases, a scene without one shares 0), whose mean over the scenes is `pointing` (the comparison's bootstrap)."""
+    the phrases, a scene without one shares 0), whose mean over the scenes is `pointing` (the comparison's
+    bootstrap)."""
     cfg = cfg or WorldConfig()
     hits, any_hits, inv_hits, ious, chance, scenes = [], [], [], [], [], []
     for i in range(n_scenes):
         s = generate(cfg, i, split)
         phrases = np_phrases(s)
-        if not phrases: scenes.append(torch.zeros(0)); continue
+        if not phrases:
+            scenes.append(torch.zeros(0))
+            continue
         heat = heat_fn(s['image'], [p for p, _ in phrases])
-        if heat.shape[-2:] != (cfg.grid, cfg.grid): heat = upsample(heat, (cfg.grid, cfg.grid))
+        if heat.shape[-2:] != (cfg.grid, cfg.grid):
+            heat = upsample(heat, (cfg.grid, cfg.grid))
         mask = torch.from_numpy(np.stack([m for _, m in phrases]))              # (T, G*G)
         objects = torch.from_numpy(s['masks'][s['mask_valid']].any(0))[None].expand_as(mask)   # any object of the scene
-        hits.append(pointing_hit(heat, mask)); any_hits.append(pointing_hit(heat, objects))
-        inv_hits.append(pointing_hit(-heat, mask)); scenes.append(hits[-1])
-        ious.append(heat_iou(heat, mask)); chance.append(mask.float().mean(1))
-    if not hits: raise ValueError(f'no noun phrase with a mask in {n_scenes} {split} scenes')
+        hits.append(pointing_hit(heat, mask))
+        any_hits.append(pointing_hit(heat, objects))
+        inv_hits.append(pointing_hit(-heat, mask))
+        scenes.append(hits[-1])
+        ious.append(heat_iou(heat, mask))
+        chance.append(mask.float().mean(1))
+    if not hits:
+        raise ValueError(f'no noun phrase with a mask in {n_scenes} {split} scenes')
     pct = lambda xs: 100 * torch.cat(xs).double().mean().item()
     p, a, n = pct(hits), pct(any_hits), len(torch.cat(hits))
     out = dict(pointing=p, pointing_chance=pct(chance), pointing_any_object=a,
                named_given_object=100 * p / a if a > 0 else float('nan'),
                pointing_inverted=pct(inv_hits), mean_iou=pct(ious), n_phrases=n)
-    if per_scene: out['per_scene'] = [100 * n_scenes * h.double().sum().item() / n for h in scenes]
+    if per_scene:
+        out['per_scene'] = [100 * n_scenes * h.double().sum().item() / n for h in scenes]
     return out
 
 
@@ -206,10 +224,13 @@ m = load_model('powerclip-micro')
 s = generate(WorldConfig(), 0, 'test')
 test_eq(len(np_phrases(s)), int(s['mask_valid'].sum()))
 u = grounding_score(uniform_heat, n_scenes=20)
-test_close(u['pointing'], u['pointing_chance']); test_close(u['mean_iou'], u['pointing_chance']); test_close(u['pointing_inverted'], u['pointing_chance'])
+test_close(u['pointing'], u['pointing_chance'])
+test_close(u['mean_iou'], u['pointing_chance'])
+test_close(u['pointing_inverted'], u['pointing_chance'])
 g = grounding_score(model_heat_fn(m.model, m.tokenizer), n_scenes=20, per_scene=True)
 assert 0 <= g['pointing'] <= g['pointing_any_object'] <= 100 and g['n_phrases'] >= 20
-test_eq(len(g['per_scene']), 20); test_close(np.mean(g.pop('per_scene')), g['pointing'])   # the scenes' shares
+test_eq(len(g['per_scene']), 20)
+test_close(np.mean(g.pop('per_scene')), g['pointing'])   # the scenes' shares
 dict(uniform=u, centre=grounding_score(centre_heat, n_scenes=20), random_micro=g)
 
 
@@ -226,8 +247,10 @@ dict(uniform=u, centre=grounding_score(centre_heat, n_scenes=20), random_micro=g
 #| export
 def _loaded(spec, device: str = 'cpu') -> LoadedModel:
     "A LoadedModel (as it is), `random:ARCH`, or a checkpoint file or run folder, through `load_model`."
-    if isinstance(spec, LoadedModel): return spec
-    if isinstance(spec, str) and spec.startswith('random:'): return load_model(spec[len('random:'):], device=device)
+    if isinstance(spec, LoadedModel):
+        return spec
+    if isinstance(spec, str) and spec.startswith('random:'):
+        return load_model(spec[len('random:'):], device=device)
     return load_model(checkpoint=spec, device=device)
 
 
@@ -237,10 +260,13 @@ from powerclip.model import create_model
 d = Path(tempfile.mkdtemp())
 (d / 'run').mkdir()
 (d / 'run' / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\n')
-torch.manual_seed(1); torch.save(create_model('powerclip-micro')[0].state_dict(), d / 'run' / 'model.pt')
+torch.manual_seed(1)
+torch.save(create_model('powerclip-micro')[0].state_dict(), d / 'run' / 'model.pt')
 a, b = _loaded(d / 'run'), _loaded(str(d / 'run' / 'model.pt'))
-test_eq(a.ckpt_id, b.ckpt_id); assert not a.ckpt_id.startswith('random')
-test_eq(_loaded('random:powerclip-micro').ckpt_id, m.ckpt_id); assert _loaded(m) is m
+test_eq(a.ckpt_id, b.ckpt_id)
+assert not a.ckpt_id.startswith('random')
+test_eq(_loaded('random:powerclip-micro').ckpt_id, m.ckpt_id)
+assert _loaded(m) is m
 
 # %% [markdown]
 # ## A grounding table for several checkpoints
@@ -258,19 +284,25 @@ def grounding_markdown(rows: list[dict]) -> str:
     "Markdown table of `grounding_table` rows, with the chance level under it."
     head = '| checkpoint | ' + ' | '.join(c for _, c in _COLS) + ' | phrases |'
     lines = [head, '|' + ' --- |' * (len(_COLS) + 2)]
-    lines += [f"| {r['name']} | " + ' | '.join(f'{r[k]:.1f}' for k, _ in _COLS) + f" | {r['n_phrases']} |" for r in rows]
-    if rows: lines.append(f"\nPointing chance (a random patch): {rows[0]['pointing_chance']:.1f} %; "
-                          f"IoU at threshold 0.5 of the per-map min-max normalised heatmap on the {rows[0]['grid']} x {rows[0]['grid']} world grid.")
+    lines += [f"| {r['name']} | " + ' | '.join(f'{r[k]:.1f}' for k, _ in _COLS)
+              + f" | {r['n_phrases']} |" for r in rows]
+    if rows:
+        lines.append(f"\nPointing chance (a random patch): {rows[0]['pointing_chance']:.1f} %; "
+                          f"IoU at threshold 0.5 of the per-map min-max normalised heatmap on the {rows[0]['grid']} x "
+                          f"{rows[0]['grid']} world grid.")
     return '\n'.join(lines)
 
 def grounding_table(checkpoints: dict, n_scenes: int = 200, cfg: WorldConfig | None = None, device: str = 'cpu',
                     baselines: bool = True, split: str = 'test') -> tuple[list[dict], str]:
     """`{name: checkpoint (path, run dir, 'random:ARCH' or LoadedModel)}` -> (rows, Markdown): pointing-game accuracy,
-    pointing at any object and mean IoU (%) on `n_scenes` world scenes, plus random-init / uniform / centre-prior rows."""
+    pointing at any object and mean IoU (%) on `n_scenes` world scenes, plus random-init / uniform / centre-prior
+    rows."""
     cfg, rows, first = cfg or WorldConfig(), [], None
     def row(name, ckpt, fn):
-        r = dict(name=name, checkpoint=ckpt, **grounding_score(fn, n_scenes, cfg, split), n_scenes=n_scenes, grid=cfg.grid)
-        log.info('grounding %s: %s', name, r); rows.append(r)
+        r = dict(name=name, checkpoint=ckpt, **grounding_score(fn, n_scenes, cfg, split),
+                 n_scenes=n_scenes, grid=cfg.grid)
+        log.info('grounding %s: %s', name, r)
+        rows.append(r)
     for name, spec in checkpoints.items():
         lm = _loaded(spec, device)
         first = first or lm
@@ -286,7 +318,8 @@ def grounding_table(checkpoints: dict, n_scenes: int = 200, cfg: WorldConfig | N
 
 # %%
 rows, md = grounding_table({'micro (seed 1)': d / 'run'}, n_scenes=10)
-test_eq([r['name'] for r in rows], ['micro (seed 1)', 'random init (powerclip-micro)', 'uniform map (chance)', 'centre prior'])
+test_eq([r['name'] for r in rows],
+        ['micro (seed 1)', 'random init (powerclip-micro)', 'uniform map (chance)', 'centre prior'])
 test_eq(len({r['n_phrases'] for r in rows}), 1)
 print(md)
 
@@ -315,9 +348,12 @@ def _base_nps(doc, parsed, trim: bool = True) -> list[tuple[int, int]]:
     nps = [sp for sp, lab in zip(parsed.spans, parsed.labels) if lab == 'NP']
     out = []
     for s, e in nps:
-        if any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in nps): continue
-        while trim and e > s and doc[e - 1].pos_ not in _NOUNISH: e -= 1
-        if e > s: out.append((s, e))
+        if any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in nps):
+            continue
+        while trim and e > s and doc[e - 1].pos_ not in _NOUNISH:
+            e -= 1
+        if e > s:
+            out.append((s, e))
     return sorted(set(out))
 
 def _article(word: str, following: str) -> str:
@@ -334,9 +370,11 @@ def caption_edits(text, parsed=None) -> dict[str, str]:
     `text` may be a ParsedCaption (e.g. the world's gold tree), or `parsed` given: its NP nodes are used instead of
     spaCy's (its words must be spaCy's tokens of the text); spaCy still gives the part-of-speech tags."""
     from powerclip.parsing import ParsedCaption, load_pipeline, normalize_caption, spacy_doc_to_parsed
-    if isinstance(text, ParsedCaption): text, parsed = text.text, text
+    if isinstance(text, ParsedCaption):
+        text, parsed = text.text, text
     text, _ = normalize_caption(text)
-    if not text: return {}
+    if not text:
+        return {}
     doc = load_pipeline('spacy')(text)
     words, out = [t.text for t in doc], {}
     if parsed is not None and list(parsed.words) != words:
@@ -348,19 +386,23 @@ def caption_edits(text, parsed=None) -> dict[str, str]:
     attr = (lambda t: t.pos_ != 'DET') if parsed is not None else (lambda t: t.pos_ == 'ADJ' or t.dep_ == 'amod')
     adj = [(s, e, max(i for i in range(s, e - 1) if attr(doc[i]))) for s, e in nps
            if any(attr(doc[i]) for i in range(s, e - 1))]
-    pair = next(((x, y) for k, x in enumerate(adj) for y in adj[k + 1:] if words[x[2]].lower() != words[y[2]].lower()), None)
+    pair = next(((x, y) for k, x in enumerate(adj) for y in adj[k + 1:]
+                 if words[x[2]].lower() != words[y[2]].lower()), None)
     if pair:
         (_, _, i), (_, _, j) = pair
-        p = list(words); p[i], p[j] = words[j], words[i]
+        p = list(words)
+        p[i], p[j] = words[j], words[i]
         if i == 0 and words[0][:1].isupper():         # a caption that starts with the adjective: "Red apples and ..."
             p[0] = p[0][:1].upper() + p[0][1:]
-            if doc[0].pos_ != 'PROPN': p[j] = p[j][:1].lower() + p[j][1:]
+            if doc[0].pos_ != 'PROPN':
+                p[j] = p[j][:1].lower() + p[j][1:]
         for k in (i, j):
-            if k > 0 and p[k - 1].lower() in ('a', 'an'): p[k - 1] = _article(p[k - 1], p[k])
+            if k > 0 and p[k - 1].lower() in ('a', 'an'):
+                p[k - 1] = _article(p[k - 1], p[k])
         out['swap_att'] = _render(doc, p)
     if len(nps) >= 2:
         (s1, e1), (s2, e2) = nps[:2]
-        order = list(range(s2, e2)) + list(range(e1, s2)) + list(range(s1, e1))   # the tokens from s1 to e2, swapped
+        # the tokens from s1 to e2, swapped: s2..e2, then e1..s2, then s1..e1
         # each moved phrase keeps its own inner whitespace; the slot's last whitespace stays with the slot
         seq = [words[k] + doc[k].whitespace_ for k in range(s1)]
         slots = [(s1, e1, range(s2, e2)), (e1, s2, range(e1, s2)), (s2, e2, range(s1, e1))]
@@ -368,19 +410,23 @@ def caption_edits(text, parsed=None) -> dict[str, str]:
             src = list(src)
             for n, k in enumerate(src):
                 w = words[k]
-                if k == 0 and doc[0].text[:1].isupper() and doc[0].pos_ != 'PROPN' and w != 'I': w = w[0].lower() + w[1:]
-                if a == 0 and n == 0: w = w[:1].upper() + w[1:] if doc[0].text[:1].isupper() else w
+                if k == 0 and doc[0].text[:1].isupper() and doc[0].pos_ != 'PROPN' and w != 'I':
+                    w = w[0].lower() + w[1:]
+                if a == 0 and n == 0:
+                    w = w[:1].upper() + w[1:] if doc[0].text[:1].isupper() else w
                 seq.append(w + (doc[k].whitespace_ if n < len(src) - 1 else doc[b - 1].whitespace_ if b > a else ''))
         seq += [words[k] + doc[k].whitespace_ for k in range(e2, len(doc))]
         out['swap_obj'] = ''.join(seq).strip()
     return out
 
 def with_edits(texts: list, edits: bool = True) -> list[tuple[str, str]]:
-    "`[(label, text)]`: each text ('caption'), followed by its edits when `edits`; a ParsedCaption item uses its own tree."
+    """`[(label, text)]`: each text ('caption'), followed by its edits when `edits`; a ParsedCaption item uses its own
+    tree."""
     out = []
     for t in texts:
         out.append(('caption', getattr(t, 'text', t)))
-        if edits: out += list(caption_edits(t).items())
+        if edits:
+            out += list(caption_edits(t).items())
     return out
 
 
@@ -401,7 +447,8 @@ cases = {
                                                            swap_obj='A red shirt in a man holding a black umbrella.'),
     'Two dogs and a cat.': dict(swap_obj='A cat and two dogs.'),
 }
-for t, want in cases.items(): test_eq(caption_edits(t), want)
+for t, want in cases.items():
+    test_eq(caption_edits(t), want)
 # spaCy tags 'square' as an adjective here and misparses the first NP; the world's gold tree gets it right
 t = 'an orange square right of a blue cross and a small green diamond'
 test_eq(caption_edits(t)['swap_obj'], 'a blue cross of an orange square right and a small green diamond')
@@ -411,22 +458,30 @@ test_eq(caption_edits(gold), dict(swap_att='a blue square right of an orange cro
                                   swap_obj='a blue cross right of an orange square and a small green diamond'))
 test_fail(lambda: caption_edits('a red circle', gold), contains='not the tokens')
 test_eq(caption_edits(''), {})
-test_eq(with_edits(['a purple circle', 'a red circle above a blue cross'])[:2], [('caption', 'a purple circle'), ('caption', 'a red circle above a blue cross')])
+test_eq(with_edits(['a purple circle', 'a red circle above a blue cross'])[:2],
+        [('caption', 'a purple circle'), ('caption', 'a red circle above a blue cross')])
 
 # %%
 import json
-COCO = next((p for p in (Path('../shared/data/coco_sample'), Path('../../shared/data/coco_sample')) if p.is_dir()), Path('../shared/data/coco_sample'))  # repo root or nbs/
-if not (COCO / 'captions.jsonl').is_file(): print(f'skipped: {COCO} is absent (real COCO captions)')
+# repo root or nbs/
+COCO = next((p for p in (Path('../shared/data/coco_sample'), Path('../../shared/data/coco_sample')) if p.is_dir()),
+            Path('../shared/data/coco_sample'))
+if not (COCO / 'captions.jsonl').is_file():
+    print(f'skipped: {COCO} is absent (real COCO captions)')
 else:
     rows_coco = [json.loads(l) for l in (COCO / 'captions.jsonl').read_text().splitlines()[:40]]
     caps = [c for r in rows_coco for c in r['captions']]
     ed = [caption_edits(c) for c in caps]
     import re
     bag = lambda t: sorted(w for w in re.findall(r"\w+|[^\w\s]", t.lower()) if w not in ('a', 'an'))
-    for c, e in zip(caps, ed):   # an edit moves words, it never adds or loses one (articles aside), and changes the text
-        for v in e.values(): assert v != c and bag(v) == bag(c), (c, v)
-    print(f"{len(caps)} COCO captions: swap_att applies to {sum('swap_att' in e for e in ed)}, swap_obj to {sum('swap_obj' in e for e in ed)}")
-    for c, e in list(zip(caps, ed))[:6]: print(repr(c), '->', e)
+    # an edit moves words, it never adds or loses one (articles aside), and changes the text
+    for c, e in zip(caps, ed):
+        for v in e.values():
+            assert v != c and bag(v) == bag(c), (c, v)
+    print(f"{len(caps)} COCO captions: swap_att applies to {sum('swap_att' in e for e in ed)}, swap_obj to "
+          f"{sum('swap_obj' in e for e in ed)}")
+    for c, e in list(zip(caps, ed))[:6]:
+        print(repr(c), '->', e)
 
 
 # %% [markdown]
@@ -441,14 +496,19 @@ else:
 #| export
 def _as_pil(image):
     from PIL import Image
-    if isinstance(image, Image.Image): return image.convert('RGB')
-    if isinstance(image, np.ndarray): return Image.fromarray(image).convert('RGB')
+    if isinstance(image, Image.Image):
+        return image.convert('RGB')
+    if isinstance(image, np.ndarray):
+        return Image.fromarray(image).convert('RGB')
     return Image.open(image).convert('RGB')
 
 def centre_square(image, size: int = 224) -> np.ndarray:
-    "The centre square of an image (what CLIP's resize + centre crop keeps), at `size` x `size`: `(size, size, 3)` uint8."
+    """The centre square of an image (what CLIP's resize + centre crop keeps), at `size` x `size`: `(size, size, 3)`
+    uint8."""
     from PIL import Image
-    im = _as_pil(image); w, h = im.size; s = min(w, h)
+    im = _as_pil(image)
+    w, h = im.size
+    s = min(w, h)
     box = ((w - s) // 2, (h - s) // 2, (w - s) // 2 + s, (h - s) // 2 + s)
     return np.asarray(im.crop(box).resize((size, size), Image.BICUBIC))
 
@@ -457,19 +517,24 @@ def image_heatmaps(lm, image, texts: list) -> torch.Tensor:
     return text_patch_heatmaps(lm.model, lm.preprocess(_as_pil(image)), texts, lm.tokenizer)
 
 def heatmap_grid(image, texts: list, models: dict, labels: list | None = None, size: int = 224, cell: float = 2.4):
-    "Figure of `len(texts)` rows x `len(models)` columns of overlays; `models`: {name: LoadedModel}; `labels` prefix the texts."
+    """Figure of `len(texts)` rows x `len(models)` columns of overlays; `models`: {name: LoadedModel}; `labels` prefix
+    the texts."""
     import matplotlib.pyplot as plt
     shown = centre_square(image, size)
     raw = {n: image_heatmaps(lm, image, texts) for n, lm in models.items()}               # (T, gh, gw) each
     maps = {n: normalise01(upsample(h, (size, size))) for n, h in raw.items()}
-    fig, axes = plt.subplots(len(texts), len(models), figsize=(cell * len(models), (cell + 0.45) * len(texts)), squeeze=False)
+    fig, axes = plt.subplots(len(texts), len(models),
+                             figsize=(cell * len(models), (cell + 0.45) * len(texts)), squeeze=False)
     for r, t in enumerate(texts):
         lab = f'[{labels[r]}] ' if labels else ''
         for c, n in enumerate(models):
             a = axes[r, c]
-            a.imshow(shown); a.imshow(maps[n][r].numpy(), alpha=0.5, cmap='jet', vmin=0, vmax=1); a.axis('off')
+            a.imshow(shown)
+            a.imshow(maps[n][r].numpy(), alpha=0.5, cmap='jet', vmin=0, vmax=1)
+            a.axis('off')
             h = raw[n][r]
-            a.set_title(f'{n}  cos {h.min():.2f}..{h.max():.2f}\n' + '\n'.join(textwrap.wrap(lab + t, 34)[:3]), fontsize=7)
+            a.set_title(f'{n}  cos {h.min():.2f}..{h.max():.2f}\n'
+                        + '\n'.join(textwrap.wrap(lab + t, 34)[:3]), fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -481,13 +546,17 @@ from IPython.display import Image as IPImage, display
 
 def show(fig, dpi: int = 72):
     "Display a figure as a JPEG (heatmap overlays make PNGs of a megabyte each; the notebook keeps its outputs)."
-    buf = io.BytesIO(); fig.savefig(buf, format='jpeg', dpi=dpi, bbox_inches='tight', pil_kwargs=dict(quality=80))
-    plt.close(fig); display(IPImage(buf.getvalue()))
+    buf = io.BytesIO()
+    fig.savefig(buf, format='jpeg', dpi=dpi, bbox_inches='tight', pil_kwargs=dict(quality=80))
+    plt.close(fig)
+    display(IPImage(buf.getvalue()))
 
 s = generate(WorldConfig(), 1, 'test')
 lab, txt = zip(*with_edits([s['parsed']]))
-fig = heatmap_grid(s['image'], list(txt), {'random micro': m, 'micro (seed 1)': load_model(checkpoint=d / 'run')}, list(lab))
-test_eq(len(fig.axes), 2 * len(txt)); test_eq(centre_square(np.zeros((40, 60, 3), np.uint8), 32).shape, (32, 32, 3))
+fig = heatmap_grid(s['image'], list(txt),
+                   {'random micro': m, 'micro (seed 1)': load_model(checkpoint=d / 'run')}, list(lab))
+test_eq(len(fig.axes), 2 * len(txt))
+test_eq(centre_square(np.zeros((40, 60, 3), np.uint8), 32).shape, (32, 32, 3))
 show(fig)
 
 
@@ -510,7 +579,8 @@ def _parse_checkpoint(arg: str) -> tuple[str, str]:
     "'NAME=PATH' -> (NAME, PATH); a bare PATH is named after its run directory."
     if '=' in arg and not arg.startswith('random:'):
         name, path = arg.split('=', 1)
-        if name and path: return name, path
+        if name and path:
+            return name, path
         raise ValueError(f'--checkpoint: wants NAME=PATH (or PATH, or random:ARCH), got {arg!r}')
     p = Path(arg)
     return (p.parent.parent.name if p.parent.name == 'checkpoints' else p.stem if p.suffix else p.name) or arg, arg
@@ -518,15 +588,22 @@ def _parse_checkpoint(arg: str) -> tuple[str, str]:
 def save_grids(images: list, texts: list, models: dict, out_dir, edits: bool = False) -> list:
     "One grid PNG per image into `out_dir`; returns the paths."
     import matplotlib.pyplot as plt
-    out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     labels, rows = zip(*with_edits(texts, edits))
     paths, seen = [], set()
     for im in images:
-        stem = Path(im).stem; k = 1
-        while stem in seen: k += 1; stem = f'{Path(im).stem}_{k}'      # two images with the same name
+        stem = Path(im).stem
+        k = 1
+        while stem in seen:
+            k += 1
+            stem = f'{Path(im).stem}_{k}'      # two images with the same name
         seen.add(stem)
         fig = heatmap_grid(im, list(rows), models, list(labels))
-        p = out / f'{stem}.png'; fig.savefig(p, dpi=110, bbox_inches='tight'); plt.close(fig); paths.append(p)
+        p = out / f'{stem}.png'
+        fig.savefig(p, dpi=110, bbox_inches='tight')
+        plt.close(fig)
+        paths.append(p)
     return paths
 
 def _check_args(a) -> dict:
@@ -535,58 +612,80 @@ def _check_args(a) -> dict:
     from PIL import Image
     from powerclip.eval.models import checkpoint_file
     from powerclip.model import model_geometry
-    if a.threads < 0: raise ValueError(f'--threads: must be at least 0 (0: torch default), got {a.threads}')
-    if a.grounding < 0: raise ValueError(f'--grounding: must be at least 0 (world test scenes; 0: none), got {a.grounding}')
-    if not a.checkpoint: raise ValueError('--checkpoint: give at least one NAME=PATH (random:ARCH for a random init)')
-    if not a.grounding and not (a.image and a.text): raise ValueError('--image: give --image and --text, or --grounding N')
-    if a.image and not a.text: raise ValueError('--text: --image needs at least one --text')
+    if a.threads < 0:
+        raise ValueError(f'--threads: must be at least 0 (0: torch default), got {a.threads}')
+    if a.grounding < 0:
+        raise ValueError(f'--grounding: must be at least 0 (world test scenes; 0: none), got {a.grounding}')
+    if not a.checkpoint:
+        raise ValueError('--checkpoint: give at least one NAME=PATH (random:ARCH for a random init)')
+    if not a.grounding and not (a.image and a.text):
+        raise ValueError('--image: give --image and --text, or --grounding N')
+    if a.image and not a.text:
+        raise ValueError('--text: --image needs at least one --text')
     specs = {}
     for c in a.checkpoint:
         name, path = _parse_checkpoint(c)
-        if name in specs: raise ValueError(f'--checkpoint: two columns named {name!r} (name them: NAME=PATH)')
+        if name in specs:
+            raise ValueError(f'--checkpoint: two columns named {name!r} (name them: NAME=PATH)')
         try:
-            if path.startswith('random:'): model_geometry(path[len('random:'):])   # the architecture exists (nothing built)
-            else: checkpoint_file(path)                                          # a file, or a run folder holding one
-        except (ValueError, FileNotFoundError, NotImplementedError) as e: raise ValueError(f'--checkpoint: {e}') from None
+            if path.startswith('random:'):
+                model_geometry(path[len('random:'):])   # the architecture exists (nothing built)
+            else:
+                checkpoint_file(path)                                          # a file, or a run folder holding one
+        except (ValueError, FileNotFoundError, NotImplementedError) as e:
+            raise ValueError(f'--checkpoint: {e}') from None
         specs[name] = path
     for im in a.image:
-        if not Path(im).is_file(): raise ValueError(f'--image: {im!r} not found')
+        if not Path(im).is_file():
+            raise ValueError(f'--image: {im!r} not found')
         try:
-            with Image.open(im) as x: x.verify()
-        except Exception as e: raise ValueError(f'--image: {im!r} is not an image ({type(e).__name__})') from None
-    if a.out and Path(a.out).exists() and not Path(a.out).is_dir(): raise ValueError(f'--out: {a.out!r} is a file (give a folder)')
+            with Image.open(im) as x:
+                x.verify()
+        except Exception as e:
+            raise ValueError(f'--image: {im!r} is not an image ({type(e).__name__})') from None
+    if a.out and Path(a.out).exists() and not Path(a.out).is_dir():
+        raise ValueError(f'--out: {a.out!r} is a file (give a folder)')
     check_device('--device', a.device)
     return specs
 
 def main(argv=None) -> int:
-    "The command line (None: sys.argv): exit status 0, or 2 with one line on stderr for a mistake in the arguments (`17_commandline`)."
+    """The command line (None: sys.argv): exit status 0, or 2 with one line on stderr for a mistake in the arguments
+    (`17_commandline`)."""
     return run_main(_main, argv, 'powerclip-heatmaps')
 
 def _main(argv) -> int:
     import json
-    import matplotlib; matplotlib.use('Agg')     # files only: no window, whatever the environment's default backend
-    ap = ArgumentParser(prog='powerclip-heatmaps', description='Text-to-patch heatmaps side by side, and the world grounding table.')
+    import matplotlib
+    matplotlib.use('Agg')     # files only: no window, whatever the environment's default backend
+    ap = ArgumentParser(prog='powerclip-heatmaps', description='Text-to-patch heatmaps side by side, and '
+                                                               'the world grounding table.')
     ap.add_argument('--image', action='append', default=[], help='image file (repeat for several: one grid each)')
     ap.add_argument('--text', action='append', default=[], help='a text (repeat for several rows)')
     ap.add_argument('--checkpoint', action='append', default=[], metavar='NAME=PATH',
-                    help='trainer checkpoint, plain open_clip state dict, run directory, or random:ARCH (repeat: one column each)')
+                    help='trainer checkpoint, plain open_clip state dict, run directory, or random:ARCH '
+                         '(repeat: one column each)')
     ap.add_argument('--edits', action='store_true', help='add compositional edits of each text (swap_att, swap_obj)')
     ap.add_argument('--out', default=None, help='output folder (default: heatmaps)')
     ap.add_argument('--grounding', type=int, default=0, help='world test scenes for the grounding table (0: none)')
     ap.add_argument('--device', default='cpu')
-    ap.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default; 1 is fastest for tiny models on a busy machine)')
+    ap.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default; 1 is fastest for tiny '
+                                                           'models on a busy machine)')
     ap.add_argument('--debug', action='store_true', help='show the traceback of a usage error')
     with usage_errors():
         a = ap.parse_args(argv)
         specs = _check_args(a)
-    if a.threads > 0: torch.set_num_threads(a.threads)
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
     # a checkpoint that does not fit its architecture shows only once it is loaded: still the user's file, one line
-    with usage_errors(ValueError): models = {n: _loaded(p, a.device) for n, p in specs.items()}
+    with usage_errors(ValueError):
+        models = {n: _loaded(p, a.device) for n, p in specs.items()}
     if a.image:
-        for p in save_grids(a.image, a.text, models, a.out or 'heatmaps', a.edits): print(p)
+        for p in save_grids(a.image, a.text, models, a.out or 'heatmaps', a.edits):
+            print(p)
     if a.grounding:
         rows, md = grounding_table(models, a.grounding, device=a.device)
-        for r, (n, lm) in zip(rows, models.items()): r['checkpoint'], r['checkpoint_id'] = specs[n], lm.ckpt_id
+        for r, (n, lm) in zip(rows, models.items()):
+            r['checkpoint'], r['checkpoint_id'] = specs[n], lm.ckpt_id
         print(md)
         if a.out:
             Path(a.out).mkdir(parents=True, exist_ok=True)
@@ -598,13 +697,15 @@ def _main(argv) -> int:
 # %%
 #| export
 # a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.heatmaps` runs here
-if __name__ == '__main__' and '__file__' in globals(): raise SystemExit(main())
+if __name__ == '__main__' and '__file__' in globals():
+    raise SystemExit(main())
 
 # %%
 from PIL import Image
 Image.fromarray(s['image']).save(d / 'scene.png')
 outs = save_grids([d / 'scene.png'], [s['text']], {'random micro': m}, d / 'maps', edits=True)
-test_eq([p.name for p in outs], ['scene.png']); assert outs[0].stat().st_size > 0
+test_eq([p.name for p in outs], ['scene.png'])
+assert outs[0].stat().st_size > 0
 test_eq(_parse_checkpoint('runs/demo/CLIP/checkpoints/last.pt'), ('CLIP', 'runs/demo/CLIP/checkpoints/last.pt'))
 test_eq(_parse_checkpoint('A=runs/x/model.pt'), ('A', 'runs/x/model.pt'))
 test_eq(_parse_checkpoint('random:powerclip-micro'), ('random:powerclip-micro', 'random:powerclip-micro'))
@@ -623,7 +724,8 @@ ROOT = Path('..') if Path('../runs/demo').is_dir() else Path('.')
 DEMO = ROOT / 'runs/demo/seed0'
 demo = {n: DEMO / n for n in ('CLIP', 'PowerCLIP-R', 'PowerCLIP-gold')}   # run folders: model.pt and config.yaml
 have_demo = all((p / 'model.pt').is_file() for p in demo.values())
-if not have_demo: print(f'skipped: the demo checkpoints are absent ({DEMO.resolve()}); run `make demo` to make them')
+if not have_demo:
+    print(f'skipped: the demo checkpoints are absent ({DEMO.resolve()}); run `make demo` to make them')
 else:
     demo_models = {n: load_model(checkpoint=p) for n, p in demo.items()}
     sp = demo_models['CLIP'].spec
@@ -636,8 +738,10 @@ else:
 
 # %%
 #| slow
-if not have_demo: print('skipped: the demo checkpoints are absent')
-elif not (COCO / 'captions.jsonl').is_file(): print(f'skipped: {COCO} is absent (real COCO photos)')
+if not have_demo:
+    print('skipped: the demo checkpoints are absent')
+elif not (COCO / 'captions.jsonl').is_file():
+    print(f'skipped: {COCO} is absent (real COCO photos)')
 else:
     picks = [r for r in (json.loads(l) for l in (COCO / 'captions.jsonl').read_text().splitlines())
              if any('swap_att' in caption_edits(c) for c in r['captions'][:2])][:3]
@@ -654,7 +758,8 @@ else:
 
 # %%
 #| slow
-if not have_demo: print('skipped: the demo checkpoints are absent')
+if not have_demo:
+    print('skipped: the demo checkpoints are absent')
 else:
     demo_rows, demo_md = grounding_table(demo, n_scenes=200)
     from IPython.display import Markdown, display

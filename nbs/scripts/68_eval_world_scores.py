@@ -43,11 +43,13 @@ from powerclip.data import world_config
 from powerclip.eval.data import load_retrieval, write_world_benchmark
 from powerclip.model import create_model, model_geometry
 
-
 # %% [markdown]
 # # Scores on the world
 #
-# > A run's numbers on the world's held-out scenes, as the comparison reports them: hard negatives and retrieval from the evaluation's tasks, the pointing game from the heatmaps, each scene's share of every headline number (the bootstrap over scenes), cached beside the weights.
+# > A run's numbers on the world's held-out scenes, as the comparison reports them.
+#
+# Hard negatives and retrieval from the evaluation's tasks, the pointing game from the heatmaps, each scene's share of
+# every headline number (the bootstrap over scenes), cached beside the weights.
 
 # %% [markdown]
 # The comparison (`70_compare`) and the experiments (`71_experiments`) score every run on the same held-out world
@@ -67,18 +69,21 @@ from powerclip.model import create_model, model_geometry
 WORLD_TASKS = {'sugarcrepe': {**{k: f'hn_{k}' for k in NEGATIVE_KINDS}, 'mean': 'hn_mean'},
                'retrieval': {k: k for k in ('i2t_R@1', 'i2t_R@5', 't2i_R@1', 't2i_R@5')}}
 # the comparison's headline numbers scored on the benchmark folder: key -> display name (the task registry's)
-FOLDER_HEADLINE = {WORLD_TASKS[t][m]: TASKS[t].headline[m] for t, m in (('sugarcrepe', 'mean'), ('retrieval', 'i2t_R@1'),
+FOLDER_HEADLINE = {WORLD_TASKS[t][m]: TASKS[t].headline[m]
+                   for t, m in (('sugarcrepe', 'mean'), ('retrieval', 'i2t_R@1'),
                                                                        ('retrieval', 't2i_R@1'))}
 POINTING = {'pointing': 'pointing'}        # the pointing game's headline number (`grounding_score`)
 # the region task on the folder's objects (`63a_eval_regions`): its own evaluation, cached apart (see "Regions" below)
 REGION_TASKS = {'regions': {'pooled_top1': 'region_acc', 'pooled_ap50': 'region_ap50', 'crop_top1': 'region_crop_acc',
                             'crop_ap50': 'region_crop_ap50', 'shape/pooled_top1': 'region_shape_acc'}}
 REGION_HEADLINE = {'region_acc': TASKS['regions'].headline['pooled_top1']}
-HEADLINE = {**FOLDER_HEADLINE, **POINTING, **REGION_HEADLINE}  # key -> display name: paired differences, verdicts, in order
+# key -> display name: paired differences, verdicts, in order
+HEADLINE = {**FOLDER_HEADLINE, **POINTING, **REGION_HEADLINE}
 
 # %%
 test_eq(HEADLINE, {'hn_mean': 'HN mean', 'i2t_R@1': 'i2t R@1', 't2i_R@1': 't2i R@1', 'pointing': 'pointing',
                    'region_acc': 'region top-1 (pooled)'})
+
 
 # %% [markdown]
 # ## The world evaluation
@@ -113,25 +118,29 @@ def world_items(ev: Evaluator, found: dict, scorer: str | None = None) -> dict:
     neg = ev.pair_scores(V, T, img, [ti[r[2]] for r in rows], scorer)
     hit, out, start = (~outranks(neg, pos)).int().tolist(), {'hn': {}}, 0
     for c, rs in sc.items():
-        out['hn'][c] = dict(image=[Path(r[0]).name for r in rs], hit=hit[start:start + len(rs)]); start += len(rs)
+        out['hn'][c] = dict(image=[Path(r[0]).name for r in rs], hit=hit[start:start + len(rs)])
+        start += len(rs)
     captions, text_image = ret.flat()
-    i2t, t2i = recall_hits(ev.scores(ev.image_features(ret.images, scorer), ev.text_features(captions, scorer), scorer), text_image)
-    has = torch.zeros(len(ret.images), dtype=torch.bool); has[torch.as_tensor(text_image, dtype=torch.long)] = True
+    i2t, t2i = recall_hits(ev.scores(ev.image_features(ret.images, scorer), ev.text_features(captions, scorer),
+                                     scorer), text_image)
+    has = torch.zeros(len(ret.images), dtype=torch.bool)
+    has[torch.as_tensor(text_image, dtype=torch.long)] = True
     names = [Path(p).name for p in ret.images]
     out['i2t_R@1'] = dict(image=[n for n, h in zip(names, has.tolist()) if h], hit=i2t[has].int().tolist())
     out['t2i_R@1'] = dict(image=[names[i] for i in torch.as_tensor(text_image).tolist()], hit=t2i.int().tolist())
     return out
 
 def evaluate_world(ev: Evaluator, root, per_item: bool = False, tasks: dict = WORLD_TASKS) -> dict:
-    """The comparison's numbers (%) on a world benchmark folder, for every scorer: `tasks` {task: {metric: key}}, by default
-    `hn_<kind>`, `hn_mean`, R@1/R@5 both ways; `per_item`: also `items` (see above)."""
+    """The comparison's numbers (%) on a world benchmark folder, for every scorer: `tasks` {task: {metric: key}}, by
+    default `hn_<kind>`, `hn_mean`, R@1/R@5 both ways; `per_item`: also `items` (see above)."""
     found = find_data(root, tuple(tasks))
     out = dict(scorer=ev.headline)
     for s in ev.scorers:
         m, _ = evaluate(ev, root, found=found, scorer=s)
         res = {key: m[t].get(k, math.nan) for t, keys in tasks.items() for k, key in keys.items()}
         out.update({(k if s == ev.headline else f'{s}:{k}'): v for k, v in res.items()})
-    if per_item: out['items'] = {s: world_items(ev, found[0], s) for s in ev.scorers}
+    if per_item:
+        out['items'] = {s: world_items(ev, found[0], s) for s in ev.scorers}
     return out
 
 
@@ -148,23 +157,30 @@ write_world_benchmark(tmp / 'world', n_images=60)
 ev = Evaluator.build('powerclip-micro', None, cache_dir=tmp / 'cache', progress=False)
 m1, _ = evaluate(ev, tmp / 'world', tasks=tuple(WORLD_TASKS))
 (tmp / 'filip').mkdir()
-torch.manual_seed(2); torch.save(create_model('powerclip-micro')[0].state_dict(), tmp / 'filip' / 'model.pt')
-(tmp / 'filip' / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\nmethod: filip\nmethod_cfg: {}\n')
+torch.manual_seed(2)
+torch.save(create_model('powerclip-micro')[0].state_dict(), tmp / 'filip' / 'model.pt')
+(tmp / 'filip' / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: '
+                                           '{}\nmethod: filip\nmethod_cfg: {}\n')
 fev = Evaluator.of(load_model(checkpoint=tmp / 'filip'), cache_dir=tmp / 'cache', progress=False)
 _parses = json.loads((tmp / 'world' / 'parses.json').read_text())
-_tok = torch.stack([tree_tokens(ParsedCaption.from_dict(p), context_length=ev.model.context_length).tokens for p in _parses.values()])
+_tok = torch.stack([tree_tokens(ParsedCaption.from_dict(p), context_length=ev.model.context_length).tokens
+                    for p in _parses.values()])
 test_eq(ev.tokenizer(list(_parses)), _tok)
 res = evaluate_world(ev, tmp / 'world')
-test_eq(res['scorer'], 'global'); assert set(res) >= {'hn_swap_att', 'hn_mean', 'i2t_R@1', 't2i_R@5'}
+test_eq(res['scorer'], 'global')
+assert set(res) >= {'hn_swap_att', 'hn_mean', 'i2t_R@1', 't2i_R@5'}
 assert all(0 <= v <= 100 for v in res.values() if isinstance(v, float) and v == v)
-test_eq(res['hn_mean'], m1['sugarcrepe']['mean']); test_eq(res['i2t_R@5'], m1['retrieval']['i2t_R@5'])
+test_eq(res['hn_mean'], m1['sugarcrepe']['mean'])
+test_eq(res['i2t_R@5'], m1['retrieval']['i2t_R@5'])
 fres = evaluate_world(fev, tmp / 'world', per_item=True)
-test_eq(fres['scorer'], 'late'); assert 'global:hn_mean' in fres and 'late:hn_mean' not in fres
+test_eq(fres['scorer'], 'late')
+assert 'global:hn_mean' in fres and 'late:hn_mean' not in fres
 for _s, _pre in (('late', ''), ('global', 'global:')):             # the items' means are the numbers, for each scorer
     _it = fres['items'][_s]
     test_close([100 * np.mean(_it['hn'][k]['hit']) for k in _it['hn']], [fres[f'{_pre}hn_{k}'] for k in _it['hn']])
     test_close(np.mean([100 * np.mean(_it['hn'][k]['hit']) for k in _it['hn']]), fres[f'{_pre}hn_mean'])
-    test_close([100 * np.mean(_it[k]['hit']) for k in ('i2t_R@1', 't2i_R@1')], [fres[f'{_pre}i2t_R@1'], fres[f'{_pre}t2i_R@1']])
+    test_close([100 * np.mean(_it[k]['hit']) for k in ('i2t_R@1', 't2i_R@1')],
+               [fres[f'{_pre}i2t_R@1'], fres[f'{_pre}t2i_R@1']])
 test_eq(len(fres['items']['late']['t2i_R@1']['image']), len(load_retrieval(tmp / 'world' / 'retrieval.json').flat()[0]))
 {k: round(v, 1) for k, v in res.items() if k != 'scorer'}
 
@@ -195,14 +211,17 @@ def scene_names(root) -> list[str]:
 
 
 def scene_shares(items: dict, scenes: list[str]) -> dict[str, list[float]]:
-    "Each scene's share (%) of `hn_mean`, `i2t_R@1`, `t2i_R@1` from `world_items`' answers; the mean over `scenes` is the number."
+    """Each scene's share (%) of `hn_mean`, `i2t_R@1`, `t2i_R@1` from `world_items`' answers; the mean over `scenes` is
+    the number."""
     at, N = {s: i for i, s in enumerate(scenes)}, len(scenes)
     def shares(pairs) -> list[float]:
         c = np.zeros(N)
-        for scene, v in pairs: c[at[scene]] += v
+        for scene, v in pairs:
+            c[at[scene]] += v
         return (100 * N * c).tolist()
     hn = {k: v for k, v in items["hn"].items() if v["hit"]}
-    out = {"hn_mean": shares((im, h / (len(hn) * len(v["hit"]))) for v in hn.values() for im, h in zip(v["image"], v["hit"]))}
+    out = {"hn_mean": shares((im, h / (len(hn) * len(v["hit"]))) for v in hn.values()
+                             for im, h in zip(v["image"], v["hit"]))}
     for m in ("i2t_R@1", "t2i_R@1"):              # world_items' retrieval items
         out[m] = shares((im, h / len(items[m]["hit"])) for im, h in zip(items[m]["image"], items[m]["hit"]))
     return out
@@ -212,7 +231,8 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
                     lm=None) -> dict:
     """The numbers (%) of the weights in `folder` on the benchmark folder `root` (every scorer; `scorer` names the
     headline), `per_scene` shares of the headline numbers, and with `grounding` the pointing game on that many scenes;
-    cached in `folder/cache`. `lm`: a loaded model instead of `folder/model.pt` (the untrained row; `folder` holds its cache)."""
+    cached in `folder/cache`. `lm`: a loaded model instead of `folder/model.pt` (the untrained row; `folder` holds its
+    cache)."""
     folder, root = Path(folder), Path(root)
     stamp = None if lm is not None else (folder / "model.pt").stat().st_mtime_ns
     key = dict(root=str(root.resolve()), summary=json.loads((root / "summary.json").read_text()).get("request"),
@@ -235,25 +255,31 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
         res.update({k: g[k] for k in ("pointing", "mean_iou", "n_phrases")})   # the comparison's (eval=3) numbers
     res["eval_s"] = time.time() - t0
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res)))
+    tmp.replace(f)
     return {**res, **_region_numbers(folder, root, key, stamp, cache, lm, device)}
 
 
 def _region_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str) -> dict:
     "The region task's numbers of the weights in `folder` (every scorer), cached in `folder/<cache stem>_regions.json`."
-    if not any((root / 'annotations').glob('instances_*.json')): return {}     # a folder without objects to name
+    if not any((root / 'annotations').glob('instances_*.json')):
+        return {}     # a folder without objects to name
     key = dict(key, eval=None, regions=1)
     f = folder / f"{Path(cache).stem}_regions.json"
     if f.is_file():
         c = json.loads(f.read_text())
-        if c.get("key") == key and c.get("weights_mtime_ns") == stamp: return c["results"]
+        if c.get("key") == key and c.get("weights_mtime_ns") == stamp:
+            return c["results"]
     t0 = time.time()
     lm = lm or load_model(checkpoint=folder, device=device)
     with tempfile.TemporaryDirectory() as d:
         res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, tasks=REGION_TASKS)
     res = {k: v for k, v in res.items() if k != "scorer"}
     res["region_eval_s"] = time.time() - t0
-    tmp = f.with_suffix(".tmp"); tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res))); tmp.replace(f)
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res)))
+    tmp.replace(f)
     return res
 
 
@@ -267,11 +293,15 @@ _lm = load_model("powerclip-micro", seed=3)
 _wcfg = world_config(load_config("smoke").data, model_geometry("powerclip-micro"))
 write_world_benchmark(_tmp / "wt", 40, _wcfg, split="test", extras=False)
 _r = evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)
-for _k in ("hn_mean", "i2t_R@1", "t2i_R@1", "pointing"): test_close(np.mean(_r["per_scene"][_k]), _r[_k], eps=1e-9)
-test_eq(len(_r["per_scene"]["hn_mean"]), 40); test_eq(len(_r["per_scene"]["pointing"]), 6)
+for _k in ("hn_mean", "i2t_R@1", "t2i_R@1", "pointing"):
+    test_close(np.mean(_r["per_scene"][_k]), _r[_k], eps=1e-9)
+test_eq(len(_r["per_scene"]["hn_mean"]), 40)
+test_eq(len(_r["per_scene"]["pointing"]), 6)
 _g = grounding_score(model_heat_fn(_lm.model, _lm.tokenizer), 6, _wcfg)
-test_close((_r["pointing"], _r["mean_iou"], _r["n_phrases"]), (_g["pointing"], _g["mean_iou"], _g["n_phrases"]), eps=1e-9)
-assert _r == evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)        # read back from the caches
+test_close((_r["pointing"], _r["mean_iou"], _r["n_phrases"]),
+           (_g["pointing"], _g["mean_iou"], _g["n_phrases"]), eps=1e-9)
+# read back from the caches
+assert _r == evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)
 _cached = {**json.loads((_tmp / "untrained" / "eval.json").read_text())["results"],
            **json.loads((_tmp / "untrained" / "eval_regions.json").read_text())["results"]}
 test_eq(_cached, _r)

@@ -30,10 +30,14 @@ from scipy import stats as _st
 #| hide
 from fastcore.test import test_fail
 
+
 # %% [markdown]
 # # Statistics for comparisons
 #
-# > When is one method better than another? Paired differences over seeds with a t interval, a bootstrap over held-out scenes, and the rule that "better" needs an interval that excludes zero.
+# > When is one method better than another?
+#
+# Paired differences over seeds with a t interval, a bootstrap over held-out scenes, and the rule that "better" needs an
+# interval that excludes zero.
 
 # %% [markdown]
 # A comparison trains every method with the same budget on the same seeds and scores it on the same held-out
@@ -81,11 +85,13 @@ class Interval:
 
     def verdict(self, higher_is_better: bool = True) -> str:
         "'better' | 'worse' | 'no difference shown' for a difference method - reference."
-        if not self.excludes_zero: return "no difference shown"
+        if not self.excludes_zero:
+            return "no difference shown"
         return "better" if (self.mean > 0) == higher_is_better else "worse"
 
     def format(self, scale: float = 1.0, digits: int = 1) -> str:
-        "'+2.1 [-0.5, +4.7]' (scaled, e.g. 100 for percent); '+2.1 [-]' without an interval (one seed); '-' without a mean."
+        """'+2.1 [-0.5, +4.7]' (scaled, e.g. 100 for percent); '+2.1 [-]' without an interval (one seed); '-' without a
+        mean."""
         f = lambda v: f"{scale * v:+.{digits}f}"
         if math.isnan(self.mean):
             return "-"
@@ -99,11 +105,14 @@ def t_interval(x, conf: float = 0.95) -> Interval:
     x = np.asarray(x, dtype=np.float64).ravel()
     x = x[~np.isnan(x)]
     n = len(x)
-    if n == 0: return Interval(math.nan, math.nan, math.nan, 0, conf)
+    if n == 0:
+        return Interval(math.nan, math.nan, math.nan, 0, conf)
     m = float(x.mean())
-    if n < 2: return Interval(m, math.nan, math.nan, n, conf)
+    if n < 2:
+        return Interval(m, math.nan, math.nan, n, conf)
     half = float(_st.t.ppf(0.5 + conf / 2, n - 1)) * float(x.std(ddof=1)) / math.sqrt(n)
     return Interval(m, m - half, m + half, n, conf)
+
 
 # %% [markdown]
 # The interval must cover the true mean 95 % of the time, also with 3 seeds. We check it by simulation: 20,000
@@ -126,7 +135,9 @@ assert t_interval([2.0, 2.0, 2.0]).lo == 2.0 and t_interval([2.0, 2.0, 2.0]).exc
 assert t_interval([1.0, -1.0, 0.5]).verdict() == "no difference shown"
 assert t_interval([0.10, 0.12, 0.11]).verdict() == "better" and t_interval([-0.10, -0.12, -0.11]).verdict() == "worse"
 assert t_interval([-0.10, -0.12, -0.11]).verdict(higher_is_better=False) == "better"
-assert t_interval([0.021, 0.047, -0.005]).format(100) == "+2.1 [-4.4, +8.6]", t_interval([0.021, 0.047, -0.005]).format(100)
+assert (t_interval([0.021, 0.047, -0.005]).format(100)
+        == "+2.1 [-4.4, +8.6]"), t_interval([0.021, 0.047, -0.005]).format(100)
+
 
 # %% [markdown]
 # ## Paired differences over seeds
@@ -146,6 +157,7 @@ def paired_seeds(method: dict, reference: dict) -> tuple[list, np.ndarray]:
 def paired_difference(method: dict, reference: dict, conf: float = 0.95) -> Interval:
     "t interval over seeds of `method[s] - reference[s]` (dicts seed -> value)."
     return t_interval(paired_seeds(method, reference)[1], conf)
+
 
 # %%
 _clip = {0: 0.697, 1: 0.71, 2: 0.68}
@@ -170,6 +182,7 @@ _unpaired_half = _st.t.ppf(0.975, 8) * math.sqrt(np.var(list(_ref.values()), ddo
 assert _paired.verdict() == "better" and _unpaired_half > 0.01, (_paired, _unpaired_half)
 print("paired:", _paired.format(100), f"| unpaired half-width: ±{100 * _unpaired_half:.1f}")
 
+
 # %% [markdown]
 # ## Paired bootstrap over held-out scenes
 #
@@ -186,22 +199,27 @@ def bootstrap_paired(method, reference, n_boot: int = 2000, conf: float = 0.95, 
     """Percentile interval of mean_seeds mean_items (method - reference) under resampling of the items.
     `method`, `reference`: (S, N) per-item scores on the same N items for each of S seeds (a 1-D array: one seed)."""
     a, b = np.atleast_2d(np.asarray(method, np.float64)), np.atleast_2d(np.asarray(reference, np.float64))
-    if a.shape != b.shape: raise ValueError(f"method and reference need the same (seeds, items) shape, got {a.shape} and {b.shape}")
-    if np.isnan(a).any() or np.isnan(b).any(): raise ValueError("per-item scores contain NaN")
+    if a.shape != b.shape:
+        raise ValueError(f"method and reference need the same (seeds, items) shape, got {a.shape} and {b.shape}")
+    if np.isnan(a).any() or np.isnan(b).any():
+        raise ValueError("per-item scores contain NaN")
     d = (a - b).mean(0)                                    # (N,) mean over seeds of each item's difference
     N = d.shape[0]
-    if N == 0: return Interval(math.nan, math.nan, math.nan, 0, conf, "bootstrap")
+    if N == 0:
+        return Interval(math.nan, math.nan, math.nan, 0, conf, "bootstrap")
     rng = np.random.default_rng(seed)
     reps = np.concatenate([d[rng.integers(0, N, size=(min(chunk, n_boot - i), N))].mean(1)
                            for i in range(0, n_boot, chunk)])     # (n_boot,)
     lo, hi = np.quantile(reps, [(1 - conf) / 2, (1 + conf) / 2])
     return Interval(float(d.mean()), float(lo), float(hi), N, conf, "bootstrap")
 
+
 # %%
 _a = np.array([[1, 1, 0, 1, 0, 1] * 50, [1, 0, 0, 1, 1, 1] * 50], float)    # 2 seeds x 300 items
 _iv = bootstrap_paired(_a, _a)
 assert (_iv.mean, _iv.lo, _iv.hi) == (0.0, 0.0, 0.0)                       # identical answers: no difference at all
-_b = _a.copy(); _b[:, :30] = 1 - _b[:, :30]
+_b = _a.copy()
+_b[:, :30] = 1 - _b[:, :30]
 _iv = bootstrap_paired(_a, _b)
 assert abs(_iv.mean - (_a - _b).mean()) < 1e-12 and _iv.lo < _iv.mean < _iv.hi and _iv.n == 300
 assert bootstrap_paired(_a, _b, seed=1).lo != _iv.lo and bootstrap_paired(_a, _b).lo == _iv.lo   # seeded

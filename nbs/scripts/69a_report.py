@@ -32,14 +32,15 @@ from powerclip.train import plot_metrics
 
 # %%
 #| hide
-import tempfile
 from fastcore.test import test_close, test_eq
-
 
 # %% [markdown]
 # # The comparison's report
 #
-# > What a comparison (`70_compare`) or an experiment (`71_experiments`) writes from its per-seed numbers: means and spreads over seeds, paired differences to the reference row with their seed and scene intervals, verdicts, and the Markdown tables, `summary.csv`, `summary.json` and the learning curves.
+# > What a comparison (`70_compare`) or an experiment (`71_experiments`) writes from its per-seed numbers.
+#
+# Means and spreads over seeds, paired differences to the reference row with their seed and scene intervals, verdicts, and
+# the Markdown tables, `summary.csv`, `summary.json` and the learning curves.
 
 # %% [markdown]
 # The numbers come from the world evaluation (`68_eval_world_scores`), whose `HEADLINE` names the ones that get paired
@@ -48,7 +49,8 @@ from fastcore.test import test_close, test_eq
 
 # %%
 #| export
-REFERENCE = "CLIP"   # the row every paired difference is taken to, same seed, unless a plan names another (`71_experiments`)
+# the row every paired difference is taken to, same seed, unless a plan names another (`71_experiments`)
+REFERENCE = "CLIP"
 
 
 # %% [markdown]
@@ -59,7 +61,8 @@ REFERENCE = "CLIP"   # the row every paired difference is taken to, same seed, u
 @dataclass
 class Comparison:
     "What a comparison returns (and writes to `summary.json`)."
-    per_seed: dict                # {seed: {row: numbers of its final weights on the test scenes (with per_scene shares)}}
+    per_seed: dict                # {seed: {row: numbers of its final weights on the test scenes (with per_scene
+                                  # shares)}}
     curves: dict                  # {row: [{step, seconds, hn_mean, R@1, ...} mean over seeds]}
     summary: dict                 # {row: mean and sd over seeds}
     stats: dict                   # {row: {metric: {'t': Interval, 'boot': Interval}}}
@@ -78,21 +81,27 @@ class Comparison:
 # %%
 #| export
 def summarize_seeds(per_seed: dict, base: str = REFERENCE) -> dict[str, dict]:
-    "Mean and sample sd (`_sd`) over seeds of every number of every row, and `time_ratio`: s/step relative to `base`, within each seed."
+    """Mean and sample sd (`_sd`) over seeds of every number of every row, and `time_ratio`: s/step relative to `base`,
+    within each seed."""
     names = list(dict.fromkeys(n for res in per_seed.values() for n in res))
     out = {}
     for n in names:
         rows = [res[n] for res in per_seed.values() if n in res]
-        keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)))
+        keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float))
+                                  and not isinstance(v, bool)))
         agg = dict(seeds=len(rows))
         for k in ("scorer", "regime"):
-            if isinstance(rows[0].get(k), str): agg[k] = rows[0][k]
+            if isinstance(rows[0].get(k), str):
+                agg[k] = rows[0][k]
         for k in keys:
             v = [float(r[k]) for r in rows if k in r]
-            agg[k] = float(np.mean(v)); agg[k + "_sd"] = float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
+            agg[k] = float(np.mean(v))
+            agg[k + "_sd"] = float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
         v = [res[n]["s_per_step"] / res[base]["s_per_step"] for res in per_seed.values()
              if n in res and base in res and res[n].get("s_per_step") and res[base].get("s_per_step")]
-        if v: agg["time_ratio"], agg["time_ratio_sd"] = float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
+        if v:
+            agg["time_ratio"], agg["time_ratio_sd"] = (float(np.mean(v)),
+                                                       float(np.std(v, ddof=1)) if len(v) > 1 else float("nan"))
         out[n] = agg
     return out
 
@@ -105,12 +114,16 @@ def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot
         for m in metrics:
             a = {s: r[n][m] for s, r in per_seed.items() if n in r and m in r[n]}
             b = {s: r[base][m] for s, r in per_seed.items() if base in r and m in r[base]}
-            if not a or not b: continue
-            common = [s for s in sorted(set(a) & set(b)) if m in per_seed[s][n].get("per_scene", {}) and m in per_seed[s][base].get("per_scene", {})]
+            if not a or not b:
+                continue
+            common = [s for s in sorted(set(a) & set(b)) if m in per_seed[s][n].get("per_scene", {})
+                      and m in per_seed[s][base].get("per_scene", {})]
             boot = None
             if common:
-                x = np.array([per_seed[s][n]["per_scene"][m] for s in common]); y = np.array([per_seed[s][base]["per_scene"][m] for s in common])
-                if x.shape == y.shape: boot = bootstrap_paired(x, y, n_boot=n_boot)
+                x = np.array([per_seed[s][n]["per_scene"][m] for s in common])
+                y = np.array([per_seed[s][base]["per_scene"][m] for s in common])
+                if x.shape == y.shape:
+                    boot = bootstrap_paired(x, y, n_boot=n_boot)
             out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot)
     return out
 
@@ -120,10 +133,13 @@ def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
     out = {}
     for n, by in stats.items():
         v = {m: by[m]["t"].verdict() for m in metrics if m in by}
-        better, worse = [HEADLINE[m] for m, x in v.items() if x == "better"], [HEADLINE[m] for m, x in v.items() if x == "worse"]
+        better, worse = ([HEADLINE[m] for m, x in v.items() if x == "better"],
+                         [HEADLINE[m] for m, x in v.items() if x == "worse"])
         one = all(by[m]["t"].n < 2 for m in v)
-        out[n] = "one seed: no verdict" if one else "; ".join(p for p in (("better: " + ", ".join(better)) if better else "",
-                                                                           ("worse: " + ", ".join(worse)) if worse else "") if p) or "no difference shown"
+        out[n] = ("one seed: no verdict" if one
+                  else "; ".join(p for p in (("better: " + ", ".join(better)) if better else "",
+                                                                           ("worse: " + ", ".join(worse)) if worse
+                                             else "") if p) or "no difference shown")
     return out
 
 
@@ -135,15 +151,20 @@ def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
 _rng = np.random.default_rng(0)
 _scenes = lambda p: (100 * (_rng.random(200) < p)).tolist()
 _ps = {s: {"CLIP": dict(hn_mean=60.0 + 10 * s, s_per_step=1.0 + s, per_scene={"hn_mean": _scenes(0.6)}),
-           "X": dict(hn_mean=63.0 + 10 * s + 0.1 * (-1) ** s, s_per_step=2.0 + s, scorer="late", per_scene={"hn_mean": _scenes(0.7)})}
+           "X": dict(hn_mean=63.0 + 10 * s + 0.1 * (-1) ** s, s_per_step=2.0 + s, scorer="late",
+                     per_scene={"hn_mean": _scenes(0.7)})}
        for s in range(3)}
 _sm = summarize_seeds(_ps)
-test_close((_sm["X"]["hn_mean"], _sm["X"]["hn_mean_sd"]), (np.mean([63.1, 72.9, 83.1]), np.std([63.1, 72.9, 83.1], ddof=1)))
-test_close(_sm["X"]["time_ratio"], np.mean([2 / 1, 3 / 2, 4 / 3])); test_eq(_sm["X"]["scorer"], "late")
+test_close((_sm["X"]["hn_mean"], _sm["X"]["hn_mean_sd"]),
+           (np.mean([63.1, 72.9, 83.1]), np.std([63.1, 72.9, 83.1], ddof=1)))
+test_close(_sm["X"]["time_ratio"], np.mean([2 / 1, 3 / 2, 4 / 3]))
+test_eq(_sm["X"]["scorer"], "late")
 _st = paired_stats(_ps)
-test_eq(_st["X"]["hn_mean"]["t"].verdict(), "better"); assert _st["X"]["hn_mean"]["boot"].n == 200
+test_eq(_st["X"]["hn_mean"]["t"].verdict(), "better")
+assert _st["X"]["hn_mean"]["boot"].n == 200
 test_eq(verdicts(_st), {"X": "better: HN mean"})
-assert _sm["X"]["hn_mean_sd"] > 9 and _st["X"]["hn_mean"]["t"].hi - _st["X"]["hn_mean"]["t"].lo < 2   # pairing removes the seed's share
+# pairing removes the seed's share
+assert _sm["X"]["hn_mean_sd"] > 9 and _st["X"]["hn_mean"]["t"].hi - _st["X"]["hn_mean"]["t"].lo < 2
 
 
 # %% [markdown]
@@ -157,7 +178,8 @@ assert _sm["X"]["hn_mean_sd"] > 9 and _st["X"]["hn_mean"]["t"].hi - _st["X"]["hn
 #| export
 def _cell(r: dict, k: str, fmt: str = "{:.1f}") -> str:
     v, sd = r.get(k, float("nan")), r.get(k + "_sd", float("nan"))
-    if v is None or (isinstance(v, float) and math.isnan(v)): return "-"
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
     return fmt.format(v) + ("" if sd is None or math.isnan(sd) else " ± " + fmt.format(sd))
 
 
@@ -176,8 +198,8 @@ def _other(r: dict) -> str:
 def headline_table(summary: dict, stats: dict, base: str = REFERENCE) -> str:
     "Markdown: mean ± sd over seeds, paired difference to `base` [95 % t interval over seeds], verdict, time per step."
     v = verdicts(stats)
-    head = ["run", "regime", *HEADLINE.values(), *(f"Δ {h} vs {base}" for h in HEADLINE.values()), "verdict (seed intervals)",
-            f"time/step vs {base}", "other scorer"]
+    head = ["run", "regime", *HEADLINE.values(), *(f"Δ {h} vs {base}" for h in HEADLINE.values()),
+            "verdict (seed intervals)", f"time/step vs {base}", "other scorer"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (2 * len(HEADLINE)) + "---|---:|---|"]
     for n, r in summary.items():
         d = [stats.get(n, {}).get(m, {}).get("t") for m in HEADLINE]
@@ -192,20 +214,26 @@ def bootstrap_table(stats: dict, base: str = REFERENCE) -> str:
     "Markdown: paired differences to `base` with the 95 % bootstrap interval over held-out scenes."
     lines = ["| run | " + " | ".join(f"Δ {HEADLINE[m]}" for m in HEADLINE) + " |", "|---|" + "---:|" * len(HEADLINE)]
     for n, by in stats.items():
-        lines.append(f"| {n} | " + " | ".join("-" if by.get(m, {}).get("boot") is None else by[m]["boot"].format() for m in HEADLINE) + " |")
+        lines.append(f"| {n} | " + " | ".join("-" if by.get(m, {}).get("boot") is None else by[m]["boot"].format()
+                                              for m in HEADLINE) + " |")
     return "\n".join(lines)
 
 
 def kinds_table(summary: dict) -> str:
-    "Markdown: mean ± sd over seeds of the hard-negative accuracy of every kind, R@5 both ways, IoU, the region numbers."
+    """Markdown: mean ± sd over seeds of the hard-negative accuracy of every kind, R@5 both ways, IoU, the region
+    numbers."""
     from powerclip.world import NEGATIVE_KINDS
-    cols = [(f"hn_{k}", k) for k in NEGATIVE_KINDS] + [("i2t_R@5", "i2t R@5"), ("t2i_R@5", "t2i R@5"), ("mean_iou", "IoU"),
-                                                         ("region_ap50", "region AP50"), ("region_crop_acc", "region top-1 crop"),
+    cols = ([(f"hn_{k}", k) for k in NEGATIVE_KINDS]
+            + [("i2t_R@5", "i2t R@5"), ("t2i_R@5", "t2i R@5"), ("mean_iou", "IoU"),
+                                                         ("region_ap50", "region AP50"),
+               ("region_crop_acc", "region top-1 crop"),
                                                          ("region_crop_ap50", "region AP50 crop"),
-                                                         ("region_shape_acc", "region top-1 shape"), ("train_s_total", "train s")]
+                                                         ("region_shape_acc", "region top-1 shape"),
+               ("train_s_total", "train s")])
     cols = [c for c in cols if any(c[0] in r for r in summary.values())]
     lines = ["| run | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
-    lines += [f"| {_label(n, r)} | " + " | ".join(_cell(r, k, "{:.0f}" if k == "train_s_total" else "{:.1f}") for k, _ in cols) + " |"
+    lines += [f"| {_label(n, r)} | "
+              + " | ".join(_cell(r, k, "{:.0f}" if k == "train_s_total" else "{:.1f}") for k, _ in cols) + " |"
               for n, r in summary.items()]
     return "\n".join(lines)
 
@@ -222,26 +250,34 @@ def sweep_table(sweep: dict) -> str:
 
 def plot_curves(curves: dict, path=None, title: str = ""):
     """Hard-negative mean, R@1 (mean of both directions) and, when scored, region top-1 against steps and against
-    training seconds, mean over seeds: one figure, every row (a fine-tuned row's curve starts at its base's snapshot)."""
+    training seconds, mean over seeds: one figure, every row (a fine-tuned row's curve starts at its base's
+    snapshot)."""
     from matplotlib.figure import Figure
     panels = [("hn_mean", "hard-negative mean (%)"), ("R@1", "R@1, mean of both directions (%)")]
-    if any("region_acc" in p for pts in curves.values() for p in pts): panels.append(("region_acc", "region top-1, pooled (%)"))
+    if any("region_acc" in p for pts in curves.values() for p in pts):
+        panels.append(("region_acc", "region top-1, pooled (%)"))
     fig = Figure(figsize=(10, 3.2 * len(panels)))
     axes = fig.subplots(len(panels), 2)
     import matplotlib
     colours = matplotlib.colormaps["tab20"].colors   # 20 distinct colours: the default cycle repeats after 10 rows
     for k, (name, pts) in enumerate(curves.items()):
-        if not pts: continue
-        style = dict(color=colours[(2 * k) % 20 + (k // 10) % 2], ls="-" if k < 10 else "--", marker="o", ms=3, lw=1.2, label=name)
+        if not pts:
+            continue
+        style = dict(color=colours[(2 * k) % 20 + (k // 10) % 2], ls="-" if k < 10 else "--", marker="o", ms=3,
+                     lw=1.2, label=name)
         for i, (key, lab) in enumerate(panels):
-            if not all(key in p for p in pts): continue
+            if not all(key in p for p in pts):
+                continue
             for j, x in enumerate(("step", "seconds")):
                 axes[i][j].plot([p[x] for p in pts], [p[key] for p in pts], **style)
-                axes[i][j].set_ylabel(lab); axes[i][j].set_xlabel("training step" if x == "step" else "training wall-clock (s)")
+                axes[i][j].set_ylabel(lab)
+                axes[i][j].set_xlabel("training step" if x == "step" else "training wall-clock (s)")
     axes[0][0].legend(fontsize=7, ncol=2)
-    if title: fig.suptitle(title, fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    if path is not None: fig.savefig(path, dpi=110)
+    if path is not None:
+        fig.savefig(path, dpi=110)
     return fig
 
 
@@ -256,13 +292,16 @@ def plot_curves(curves: dict, path=None, title: str = ""):
 # %%
 #| export
 def summary_rows(cmp: Comparison) -> list[dict]:
-    "The headline table as tidy rows (run, metric): mean, sd and seeds, and the paired difference to the reference with its t interval."
+    """The headline table as tidy rows (run, metric): mean, sd and seeds, and the paired difference to the reference
+    with its t interval."""
     ref, rows = cmp.meta.get("reference", REFERENCE), []
     for n, r in cmp.summary.items():
         for m in HEADLINE:
-            if m not in r: continue
+            if m not in r:
+                continue
             t = cmp.stats.get(n, {}).get(m, {}).get("t")
-            rows.append(dict(run=n, regime=r.get("regime", ""), metric=m, mean=r[m], sd=r.get(m + "_sd"), seeds=r["seeds"],
+            rows.append(dict(run=n, regime=r.get("regime", ""), metric=m, mean=r[m], sd=r.get(m + "_sd"),
+                             seeds=r["seeds"],
                              reference=ref, delta=t.mean if t else None, lo=t.lo if t else None, hi=t.hi if t else None,
                              verdict=t.verdict() if t else ("reference" if n == ref else "")))
     return rows
@@ -271,30 +310,40 @@ def summary_rows(cmp: Comparison) -> list[dict]:
 def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
     "`summary.md`, `summary.csv`, `summary.json`, `curves.png` (and `loss_curves.png`) of a comparison."
     out, m = Path(out), cmp.meta
-    head = (f"{len(m['seeds'])} seed(s) {m['seeds']}, T = {m['steps']} steps (fine-tunes: F = {m['finetune_steps']}), preset "
-            f"{m['preset']}{', overrides ' + str(m['overrides']) if m['overrides'] else ''}; {m['eval_images']} held-out test "
-            f"scenes, pointing on {m['grounding_scenes']}; {m['device']}, {m['machine']['cores']} cores, torch {m['machine']['torch']}; "
-            f"started {m['started']}, {m['seconds']} s (training loops of the table's runs: {m['train_seconds']} s, sweeps apart)"
+    head = (f"{len(m['seeds'])} seed(s) {m['seeds']}, T = {m['steps']} steps (fine-tunes: F = {m['finetune_steps']}), "
+            f"preset {m['preset']}{', overrides ' + str(m['overrides']) if m['overrides'] else ''}; {m['eval_images']} "
+            f"held-out test scenes, pointing on {m['grounding_scenes']}; {m['device']}, {m['machine']['cores']} cores, "
+            f"torch {m['machine']['torch']}; started {m['started']}, {m['seconds']} s (training loops of the table's "
+            f"runs: {m['train_seconds']} s, sweeps apart)"
             + (f"; `{m['command']}`" if m.get("command") else ""))
     ref = m.get("reference", REFERENCE)
-    parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t interval over "
-             "seeds]; the verdict reads the seed intervals (better/worse only where the interval excludes 0).", "",
+    parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t "
+             "interval over seeds]; the verdict reads the seed intervals (better/worse only where "
+             "the interval excludes 0).", "",
              headline_table(cmp.summary, cmp.stats, ref)]
-    if cmp.stats: parts += ["", f"Paired differences to {ref} with the 95 % bootstrap interval over held-out scenes (test-set "
+    if cmp.stats:
+        parts += ["", f"Paired differences to {ref} with the 95 % bootstrap interval over held-out scenes (test-set "
                             "sampling only; not the verdict):", "", bootstrap_table(cmp.stats, ref)]
-    parts += ["", "Every hard-negative kind, R@5, IoU of the pointing maps, training seconds:", "", kinds_table(cmp.summary)]
+    parts += ["", "Every hard-negative kind, R@5, IoU of the pointing maps, training seconds:", "",
+              kinds_table(cmp.summary)]
     for n, s in cmp.sweeps.items():
-        parts += ["", f"{n}: {s['key']} chosen on {m['eval_images']} validation scenes (seeds {s['seeds']}; {s['criterion']}):", "",
+        parts += ["", f"{n}: {s['key']} chosen on {m['eval_images']} validation scenes (seeds "
+                      f"{s['seeds']}; {s['criterion']}):", "",
                   sweep_table(s)]
-    if m.get("skipped"): parts += ["", "Left out: " + "; ".join(f"{k} ({v})" for k, v in m["skipped"].items())]
+    if m.get("skipped"):
+        parts += ["", "Left out: " + "; ".join(f"{k} ({v})" for k, v in m["skipped"].items())]
     (out / "summary.md").write_text("\n".join(parts) + "\n")
     rows = summary_rows(cmp)
     with open(out / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]) if rows else ["run"]); w.writeheader(); w.writerows(rows)
+        w = csv.DictWriter(f, list(rows[0]) if rows else ["run"])
+        w.writeheader()
+        w.writerows(rows)
     plain = lambda x: asdict(x) if isinstance(x, Interval) else x
     stats = {n: {k: {a: plain(b) for a, b in v.items()} for k, v in by.items()} for n, by in cmp.stats.items()}
-    numbers = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()} for s, res in cmp.per_seed.items()}
+    numbers = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()}
+               for s, res in cmp.per_seed.items()}
     (out / "summary.json").write_text(json.dumps(dict(meta=m, summary=cmp.summary, stats=stats, sweeps=cmp.sweeps,
                                                       curves=cmp.curves, per_seed=numbers), indent=1, default=str))
     plot_curves(cmp.curves, out / "curves.png", title=f"mean over seeds {m['seeds']}; T = {m['steps']}")
-    if losses: plot_metrics(losses, out / "loss_curves.png", title=f"training loss, seed {m['seeds'][0]}")
+    if losses:
+        plot_metrics(losses, out / "loss_curves.png", title=f"training loss, seed {m['seeds'][0]}")

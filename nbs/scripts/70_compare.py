@@ -45,13 +45,17 @@ from powerclip.world import WorldConfig
 # %%
 #| hide
 import contextlib, csv, io, tempfile
-from fastcore.test import test_close, test_eq, test_fail
+from fastcore.test import test_eq, test_fail
 
 
 # %% [markdown]
 # # The comparison: every method on the world
 #
-# > CLIP, PowerCLIP and every baseline trained by the one trainer on the built-in world, each in its paper's regime (pre-trained at the same budget, or fine-tuned from CLIP's snapshot of the same seed), scored the way its paper scores, over several seeds: means and spreads, paired differences to CLIP with 95 % intervals, and learning curves against steps and wall-clock seconds.
+# > CLIP, PowerCLIP and every baseline trained by the one trainer on the built-in world, over several seeds.
+#
+# Each in its paper's regime (pre-trained at the same budget, or fine-tuned from CLIP's snapshot of the same seed), scored
+# the way its paper scores: means and spreads, paired differences to CLIP with 95 % intervals, and learning curves against
+# steps and wall-clock seconds.
 
 # %% [markdown]
 # `python -m powerclip.compare` is the main job of the repository (`make demo`: CLIP against PowerCLIP, one seed) and,
@@ -174,8 +178,10 @@ class RunSpec:
                                                     # the user's overrides
     base: str | None = None                         # fine-tune: the row whose snapshot at step T - F it starts from
     warmup_share: float | None = None               # fine-tune: its warm-up as a share of its F steps (its recipe's)
-    sweep: tuple | None = None                      # (key, candidate values): the value kept is chosen on the validation split
-    steps: int | None = None                        # a pre-trained row's own T (the plan's when None; `71_experiments`' Fig. 8)
+    sweep: tuple | None = None                      # (key, candidate values): the value kept is chosen on the
+                                                    # validation split
+    steps: int | None = None                        # a pre-trained row's own T (the plan's when None; `71_experiments`'
+                                                    # Fig. 8)
 
 
 RUNS = {
@@ -185,17 +191,20 @@ RUNS = {
     "CLIP-PGS": RunSpec("clip-pgs-0.3", {"method_cfg.sim_threshold": WORLD_SIM_THRESHOLD}),
     # no colour augmentation (the captions name colours) and one view; the EMA's horizon the paper's share of the run
     # (47_aclip; "A-CLIP on the world" below)
-    "A-CLIP": RunSpec("aclip", {"method_cfg.color_aug": False, "method_cfg.views": 1, "method_cfg.momentum_steps": 90_000}),
+    "A-CLIP": RunSpec("aclip",
+                      {"method_cfg.color_aug": False, "method_cfg.views": 1, "method_cfg.momentum_steps": 90_000}),
     "E-CLIP": RunSpec("eclip"),
     "FILIP": RunSpec("filip"),
-    "SPARC": RunSpec("sparc", {"method_cfg.lambda_global": 0.5}, sweep=("method_cfg.lambda_fine", (0.5, 1.0, 5.0, 10.0))),
+    "SPARC": RunSpec("sparc", {"method_cfg.lambda_global": 0.5},
+                     sweep=("method_cfg.lambda_fine", (0.5, 1.0, 5.0, 10.0))),
     # C2LIP's script: lr 1e-5, wd 0.1, 50 warm-up steps of 5 epochs of CC3M at batch 768 (~19k steps)
     "C2LIP": RunSpec("c2lip", {"optim.lr": 1e-5, "optim.weight_decay": 0.1}, base="CLIP", warmup_share=50 / 19_000),
-    "C2LIP-CLIP": RunSpec("c2lip", {"method_cfg.base": "clip", "optim.lr": 1e-5, "optim.weight_decay": 0.1}, base="CLIP",
-                          warmup_share=50 / 19_000),
+    "C2LIP-CLIP": RunSpec("c2lip", {"method_cfg.base": "clip", "optim.lr": 1e-5, "optim.weight_decay": 0.1},
+                          base="CLIP", warmup_share=50 / 19_000),
     # SmartCLIP: CLIP at 1e-6, the mask network at 1e-3 (its config's mask_lr); wd 0.01 and 200 warm-up steps of
     # 2 epochs of ShareGPT4V at batch 1024 (~2.4k steps): Long-CLIP's script, whose setting SmartCLIP follows
-    "SmartCLIP": RunSpec("smartclip", {"optim.lr": 1e-6, "optim.weight_decay": 0.01}, base="CLIP", warmup_share=200 / 2_400),
+    "SmartCLIP": RunSpec("smartclip", {"optim.lr": 1e-6, "optim.weight_decay": 0.01}, base="CLIP",
+                         warmup_share=200 / 2_400),
     "PowerCLIP-R": RunSpec("powerclip", {"method_cfg.masks": "random"}),
     "PowerCLIP-gold": RunSpec("powerclip", {"method_cfg.masks": "gold"}),
     # average pooling in both towers (30_model, "Pooling"): the PowerCLIP authors' model, and CLIP pooled alike
@@ -226,7 +235,9 @@ GROUNDING_SCENES = 200            # test scenes of the pointing game (0: none), 
 def finetune_steps(steps: int, share: float = FINETUNE_SHARE) -> int:
     "F: the steps of a fine-tune at `share` of the budget `steps` (at least 1, and T - F >= 1)."
     F = max(1, round(share * steps))
-    if F >= steps: raise ValueError(f"--steps {steps} leaves no step before a fine-tune of {F} (--finetune-share {share}): give more steps")
+    if F >= steps:
+        raise ValueError(f"--steps {steps} leaves no step before a fine-tune of {F} (--finetune-share "
+                         f"{share}): give more steps")
     return F
 
 
@@ -236,8 +247,11 @@ def snapshot_steps(n: int, points=CURVE_POINTS, extra=()) -> list[int]:
 
 
 # %%
-test_eq(finetune_steps(150), 30); test_eq(finetune_steps(4), 1); test_fail(lambda: finetune_steps(1), contains="no step")
-test_eq(snapshot_steps(150, extra=[120]), [38, 75, 112, 120, 150]); test_eq(snapshot_steps(2), [1, 2])
+test_eq(finetune_steps(150), 30)
+test_eq(finetune_steps(4), 1)
+test_fail(lambda: finetune_steps(1), contains="no step")
+test_eq(snapshot_steps(150, extra=[120]), [38, 75, 112, 120, 150])
+test_eq(snapshot_steps(2), [1, 2])
 
 # %% [markdown]
 # ## The plan
@@ -300,13 +314,16 @@ class Plan:
 
 def _registered(method: str) -> str | None:
     "None when the method is registered, else why not (one line)."
-    try: method_config(method, {})
-    except KeyError as e: return e.args[0]
+    try:
+        method_config(method, {})
+    except KeyError as e:
+        return e.args[0]
     return None
 
 
 def _folder(name: str) -> str:
-    "A row's name as one folder name: 'w/o region sets' -> 'w_o_region_sets' (a '/' would nest folders, spaces need quotes)."
+    """A row's name as one folder name: 'w/o region sets' -> 'w_o_region_sets' (a '/' would nest folders, spaces need
+    quotes)."""
     return re.sub(r"[^A-Za-z0-9._=@+-]+", "_", name).strip("_") or "_"
 
 
@@ -323,17 +340,23 @@ def _identity(d: dict) -> dict:
 def _check_folder(cfg: TrainConfig) -> None:
     "A folder holding a run of another config stops the plan (one line naming what differs)."
     f = Path(cfg.out_dir) / "config.yaml"
-    if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir(): raise ValueError(f"{cfg.out_dir} is a file, not a run folder")
-    if not f.is_file(): return
+    if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
+        raise ValueError(f"{cfg.out_dir} is a file, not a run folder")
+    if not f.is_file():
+        return
     new = _identity(to_dict(cfg))
-    try: old = _identity(yaml.safe_load(f.read_text()) or {})
-    except Exception as e: old = {"unreadable": str(e)}
+    try:
+        old = _identity(yaml.safe_load(f.read_text()) or {})
+    except Exception as e:
+        old = {"unreadable": str(e)}
     if old != new:
-        flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(p + k, v)])}
+        flat = lambda d, p="": {k2: v2 for k, v in d.items()
+                                for k2, v2 in (flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(p + k, v)])}
         a, b = flat(old), flat(new)
         diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        raise ValueError(f"{cfg.out_dir} holds a run of another config ({'; '.join(diff[:3])}{' ...' if len(diff) > 3 else ''}): "
-                         "give another --out, or delete that folder")
+        raise ValueError(f"{cfg.out_dir} holds a run of another config "
+                         f"({'; '.join(diff[:3])}{' ...' if len(diff) > 3 else ''}): give another "
+                         "--out, or delete that folder")
 
 
 def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/demo", preset: str = "demo",
@@ -343,17 +366,20 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
               report_dir=None) -> Plan:
     """Validate and plan a comparison (see above). `runs`: names of `RUNS`, or a dict name -> RunSpec; `steps`: T (None:
     the preset's max_steps); `sweep_seeds`: the seeds of the sweeps (None: the first seed); `reference`: the row every
-    paired difference is taken to (CLIP here; an experiment's own reference row in `71_experiments`); `report_dir`: where
-    the tables and plots go (default `out_dir`; the runs always go under `out_dir`, so plans sharing it share runs)."""
+    paired difference is taken to (CLIP here; an experiment's own reference row in `71_experiments`); `report_dir`:
+    where the tables and plots go (default `out_dir`; the runs always go under `out_dir`, so plans sharing it share
+    runs)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     specs = dict(runs) if isinstance(runs, dict) else {}
     if not isinstance(runs, dict):
         unknown = [r for r in runs if r not in RUNS]
-        if unknown: raise ValueError(f"--runs: unknown run(s) {unknown} (known: {', '.join(RUNS)}; or 'all', 'demo')")
+        if unknown:
+            raise ValueError(f"--runs: unknown run(s) {unknown} (known: {', '.join(RUNS)}; or 'all', 'demo')")
         specs = {r: RUNS[r] for r in runs}
     for name, spec in list(specs.items()):       # a fine-tune needs its base row
         if spec.base is not None and spec.base not in specs:
-            if spec.base not in RUNS: raise ValueError(f"run {name}: its base {spec.base!r} is not a run")
+            if spec.base not in RUNS:
+                raise ValueError(f"run {name}: its base {spec.base!r} is not a run")
             specs = {spec.base: RUNS[spec.base], **specs}
             log(f"compare: {name} fine-tunes {spec.base}'s snapshot: {spec.base} is trained too")
     seeds = [int(s) for s in seeds]
@@ -362,49 +388,71 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     sweep_seeds = [seeds[0]] if sweep_seeds is None else [int(s) for s in sweep_seeds]
     if not sweep_seeds or any(s not in seeds for s in sweep_seeds):
         raise ValueError(f"--sweep-seeds: need some of the comparison's seeds {seeds}, got {sweep_seeds}")
-    if not all(0 < float(p) <= 1 for p in curve_points): raise ValueError(f"--curve-points: need shares in (0, 1], got {list(curve_points)}")
-    if not 0 < finetune_share < 1: raise ValueError(f"--finetune-share: need a share in (0, 1), got {finetune_share}")
-    if eval_images < 2 or grounding_scenes < 0: raise ValueError(f"--eval-images: need at least 2 scenes (got {eval_images}); --grounding >= 0 (got {grounding_scenes})")
+    if not all(0 < float(p) <= 1 for p in curve_points):
+        raise ValueError(f"--curve-points: need shares in (0, 1], got {list(curve_points)}")
+    if not 0 < finetune_share < 1:
+        raise ValueError(f"--finetune-share: need a share in (0, 1), got {finetune_share}")
+    if eval_images < 2 or grounding_scenes < 0:
+        raise ValueError(f"--eval-images: need at least 2 scenes (got {eval_images}); --grounding >= 0 "
+                         f"(got {grounding_scenes})")
     skipped = {}
     for name, spec in list(specs.items()):
         why = _registered(spec.method) or (f"its base {spec.base} is left out" if spec.base in skipped else None)
-        if why: skipped[name] = why; specs.pop(name); log(f"compare: {name} left out: {why}")
-    if not specs: raise ValueError(f"--runs: no run left to train ({'; '.join(f'{k}: {v}' for k, v in skipped.items())})")
+        if why:
+            skipped[name] = why
+            specs.pop(name)
+            log(f"compare: {name} left out: {why}")
+    if not specs:
+        raise ValueError(f"--runs: no run left to train ({'; '.join(f'{k}: {v}' for k, v in skipped.items())})")
     user = dict(overrides or {})
-    if "global_batch_size" in user:   # the trainer resolves it into data.batch_size: reuse and s/step need the local size
-        raise ValueError("global_batch_size: give data.batch_size (images per step and process) to the comparison instead")
-    if device is not None: user["device"] = check_device("--device", device)
-    if precision is not None: user["precision"] = check_precision("--precision", precision)
+    # the trainer resolves it into data.batch_size: reuse and s/step need the local size
+    if "global_batch_size" in user:
+        raise ValueError("global_batch_size: give data.batch_size (images per step and process) "
+                         "to the comparison instead")
+    if device is not None:
+        user["device"] = check_device("--device", device)
+    if precision is not None:
+        user["precision"] = check_precision("--precision", precision)
     out = Path(out_dir)
-    if out.exists() and not out.is_dir(): raise ValueError(f"--out: {out} is a file, not a folder")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} is a file, not a folder")
     T = steps if steps is not None else load_config(preset, user).max_steps
-    if T is None or T < 2: raise ValueError(f"--steps: need at least 2 steps, got {T}")
-    F = finetune_steps(T, finetune_share)    # every pre-trained run leaves a snapshot at T - F, fine-tunes asked for or not
+    if T is None or T < 2:
+        raise ValueError(f"--steps: need at least 2 steps, got {T}")
+    # every pre-trained run leaves a snapshot at T - F, fine-tunes asked for or not
+    F = finetune_steps(T, finetune_share)
     jobs = {}
     for name, spec in specs.items():
         for value in (spec.sweep[1] if spec.sweep else (None,)):
             for seed in seeds:
-                ov = {**user, **spec.overrides, "seed": seed, "out_dir": str(out / f"seed{seed}" / _dirname(name, spec, value))}
-                if spec.sweep: ov[spec.sweep[0]] = value
+                ov = {**user, **spec.overrides, "seed": seed,
+                      "out_dir": str(out / f"seed{seed}" / _dirname(name, spec, value))}
+                if spec.sweep:
+                    ov[spec.sweep[0]] = value
                 if spec.base is None:
                     Tr = spec.steps or T
-                    ov.update(max_steps=Tr, snapshot_steps=snapshot_steps(Tr, curve_points, [T - F] if T - F <= Tr else []))
+                    ov.update(max_steps=Tr,
+                              snapshot_steps=snapshot_steps(Tr, curve_points, [T - F] if T - F <= Tr else []))
                     start = 0
                 else:
                     base = out / f"seed{seed}" / _folder(spec.base) / "snapshots" / f"step{T - F}" / "model.pt"
                     ov.update({"max_steps": F, "snapshot_steps": snapshot_steps(F, curve_points), "start_batch": T - F,
                                "model.pretrained": str(base)})
-                    if spec.warmup_share is not None: ov["optim.warmup_steps"] = max(1, round(spec.warmup_share * F))
+                    if spec.warmup_share is not None:
+                        ov["optim.warmup_steps"] = max(1, round(spec.warmup_share * F))
                     start = T - F
                 cfg = load_config(preset, ov, spec.method)
                 if cfg.model.pretrained == "required" and spec.base is None:
-                    raise ValueError(f"run {name}: preset {preset!r} fine-tunes (model.pretrained: required); the comparison pre-trains it")
+                    raise ValueError(f"run {name}: preset {preset!r} fine-tunes (model.pretrained: required); the "
+                                     "comparison pre-trains it")
                 _check_folder(cfg)
                 jobs[(name, seed, value)] = Job(name, seed, cfg, start, value)
     folders = {}
-    for (name, seed, value), job in jobs.items():   # two rows must never share a folder (their names differ only in symbols)
+    # two rows must never share a folder (their names differ only in symbols)
+    for (name, seed, value), job in jobs.items():
         other = folders.setdefault(job.cfg.out_dir, name)
-        if other != name: raise ValueError(f"runs {other!r} and {name!r} would share the folder {job.cfg.out_dir}: rename one")
+        if other != name:
+            raise ValueError(f"runs {other!r} and {name!r} would share the folder {job.cfg.out_dir}: rename one")
     first = next(iter(jobs.values())).cfg
     world = world_config(first.data, model_geometry(first.model.name, first.model.kwargs))
     dev = first.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -424,7 +472,8 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
 # %%
 _tmp = Path(tempfile.mkdtemp())
 _p = make_plan(["SPARC", "C2LIP"], seeds=[0, 1], steps=10, out_dir=_tmp / "plan", preset="smoke", log=lambda m: None)
-test_eq(list(_p.runs), ["CLIP", "SPARC", "C2LIP"]); test_eq((_p.steps, _p.finetune), (10, 2))
+test_eq(list(_p.runs), ["CLIP", "SPARC", "C2LIP"])
+test_eq((_p.steps, _p.finetune), (10, 2))
 _c2 = _p.job("C2LIP", 1).cfg
 test_eq((_c2.max_steps, _c2.start_batch, _c2.optim.lr, _c2.seed), (2, 8, 1e-5, 1))
 test_eq(_c2.model.pretrained, str(_tmp / "plan" / "seed1" / "CLIP" / "snapshots" / "step8" / "model.pt"))
@@ -440,7 +489,8 @@ test_fail(lambda: make_plan({"a/b": RUNS["CLIP"], "a b": RUNS["CLIP"]}, steps=10
 test_fail(lambda: make_plan(["CLIP", "NoSuch"]), contains="unknown run")
 test_fail(lambda: make_plan(["CLIP"], seeds=[0, 0]), contains="--seeds")
 test_fail(lambda: make_plan(["CLIP"], preset="smoke", overrides={"optim.learning_rate": 1}), contains="unknown key")
-_q = make_plan(["CLIP", "A-CLIP"], preset="smoke", log=lambda m: None)   # kept once `aclip` is registered, left out before
+# kept once `aclip` is registered, left out before
+_q = make_plan(["CLIP", "A-CLIP"], preset="smoke", log=lambda m: None)
 test_eq(("A-CLIP" in _q.runs, "A-CLIP" in _q.skipped), (_registered("aclip") is None, _registered("aclip") is not None))
 
 
@@ -462,14 +512,16 @@ def _train_from_dict(cfg_dict: dict) -> dict:
 def train_isolated(cfg: TrainConfig) -> dict:
     "`train(cfg)` in a fresh spawned process (its peak memory is its own); returns the trainer's summary."
     res = run_isolated(_train_from_dict, to_dict(cfg))
-    if not res.pop("ok"): raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}; rerun to resume it")
+    if not res.pop("ok"):
+        raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}; rerun to resume it")
     return res
 
 
 def step_seconds(rows: list[dict], batch_size: int) -> float:
     "Median seconds per step over the logged rows, leaving out the first (start-up and warm-up); `batch_size`: global."
     s = [batch_size / r["img_per_s"] for r in rows[1:] if r.get("img_per_s")]
-    if not s: s = [batch_size / r["img_per_s"] for r in rows if r.get("img_per_s")]
+    if not s:
+        s = [batch_size / r["img_per_s"] for r in rows if r.get("img_per_s")]
     return statistics.median(s) if s else float("nan")
 
 
@@ -482,13 +534,15 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
     rec, weights = d / "train.json", d / "model.pt"
     if rec.is_file() and weights.is_file():
         r = json.loads(rec.read_text())
-        if r.get("weights_mtime_ns") == _mtime(weights) and r.get("steps") == cfg.max_steps: return r
+        if r.get("weights_mtime_ns") == _mtime(weights) and r.get("steps") == cfg.max_steps:
+            return r
     log(f"== seed {job.seed} {job.name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps"
         + (f" from {Path(cfg.model.pretrained).parent}" if job.start else ""))
     s = train_isolated(cfg) if isolate else train(cfg)
     rows = read_metrics(d / "metrics.csv")
     snap = json.loads((d / "snapshots" / f"step{cfg.max_steps}" / "snapshot.json").read_text())
-    r = dict(method=cfg.method, steps=s["steps"], train_s=snap["seconds"], s_per_step=step_seconds(rows, cfg.data.batch_size * s["world_size"]),
+    r = dict(method=cfg.method, steps=s["steps"], train_s=snap["seconds"],
+             s_per_step=step_seconds(rows, cfg.data.batch_size * s["world_size"]),
              # a process's peak RSS only grows: in-process runs after the first have no peak of their own
              peak_mib=s["peak_mib"] if isolate else float("nan"),
              final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights))
@@ -511,8 +565,8 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
 #| export
 def _curve_point(step: int, seconds: float, r: dict) -> dict:
     "A point of a learning curve: the folder's headline numbers, R@1 as the mean of its two directions, region top-1."
-    return dict(step=step, seconds=seconds, **{k: r[k] for k in FOLDER_HEADLINE}, **{"R@1": (r["i2t_R@1"] + r["t2i_R@1"]) / 2},
-                **{k: r[k] for k in REGION_HEADLINE if k in r})
+    return dict(step=step, seconds=seconds, **{k: r[k] for k in FOLDER_HEADLINE},
+                **{"R@1": (r["i2t_R@1"] + r["t2i_R@1"]) / 2}, **{k: r[k] for k in REGION_HEADLINE if k in r})
 
 
 def _snapshot(job: Job, step: int) -> tuple[Path, float]:
@@ -531,7 +585,8 @@ SWEEP_BY = "hn_mean"   # a sweep keeps the candidate with the highest validation
 
 
 def run_sweep(plan: Plan, name: str, log=print) -> dict:
-    "Train a swept row's candidates at the sweep seeds, score them on the validation scenes, keep the best by `SWEEP_BY`."
+    """Train a swept row's candidates at the sweep seeds, score them on the validation scenes, keep the best by
+    `SWEEP_BY`."""
     spec = plan.runs[name]
     key, values = spec.sweep
     cand = {}
@@ -543,10 +598,13 @@ def run_sweep(plan: Plan, name: str, log=print) -> dict:
             per[s] = evaluate_folder(job.dir, plan.val_root, plan.world, 0, plan.device, cache="eval_val.json")
         m = {k: [r[k] for r in per.values()] for k in FOLDER_HEADLINE}
         cand[f"{v:g}"] = dict(seeds=len(per), **{k: float(np.mean(x)) for k, x in m.items()},
-                              **{k + "_sd": float(np.std(x, ddof=1)) if len(x) > 1 else float("nan") for k, x in m.items()})
+                              **{k + "_sd": float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")
+                                 for k, x in m.items()})
     best = max(values, key=lambda v: (cand[f"{v:g}"][SWEEP_BY], -values.index(v)))   # ties: the first listed
-    res = dict(key=key, candidates=cand, chosen=best, seeds=list(plan.sweep_seeds), criterion=f"highest validation {HEADLINE[SWEEP_BY]}")
-    log(f"compare: {name} sweep of {key}: " + ", ".join(f"{v} -> {HEADLINE[SWEEP_BY]} {c[SWEEP_BY]:.1f}" for v, c in cand.items())
+    res = dict(key=key, candidates=cand, chosen=best, seeds=list(plan.sweep_seeds),
+               criterion=f"highest validation {HEADLINE[SWEEP_BY]}")
+    log(f"compare: {name} sweep of {key}: "
+        + ", ".join(f"{v} -> {HEADLINE[SWEEP_BY]} {c[SWEEP_BY]:.1f}" for v, c in cand.items())
         + f"; kept {best:g}")
     return res
 
@@ -569,12 +627,15 @@ def run_plan(plan: Plan, log=None) -> Comparison:
         res = {}
         for name in order:
             job = plan.job(name, seed, chosen)
-            rec = train_job(job, plan.isolate, log); train_s += rec["train_s"]
+            rec = train_job(job, plan.isolate, log)
+            train_s += rec["train_s"]
             r = evaluate_folder(job.dir, plan.test_root, plan.world, plan.grounding_scenes, plan.device)
             base = plan.runs[name].base
             offset_s = _snapshot(plan.job(base, seed, chosen), job.start)[1] if base else 0.0
-            res[name] = dict(regime=f"fine-tune {job.cfg.max_steps} from {base}@{job.start}" if base else f"pre-train {job.cfg.max_steps}",
-                             **{k: v for k, v in rec.items() if k != "weights_mtime_ns"}, train_s_total=offset_s + rec["train_s"], **r)
+            res[name] = dict(regime=f"fine-tune {job.cfg.max_steps} from {base}@{job.start}" if base
+                             else f"pre-train {job.cfg.max_steps}",
+                             **{k: v for k, v in rec.items() if k != "weights_mtime_ns"},
+                             train_s_total=offset_s + rec["train_s"], **r)
             pts = []
             if base:                                  # the curve starts at the base's snapshot
                 d, s0 = _snapshot(plan.job(base, seed, chosen), job.start)
@@ -584,7 +645,8 @@ def run_plan(plan: Plan, log=None) -> Comparison:
                 e = r if step == job.cfg.max_steps else evaluate_folder(d, plan.test_root, plan.world, 0, plan.device)
                 pts.append(_curve_point(job.start + step, offset_s + sec, e))
             seed_curves.setdefault(name, []).append(pts)
-            if seed == plan.seeds[0]: losses[name] = read_metrics(job.dir / "metrics.csv")
+            if seed == plan.seeds[0]:
+                losses[name] = read_metrics(job.dir / "metrics.csv")
         first = plan.job(order[0], seed, chosen).cfg
         lm = load_model(first.model.name, None, seed=derive_seed(seed, "init"), model_kwargs=first.model.kwargs)
         per_seed[seed] = {"untrained": dict(regime="chance line", steps=0, **evaluate_folder(
@@ -597,17 +659,20 @@ def run_plan(plan: Plan, log=None) -> Comparison:
         if ref in plan.runs else {}
     meta = dict(plan.meta, runs=list(plan.runs), chosen={n: float(v) for n, v in chosen.items()}, started=started,
                 seconds=round(time.time() - t0), train_seconds=round(train_s), device=plan.device,
-                machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__,
+                machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                             torch=torch.__version__,
                              gpu=torch.cuda.get_device_name() if plan.device.startswith("cuda") else None))
     cmp = Comparison(per_seed, curves, summary, stats, sweeps, meta)
-    rep = Path(plan.meta.get("report") or plan.out); rep.mkdir(parents=True, exist_ok=True)
+    rep = Path(plan.meta.get("report") or plan.out)
+    rep.mkdir(parents=True, exist_ok=True)
     write_outputs(cmp, rep, losses)
     log(f"compare: {meta['seconds']} s in all; {rep / 'summary.md'}, {rep / 'curves.png'}")
     return cmp
 
 
 def compare(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/demo", **kw) -> Comparison:
-    "`make_plan(runs, seeds, steps, out_dir, **kw)` then `run_plan`: the comparison as a function (see `make_plan` for the options)."
+    """`make_plan(runs, seeds, steps, out_dir, **kw)` then `run_plan`: the comparison as a function (see `make_plan` for
+    the options)."""
     return run_plan(make_plan(runs, seeds, steps, out_dir, **kw), kw.get("log"))
 
 
@@ -628,16 +693,27 @@ def compare(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/
 # %%
 #| export
 def _parser() -> ArgumentParser:
-    ap = ArgumentParser(prog="python -m powerclip.compare", description="Train, evaluate and compare methods on the built-in world.")
-    ap.add_argument("--runs", nargs="+", default=["demo"], help=f"rows to train, 'demo' ({', '.join(DEMO_RUNS)}) or 'all': {', '.join(RUNS)}")
-    ap.add_argument("--seeds", nargs="+", type=int, default=None, help=f"run seeds (default: {' '.join(map(str, COMPARE_SEEDS))} for --runs all, else 0)")
-    ap.add_argument("--steps", type=int, default=None, help=f"T, training steps per run (default: the preset's max_steps for the demo, {COMPARE_STEPS} for --runs all)")
-    ap.add_argument("--out", default=None, help="folder of the runs, tables and plots (default runs/demo, or runs/compare with several seeds or --runs all)")
-    ap.add_argument("--eval-images", type=int, default=EVAL_IMAGES, help="held-out test scenes (and validation scenes of a sweep)")
-    ap.add_argument("--grounding", type=int, default=None, help=f"test scenes of the pointing game (default: 0 for the demo, {GROUNDING_SCENES} for a comparison)")
-    ap.add_argument("--finetune-share", type=float, default=FINETUNE_SHARE, help="F / T: the fine-tunes' share of the budget")
-    ap.add_argument("--curve-points", nargs="+", type=float, default=list(CURVE_POINTS), help="snapshots, as shares of a run's steps")
-    ap.add_argument("--sweep-seeds", nargs="+", type=int, default=None, help="seeds of the sweeps (default: the first seed)")
+    ap = ArgumentParser(prog="python -m powerclip.compare", description="Train, evaluate and compare "
+                                                                        "methods on the built-in world.")
+    ap.add_argument("--runs", nargs="+", default=["demo"], help=f"rows to train, 'demo' ({', '.join(DEMO_RUNS)}) or "
+                                                                f"'all': {', '.join(RUNS)}")
+    ap.add_argument("--seeds", nargs="+", type=int, default=None, help="run seeds (default: "
+                                                                       f"{' '.join(map(str, COMPARE_SEEDS))} for "
+                                                                       "--runs all, else 0)")
+    ap.add_argument("--steps", type=int, default=None, help="T, training steps per run (default: the preset's "
+                                                            f"max_steps for the demo, {COMPARE_STEPS} for --runs all)")
+    ap.add_argument("--out", default=None, help="folder of the runs, tables and plots (default runs/demo, or "
+                                                "runs/compare with several seeds or --runs all)")
+    ap.add_argument("--eval-images", type=int, default=EVAL_IMAGES, help="held-out test scenes (and "
+                                                                         "validation scenes of a sweep)")
+    ap.add_argument("--grounding", type=int, default=None, help="test scenes of the pointing game (default: 0 for the "
+                                                                f"demo, {GROUNDING_SCENES} for a comparison)")
+    ap.add_argument("--finetune-share", type=float, default=FINETUNE_SHARE, help="F / T: the "
+                                                                                 "fine-tunes' share of the budget")
+    ap.add_argument("--curve-points", nargs="+", type=float, default=list(CURVE_POINTS),
+                    help="snapshots, as shares of a run's steps")
+    ap.add_argument("--sweep-seeds", nargs="+", type=int, default=None, help="seeds of the sweeps "
+                                                                             "(default: the first seed)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
     ap.add_argument("--precision", default=None, help=f"{' | '.join(PRECISIONS)} (default: the preset's)")
     ap.add_argument("--preset", default="demo")
@@ -658,9 +734,12 @@ def _main(argv: list[str]) -> int:
         steps = a.steps if a.steps is not None else (COMPARE_STEPS if a.runs == ["all"] else None)
         ov = {}
         for o in a.overrides:
-            k, v = parse_override(o); ov[k] = v
-        plan = make_plan(runs, seeds, steps, a.out or ("runs/compare" if many else "runs/demo"), a.preset, ov, a.finetune_share,
-                         tuple(a.curve_points), a.eval_images, a.grounding if a.grounding is not None else (GROUNDING_SCENES if many else 0),
+            k, v = parse_override(o)
+            ov[k] = v
+        plan = make_plan(runs, seeds, steps, a.out or ("runs/compare" if many else "runs/demo"), a.preset, ov,
+                         a.finetune_share,
+                         tuple(a.curve_points), a.eval_images,
+                         a.grounding if a.grounding is not None else (GROUNDING_SCENES if many else 0),
                          a.sweep_seeds, a.device, a.precision, not a.in_process)
         plan.meta["command"] = shlex.join(["python", "-m", "powerclip.compare", *argv])
     run_plan(plan)
@@ -669,12 +748,14 @@ def _main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    "`python -m powerclip.compare [--runs NAME ...|demo|all] [--seeds S ...] [--steps T] [...] [key=value ...]` (see above)."
+    """`python -m powerclip.compare [--runs NAME ...|demo|all] [--seeds S ...] [--steps T] [...] [key=value ...]` (see
+    above)."""
     return run_main(_main, argv, "python -m powerclip.compare")
 
 
 # a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.compare` runs here
-if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
+if __name__ == "__main__" and "__file__" in globals():
+    sys.exit(main())
 
 
 # %% [markdown]
@@ -683,13 +764,16 @@ if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
 # %%
 def _cli(argv):
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()): rc = main(argv)
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(argv)
     return rc, err.getvalue()
 
 (_tmp / "a_file").write_text("")
 for _argv, _msg in ((["--runs", "CLIP", "NoSuch"], "unknown run(s) ['NoSuch']"), (["--seeds", "0", "0"], "--seeds"),
-                    (["--seeds", "x"], "invalid int value"), (["--preset", "smoke", "optim.learning_rate=1"], "unknown key"),
-                    (["--steps", "1"], "--steps"), (["--device", "tpu"], "--device"), (["--out", str(_tmp / "a_file")], "is a file")):
+                    (["--seeds", "x"], "invalid int value"),
+                    (["--preset", "smoke", "optim.learning_rate=1"], "unknown key"),
+                    (["--steps", "1"], "--steps"), (["--device", "tpu"], "--device"),
+                    (["--out", str(_tmp / "a_file")], "is a file")):
     _rc, _err = _cli(_argv)
     assert _rc == 2 and _err.count("\n") == 1 and _msg in _err, (_argv, _rc, _err)
 print(_err.strip())
@@ -704,25 +788,32 @@ print(_err.strip())
 # %%
 _runs = {"CLIP": RunSpec("clip"), "C2LIP-CLIP": RUNS["C2LIP-CLIP"],
          "SPARC": RunSpec("sparc", {"method_cfg.lambda_global": 0.5}, sweep=("method_cfg.lambda_fine", (1.0, 5.0)))}
-_kw = dict(preset="smoke", eval_images=24, grounding_scenes=4, isolate=False, curve_points=(0.5, 1.0), log=lambda m: None)
+_kw = dict(preset="smoke", eval_images=24, grounding_scenes=4, isolate=False, curve_points=(0.5, 1.0),
+           log=lambda m: None)
 with contextlib.redirect_stderr(io.StringIO()):
     _cmp = compare(_runs, seeds=[0, 1], steps=8, out_dir=_tmp / "mini", **_kw)
 test_eq(list(_cmp.per_seed[0]), ["untrained", "CLIP", "C2LIP-CLIP", "SPARC"])
-test_eq(sorted(_cmp.sweeps["SPARC"]["candidates"]), ["1", "5"]); assert _cmp.sweeps["SPARC"]["chosen"] in (1.0, 5.0)
+test_eq(sorted(_cmp.sweeps["SPARC"]["candidates"]), ["1", "5"])
+assert _cmp.sweeps["SPARC"]["chosen"] in (1.0, 5.0)
 assert (_tmp / "mini" / "seed0" / f"SPARC@lambda_fine={_cmp.sweeps['SPARC']['chosen']:g}" / "eval.json").is_file()
 _ft = _cmp.per_seed[1]["C2LIP-CLIP"]
 test_eq((_ft["steps"], _ft["regime"]), (2, "fine-tune 2 from CLIP@6"))
-test_eq([p["step"] for p in _cmp.curves["C2LIP-CLIP"]], [6, 7, 8]); test_eq([p["step"] for p in _cmp.curves["CLIP"]], [4, 6, 8])
+test_eq([p["step"] for p in _cmp.curves["C2LIP-CLIP"]], [6, 7, 8])
+test_eq([p["step"] for p in _cmp.curves["CLIP"]], [4, 6, 8])
 test_eq(_cmp.curves["C2LIP-CLIP"][0], _cmp.curves["CLIP"][1])                   # the fine-tune's curve starts at CLIP@6
 assert _ft["train_s_total"] > _ft["train_s"] > 0
-test_eq(set(_cmp.stats["SPARC"]), set(HEADLINE)); assert _cmp.stats["SPARC"]["hn_mean"]["t"].n == 2
+test_eq(set(_cmp.stats["SPARC"]), set(HEADLINE))
+assert _cmp.stats["SPARC"]["hn_mean"]["t"].n == 2
 assert _cmp.stats["SPARC"]["pointing"]["boot"].n == 4 and _cmp.stats["SPARC"]["hn_mean"]["boot"].n == 24
-for _f in ("summary.md", "summary.csv", "summary.json", "curves.png", "loss_curves.png"): assert (_tmp / "mini" / _f).is_file(), _f
-with open(_tmp / "mini" / "summary.csv") as _fh: _csv = list(csv.DictReader(_fh))   # the headline table, tidy
+for _f in ("summary.md", "summary.csv", "summary.json", "curves.png", "loss_curves.png"):
+    assert (_tmp / "mini" / _f).is_file(), _f
+with open(_tmp / "mini" / "summary.csv") as _fh:
+    _csv = list(csv.DictReader(_fh))   # the headline table, tidy
 _row = next(r for r in _csv if r["run"] == "SPARC" and r["metric"] == "hn_mean")
 assert abs(float(_row["delta"]) - _cmp.stats["SPARC"]["hn_mean"]["t"].mean) < 1e-9 and _row["seeds"] == "2"
 test_eq(next(r for r in _csv if r["run"] == "CLIP")["verdict"], "reference")
-_mtimes = {p: p.stat().st_mtime_ns for p in (_tmp / "mini").rglob("*.json") if "world_" not in str(p) and p.name != "summary.json"}
+_mtimes = {p: p.stat().st_mtime_ns for p in (_tmp / "mini").rglob("*.json") if "world_" not in str(p)
+           and p.name != "summary.json"}
 with contextlib.redirect_stderr(io.StringIO()):
     _again = compare(_runs, seeds=[0, 1], steps=8, out_dir=_tmp / "mini", **_kw)
 test_eq({p: p.stat().st_mtime_ns for p in _mtimes}, _mtimes)                      # nothing trained or evaluated again
@@ -744,8 +835,10 @@ _done = next((d / "summary.md" for d in (_root / "runs" / "compare", _root / "be
               if (d / "summary.md").is_file()), None)
 if _done is not None:
     print(f"{_done.parent}:\n")
-    print(_done.read_text()); display(_Image(str(_done.parent / "curves.png")))
-else: print("no comparison yet: `make compare` makes it, then this cell shows it")
+    print(_done.read_text())
+    display(_Image(str(_done.parent / "curves.png")))
+else:
+    print("no comparison yet: `make compare` makes it, then this cell shows it")
 
 # %% [markdown]
 # ## What the measured comparison says

@@ -12,4 +12,5 @@ from .cli import main
 
 # %% ../../nbs/66a_eval_main.ipynb #71825f1a
 # a notebook kernel also runs as __main__, but has no __file__: only `python -m powerclip.eval` runs here
-if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())
+if __name__ == '__main__' and '__file__' in globals():
+    sys.exit(main())
