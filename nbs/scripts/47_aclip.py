@@ -539,7 +539,6 @@ print(f"bf16 autocast: simclr {float(_ls.detach()):.4f}, byol {float(_lb.detach(
 # noise `hash_uniform(index, step, seed, n)`, so that a sample's views are the same on every process and after a resume.
 # On the built-in world, whose captions name colours, a comparison should also run `views=1, color_aug=False` (below).
 
-
 # %% [markdown]
 # ## Heads with BatchNorm over the global batch
 #

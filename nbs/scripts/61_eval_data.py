@@ -547,6 +547,7 @@ test_fail(lambda: read_image(_bd / 'images' / 'trunc.jpg'), contains='trunc.jpg:
 test_fail(lambda: load_retrieval(_bd / 'broken.json'), contains='broken.json: not valid JSON')
 {i['reason']: i['detail'] for i in _rep['items']}
 
+
 # %% [markdown]
 # ## The world's benchmark folder
 #

@@ -34,7 +34,6 @@ import tempfile
 from fastcore.test import test_eq, test_fail
 from PIL import Image
 
-
 # %% [markdown]
 # # Region data on disk
 #
@@ -222,7 +221,6 @@ test_fail(lambda: load_regions(_rd / 'annotations' / 'instances_val.json', stric
 test_fail(lambda: load_regions(_rd / 'annotations' / 'instances_val.json', vocabulary='ov-coco'),
           contains='needs COCO category names')
 test_fail(lambda: load_regions(_rd / 'nothing.json'), contains='instances_*.json')
-
 
 # %% [markdown]
 # The world's benchmark folder (`61_eval_data`) read back as regions: every object of every scene, its pixel mask and

@@ -267,6 +267,7 @@ with torch.no_grad():
     _whole = _sp.scorers['sparc'].region_features(_sp.model, _x, torch.ones(2, 1, 16, dtype=torch.bool))[:, 0]
     torch.testing.assert_close(_whole, _sp.scorers['sparc'].image_features(_sp.model, _x)['image'])
 
+
 # %% [markdown]
 # ## A picture: what each model names
 #
@@ -351,15 +352,24 @@ plt.close(_fig)
 # %% [markdown]
 # **Trained models on the world.** The cell below draws test scenes of the world for the models that the plateau
 # comparison trained (`python -m powerclip.experiments plateau --steps 1600`, `71_experiments`; seed 0), or, where it
-# has not been run, those of `make compare` (T = 150). Read with the comparison's numbers (`70_compare`): on the world's
-# 35 attribute-bound classes (chance 2.9 %), measured on the 300 test scenes at T = 1,600 on seed 0, the pooled top-1
-# is 7.6 % for CLIP, 14.2 % for CLIP with average pooling, and 2.6 % for PowerCLIP-R: the model trained to align regions
-# with phrases names a region no better than chance. The picture shows how: PowerCLIP-R gives nearly every region the
-# same answer. That is not the text side's fault: with each class embedded the way PowerCLIP embeds a phrase in
-# training (the sum of its words' normalised token embeddings, Eqs. 3-4) instead of as a prompted sentence, its top-1
-# stays at 5.4-8.1 % (the cell after the picture measures it). What PowerCLIP-R learned is *relative*: which patches of
-# an image fit a phrase better than others (its pointing game is 39.5 % against CLIP's 5.9 % on the same runs), not an
-# embedding of a region that stands for its class among all classes.
+# has not been run, those of `make compare` (T = 150). Read with the numbers of the cell after it (pooled top-1 on the
+# 300 test scenes, 35 attribute-bound classes, chance 2.9 %; T = 1,600, seed 0, so no interval yet; the comparison's
+# tables have them over seeds):
+#
+# - **PowerCLIP-R names a region no better than chance** (2.6 %): it gives nearly every region the same answer ("blue
+#   triangle" in both pictures). The model trained to align regions with phrases has not learned a region embedding
+#   that stands for its class among all classes. What it did learn is *relative*: which patches of an image fit a
+#   phrase better than the others (its pointing game on the same runs: 35-40 % against CLIP's 5-6 %, `67_heatmaps`).
+# - **Class-token CLIP** (7.6 %) often names the colour of *another* object of the image (the green diamond is
+#   "orange", the colour of the square beside it): its patch embeddings were never trained to stand alone, and what
+#   they carry is mixed across the scene.
+# - **Average pooling** makes every patch part of the global embedding, and the pooled region embedding becomes
+#   meaningful: CLIP (avg) 14.2 %, PowerCLIP-R (avg) 16.2 %. Both get the colour right far more often than the shape
+#   ("green circle" for the green diamond): colour is a property of every patch of an object, shape only of the patches
+#   together. Whether PowerCLIP-R (avg) is better than CLIP (avg) needs the seeds (`70_compare`, `71_experiments`).
+# - **Not the text side's fault.** With each class embedded the way PowerCLIP embeds a phrase in training (`phrase`:
+#   the sum of its words' normalised token embeddings, Eqs. 3-4) instead of as a prompted sentence, the ordering stays:
+#   PowerCLIP-R 5.4 %, CLIP 10.1 %, and the average-pooled models 22.9 % (CLIP) and 16.5 % (PowerCLIP-R).
 
 # %%
 #| slow

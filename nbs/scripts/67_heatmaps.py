@@ -778,3 +778,36 @@ else:
 # 94.9 % of the time, but picks the named one among them no more often than a random object of the scene would
 # (39.0 % against the uniform row's 42.9 %). CLIP's maps are inverted: its inverted pointing (35.5 %) is above its
 # pointing (14.5 %), so the named object is more often the coldest place than the hottest.
+
+# %% [markdown]
+# ## Under average pooling the maps point at the background
+#
+# The same table for the four seed-0 models of the plateau comparison (`python -m powerclip.experiments plateau --steps
+# 1600`, `71_experiments`: T = 1,600 steps, class-token and average pooling, `30_model` "Pooling"); the cell skips
+# when they are absent.
+
+# %%
+#| slow
+_root = Path('..') if Path('../settings.ini').is_file() else Path('.')   # the repository root, from nbs/ or from it
+PLATEAU = _root / 'runs/plateau/T1600/seed0'
+plateau = {n: PLATEAU / d for n, d in (('CLIP', 'CLIP'), ('CLIP (avg)', 'CLIP_avg'), ('PowerCLIP-R', 'PowerCLIP-R'),
+                                        ('PowerCLIP-R (avg)', 'PowerCLIP-R_avg'))}
+if not all((p / 'model.pt').is_file() for p in plateau.values()):
+    print('skipped: the plateau runs are absent; `python -m powerclip.experiments plateau --steps 1600 --seeds 0`')
+else:
+    from IPython.display import Markdown, display
+    display(Markdown(grounding_table(plateau, n_scenes=200, baselines=False)[1]))
+
+# %% [markdown]
+# Both average-pooled models point at *no* object: their hottest patch is on the background in every map (0.0 % and
+# 1.0 % on some object), and the coldest patch is the named object about as often as chance allows for a map that
+# avoids objects (inverted pointing 19.4 % and 24.8 %). Class-token CLIP shows the same tendency more weakly (inverted
+# 41.2 % against pointing 5.9 %); PowerCLIP-R with class-token pooling is the one model whose maps find objects (94.9 %)
+# and name them better than a random object of the scene would. CLIP preferring the background in its similarity maps is
+# known: Li et al., *CLIP Surgery* (arXiv 2304.05653), call it "opposite visualization". A plausible reading here:
+# under average pooling every patch is a summand of the global embedding, and the many background patches can carry
+# the image's caption-level content (which objects, which colours) as well as any, while an object's own patches stay
+# local. Their pooled *regions* still classify well (`63a_eval_regions`: 14-16 % top-1 against 2.6 % for PowerCLIP-R
+# with class-token pooling), so a region embedding and a one-patch map are not interchangeable readings of a model,
+# although they are one computation: the pointing game scores single patches against a caption-level text embedding.
+# These are one seed's models; the comparison's pointing column (`70_compare`) has the intervals.
