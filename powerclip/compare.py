@@ -102,7 +102,9 @@ def snapshot_steps(n: int, points=CURVE_POINTS, extra=()) -> list[int]:
     return sorted({min(n, max(1, round(p * n))) for p in points} | {int(e) for e in extra} | {n})
 
 # %% ../nbs/70_compare.ipynb #87edd85f
-VOLATILE = ("progress", "tensorboard", "resume", "stop_at")   # config keys that do not change what a run computes
+# config keys that do not change what a run computes; out_dir is the folder being checked itself, whichever way its
+# path was written (relative or absolute, or the folder moved)
+VOLATILE = ("progress", "tensorboard", "resume", "stop_at", "out_dir")
 
 
 @dataclass
@@ -170,6 +172,8 @@ def _dirname(name: str, spec: RunSpec, value) -> str:
 def _identity(d: dict) -> dict:
     "A run config as plain data, without what does not change the run (and without config.yaml's derived record)."
     d = to_dict(from_dict(TrainConfig, {k: v for k, v in d.items() if k != "derived"}))
+    if d.get("model", {}).get("pretrained"):  # a fine-tune's base snapshot: one file, however its path is written
+        d["model"]["pretrained"] = str(Path(d["model"]["pretrained"]).resolve())
     return {k: v for k, v in d.items() if k not in VOLATILE}
 
 

@@ -3,7 +3,7 @@ chaining (a fine-tune starts from its base's snapshot and reads the batches its 
 resumes, finished runs and evaluations reused, the paired statistics from the per-seed and per-scene numbers, and the
 command line's one-line errors."""
 import dataclasses
-import json
+import json, os
 import subprocess
 import sys
 
@@ -77,6 +77,9 @@ def test_reuse(run):
     # another budget in the same folder is refused before anything trains
     with pytest.raises(ValueError, match="holds a run of another config"):
         make_plan(ROWS, SEEDS, STEPS + 2, out, **KW)
+    # the same folder named by a relative path is the same runs (the path is not part of a run's identity)
+    rel = os.path.relpath(out)
+    assert rel != str(out) and make_plan(ROWS, SEEDS, STEPS, rel, **KW).job("CLIP", SEEDS[0]).cfg.max_steps == STEPS
 
 
 def test_paired_statistics(run):

@@ -266,7 +266,9 @@ test_eq(snapshot_steps(2), [1, 2])
 
 # %%
 #| export
-VOLATILE = ("progress", "tensorboard", "resume", "stop_at")   # config keys that do not change what a run computes
+# config keys that do not change what a run computes; out_dir is the folder being checked itself, whichever way its
+# path was written (relative or absolute, or the folder moved)
+VOLATILE = ("progress", "tensorboard", "resume", "stop_at", "out_dir")
 
 
 @dataclass
@@ -334,6 +336,8 @@ def _dirname(name: str, spec: RunSpec, value) -> str:
 def _identity(d: dict) -> dict:
     "A run config as plain data, without what does not change the run (and without config.yaml's derived record)."
     d = to_dict(from_dict(TrainConfig, {k: v for k, v in d.items() if k != "derived"}))
+    if d.get("model", {}).get("pretrained"):  # a fine-tune's base snapshot: one file, however its path is written
+        d["model"]["pretrained"] = str(Path(d["model"]["pretrained"]).resolve())
     return {k: v for k, v in d.items() if k not in VOLATILE}
 
 
@@ -843,56 +847,72 @@ else:
 # %% [markdown]
 # ## What the measured comparison says
 #
-# Measured with `make compare` (`python -m powerclip.compare --runs all`: 12 rows, 3 seeds, $T = 150$ steps of 64
-# images, fine-tunes $F = 30$, 300 held-out scenes, pointing on 200) on this repository's 2-core CPU: 3,592 s in all,
-# part of it beside a test run, so an upper bound. `benchmarks/results/compare_cpu/` keeps `summary.md` (with the
-# bootstrap table, every hard-negative kind, R@5, IoU and the SPARC sweep), `summary.json` and the learning curves
-# `curves.png`, which the cell above shows. The headline table: mean ± sd over seeds, in %; Δ is the paired difference
-# to CLIP on the same seed with its 95 % t interval over seeds, and the verdict reads only those intervals.
+# Measured with `make compare` (`python -m powerclip.compare --runs all`: 15 rows, 3 seeds, $T = 150$ steps of 64
+# images, fine-tunes $F = 30$, 300 held-out scenes, pointing on 200) on this repository's 2-core CPU, 2026-11-25, with
+# the A-CLIP and CLIP-PGS rows fixed (`47_aclip`, `46_clip_pgs`) and the average-pooled rows added; the training loops
+# took 7,946 s in all, beside other runs. `benchmarks/results/compare_cpu/` keeps `summary.md` (with the per-scene
+# bootstrap table, every hard-negative kind, R@5, IoU, the region numbers and the SPARC sweep), `summary.json`,
+# `summary.csv` and the learning curves, which the cell above shows. The headline table: mean ± sd over seeds, in %;
+# Δ is the paired difference to CLIP on the same seed with its 95 % t interval over seeds, and the verdict reads only
+# those intervals. Region top-1 is the pooled region classification of the world's 35 attribute-bound classes
+# (`63a_eval_regions`, chance 2.9 %).
 #
-# | run | regime | HN mean | i2t R@1 | t2i R@1 | pointing | Δ HN mean vs CLIP | Δ i2t R@1 vs CLIP | Δ t2i R@1 vs CLIP | Δ pointing vs CLIP | verdict (seed intervals) | time/step vs CLIP | other scorer |
-# |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|
-# | untrained | chance line | 50.1 ± 2.2 | 0.3 ± 0.2 | 0.4 ± 0.6 | 19.0 ± 4.6 | - | - | - | - | - | - |  |
-# | CLIP | pre-train 150 | 73.2 ± 1.1 | 51.8 ± 1.0 | 54.4 ± 6.8 | 20.1 ± 5.2 | - | - | - | - | reference | 1.00 ± 0.00x |  |
-# | FLIP | pre-train 150 | 70.2 ± 0.4 | 38.7 ± 1.6 | 47.9 ± 1.3 | 13.6 ± 7.0 | -3.0 [-5.8, -0.2] | -13.1 [-19.4, -6.8] | -6.5 [-21.6, +8.5] | -6.5 [-16.9, +4.0] | worse: HN mean, i2t R@1 | 0.88 ± 0.05x |  |
-# | CLIP-PGS | pre-train 150 | 69.3 ± 1.8 | 26.5 ± 3.3 | 32.1 ± 1.7 | 21.5 ± 7.9 | -3.9 [-8.9, +1.1] | -25.3 [-33.3, -17.4] | -22.3 [-35.0, -9.7] | +1.4 [-25.4, +28.2] | worse: i2t R@1, t2i R@1 | 0.92 ± 0.05x |  |
-# | A-CLIP [ema] | pre-train 150 | 53.9 ± 5.0 | 1.6 ± 1.6 | 3.7 ± 0.7 | 30.1 ± 11.6 | -19.3 [-30.9, -7.8] | -50.3 [-53.4, -47.1] | -50.8 [-66.1, -35.4] | +10.0 [-28.1, +48.1] | worse: HN mean, i2t R@1, t2i R@1 | 1.57 ± 0.17x | global: HN 63.8 ± 5.8, i2t R@1 11.7 ± 6.4 |
-# | E-CLIP | pre-train 150 | 69.2 ± 0.8 | 36.4 ± 6.4 | 43.5 ± 6.4 | 12.8 ± 10.7 | -4.0 [-6.1, -1.9] | -15.5 [-29.5, -1.5] | -10.9 [-12.1, -9.8] | -7.3 [-30.7, +16.2] | worse: HN mean, i2t R@1, t2i R@1 | 0.92 ± 0.10x |  |
-# | FILIP [late] | pre-train 150 | 63.6 ± 1.6 | 30.6 ± 3.0 | 30.2 ± 3.1 | 68.5 ± 15.0 | -9.6 [-16.1, -3.0] | -21.3 [-30.7, -11.8] | -24.2 [-43.3, -5.2] | +48.4 [+10.0, +86.9] | better: pointing; worse: HN mean, i2t R@1, t2i R@1 | 1.22 ± 0.07x | global: HN 61.4 ± 1.2, i2t R@1 2.5 ± 0.6 |
-# | SPARC [sparc] | pre-train 150 | 73.4 ± 0.8 | 51.6 ± 0.4 | 55.8 ± 3.0 | 30.4 ± 21.9 | +0.2 [-4.7, +5.1] | -0.3 [-3.3, +2.7] | +1.3 [-21.9, +24.6] | +10.3 [-47.2, +67.8] | no difference shown | 1.27 ± 0.44x | global: HN 50.7 ± 2.2, i2t R@1 0.4 ± 0.0 |
-# | C2LIP | fine-tune 30 from CLIP@120 | 71.6 ± 1.2 | 36.4 ± 5.1 | 37.0 ± 3.0 | 20.8 ± 5.8 | -1.6 [-3.2, +0.1] | -15.5 [-29.5, -1.5] | -17.4 [-31.1, -3.8] | +0.7 [-1.2, +2.5] | worse: i2t R@1, t2i R@1 | 1.25 ± 0.05x |  |
-# | C2LIP-CLIP | fine-tune 30 from CLIP@120 | 71.6 ± 1.3 | 36.2 ± 4.9 | 36.8 ± 3.2 | 20.7 ± 6.0 | -1.6 [-3.3, +0.1] | -15.6 [-29.2, -2.1] | -17.6 [-32.1, -3.0] | +0.6 [-1.6, +2.7] | worse: i2t R@1, t2i R@1 | 1.14 ± 0.24x |  |
-# | SmartCLIP | fine-tune 30 from CLIP@120 | 73.2 ± 1.4 | 49.0 ± 2.9 | 54.4 ± 6.0 | 20.3 ± 7.0 | +0.0 [-1.8, +1.8] | -2.9 [-10.3, +4.5] | -0.1 [-3.2, +3.1] | +0.2 [-4.4, +4.8] | no difference shown | 1.07 ± 0.20x |  |
-# | PowerCLIP-R | pre-train 150 | 70.2 ± 1.0 | 41.7 ± 6.0 | 44.0 ± 5.1 | 42.1 ± 8.1 | -3.0 [-7.9, +1.9] | -10.1 [-22.5, +2.3] | -10.4 [-15.0, -5.8] | +22.0 [+4.3, +39.6] | better: pointing; worse: t2i R@1 | 1.82 ± 0.16x |  |
-# | PowerCLIP-gold | pre-train 150 | 72.4 ± 1.6 | 50.7 ± 5.5 | 53.5 ± 4.5 | 15.6 ± 8.4 | -0.8 [-5.6, +3.9] | -1.2 [-14.0, +11.6] | -1.0 [-6.7, +4.8] | -4.5 [-32.0, +23.0] | no difference shown | 1.65 ± 0.20x |  |
+# | run | regime | HN mean | i2t R@1 | t2i R@1 | pointing | region top-1 (pooled) | Δ HN mean vs CLIP | Δ i2t R@1 vs CLIP | Δ t2i R@1 vs CLIP | Δ pointing vs CLIP | Δ region top-1 (pooled) vs CLIP | verdict (seed intervals) | time/step vs CLIP | other scorer |
+# |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|
+# | untrained | chance line | 50.1 ± 2.2 | 0.3 ± 0.2 | 0.4 ± 0.6 | 19.0 ± 4.6 | 2.6 ± 0.6 | - | - | - | - | - | - | - |  |
+# | CLIP | pre-train 150 | 73.2 ± 1.1 | 51.8 ± 1.0 | 54.4 ± 6.8 | 20.1 ± 5.2 | 5.5 ± 1.4 | - | - | - | - | - | reference | 1.00 ± 0.00x |  |
+# | FLIP | pre-train 150 | 70.2 ± 0.4 | 38.7 ± 1.6 | 47.9 ± 1.3 | 13.6 ± 7.0 | 5.8 ± 3.3 | -3.0 [-5.8, -0.2] | -13.1 [-19.4, -6.8] | -6.5 [-21.6, +8.5] | -6.5 [-16.9, +4.0] | +0.3 [-4.9, +5.5] | worse: HN mean, i2t R@1 | 0.71 ± 0.41x |  |
+# | CLIP-PGS | pre-train 150 | 72.8 ± 0.7 | 45.3 ± 2.8 | 47.4 ± 3.0 | 21.0 ± 5.7 | 5.4 ± 1.4 | -0.3 [-1.9, +1.2] | -6.6 [-14.4, +1.3] | -7.0 [-17.9, +3.9] | +0.9 [-22.8, +24.6] | -0.1 [-4.2, +4.1] | no difference shown | 0.79 ± 0.76x |  |
+# | A-CLIP [ema] | pre-train 150 | 69.7 ± 2.5 | 28.0 ± 2.0 | 32.5 ± 3.0 | 16.3 ± 3.2 | 5.7 ± 1.0 | -3.4 [-11.4, +4.5] | -23.9 [-26.9, -20.9] | -22.0 [-32.4, -11.6] | -3.8 [-23.6, +16.1] | +0.2 [-2.0, +2.3] | worse: i2t R@1, t2i R@1 | 0.61 ± 0.17x | global: HN mean 70.0 ± 2.3, i2t R@1 29.1 ± 2.7 |
+# | E-CLIP | pre-train 150 | 69.2 ± 0.8 | 36.4 ± 6.4 | 43.5 ± 6.4 | 12.8 ± 10.7 | 6.5 ± 3.4 | -4.0 [-6.1, -1.9] | -15.5 [-29.5, -1.5] | -10.9 [-12.1, -9.8] | -7.3 [-30.7, +16.2] | +1.0 [-6.9, +9.0] | worse: HN mean, i2t R@1, t2i R@1 | 0.81 ± 0.55x |  |
+# | FILIP [late] | pre-train 150 | 63.4 ± 1.9 | 31.0 ± 1.0 | 32.0 ± 1.9 | 68.9 ± 13.2 | 22.2 ± 2.5 | -9.8 [-16.8, -2.8] | -20.9 [-25.8, -16.0] | -22.4 [-42.4, -2.4] | +48.8 [+10.3, +87.3] | +16.7 [+7.4, +26.1] | better: pointing, region top-1 (pooled); worse: HN mean, i2t R@1, t2i R@1 | 1.13 ± 1.02x | global: HN mean 62.3 ± 1.0, i2t R@1 3.7 ± 1.9 |
+# | SPARC [sparc] | pre-train 150 | 72.3 ± 1.1 | 49.2 ± 3.8 | 53.9 ± 4.3 | 31.5 ± 18.4 | 7.8 ± 0.7 | -0.8 [-6.1, +4.5] | -2.6 [-12.4, +7.2] | -0.5 [-25.4, +24.4] | +11.4 [-39.3, +62.0] | +2.3 [+0.5, +4.1] | better: region top-1 (pooled) | 0.92 ± 0.12x | global: HN mean 49.6 ± 1.5, i2t R@1 0.4 ± 0.0 |
+# | C2LIP | fine-tune 30 from CLIP@120 | 71.6 ± 1.2 | 36.4 ± 5.1 | 37.0 ± 3.0 | 20.8 ± 5.8 | 4.9 ± 0.3 | -1.6 [-3.2, +0.1] | -15.5 [-29.5, -1.5] | -17.4 [-31.1, -3.8] | +0.7 [-1.2, +2.5] | -0.6 [-3.3, +2.1] | worse: i2t R@1, t2i R@1 | 0.84 ± 0.82x |  |
+# | C2LIP-CLIP | fine-tune 30 from CLIP@120 | 71.6 ± 1.3 | 36.2 ± 4.9 | 36.8 ± 3.2 | 20.7 ± 6.0 | 4.9 ± 0.3 | -1.6 [-3.3, +0.1] | -15.6 [-29.2, -2.1] | -17.6 [-32.1, -3.0] | +0.6 [-1.6, +2.7] | -0.6 [-3.3, +2.1] | worse: i2t R@1, t2i R@1 | 0.59 ± 0.38x |  |
+# | SmartCLIP | fine-tune 30 from CLIP@120 | 73.2 ± 1.4 | 49.0 ± 2.9 | 54.4 ± 6.0 | 20.3 ± 7.0 | 5.4 ± 0.8 | +0.0 [-1.8, +1.8] | -2.9 [-10.3, +4.5] | -0.1 [-3.2, +3.1] | +0.2 [-4.4, +4.8] | -0.1 [-1.7, +1.4] | no difference shown | 0.84 ± 0.81x |  |
+# | PowerCLIP-R | pre-train 150 | 70.2 ± 1.0 | 41.7 ± 5.6 | 44.0 ± 5.2 | 42.2 ± 8.0 | 3.5 ± 2.3 | -3.0 [-7.7, +1.8] | -10.1 [-21.6, +1.4] | -10.5 [-14.9, -6.1] | +22.1 [+4.4, +39.7] | -2.0 [-4.1, +0.0] | better: pointing; worse: t2i R@1 | 0.76 ± 0.56x |  |
+# | PowerCLIP-gold | pre-train 150 | 72.3 ± 1.6 | 50.7 ± 5.5 | 53.5 ± 4.5 | 15.6 ± 8.4 | 4.8 ± 2.4 | -0.9 [-5.7, +4.0] | -1.2 [-14.0, +11.6] | -1.0 [-6.7, +4.8] | -4.5 [-32.0, +23.0] | -0.7 [-8.6, +7.2] | no difference shown | 0.85 ± 0.56x |  |
+# | CLIP (avg) | pre-train 150 | 73.1 ± 0.5 | 55.9 ± 0.0 | 57.7 ± 1.4 | 0.9 ± 0.7 | 15.5 ± 0.8 | -0.1 [-3.3, +3.1] | +4.1 [+1.6, +6.5] | +3.3 [-13.1, +19.7] | -19.2 [-30.5, -7.9] | +10.0 [+4.3, +15.6] | better: i2t R@1, region top-1 (pooled); worse: pointing | 0.70 ± 0.48x |  |
+# | PowerCLIP-R (avg) | pre-train 150 | 64.6 ± 1.6 | 23.8 ± 10.9 | 28.5 ± 11.8 | 40.2 ± 14.9 | 14.5 ± 0.7 | -8.6 [-11.4, -5.8] | -28.1 [-53.3, -2.9] | -25.9 [-38.5, -13.3] | +20.1 [-14.0, +54.2] | +9.0 [+6.7, +11.2] | better: region top-1 (pooled); worse: HN mean, i2t R@1, t2i R@1 | 0.75 ± 0.49x |  |
+# | PowerCLIP-gold (avg) | pre-train 150 | 72.7 ± 1.7 | 55.4 ± 2.0 | 57.0 ± 0.3 | 3.9 ± 0.9 | 12.2 ± 3.9 | -0.5 [-7.5, +6.6] | +3.5 [-3.3, +10.4] | +2.6 [-14.8, +20.0] | -16.2 [-31.3, -1.1] | +6.7 [+0.5, +12.9] | better: region top-1 (pooled); worse: pointing | 0.55 ± 0.38x |  |
+#
 #
 # Reading it (a tiny model, 150 steps, the built-in world; not the paper's setting):
 #
-# - **No method is better than CLIP on hard negatives or retrieval at this budget.** SPARC, SmartCLIP and
-#   PowerCLIP-gold show no difference; the others are worse on some of the three numbers. PowerCLIP-R is worse on t2i
-#   R@1 (-10.4 [-15.0, -5.8]) and **better on pointing** (+22.0 [+4.3, +39.6]): its maps point at the named object
-#   far more often. FILIP (late interaction) is the other row better on pointing (+48.4). PowerCLIP-gold is
-#   indistinguishable from CLIP everywhere. The paper's claim that PowerCLIP beats CLIP on compositionality and
-#   retrieval does not reproduce at this scale. Three seeds give wide intervals ($t_{0.975,2} = 4.30$), so a
-#   difference of a few points would go unseen.
-# - **Budget.** CLIP's hard-negative mean has levelled off (72.0 at step 112, 73.2 at 150), but its R@1 still rises
-#   (50.9 -> 53.1): the budget is near CLIP's plateau, not at it. PowerCLIP's curves rise more slowly, per step and
-#   per second; a longer budget (`--steps`) or a GPU is the next thing to try (`71_experiments` has a 4x longer check).
-# - **C2LIP.** Its fine-tune from CLIP@120 loses R@1 steadily (51.5 -> 36.7 at step 150) while CLIP gains.
-#   C2LIP-CLIP (CLIP's base loss) loses the same, so the noun-phrase and concept terms do it, not the sigmoid base.
-#   Its t and b move little in 30 steps: t 10.05 -> 10.11, b -9.991 -> -9.985 (seed 0; `_t`, `_b` in its
-#   `metrics.csv`), while npc stays near 10 (it sums over concepts) and dominates the loss.
-# - **SmartCLIP**, at its backbone learning rate of $10^{-6}$, stays where CLIP@120 was (its curve is flat): its -2.9
-#   on i2t R@1 is CLIP's own progress from step 120 to 150.
-# - **A-CLIP**, scored as its paper scores, with its EMA towers, is near chance: at momentum 0.996 -> 1 over 150 steps
-#   the EMA's weights are still about 70 % the initial ones (the online model's share sums to
-#   $0.004 \times 150 / 2 = 0.3$). Its online model (the global column: HN 63.8, i2t R@1 11.7) is the fairer reading
-#   at this budget; A-CLIP needs thousands of steps before its EMA means anything.
-# - **Time per step** here is the whole training loop. The PowerCLIP rows (1.65-1.82x) ran with the loss's blocked
-#   fast path, then the default; at this batch it costs more than the dense path it exists to replace at scale.
-#   Measured right after (`python benchmarks/train_step_ratio.py --methods clip powerclip powerclip:impl=fast
-#   powerclip:impl=dense --rounds 3`: the training step alone, demo model, batch 64, fp32, 2-core CPU): CLIP 212.6 ms,
-#   PowerCLIP with `impl='auto'` (now the default: dense when its scores fit one 16 MiB block, blocked otherwise)
-#   1.12x, fast 1.71x, dense 1.10x. A rerun of `make compare` therefore trains PowerCLIP faster and, by floating-point
-#   rounding alone, along another trajectory. Every method's step against CLIP:
-#   `benchmarks/results/train_step_ratio_all_methods_demo_cpu_B64_fp32.md`.
+# - **No method is better than CLIP on hard negatives at this budget, and only CLIP (avg) on retrieval** (i2t R@1
+#   +4.1 [+1.6, +6.5]): average pooling in both towers helps CLIP's text side on the world. SPARC, SmartCLIP, CLIP-PGS
+#   and PowerCLIP-gold show no difference on the three global numbers; the others are worse on some. PowerCLIP-R is
+#   worse on t2i R@1 (-10.5 [-14.9, -6.1]) and **better on pointing** (+22.1 [+4.4, +39.7]). Three seeds give wide
+#   intervals ($t_{0.975,2} = 4.30$), so a difference of a few points would go unseen.
+# - **PowerCLIP as its authors built it** (average pooling): PowerCLIP-R (avg) is worse than CLIP on all three global
+#   numbers at T = 150 (i2t R@1 -28.1 [-53.3, -2.9]) and unstable across seeds (sd 10.9); PowerCLIP-gold (avg) is level
+#   with CLIP (avg). The budget matters more than the pooling: at T = 1,600 (`71_experiments`, "What the budget and
+#   the plateau measured", one seed so far) every PowerCLIP row is within a few points of CLIP.
+# - **Regions (the paper's Table 15 claim, without a detector).** Pooled region top-1 moves with the *pooling*, not
+#   with the triplet term: every average-pooled row is far above CLIP (CLIP (avg) +10.0 [+4.3, +15.6], PowerCLIP-R
+#   (avg) +9.0 [+6.7, +11.2]), and PowerCLIP-R (avg) against CLIP (avg), from the per-seed numbers, is -1.0 [-4.7, +2.7]
+#   (AP50 -2.4 [-8.5, +3.8]). With class-token pooling PowerCLIP-R is a little *below* CLIP (-2.0 [-4.1, +0.0]; AP50
+#   -1.8 [-3.5, -0.2]). The methods built for region-level alignment that do help are FILIP (+16.7 [+7.4, +26.1]) and
+#   SPARC (+2.3 [+0.5, +4.1]). The world has no novel classes, so the paper's novel-class number has no counterpart here
+#   (the reader splits OV-COCO's 48/17 classes on COCO-format files; `61a_eval_region_data`).
+# - **Pointing and regions disagree.** The average-pooled rows point at the background (CLIP (avg) 0.9 %, -19.2 [-30.5,
+#   -7.9] against CLIP; `67_heatmaps`: their maps' hottest patch is off every object), while their pooled regions name
+#   objects best. PowerCLIP-R (avg) is the exception at T = 150 (pointing 40.2 ± 14.9), but not at T = 1,600 (1.0 on
+#   seed 0). A one-patch map against a sentence embedding and a region's mean against a class prompt are one
+#   computation at two sizes of region, read against different texts; they need not agree.
+# - **The fixed rows.** A-CLIP with one view, no colour augmentation and its EMA horizon rescaled to the paper's share
+#   of the run (`momentum_steps` 90,000) is now a working model (i2t R@1 28.0 ± 2.0, was 1.6 with the 150-step EMA),
+#   still worse than CLIP on retrieval: its masking drops half the patches of each image, at 150 steps. Two views
+#   (the paper's, still without colour augmentation; `benchmarks/aclip_views.py`, kept in
+#   `benchmarks/results/compare_aclip_views_cpu/`) are no better than one: i2t R@1 -5.8 [-14.0, +2.4], t2i -2.5
+#   [-13.1, +8.1], HN -0.8 [-6.3, +4.7] (paired over the 3 seeds), so the row keeps one view. CLIP-PGS with
+#   its threshold calibrated on the world (`46_clip_pgs`) removes 30-50 % of the patches as its paper intends and shows
+#   no difference from CLIP (it lost 25 points of i2t R@1 with the COCO threshold).
+# - **C2LIP.** Its fine-tune from CLIP@120 loses R@1 (36.4 against CLIP's 51.8) while CLIP gains; C2LIP-CLIP (CLIP's
+#   base loss) loses the same, so the noun-phrase and concept terms do it, not the sigmoid base.
+# - **SmartCLIP**, at its backbone learning rate of $10^{-6}$, stays where CLIP@120 was: its -2.9 on i2t R@1 is CLIP's
+#   own progress from step 120 to 150.
+# - **Time per step.** The column was taken while two other trainings shared the 2 cores (sds of 0.4-1.0x), so it is
+#   not a measurement of the methods; the same-process ratios are `benchmarks/train_step_ratio.py`'s (PowerCLIP 1.12x
+#   CLIP at the demo model, batch 64, fp32, 2-core CPU; every method:
+#   `benchmarks/results/train_step_ratio_all_methods_demo_cpu_B64_fp32.md`).
