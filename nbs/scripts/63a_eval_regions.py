@@ -281,17 +281,11 @@ def region_top_classes(ev: Evaluator, rs: RegionSet, image: int, k: int = 3, sco
     """For the regions of `rs`'s image `image` that the model sees: `rows` (R,) their indices in `rs.regions`, `top`
     (R, k) the indices of the k classes the pooled embedding scores highest, `prob` (R, k) their probabilities (softmax
     over all classes at the model's logit scale)."""
-    s = ev.scorer(scorer)
-    rows = [j for j, r in enumerate(rs.regions) if r['image'] == image]
-    if not rows:
-        raise ValueError(f'image {image} has no regions')
-    masks, seen = region_patch_masks(rs, rows, grid_size(ev.model))
-    rows, masks = [j for j, ok in zip(rows, seen.tolist()) if ok], masks[seen]
-    if not rows:
-        raise ValueError(f'no region of image {image} is inside the view of the model')
-    x = ev.preprocess(read_image(rs.images[image]))[None].to(ev.device)                     # (1, 3, S, S)
-    with torch.no_grad(), ev._autocast():
-        f = s.region_features(ev.model, x, masks[None].to(ev.device))[0].float().cpu()       # (R, D)
+    e = region_embeddings(ev, rs, scorer)                  # the task's own embeddings (cached): the same numbers
+    sel = [n for n, j in enumerate(e['rows'].tolist()) if rs.regions[j]['image'] == image]
+    if not sel:
+        raise ValueError(f'image {image} has no region inside the view of the model')
+    rows, f = e['rows'][sel].tolist(), e['pooled'][sel]                                       # (R,), (R, D)
     cls = class_embeddings(ev, rs.classnames, rs.templates, scorer)                          # (K, D)
     p = (float(ev.model.logit_scale.detach().exp()) * f @ cls.T).softmax(-1)                 # (R, K)
     prob, top = p.topk(min(k, p.shape[1]), dim=-1)

@@ -85,23 +85,20 @@ from fastcore.test import test_eq, test_fail
 
 # %%
 #| export
-def _positive(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'{s!r} is not an integer') from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f'{n} (an integer >= 1)')
-    return n
+def _int_at_least(lo: int):
+    "An argparse type: an integer of at least `lo`, else one line saying what was expected."
+    def parse(s: str) -> int:
+        try:
+            n = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'{s!r} is not an integer') from None
+        if n < lo:
+            raise argparse.ArgumentTypeError(f'{n} (an integer >= {lo})')
+        return n
+    return parse
 
-def _nonnegative(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'{s!r} is not an integer') from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f'{n} (an integer >= 0)')
-    return n
+_positive = _int_at_least(1)
+_nonnegative = _int_at_least(0)
 
 def _json_dict(s: str) -> dict:
     try:
