@@ -23,14 +23,14 @@ from .methods import powerset_inputs, word_nodes
 from .model import model_geometry
 from .stats import t_interval
 from .eval.world_scores import FOLDER_HEADLINE, HEADLINE
-from .report import Comparison
+from .report import Comparison, load_comparison, merge_comparisons, write_outputs
 from .train import build_run
 from .world import WorldDataset
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'EXPERIMENT_STEPS', 'BUDGET_STEPS', 'PLATEAU_ROWS', 'PLATEAU_METRICS', 'GROUNDING_SCENES', 'Experiment',
-           'run_experiment', 'term_gradients', 'loss_anatomy', 'best_cover', 'mask_coverage', 'anatomy', 'seed_sd',
-           'find_plateau', 'budget', 'plateau', 'main']
+__all__ = ['EXPERIMENTS', 'EXPERIMENT_STEPS', 'BUDGET_STEPS', 'PLATEAU_ROWS', 'PLATEAU_METRICS', 'GROUNDING_SCENES',
+           'ANATOMY_KEYS', 'Experiment', 'run_experiment', 'term_gradients', 'loss_anatomy', 'best_cover',
+           'mask_coverage', 'anatomy', 'seed_sd', 'find_plateau', 'budget', 'plateau', 'main']
 
 # %% ../nbs/71_experiments.ipynb #edeec095
 @dataclass
@@ -374,36 +374,76 @@ def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw
     return res
 
 
-def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches: int = 4, log=None,
-            **kw) -> Comparison:
-    """The rows `PLATEAU_ROWS` at T* (`steps`, or the budget's T* from `out_dir/budget.json`), paired differences to
-    CLIP; runs and `summary.md` in `out_dir/T{T}`, the anatomy of PowerCLIP-R under both poolings in `anatomy.md`
-    there."""
+ANATOMY_KEYS = ("all_ratio", "all_cos", "image_cos", "text_cos", "sbar_gap", "hinge_active")
+
+
+def _anatomy_csv(path) -> dict:
+    "{row: {seed: [snapshot records]}} from a plateau's `anatomy.csv`."
+    rows = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            n, s = r.pop("row"), int(r.pop("seed"))
+            rows.setdefault(n, {}).setdefault(s, []).append({k: float(v) for k, v in r.items()})
+    return rows
+
+
+def _write_anatomy(rows: dict, out: Path, steps: int, batches: int) -> None:
+    """`anatomy.md` (mean [95 % t interval] over the seeds of each row, snapshot by snapshot) and `anatomy.csv` of
+    `rows` ({row: {seed: [snapshot records]}})."""
+    seeds = sorted({s for per in rows.values() for s in per})
+    md = [f"# PowerCLIP-R's loss anatomy at T = {steps} by pooling (seeds {seeds}, {batches} unseen batches per "
+          "snapshot; mean [95 % t interval])", "", "| pooling | seeds | step | " + " | ".join(ANATOMY_KEYS) + " |",
+          "|---" * (len(ANATOMY_KEYS) + 3) + "|"]
+    for n, per in rows.items():
+        ss = sorted(per)
+        for j, r in enumerate(per[ss[0]]):
+            md.append(f"| {'avg' if 'avg' in n else 'tok'} | {len(ss)} | {r['step']:g} | "
+                      + " | ".join(_fmt([per[s][j][k] for s in ss]) for k in ANATOMY_KEYS) + " |")
+    (out / "anatomy.md").write_text("\n".join(md) + "\n")
+    first = next(iter(rows.values()))
+    with open(out / "anatomy.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["row", "seed", *first[min(first)][0]])
+        w.writeheader()
+        for n, per in rows.items():
+            for s in sorted(per):
+                w.writerows({"row": n, "seed": s, **r} for r in per[s])
+
+
+def _check_rows(rows) -> None:
+    if any(r not in PLATEAU_ROWS for r in rows) or "CLIP" not in rows:
+        raise ValueError(f"--rows: need CLIP and rows of {list(PLATEAU_ROWS)}, got {list(rows)}")
+
+
+def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches: int = 4, log=None, merge=(),
+            rows=PLATEAU_ROWS, **kw) -> Comparison:
+    """The rows `PLATEAU_ROWS` (or those of `rows`, CLIP among them) at T* (`steps`, or the budget's T* from
+    `out_dir/budget.json`), paired differences to CLIP; runs and `summary.md` in `out_dir/T{T}`, the anatomy of
+    PowerCLIP-R under the poolings it has in `anatomy.md` there. `merge`: folders of the same plateau over other seeds
+    (their `summary.json` and `anatomy.csv`), read together with these seeds (`merge_comparisons`)."""
+    _check_rows(rows)
     root = _plateau_root(out_dir)
     if steps is None:
         f = root / "budget.json"
         if not f.is_file():
             raise ValueError(f"--steps: give T, or run `budget` first (no {f})")
         steps = json.loads(f.read_text())["T_star"] or json.loads(f.read_text())["steps"][-1]
-    plan = make_plan({n: RUNS[n] for n in PLATEAU_ROWS}, seeds, steps, root / f"T{steps}", log=log, **kw)
+    plan = make_plan({n: RUNS[n] for n in PLATEAU_ROWS if n in rows}, seeds, steps, root / f"T{steps}", log=log, **kw)
+    parts = [load_comparison(d) for d in merge]      # read and checked before anything trains
+    extra = [_anatomy_csv(Path(d) / "anatomy.csv") for d in merge]
+    if parts:
+        ahead = dict(plan.meta, runs=list(plan.runs), chosen={}, device=plan.device, folder=str(plan.out))
+        merge_comparisons([Comparison({s: {} for s in plan.seeds}, {}, {}, {}, {}, ahead), *parts])
     cmp = run_plan(plan, log)
-    rows = {n: {s: loss_anatomy(plan.job(n, s).dir, batches, plan.device) for s in plan.seeds}
-            for n in ("PowerCLIP-R", "PowerCLIP-R (avg)")}
-    keys = ("all_ratio", "all_cos", "image_cos", "text_cos", "sbar_gap", "hinge_active")
-    md = [f"# PowerCLIP-R's loss anatomy at T = {steps} by pooling ({len(plan.seeds)} seeds, {batches} unseen batches "
-          "per snapshot; mean [95 % t interval])", "", "| pooling | step | " + " | ".join(keys) + " |",
-          "|---" * (len(keys) + 2) + "|"]
-    for n, per in rows.items():
-        for j, r in enumerate(per[plan.seeds[0]]):
-            md.append(f"| {'avg' if 'avg' in n else 'tok'} | {r['step']} | "
-                      + " | ".join(_fmt([per[s][j][k] for s in plan.seeds]) for k in keys) + " |")
-    (plan.out / "anatomy.md").write_text("\n".join(md) + "\n")
-    with open(plan.out / "anatomy.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, ["row", "seed", *rows["PowerCLIP-R"][plan.seeds[0]][0]])
-        w.writeheader()
-        for n, per in rows.items():
-            for s, rs in per.items():
-                w.writerows({"row": n, "seed": s, **r} for r in rs)
+    anat = {n: {s: loss_anatomy(plan.job(n, s).dir, batches, plan.device) for s in plan.seeds}
+            for n in ("PowerCLIP-R", "PowerCLIP-R (avg)") if n in plan.runs}
+    if parts:
+        cmp = merge_comparisons([cmp, *parts])
+        write_outputs(cmp, plan.out)
+        for e in extra:
+            for n, per in e.items():
+                anat.setdefault(n, {}).update(per)
+    if anat:
+        _write_anatomy(anat, plan.out, steps, batches)
     return cmp
 
 # %% ../nbs/71_experiments.ipynb #c8ae463f
@@ -426,6 +466,10 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--eval-images", type=int, default=300)
     ap.add_argument("--grounding", type=int, default=None, help="test scenes of the pointing game (default 0; budget, "
                     f"plateau: {GROUNDING_SCENES})")
+    ap.add_argument("--rows", nargs="+", default=list(PLATEAU_ROWS), metavar="ROW", help="plateau: the rows to run "
+                    f"(default all: {', '.join(PLATEAU_ROWS)})")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="plateau: folders of the same plateau over "
+                    "other seeds (summary.json, anatomy.csv), read together with this run's seeds")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     return ap
 
@@ -448,6 +492,8 @@ def _main(argv: list[str]) -> int:
             raise ValueError(f"names: unknown experiment(s) {unknown} (known: {known})")
         if a.steps is not None and a.steps < 2:
             raise ValueError(f"--steps: need at least 2 steps, got {a.steps}")
+        if (a.merge or a.rows != list(PLATEAU_ROWS)) and names != ["plateau"]:
+            raise ValueError(f"--merge, --rows: options of the plateau; name plateau alone, got {names}")
         kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images)
         ground = lambda n: a.grounding if a.grounding is not None else (GROUNDING_SCENES if n in _PLATEAU else 0)
         out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else "runs/experiments")
@@ -461,11 +507,14 @@ def _main(argv: list[str]) -> int:
                               grounding_scenes=ground(n), **kw)
                 continue
             if n == "plateau":
+                _check_rows(a.rows)
+                for d in a.merge:
+                    load_comparison(d)
                 if a.steps is None and "budget" not in names and not (Path(out(n)) / "budget.json").is_file():
                     raise ValueError(f"--steps: give T, or run budget first (no {Path(out(n)) / 'budget.json'})")
                 if a.steps is not None:
-                    make_plan({r: RUNS[r] for r in PLATEAU_ROWS}, a.seeds, a.steps, Path(out(n)) / f"T{a.steps}",
-                              log=lambda m: None, grounding_scenes=ground(n), **kw)
+                    make_plan({r: RUNS[r] for r in PLATEAU_ROWS if r in a.rows}, a.seeds, a.steps,
+                              Path(out(n)) / f"T{a.steps}", log=lambda m: None, grounding_scenes=ground(n), **kw)
                 continue
             rows = {"PowerCLIP-R": RUNS["PowerCLIP-R"]} if n == "anatomy" else EXPERIMENTS[n].rows
             ref = "PowerCLIP-R" if n == "anatomy" else EXPERIMENTS[n].reference
@@ -486,7 +535,7 @@ def _main(argv: list[str]) -> int:
             print((Path(out(n)) / "budget.md").read_text())
             continue
         if n == "plateau":
-            cmp = plateau(a.steps, a.seeds, out(n), **kw)
+            cmp = plateau(a.steps, a.seeds, out(n), merge=a.merge, rows=a.rows, **kw)
             folder = Path(out(n)) / f"T{cmp.meta['steps']}"
             print((folder / "summary.md").read_text())
             print((folder / "anatomy.md").read_text())

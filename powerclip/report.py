@@ -16,8 +16,9 @@ from .stats import Interval, bootstrap_paired, paired_difference
 from .train import plot_metrics
 
 # %% auto #0
-__all__ = ['REFERENCE', 'Comparison', 'summarize_seeds', 'paired_stats', 'verdicts', 'headline_table', 'bootstrap_table',
-           'kinds_table', 'sweep_table', 'plot_curves', 'summary_rows', 'write_outputs']
+__all__ = ['REFERENCE', 'MERGE_SAME', 'Comparison', 'summarize_seeds', 'paired_stats', 'verdicts', 'headline_table',
+           'bootstrap_table', 'kinds_table', 'sweep_table', 'plot_curves', 'summary_rows', 'write_outputs',
+           'load_comparison', 'merge_comparisons']
 
 # %% ../nbs/69a_report.ipynb #0d143fcf
 # the row every paired difference is taken to, same seed, unless a plan names another (`71_experiments`)
@@ -228,7 +229,9 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
             f"held-out test scenes, pointing on {m['grounding_scenes']}; {m['device']}, {m['machine']['cores']} cores, "
             f"torch {m['machine']['torch']}; started {m['started']}, {m['seconds']} s (training loops of the table's "
             f"runs: {m['train_seconds']} s, sweeps apart)"
-            + (f"; `{m['command']}`" if m.get("command") else ""))
+            + (f"; `{m['command']}`" if m.get("command") else "")
+            + ("; merged from " + ", ".join(f"{x['folder']} (seeds {x['seeds']}, started {x['started']})"
+                                            for x in m["merged_from"]) if m.get("merged_from") else ""))
     ref = m.get("reference", REFERENCE)
     parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t "
              "interval over seeds]; the verdict reads the seed intervals (better/worse only where "
@@ -260,3 +263,67 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
     plot_curves(cmp.curves, out / "curves.png", title=f"mean over seeds {m['seeds']}; T = {m['steps']}")
     if losses:
         plot_metrics(losses, out / "loss_curves.png", title=f"training loss, seed {m['seeds'][0]}")
+
+# %% ../nbs/69a_report.ipynb #d0780d6f
+# what must agree between comparisons read together: the budget and regime, the test scenes, the device
+MERGE_SAME = ("preset", "overrides", "steps", "finetune_steps", "finetune_share", "eval_images", "grounding_scenes",
+              "curve_points", "reference", "device")
+
+
+def load_comparison(folder) -> Comparison:
+    """A finished comparison read back from `folder/summary.json` (per-seed numbers, curves, sweeps, meta; the paired
+    differences recomputed from the per-seed numbers, seed intervals only)."""
+    f = Path(folder) / "summary.json"
+    if not f.is_file():
+        raise ValueError(f"{folder}: no summary.json (not a finished comparison)")
+    try:
+        d = json.loads(f.read_text())
+        per_seed = {int(s): res for s, res in d["per_seed"].items()}
+        meta = dict(d["meta"], folder=str(folder))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{f}: not a comparison's summary ({type(e).__name__}: {e})") from None
+    return Comparison(per_seed, d.get("curves", {}), d.get("summary", {}),
+                      paired_stats(per_seed, meta.get("reference", REFERENCE)), d.get("sweeps", {}), meta)
+
+
+def merge_comparisons(cmps: list[Comparison]) -> Comparison:
+    """One comparison from `cmps`, the same plan (`MERGE_SAME`) over disjoint seeds: per-seed numbers joined (without
+    per-scene shares), means, spreads, paired differences and verdicts recomputed, curves averaged weighted by seeds,
+    the rows of every part (in the order they first appear), `meta['merged_from']` naming each part."""
+    if len(cmps) < 2:
+        raise ValueError(f"merge: need at least 2 comparisons, got {len(cmps)}")
+    first = cmps[0].meta
+    for c in cmps[1:]:
+        for k in MERGE_SAME:
+            if c.meta.get(k) != first.get(k):
+                raise ValueError(f"merge: {k} differs ({first.get(k)!r} in {first.get('folder', 'the first')}, "
+                                 f"{c.meta.get(k)!r} in {c.meta.get('folder', 'another')}): not the same plan")
+    chosen = {}
+    for c in cmps:
+        for n, v in (c.meta.get("chosen") or {}).items():
+            if chosen.setdefault(n, v) != v:
+                raise ValueError(f"merge: row {n} swept to {chosen[n]} in one part and {v} in another: not the same "
+                                 "runs")
+    seeds = [s for c in cmps for s in c.per_seed]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"merge: a seed is in two comparisons (seeds {sorted(seeds)}): each seed may count once")
+    per_seed = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()}
+                for c in cmps for s, res in c.per_seed.items()}
+    per_seed = dict(sorted(per_seed.items()))
+    ref = first.get("reference", REFERENCE)
+    runs = list(dict.fromkeys(n for c in cmps for n in c.meta.get("runs", [])))
+    curves = {}
+    for n in runs:
+        cs = [(sum(n in res for res in c.per_seed.values()), c.curves[n]) for c in cmps if c.curves.get(n)]
+        k = min((len(c) for _, c in cs), default=0)
+        curves[n] = [{key: sum(w * c[i][key] for w, c in cs) / sum(w for w, _ in cs) for key in cs[0][1][i]}
+                     for i in range(k)]
+    parts = [dict(folder=c.meta.get("folder", "this run"), seeds=sorted(c.per_seed), started=c.meta.get("started"),
+                  command=c.meta.get("command"), machine=c.meta.get("machine")) for c in cmps]
+    meta = dict(first, runs=runs, chosen=chosen, seeds=sorted(per_seed),
+                started=min(str(c.meta.get("started")) for c in cmps),
+                seconds=sum(c.meta.get("seconds", 0) for c in cmps),
+                train_seconds=sum(c.meta.get("train_seconds", 0) for c in cmps), merged_from=parts, command=None)
+    meta.pop("folder", None)
+    return Comparison(per_seed, curves, summarize_seeds(per_seed, ref), paired_stats(per_seed, ref),
+                      cmps[0].sweeps, meta)

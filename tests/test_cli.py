@@ -195,6 +195,9 @@ CASES = [
     ("experiments", ["table14", "--seeds", "0", "0", "--out", "{tmp}/exp"], "--seeds"),
     ("experiments", ["anatomy", "--steps", "1", "--out", "{tmp}/exp"], "--steps"),
     ("experiments", ["anatomy", "--seeds", "-1", "--out", "{tmp}/exp"], "--seeds"),
+    ("experiments", ["table6", "--merge", "{tmp}/exp", "--out", "{tmp}/exp"], "--merge"),
+    ("experiments", ["plateau", "--steps", "8", "--rows", "FILIP", "--out", "{tmp}/exp"], "--rows"),
+    ("experiments", ["plateau", "--steps", "8", "--merge", "{tmp}/nowhere", "--out", "{tmp}/exp"], "nowhere"),
 ]
 
 

@@ -32,7 +32,9 @@ from powerclip.train import plot_metrics
 
 # %%
 #| hide
-from fastcore.test import test_close, test_eq
+import tempfile
+
+from fastcore.test import test_close, test_eq, test_fail
 
 # %% [markdown]
 # # The comparison's report
@@ -315,7 +317,9 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
             f"held-out test scenes, pointing on {m['grounding_scenes']}; {m['device']}, {m['machine']['cores']} cores, "
             f"torch {m['machine']['torch']}; started {m['started']}, {m['seconds']} s (training loops of the table's "
             f"runs: {m['train_seconds']} s, sweeps apart)"
-            + (f"; `{m['command']}`" if m.get("command") else ""))
+            + (f"; `{m['command']}`" if m.get("command") else "")
+            + ("; merged from " + ", ".join(f"{x['folder']} (seeds {x['seeds']}, started {x['started']})"
+                                            for x in m["merged_from"]) if m.get("merged_from") else ""))
     ref = m.get("reference", REFERENCE)
     parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t "
              "interval over seeds]; the verdict reads the seed intervals (better/worse only where "
@@ -347,3 +351,131 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
     plot_curves(cmp.curves, out / "curves.png", title=f"mean over seeds {m['seeds']}; T = {m['steps']}")
     if losses:
         plot_metrics(losses, out / "loss_curves.png", title=f"training loss, seed {m['seeds'][0]}")
+
+
+# %% [markdown]
+# ## Seeds run apart, read together
+#
+# A comparison over many seeds is long on a small machine, and a session can end before the last seed does. The seeds
+# of one plan can then run at different times, or on different machines of the same kind, and be read together:
+# `load_comparison` reads a finished comparison back from its `summary.json`, and `merge_comparisons` joins several
+# over disjoint seeds into one. The per-seed numbers are what the seed statistics need, so the means, spreads, paired
+# differences and verdicts are the ones a single run over all the seeds would give; the learning curves are averaged
+# with each comparison weighted by its number of seeds (the same mean of the seeds' curves). What a merge cannot give
+# is the bootstrap over scenes: `summary.json` does not keep the per-scene shares, so a merged report has the seed
+# intervals (the verdict) and leaves the scene column empty.
+#
+# Merging is refused, with one line naming the first field that differs, unless the comparisons are the same plan:
+# the same budget, preset and overrides, held-out scenes and device (`MERGE_SAME`), and the same sweep choice for a
+# swept row both have. The rows may differ (a row left out of a later part, say, for lack of time): a row's numbers
+# are then those of the seeds that ran it, its `seeds` count says how many, and with one seed it gets no verdict. Two
+# comparisons that share a seed are refused too: the same seed twice would count one run as two.
+
+# %%
+#| export
+# what must agree between comparisons read together: the budget and regime, the test scenes, the device
+MERGE_SAME = ("preset", "overrides", "steps", "finetune_steps", "finetune_share", "eval_images", "grounding_scenes",
+              "curve_points", "reference", "device")
+
+
+def load_comparison(folder) -> Comparison:
+    """A finished comparison read back from `folder/summary.json` (per-seed numbers, curves, sweeps, meta; the paired
+    differences recomputed from the per-seed numbers, seed intervals only)."""
+    f = Path(folder) / "summary.json"
+    if not f.is_file():
+        raise ValueError(f"{folder}: no summary.json (not a finished comparison)")
+    try:
+        d = json.loads(f.read_text())
+        per_seed = {int(s): res for s, res in d["per_seed"].items()}
+        meta = dict(d["meta"], folder=str(folder))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{f}: not a comparison's summary ({type(e).__name__}: {e})") from None
+    return Comparison(per_seed, d.get("curves", {}), d.get("summary", {}),
+                      paired_stats(per_seed, meta.get("reference", REFERENCE)), d.get("sweeps", {}), meta)
+
+
+def merge_comparisons(cmps: list[Comparison]) -> Comparison:
+    """One comparison from `cmps`, the same plan (`MERGE_SAME`) over disjoint seeds: per-seed numbers joined (without
+    per-scene shares), means, spreads, paired differences and verdicts recomputed, curves averaged weighted by seeds,
+    the rows of every part (in the order they first appear), `meta['merged_from']` naming each part."""
+    if len(cmps) < 2:
+        raise ValueError(f"merge: need at least 2 comparisons, got {len(cmps)}")
+    first = cmps[0].meta
+    for c in cmps[1:]:
+        for k in MERGE_SAME:
+            if c.meta.get(k) != first.get(k):
+                raise ValueError(f"merge: {k} differs ({first.get(k)!r} in {first.get('folder', 'the first')}, "
+                                 f"{c.meta.get(k)!r} in {c.meta.get('folder', 'another')}): not the same plan")
+    chosen = {}
+    for c in cmps:
+        for n, v in (c.meta.get("chosen") or {}).items():
+            if chosen.setdefault(n, v) != v:
+                raise ValueError(f"merge: row {n} swept to {chosen[n]} in one part and {v} in another: not the same "
+                                 "runs")
+    seeds = [s for c in cmps for s in c.per_seed]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"merge: a seed is in two comparisons (seeds {sorted(seeds)}): each seed may count once")
+    per_seed = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()}
+                for c in cmps for s, res in c.per_seed.items()}
+    per_seed = dict(sorted(per_seed.items()))
+    ref = first.get("reference", REFERENCE)
+    runs = list(dict.fromkeys(n for c in cmps for n in c.meta.get("runs", [])))
+    curves = {}
+    for n in runs:
+        cs = [(sum(n in res for res in c.per_seed.values()), c.curves[n]) for c in cmps if c.curves.get(n)]
+        k = min((len(c) for _, c in cs), default=0)
+        curves[n] = [{key: sum(w * c[i][key] for w, c in cs) / sum(w for w, _ in cs) for key in cs[0][1][i]}
+                     for i in range(k)]
+    parts = [dict(folder=c.meta.get("folder", "this run"), seeds=sorted(c.per_seed), started=c.meta.get("started"),
+                  command=c.meta.get("command"), machine=c.meta.get("machine")) for c in cmps]
+    meta = dict(first, runs=runs, chosen=chosen, seeds=sorted(per_seed),
+                started=min(str(c.meta.get("started")) for c in cmps),
+                seconds=sum(c.meta.get("seconds", 0) for c in cmps),
+                train_seconds=sum(c.meta.get("train_seconds", 0) for c in cmps), merged_from=parts, command=None)
+    meta.pop("folder", None)
+    return Comparison(per_seed, curves, summarize_seeds(per_seed, ref), paired_stats(per_seed, ref),
+                      cmps[0].sweeps, meta)
+
+
+# %% [markdown]
+# Three seeds run as one comparison and as two (seed 0, then seeds 1 and 2) give the same means, spreads and seed
+# intervals; the curves are the mean of the three seeds' curves; plans that differ, or share a seed, are refused.
+
+# %%
+def _cmp(seeds, **meta):
+    ps = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in _ps[s].items()} for s in seeds}
+    curves = {n: [dict(step=10, seconds=1.0, hn_mean=float(np.mean([_ps[s][n]["hn_mean"] for s in seeds])))]
+              for n in ("CLIP", "X")}
+    m = dict(runs=["CLIP", "X"], preset="demo", overrides={}, steps=10, finetune_steps=2, eval_images=200,
+             grounding_scenes=0, curve_points=[1.0], seeds=list(seeds), started=f"day {seeds[0]}", seconds=5,
+             train_seconds=4, device="cpu", machine=dict(cores=2, torch="x"))
+    return Comparison(ps, curves, summarize_seeds(ps), paired_stats(ps), {}, {**m, **meta})
+
+
+_all, _parts = _cmp([0, 1, 2]), [_cmp([0]), _cmp([1, 2])]
+with tempfile.TemporaryDirectory() as _d:
+    for _i, _c in enumerate(_parts):
+        (Path(_d) / f"p{_i}").mkdir()
+        write_outputs(_c, Path(_d) / f"p{_i}")
+    _m = merge_comparisons([load_comparison(Path(_d) / f"p{_i}") for _i in range(2)])
+    write_outputs(_m, _d)
+    assert "merged from" in (Path(_d) / "summary.md").read_text()
+test_eq(_m.meta["seeds"], [0, 1, 2])
+test_eq(_m.meta["train_seconds"], 8)
+for _k in ("hn_mean", "hn_mean_sd"):
+    test_close(_m.summary["X"][_k], _all.summary["X"][_k], eps=1e-9)
+test_close(_m.stats["X"]["hn_mean"]["t"].lo, _all.stats["X"]["hn_mean"]["t"].lo, eps=1e-9)
+test_eq(_m.stats["X"]["hn_mean"]["boot"], None)
+test_close(_m.curves["X"][0]["hn_mean"], _all.curves["X"][0]["hn_mean"], eps=1e-9)
+test_fail(lambda: merge_comparisons([_cmp([0]), _cmp([1]), _cmp([2], steps=20)]), contains="steps differs")
+test_fail(lambda: merge_comparisons([_cmp([0]), _cmp([0, 1])]), contains="a seed is in two")
+test_fail(lambda: merge_comparisons([_cmp([0], chosen={"X": 1.0}), _cmp([1], chosen={"X": 5.0})]), contains="swept")
+# a row that only the first part ran: its numbers from that part's seeds, one seed, no verdict
+_y = _cmp([1, 2])
+_y.per_seed = {s: {"CLIP": r["CLIP"]} for s, r in _y.per_seed.items()}
+_y.meta["runs"], _y.curves = ["CLIP"], {"CLIP": _y.curves["CLIP"]}
+_m2 = merge_comparisons([_cmp([0]), _y])
+test_eq((_m2.meta["runs"], _m2.summary["X"]["seeds"], _m2.summary["CLIP"]["seeds"]), (["CLIP", "X"], 1, 3))
+test_eq(verdicts(_m2.stats)["X"], "one seed: no verdict")
+test_close(_m2.curves["X"][0]["hn_mean"], _ps[0]["X"]["hn_mean"], eps=1e-9)
+test_fail(lambda: load_comparison("/nonexistent"), contains="no summary.json")
