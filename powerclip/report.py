@@ -293,9 +293,10 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
     if len(cmps) < 2:
         raise ValueError(f"merge: need at least 2 comparisons, got {len(cmps)}")
     first = cmps[0].meta
+    plain = lambda v: json.loads(json.dumps(v, default=str))     # as summary.json holds it: a tuple is a list there
     for c in cmps[1:]:
         for k in MERGE_SAME:
-            if c.meta.get(k) != first.get(k):
+            if plain(c.meta.get(k)) != plain(first.get(k)):
                 raise ValueError(f"merge: {k} differs ({first.get(k)!r} in {first.get('folder', 'the first')}, "
                                  f"{c.meta.get(k)!r} in {c.meta.get('folder', 'another')}): not the same plan")
     chosen = {}
