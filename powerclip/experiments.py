@@ -23,14 +23,15 @@ from .methods import powerset_inputs, word_nodes
 from .model import model_geometry
 from .stats import t_interval
 from .eval.world_scores import FOLDER_HEADLINE, HEADLINE
-from .report import Comparison, load_comparison, merge_comparisons, write_outputs
+from .report import Comparison, load_comparison, merge_comparisons, paired_stats, verdicts, write_outputs
 from .train import build_run
 from .world import WorldDataset
 
 # %% auto #0
 __all__ = ['EXPERIMENTS', 'EXPERIMENT_STEPS', 'BUDGET_STEPS', 'PLATEAU_ROWS', 'PLATEAU_METRICS', 'GROUNDING_SCENES',
-           'ANATOMY_KEYS', 'Experiment', 'run_experiment', 'term_gradients', 'loss_anatomy', 'best_cover',
-           'mask_coverage', 'anatomy', 'seed_sd', 'find_plateau', 'budget', 'plateau', 'main']
+           'ANATOMY_KEYS', 'POOLING_PAIRS', 'Experiment', 'run_experiment', 'term_gradients', 'loss_anatomy',
+           'best_cover', 'mask_coverage', 'anatomy', 'seed_sd', 'find_plateau', 'budget', 'pooling_table', 'plateau',
+           'main']
 
 # %% ../nbs/71_experiments.ipynb #edeec095
 @dataclass
@@ -409,6 +410,27 @@ def _write_anatomy(rows: dict, out: Path, steps: int, batches: int) -> None:
                 w.writerows({"row": n, "seed": s, **r} for r in per[s])
 
 
+# each difference the plateau's question splits into: the triplet term within a pooling, the pooling within CLIP
+POOLING_PAIRS = (("PowerCLIP-R", "CLIP"), ("PowerCLIP-R (avg)", "CLIP (avg)"), ("PowerCLIP-gold (avg)", "CLIP (avg)"),
+                 ("CLIP (avg)", "CLIP"))
+
+
+def pooling_table(cmp: Comparison, pairs=POOLING_PAIRS) -> str:
+    """Markdown: each row of `pairs` against its own reference on the same seeds (mean [95 % t interval over seeds])
+    and the verdict; the headline table's differences are all to class-token CLIP."""
+    lines = ["| row | against | seeds | " + " | ".join(f"Δ {v}" for v in HEADLINE.values()) + " | verdict |",
+             "|---|---|---:|" + "---:|" * len(HEADLINE) + "---|"]
+    for a, b in pairs:
+        ps = {s: {k: r[k] for k in (a, b)} for s, r in cmp.per_seed.items() if a in r and b in r}
+        if not ps:
+            continue
+        st = paired_stats(ps, b).get(a, {})
+        lines.append(f"| {a} | {b} | {len(ps)} | "
+                     + " | ".join(st[m]["t"].format() if m in st else "-" for m in HEADLINE)
+                     + f" | {verdicts({a: st}).get(a, '-') if st else '-'} |")
+    return "\n".join(lines)
+
+
 def _check_rows(rows) -> None:
     if any(r not in PLATEAU_ROWS for r in rows) or "CLIP" not in rows:
         raise ValueError(f"--rows: need CLIP and rows of {list(PLATEAU_ROWS)}, got {list(rows)}")
@@ -444,6 +466,8 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
                 anat.setdefault(n, {}).update(per)
     if anat:
         _write_anatomy(anat, plan.out, steps, batches)
+    (plan.out / "pooling.md").write_text(f"# The plateau at T = {steps}, difference by difference (seeds "
+                                         f"{cmp.meta['seeds']})\n\n{pooling_table(cmp)}\n")
     return cmp
 
 # %% ../nbs/71_experiments.ipynb #c8ae463f
@@ -539,6 +563,7 @@ def _main(argv: list[str]) -> int:
             folder = Path(out(n)) / f"T{cmp.meta['steps']}"
             print((folder / "summary.md").read_text())
             print((folder / "anatomy.md").read_text())
+            print((folder / "pooling.md").read_text())
             continue
         run_experiment(n, a.seeds, a.steps or EXPERIMENT_STEPS, out(n), **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")

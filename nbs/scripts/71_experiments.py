@@ -45,7 +45,7 @@ from powerclip.methods import powerset_inputs, word_nodes
 from powerclip.model import model_geometry
 from powerclip.stats import t_interval
 from powerclip.eval.world_scores import FOLDER_HEADLINE, HEADLINE
-from powerclip.report import Comparison, load_comparison, merge_comparisons, write_outputs
+from powerclip.report import Comparison, load_comparison, merge_comparisons, paired_stats, verdicts, write_outputs
 from powerclip.train import build_run
 from powerclip.world import WorldDataset
 
@@ -542,7 +542,8 @@ display(Image(filename=str(_a / "anatomy.png")))
 # `--steps`), paired differences to CLIP with 95 % t intervals, learning curves; and the loss's anatomy (the gradient
 # cosine of the two terms, S-bar's gap to the hardest negative, the share of active hinges) of PowerCLIP-R under each
 # pooling, beside each other. CLIP (avg) is there so that a difference of PowerCLIP-R (avg) to CLIP can be split into
-# what the pooling does and what the triplet term does.
+# what the pooling does and what the triplet term does: `pooling.md` (`pooling_table`) gives each PowerCLIP row against
+# the CLIP of its own pooling, and average-pooled CLIP against class-token CLIP, paired on the same seeds.
 
 # %%
 #| export
@@ -639,6 +640,27 @@ def _write_anatomy(rows: dict, out: Path, steps: int, batches: int) -> None:
                 w.writerows({"row": n, "seed": s, **r} for r in per[s])
 
 
+# each difference the plateau's question splits into: the triplet term within a pooling, the pooling within CLIP
+POOLING_PAIRS = (("PowerCLIP-R", "CLIP"), ("PowerCLIP-R (avg)", "CLIP (avg)"), ("PowerCLIP-gold (avg)", "CLIP (avg)"),
+                 ("CLIP (avg)", "CLIP"))
+
+
+def pooling_table(cmp: Comparison, pairs=POOLING_PAIRS) -> str:
+    """Markdown: each row of `pairs` against its own reference on the same seeds (mean [95 % t interval over seeds])
+    and the verdict; the headline table's differences are all to class-token CLIP."""
+    lines = ["| row | against | seeds | " + " | ".join(f"Δ {v}" for v in HEADLINE.values()) + " | verdict |",
+             "|---|---|---:|" + "---:|" * len(HEADLINE) + "---|"]
+    for a, b in pairs:
+        ps = {s: {k: r[k] for k in (a, b)} for s, r in cmp.per_seed.items() if a in r and b in r}
+        if not ps:
+            continue
+        st = paired_stats(ps, b).get(a, {})
+        lines.append(f"| {a} | {b} | {len(ps)} | "
+                     + " | ".join(st[m]["t"].format() if m in st else "-" for m in HEADLINE)
+                     + f" | {verdicts({a: st}).get(a, '-') if st else '-'} |")
+    return "\n".join(lines)
+
+
 def _check_rows(rows) -> None:
     if any(r not in PLATEAU_ROWS for r in rows) or "CLIP" not in rows:
         raise ValueError(f"--rows: need CLIP and rows of {list(PLATEAU_ROWS)}, got {list(rows)}")
@@ -674,6 +696,8 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
                 anat.setdefault(n, {}).update(per)
     if anat:
         _write_anatomy(anat, plan.out, steps, batches)
+    (plan.out / "pooling.md").write_text(f"# The plateau at T = {steps}, difference by difference (seeds "
+                                         f"{cmp.meta['seeds']})\n\n{pooling_table(cmp)}\n")
     return cmp
 
 
@@ -719,6 +743,10 @@ for _n in PLATEAU_ROWS[1:]:
     test_close(_pm.stats[_n]["t2i_R@1"]["t"].mean, _p.stats[_n]["t2i_R@1"]["t"].mean, eps=1e-9)
     test_close(_pm.summary[_n]["hn_mean_sd"], _p.summary[_n]["hn_mean_sd"], eps=1e-9)
 test_eq(set(_anatomy_csv(_tmp / "plateau" / f"T{_T}" / "anatomy.csv")["PowerCLIP-R (avg)"]), {0, 1})
+# the within-pooling table: PowerCLIP-R (avg) against CLIP (avg), the same as the difference of the two per seed
+_d = [_pm.per_seed[s]["PowerCLIP-R (avg)"]["i2t_R@1"] - _pm.per_seed[s]["CLIP (avg)"]["i2t_R@1"] for s in (0, 1)]
+_row = next(r for r in pooling_table(_pm).splitlines() if r.startswith("| PowerCLIP-R (avg) | CLIP (avg) | 2 |"))
+assert f"{np.mean(_d):+.1f} [" in _row.split("|")[5], _row
 test_fail(lambda: plateau(_T, [0], _tmp / "plateau", merge=[_part], **_kw), contains="a seed is in two")
 test_fail(lambda: plateau(4, [2], _tmp / "plateau", merge=[_part], **_kw), contains="steps differs")
 test_fail(lambda: plateau(_T, [2], _tmp / "plateau", rows=["PowerCLIP-R"], **_kw), contains="--rows")
@@ -895,6 +923,7 @@ def _main(argv: list[str]) -> int:
             folder = Path(out(n)) / f"T{cmp.meta['steps']}"
             print((folder / "summary.md").read_text())
             print((folder / "anatomy.md").read_text())
+            print((folder / "pooling.md").read_text())
             continue
         run_experiment(n, a.seeds, a.steps or EXPERIMENT_STEPS, out(n), **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")
