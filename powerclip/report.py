@@ -122,12 +122,14 @@ def _other(r: dict) -> str:
 def headline_table(summary: dict, stats: dict, base: str = REFERENCE) -> str:
     "Markdown: mean ± sd over seeds, paired difference to `base` [95 % t interval over seeds], verdict, time per step."
     v = verdicts(stats)
+    most = max((r.get("seeds", 0) for r in summary.values()), default=0)
     head = ["run", "regime", *HEADLINE.values(), *(f"Δ {h} vs {base}" for h in HEADLINE.values()),
             "verdict (seed intervals)", f"time/step vs {base}", "other scorer"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (2 * len(HEADLINE)) + "---|---:|---|"]
     for n, r in summary.items():
         d = [stats.get(n, {}).get(m, {}).get("t") for m in HEADLINE]
-        cells = [_label(n, r), r.get("regime", ""), *(_cell(r, m) for m in HEADLINE),
+        few = f" ({r['seeds']} seed{'s' if r['seeds'] > 1 else ''})" if r.get("seeds", most) < most else ""
+        cells = [_label(n, r) + few, r.get("regime", ""), *(_cell(r, m) for m in HEADLINE),
                  *("-" if x is None else x.format() for x in d), v.get(n, "reference" if n == base else "-"),
                  _cell(r, "time_ratio", "{:.2f}") + ("x" if "time_ratio" in r else ""), _other(r)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -270,6 +272,11 @@ MERGE_SAME = ("preset", "overrides", "steps", "finetune_steps", "finetune_share"
               "curve_points", "reference", "device")
 
 
+def _trained_stats(per_seed: dict, ref: str) -> dict:
+    "`paired_stats` of the trained rows (the chance line gets no difference or verdict, as in `run_plan`)."
+    return paired_stats({s: {n: r for n, r in res.items() if n != "untrained"} for s, res in per_seed.items()}, ref)
+
+
 def load_comparison(folder) -> Comparison:
     """A finished comparison read back from `folder/summary.json` (per-seed numbers, curves, sweeps, meta; the paired
     differences recomputed from the per-seed numbers, seed intervals only)."""
@@ -283,7 +290,7 @@ def load_comparison(folder) -> Comparison:
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{f}: not a comparison's summary ({type(e).__name__}: {e})") from None
     return Comparison(per_seed, d.get("curves", {}), d.get("summary", {}),
-                      paired_stats(per_seed, meta.get("reference", REFERENCE)), d.get("sweeps", {}), meta)
+                      _trained_stats(per_seed, meta.get("reference", REFERENCE)), d.get("sweeps", {}), meta)
 
 
 def merge_comparisons(cmps: list[Comparison]) -> Comparison:
@@ -305,6 +312,12 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
             if chosen.setdefault(n, v) != v:
                 raise ValueError(f"merge: row {n} swept to {chosen[n]} in one part and {v} in another: not the same "
                                  "runs")
+    regime = {}
+    for c in cmps:
+        for n, r in ((n, r) for res in c.per_seed.values() for n, r in res.items() if r.get("regime")):
+            if regime.setdefault(n, r["regime"]) != r["regime"]:
+                raise ValueError(f"merge: row {n} is {regime[n]!r} in one part and {r['regime']!r} in another: not "
+                                 "the same runs")
     seeds = [s for c in cmps for s in c.per_seed]
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"merge: a seed is in two comparisons (seeds {sorted(seeds)}): each seed may count once")
@@ -326,5 +339,5 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
                 seconds=sum(c.meta.get("seconds", 0) for c in cmps),
                 train_seconds=sum(c.meta.get("train_seconds", 0) for c in cmps), merged_from=parts, command=None)
     meta.pop("folder", None)
-    return Comparison(per_seed, curves, summarize_seeds(per_seed, ref), paired_stats(per_seed, ref),
+    return Comparison(per_seed, curves, summarize_seeds(per_seed, ref), _trained_stats(per_seed, ref),
                       cmps[0].sweeps, meta)

@@ -198,6 +198,7 @@ CASES = [
     ("experiments", ["table6", "--merge", "{tmp}/exp", "--out", "{tmp}/exp"], "--merge"),
     ("experiments", ["plateau", "--steps", "8", "--rows", "FILIP", "--out", "{tmp}/exp"], "--rows"),
     ("experiments", ["plateau", "--steps", "8", "--merge", "{tmp}/nowhere", "--out", "{tmp}/exp"], "nowhere"),
+    ("experiments", ["plateau", "--merge", "{tmp}/nowhere", "--out", "{tmp}/exp"], "--steps"),
 ]
 
 

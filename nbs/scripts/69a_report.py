@@ -200,12 +200,14 @@ def _other(r: dict) -> str:
 def headline_table(summary: dict, stats: dict, base: str = REFERENCE) -> str:
     "Markdown: mean ± sd over seeds, paired difference to `base` [95 % t interval over seeds], verdict, time per step."
     v = verdicts(stats)
+    most = max((r.get("seeds", 0) for r in summary.values()), default=0)
     head = ["run", "regime", *HEADLINE.values(), *(f"Δ {h} vs {base}" for h in HEADLINE.values()),
             "verdict (seed intervals)", f"time/step vs {base}", "other scorer"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (2 * len(HEADLINE)) + "---|---:|---|"]
     for n, r in summary.items():
         d = [stats.get(n, {}).get(m, {}).get("t") for m in HEADLINE]
-        cells = [_label(n, r), r.get("regime", ""), *(_cell(r, m) for m in HEADLINE),
+        few = f" ({r['seeds']} seed{'s' if r['seeds'] > 1 else ''})" if r.get("seeds", most) < most else ""
+        cells = [_label(n, r) + few, r.get("regime", ""), *(_cell(r, m) for m in HEADLINE),
                  *("-" if x is None else x.format() for x in d), v.get(n, "reference" if n == base else "-"),
                  _cell(r, "time_ratio", "{:.2f}") + ("x" if "time_ratio" in r else ""), _other(r)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -366,9 +368,10 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
 # intervals (the verdict) and leaves the scene column empty.
 #
 # Merging is refused, with one line naming the first field that differs, unless the comparisons are the same plan:
-# the same budget, preset and overrides, held-out scenes and device (`MERGE_SAME`), and the same sweep choice for a
-# swept row both have. The rows may differ (a row left out of a later part, say, for lack of time): a row's numbers
-# are then those of the seeds that ran it, its `seeds` count says how many, and with one seed it gets no verdict. Two
+# the same budget, preset and overrides, held-out scenes and device (`MERGE_SAME`), and the same sweep choice and
+# regime for a row both have. The rows may differ (a row left out of a later part, say, for lack of time): a row's numbers
+# are then those of the seeds that ran it, the table says how many after its name, and with one seed it gets no
+# verdict. Two
 # comparisons that share a seed are refused too: the same seed twice would count one run as two.
 
 # %%
@@ -376,6 +379,11 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
 # what must agree between comparisons read together: the budget and regime, the test scenes, the device
 MERGE_SAME = ("preset", "overrides", "steps", "finetune_steps", "finetune_share", "eval_images", "grounding_scenes",
               "curve_points", "reference", "device")
+
+
+def _trained_stats(per_seed: dict, ref: str) -> dict:
+    "`paired_stats` of the trained rows (the chance line gets no difference or verdict, as in `run_plan`)."
+    return paired_stats({s: {n: r for n, r in res.items() if n != "untrained"} for s, res in per_seed.items()}, ref)
 
 
 def load_comparison(folder) -> Comparison:
@@ -391,7 +399,7 @@ def load_comparison(folder) -> Comparison:
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{f}: not a comparison's summary ({type(e).__name__}: {e})") from None
     return Comparison(per_seed, d.get("curves", {}), d.get("summary", {}),
-                      paired_stats(per_seed, meta.get("reference", REFERENCE)), d.get("sweeps", {}), meta)
+                      _trained_stats(per_seed, meta.get("reference", REFERENCE)), d.get("sweeps", {}), meta)
 
 
 def merge_comparisons(cmps: list[Comparison]) -> Comparison:
@@ -413,6 +421,12 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
             if chosen.setdefault(n, v) != v:
                 raise ValueError(f"merge: row {n} swept to {chosen[n]} in one part and {v} in another: not the same "
                                  "runs")
+    regime = {}
+    for c in cmps:
+        for n, r in ((n, r) for res in c.per_seed.values() for n, r in res.items() if r.get("regime")):
+            if regime.setdefault(n, r["regime"]) != r["regime"]:
+                raise ValueError(f"merge: row {n} is {regime[n]!r} in one part and {r['regime']!r} in another: not "
+                                 "the same runs")
     seeds = [s for c in cmps for s in c.per_seed]
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"merge: a seed is in two comparisons (seeds {sorted(seeds)}): each seed may count once")
@@ -434,7 +448,7 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
                 seconds=sum(c.meta.get("seconds", 0) for c in cmps),
                 train_seconds=sum(c.meta.get("train_seconds", 0) for c in cmps), merged_from=parts, command=None)
     meta.pop("folder", None)
-    return Comparison(per_seed, curves, summarize_seeds(per_seed, ref), paired_stats(per_seed, ref),
+    return Comparison(per_seed, curves, summarize_seeds(per_seed, ref), _trained_stats(per_seed, ref),
                       cmps[0].sweeps, meta)
 
 
@@ -444,13 +458,15 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
 
 # %%
 def _cmp(seeds, **meta):
-    ps = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in _ps[s].items()} for s in seeds}
+    ps = {s: {"untrained": dict(hn_mean=50.0 + s, regime="chance line"),
+              **{n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in _ps[s].items()}} for s in seeds}
     curves = {n: [dict(step=10, seconds=1.0, hn_mean=float(np.mean([_ps[s][n]["hn_mean"] for s in seeds])))]
               for n in ("CLIP", "X")}
     m = dict(runs=["CLIP", "X"], preset="demo", overrides={}, steps=10, finetune_steps=2, eval_images=200,
              grounding_scenes=0, curve_points=[1.0], seeds=list(seeds), started=f"day {seeds[0]}", seconds=5,
              train_seconds=4, device="cpu", machine=dict(cores=2, torch="x"))
-    return Comparison(ps, curves, summarize_seeds(ps), paired_stats(ps), {}, {**m, **meta})
+    trained = {s: {n: r for n, r in res.items() if n != "untrained"} for s, res in ps.items()}
+    return Comparison(ps, curves, summarize_seeds(ps), paired_stats(trained), {}, {**m, **meta})
 
 
 _all, _parts = _cmp([0, 1, 2]), [_cmp([0]), _cmp([1, 2])]
@@ -467,16 +483,21 @@ for _k in ("hn_mean", "hn_mean_sd"):
     test_close(_m.summary["X"][_k], _all.summary["X"][_k], eps=1e-9)
 test_close(_m.stats["X"]["hn_mean"]["t"].lo, _all.stats["X"]["hn_mean"]["t"].lo, eps=1e-9)
 test_eq(_m.stats["X"]["hn_mean"]["boot"], None)
+test_eq(set(_m.stats), {"X"})                      # the chance line: no difference, no verdict
 test_close(_m.curves["X"][0]["hn_mean"], _all.curves["X"][0]["hn_mean"], eps=1e-9)
 test_fail(lambda: merge_comparisons([_cmp([0]), _cmp([1]), _cmp([2], steps=20)]), contains="steps differs")
 test_fail(lambda: merge_comparisons([_cmp([0]), _cmp([0, 1])]), contains="a seed is in two")
 test_fail(lambda: merge_comparisons([_cmp([0], chosen={"X": 1.0}), _cmp([1], chosen={"X": 5.0})]), contains="swept")
 # a row that only the first part ran: its numbers from that part's seeds, one seed, no verdict
 _y = _cmp([1, 2])
-_y.per_seed = {s: {"CLIP": r["CLIP"]} for s, r in _y.per_seed.items()}
+_y.per_seed = {s: {n: r[n] for n in ("untrained", "CLIP")} for s, r in _y.per_seed.items()}
 _y.meta["runs"], _y.curves = ["CLIP"], {"CLIP": _y.curves["CLIP"]}
 _m2 = merge_comparisons([_cmp([0]), _y])
 test_eq((_m2.meta["runs"], _m2.summary["X"]["seeds"], _m2.summary["CLIP"]["seeds"]), (["CLIP", "X"], 1, 3))
 test_eq(verdicts(_m2.stats)["X"], "one seed: no verdict")
+assert "| X [late] (1 seed) |" in headline_table(_m2.summary, _m2.stats)
+_w, _z = _cmp([0]), _cmp([1])
+_w.per_seed[0]["X"]["regime"], _z.per_seed[1]["X"]["regime"] = "pre-train 10", "pre-train 20"
+test_fail(lambda: merge_comparisons([_w, _z]), contains="row X is")
 test_close(_m2.curves["X"][0]["hn_mean"], _ps[0]["X"]["hn_mean"], eps=1e-9)
 test_fail(lambda: load_comparison("/nonexistent"), contains="no summary.json")

@@ -609,8 +609,10 @@ ANATOMY_KEYS = ("all_ratio", "all_cos", "image_cos", "text_cos", "sbar_gap", "hi
 
 
 def _anatomy_csv(path) -> dict:
-    "{row: {seed: [snapshot records]}} from a plateau's `anatomy.csv`."
+    "{row: {seed: [snapshot records]}} from a plateau's `anatomy.csv` ({} when there is none: a comparison's folder)."
     rows = {}
+    if not Path(path).is_file():
+        return rows
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             n, s = r.pop("row"), int(r.pop("seed"))
@@ -666,6 +668,18 @@ def _check_rows(rows) -> None:
         raise ValueError(f"--rows: need CLIP and rows of {list(PLATEAU_ROWS)}, got {list(rows)}")
 
 
+def _merge_parts(plan, merge) -> tuple[list, list]:
+    """The comparisons of the folders `merge` and their anatomy (each part's own seeds only), checked against `plan`
+    (`merge_comparisons`' rules) before anything trains."""
+    parts = [load_comparison(d) for d in merge]
+    extra = [{n: {s: r for s, r in per.items() if s in c.per_seed and n in c.per_seed[s]}
+              for n, per in _anatomy_csv(Path(d) / "anatomy.csv").items()} for c, d in zip(parts, merge)]
+    if parts:
+        ahead = dict(plan.meta, runs=list(plan.runs), chosen={}, device=plan.device, folder=str(plan.out))
+        merge_comparisons([Comparison({s: {} for s in plan.seeds}, {}, {}, {}, {}, ahead), *parts])
+    return parts, extra
+
+
 def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches: int = 4, log=None, merge=(),
             rows=PLATEAU_ROWS, **kw) -> Comparison:
     """The rows `PLATEAU_ROWS` (or those of `rows`, CLIP among them) at T* (`steps`, or the budget's T* from
@@ -680,11 +694,7 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
             raise ValueError(f"--steps: give T, or run `budget` first (no {f})")
         steps = json.loads(f.read_text())["T_star"] or json.loads(f.read_text())["steps"][-1]
     plan = make_plan({n: RUNS[n] for n in PLATEAU_ROWS if n in rows}, seeds, steps, root / f"T{steps}", log=log, **kw)
-    parts = [load_comparison(d) for d in merge]      # read and checked before anything trains
-    extra = [_anatomy_csv(Path(d) / "anatomy.csv") for d in merge]
-    if parts:
-        ahead = dict(plan.meta, runs=list(plan.runs), chosen={}, device=plan.device, folder=str(plan.out))
-        merge_comparisons([Comparison({s: {} for s in plan.seeds}, {}, {}, {}, {}, ahead), *parts])
+    parts, extra = _merge_parts(plan, merge)
     cmp = run_plan(plan, log)
     anat = {n: {s: loss_anatomy(plan.job(n, s).dir, batches, plan.device) for s in plan.seeds}
             for n in ("PowerCLIP-R", "PowerCLIP-R (avg)") if n in plan.runs}
@@ -694,6 +704,8 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
         for e in extra:
             for n, per in e.items():
                 anat.setdefault(n, {}).update(per)
+    for f in ("anatomy.md", "anatomy.csv"):       # an earlier run's, which this one would seem to have written
+        (plan.out / f).unlink(missing_ok=True)
     if anat:
         _write_anatomy(anat, plan.out, steps, batches)
     (plan.out / "pooling.md").write_text(f"# The plateau at T = {steps}, difference by difference (seeds "
@@ -892,13 +904,14 @@ def _main(argv: list[str]) -> int:
                 continue
             if n == "plateau":
                 _check_rows(a.rows)
-                for d in a.merge:
-                    load_comparison(d)
                 if a.steps is None and "budget" not in names and not (Path(out(n)) / "budget.json").is_file():
                     raise ValueError(f"--steps: give T, or run budget first (no {Path(out(n)) / 'budget.json'})")
+                if a.merge and a.steps is None:
+                    raise ValueError("--merge: give --steps, the T of the folders merged")
                 if a.steps is not None:
-                    make_plan({r: RUNS[r] for r in PLATEAU_ROWS if r in a.rows}, a.seeds, a.steps,
-                              Path(out(n)) / f"T{a.steps}", log=lambda m: None, grounding_scenes=ground(n), **kw)
+                    p = make_plan({r: RUNS[r] for r in PLATEAU_ROWS if r in a.rows}, a.seeds, a.steps,
+                                  Path(out(n)) / f"T{a.steps}", log=lambda m: None, grounding_scenes=ground(n), **kw)
+                    _merge_parts(p, a.merge)
                 continue
             rows = {"PowerCLIP-R": RUNS["PowerCLIP-R"]} if n == "anatomy" else EXPERIMENTS[n].rows
             ref = "PowerCLIP-R" if n == "anatomy" else EXPERIMENTS[n].reference
@@ -922,8 +935,9 @@ def _main(argv: list[str]) -> int:
             cmp = plateau(a.steps, a.seeds, out(n), merge=a.merge, rows=a.rows, **kw)
             folder = Path(out(n)) / f"T{cmp.meta['steps']}"
             print((folder / "summary.md").read_text())
-            print((folder / "anatomy.md").read_text())
-            print((folder / "pooling.md").read_text())
+            for f in ("anatomy.md", "pooling.md"):
+                if (folder / f).is_file():
+                    print((folder / f).read_text())
             continue
         run_experiment(n, a.seeds, a.steps or EXPERIMENT_STEPS, out(n), **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")
