@@ -239,7 +239,7 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
              "interval over seeds]; the verdict reads the seed intervals (better/worse only where "
              "the interval excludes 0).", "",
              headline_table(cmp.summary, cmp.stats, ref)]
-    if cmp.stats:
+    if any(x.get("boot") is not None for by in cmp.stats.values() for x in by.values()):   # none after a merge
         parts += ["", f"Paired differences to {ref} with the 95 % bootstrap interval over held-out scenes (test-set "
                             "sampling only; not the verdict):", "", bootstrap_table(cmp.stats, ref)]
     parts += ["", "Every hard-negative kind, R@5, IoU of the pointing maps, training seconds:", "",

@@ -327,7 +327,7 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
              "interval over seeds]; the verdict reads the seed intervals (better/worse only where "
              "the interval excludes 0).", "",
              headline_table(cmp.summary, cmp.stats, ref)]
-    if cmp.stats:
+    if any(x.get("boot") is not None for by in cmp.stats.values() for x in by.values()):   # none after a merge
         parts += ["", f"Paired differences to {ref} with the 95 % bootstrap interval over held-out scenes (test-set "
                             "sampling only; not the verdict):", "", bootstrap_table(cmp.stats, ref)]
     parts += ["", "Every hard-negative kind, R@5, IoU of the pointing maps, training seconds:", "",
@@ -477,6 +477,7 @@ with tempfile.TemporaryDirectory() as _d:
     _m = merge_comparisons([load_comparison(Path(_d) / f"p{_i}") for _i in range(2)])
     write_outputs(_m, _d)
     assert "merged from" in (Path(_d) / "summary.md").read_text()
+    assert "bootstrap" not in (Path(_d) / "summary.md").read_text()        # no per-scene shares after a merge
 test_eq(_m.meta["seeds"], [0, 1, 2])
 test_eq(_m.meta["train_seconds"], 8)
 for _k in ("hn_mean", "hn_mean_sd"):
