@@ -886,8 +886,12 @@ else:
 #   intervals ($t_{0.975,2} = 4.30$), so a difference of a few points would go unseen.
 # - **PowerCLIP as its authors built it** (average pooling): PowerCLIP-R (avg) is worse than CLIP on all three global
 #   numbers at T = 150 (i2t R@1 -28.1 [-53.3, -2.9]) and unstable across seeds (sd 10.9); PowerCLIP-gold (avg) is level
-#   with CLIP (avg). The budget matters more than the pooling: at T = 1,600 (`71_experiments`, "What the budget and
-#   the plateau measured", one seed so far) every PowerCLIP row is within a few points of CLIP.
+#   with CLIP (avg). The budget matters more than the pooling: at T = 1,600, where CLIP's retrieval has nearly stopped
+#   rising (`71_experiments`, "What the budget and the plateau measured", 3 seeds), the early gap is gone and
+#   **PowerCLIP does not beat CLIP with either pooling**: the triplet term's effect on HN mean, i2t and t2i R@1 is
+#   +0.3 [-4.2, +4.7], -0.4 [-7.2, +6.5], -0.4 [-4.3, +3.4] with class-token pooling and +1.4 [-0.2, +3.1],
+#   -2.8 [-9.2, +3.7], +0.3 [-5.1, +5.7] with average pooling (each PowerCLIP-R against the CLIP of its own
+#   pooling). What the term does change is pointing under class-token pooling (+29.7 [+13.7, +45.7]).
 # - **Regions (the paper's Table 15 claim, without a detector).** Pooled region top-1 moves with the *pooling*, not
 #   with the triplet term: every average-pooled row is far above CLIP (CLIP (avg) +10.0 [+4.3, +15.6], PowerCLIP-R
 #   (avg) +9.0 [+6.7, +11.2]), and PowerCLIP-R (avg) against CLIP (avg), from the per-seed numbers, is -1.0 [-4.7, +2.7]
@@ -897,8 +901,9 @@ else:
 #   (the reader splits OV-COCO's 48/17 classes on COCO-format files; `61a_eval_region_data`).
 # - **Pointing and regions disagree.** The average-pooled rows point at the background (CLIP (avg) 0.9 %, -19.2 [-30.5,
 #   -7.9] against CLIP; `67_heatmaps`: their maps' hottest patch is off every object), while their pooled regions name
-#   objects best. PowerCLIP-R (avg) is the exception at T = 150 (pointing 40.2 ± 14.9), but not at T = 1,600 (1.0 on
-#   seed 0). A one-patch map against a sentence embedding and a region's mean against a class prompt are one
+#   objects best. PowerCLIP-R (avg) is the exception at T = 150 (pointing 40.2 ± 14.9), but not at T = 1,600 (1.0 ±
+#   1.0 over 3 seeds). At T = 1,600 the region claim still follows the pooling: PowerCLIP-R (avg) against CLIP (avg)
+#   +0.9 [-2.0, +3.8], CLIP (avg) against CLIP +12.7 [-0.8, +26.2]. A one-patch map against a sentence embedding and a region's mean against a class prompt are one
 #   computation at two sizes of region, read against different texts; they need not agree.
 # - **The fixed rows.** A-CLIP with one view, no colour augmentation and its EMA horizon rescaled to the paper's share
 #   of the run (`momentum_steps` 90,000) is now a working model (i2t R@1 28.0 ± 2.0, was 1.6 with the 150-step EMA),
