@@ -23,7 +23,7 @@ from .eval.world_scores import FOLDER_HEADLINE, HEADLINE, REGION_HEADLINE, evalu
 from .measure import run_isolated
 from .methods import method_config
 from .model import model_geometry
-from .report import REFERENCE, Comparison, paired_stats, summarize_seeds, write_outputs
+from .report import REFERENCE, Comparison, summarize_seeds, trained_stats, write_outputs
 from .train import read_metrics, train
 from .world import WorldConfig
 
@@ -441,8 +441,7 @@ def run_plan(plan: Plan, log=None) -> Comparison:
     curves = {n: _mean_curve(c) for n, c in seed_curves.items()}
     ref = plan.meta.get("reference", REFERENCE)
     summary = summarize_seeds(per_seed, ref)
-    stats = paired_stats({s: {n: r for n, r in res.items() if n != "untrained"} for s, res in per_seed.items()}, ref) \
-        if ref in plan.runs else {}
+    stats = trained_stats(per_seed, ref) if ref in plan.runs else {}
     meta = dict(plan.meta, runs=list(plan.runs), chosen={n: float(v) for n, v in chosen.items()}, started=started,
                 seconds=round(time.time() - t0), train_seconds=round(train_s), device=plan.device,
                 machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),

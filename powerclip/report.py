@@ -18,7 +18,7 @@ from .train import plot_metrics
 # %% auto #0
 __all__ = ['REFERENCE', 'MERGE_SAME', 'Comparison', 'summarize_seeds', 'paired_stats', 'verdicts', 'headline_table',
            'bootstrap_table', 'kinds_table', 'sweep_table', 'plot_curves', 'summary_rows', 'write_outputs',
-           'load_comparison', 'merge_comparisons']
+           'trained_stats', 'load_comparison', 'merge_comparisons']
 
 # %% ../nbs/69a_report.ipynb #0d143fcf
 # the row every paired difference is taken to, same seed, unless a plan names another (`71_experiments`)
@@ -272,8 +272,8 @@ MERGE_SAME = ("preset", "overrides", "steps", "finetune_steps", "finetune_share"
               "curve_points", "reference", "device")
 
 
-def _trained_stats(per_seed: dict, ref: str) -> dict:
-    "`paired_stats` of the trained rows (the chance line gets no difference or verdict, as in `run_plan`)."
+def trained_stats(per_seed: dict, ref: str) -> dict:
+    "`paired_stats` of the trained rows: the chance line (`untrained`) gets no difference or verdict."
     return paired_stats({s: {n: r for n, r in res.items() if n != "untrained"} for s, res in per_seed.items()}, ref)
 
 
@@ -290,7 +290,7 @@ def load_comparison(folder) -> Comparison:
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{f}: not a comparison's summary ({type(e).__name__}: {e})") from None
     return Comparison(per_seed, d.get("curves", {}), d.get("summary", {}),
-                      _trained_stats(per_seed, meta.get("reference", REFERENCE)), d.get("sweeps", {}), meta)
+                      trained_stats(per_seed, meta.get("reference", REFERENCE)), d.get("sweeps", {}), meta)
 
 
 def merge_comparisons(cmps: list[Comparison]) -> Comparison:
@@ -339,5 +339,5 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
                 seconds=sum(c.meta.get("seconds", 0) for c in cmps),
                 train_seconds=sum(c.meta.get("train_seconds", 0) for c in cmps), merged_from=parts, command=None)
     meta.pop("folder", None)
-    return Comparison(per_seed, curves, summarize_seeds(per_seed, ref), _trained_stats(per_seed, ref),
+    return Comparison(per_seed, curves, summarize_seeds(per_seed, ref), trained_stats(per_seed, ref),
                       cmps[0].sweeps, meta)

@@ -38,7 +38,7 @@ from powerclip.eval.world_scores import FOLDER_HEADLINE, HEADLINE, REGION_HEADLI
 from powerclip.measure import run_isolated
 from powerclip.methods import method_config
 from powerclip.model import model_geometry
-from powerclip.report import REFERENCE, Comparison, paired_stats, summarize_seeds, write_outputs
+from powerclip.report import REFERENCE, Comparison, summarize_seeds, trained_stats, write_outputs
 from powerclip.train import read_metrics, train
 from powerclip.world import WorldConfig
 
@@ -659,8 +659,7 @@ def run_plan(plan: Plan, log=None) -> Comparison:
     curves = {n: _mean_curve(c) for n, c in seed_curves.items()}
     ref = plan.meta.get("reference", REFERENCE)
     summary = summarize_seeds(per_seed, ref)
-    stats = paired_stats({s: {n: r for n, r in res.items() if n != "untrained"} for s, res in per_seed.items()}, ref) \
-        if ref in plan.runs else {}
+    stats = trained_stats(per_seed, ref) if ref in plan.runs else {}
     meta = dict(plan.meta, runs=list(plan.runs), chosen={n: float(v) for n, v in chosen.items()}, started=started,
                 seconds=round(time.time() - t0), train_seconds=round(train_s), device=plan.device,
                 machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
@@ -903,8 +902,9 @@ else:
 #   -7.9] against CLIP; `67_heatmaps`: their maps' hottest patch is off every object), while their pooled regions name
 #   objects best. PowerCLIP-R (avg) is the exception at T = 150 (pointing 40.2 ± 14.9), but not at T = 1,600 (1.0 ±
 #   1.0 over 3 seeds). At T = 1,600 the region claim still follows the pooling: PowerCLIP-R (avg) against CLIP (avg)
-#   +0.9 [-2.0, +3.8], CLIP (avg) against CLIP +12.7 [-0.8, +26.2]. A one-patch map against a sentence embedding and a region's mean against a class prompt are one
-#   computation at two sizes of region, read against different texts; they need not agree.
+#   +0.9 [-2.0, +3.8], CLIP (avg) against CLIP +12.7 [-0.8, +26.2]. A one-patch map against a sentence embedding and
+#   a region's mean against a class prompt are one computation at two sizes of region, read against different texts;
+#   they need not agree.
 # - **The fixed rows.** A-CLIP with one view, no colour augmentation and its EMA horizon rescaled to the paper's share
 #   of the run (`momentum_steps` 90,000) is now a working model (i2t R@1 28.0 ± 2.0, was 1.6 with the 150-step EMA),
 #   still worse than CLIP on retrieval: its masking drops half the patches of each image, at 150 steps. Two views

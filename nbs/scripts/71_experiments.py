@@ -668,6 +668,12 @@ def _check_rows(rows) -> None:
         raise ValueError(f"--rows: need CLIP and rows of {list(PLATEAU_ROWS)}, got {list(rows)}")
 
 
+def _plateau_plan(rows, seeds, steps: int, root: Path, **kw):
+    "The plateau's plan: `rows` (CLIP among `PLATEAU_ROWS`, in their order) at T = `steps`, runs in `root/T{steps}`."
+    _check_rows(rows)
+    return make_plan({n: RUNS[n] for n in PLATEAU_ROWS if n in rows}, seeds, steps, root / f"T{steps}", **kw)
+
+
 def _merge_parts(plan, merge) -> tuple[list, list]:
     """The comparisons of the folders `merge` and their anatomy (each part's own seeds only), checked against `plan`
     (`merge_comparisons`' rules) before anything trains."""
@@ -686,14 +692,13 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
     `out_dir/budget.json`), paired differences to CLIP; runs and `summary.md` in `out_dir/T{T}`, the anatomy of
     PowerCLIP-R under the poolings it has in `anatomy.md` there. `merge`: folders of the same plateau over other seeds
     (their `summary.json` and `anatomy.csv`), read together with these seeds (`merge_comparisons`)."""
-    _check_rows(rows)
     root = _plateau_root(out_dir)
     if steps is None:
         f = root / "budget.json"
         if not f.is_file():
             raise ValueError(f"--steps: give T, or run `budget` first (no {f})")
         steps = json.loads(f.read_text())["T_star"] or json.loads(f.read_text())["steps"][-1]
-    plan = make_plan({n: RUNS[n] for n in PLATEAU_ROWS if n in rows}, seeds, steps, root / f"T{steps}", log=log, **kw)
+    plan = _plateau_plan(rows, seeds, steps, root, log=log, **kw)
     parts, extra = _merge_parts(plan, merge)
     cmp = run_plan(plan, log)
     anat = {n: {s: loss_anatomy(plan.job(n, s).dir, batches, plan.device) for s in plan.seeds}
@@ -930,8 +935,8 @@ def _main(argv: list[str]) -> int:
                 if a.merge and a.steps is None:
                     raise ValueError("--merge: give --steps, the T of the folders merged")
                 if a.steps is not None:
-                    p = make_plan({r: RUNS[r] for r in PLATEAU_ROWS if r in a.rows}, a.seeds, a.steps,
-                                  Path(out(n)) / f"T{a.steps}", log=lambda m: None, grounding_scenes=ground(n), **kw)
+                    p = _plateau_plan(a.rows, a.seeds, a.steps, Path(out(n)), log=lambda m: None,
+                                      grounding_scenes=ground(n), **kw)
                     _merge_parts(p, a.merge)
                 continue
             rows = {"PowerCLIP-R": RUNS["PowerCLIP-R"]} if n == "anatomy" else EXPERIMENTS[n].rows
