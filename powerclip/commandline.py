@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 
 # %% auto #0
-__all__ = ['UsageError', 'debug_requested', 'usage_errors', 'ArgumentParser', 'run_main', 'check_device']
+__all__ = ['KEY_VALUE', 'UsageError', 'debug_requested', 'usage_errors', 'ArgumentParser', 'run_main', 'check_device']
 
 # %% ../nbs/17_commandline.ipynb #dbc276f4
 class UsageError(Exception):
@@ -38,10 +39,34 @@ def usage_errors(*types: type):
         raise UsageError(str(msg).strip().replace("\n", " ")) from e
 
 
+KEY_VALUE = re.compile(r"[A-Za-z_][\w.]*=")    # a config override, `optim.lr=1e-3`
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    "argparse, whose errors (unknown flag, missing or malformed value) are a `UsageError` instead of usage text + exit."
+    """argparse, whose errors (unknown flag, missing or malformed value) are a `UsageError`, not usage text + exit.
+    `key_values=True` (a command whose positionals take `key=value` overrides): an override may follow a flag of
+    several values, `--seeds 0 1 optim.lr=1e-3`, without being read as one of them."""
+    def __init__(self, *args, key_values: bool = False, **kw):
+        super().__init__(*args, **kw)
+        self.key_values = key_values
+
     def error(self, message):
         raise UsageError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(self._key_values_first(args), namespace)
+
+    def _key_values_first(self, args):
+        "`args` with the `key=value` overrides moved to the front (in their order), where only positionals are read."
+        args = sys.argv[1:] if args is None else list(args)
+        if not self.key_values:
+            return args
+        kv, rest = [], []
+        for i, x in enumerate(args):
+            flag = self._option_string_actions.get(args[i - 1]) if i else None
+            takes_it = flag is not None and flag.nargs in (None, "?")    # `--out a=b`: a one-value flag's value
+            (kv if KEY_VALUE.match(x) and not takes_it else rest).append(x)
+        return kv + rest
 
 
 def run_main(main, argv=None, prog: str | None = None) -> int:

@@ -203,12 +203,12 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
               overrides: dict | None = None, finetune_share: float = FINETUNE_SHARE, curve_points=CURVE_POINTS,
               eval_images: int = EVAL_IMAGES, grounding_scenes: int = 0, sweep_seeds=None, device: str | None = None,
               precision: str | None = None, isolate: bool = True, log=None, reference: str = REFERENCE,
-              report_dir=None) -> Plan:
+              report_dir=None, command: str | None = None) -> Plan:
     """Validate and plan a comparison (see above). `runs`: names of `RUNS`, or a dict name -> RunSpec; `steps`: T (None:
     the preset's max_steps); `sweep_seeds`: the seeds of the sweeps (None: the first seed); `reference`: the row every
     paired difference is taken to (CLIP here; an experiment's own reference row in `71_experiments`); `report_dir`:
     where the tables and plots go (default `out_dir`; the runs always go under `out_dir`, so plans sharing it share
-    runs)."""
+    runs); `command`: the command line that asked for it, kept in the summary's meta (a reader can rerun it)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     specs = dict(runs) if isinstance(runs, dict) else {}
     if not isinstance(runs, dict):
@@ -299,7 +299,7 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     meta = dict(preset=preset, overrides=user, steps=T, finetune_steps=F, finetune_share=finetune_share, seeds=seeds,
                 sweep_seeds=sweep_seeds, eval_images=eval_images, grounding_scenes=grounding_scenes,
                 curve_points=list(curve_points), skipped=skipped, reference=reference,
-                report=str(report_dir) if report_dir is not None else None)
+                report=str(report_dir) if report_dir is not None else None, command=command)
     return Plan(specs, skipped, seeds, T, F, jobs, sweep_seeds, out, world, eval_images, grounding_scenes,
                 tuple(curve_points), dev, isolate, meta)
 
@@ -344,7 +344,8 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
              s_per_step=step_seconds(rows, cfg.data.batch_size * s["world_size"]),
              # a process's peak RSS only grows: in-process runs after the first have no peak of their own
              peak_mib=s["peak_mib"] if isolate else float("nan"),
-             final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights))
+             final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights),
+             threads=torch.get_num_threads())     # the spawned process inherits this process's thread count
     rec.write_text(json.dumps(r, indent=1))
     return r
 
@@ -462,8 +463,8 @@ def compare(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/
 
 # %% ../nbs/70_compare.ipynb #fb5c5592
 def _parser() -> ArgumentParser:
-    ap = ArgumentParser(prog="python -m powerclip.compare", description="Train, evaluate and compare "
-                                                                        "methods on the built-in world.")
+    ap = ArgumentParser(prog="python -m powerclip.compare", key_values=True,
+                        description="Train, evaluate and compare methods on the built-in world.")
     ap.add_argument("--runs", nargs="+", default=["demo"], help=f"rows to train, 'demo' ({', '.join(DEMO_RUNS)}) or "
                                                                 f"'all': {', '.join(RUNS)}")
     ap.add_argument("--seeds", nargs="+", type=int, default=None, help="run seeds (default: "
@@ -495,8 +496,6 @@ def _parser() -> ArgumentParser:
 def _main(argv: list[str]) -> int:
     with usage_errors():
         a = _parser().parse_intermixed_args(argv)
-        a.overrides += [r for r in a.runs if "=" in r]                   # key=value pairs right after --runs NAME ...
-        a.runs = [r for r in a.runs if "=" not in r] or ["demo"]
         runs = list(RUNS) if a.runs == ["all"] else list(DEMO_RUNS) if a.runs == ["demo"] else a.runs
         many = a.runs == ["all"] or (a.seeds is not None and len(a.seeds) > 1)
         seeds = a.seeds if a.seeds is not None else (list(COMPARE_SEEDS) if a.runs == ["all"] else [0])
@@ -509,8 +508,8 @@ def _main(argv: list[str]) -> int:
                          a.finetune_share,
                          tuple(a.curve_points), a.eval_images,
                          a.grounding if a.grounding is not None else (GROUNDING_SCENES if many else 0),
-                         a.sweep_seeds, a.device, a.precision, not a.in_process)
-        plan.meta["command"] = shlex.join(["python", "-m", "powerclip.compare", *argv])
+                         a.sweep_seeds, a.device, a.precision, not a.in_process,
+                         command=shlex.join(["python", "-m", "powerclip.compare", *argv]))
     run_plan(plan)
     print((plan.out / "summary.md").read_text())
     return 0

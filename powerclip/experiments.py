@@ -5,7 +5,7 @@
 # %% ../nbs/71_experiments.ipynb #6bf10f00
 from __future__ import annotations
 
-import csv, itertools, json, math, subprocess, sys
+import csv, itertools, json, math, shlex, subprocess, sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -341,6 +341,17 @@ def find_plateau(points: dict, sd: float, metrics=PLATEAU_METRICS) -> int | None
     return next((a for a, b in zip(Ts, Ts[1:]) if all(abs(points[b][m] - points[a][m]) <= sd for m in metrics)), None)
 
 
+def _budget_steps(steps) -> tuple:
+    "The budget's T from `--steps`: none gives `BUDGET_STEPS`, one T gives T, 2T, 4T, several are taken as they are."
+    if not steps:
+        return BUDGET_STEPS
+    if len(steps) == 1:
+        return (steps[0], 2 * steps[0], 4 * steps[0])
+    if any(b != 2 * a for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"--steps: the budget's T must each double the one before, got {steps}")
+    return tuple(steps)
+
+
 def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw) -> dict:
     """CLIP alone at each T of `steps` on the first seed, and at the first T on every seed of `seeds` (the spread); T*
     (`find_plateau`); `budget.md` and `budget.json` in `out_dir` (default runs/plateau), the runs in `out_dir/T{T}`."""
@@ -356,13 +367,15 @@ def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw
     if len(seeds) < 2 or any(np.isnan(v) for v in sd.values()):
         raise ValueError(f"budget: the spread needs at least 2 seeds at T = {steps[0]}, got {seeds}")
     T_star = find_plateau(points, seed_sd(sd))
-    res = dict(steps=list(steps), seeds=seeds, sd=sd, seed_sd=seed_sd(sd), points=points, first=first, T_star=T_star)
+    res = dict(steps=list(steps), seeds=seeds, sd=sd, seed_sd=seed_sd(sd), points=points, first=first, T_star=T_star,
+               command=kw.get("command"))
     root.mkdir(parents=True, exist_ok=True)
     (root / "budget.json").write_text(json.dumps(res, indent=1, default=float))
     head = HEADLINE
     md = [f"# CLIP's budget: seed {seeds[0]} at T = {', '.join(map(str, steps))}; the spread over seeds "
           f"{seeds} at T = {steps[0]}", "",
-          "| T | " + " | ".join(head.values()) + " | moved by doubling T (HN / i2t / t2i) |", "|---:" * 5 + "|---|"]
+          "| T | " + " | ".join(head.values()) + " | moved by doubling T (HN / i2t / t2i) |",
+          "|---:" * (len(head) + 1) + "|---|"]
     for a, b in zip([*steps], [*steps[1:], None]):
         moved = "" if b is None else " / ".join(f"{points[b][m] - points[a][m]:+.1f}" for m in PLATEAU_METRICS)
         md.append(f"| {a} | " + " | ".join(f"{points[a].get(m, float('nan')):.1f}" for m in head) + f" | {moved} |")
@@ -370,7 +383,7 @@ def budget(steps=BUDGET_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, **kw
            + ", ".join(f"{head[m]} {v:.1f}" for m, v in sd.items())
            + f"; pooled over the three (the yardstick of T*): {seed_sd(sd):.2f}",
            "", f"T* = {T_star}" if T_star else f"No T* within {steps[-1]} steps: CLIP still moves by more than a "
-           "seed's sd when its budget doubles"]
+           "seed's sd when its budget doubles"] + (["", f"`{res['command']}`"] if res["command"] else [])
     (root / "budget.md").write_text("\n".join(md) + "\n")
     return res
 
@@ -412,9 +425,10 @@ def _write_anatomy(rows: dict, out: Path, steps: int, batches: int) -> None:
                 w.writerows({"row": n, "seed": s, **r} for r in per[s])
 
 
-# each difference the plateau's question splits into: the triplet term within a pooling, the pooling within CLIP
+# each difference the plateau's question splits into: the triplet term within a pooling, the pooling within CLIP and
+# within PowerCLIP-R
 POOLING_PAIRS = (("PowerCLIP-R", "CLIP"), ("PowerCLIP-R (avg)", "CLIP (avg)"), ("PowerCLIP-gold (avg)", "CLIP (avg)"),
-                 ("CLIP (avg)", "CLIP"))
+                 ("CLIP (avg)", "CLIP"), ("PowerCLIP-R (avg)", "PowerCLIP-R"))
 
 
 def pooling_table(cmp: Comparison, pairs=POOLING_PAIRS) -> str:
@@ -475,6 +489,7 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
             for n in ("PowerCLIP-R", "PowerCLIP-R (avg)") if n in plan.runs}
     if parts:
         cmp = merge_comparisons([cmp, *parts])
+        cmp.meta["command"] = plan.meta["command"]      # the merge itself: this command names the folders it read
         write_outputs(cmp, plan.out)
         for e in extra:
             for n, per in e.items():
@@ -489,16 +504,16 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
 
 # %% ../nbs/71_experiments.ipynb #c8ae463f
 def _parser() -> ArgumentParser:
-    ap = ArgumentParser(prog="python -m powerclip.experiments", description="The paper's "
-                                                                            "ablations on the built-in world.")
+    ap = ArgumentParser(prog="python -m powerclip.experiments", key_values=True,
+                        description="The paper's ablations on the built-in world.")
     ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), "
                     "anatomy (why PowerCLIP-R loses here), budget (where CLIP stops improving), plateau (the "
                     "comparison there, both poolings), or all (every table and fig8); key=value pairs "
                     "among them apply to every run")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(COMPARE_SEEDS))
-    ap.add_argument("--steps", type=int, default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); budget: the "
-                    f"first of three doubling T (default {' '.join(map(str, BUDGET_STEPS))}); "
-                    "plateau: default the budget's T*")
+    ap.add_argument("--steps", type=int, nargs="+", default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); "
+                    "budget: the T to try, each the double of the one before (default "
+                    f"{' '.join(map(str, BUDGET_STEPS))}; one T: T, 2T, 4T); plateau: default the budget's T*")
     ap.add_argument("--out", default=None, help="runs and tables (default runs/experiments; "
                                                 "budget, plateau: runs/plateau)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
@@ -531,36 +546,40 @@ def _main(argv: list[str]) -> int:
         unknown = [n for n in names if n not in EXPERIMENTS and n not in _ALONE]
         if unknown:
             raise ValueError(f"names: unknown experiment(s) {unknown} (known: {known})")
-        if a.steps is not None and a.steps < 2:
+        if a.steps is not None and min(a.steps) < 2:
             raise ValueError(f"--steps: need at least 2 steps, got {a.steps}")
+        if a.steps is not None and len(a.steps) > 1 and names != ["budget"]:
+            raise ValueError(f"--steps: one T (several only for budget, named alone), got {a.steps}")
+        budget_steps = _budget_steps(a.steps)
+        T = a.steps[0] if a.steps else None
         if (a.merge or a.rows != list(PLATEAU_ROWS)) and names != ["plateau"]:
             raise ValueError(f"--merge, --rows: options of the plateau; name plateau alone, got {names}")
-        kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images)
+        kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images,
+                  command=shlex.join(["python", "-m", "powerclip.experiments", *argv]))
         ground = lambda n: a.grounding if a.grounding is not None else (GROUNDING_SCENES if n in _PLATEAU else 0)
         out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else "runs/experiments")
-        budget_steps = (a.steps, 2 * a.steps, 4 * a.steps) if a.steps else BUDGET_STEPS
         for n in names:                      # every plan validated before the first run trains
             if n == "fig9":
                 continue
             if n == "budget":
-                for T in budget_steps:
-                    make_plan({"CLIP": RUNS["CLIP"]}, a.seeds, T, Path(out(n)) / f"T{T}", log=lambda m: None,
+                for Tb in budget_steps:
+                    make_plan({"CLIP": RUNS["CLIP"]}, a.seeds, Tb, Path(out(n)) / f"T{Tb}", log=lambda m: None,
                               grounding_scenes=ground(n), **kw)
                 continue
             if n == "plateau":
                 _check_rows(a.rows)
-                if a.steps is None and "budget" not in names and not (Path(out(n)) / "budget.json").is_file():
+                if T is None and "budget" not in names and not (Path(out(n)) / "budget.json").is_file():
                     raise ValueError(f"--steps: give T, or run budget first (no {Path(out(n)) / 'budget.json'})")
-                if a.merge and a.steps is None:
+                if a.merge and T is None:
                     raise ValueError("--merge: give --steps, the T of the folders merged")
-                if a.steps is not None:
-                    p = _plateau_plan(a.rows, a.seeds, a.steps, Path(out(n)), log=lambda m: None,
+                if T is not None:
+                    p = _plateau_plan(a.rows, a.seeds, T, Path(out(n)), log=lambda m: None,
                                       grounding_scenes=ground(n), **kw)
                     _merge_parts(p, a.merge)
                 continue
             rows = {"PowerCLIP-R": RUNS["PowerCLIP-R"]} if n == "anatomy" else EXPERIMENTS[n].rows
             ref = "PowerCLIP-R" if n == "anatomy" else EXPERIMENTS[n].reference
-            make_plan(rows, a.seeds, a.steps or EXPERIMENT_STEPS, out(n), reference=ref, log=lambda m: None,
+            make_plan(rows, a.seeds, T or EXPERIMENT_STEPS, out(n), reference=ref, log=lambda m: None,
                       grounding_scenes=ground(n), **kw)
     for n in names:
         kw["grounding_scenes"] = ground(n)
@@ -569,7 +588,7 @@ def _main(argv: list[str]) -> int:
             subprocess.run([sys.executable, str(bench)], check=True)
             continue
         if n == "anatomy":
-            anatomy(a.seeds, a.steps or EXPERIMENT_STEPS, out(n), **kw)
+            anatomy(a.seeds, T or EXPERIMENT_STEPS, out(n), **kw)
             print((_out(n, out(n)) / "anatomy.md").read_text())
             continue
         if n == "budget":
@@ -577,14 +596,14 @@ def _main(argv: list[str]) -> int:
             print((Path(out(n)) / "budget.md").read_text())
             continue
         if n == "plateau":
-            cmp = plateau(a.steps, a.seeds, out(n), merge=a.merge, rows=a.rows, **kw)
+            cmp = plateau(T, a.seeds, out(n), merge=a.merge, rows=a.rows, **kw)
             folder = Path(out(n)) / f"T{cmp.meta['steps']}"
             print((folder / "summary.md").read_text())
             for f in ("anatomy.md", "pooling.md"):
                 if (folder / f).is_file():
                     print((folder / f).read_text())
             continue
-        run_experiment(n, a.seeds, a.steps or EXPERIMENT_STEPS, out(n), **kw)
+        run_experiment(n, a.seeds, T or EXPERIMENT_STEPS, out(n), **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")
         print((_out(n, out(n)) / "summary.md").read_text())
     return 0

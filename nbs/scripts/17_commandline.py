@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 
 # %%
@@ -59,6 +60,12 @@ from fastcore.test import test_eq, test_fail
 # `ValueError`, `TypeError`, `KeyError` and `FileNotFoundError` become `UsageError`s), `ArgumentParser` (argparse's
 # own errors, an unknown flag or a missing value, as one line too) and `run_main` (calls a command's main and turns a
 # `UsageError` into the line and the exit status).
+#
+# **Overrides after a list.** The training commands take config overrides as `key=value` positionals, anywhere on the
+# line. argparse gives a flag of several values (`--seeds 0 1`, `--merge DIR ...`) every word up to the next flag, so
+# `--seeds 0 1 progress=false` would read `progress=false` as a seed. With `key_values=True` the parser moves each
+# `key=value` word to the front first, where only positionals are read; a word right after a one-value flag stays
+# that flag's value (`--out lr=1e-3` is a folder). A path with a `/` is never taken for an override (`./lr=1e-3`).
 
 # %%
 #| export
@@ -86,10 +93,34 @@ def usage_errors(*types: type):
         raise UsageError(str(msg).strip().replace("\n", " ")) from e
 
 
+KEY_VALUE = re.compile(r"[A-Za-z_][\w.]*=")    # a config override, `optim.lr=1e-3`
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    "argparse, whose errors (unknown flag, missing or malformed value) are a `UsageError` instead of usage text + exit."
+    """argparse, whose errors (unknown flag, missing or malformed value) are a `UsageError`, not usage text + exit.
+    `key_values=True` (a command whose positionals take `key=value` overrides): an override may follow a flag of
+    several values, `--seeds 0 1 optim.lr=1e-3`, without being read as one of them."""
+    def __init__(self, *args, key_values: bool = False, **kw):
+        super().__init__(*args, **kw)
+        self.key_values = key_values
+
     def error(self, message):
         raise UsageError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(self._key_values_first(args), namespace)
+
+    def _key_values_first(self, args):
+        "`args` with the `key=value` overrides moved to the front (in their order), where only positionals are read."
+        args = sys.argv[1:] if args is None else list(args)
+        if not self.key_values:
+            return args
+        kv, rest = [], []
+        for i, x in enumerate(args):
+            flag = self._option_string_actions.get(args[i - 1]) if i else None
+            takes_it = flag is not None and flag.nargs in (None, "?")    # `--out a=b`: a one-value flag's value
+            (kv if KEY_VALUE.match(x) and not takes_it else rest).append(x)
+        return kv + rest
 
 
 def run_main(main, argv=None, prog: str | None = None) -> int:
@@ -173,6 +204,21 @@ try:
         raise KeyError("unknown method 'x'; registered: ['clip']")
 except UsageError as e:
     test_eq(str(e), "unknown method 'x'; registered: ['clip']")   # no repr quotes
+# `key=value` after a flag of several values is an override, not one of its values; after a one-value flag it is
+# that flag's value (a folder may have "=" in its name)
+_kv = ArgumentParser(prog="toy", key_values=True)
+_kv.add_argument("--seeds", nargs="+", type=int)
+_kv.add_argument("--out")
+_kv.add_argument("overrides", nargs="*")
+_a = _kv.parse_intermixed_args(["--seeds", "0", "1", "optim.lr=1e-3", "--out", "a=b", "progress=false"])
+test_eq((_a.seeds, _a.out, _a.overrides), ([0, 1], "a=b", ["optim.lr=1e-3", "progress=false"]))
+_kv.add_argument("--merge", nargs="+")
+_a = _kv.parse_args(["x=1", "--seeds", "2", "--merge", "a", "./z=3", "y=2"])
+test_eq((_a.seeds, _a.merge, _a.overrides), ([2], ["a", "./z=3"], ["x=1", "y=2"]))   # a path is no override
+_plain = ArgumentParser(prog="toy")                  # without key_values: argparse's reading
+_plain.add_argument("--seeds", nargs="+", type=int)
+_plain.add_argument("overrides", nargs="*")
+test_fail(lambda: _plain.parse_intermixed_args(["--seeds", "0", "x=1"]), contains="invalid int value")
 test_eq(check_device("--device", "cpu"), "cpu")
 test_fail(lambda: check_device("--device", "tpu"), contains="--device: 'tpu' is not a device (cpu, cuda, cuda:N)")
 if not __import__("torch").cuda.is_available():

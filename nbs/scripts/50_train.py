@@ -755,7 +755,8 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
 #| export
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     "Command line -> TrainConfig (a UsageError or a ValueError naming the argument for what cannot work)."
-    ap = ArgumentParser(prog="powerclip-train", description="Train CLIP / PowerCLIP / ... with one trainer.")
+    ap = ArgumentParser(prog="powerclip-train", key_values=True,
+                        description="Train CLIP / PowerCLIP / ... with one trainer.")
     ap.add_argument("--preset", default="demo", help="preset name (powerclip/presets/*.yaml) or a YAML path")
     ap.add_argument("--method", default=None, help="method name (registered in powerclip.methods)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")

@@ -367,12 +367,12 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
               overrides: dict | None = None, finetune_share: float = FINETUNE_SHARE, curve_points=CURVE_POINTS,
               eval_images: int = EVAL_IMAGES, grounding_scenes: int = 0, sweep_seeds=None, device: str | None = None,
               precision: str | None = None, isolate: bool = True, log=None, reference: str = REFERENCE,
-              report_dir=None) -> Plan:
+              report_dir=None, command: str | None = None) -> Plan:
     """Validate and plan a comparison (see above). `runs`: names of `RUNS`, or a dict name -> RunSpec; `steps`: T (None:
     the preset's max_steps); `sweep_seeds`: the seeds of the sweeps (None: the first seed); `reference`: the row every
     paired difference is taken to (CLIP here; an experiment's own reference row in `71_experiments`); `report_dir`:
     where the tables and plots go (default `out_dir`; the runs always go under `out_dir`, so plans sharing it share
-    runs)."""
+    runs); `command`: the command line that asked for it, kept in the summary's meta (a reader can rerun it)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     specs = dict(runs) if isinstance(runs, dict) else {}
     if not isinstance(runs, dict):
@@ -463,7 +463,7 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     meta = dict(preset=preset, overrides=user, steps=T, finetune_steps=F, finetune_share=finetune_share, seeds=seeds,
                 sweep_seeds=sweep_seeds, eval_images=eval_images, grounding_scenes=grounding_scenes,
                 curve_points=list(curve_points), skipped=skipped, reference=reference,
-                report=str(report_dir) if report_dir is not None else None)
+                report=str(report_dir) if report_dir is not None else None, command=command)
     return Plan(specs, skipped, seeds, T, F, jobs, sweep_seeds, out, world, eval_images, grounding_scenes,
                 tuple(curve_points), dev, isolate, meta)
 
@@ -503,9 +503,15 @@ test_eq(("A-CLIP" in _q.runs, "A-CLIP" in _q.skipped), (_registered("aclip") is 
 #
 # A job trains in a fresh process (`run_isolated`: its peak memory is its own). When it finishes, `train.json` beside
 # its weights records what the comparison needs of it: its steps, its training seconds (the wall-clock of the loop,
-# across resumes: `snapshot.json` of its last step), its median time per step (the logged rows after the first) and its
-# peak memory. A job whose `train.json` describes the `model.pt` it sits beside is not trained again; one that was
-# killed resumes from its last checkpoint (the trainer's `resume='auto'`).
+# across resumes: `snapshot.json` of its last step), its median time per step (the logged rows after the first), its
+# peak memory and the CPU threads it ran on. A job whose `train.json` describes the `model.pt` it sits beside is not
+# trained again; one that was killed resumes from its last checkpoint (the trainer's `resume='auto'`).
+#
+# The threads are there because a run is bitwise reproducible only at the same thread count: a CPU matrix product
+# splits its sums by thread, and float addition is not associative. CLIP on the demo preset, 30 steps, seed 0, ends at
+# loss 2.37544584 on one thread (`OMP_NUM_THREADS=1`) and 2.37544537 on two; after 1,600 steps the two trainings are
+# different models, about a point apart on the held-out numbers (`71_experiments`, "The budget extended"). A seed
+# rerun to check a result runs on the thread count its `train.json` names.
 
 # %%
 #| export
@@ -549,7 +555,8 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
              s_per_step=step_seconds(rows, cfg.data.batch_size * s["world_size"]),
              # a process's peak RSS only grows: in-process runs after the first have no peak of their own
              peak_mib=s["peak_mib"] if isolate else float("nan"),
-             final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights))
+             final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights),
+             threads=torch.get_num_threads())     # the spawned process inherits this process's thread count
     rec.write_text(json.dumps(r, indent=1))
     return r
 
@@ -696,8 +703,8 @@ def compare(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/
 # %%
 #| export
 def _parser() -> ArgumentParser:
-    ap = ArgumentParser(prog="python -m powerclip.compare", description="Train, evaluate and compare "
-                                                                        "methods on the built-in world.")
+    ap = ArgumentParser(prog="python -m powerclip.compare", key_values=True,
+                        description="Train, evaluate and compare methods on the built-in world.")
     ap.add_argument("--runs", nargs="+", default=["demo"], help=f"rows to train, 'demo' ({', '.join(DEMO_RUNS)}) or "
                                                                 f"'all': {', '.join(RUNS)}")
     ap.add_argument("--seeds", nargs="+", type=int, default=None, help="run seeds (default: "
@@ -729,8 +736,6 @@ def _parser() -> ArgumentParser:
 def _main(argv: list[str]) -> int:
     with usage_errors():
         a = _parser().parse_intermixed_args(argv)
-        a.overrides += [r for r in a.runs if "=" in r]                   # key=value pairs right after --runs NAME ...
-        a.runs = [r for r in a.runs if "=" not in r] or ["demo"]
         runs = list(RUNS) if a.runs == ["all"] else list(DEMO_RUNS) if a.runs == ["demo"] else a.runs
         many = a.runs == ["all"] or (a.seeds is not None and len(a.seeds) > 1)
         seeds = a.seeds if a.seeds is not None else (list(COMPARE_SEEDS) if a.runs == ["all"] else [0])
@@ -743,8 +748,8 @@ def _main(argv: list[str]) -> int:
                          a.finetune_share,
                          tuple(a.curve_points), a.eval_images,
                          a.grounding if a.grounding is not None else (GROUNDING_SCENES if many else 0),
-                         a.sweep_seeds, a.device, a.precision, not a.in_process)
-        plan.meta["command"] = shlex.join(["python", "-m", "powerclip.compare", *argv])
+                         a.sweep_seeds, a.device, a.precision, not a.in_process,
+                         command=shlex.join(["python", "-m", "powerclip.compare", *argv]))
     run_plan(plan)
     print((plan.out / "summary.md").read_text())
     return 0
@@ -780,6 +785,9 @@ for _argv, _msg in ((["--runs", "CLIP", "NoSuch"], "unknown run(s) ['NoSuch']"),
     _rc, _err = _cli(_argv)
     assert _rc == 2 and _err.count("\n") == 1 and _msg in _err, (_argv, _rc, _err)
 print(_err.strip())
+# overrides anywhere on the line, after a list of runs or seeds too (`17_commandline`, "Overrides after a list")
+_a = _parser().parse_intermixed_args(["--runs", "CLIP", "optim.lr=1e-3", "--seeds", "0", "1", "progress=false"])
+test_eq((_a.runs, _a.seeds, _a.overrides), (["CLIP"], [0, 1], ["optim.lr=1e-3", "progress=false"]))
 
 # %% [markdown]
 # ## A miniature comparison
@@ -885,12 +893,13 @@ else:
 #   intervals ($t_{0.975,2} = 4.30$), so a difference of a few points would go unseen.
 # - **PowerCLIP as its authors built it** (average pooling): PowerCLIP-R (avg) is worse than CLIP on all three global
 #   numbers at T = 150 (i2t R@1 -28.1 [-53.3, -2.9]) and unstable across seeds (sd 10.9); PowerCLIP-gold (avg) is level
-#   with CLIP (avg). The budget matters more than the pooling: at T = 1,600, where CLIP's retrieval has nearly stopped
-#   rising (`71_experiments`, "What the budget and the plateau measured", 3 seeds), the early gap is gone and
-#   **PowerCLIP does not beat CLIP with either pooling**: the triplet term's effect on HN mean, i2t and t2i R@1 is
-#   +0.3 [-4.2, +4.7], -0.4 [-7.2, +6.5], -0.4 [-4.3, +3.4] with class-token pooling and +1.4 [-0.2, +3.1],
-#   -2.8 [-9.2, +3.7], +0.3 [-5.1, +5.7] with average pooling (each PowerCLIP-R against the CLIP of its own
-#   pooling). What the term does change is pointing under class-token pooling (+29.7 [+13.7, +45.7]).
+#   with CLIP (avg). The budget matters more than the pooling: at T = 1,600 (3 seeds; `71_experiments`, "What the
+#   budget and the plateau measured") the early gap is gone and **PowerCLIP does not beat CLIP with either
+#   pooling**: the triplet term's effect on HN mean, i2t and t2i R@1 is +0.3 [-4.2, +4.7], -0.4 [-7.2, +6.5], -0.4
+#   [-4.3, +3.4] with class-token pooling and +1.4 [-0.2, +3.1], -2.8 [-9.2, +3.7], +0.3 [-5.1, +5.7] with average
+#   pooling (each PowerCLIP-R against the CLIP of its own pooling). What the term does change is pointing under class-token pooling (+29.7 [+13.7, +45.7]). T = 1,600 is
+#   still short of CLIP's plateau: on seed 0 CLIP gains another +4.7 i2t and +2.4 t2i R@1 from 1,600 to 3,200 steps,
+#   more than a seed's spread, so no budget this CPU affords has found where CLIP stops.
 # - **Regions (the paper's Table 15 claim, without a detector).** Pooled region top-1 moves with the *pooling*, not
 #   with the triplet term: every average-pooled row is far above CLIP (CLIP (avg) +10.0 [+4.3, +15.6], PowerCLIP-R
 #   (avg) +9.0 [+6.7, +11.2]), and PowerCLIP-R (avg) against CLIP (avg), from the per-seed numbers, is -1.0 [-4.7, +2.7]
