@@ -53,8 +53,13 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message)
 
+    # both entry points: Python >= 3.12.8 / 3.13.1 parses intermixed arguments without calling `parse_known_args`
+    # (gh-125355); moving the overrides twice is the same as once
     def parse_known_args(self, args=None, namespace=None):
         return super().parse_known_args(self._key_values_first(args), namespace)
+
+    def parse_known_intermixed_args(self, args=None, namespace=None):
+        return super().parse_known_intermixed_args(self._key_values_first(args), namespace)
 
     def _key_values_first(self, args):
         "`args` with the `key=value` overrides moved to the front (in their order), where only positionals are read."

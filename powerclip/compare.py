@@ -345,7 +345,7 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
              # a process's peak RSS only grows: in-process runs after the first have no peak of their own
              peak_mib=s["peak_mib"] if isolate else float("nan"),
              final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights),
-             threads=torch.get_num_threads())     # the spawned process inherits this process's thread count
+             threads=torch.get_num_threads())     # the spawned process gets the same count from OMP_NUM_THREADS
     rec.write_text(json.dumps(r, indent=1))
     return r
 

@@ -65,7 +65,10 @@ from fastcore.test import test_eq, test_fail
 # line. argparse gives a flag of several values (`--seeds 0 1`, `--merge DIR ...`) every word up to the next flag, so
 # `--seeds 0 1 progress=false` would read `progress=false` as a seed. With `key_values=True` the parser moves each
 # `key=value` word to the front first, where only positionals are read; a word right after a one-value flag stays
-# that flag's value (`--out lr=1e-3` is a folder). A path with a `/` is never taken for an override (`./lr=1e-3`).
+# that flag's value (`--out lr=1e-3` is a folder, given with the flag's full name). A word with a `/` before its first
+# `=` is never taken for an override (`./lr=1e-3`); one like `runs=old/x` after a flag of several values is, so give
+# such a folder as `./runs=old/x`. A name after a flag of several values is read as one of its values too
+# (`--steps 100 table6`): put the names first, as the examples do.
 
 # %%
 #| export
@@ -107,8 +110,13 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message)
 
+    # both entry points: Python >= 3.12.8 / 3.13.1 parses intermixed arguments without calling `parse_known_args`
+    # (gh-125355); moving the overrides twice is the same as once
     def parse_known_args(self, args=None, namespace=None):
         return super().parse_known_args(self._key_values_first(args), namespace)
+
+    def parse_known_intermixed_args(self, args=None, namespace=None):
+        return super().parse_known_intermixed_args(self._key_values_first(args), namespace)
 
     def _key_values_first(self, args):
         "`args` with the `key=value` overrides moved to the front (in their order), where only positionals are read."
@@ -212,6 +220,8 @@ _kv.add_argument("--out")
 _kv.add_argument("overrides", nargs="*")
 _a = _kv.parse_intermixed_args(["--seeds", "0", "1", "optim.lr=1e-3", "--out", "a=b", "progress=false"])
 test_eq((_a.seeds, _a.out, _a.overrides), ([0, 1], "a=b", ["optim.lr=1e-3", "progress=false"]))
+_a, _rest = _kv.parse_known_intermixed_args(["--seeds", "0", "x=1"])     # the entry point newer Pythons take alone
+test_eq((_a.seeds, _a.overrides, _rest), ([0], ["x=1"], []))
 _kv.add_argument("--merge", nargs="+")
 _a = _kv.parse_args(["x=1", "--seeds", "2", "--merge", "a", "./z=3", "y=2"])
 test_eq((_a.seeds, _a.merge, _a.overrides), ([2], ["a", "./z=3"], ["x=1", "y=2"]))   # a path is no override

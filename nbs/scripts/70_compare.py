@@ -556,7 +556,7 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
              # a process's peak RSS only grows: in-process runs after the first have no peak of their own
              peak_mib=s["peak_mib"] if isolate else float("nan"),
              final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights),
-             threads=torch.get_num_threads())     # the spawned process inherits this process's thread count
+             threads=torch.get_num_threads())     # the spawned process gets the same count from OMP_NUM_THREADS
     rec.write_text(json.dumps(r, indent=1))
     return r
 
@@ -897,8 +897,8 @@ else:
 #   budget and the plateau measured") the early gap is gone and **PowerCLIP does not beat CLIP with either
 #   pooling**: the triplet term's effect on HN mean, i2t and t2i R@1 is +0.3 [-4.2, +4.7], -0.4 [-7.2, +6.5], -0.4
 #   [-4.3, +3.4] with class-token pooling and +1.4 [-0.2, +3.1], -2.8 [-9.2, +3.7], +0.3 [-5.1, +5.7] with average
-#   pooling (each PowerCLIP-R against the CLIP of its own pooling). What the term does change is pointing under class-token pooling (+29.7 [+13.7, +45.7]). T = 1,600 is
-#   still short of CLIP's plateau: on seed 0 CLIP gains another +4.7 i2t and +2.4 t2i R@1 from 1,600 to 3,200 steps,
+#   pooling (each PowerCLIP-R against the CLIP of its own pooling). What the term does change is pointing under
+#   class-token pooling (+29.7 [+13.7, +45.7]). T = 1,600 is still short of CLIP's plateau: on seed 0 CLIP gains another +4.7 i2t and +2.4 t2i R@1 from 1,600 to 3,200 steps,
 #   more than a seed's spread, so no budget this CPU affords has found where CLIP stops.
 # - **Regions (the paper's Table 15 claim, without a detector).** Pooled region top-1 moves with the *pooling*, not
 #   with the triplet term: every average-pooled row is far above CLIP (CLIP (avg) +10.0 [+4.3, +15.6], PowerCLIP-R

@@ -538,7 +538,9 @@ display(Image(filename=str(_a / "anatomy.png")))
 # (the learning-rate schedule is a cosine over the whole run, so a snapshot of a longer run is not a shorter run), kept
 # under `runs/plateau/T{T}/`. A budget with no T\* is extended by naming the T to try: `budget --steps 1600 3200`
 # takes the spread at 1,600 (the plateau's three seeds, reused where they are already trained) and asks whether
-# doubling 1,600 still moves CLIP.
+# doubling 1,600 still moves CLIP. It writes `budget.json` anew (a later `plateau` without `--steps` then runs at its
+# T\*, or at its last T when there is none) and a CLIP-only `summary.md` into each `T{T}/` it shares with a plateau:
+# give `--steps` to the plateau after an extended budget, and keep the plateau's tables (`benchmarks/results/`).
 #
 # **`plateau`: the comparison at T\*.** CLIP and PowerCLIP-R with class-token pooling, the same two with average
 # pooling, and PowerCLIP-gold with average pooling, over at least 3 seeds at T\* (read from the budget's result, or
@@ -1102,8 +1104,8 @@ test_eq(_seen, [({"data.batch_size": 8}, "python -m powerclip.experiments table1
 #   triplet term costs most, T2R least. "Each component contributes" *does not reproduce* under the authors' pooling
 #   either, at T = 100, the regime where the triplet term's cost is largest; at the plateau the whole term's cost is
 #   gone (PowerCLIP-R (avg) against CLIP (avg) above), and Table 6 there (18 runs at T = 1,600, about 8 hours of
-#   one-thread training) was not run. (Without R2T's i2t difference is the same on all three seeds, 36 of 254 captions, so its t
-#   interval has zero width; the scene bootstrap gives [+10.4, +18.1].)
+#   one-thread training) was not run. (Without R2T's i2t difference is the same on all three seeds, 36 of 254
+#   captions, so its t interval has zero width; the scene bootstrap gives [+10.4, +18.1].)
 # - **Table 7:** M = 5 random boxes are better than M = 10 on t2i R@1 (+12.4 [+5.5, +19.3]; i2t +9.3 [-5.7, +24.4]),
 #   M = 15 shows no difference; superpixels at M = 5 are better than random boxes at 10 (i2t +6.2 [+5.0, +7.3], t2i
 #   +8.1 [+2.5, +13.6]) but at M = 10 and 15 no different; gold masks are better on all three numbers (HN +3.3 [+0.6,
