@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo compare experiments eval-compare theory test check docs sync nbs export bench gpu-check clean-venv
+.PHONY: install demo compare experiments eval-compare theory test check docs sync nbs export bench gpu-check gpu-wheels gpu-offline test-torch-lower clean-venv
 
 install: $(STAMP)
 
@@ -95,6 +95,46 @@ bench: install
 GPU_CHECK ?=
 gpu-check: install
 	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK)
+
+## A GPU node with a preinstalled PyTorch and no network (issue 29). On a machine with the network, `make gpu-wheels`
+## downloads into one folder (WHEELS) the wheels the training and GPU-check path needs beyond what such a node has
+## (constraints-lower.txt, below its "offline wheels" line: open_clip_torch, ftfy, wcwidth, webdataset, braceexpand and
+## what they import), for the node's Python and platform (WHEEL_PY, WHEEL_PLATFORMS); copy that folder and the
+## repository to the node. There `make gpu-offline` installs them with no network into TARGET (never torch,
+## torchvision or numpy: the node's own stay; the repository is read from PYTHONPATH, not installed) and runs the GPU
+## check (default --budget 540: one 10-minute job) into GPU_OUT: summary.md, results.json, the log, to copy back.
+## A second job with the same command continues it. The node's python: make gpu-offline PY=python3.12
+WHEELS ?= runs/gpu_wheels
+WHEEL_PY ?= 3.12
+WHEEL_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+TARGET ?= runs/gpu_site
+GPU_OUT ?= runs/gpu_check_out
+gpu-wheels:
+	mkdir -p $(WHEELS)
+	sed -n '/^# offline wheels/,$$p' constraints-lower.txt | grep -v '^#' | \
+	  xargs $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) --implementation cp \
+	    $(addprefix --platform ,$(WHEEL_PLATFORMS)) -d $(WHEELS)
+	ls $(WHEELS); du -sh $(WHEELS)
+
+gpu-offline:
+	$(PY) -m pip install -q --no-index --no-deps --upgrade --target $(TARGET) $(WHEELS)/*.whl
+	PYTHONPATH=$(CURDIR):$(abspath $(TARGET))$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/gpu_check.py --out $(GPU_OUT) \
+	  $(GPU_CHECK)
+
+## The lower bound, proved: runs/venv-lower gets constraints-lower.txt's stack (torch 2.11, torchvision 0.26, the
+## newest numpy the registry serves; none of spaCy, benepar, sam2, clip_benchmark, nbdev), then a 20-step training of
+## PowerCLIP on the world and every method's step on the simulated CUDA device (tests/test_cuda_dry_run.py). The first
+## run downloads torch 2.11 with its CUDA libraries (4.9 GB installed); about 10 minutes on 2 busy cores.
+LOWER ?= runs/venv-lower
+test-torch-lower: install
+	[ -x $(LOWER)/bin/python ] || $(BIN)/uv venv -q --python $(PY) $(LOWER)
+	$(BIN)/uv pip install -q --python $(LOWER)/bin/python -c constraints-lower.txt -r constraints-lower.txt \
+	  pytest pytest-timeout psutil
+	cd $(CURDIR) && PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -c "import torch, torchvision, numpy; \
+	  print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'numpy', numpy.__version__)"
+	PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -m powerclip.train --preset smoke --method powerclip max_steps=20 \
+	  resume=never out_dir=runs/torch_lower/train20
+	PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -m pytest -q -p no:cacheprovider tests/test_cuda_dry_run.py
 
 ## The paper's ablations on the world (71_experiments): Tables 6, 7, 8, 10, 14, the margin and Fig. 8 (EXP=all), each
 ## writing runs/experiments/NAME/summary.md with paired differences to PowerCLIP-R; EXP=fig9 runs the cost benchmark,

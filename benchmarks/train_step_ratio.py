@@ -14,7 +14,9 @@ that a drift in machine load hits all alike. The time per step is the median ove
         --set model.compile=true
 
 A method may carry options after a colon: `c2lip:base=clip,concept_embedding=encode`; `--set key=value` overrides the
-config of every method (`benchmarks/gpu_check.py` uses it for `torch.compile`). Results: `--out`/train_step_ratio_TAG.*
+config of every method (`benchmarks/gpu_check.py` uses it for `torch.compile`). Results: `--out`/train_step_ratio_TAG.*,
+rewritten after every method (marked partial until the end), so a run that is stopped keeps what it measured; a method
+that fails is listed and the others go on (exit status 1 at the end).
 """
 from __future__ import annotations
 
@@ -76,9 +78,11 @@ def measure(method, a):
         sync(a.device)
         times.append(time.perf_counter() - t0)
     # on a GPU also the whole peak: weights, gradients, AdamW's moments and the prepared batches included
-    total = (torch.cuda.max_memory_allocated(torch.device(a.device)) / 2**20 if a.device.startswith("cuda")
-             else float("nan"))
-    return dict(times=times, peak_mib=mem.mib(), peak_total_mib=total, model=cfg.model.name,
+    cuda = a.device.startswith("cuda")
+    total = torch.cuda.max_memory_allocated(torch.device(a.device)) / 2**20 if cuda else float("nan")
+    # and what the caching allocator held at its peak (what decides an out-of-memory error)
+    reserved = torch.cuda.max_memory_reserved(torch.device(a.device)) / 2**20 if cuda else float("nan")
+    return dict(times=times, peak_mib=mem.mib(), peak_total_mib=total, peak_reserved_mib=reserved, model=cfg.model.name,
                 params=sum(p.numel() for p in run.model.parameters()))
 
 
@@ -111,44 +115,60 @@ def main(argv=None):
             except ValueError as e:
                 raise ValueError(f"--methods {m}: {e}") from None
 
-    res = {m: [] for m in a.methods}
+    res, failed = {m: [] for m in a.methods}, {}
     for r in range(a.rounds):
         for m in a.methods:
+            if m in failed:
+                continue
             out = run_isolated(measure, m, a, threads=os.cpu_count() or 1)
-            if not out["ok"]:
-                print(f"{m}: {out['error']}")
-                return 1
-            res[m].append(out)
-            print(f"round {r} {m:10s} {statistics.median(out['times'])*1e3:9.1f} ms/step  peak "
-                  f"{out['peak_mib']:8.1f} MiB", flush=True)
+            if not out["ok"]:   # say so, keep the others: the results so far are written after every method
+                print(f"{m}: {out['error']}", flush=True)
+                failed[m] = out["error"]
+            else:
+                res[m].append(out)
+                print(f"round {r} {m:10s} {statistics.median(out['times'])*1e3:9.1f} ms/step  peak "
+                      f"{out['peak_mib']:8.1f} MiB", flush=True)
+            write(a, res, failed, done=r == a.rounds - 1 and m == a.methods[-1])
+    return 1 if failed else 0
+
+
+def write(a, res: dict, failed: dict, done: bool) -> None:
+    """The JSON and Markdown results of every method measured so far (`partial` until the last round's last method;
+    a method that failed is listed under `failed`); time and memory against the first method when it is there."""
     base = a.methods[0]
     summary = {}
     for m in a.methods:
+        if not res[m]:
+            continue
         t = statistics.median([x for o in res[m] for x in o["times"]])
-        mem = max(o["peak_mib"] for o in res[m])
-        summary[m] = dict(ms_per_step=t * 1e3, images_per_s=a.batch / t, peak_mib=mem,
-                          peak_total_mib=max(o.get("peak_total_mib", float("nan")) for o in res[m]))
-    for m in a.methods:
-        summary[m]["time_ratio"] = summary[m]["ms_per_step"] / summary[base]["ms_per_step"]
-        summary[m]["mem_ratio"] = summary[m]["peak_mib"] / max(summary[base]["peak_mib"], 1e-9)
-    meta = dict(preset=a.preset, model=res[base][0]["model"], params=res[base][0]["params"], device=a.device,
+        summary[m] = dict(ms_per_step=t * 1e3, images_per_s=a.batch / t, peak_mib=max(o["peak_mib"] for o in res[m]),
+                          peak_total_mib=max(o.get("peak_total_mib", float("nan")) for o in res[m]),
+                          peak_reserved_mib=max(o.get("peak_reserved_mib", float("nan")) for o in res[m]),
+                          rounds=len(res[m]))
+    for m, s in summary.items():
+        if base in summary:
+            s["time_ratio"] = s["ms_per_step"] / summary[base]["ms_per_step"]
+            s["mem_ratio"] = s["peak_mib"] / max(summary[base]["peak_mib"], 1e-9)
+    first = next((o[0] for o in res.values() if o), {})
+    meta = dict(preset=a.preset, model=first.get("model"), params=first.get("params"), device=a.device,
                 gpu=torch.cuda.get_device_name(torch.device(a.device)) if a.device.startswith("cuda") else None,
-                cpu=platform.processor() or platform.machine(),
+                cpu=platform.processor() or platform.machine(), partial=not done, failed=failed,
                 cores=os.cpu_count(), torch=torch.__version__,
                 args={k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()})
     a.out.mkdir(parents=True, exist_ok=True)
     tag = a.tag or f"{a.preset}_{a.device}_B{a.batch}_{a.precision}"
     (a.out / f"train_step_ratio_{tag}.json").write_text(json.dumps(dict(meta=meta, summary=summary), indent=1))
-    lines = [f"# Train step: {meta['model']} ({a.preset} preset), {a.device}, batch {a.batch}, {a.precision}", "",
+    lines = [f"# Train step: {meta['model']} ({a.preset} preset), {a.device}, batch {a.batch}, {a.precision}"
+             + ("" if done else " (partial: still running or stopped)"), "",
              f"| method | ms/step | images/s | peak MiB | time / {base} | memory / {base} |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {m} | {s['ms_per_step']:.1f} | {s['images_per_s']:.1f} | {s['peak_mib']:.1f} | "
-              f"{s['time_ratio']:.2f}x | {s['mem_ratio']:.2f}x |"
+              f"{s.get('time_ratio', float('nan')):.2f}x | {s.get('mem_ratio', float('nan')):.2f}x |"
               for m, s in summary.items()]
+    lines += [f"| {m} | failed: {e[:200]} | | | | |" for m, e in failed.items()]
     (a.out / f"train_step_ratio_{tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
-
+    if done:
+        print("\n".join(lines))
 
 if __name__ == "__main__":
     sys.exit(run_main(main, prog="train_step_ratio.py"))

@@ -18,8 +18,10 @@ from .data import n_streams
 from .dist import DistContext
 
 # %% auto #0
-__all__ = ['CHECKPOINT_KEYS', 'TrainState', 'rng_state', 'set_rng_state', 'seed_all', 'previous_checkpoint', 'save_checkpoint',
-           'export_weights', 'save_snapshot', 'load_checkpoint', 'read_resume', 'resume_position']
+__all__ = ['CHECKPOINT_KEYS', 'RELEASE_CONFIG', 'RELEASE_WEIGHTS', 'RECORDS', 'LAYOUTS', 'TrainState', 'rng_state',
+           'set_rng_state', 'seed_all', 'previous_checkpoint', 'save_checkpoint', 'export_weights', 'save_snapshot',
+           'load_checkpoint', 'read_resume', 'resume_position', 'CheckpointLayoutError', 'CheckpointFiles',
+           'latest_epoch', 'find_weights', 'read_params']
 
 # %% ../nbs/49b_checkpoint.ipynb #6fb99a5e
 @dataclass
@@ -191,3 +193,72 @@ def resume_position(cfg: TrainConfig, ctx: DistContext, ck: dict | None, path: P
         raise UsageError(f"data.workers: {path} was written with {w} worker stream(s); shards are split by worker, so "
                          f"resume with data.workers={w}" + (" (or 0)" if w == 1 else ""))
     return positions[ctx.rank]
+
+# %% ../nbs/49b_checkpoint.ipynb #a8f7159f
+RELEASE_CONFIG = "open_clip_config.json"
+# open_clip's own order of preference in a release folder (`open_clip.factory._find_checkpoint_in_dir`)
+RELEASE_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin",
+                   "open_clip_pytorch_model.pth")
+RECORDS = ("config.yaml", "params.txt", RELEASE_CONFIG)   # what a checkpoint's training is read from, in this order
+LAYOUTS = ("model.pt or checkpoints/last.pt (a powerclip run), open_clip_config.json with open_clip_model.safetensors "
+           "or open_clip_pytorch_model.bin (an open_clip release), checkpoints/epoch_N.pt (an open_clip run)")
+
+
+class CheckpointLayoutError(FileNotFoundError):
+    "A path holding no checkpoint in a known layout."
+
+
+@dataclass
+class CheckpointFiles:
+    weights: Path               # the file holding the weights
+    layout: str                 # 'file' | 'powerclip run' | 'open_clip release' | 'open_clip run'
+    record: Path | None = None  # config.yaml, params.txt or open_clip_config.json: how the weights were trained
+
+
+def latest_epoch(folder) -> Path | None:
+    "`folder/epoch_latest.pt`, else the `epoch_N.pt` of largest N (None when there is none)."
+    folder = Path(folder)
+    if (folder / "epoch_latest.pt").is_file():
+        return folder / "epoch_latest.pt"
+    epochs = [(int(p.stem[6:]), p) for p in folder.glob("epoch_*.pt") if p.stem[6:].isdigit() and p.is_file()]
+    return max(epochs)[1] if epochs else None
+
+
+def _record(weights: Path) -> Path | None:
+    for name in RECORDS:
+        for d in (weights.parent, weights.parent.parent):
+            if (d / name).is_file():
+                return d / name
+    return None
+
+
+def find_weights(path) -> CheckpointFiles:
+    "The weights file and the training record of a checkpoint file or folder (see above); `CheckpointLayoutError`."
+    path = Path(path)
+    if path.is_file():
+        return CheckpointFiles(path, "file", _record(path))
+    if not path.is_dir():
+        raise CheckpointLayoutError(f"{path} does not exist (a checkpoint file, or a folder holding {LAYOUTS})")
+    for f in (path / "model.pt", path / "checkpoints" / "last.pt"):
+        if f.is_file():
+            return CheckpointFiles(f, "powerclip run", _record(f))
+    release = next((path / n for n in RELEASE_WEIGHTS if (path / n).is_file()), None)
+    if (path / RELEASE_CONFIG).is_file() or release is not None:
+        if release is None:
+            raise CheckpointLayoutError(f"{path} has {RELEASE_CONFIG} but no weights beside it "
+                                        f"({' or '.join(RELEASE_WEIGHTS[::2])})")
+        return CheckpointFiles(release, "open_clip release", _record(release))
+    epoch = latest_epoch(path / "checkpoints") or latest_epoch(path)
+    if epoch is not None:
+        return CheckpointFiles(epoch, "open_clip run", _record(epoch))
+    raise CheckpointLayoutError(f"{path} holds no checkpoint in a known layout: {LAYOUTS}")
+
+
+def read_params(path) -> dict[str, str]:
+    "open_clip's `params.txt`: `{key: value}` of its `key: value` lines, values as written."
+    out = {}
+    for line in Path(path).read_text(errors="replace").splitlines():
+        k, sep, v = line.partition(":")
+        if sep and k.strip() and " " not in k.strip():
+            out[k.strip()] = v.strip()
+    return out

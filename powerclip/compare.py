@@ -23,7 +23,7 @@ from .eval.world_scores import FOLDER_HEADLINE, HEADLINE, REGION_HEADLINE, evalu
 from .measure import run_isolated
 from .methods import method_config
 from .model import model_geometry
-from .report import REFERENCE, Comparison, summarize_seeds, trained_stats, write_outputs
+from .report import REFERENCE, Comparison, logged_numbers, summarize_seeds, trained_stats, write_outputs
 from .train import read_metrics, train
 from .world import WorldConfig
 
@@ -419,10 +419,11 @@ def run_plan(plan: Plan, log=None) -> Comparison:
             r = evaluate_folder(job.dir, plan.test_root, plan.world, plan.grounding_scenes, plan.device)
             base = plan.runs[name].base
             offset_s = _snapshot(plan.job(base, seed, chosen), job.start)[1] if base else 0.0
+            rows = read_metrics(job.dir / "metrics.csv")
             res[name] = dict(regime=f"fine-tune {job.cfg.max_steps} from {base}@{job.start}" if base
                              else f"pre-train {job.cfg.max_steps}",
                              **{k: v for k, v in rec.items() if k != "weights_mtime_ns"},
-                             train_s_total=offset_s + rec["train_s"], **r)
+                             train_s_total=offset_s + rec["train_s"], **logged_numbers(rows), **r)
             pts = []
             if base:                                  # the curve starts at the base's snapshot
                 d, s0 = _snapshot(plan.job(base, seed, chosen), job.start)
@@ -433,7 +434,7 @@ def run_plan(plan: Plan, log=None) -> Comparison:
                 pts.append(_curve_point(job.start + step, offset_s + sec, e))
             seed_curves.setdefault(name, []).append(pts)
             if seed == plan.seeds[0]:
-                losses[name] = read_metrics(job.dir / "metrics.csv")
+                losses[name] = rows
         first = plan.job(order[0], seed, chosen).cfg
         lm = load_model(first.model.name, None, seed=derive_seed(seed, "init"), model_kwargs=first.model.kwargs)
         per_seed[seed] = {"untrained": dict(regime="chance line", steps=0, **evaluate_folder(
@@ -448,7 +449,8 @@ def run_plan(plan: Plan, log=None) -> Comparison:
                 machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                              torch=torch.__version__,
                              gpu=torch.cuda.get_device_name() if plan.device.startswith("cuda") else None))
-    cmp = Comparison(per_seed, curves, summary, stats, sweeps, meta)
+    cmp = Comparison(per_seed, curves, summary, stats, sweeps, meta,
+                     {n: dict(zip(plan.seeds, c)) for n, c in seed_curves.items()})
     rep = Path(plan.meta.get("report") or plan.out)
     rep.mkdir(parents=True, exist_ok=True)
     write_outputs(cmp, rep, losses)

@@ -86,6 +86,8 @@ class TrainConfig:
     stop_at: int | None = None         # leave early after this step, with a checkpoint (time-limited jobs); the
                                        # schedule still runs to the full length, and resuming continues it
     global_batch_size: int | None = None  # if set: data.batch_size = global_batch_size / processes
+    accum_steps: int = 1               # micro-batches per process batch (gradient caching, `49c_accum`): the same
+                                       # gradient as the whole batch, with about 1/accum_steps of the activations
     precision: str = "auto"            # 'fp32' | 'bf16' (autocast) | 'auto' (bf16 on GPU, fp32 on CPU) | 'fp64'
                                        # (exactness checks)
     seed: int = 0                      # the run seed: every random stream (init, data order, world scenes, region
@@ -105,13 +107,22 @@ class TrainConfig:
                                        # and the start of a fine-tune from the middle of a run
     start_batch: int = 0               # the first batch is this batch of the run seed's data order (a fine-tune that
                                        # continues its base run's data: the base run's step); the schedule starts at 0
+    eval_every: int | None = None      # every this many steps (and at the last) the main process evaluates the model
+                                       # on eval_data with powerclip-eval's tasks, into metrics.csv and TensorBoard
+                                       # (`50_train`, "Evaluation while training"); None: never
+    eval_data: str | None = None       # the evaluation folder (any powerclip-eval data folder); None: on the world,
+                                       # its held-out test scenes written to out_dir/eval_world; on shards, none
+    eval_tasks: tuple = ()             # powerclip-eval task names, each required in eval_data; (): every task whose
+                                       # data the folder holds
+    eval_images: int = 100             # held-out scenes of the world's default evaluation folder
+    eval_timeout_s: float = 21600.0    # how long the other processes wait for the main process's evaluation
 
     def __post_init__(self):
         # each message starts with the field's name (what the user typed: `precision=fp16`)
         check_precision("precision", self.precision)
         if self.resume not in ("auto", "never") and not str(self.resume).endswith(".pt"):
             raise ValueError(f"resume: must be auto, never or a .pt checkpoint path, got {self.resume!r}")
-        for k in ("epochs", "log_every", "ckpt_every", "max_bad_in_row"):
+        for k in ("epochs", "log_every", "ckpt_every", "max_bad_in_row", "accum_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k}: must be at least 1, got {getattr(self, k)}")
         for k in ("max_steps", "stop_at", "global_batch_size"):
@@ -132,6 +143,14 @@ class TrainConfig:
         if self.start_batch and getattr(self.data, "source", None) == "wds":
             raise ValueError("start_batch: continues a run's data order on the built-in world only; on shards, resume "
                              "the base run's checkpoint")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ValueError(f"eval_every: must be at least 1 or null (no evaluation), got {self.eval_every}")
+        if self.eval_images < 1:
+            raise ValueError(f"eval_images: must be at least 1, got {self.eval_images}")
+        if self.eval_timeout_s <= 0:
+            raise ValueError(f"eval_timeout_s: must be above 0, got {self.eval_timeout_s}")
+        if not all(isinstance(t, str) and t for t in self.eval_tasks):
+            raise ValueError(f"eval_tasks: must be task names, got {list(self.eval_tasks)}")
         if any(int(n) != n or n < 1 for n in self.snapshot_steps):
             raise ValueError(f"snapshot_steps: must be integers of at least 1, got {list(self.snapshot_steps)}")
 

@@ -14,7 +14,7 @@ import torch.distributed as td
 
 # %% auto #0
 __all__ = ['DistContext', 'env_world', 'init_distributed', 'cleanup', 'Gathered', 'pad_dim', 'gather', 'all_sum', 'all_max',
-           'all_mean', 'barrier', 'all_gather_object', 'wrap_ddp']
+           'all_mean', 'barrier', 'all_gather_object', 'wrap_ddp', 'wait_group', 'wait_for_main']
 
 # %% ../nbs/15_dist.ipynb #b9ab5674
 @dataclass
@@ -228,3 +228,17 @@ def wrap_ddp(module: torch.nn.Module, ctx: DistContext, find_unused_parameters: 
     from torch.nn.parallel import DistributedDataParallel
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused_parameters)
+
+# %% ../nbs/15_dist.ipynb #24b1c321
+def wait_group(ctx: DistContext, timeout_s: float):
+    "A gloo group of every process with a timeout of `timeout_s` seconds, for `wait_for_main` (None in one process)."
+    if not ctx.distributed:
+        return None
+    from datetime import timedelta
+    return td.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def wait_for_main(group) -> None:
+    "Every process waits here until all have arrived, under `group`'s own timeout (see above); no-op for None."
+    if group is not None:
+        td.barrier(group=group)

@@ -16,8 +16,8 @@ from .loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 from .powerset import phrase_embeddings, pool_normalize
 
 # %% auto #0
-__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'StepClock', 'PowerCLIPConfig',
-           'PowerCLIP', 'powerset_inputs', 'word_nodes', 'Scorer', 'GlobalScorer']
+__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'StepClock', 'hash_uniform',
+           'PowerCLIPConfig', 'PowerCLIP', 'powerset_inputs', 'word_nodes', 'Scorer', 'GlobalScorer']
 
 # %% ../nbs/40_methods.ipynb #a7a3846c
 @dataclass
@@ -77,6 +77,17 @@ class Method:
 
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    # Gradient accumulation (`accum_steps`, `49c_accum`) re-runs `forward` on each micro-batch and computes `loss` once
+    # on the joined outputs. None: exact for this method; else why not (the trainer refuses accum_steps > 1, one line)
+    accum_obstacle: str | None = None
+
+    def accum_begin(self, model, micro_batches: list[dict], modules=None, dist: DistContext | None = None) -> None:
+        """Before the micro-batches of an accumulated step (no gradient): compute what the forward pass takes from the
+        whole batch (CLIP-PGS-0.3's drop count) and keep it for every micro-batch's `forward`. Default: nothing."""
+
+    def accum_end(self) -> None:
+        "After an accumulated step: forget what `accum_begin` kept. Default: nothing."
 
     def scorers(self, modules=None) -> dict[str, "Scorer"]:
         """How evaluation scores image-text pairs: name -> `Scorer`, the method's own way first (what its paper
@@ -164,6 +175,38 @@ class StepClock:
         "After a training forward pass: one step more, unless the trainer sets the clock."
         if not self._hooked:
             self.step += 1
+
+# %% ../nbs/40_methods.ipynb #e9d785cd
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    "x * c mod 2**32 for x in [0, 2**32) int64, without int64 overflow."
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(keys: torch.Tensor, step: int, seed: int, n: int) -> torch.Tensor:
+    """keys `(C,)` non-negative int64 sample ids -> `(C, n)` float32 uniform in [0, 1), a pure function of
+    (seed, step, key, column): the same on every device, process and batch composition."""
+    if (keys < 0).any():
+        raise ValueError("sample ids must be non-negative")
+    k = keys.long()
+    h = torch.full_like(k, 0)
+    for part in (seed & _M32, seed >> 32, step & _M32, step >> 32):    # fold the scalars in
+        h = _mix32(h ^ part)
+    h = _mix32(h ^ (k & _M32))
+    h = _mix32(h ^ (k >> 32))                # (C,) one stream per sample
+    col = _mix32(torch.arange(n, device=k.device) + 0x9E3779B9)          # (n,)
+    v = _mix32(h[:, None] ^ col[None, :])                                # (C, n)
+    return (v >> 8).float() / float(1 << 24)                             # 24 bits: exact in float32
 
 # %% ../nbs/40_methods.ipynb #e434784b
 @dataclass

@@ -5,14 +5,15 @@
 # %% ../nbs/69_stats.ipynb #6ae08094
 from __future__ import annotations
 
-import math
+import functools, math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats as _st
+from scipy import optimize as _optimize, special as _special, stats as _st
 
 # %% auto #0
-__all__ = ['Interval', 't_interval', 'paired_seeds', 'paired_difference', 'bootstrap_paired']
+__all__ = ['Interval', 't_interval', 'paired_seeds', 'paired_difference', 'detectable_lambda', 'min_detectable',
+           'detectable_difference', 'paired_detectable', 'bootstrap_paired']
 
 # %% ../nbs/69_stats.ipynb #f6eaaeaa
 @dataclass
@@ -30,8 +31,15 @@ class Interval:
         "True when the whole interval is on one side of 0 (NaN bounds: False)."
         return bool(self.lo > 0 or self.hi < 0)
 
+    @property
+    def degenerate(self) -> bool:
+        "True when the interval rests on 2 or more values yet has zero width (no spread among them; see above)."
+        return bool(self.n >= 2 and self.hi - self.lo <= 1e-9 * max(1.0, abs(self.mean)))
+
     def verdict(self, higher_is_better: bool = True) -> str:
-        "'better' | 'worse' | 'no difference shown' for a difference method - reference."
+        "'better' | 'worse' | 'no difference shown' | 'degenerate interval' for a difference method - reference."
+        if self.degenerate:
+            return "degenerate interval"
         if not self.excludes_zero:
             return "no difference shown"
         return "better" if (self.mean > 0) == higher_is_better else "worse"
@@ -71,6 +79,56 @@ def paired_seeds(method: dict, reference: dict) -> tuple[list, np.ndarray]:
 def paired_difference(method: dict, reference: dict, conf: float = 0.95) -> Interval:
     "t interval over seeds of `method[s] - reference[s]` (dicts seed -> value)."
     return t_interval(paired_seeds(method, reference)[1], conf)
+
+# %% ../nbs/69_stats.ipynb #7386a799
+@functools.lru_cache(maxsize=4)
+def _legendre(nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    "Gauss-Legendre nodes and weights on [-1, 1], (nodes,) each (an eigenproblem: computed once)."
+    return np.polynomial.legendre.leggauss(nodes)
+
+
+@functools.lru_cache(maxsize=64)
+def detectable_lambda(n: int, alpha: float = 0.05, power: float = 0.8, nodes: int = 400) -> float:
+    """Noncentrality at which a two-sided t test on `n` paired values (df n - 1) rejects with probability `power`;
+    the power integral over the chi-square's quantile by Gauss-Legendre with `nodes` nodes (see above)."""
+    if n < 2:
+        return math.nan
+    df = n - 1
+    tc = float(_st.t.ppf(1 - alpha / 2, df))
+    x, w = _legendre(nodes)                                   # (nodes,) on [-1, 1]
+    q = (x + 1) / 2                                           # quantiles of V in (0, 1), weights w / 2
+    r = tc * np.sqrt(_special.chdtri(df, 1 - q) / df)         # (nodes,) t_c sqrt(V / df) at those quantiles
+    reject = lambda lam: float((w / 2) @ (_special.ndtr(lam - r) + _special.ndtr(-lam - r)))
+    return float(_optimize.brentq(lambda lam: reject(lam) - power, 0.0, 1e3, xtol=1e-10))
+
+
+def min_detectable(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    "MDD of a paired t test on `n` seeds whose differences have standard deviation `sd` (see above)."
+    return detectable_lambda(n, alpha, power) * float(sd) / math.sqrt(n)
+
+
+def detectable_difference(d, alpha: float = 0.05, power: float = 0.8, conf: float = 0.95) -> Interval:
+    """The MDD estimated from the per-seed differences `d` (1-D, NaNs dropped) with its `conf` interval from the
+    chi-square interval of their sd (method 'mdd'); NaN when fewer than 2 values or no spread among them."""
+    d = np.asarray(d, dtype=np.float64).ravel()
+    d = d[~np.isnan(d)]
+    n = len(d)
+    nan = Interval(math.nan, math.nan, math.nan, n, conf, "mdd")
+    if n < 2:
+        return nan
+    sd = float(d.std(ddof=1))
+    if sd <= 1e-9 * max(1.0, float(np.abs(d).max())):        # no spread: nothing to estimate the power from
+        return nan
+    k = detectable_lambda(n, alpha, power) / math.sqrt(n)
+    df = n - 1
+    lo = sd * math.sqrt(df / float(_st.chi2.ppf((1 + conf) / 2, df)))
+    hi = sd * math.sqrt(df / float(_st.chi2.ppf((1 - conf) / 2, df)))
+    return Interval(k * sd, k * lo, k * hi, n, conf, "mdd")
+
+
+def paired_detectable(method: dict, reference: dict, alpha: float = 0.05, power: float = 0.8) -> Interval:
+    "`detectable_difference` of the paired per-seed differences `method[s] - reference[s]` (dicts seed -> value)."
+    return detectable_difference(paired_seeds(method, reference)[1], alpha, power)
 
 # %% ../nbs/69_stats.ipynb #9875f973
 def bootstrap_paired(method, reference, n_boot: int = 2000, conf: float = 0.95, seed: int = 0,

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from . import dist as pdist
+from .accum import accumulate
 from .checkpoint import (TrainState, export_weights, load_checkpoint, previous_checkpoint, read_resume,
                                   resume_position, rng_state, save_checkpoint, save_snapshot, seed_all, set_rng_state)
 from .commandline import ArgumentParser, check_device, run_main, usage_errors
@@ -21,6 +22,7 @@ from .config import OptimConfig, TrainConfig, load_config, method_options, to_di
 from .data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
                             mix_seed, run_seeds, shard_urls, steps_per_epoch, world_config)
 from .measure import PeakMemory
+from .train_eval import default_evaluator, evaluate_isolated
 from .methods import Method, get_method
 
 # %% auto #0
@@ -125,7 +127,7 @@ def plot_metrics(runs: dict[str, list[dict]] | list[dict], path=None, title: str
     runs = {"": runs} if isinstance(runs, list) else runs
     skip = {"step", "epoch", "lr", "img_per_s", "time", "bad_total", "loss"}
     terms = sorted({k for rows in runs.values() for r in rows for k in r if k not in skip and not k.startswith("_")
-                    and not k.startswith("skipped")})
+                    and not k.startswith(("skipped", "eval/"))})
     panels = ["loss"] + terms + ["lr", "img_per_s"]
     fig = Figure(figsize=(3.2 * len(panels), 2.8))
     axes = fig.subplots(1, len(panels))
@@ -191,13 +193,18 @@ def forward_loss(fwd, method, batch: dict, ctx: pdist.DistContext,
 
 def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: TrainConfig, model) -> dict:
     "Forward, backward, optimiser and scheduler step; a non-finite loss or gradient norm skips the update."
-    loss, terms = forward_loss(fwd, method, batch, ctx, cfg.precision)
+    if cfg.accum_steps > 1:   # k micro-batches, the loss once on their joined outputs (49c_accum)
+        loss, terms, backward = accumulate(fwd, method, batch, ctx, cfg.accum_steps,
+                                           lambda: autocast_for(cfg.precision, ctx.device))
+    else:
+        loss, terms = forward_loss(fwd, method, batch, ctx, cfg.precision)
+        backward = loss.backward
     loss_all = pdist.all_mean(loss.float())
     opt.zero_grad(set_to_none=True)
     ok = bool(torch.isfinite(loss_all))
     gnorm = torch.tensor(float("nan"))
     if ok:
-        loss.backward()
+        backward()
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]  # model + method modules
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
         ok = bool(torch.isfinite(gnorm))  # gradients are all-reduced already: every process agrees
@@ -245,6 +252,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
             raise ValueError(f"global_batch_size: {cfg.global_batch_size} is not divisible by the {G} processes "
                              f"(give a multiple of {G})")
         B = cfg.global_batch_size // G
+    if B % cfg.accum_steps:
+        raise ValueError(f"accum_steps: {B} rows per process do not split into {cfg.accum_steps} equal "
+                         f"micro-batches (give a divisor of {B})")
+    if cfg.accum_steps > 1 and method.accum_obstacle:
+        raise ValueError(f"accum_steps: method {cfg.method!r} cannot accumulate gradients exactly: "
+                         f"{method.accum_obstacle} (use accum_steps=1)")
     pre = cfg.model.pretrained
     if pre == "required":
         raise ValueError(f"model.pretrained: this preset fine-tunes a pretrained {cfg.model.name}: give its weights "
@@ -390,20 +403,24 @@ def _log(msg: str, ctx: pdist.DistContext):
         print(f"[powerclip.train] {msg}", file=sys.stderr, flush=True)
 
 
-def train(cfg: TrainConfig) -> dict:
-    "Run (or resume) a training run; returns a summary dict (run_dir, steps, last metrics, bad steps, seconds)."
+def train(cfg: TrainConfig, evaluate=None) -> dict:
+    """Run (or resume) a training run; returns a summary dict (run_dir, steps, last metrics, bad steps, seconds).
+    `evaluate`: the main process's evaluation every `cfg.eval_every` steps (None: `default_evaluator(cfg)`)."""
     ctx = pdist.init_distributed(cfg.device)
     try:
-        return _train(cfg, ctx)
+        return _train(cfg, ctx, evaluate)
     finally:
         pdist.cleanup(ctx)
 
 
-def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
+def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
     # before the model: a damaged checkpoint is one line
     ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main)
     position = resume_position(cfg, ctx, ck, ck_path)
+    if ctx.is_main and cfg.eval_every and evaluate is None:
+        evaluate = default_evaluator(cfg)   # the evaluation folder checked (the world's written) before the model
     run = build_run(cfg, ctx)
+    waiter = pdist.wait_group(ctx, cfg.eval_timeout_s) if cfg.eval_every else None   # every process, here
     cfg, model, method, modules, opt, sched, total = (run.cfg, run.model, run.method, run.modules, run.opt,
                                                       run.sched, run.total)
     run_dir = Path(cfg.out_dir)
@@ -478,14 +495,21 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                     raise RuntimeError(f"{state.bad_in_row} non-finite steps in a row "
                                        f"(max_bad_in_row={cfg.max_bad_in_row}): aborting at step {state.step}")
             bar.update(1)
-            if state.step % cfg.log_every == 0 or state.step == total:
+            evaluated, due = {}, bool(cfg.eval_every) and (state.step % cfg.eval_every == 0 or state.step == total)
+            if due:
+                t_eval = time.time()
+                evaluated = evaluate_isolated(evaluate, run.fwd, model, modules, state.step) if ctx.is_main else {}
+                pdist.wait_for_main(waiter)
+                dt = time.time() - t_eval     # left out of the training time and the throughput
+                t_start, t_last = t_start + dt, t_last + dt
+            if state.step % cfg.log_every == 0 or state.step == total or due:
                 now = time.time()
                 terms = {k: float(pdist.all_mean(v.float())) for k, v in sorted(out.items())
                          if k not in ("loss", "ok", "lr")}
                 skipped = _skip_columns(loader.skipped(), state.skipped, ctx) if cfg.data.source == "wds" else {}
                 last_row = dict(step=state.step, epoch=state.epoch, lr=out["lr"], loss=float(out["loss"]),
                                 **terms, img_per_s=global_batch * n_since / max(now - t_last, 1e-9),
-                                time=now - t_start, bad_total=state.bad_total, **skipped)
+                                time=now - t_start, bad_total=state.bad_total, **skipped, **evaluated)
                 logger.log(last_row)
                 bar.set_postfix(loss=f"{last_row['loss']:.4f}", img_s=f"{last_row['img_per_s']:.0f}", refresh=False)
                 t_last, n_since = now, 0
@@ -537,7 +561,9 @@ def _main(argv: list[str]) -> int:
     with usage_errors():     # the user's mistakes, found before the model is built: one line (powerclip.commandline)
         cfg = parse_args(argv)
         validate(cfg)
-    summary = train(cfg)
+        # the main process's evaluation folder, checked (the world's written) before the model is built
+        evaluate = default_evaluator(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+    summary = train(cfg, evaluate)
     if int(os.environ.get("RANK", 0)) == 0:
         print(yaml.safe_dump(summary, sort_keys=False))
     return 0

@@ -14,26 +14,35 @@ A `SimCuda` tensor holds a real CPU tensor and says it lives on `cuda:0`. Inside
   dispatch keys, AutocastCUDA among them), so the bf16 path is exercised too;
 * the values are real: the op runs on the CPU tensors, so data-dependent code (`.item()`, `bool(t)`,
   `nonzero`, boolean masks, `.tolist()`) runs as it would on a GPU. This is why the simulation is not
-  `FakeTensorMode`: fake tensors have no values, and half the methods ask their tensors a question.
+  `FakeTensorMode`: fake tensors have no values, and half the methods ask their tensors a question;
+* host syncs are counted with where they came from (`SimStats.scalars`, `d2h`, `sync_sites`: the first frame outside
+  torch), so that a test can bound them per training step (`counted()` counts a section, e.g. `Run.step`);
+* `torch.autocast` regions are tracked: an op on `cuda` whose result is bf16 / fp16 inside a region that the code
+  opened with `enabled=False` but that left CUDA's autocast on (a hard-coded `autocast('cpu', enabled=False)`: float32
+  on the CPU, bf16 on a GPU) is counted in `SimStats.autocast_leaks` with the region's site. Regions torch opens itself
+  (checkpointing restores the CPU's autocast state) are not the code's and are left out.
 
 Backward: autograd's C++ engine cannot run a graph that holds `cuda` tensors without a CUDA driver (it asks the
 driver whether device 0 has a context: "hasPrimaryContext expects a valid device index"). `sim_backward` is a small
 engine in Python instead: it walks the graph from the loss (`grad_fn.next_functions`), calls every node's own
 backward formula (`node(*grads)`, the formulas the C++ engine calls; a custom `autograd.Function`'s `backward`;
 activation checkpointing's recomputation), checks every gradient against the metadata the node recorded
-(`_input_metadata`: dtype and shape, as the engine's `validate_outputs` does, including its cast of dtypes) and
-accumulates the leaves' `.grad`, which must be on the leaf's device. A gradient on the wrong device is caught by the
-first op that meets it with a `cuda` tensor (the next node's formula, the sum with another gradient, the leaf),
-not at the node that made it as the engine would. What it does not do: the engine's CUDA streams
-and events (each node's stream, the synchronisation between streams), its device threads, tensor and node hooks
-(none in this project's training step outside DDP, which is not simulated), reentrant checkpointing.
+(`_input_metadata`: dtype, shape and device, as the engine's `validate_outputs` does, including its cast of dtypes and
+its device rule: a 0-dim gradient on another device than the input's is moved there, any other is "invalid gradient
+... expected device cuda:0 but got cpu") and accumulates the leaves' `.grad`. What it does not do: the engine's CUDA
+streams and events (each node's stream, the synchronisation between streams), its device threads, tensor and node
+hooks (none in this project's training step outside DDP, which is not simulated), reentrant checkpointing.
 
 What `sim_cuda()` changes in the process while it is open, so that code written for a GPU runs on without one:
-`torch.cuda.is_available()` (True), `device_count`, `current_device`, `set_device`, `synchronize`, the memory
-counters (0), `get_device_name`, `is_bf16_supported`; `Tensor.to('cuda')` gets the index 0 (C++ would ask the driver
-for the current device); `Tensor.backward`, `torch.autograd.backward` and `torch.autograd.grad` go to
-`sim_backward`; `module.to()` replaces parameters instead of assigning `.data`; the optimisers' and
-`clip_grad_norm_`'s multi-tensor (foreach) paths accept SimCuda tensors, as they take them on a GPU;
+`torch.cuda`'s queries (`_CUDA_API`: `is_available()` True, `device_count`, `current_device`, `set_device`,
+`synchronize`, the memory counters (0), `get_device_name`, `get_device_capability`, `is_bf16_supported`,
+`is_current_stream_capturing` False), each only where this torch release has it; the optimisers' CUDA-graph capture
+health checks (`Optimizer.*graph_capture_health_check`, whatever a release calls it: torch 2.11's AdamW asks
+`torch.cuda.is_current_stream_capturing()`, which reaches the CUDA runtime) do nothing; no simulated code asks the CUDA
+runtime anything (tests/test_cuda_dry_run.py runs a step with every `torch._C._cuda_*` refusing); `Tensor.to('cuda')`
+gets the index 0 (C++ would ask the driver for the current device); `Tensor.backward`, `torch.autograd.backward` and
+`torch.autograd.grad` go to `sim_backward`; `module.to()` replaces parameters instead of assigning `.data`; the
+optimisers' and `clip_grad_norm_`'s multi-tensor (foreach) paths accept SimCuda tensors, as they take them on a GPU;
 `torch.tensor(..., device='cuda')` is made on the CPU and then moved (as under FakeTensorMode). For the rest of the
 process (on a machine without CUDA only): CUDA's device guard is a no-op (`torch._C._ensureCUDADeviceGuardSet`, what
 FakeTensorMode does), so autograd's per-tensor stream bookkeeping asks no driver. The mode sits in the dispatcher's
@@ -48,7 +57,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import defaultdict
+import os
+import sys
+from collections import Counter, defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -75,9 +86,65 @@ class SimStats:
     scalars: int = 0                   # `.item()` / `bool()` of a cuda tensor (a host sync on a GPU)
     bf16_ops: int = 0                  # ops on cuda with a bfloat16 result (autocast at work)
     op_names: set = dataclasses.field(default_factory=set)
+    # where each host sync came from: 'scalar' / 'd2h' at the first frame outside torch ('path:line in function')
+    sync_sites: Counter = dataclasses.field(default_factory=Counter)
+    # ops on cuda with a bf16 / fp16 result inside a `torch.autocast(..., enabled=False)` that left CUDA's autocast
+    # on (a hard-coded `autocast('cpu', enabled=False)`): (where the region was entered, op) -> count
+    autocast_leaks: Counter = dataclasses.field(default_factory=Counter)
+
+    def add(self, other: SimStats) -> None:
+        "Add `other`'s counts to these (a section's counts back into the run's)."
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, set):
+                a |= b
+            elif isinstance(a, Counter):
+                a.update(b)
+            else:
+                setattr(self, f.name, a + b)
 
 
 STATS = SimStats()
+_REAL_GPU = torch.cuda.is_available()   # asked once, at import: inside the simulation nothing asks the CUDA runtime
+
+
+@contextlib.contextmanager
+def counted():
+    "Inside `sim_cuda()`: a fresh `SimStats` for the section (a training step), added to the run's at the end."
+    global STATS
+    outer, STATS = STATS, SimStats()
+    try:
+        yield STATS
+    finally:
+        mine, STATS = STATS, outer
+        outer.add(mine)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_SKIP_FILES = (__file__, contextlib.__file__)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _site(depth: int = 2) -> str:
+    "The first frame of the caller's stack outside torch and this module: 'path:line in function' (path from the repo)."
+    f = sys._getframe(depth)
+    while f is not None and (f.f_code.co_filename.startswith(_TORCH_DIR) or f.f_code.co_filename in _SKIP_FILES
+                             or "unittest" + os.sep + "mock" in f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        return "?"
+    path = f.f_code.co_filename
+    path = path[len(_ROOT):] if path.startswith(_ROOT) else path
+    return f"{path}:{f.f_lineno} in {f.f_code.co_name}"
+
+
+def _sync(kind: str) -> None:
+    "Count a host sync of `kind` ('scalar' or 'd2h') and where it came from."
+    if kind == "scalar":
+        STATS.scalars += 1
+    else:
+        STATS.d2h += 1
+    STATS.sync_sites[f"{kind} at {_site(3)}"] += 1
 
 
 # ------------------------------------------------------------------------------------------------ the tensor
@@ -110,7 +177,7 @@ class SimCuda(torch.Tensor):
         return f"SimCuda({self._host!r})"
 
     def tolist(self):                  # C++'s tolist reads the storage: a host sync on a GPU, here the CPU tensor
-        STATS.d2h += 1
+        _sync("d2h")
         return self._host.tolist()
 
     def numpy(self, *, force: bool = False):
@@ -260,7 +327,7 @@ def _dispatch(func, args, kwargs):
         STATS.ops += 1
         STATS.op_names.add(func.name())
         if func is aten._local_scalar_dense.default:
-            STATS.scalars += 1
+            _sync("scalar")
     if func is aten._to_copy.default and flat_in:
         src = args[0]
         if dev.type == "cuda" and not isinstance(src, SimCuda):
@@ -268,9 +335,9 @@ def _dispatch(func, args, kwargs):
             STATS.h2d_non_blocking += bool(kwargs.get("non_blocking"))
             STATS.h2d_pinned += bool(getattr(src, "_sim_pinned", False))
         elif dev.type == "cpu" and isinstance(src, SimCuda):
-            STATS.d2h += 1
+            _sync("d2h")
     if func is aten.copy_.default and isinstance(args[1], SimCuda) and not isinstance(args[0], SimCuda):
-        STATS.d2h += 1
+        _sync("d2h")
     kw = dict(kwargs)
     if kw.get("pin_memory"):
         kw["pin_memory"] = False                   # a CPU tensor cannot be pinned without CUDA
@@ -279,9 +346,12 @@ def _dispatch(func, args, kwargs):
     ids = {id(t._host): t for t in flat_in if isinstance(t, SimCuda)}   # in-place ops return their input
     plain = {id(t) for t in flat_in if not isinstance(t, SimCuda)}
 
-    if (dev.type == "cuda"
-        and any(isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 for o in tree_flatten(out)[0])):
-        STATS.bf16_ops += 1
+    low = dev.type == "cuda" and [o.dtype for o in tree_flatten(out)[0]
+                                  if isinstance(o, torch.Tensor) and o.dtype in (torch.bfloat16, torch.float16)]
+    if low:
+        STATS.bf16_ops += low.count(torch.bfloat16) > 0
+        if _AUTOCAST and _AUTOCAST[-1] is not None:
+            STATS.autocast_leaks[(_AUTOCAST[-1], func.name())] += 1
 
     def wrap(o):
         if not isinstance(o, torch.Tensor):
@@ -294,6 +364,37 @@ def _dispatch(func, args, kwargs):
     return tree_map(wrap, out)
 
 
+# `torch.autocast` regions open while the simulation runs, innermost last: where the code entered a region that asked
+# for autocast off (`enabled=False`) but left CUDA's on (its device type is not 'cuda'), None for any other region
+_AUTOCAST: list = []
+
+
+def _from_user_code() -> bool:
+    """Whether the autocast region being entered was opened by code outside torch (directly or as a decorator), not by
+    torch itself (checkpointing's recomputation restores the CPU's autocast state with `autocast('cpu', ...)`)."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename == torch.amp.autocast_mode.__file__:
+        f = f.f_back
+    return f is not None and not f.f_code.co_filename.startswith(_TORCH_DIR)
+
+
+def _autocast_enter(orig):
+    def enter(self):
+        r = orig(self)
+        off = getattr(self, "_enabled", True) is False
+        _AUTOCAST.append(_site(2) if off and torch.is_autocast_enabled("cuda") and _from_user_code() else None)
+        return r
+    return enter
+
+
+def _autocast_exit(orig):
+    def exit_(self, *exc):
+        if _AUTOCAST:
+            _AUTOCAST.pop()
+        return orig(self, *exc)
+    return exit_
+
+
 class SimCudaMode(TorchDispatchMode):
     "Inside: factories asked for `cuda` make SimCuda tensors; every op follows a GPU's device rules."
     # C++ skips CUDA's lazy initialisation (which needs a driver) when a mode in the FAKE slot is active
@@ -302,13 +403,34 @@ class SimCudaMode(TorchDispatchMode):
         return _dispatch(func, args, kwargs or {})
 
 
+# what `torch.cuda` answers inside `sim_cuda()`: a one-GPU machine that is not capturing a CUDA graph. A name this torch
+# release lacks is skipped, so that no release's set of queries is assumed; any other query that reaches the CUDA
+# runtime fails loudly (tests/test_cuda_dry_run.py checks that a training step asks the runtime nothing).
+_CUDA_API = dict(
+    synchronize=lambda *a, **k: None, current_device=lambda: 0, set_device=lambda *a: None,
+    is_available=lambda: True, is_bf16_supported=lambda *a, **k: True, device_count=lambda: 1,
+    reset_peak_memory_stats=lambda *a: None, memory_allocated=lambda *a: 0, max_memory_allocated=lambda *a: 0,
+    memory_reserved=lambda *a: 0, max_memory_reserved=lambda *a: 0, empty_cache=lambda: None,
+    get_device_name=lambda *a: "simulated CUDA (a CPU)", get_device_capability=lambda *a: (9, 0),
+    is_current_stream_capturing=lambda: False, get_arch_list=lambda: ["sm_90"])
+
+
+def _optimizer_capture_checks() -> list[str]:
+    """The optimisers' CUDA-graph capture health checks this torch release has (`_cuda_graph_capture_health_check`,
+    `_accelerator_graph_capture_health_check`, ...): they ask the CUDA runtime whether the current stream is capturing,
+    which the simulation has no stream to answer (no CUDA graphs are simulated)."""
+    return [n for n in dir(torch.optim.Optimizer) if n.endswith("graph_capture_health_check")]
+
+
 @contextlib.contextmanager
 def sim_cuda(patch_cuda_api: bool = True):
-    """The simulated GPU. `patch_cuda_api`: `torch.cuda.synchronize`, `current_device`, `set_device`, `is_available`
-    and the memory counters answer as on a one-GPU machine (is_available: True), so code that asks them runs on."""
+    """The simulated GPU. `patch_cuda_api`: `torch.cuda` answers as on a one-GPU machine (`_CUDA_API`:
+    `is_available` True, `synchronize`, `current_device`, the memory counters, not capturing a graph), so code that
+    asks runs on; the optimisers skip their graph-capture check."""
     global STATS
     STATS = SimStats()
-    if torch.cuda.is_available():
+    _AUTOCAST.clear()
+    if _REAL_GPU:
         raise RuntimeError("a real GPU is present: run the real thing (make gpu-check)")
     # as FakeTensorMode does on a machine without CUDA: CUDA's device guard becomes a no-op (for the rest of the
     # process), so that autograd's bookkeeping of a `cuda` tensor (its stream) asks no driver
@@ -316,13 +438,19 @@ def sim_cuda(patch_cuda_api: bool = True):
     with contextlib.ExitStack() as stack:
         if patch_cuda_api:
             from unittest import mock
-            for name, value in dict(synchronize=lambda *a, **k: None, current_device=lambda: 0,
-                                    set_device=lambda *a: None,
-                                    is_available=lambda: True, is_bf16_supported=lambda *a, **k: True,
-                                    device_count=lambda: 1, reset_peak_memory_stats=lambda *a: None,
-                                    memory_allocated=lambda *a: 0, max_memory_allocated=lambda *a: 0,
-                                    get_device_name=lambda *a: "simulated CUDA (a CPU)").items():
-                stack.enter_context(mock.patch.object(torch.cuda, name, value))
+            for name, value in _CUDA_API.items():
+                if hasattr(torch.cuda, name):
+                    stack.enter_context(mock.patch.object(torch.cuda, name, value))
+            if hasattr(torch.cuda, "graphs") and hasattr(torch.cuda.graphs, "is_current_stream_capturing"):
+                stack.enter_context(mock.patch.object(torch.cuda.graphs, "is_current_stream_capturing",
+                                                      _CUDA_API["is_current_stream_capturing"]))
+            for name in _optimizer_capture_checks():
+                stack.enter_context(mock.patch.object(torch.optim.Optimizer, name, lambda self: None))
+            # autocast regions are tracked: an op that a region meant to run in float32 but that CUDA's autocast
+            # still casts is counted in `SimStats.autocast_leaks`
+            ac = torch.amp.autocast_mode.autocast
+            stack.enter_context(mock.patch.object(ac, "__enter__", _autocast_enter(ac.__enter__)))
+            stack.enter_context(mock.patch.object(ac, "__exit__", _autocast_exit(ac.__exit__)))
             # `x.to('cuda')` asks the CUDA runtime for the current device before any dispatch (`ensure_has_index`)
             orig_to = torch.Tensor.to
             def to(self, *args, **kwargs):
@@ -394,12 +522,24 @@ def _node_call(node, grads):
     return node(*grads)
 
 
+def _md_device(md) -> torch.device:
+    "The device autograd recorded for a node's input, as a GPU run has it (a SimCuda tensor's: cuda:0)."
+    d = md.device
+    return CUDA if d.type in ("meta", "cuda") else d
+
+
 def _validate(node_next, nr, g):
-    """The engine's validate_outputs for one gradient flowing into input `nr` of `node_next`: shape (summed to size) and
-    dtype (cast) from the metadata the node recorded. Its device check is not repeated here: autograd records the
-    device of a tensor subclass as the C++ tensor's, not the simulated one; a gradient on the wrong device is caught
-    instead by the next op that meets it (the node's saved tensors, the sum with another gradient) or by the leaf."""
+    """The engine's validate_outputs for one gradient flowing into input `nr` of `node_next`: shape (summed to size),
+    device and dtype (cast) from the metadata the node recorded. Device as the engine on a GPU: a 0-dim gradient on
+    another device is moved to the input's (`grad.to(metadata.device())`: a CUDA scalar gradient of a loss computed on
+    the host reaches it, a host copy on a GPU, counted), any other gradient on the wrong device is an error."""
     md = node_next._input_metadata[nr]
+    want = _md_device(md)
+    if _dev(g) != want:
+        if g.dim() != 0:
+            raise SimDeviceMismatch(f"invalid gradient at index {nr} for {node_next.name()} - expected device {want} "
+                                    f"but got {_dev(g)}")
+        g = g.to(want)
     if tuple(g.shape) != tuple(md.shape):
         try:
             g = g.sum_to_size(tuple(md.shape))

@@ -22,7 +22,7 @@ bfloat16)`, through the trainer's own objects (`train.build_run` with a `cuda:0`
   schedule; the values match the same step on the CPU (fp32);
 * PowerCLIP's loss on each path (`impl` dense, fast, auto; exact enumeration), with region masks from boxes and from
   the world's gold masks, tree and word nodes, and with gradient checkpointing; every method that allows it with
-  `model.pool=avg`; the anatomy's two-term gradients (`experiments.term_gradients`, through `torch.autograd.grad`);
+  `model.pool=avg`; the anatomy's two-term gradients (`ablations.term_gradients`, through `torch.autograd.grad`);
   with POWERCLIP_SLOW=1, the `paper` preset itself (ViT-B/16, avg pooling, checkpointing, precision auto: bf16);
 * a planted CPU tensor in a loss, and one in a custom backward, are caught (while the same code runs on the CPU);
 * the evaluator (`eval.models.load_model(device='cuda')`, `Evaluator`: `encode_images`, `encode_texts`, `scores`,
@@ -33,16 +33,25 @@ bfloat16)`, through the trainer's own objects (`train.build_run` with a `cuda:0`
   refuse any that is not on `cuda`, as NCCL does): `gather`'s shape exchange, padding and packing, `all_mean`,
   `all_sum`, `all_max`, the gradient through `all_gather` (reduce-scatter).
 
+Stricter since issue 29: every method's training step (and each of PowerCLIP's loss paths) makes at most its budget of
+host syncs, `.item()`/`bool()` and device-to-host copies (`SYNC_BUDGET`, today's counts; a failure names every sync's
+site); the dtypes of every method's loss inputs and outputs under bf16 autocast are checked (terms float32) and no op
+runs in bf16 inside a region the code turned autocast off for but that left CUDA's on (`autocast('cpu',
+enabled=False)`); `sim_backward` follows autograd's device rule (0-dim gradients move to their input's device, others
+are an error); a step asks the CUDA runtime nothing, whatever this torch release's optimiser queries. Planted versions
+of each (a host round trip, an extra `bool()`, a CPU autocast region, a loss term on the host) are caught below.
+
 The simulation runs the step's values on the CPU (the fp32 step equals the CPU's, checked below), so a test here takes
 about a second; the whole file about a minute on 2 cores.
 
 Not covered (a GPU day checks them): CUDA kernels themselves (flash / memory-efficient attention: the simulation takes
 the math path), their numerics in bf16 (CPU kernels compute here), memory and speed, streams, a real NCCL and
 DistributedDataParallel's bucketing, `torch.compile` on CUDA, checkpoint files written from `cuda` tensors
-(`torch.save`) and reading them back with `map_location='cuda'` (`experiments.loss_anatomy` does), CUDA's random
+(`torch.save`) and reading them back with `map_location='cuda'` (`ablations.loss_anatomy` does), CUDA's random
 generators (the CPU's draw here), the trainer's loop around the step (`train`: checkpoints, logging, resume).
 """
 import contextlib
+import dataclasses
 import math
 import os
 from unittest import mock
@@ -52,7 +61,7 @@ import pytest
 import torch
 import torch.distributed as td
 
-from cuda_sim import SimCuda, SimDeviceMismatch, sim_backward, sim_cuda
+from cuda_sim import SimCuda, SimDeviceMismatch, SimStats, counted, sim_backward, sim_cuda, to_sim
 from powerclip import dist as pdist
 from powerclip.methods import CLIP, METHODS, _import_baselines, register
 from powerclip.train import TrainState, build_run, load_config
@@ -85,23 +94,56 @@ def _on_cuda(t) -> bool:
     return isinstance(t, SimCuda) and t.device == CUDA
 
 
-def _step(method, precision, overrides=()):
-    "One training step as the trainer runs it, on the simulated GPU: (run, batch, step output, stats, params before)."
+@dataclasses.dataclass
+class Stepped:
+    "One simulated training step and what the simulation saw."
+    run: object
+    batch: dict
+    out: dict           # the step's output, on the host (what the trainer logs)
+    st: SimStats        # the whole run's (build, loader, step, the logged values' copies)
+    before: list        # the model's parameters before the step
+    step: SimStats      # `Run.step` alone: the host syncs a GPU would make per training step
+    loss_in: dict       # dtype of each floating-point input of the method's loss (its forward's outputs)
+    loss_out: dict      # dtype of each term the loss returned
+
+
+def _run_step(method, precision, overrides=()) -> Stepped:
+    "One training step as the trainer runs it, on the simulated GPU."
     with sim_cuda() as st:
         run, batch = _run(method, precision, overrides=overrides)
         run.method.on_step(0, run.total)
         before = [p.detach().clone() for p in run.model.parameters()]
-        out = run.step(batch, TrainState())
+        seen, loss = {}, run.method.loss
+
+        def loss_seen(out, b, ctx):   # the loss's inputs and outputs, as the step hands them over
+            terms = loss(out, b, ctx)
+            seen["in"] = {k: v.dtype for k, v in out.items() if torch.is_tensor(v) and v.is_floating_point()}
+            seen["out"] = {k: v.dtype for k, v in terms.items()}
+            return terms
+        with mock.patch.object(run.method, "loss", loss_seen), counted() as step:
+            out = run.step(batch, TrainState())
         out = {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}   # what the trainer logs, on the host
         assert not any(isinstance(v, SimCuda) for v in out.values())
-    return run, batch, out, st, before
+    return Stepped(run, batch, out, st, before, step, seen["in"], seen["out"])
+
+
+_STEPS: dict = {}
+
+
+def _step(method, precision, overrides=()) -> Stepped:
+    "`_run_step`, once per (method, precision, overrides) in this session: the tests below only read the result."
+    key = (method, precision, tuple(overrides))
+    if key not in _STEPS:
+        _STEPS[key] = _run_step(method, precision, overrides)
+    return _STEPS[key]
 
 
 # ------------------------------------------------------------------------------------------------ the training step
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("method", ALL)
 def test_training_step_on_cuda(method, precision):
-    run, batch, out, st, before = _step(method, precision)
+    s = _step(method, precision)
+    run, batch, out, st, before = s.run, s.batch, s.out, s.st, s.before
     # model, method modules, batch on the device; the batch moved by non-blocking copies
     tensors = [*run.model.parameters(), *run.model.buffers()]
     if run.modules is not None:
@@ -128,7 +170,8 @@ def test_training_step_on_cuda(method, precision):
 @pytest.mark.parametrize("method", ["clip", "powerclip", "filip", "sparc", "smartclip", "c2lip", "aclip"])
 def test_simulated_step_equals_the_cpu_step(method):
     "fp32: the simulation computes what the CPU computes (it only adds device checks), loss, terms and gradients."
-    run, _, out, _, before = _step(method, "fp32")
+    s = _step(method, "fp32")
+    run, out, before = s.run, s.out, s.before
     cpu, batch = _run(method, "fp32", torch.device("cpu"))
     cpu.method.on_step(0, cpu.total)
     ref = cpu.step(batch, TrainState())
@@ -154,15 +197,16 @@ def test_simulated_step_equals_the_cpu_step(method):
                                        ["method_cfg.exact=true"], ["method_cfg.masks=gold"], ["method_cfg.nodes=words"],
                                        ["model.grad_checkpointing=true"]], ids=lambda o: " ".join(o))
 def test_powerclip_loss_paths_on_cuda(overrides, precision):
-    run, _, out, st, _ = _step("powerclip", precision, overrides)
+    out = _step("powerclip", precision, overrides).out
     assert out["ok"] and math.isfinite(float(out["powerset"])) and float(out["powerset"]) > 0
 
 
 @pytest.mark.parametrize("method", [m for m in ALL if "avg" in getattr(METHODS[m], "pools", ())])
 def test_average_pooling_step_on_cuda(method):
     "`model.pool=avg` (mean of the patch and caption tokens, `30_model`) for every method that allows it, bf16."
-    _, _, out, _, _ = _step(method, "bf16", ["model.pool=avg"])
-    assert out["ok"] and math.isfinite(float(out["loss"]))
+    s = _step(method, "bf16", ["model.pool=avg"])
+    assert s.out["ok"] and math.isfinite(float(s.out["loss"]))
+    assert not s.st.autocast_leaks, _leaks(s.st)
 
 
 @pytest.mark.skipif(not os.environ.get("POWERCLIP_SLOW"), reason="minutes (ViT-B/16 on the CPU): "
@@ -179,6 +223,201 @@ def test_paper_preset_step_on_cuda():
         out = run.step(run.prepare(next(iter(run.loader()))), TrainState())
         out = {k: float(v) for k, v in out.items()}
     assert out["ok"] and math.isfinite(out["powerset"]) and st.bf16_ops > 0
+
+
+# ------------------------------------------------------------------------------------------------ host syncs, dtypes
+# Host syncs of one training step (`Run.step`) on a GPU, per method: (scalar reads: `.item()`, `bool()`, `int()` of a
+# cuda tensor; device-to-host copies), at their counts when they were set (issue 29; the same in fp32 and bf16). Every
+# method pays two in the trainer (the finite checks of the loss and of the gradient norm), the rest are its own
+# (data-dependent shapes, argument checks, the hashed noise's key range). A new sync fails test_host_syncs_per_step:
+# take it out, or raise the budget here and say why.
+SYNC_BUDGET = {"clip": (2, 0), "c2lip": (2, 0), "aclip": (3, 0), "clip-pgs": (3, 0), "clip-pgs-0.3": (4, 0),
+               "eclip": (4, 0), "filip": (5, 0), "flip": (3, 0), "powerclip": (9, 0), "smartclip": (3, 0),
+               "sparc": (6, 0)}
+# PowerCLIP's loss paths (test_powerclip_loss_paths_on_cuda's overrides); the blocked path reads the node counts to
+# the host once (`sbar_blocked`: the block plan), whatever the number of blocks
+PATHS = [["method_cfg.impl=dense"], ["method_cfg.impl=fast"], ["method_cfg.impl=fast", "method_cfg.block_bytes=4096"],
+         ["method_cfg.exact=true"], ["method_cfg.masks=gold"], ["method_cfg.nodes=words"],
+         ["model.grad_checkpointing=true"]]
+PATH_SYNC_BUDGET = {"method_cfg.impl=dense": (8, 0), "method_cfg.impl=fast": (7, 1),
+                    "method_cfg.impl=fast method_cfg.block_bytes=4096": (7, 1), "method_cfg.exact=true": (9, 0),
+                    "method_cfg.masks=gold": (9, 0), "method_cfg.nodes=words": (9, 0),
+                    "model.grad_checkpointing=true": (9, 0)}
+
+
+def _over_budget(what: str, c: SimStats, budget: tuple[int, int]) -> list[str]:
+    "What one step's host syncs exceed of `budget` (scalars, copies), with every sync's site; [] within it."
+    scalars, d2h = budget
+    bad = []
+    if c.scalars > scalars:
+        bad.append(f"{what}: {c.scalars} scalar reads (.item()/bool()) of cuda tensors per step, budget {scalars}")
+    if c.d2h > d2h:
+        bad.append(f"{what}: {c.d2h} device-to-host copies per step, budget {d2h}")
+    if bad:
+        bad.append("the step's syncs: " + "; ".join(f"{k} x{v}" for k, v in sorted(c.sync_sites.items())))
+    return bad
+
+
+def _leaks(st: SimStats) -> str:
+    return ("ops in bf16 inside `torch.autocast(..., enabled=False)` regions that left CUDA's autocast on (the "
+            "region's device type is not the tensors'): "
+            + "; ".join(f"{op} x{n} in the region entered at {site}"
+                        for (site, op), n in sorted(st.autocast_leaks.items())))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("method", ALL)
+def test_host_syncs_per_step(method, precision):
+    "Every method's training step makes at most its budget of host syncs (a GPU waits for the device at each)."
+    assert method in SYNC_BUDGET, f"{method}: no host-sync budget; add its counts to SYNC_BUDGET"
+    bad = _over_budget(method, _step(method, precision).step, SYNC_BUDGET[method])
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("overrides", PATHS, ids=lambda o: " ".join(o))
+def test_powerclip_paths_host_syncs_and_autocast_dtypes(overrides, precision):
+    "PowerCLIP's loss paths: host syncs within their budget; no op in bf16 where the code asks for float32."
+    s = _step("powerclip", precision, overrides)
+    bad = _over_budget(" ".join(overrides), s.step, PATH_SYNC_BUDGET[" ".join(overrides)])
+    assert not bad, "\n".join(bad)
+    assert not s.st.autocast_leaks, _leaks(s.st)
+    assert all(d == torch.float32 for d in s.loss_out.values()), s.loss_out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("method", ALL)
+def test_loss_dtypes_under_autocast(method, precision):
+    """The dtypes of every method's loss inputs and outputs: under bf16 autocast the inputs are float32 or bfloat16
+    (what autocast gives the forward's outputs) and every term is float32 (each loss computes in float32, as open_clip's
+    logits); no op of the step runs in bf16 inside a region the code turned autocast off for (float32 where the code
+    says float32: a hard-coded `torch.autocast('cpu', enabled=False)` leaves CUDA's autocast on). In fp32: float32."""
+    s = _step(method, precision)
+    allowed = (torch.float32, torch.bfloat16) if precision == "bf16" else (torch.float32,)
+    assert s.loss_in and all(d in allowed for d in s.loss_in.values()), s.loss_in
+    assert s.loss_out and all(d == torch.float32 for d in s.loss_out.values()), s.loss_out
+    assert not s.st.autocast_leaks, _leaks(s.st)
+
+
+class _HostRoundTrip(CLIP):
+    "CLIP whose image embeddings go to the host and back every step (the result is right; a GPU waits)."
+    def loss(self, out, batch, dist):
+        return super().loss(dict(out, image=out["image"].cpu().to(out["image"].device)), batch, dist)
+
+
+class _ExtraSync(CLIP):
+    "CLIP that checks its embeddings on the host every step."
+    def loss(self, out, batch, dist):
+        if not bool(torch.isfinite(out["image"]).all()):
+            raise FloatingPointError("image embeddings")
+        return super().loss(out, batch, dist)
+
+
+class _HostAutocastOff(CLIP):
+    "CLIP whose logits are meant to be float32 under a hard-coded `autocast('cpu', enabled=False)`: bf16 on a GPU."
+    def loss(self, out, batch, dist):
+        terms = super().loss(out, batch, dist)
+        with torch.autocast("cpu", enabled=False):
+            extra = (out["image"].float() @ out["text"].float().T).float().logsumexp(-1).mean()
+        terms["clip"] = terms["clip"] + 0.0 * extra
+        return terms
+
+
+class _HostTerm(CLIP):
+    "CLIP plus a loss term computed on the host from copies: a 0-dim CPU term, which a GPU run takes (and waits for)."
+    def loss(self, out, batch, dist):
+        terms = super().loss(out, batch, dist)
+        img, txt = out["image"].cpu(), out["text"].cpu()
+        terms["host"] = 0.1 * (img * txt).sum(-1).float().mean()                      # a 0-dim CPU tensor
+        return terms
+
+
+for _name, _cls in (("_host_round_trip", _HostRoundTrip), ("_extra_sync", _ExtraSync),
+                    ("_host_autocast_off", _HostAutocastOff), ("_host_term", _HostTerm)):
+    if _name not in METHODS:
+        register(_name)(_cls)
+
+
+@pytest.mark.parametrize("method,count", [("_host_round_trip", "device-to-host copies"),
+                                          ("_extra_sync", "scalar reads")])
+def test_a_planted_host_sync_breaks_the_sync_budget(method, count):
+    "CLIP's budget, and CLIP with one more host copy or one more `bool()` per step: the budget check names it."
+    assert not _over_budget("clip", _step("clip", "bf16").step, SYNC_BUDGET["clip"])
+    bad = _over_budget(method, _step(method, "bf16").step, SYNC_BUDGET["clip"])
+    assert bad and count in bad[0] and "tests/test_cuda_dry_run.py" in bad[-1], bad
+
+
+def test_a_planted_cpu_autocast_region_is_caught():
+    "A float32 region written `autocast('cpu', enabled=False)` runs in bf16 on a GPU: the dtype check says where."
+    with torch.autocast("cpu", dtype=torch.bfloat16):                                   # on the CPU it does its job
+        x = torch.randn(3, 4)
+        with torch.autocast("cpu", enabled=False):
+            assert (x @ x.T).dtype == torch.float32
+    s = _step("_host_autocast_off", "bf16")
+    assert s.out["ok"] and s.st.autocast_leaks
+    assert "aten::mm" in _leaks(s.st) and "test_cuda_dry_run.py" in _leaks(s.st), _leaks(s.st)
+    assert not _step("_host_autocast_off", "fp32").st.autocast_leaks                   # no autocast, nothing to leak
+
+
+def test_a_host_loss_term_runs_as_on_a_gpu():
+    """A loss term computed on the host (0-dim CPU) beside a cuda one: autograd's engine moves its 0-dim gradient to the
+    host as it does on a GPU, so the step runs; its copies are counted (and break the budget); gradients are the
+    CPU's."""
+    s = _step("_host_term", "fp32")
+    assert s.out["ok"] and s.step.d2h >= 2 and _over_budget("clip", s.step, SYNC_BUDGET["clip"])
+    cpu, batch = _run("_host_term", "fp32", torch.device("cpu"))
+    cpu.method.on_step(0, cpu.total)
+    ref = cpu.step(batch, TrainState())
+    torch.testing.assert_close(torch.as_tensor(s.out["host"]).double(), ref["host"].double(), rtol=2e-4, atol=1e-6)
+    for p, q in zip(s.run.model.parameters(), cpu.model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-3, atol=1e-4 * float(q.grad.abs().max()) + 1e-8)
+
+
+class _HostGrad(torch.autograd.Function):
+    "Identity whose backward returns its gradient on the host."
+    @staticmethod
+    def forward(ctx, x): return x.clone()
+    @staticmethod
+    def backward(ctx, g): return g.cpu()
+
+
+def test_sim_backward_device_rule_is_autograds():
+    """autograd's engine (validate_outputs): a 0-dim gradient on another device than its input's is moved there, any
+    other is an error ("invalid gradient at index 0 - expected device cuda:0 but got cpu")."""
+    x0 = torch.randn(3, 4, requires_grad=True)
+    f = lambda x: x.sum() + (x.cpu() * x.cpu()).sum()              # a term on the host, 0-dim, beside one on x's device
+    f(x0).backward()
+    with sim_cuda() as st:
+        x = to_sim(x0.detach()).requires_grad_()
+        f(x).backward()
+        assert isinstance(x.grad, SimCuda) and st.d2h >= 3                       # two copies forward, one backward
+        torch.testing.assert_close(x.grad.cpu(), x0.grad)
+        with pytest.raises(SimDeviceMismatch, match="invalid gradient at index 0.*expected device cuda:0 but got cpu"):
+            _HostGrad.apply(x).sum().backward()
+
+
+def test_a_training_step_asks_the_cuda_runtime_nothing():
+    """Build, step (AdamW's CUDA-graph capture check included) and evaluate on the simulated GPU with every CUDA runtime
+    entry point of torch._C refusing: what `torch.cuda` is asked, the simulation answers (whatever this torch release
+    asks: torch 2.11's AdamW asks `torch.cuda.is_current_stream_capturing()`, which reached the CUDA runtime)."""
+    asked = []
+
+    def refuse(name):
+        def f(*a, **k):
+            asked.append(name)
+            raise AssertionError(f"the simulation asked the CUDA runtime: torch._C.{name}")
+        return f
+    with contextlib.ExitStack() as stack:
+        for n in dir(torch._C):
+            v = getattr(torch._C, n)
+            if n.startswith("_cuda_") and callable(v) and not isinstance(v, type):
+                stack.enter_context(mock.patch.object(torch._C, n, refuse(n)))
+        s = _run_step("clip", "bf16")
+        with sim_cuda():
+            assert not torch.cuda.is_current_stream_capturing() and torch.cuda.is_available()
+            s.run.opt.step()
+    assert s.out["ok"] and not asked, asked
 
 
 # ------------------------------------------------------------------------------------------------ planted bugs
@@ -230,8 +469,7 @@ def test_a_planted_cpu_tensor_is_caught(method, where):
 
 
 def test_a_cpu_scalar_is_not_a_mismatch():
-    _, _, out, _, _ = _step("_cpu_scalar", "fp32")
-    assert out["ok"]
+    assert _step("_cpu_scalar", "fp32").out["ok"]
 
 
 def test_sim_backward_is_autograd():
@@ -264,7 +502,7 @@ def test_sim_backward_is_autograd():
 
 def test_experiments_term_gradients_on_cuda():
     "The anatomy's two-term gradients (torch.autograd.grad, a mask built on S-bar's device: the bug found by reading)."
-    from powerclip.experiments import term_gradients
+    from powerclip.ablations import term_gradients
     with sim_cuda():
         run, batch = _run("powerclip", "fp32")
         res = term_gradients(run, batch)

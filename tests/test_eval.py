@@ -960,7 +960,7 @@ def test_usage_errors_are_one_line_before_any_model(world, tmp_path, capsys, mon
         (['run', '--data', nope], f'--data: {nope} does not exist'),
         (['run', '--data', e], 'no data set in a known layout'),
         (['run', '--data', w, '--checkpoint', nope], f'--checkpoint: {nope} does not exist'),
-        (['run', '--data', w, '--checkpoint', e], '--checkpoint: run directory'),
+        (['run', '--data', w, '--checkpoint', e], 'no checkpoint in a known layout'),
         (['run', '--data', w, '--checkpoint', f], f'--checkpoint: {f}: not a checkpoint torch can read'),
         (['run', '--data', w, '--method', 'nosuch'], "--method: unknown method 'nosuch'; registered: ["),
         (['run', '--data', w, '--model', 'nosuch'], "--model: unknown architecture 'nosuch'"),

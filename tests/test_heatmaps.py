@@ -92,7 +92,7 @@ def test_cli_bad_input(tmp_path, runs):
     r = run('--image', str(tmp_path / 'nope.png'), '--text', 'a dog', '--checkpoint', 'random:powerclip-micro')
     assert r.returncode == 2 and 'not found' in r.stderr and r.stderr.count('\n') == 1
     r = run('--image', str(_image(tmp_path / 'x.png')), '--text', 'a dog', '--checkpoint', f'a={tmp_path}')
-    assert r.returncode == 2 and 'neither model.pt' in r.stderr and r.stderr.count('\n') == 1
+    assert r.returncode == 2 and 'no checkpoint in a known layout' in r.stderr and r.stderr.count('\n') == 1
 
 
 def test_world_edits_stay_in_the_grammar():

@@ -346,3 +346,37 @@ def wrap_ddp(module: torch.nn.Module, ctx: DistContext, find_unused_parameters: 
 _t = torch.tensor([2.0, 3.0])
 assert all_sum(_t) is _t and all_max(7) == 7 and torch.equal(all_mean(_t), _t)  # one process: nothing to do
 assert all_gather_object({"a": 1}) == [{"a": 1}] and wrap_ddp(_lin := torch.nn.Linear(2, 2), _ctx) is _lin
+
+
+# %% [markdown]
+# ## Waiting while the main process works alone
+#
+# The trainer evaluates on the main process only (`50_train`, "Evaluation while training"); the other processes wait
+# for it. A plain `barrier` on the run's process group would wait under that group's timeout (by default 30 minutes
+# for gloo, 10 for nccl): an evaluation that takes longer kills the run (nccl's watchdog aborts the process, gloo raises).
+# So the wait goes through a process group of its own, `wait_group(ctx, timeout_s)`, made once by every process at the
+# same point, on gloo whatever the run's backend (a CPU barrier: no GPU stream is held while waiting), with its own long
+# timeout; `wait_for_main(group)` is a barrier on it. The run's own group is left idle meanwhile, with no collective in
+# flight, so its timeout does not run. In one process both do nothing. `tests/test_eval_every.py` runs two gloo
+# processes whose run group has a timeout of two seconds, the main one busy for longer: the plain barrier fails, this
+# wait does not, and the run group still works afterwards.
+
+# %%
+#| export
+def wait_group(ctx: DistContext, timeout_s: float):
+    "A gloo group of every process with a timeout of `timeout_s` seconds, for `wait_for_main` (None in one process)."
+    if not ctx.distributed:
+        return None
+    from datetime import timedelta
+    return td.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def wait_for_main(group) -> None:
+    "Every process waits here until all have arrived, under `group`'s own timeout (see above); no-op for None."
+    if group is not None:
+        td.barrier(group=group)
+
+
+# %%
+assert wait_group(_ctx, 60) is None
+wait_for_main(None)

@@ -64,7 +64,11 @@ from torch.testing import assert_close
 # loss = sum(v for k, v in terms.items() if not k.startswith('_'))
 # ```
 #
-# and logs every term. A method that changes the forward pass does it in its own `forward`, explicitly: FLIP and
+# and logs every term. With `accum_steps = k` the trainer splits a batch into $k$ micro-batches, runs `forward` on each
+# (twice: without and with gradient) and `loss` once on their outputs joined along the batch (`49c_accum`): so
+# `forward`'s outputs are per sample (rows first) or 0-dimensional (the logit scale), a sample's outputs may depend
+# on the rest of the batch only through what `accum_begin` computes over the whole batch beforehand, and a method
+# whose forward pass cannot meet this says so in `accum_obstacle`. A method that changes the forward pass does it in its own `forward`, explicitly: FLIP and
 # CLIP-PGS drop patch tokens through `powerclip.model.select_patch_tokens` around `encode`, SmartCLIP runs its mask
 # network after it; the model itself knows no method. `dist` is a `powerclip.dist.DistContext`. A method that needs other processes' rows asks
 # `powerclip.dist.gather(dist, {name: tensor}, pad={name: {dim: value}})` once per step, for all its tensors: the
@@ -142,6 +146,17 @@ class Method:
 
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    # Gradient accumulation (`accum_steps`, `49c_accum`) re-runs `forward` on each micro-batch and computes `loss` once
+    # on the joined outputs. None: exact for this method; else why not (the trainer refuses accum_steps > 1, one line)
+    accum_obstacle: str | None = None
+
+    def accum_begin(self, model, micro_batches: list[dict], modules=None, dist: DistContext | None = None) -> None:
+        """Before the micro-batches of an accumulated step (no gradient): compute what the forward pass takes from the
+        whole batch (CLIP-PGS-0.3's drop count) and keep it for every micro-batch's `forward`. Default: nothing."""
+
+    def accum_end(self) -> None:
+        "After an accumulated step: forget what `accum_begin` kept. Default: nothing."
 
     def scorers(self, modules=None) -> dict[str, "Scorer"]:
         """How evaluation scores image-text pairs: name -> `Scorer`, the method's own way first (what its paper
@@ -254,6 +269,49 @@ test_eq((_c.step, _c.total), (2, None))
 _c.on_step(5, 10)
 _c.tick()
 test_eq((_c.step, _c.total), (5, 10))
+
+# %% [markdown]
+# ### Keyed noise
+#
+# What a method draws at random in its forward pass (CLIP-PGS's candidates, FLIP's and E-CLIP's patch order, A-CLIP's
+# views) must be a function of the *sample*, not of the process or the batch it lands in: then two processes compute
+# exactly what one process computes on the whole batch, a micro-batch of an accumulated step (`49c_accum`) draws the
+# same twice, and a resumed run the same as an uninterrupted one. `hash_uniform` is a counter-based generator: a
+# 32-bit integer mixing function (the "lowbias32" finaliser) chained over (seed, step, sample index, column), in int64
+# arithmetic that never overflows (the 32-bit products are split in 16-bit halves). Its checks are in `46_clip_pgs`.
+
+# %%
+#| export
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    "x * c mod 2**32 for x in [0, 2**32) int64, without int64 overflow."
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(keys: torch.Tensor, step: int, seed: int, n: int) -> torch.Tensor:
+    """keys `(C,)` non-negative int64 sample ids -> `(C, n)` float32 uniform in [0, 1), a pure function of
+    (seed, step, key, column): the same on every device, process and batch composition."""
+    if (keys < 0).any():
+        raise ValueError("sample ids must be non-negative")
+    k = keys.long()
+    h = torch.full_like(k, 0)
+    for part in (seed & _M32, seed >> 32, step & _M32, step >> 32):    # fold the scalars in
+        h = _mix32(h ^ part)
+    h = _mix32(h ^ (k & _M32))
+    h = _mix32(h ^ (k >> 32))                # (C,) one stream per sample
+    col = _mix32(torch.arange(n, device=k.device) + 0x9E3779B9)          # (n,)
+    v = _mix32(h[:, None] ^ col[None, :])                                # (C, n)
+    return (v >> 8).float() / float(1 << 24)                             # 24 bits: exact in float32
 
 
 # %% [markdown]

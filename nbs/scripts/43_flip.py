@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from powerclip.methods import CLIP, register
+from powerclip.methods import CLIP, StepClock, hash_uniform, register
 
 # %%
 #| hide
@@ -43,8 +43,13 @@ from torch.testing import assert_close
 # a uniformly random subset of $\lfloor N(1-\rho)\rfloor$ of its $N$ patch tokens (the class token always stays),
 # and the transformer runs on those only; at evaluation nothing is dropped. The paper's main setting is
 # $\rho=0.5$. The method's `forward` runs `encode` inside `powerclip.model.select_patch_tokens` with `random_keep`,
-# which draws the kept patches exactly as open_clip's `PatchDropout` does (the top-$k$ of Gaussian noise, from the
-# process's own random stream), in training mode only; outside its forward the model is plain open_clip. Not done:
+# which keeps the patches by open_clip's `PatchDropout` rule (the top-$k$ of random noise), in training mode only;
+# outside its forward the model is plain open_clip. The noise is keyed by the sample: `hash_uniform(index, step,
+# seed)` (`40_methods`), as CLIP-PGS and E-CLIP draw theirs, not Gaussian noise from the process's global stream. A
+# sample's kept patches are then the same on any process, in any batch, and in both passes of an accumulated step
+# (`49c_accum`), which replays a micro-batch without saving a random state. (Before this, the draws came from the
+# global stream: a FLIP run's numbers changed with the switch, not its distribution: each patch is kept with
+# probability $1-\rho$, every subset of $k$ equally likely.) Not done:
 # FLIP's short unmasked tuning at the end of training (train a few steps more with `ratio=0`, i.e. the `clip`
 # method, from the checkpoint).
 #
@@ -62,16 +67,19 @@ class FLIPConfig:
             raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
 
 
-def random_keep(x: torch.Tensor, ratio: float) -> torch.Tensor:
+def random_keep(x: torch.Tensor, ratio: float, noise: torch.Tensor | None = None) -> torch.Tensor:
     """x `(C, 1 + N, width)` (class token first) -> `(C, K)` indices of K = max(1, int(N (1 - ratio))) patches per
-    image, uniformly at random: open_clip's `PatchDropout` rule and random stream (top-K of Gaussian noise)."""
+    image, uniformly at random: open_clip's `PatchDropout` rule (the top-K of noise). `noise` `(C, N)` (FLIP's: keyed
+    by sample); None: Gaussian noise from the global stream, open_clip's own draw."""
     C, N = x.shape[0], x.shape[1] - 1
     k = max(1, int(N * (1 - ratio)))
-    return torch.randn(C, N, device=x.device).topk(k, dim=-1).indices      # (C, K)
+    if noise is None:
+        noise = torch.randn(C, N, device=x.device)
+    return noise[:, :N].to(x.device).topk(k, dim=-1).indices              # (C, K)
 
 
 @register("flip")
-class FLIP(CLIP):
+class FLIP(StepClock, CLIP):
     "FLIP: CLIP's loss with random patch dropout in the vision tower during training, config `FLIPConfig`."
     Config = FLIPConfig
     needs_patches = False
@@ -80,15 +88,23 @@ class FLIP(CLIP):
         from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
         if not model.visual.training or self.cfg.ratio == 0:    # evaluation: every patch
             return encode(model, batch["image"], batch["tokens"], need_patches=False)
-        with select_patch_tokens(model, lambda x: random_keep(x, self.cfg.ratio)):
-            return encode(model, batch["image"], batch["tokens"], need_patches=False)
+        image = batch["image"]
+        keys = batch.get("index")
+        keys = torch.arange(image.shape[0], device=image.device) if keys is None else keys.to(image.device)
+        n = model.visual.grid_size[0] * model.visual.grid_size[1]
+        noise = hash_uniform(keys, self.step, self.seed, n)                 # (C, N), a function of the sample
+        with select_patch_tokens(model, lambda x: random_keep(x, self.cfg.ratio, noise)):
+            out = encode(model, image, batch["tokens"], need_patches=False)
+        self.tick()
+        return out
 
 
 # %% [markdown]
 # ## Checks
 #
 # `random_keep` keeps exactly $\lfloor N(1-\rho)\rfloor$ distinct patches per image, each patch equally often, and
-# with the same random state it keeps the same tokens as open_clip's `PatchDropout`.
+# with the same random state (no noise given) it keeps the same tokens as open_clip's `PatchDropout`; with FLIP's
+# keyed noise each patch is kept equally often too.
 
 # %%
 from open_clip.transformer import PatchDropout
@@ -113,6 +129,9 @@ print("keep frequency per patch:", [round(float(f), 3) for f in _freq])
 assert (_freq - 0.5).abs().max() < 0.04                                      # 4000 draws: std ~ 0.008
 torch.manual_seed(0)
 assert torch.equal(PatchDropout(0.5).train()(_x)[..., 0], _kept)            # open_clip's rule, token for token
+_hk = PatchTokenSelect(lambda x: random_keep(x, 0.5, hash_uniform(torch.arange(_B), 0, 0, _N)))(_x)[..., 0]
+_hf = torch.bincount(_hk[:, 1:].long().flatten(), minlength=1 + _N)[1:] / _B
+assert (_hf - 0.5).abs().max() < 0.04 and all(len(set(r.tolist())) == 8 for r in _hk[:200, 1:])
 
 # %% [markdown]
 # On a real (micro, random-weight) model: the vision transformer sees $1+N/2$ tokens in training and $1+N$ in

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from powerclip.dist import all_sum
-from powerclip.methods import CLIP, StepClock, register
+from powerclip.methods import CLIP, StepClock, hash_uniform, register
 
 # %%
 #| hide
@@ -255,41 +255,9 @@ assert_close(sinkhorn(_S, 50, 0.5), _sinkhorn_alternating(_S, 200, 0.5), atol=1e
 # processes compute exactly what one process computes on the whole batch), and of the step (so each epoch
 # draws new seeds, and a resumed run the same ones). `hash_uniform` is a counter-based generator: a 32-bit
 # integer mixing function (the "lowbias32" finaliser) chained over (seed, step, sample index, patch index),
-# in int64 arithmetic that never overflows (the 32-bit products are split in 16-bit halves).
-
-# %%
-#| export
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    "x * c mod 2**32 for x in [0, 2**32) int64, without int64 overflow."
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def hash_uniform(keys: torch.Tensor, step: int, seed: int, n: int) -> torch.Tensor:
-    """keys `(C,)` non-negative int64 sample ids -> `(C, n)` float32 uniform in [0, 1), a pure function of
-    (seed, step, key, column): the same on every device, process and batch composition."""
-    if (keys < 0).any():
-        raise ValueError("sample ids must be non-negative")
-    k = keys.long()
-    h = torch.full_like(k, 0)
-    for part in (seed & _M32, seed >> 32, step & _M32, step >> 32):    # fold the scalars in
-        h = _mix32(h ^ part)
-    h = _mix32(h ^ (k & _M32))
-    h = _mix32(h ^ (k >> 32))                # (C,) one stream per sample
-    col = _mix32(torch.arange(n, device=k.device) + 0x9E3779B9)          # (n,)
-    v = _mix32(h[:, None] ^ col[None, :])                                # (C, n)
-    return (v >> 8).float() / float(1 << 24)                             # 24 bits: exact in float32
-
+# in int64 arithmetic that never overflows (the 32-bit products are split in 16-bit halves). It lives in `40_methods`
+# since FLIP (`43_flip`) keys its patch drop by sample in the same way (so that a micro-batch of an accumulated step
+# replays its draws, `49c_accum`); this notebook imports it from there.
 
 # %%
 _u = hash_uniform(torch.arange(2000), step=3, seed=0, n=64)
@@ -670,6 +638,7 @@ class PGSSelector:
         # (C, 3, H, W), (C, N), (), (1 + N, width)
         self.image, self.noise, self.alpha, self.pos = image, noise, alpha, pos
         self.last: Selection | None = None     # the choice of the last call (for logging and checks)
+        self.all_sum = all_sum                 # the batch's count over the processes (an accumulated step: given)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         cfg, N = self.cfg, x.shape[1] - 1
@@ -684,7 +653,7 @@ class PGSSelector:
             edges = sobel_patch_edges(self.image, self.patch) if cfg.edges else None
             self.last = select_patches(sim, edges, n_seed, n_lo, n_hi, noise=self.noise, edge_top=cfg.edge_top,
                                        sim_threshold=cfg.sim_threshold, ot_iters=cfg.ot_iters if cfg.ot else 0,
-                                       ot_eps=cfg.ot_eps, all_sum=all_sum)
+                                       ot_eps=cfg.ot_eps, all_sum=self.all_sum)
         return self.last.keep                                              # (C, N_keep) ascending
 
 
@@ -699,6 +668,35 @@ class PGSSelector:
 # `clip-pgs` is PGS$_{0.5}$ and `clip-pgs-0.3` is PGS$_{0.3}$ (a subclass whose config defaults to
 # `lower=0.3`); any other limits are `method_cfg.lower=...`.
 
+# %% [markdown]
+# **Gradient accumulation** (`49c_accum`). PGS$_{0.3}$'s drop count is the rounded mean of the images' own counts over
+# the *global* batch, computed inside the forward pass: a micro-batch alone would round its own mean, and its images
+# would lose another number of patches than in the whole batch. So an accumulated step first runs `accum_begin`: for
+# each micro-batch the vision tower up to the selection only (`probe_selection`: the patch embedding, then it stops),
+# which gives its images' counts; their sum over the micro-batches and the processes is then handed to every
+# micro-batch's selection in place of its own `all_sum`. The candidates are keyed by sample (`hash_uniform`), so both
+# passes of a micro-batch choose the same patches. PGS$_{0.5}$ drops a fixed count and needs nothing of the kind.
+
+# %%
+#| export
+class _Probed(Exception):
+    "Raised by `probe_selection` right after the selection: the rest of the forward pass is not needed."
+
+
+def probe_selection(model, image: torch.Tensor, keep) -> None:
+    """Run the vision tower on `image` `(C, 3, H, W)` up to the patch selection, call `keep(x)` (a selector, which
+    records its choice) on its tokens, and stop there."""
+    from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+    def stop(x):
+        keep(x)
+        raise _Probed
+    try:
+        with select_patch_tokens(model, stop):
+            encode(model, image, None, need_patches=False)
+    except _Probed:
+        pass
+
+
 # %%
 #| export
 @register("clip-pgs")
@@ -711,29 +709,54 @@ class CLIPPGS(StepClock, CLIP):
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
         self.last: Selection | None = None     # the selection of the last training forward pass
+        self._total: torch.Tensor | None = None   # an accumulated step's (sum of counts, images), from accum_begin
 
     @property
     def alpha(self) -> float:
         progress = self.step / max(1, self.total - 1) if self.total else 0.0
         return mix_weight(progress, self.cfg.alpha_start, self.cfg.alpha_end)
 
-    def forward(self, model, batch, modules=None):
-        from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+    def _selector(self, model, batch) -> tuple[PGSSelector, int]:
+        "This batch's selector (its noise keyed by sample and step) and the patch count N."
         image, v = batch["image"], model.visual
-        if not v.training:                                       # evaluation: every patch
-            return encode(model, image, batch["tokens"], need_patches=False)
         patch = int(v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size)
         C, N = image.shape[0], (image.shape[-2] // patch) * (image.shape[-1] // patch)
         keys = batch.get("index")
         keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
         sel = PGSSelector(self.cfg, patch, image, noise=hash_uniform(keys, self.step, self.seed, N), alpha=self.alpha,
                           pos=v.positional_embedding.detach())
+        if self._total is not None:       # an accumulated step: the whole batch's total, summed beforehand
+            sel.all_sum = lambda t: self._total.to(t.device)
+        return sel, N
+
+    def forward(self, model, batch, modules=None):
+        from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+        image = batch["image"]
+        if not model.visual.training:                            # evaluation: every patch
+            return encode(model, image, batch["tokens"], need_patches=False)
+        sel, N = self._selector(model, batch)
         with select_patch_tokens(model, sel):
             out = encode(model, image, batch["tokens"], need_patches=False)
         self.tick()
         self.last = sel.last
         out["pgs_drop_ratio"] = torch.tensor(sel.last.n_drop / N, device=image.device)
         return out
+
+    def accum_begin(self, model, micro_batches, modules=None, dist=None):
+        "PGS-0.3: every image's count, over all micro-batches and processes, before any micro-batch's forward pass."
+        if self.cfg.lower == self.cfg.upper or not model.visual.training:
+            return                                   # PGS-0.5: one fixed count, nothing shared
+        tot = None
+        for mb in micro_batches:
+            sel, _ = self._selector(model, mb)
+            sel.all_sum = None                       # this micro-batch's counts only
+            probe_selection(model, mb["image"], sel)
+            part = torch.stack([sel.last.counts.sum(), sel.last.counts.new_tensor(len(sel.last.counts))])
+            tot = part if tot is None else tot + part
+        self._total = all_sum(tot)
+
+    def accum_end(self):
+        self._total = None
 
     def loss(self, out, batch, dist):
         terms = super().loss(out, batch, dist)

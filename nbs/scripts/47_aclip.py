@@ -97,6 +97,7 @@ from torch.testing import assert_close
 # | patch projection | `patch_embed.proj` frozen (`requires_grad=False`, MoCo-v3 style) in both encoders | frozen by default (`freeze_patch_embed`) |
 # | heads | 768-4096-256 (ViT-B; 4096 and 256 are written out for every width) | the same at width $\ge 768$; a smaller model gets width $\to$ 4 width $\to$ its embedding dimension (`head_hidden`, `head_out` override) |
 # | BatchNorm in the heads | `SyncBatchNorm` under DDP (`main.py` `get_model`), running statistics kept but never used (the heads exist only in training) | `GlobalBatchNorm`: the statistics of the **global** batch through `powerclip.dist.gather` (exactly SyncBatchNorm's, on CPU and GPU alike), no running statistics |
+# | heads' precision | presumably under the training loop's mixed precision with the rest of the model (SLIP's `amp.autocast`, fp16; not checked in A-CLIP's copy) | float32 under autocast (below: rounding before BatchNorm put the heads' gradients 0.32-0.36 off float64 in bf16) |
 # | EMA update | every forward (per micro-batch under gradient accumulation) | once per training step, at the start of the method's forward, momentum from the trainer's step |
 #
 # Evaluation in the authors' code: `eval_zeroshot.py` (the downstream tables) uses the **EMA** towers
@@ -557,6 +558,18 @@ print(f"bf16 autocast: simclr {float(_ls.detach()):.4f}, byol {float(_lb.detach(
 # does. It keeps no running statistics: the heads serve only the training losses, never evaluation. The statistics are
 # in at least float32 (under bf16 autocast too). A head is applied in the method's `loss`, where the process context is
 # known; the views are normalised together (the authors stack both views into one batch for the heads).
+#
+# **The heads compute in float32 under autocast too** (autocast is off inside `Head.forward`; the authors' heads ran
+# under fp16 AMP), as open_clip computes its logits in float32: they belong to the loss. Under bf16 autocast their
+# Linear layers would round the class tokens to 8 bits before the first BatchNorm, and BatchNorm then divides by the
+# rows' spread. When the rows of a batch are close to one another (a model at initialisation: the smoke model's class
+# tokens differ by about 6 % of their norm), that rounding is a large share of what BatchNorm keeps: on the GPU check's
+# loss parity (`benchmarks/gpu_check.py`, batch 16 to 128) the gradient of the BYOL and SimCLR terms w.r.t. the class
+# tokens was 0.32-0.36 off float64, and with float32 heads it is within 1e-3 (the CLIP term's rounding). It was a loss
+# computed in bf16, not an inherent limit: what remains inherent is the conditioning itself. The class tokens that a
+# bf16 forward pass produces carry bf16 rounding of their own, and at such a batch the loss's gradient moves by a
+# comparable share when its *input* is rounded (printed below); the fix keeps the loss from adding its own. The cost
+# is small: the heads (about 26 M multiply-adds per row at ViT-B) are well under 1 % of a step's matrix products.
 
 # %%
 #| export
@@ -589,9 +602,12 @@ class Head(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-        for l in self.layers:
-            x = l(x, ctx) if isinstance(l, GlobalBatchNorm) else l(x)
+    def forward(self, x: torch.Tensor, ctx: DistContext) -> torch.Tensor:   # (R, dim) -> (R, out), at least float32
+        # at least float32 under autocast too: a bf16 Linear before a BatchNorm loses the rows' spread (see above)
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(torch.promote_types(x.dtype, torch.float32))
+            for l in self.layers:
+                x = l(x, ctx) if isinstance(l, GlobalBatchNorm) else l(x)
         return x
 
 
@@ -642,6 +658,55 @@ assert byol_mlp(6, 16, 4).layers[0].bias is None and len(byol_mlp(6, 16, 4).laye
 with torch.autocast("cpu", dtype=torch.bfloat16):
     _yb16 = byol_mlp(6, 16, 4)(_xb.float(), _one)
 assert torch.isfinite(_yb16).all()
+
+# %% [markdown]
+# The heads' precision (above): class tokens of the micro model at initialisation (random weights, 32 images), the
+# gradient of SimCLR + BYOL w.r.t. them under bf16 autocast against float64, with the heads as they are (float32
+# inside), with every head layer under autocast (as before), and with the heads in float64 but the class tokens rounded
+# to bf16 first (the conditioning, which no loss precision removes).
+
+# %%
+_cl = []
+_hk = _model.visual.ln_post.register_forward_hook(lambda mod, args, y: _cl.append(y[:, 0] if y.dim() == 3 else y))
+with torch.no_grad():
+    _model.visual(torch.randn(32, 3, 32, 32, generator=_g))
+_hk.remove()
+_x64 = _cl[0].double()                                                       # (32, 64) class tokens, 2 views x 16
+torch.manual_seed(0)
+_hs = [simclr_head(64, 256, 32), byol_mlp(64, 256, 32), byol_mlp(32, 256, 32)]   # g, h, p
+
+
+def _old_head(head, y):
+    "A head as it was: every layer under the caller's autocast."
+    for l in head.layers:
+        y = l(y, _one) if isinstance(l, GlobalBatchNorm) else l(y)
+    return y
+
+
+def _head_loss(x, heads, old=False):
+    "SimCLR + BYOL of 2 x 16 class tokens `x` (the target from the same tokens); `old`: every layer under autocast."
+    run = _old_head if old else (lambda h, y: h(y, _one))
+    g, h, p = heads
+    s = run(g, x).reshape(2, 16, -1)
+    return simclr_loss(s[0], s[1]) + byol_loss(run(p, run(h, x)).reshape(2, 16, -1), run(h, x[:16]).detach())
+
+
+def _grad_err(dtype, autocast, old=False, round_in=False):
+    x = (_x64.to(torch.bfloat16) if round_in else _x64).to(dtype).detach().clone().requires_grad_()
+    heads = [copy.deepcopy(h).to(dtype) for h in _hs]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = _head_loss(x, heads, old)
+    loss.backward()                                     # outside autocast, as the trainer does
+    return x.grad.double()
+
+
+_gref = _grad_err(torch.float64, False)
+_err = {k: float((_grad_err(*a).double() - _gref).norm() / _gref.norm())
+        for k, a in {"float32 heads (now)": (torch.float32, True), "bf16 heads (before)": (torch.float32, True, True),
+                     "input rounded to bf16, float64": (torch.float64, False, False, True)}.items()}
+print(f"class-token spread / norm {float(_x64.std(0).norm() / _x64.mean(0).norm()):.3f};",
+      "gradient error against float64:", {k: f"{v:.1e}" for k, v in _err.items()})
+assert _err["float32 heads (now)"] < 1e-4
 
 
 # %% [markdown]
@@ -893,6 +958,9 @@ class ACLIP(StepClock, CLIP):
     Config = ACLIPConfig
     needs_patches = False
     pools = ("tok",)       # its paper's class-token / EOT pooling, which its EMA towers re-implement
+    # its forward pass moves the EMA towers (once per call) and normalises its heads over the batch (GlobalBatchNorm):
+    # neither is a function of each sample alone, so a micro-batch would not replay the batch's step (`49c_accum`)
+    accum_obstacle = "its EMA step runs inside forward and its heads' BatchNorm normalises over the whole batch"
 
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)

@@ -45,8 +45,8 @@ from torch.testing import assert_close
 # > What a run leaves on disk and reads back.
 #
 # Checkpoints that resume exactly (weights, optimiser, schedule, every random generator, data positions), written
-# atomically with the previous one kept; the open_clip weights alone; snapshots for learning curves; and the one reading
-# of a checkpoint to resume from.
+# atomically with the previous one kept; the open_clip weights alone; snapshots for learning curves; the one reading
+# of a checkpoint to resume from; and where the weights are in the folders open_clip itself leaves.
 
 # %% [markdown]
 # ## Checkpoints that resume exactly
@@ -275,3 +275,125 @@ with tempfile.TemporaryDirectory() as d:
     (Path(d) / "checkpoints" / "prev.pt").write_bytes(b"")              # nothing to resume from
     test_fail(lambda: read_resume(_cfg), contains="resume=never")
     test_eq(read_resume(TrainConfig(out_dir=d, resume="never")), (None, None))
+
+
+# %% [markdown]
+# ## open_clip's checkpoints
+#
+# Weights trained elsewhere are read too, in the two layouts open_clip leaves (`62_eval_models` builds the model
+# from what they record):
+#
+# - a **release**, the folder open_clip writes for a model hub (`push_to_hf_hub`): `open_clip_config.json`, holding
+#   `{"model_cfg": .., "preprocess_cfg": ..}`, beside `open_clip_model.safetensors` or `open_clip_pytorch_model.bin`;
+# - a **training run** of open_clip's script, `logs/NAME/`: `params.txt` (`key: value` lines, `model: ViT-B-16`
+#   among them) and `checkpoints/epoch_N.pt` (`{'epoch', 'name', 'state_dict', 'optimizer', ..}`). The folder means
+#   its latest epoch: `epoch_latest.pt` when the run kept one (`--save-most-recent`), else the largest N, compared as
+#   numbers (`epoch_10` after `epoch_9`). Another epoch is chosen by giving its file.
+#
+# `find_weights` turns what a user gives (a file, our run folder, either open_clip folder, or a run's `checkpoints/`)
+# into the file holding the weights and the file recording how they were trained: our `config.yaml`, else open_clip's
+# `params.txt`, else `open_clip_config.json`, beside the weights or one folder up. A folder in none of these
+# layouts, or a release with no weights beside its config, is a `CheckpointLayoutError`: one line naming the layouts.
+
+# %%
+#| export
+RELEASE_CONFIG = "open_clip_config.json"
+# open_clip's own order of preference in a release folder (`open_clip.factory._find_checkpoint_in_dir`)
+RELEASE_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin",
+                   "open_clip_pytorch_model.pth")
+RECORDS = ("config.yaml", "params.txt", RELEASE_CONFIG)   # what a checkpoint's training is read from, in this order
+LAYOUTS = ("model.pt or checkpoints/last.pt (a powerclip run), open_clip_config.json with open_clip_model.safetensors "
+           "or open_clip_pytorch_model.bin (an open_clip release), checkpoints/epoch_N.pt (an open_clip run)")
+
+
+class CheckpointLayoutError(FileNotFoundError):
+    "A path holding no checkpoint in a known layout."
+
+
+@dataclass
+class CheckpointFiles:
+    weights: Path               # the file holding the weights
+    layout: str                 # 'file' | 'powerclip run' | 'open_clip release' | 'open_clip run'
+    record: Path | None = None  # config.yaml, params.txt or open_clip_config.json: how the weights were trained
+
+
+def latest_epoch(folder) -> Path | None:
+    "`folder/epoch_latest.pt`, else the `epoch_N.pt` of largest N (None when there is none)."
+    folder = Path(folder)
+    if (folder / "epoch_latest.pt").is_file():
+        return folder / "epoch_latest.pt"
+    epochs = [(int(p.stem[6:]), p) for p in folder.glob("epoch_*.pt") if p.stem[6:].isdigit() and p.is_file()]
+    return max(epochs)[1] if epochs else None
+
+
+def _record(weights: Path) -> Path | None:
+    for name in RECORDS:
+        for d in (weights.parent, weights.parent.parent):
+            if (d / name).is_file():
+                return d / name
+    return None
+
+
+def find_weights(path) -> CheckpointFiles:
+    "The weights file and the training record of a checkpoint file or folder (see above); `CheckpointLayoutError`."
+    path = Path(path)
+    if path.is_file():
+        return CheckpointFiles(path, "file", _record(path))
+    if not path.is_dir():
+        raise CheckpointLayoutError(f"{path} does not exist (a checkpoint file, or a folder holding {LAYOUTS})")
+    for f in (path / "model.pt", path / "checkpoints" / "last.pt"):
+        if f.is_file():
+            return CheckpointFiles(f, "powerclip run", _record(f))
+    release = next((path / n for n in RELEASE_WEIGHTS if (path / n).is_file()), None)
+    if (path / RELEASE_CONFIG).is_file() or release is not None:
+        if release is None:
+            raise CheckpointLayoutError(f"{path} has {RELEASE_CONFIG} but no weights beside it "
+                                        f"({' or '.join(RELEASE_WEIGHTS[::2])})")
+        return CheckpointFiles(release, "open_clip release", _record(release))
+    epoch = latest_epoch(path / "checkpoints") or latest_epoch(path)
+    if epoch is not None:
+        return CheckpointFiles(epoch, "open_clip run", _record(epoch))
+    raise CheckpointLayoutError(f"{path} holds no checkpoint in a known layout: {LAYOUTS}")
+
+
+def read_params(path) -> dict[str, str]:
+    "open_clip's `params.txt`: `{key: value}` of its `key: value` lines, values as written."
+    out = {}
+    for line in Path(path).read_text(errors="replace").splitlines():
+        k, sep, v = line.partition(":")
+        if sep and k.strip() and " " not in k.strip():
+            out[k.strip()] = v.strip()
+    return out
+
+
+# %% [markdown]
+# Each layout, built in a temporary folder with stand-in files: the latest epoch is found numerically and
+# `epoch_latest.pt` wins, a named epoch is taken as it is (its run's `params.txt` two folders up), and a folder in
+# no layout says which layouts it could have been.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d)
+    (d / "logs" / "r1" / "checkpoints").mkdir(parents=True)
+    (d / "logs" / "r1" / "params.txt").write_text("batch_size: 8\nmodel: ViT-B-16\nname: r1\npretrained: \n")
+    for n in (2, 9, 10):
+        (d / "logs" / "r1" / "checkpoints" / f"epoch_{n}.pt").write_bytes(b"x")
+    _f = find_weights(d / "logs" / "r1")
+    test_eq((_f.weights.name, _f.layout, _f.record.name), ("epoch_10.pt", "open_clip run", "params.txt"))
+    test_eq(find_weights(d / "logs" / "r1" / "checkpoints").weights.name, "epoch_10.pt")
+    _f = find_weights(d / "logs" / "r1" / "checkpoints" / "epoch_2.pt")
+    test_eq((_f.weights.name, _f.layout, _f.record.name), ("epoch_2.pt", "file", "params.txt"))
+    (d / "logs" / "r1" / "checkpoints" / "epoch_latest.pt").write_bytes(b"x")
+    test_eq(find_weights(d / "logs" / "r1").weights.name, "epoch_latest.pt")
+    test_eq(read_params(d / "logs" / "r1" / "params.txt"), dict(batch_size="8", model="ViT-B-16", name="r1",
+                                                                pretrained=""))
+    (d / "hub").mkdir()
+    (d / "hub" / RELEASE_CONFIG).write_text('{"model_cfg": {}}')
+    test_fail(lambda: find_weights(d / "hub"), contains="no weights beside it")
+    (d / "hub" / "open_clip_pytorch_model.bin").write_bytes(b"x")
+    (d / "hub" / "open_clip_model.safetensors").write_bytes(b"x")
+    _f = find_weights(d / "hub")
+    test_eq((_f.weights.name, _f.layout, _f.record.name), ("open_clip_model.safetensors", "open_clip release",
+                                                           RELEASE_CONFIG))
+    test_fail(lambda: find_weights(d / "logs"), contains="no checkpoint in a known layout")
+    test_fail(lambda: find_weights(d / "nothing"), contains="does not exist")

@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from powerclip import dist as pdist
+from powerclip.accum import accumulate
 from powerclip.checkpoint import (TrainState, export_weights, load_checkpoint, previous_checkpoint, read_resume,
                                   resume_position, rng_state, save_checkpoint, save_snapshot, seed_all, set_rng_state)
 from powerclip.commandline import ArgumentParser, check_device, run_main, usage_errors
@@ -36,6 +37,7 @@ from powerclip.config import OptimConfig, TrainConfig, load_config, method_optio
 from powerclip.data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
                             mix_seed, run_seeds, shard_urls, steps_per_epoch, world_config)
 from powerclip.measure import PeakMemory
+from powerclip.train_eval import default_evaluator, evaluate_isolated
 from powerclip.methods import Method, get_method
 
 # %%
@@ -202,7 +204,7 @@ def plot_metrics(runs: dict[str, list[dict]] | list[dict], path=None, title: str
     runs = {"": runs} if isinstance(runs, list) else runs
     skip = {"step", "epoch", "lr", "img_per_s", "time", "bad_total", "loss"}
     terms = sorted({k for rows in runs.values() for r in rows for k in r if k not in skip and not k.startswith("_")
-                    and not k.startswith("skipped")})
+                    and not k.startswith(("skipped", "eval/"))})
     panels = ["loss"] + terms + ["lr", "img_per_s"]
     fig = Figure(figsize=(3.2 * len(panels), 2.8))
     axes = fig.subplots(1, len(panels))
@@ -239,6 +241,16 @@ with tempfile.TemporaryDirectory() as d:
 # it: DDP synchronises gradients only for computations that pass through its `forward`. The loss is averaged
 # over the processes *before* deciding whether the step is bad, so every process skips the same steps (a
 # process that skipped alone would leave the others waiting in the gradient all-reduce).
+#
+# **Accumulation.** With `accum_steps = k` a process's batch is $k$ micro-batches and the step computes the gradient
+# of the whole batch's loss all the same (`49c_accum`, GradCache): the loss depends on the parameters only through
+# the forward outputs $z_i$ of the micro-batches, so $\partial L/\partial\theta = \sum_i (\partial L/\partial z_i)
+# \,\partial z_i/\partial\theta$. Every micro-batch is embedded without gradient, the method's loss is computed
+# once on the joined outputs (gathered across processes as always) and differentiated with respect to them, then each
+# micro-batch is embedded again with gradient, replaying its random state, and its slice of $\partial L/\partial z$
+# is back-propagated; under DDP the first $k-1$ of these backward passes run in `no_sync()`. The bad-step decision
+# sits between the loss and that backward, as for $k=1$; checkpoints fall between optimiser steps, so resume stays
+# exact.
 
 # %%
 #| export
@@ -287,13 +299,18 @@ def forward_loss(fwd, method, batch: dict, ctx: pdist.DistContext,
 
 def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: TrainConfig, model) -> dict:
     "Forward, backward, optimiser and scheduler step; a non-finite loss or gradient norm skips the update."
-    loss, terms = forward_loss(fwd, method, batch, ctx, cfg.precision)
+    if cfg.accum_steps > 1:   # k micro-batches, the loss once on their joined outputs (49c_accum)
+        loss, terms, backward = accumulate(fwd, method, batch, ctx, cfg.accum_steps,
+                                           lambda: autocast_for(cfg.precision, ctx.device))
+    else:
+        loss, terms = forward_loss(fwd, method, batch, ctx, cfg.precision)
+        backward = loss.backward
     loss_all = pdist.all_mean(loss.float())
     opt.zero_grad(set_to_none=True)
     ok = bool(torch.isfinite(loss_all))
     gnorm = torch.tensor(float("nan"))
     if ok:
-        loss.backward()
+        backward()
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]  # model + method modules
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
         ok = bool(torch.isfinite(gnorm))  # gradients are all-reduced already: every process agrees
@@ -358,6 +375,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
             raise ValueError(f"global_batch_size: {cfg.global_batch_size} is not divisible by the {G} processes "
                              f"(give a multiple of {G})")
         B = cfg.global_batch_size // G
+    if B % cfg.accum_steps:
+        raise ValueError(f"accum_steps: {B} rows per process do not split into {cfg.accum_steps} equal "
+                         f"micro-batches (give a divisor of {B})")
+    if cfg.accum_steps > 1 and method.accum_obstacle:
+        raise ValueError(f"accum_steps: method {cfg.method!r} cannot accumulate gradients exactly: "
+                         f"{method.accum_obstacle} (use accum_steps=1)")
     pre = cfg.model.pretrained
     if pre == "required":
         raise ValueError(f"model.pretrained: this preset fine-tunes a pretrained {cfg.model.name}: give its weights "
@@ -557,6 +580,15 @@ test_eq(set(next(iter(build_run(load_config("smoke", method="clip"), pdist.init_
 _out = _run.step(_run.prepare(_b), TrainState())
 assert _out["ok"] and set(_run.derived()) == {"seeds", "geometry", "needs"} and _run.derived()["needs"]["regions"] == 4
 
+# %% [markdown]
+# ## Evaluation while training
+#
+# With `eval_every=N` the main process evaluates the model every $N$ steps and at the last one (`49d_train_eval`: the
+# evaluation comes from `powerclip-eval`, its random states and the model's modes are put back afterwards); the numbers
+# join that step's metrics row (a row is written at such a step even off `log_every`) and TensorBoard under `eval/...`,
+# the evaluation's seconds are left out of the training time and the throughput, and the other processes wait for it
+# under a timeout of their own (`eval_timeout_s`, `pdist.wait_for_main`), not the run's collective timeout. The
+# weights are bitwise those of the run without it (below; `tests/test_eval_every.py` with the real evaluation).
 
 # %% [markdown]
 # ## The loop
@@ -584,20 +616,24 @@ def _log(msg: str, ctx: pdist.DistContext):
         print(f"[powerclip.train] {msg}", file=sys.stderr, flush=True)
 
 
-def train(cfg: TrainConfig) -> dict:
-    "Run (or resume) a training run; returns a summary dict (run_dir, steps, last metrics, bad steps, seconds)."
+def train(cfg: TrainConfig, evaluate=None) -> dict:
+    """Run (or resume) a training run; returns a summary dict (run_dir, steps, last metrics, bad steps, seconds).
+    `evaluate`: the main process's evaluation every `cfg.eval_every` steps (None: `default_evaluator(cfg)`)."""
     ctx = pdist.init_distributed(cfg.device)
     try:
-        return _train(cfg, ctx)
+        return _train(cfg, ctx, evaluate)
     finally:
         pdist.cleanup(ctx)
 
 
-def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
+def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
     # before the model: a damaged checkpoint is one line
     ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main)
     position = resume_position(cfg, ctx, ck, ck_path)
+    if ctx.is_main and cfg.eval_every and evaluate is None:
+        evaluate = default_evaluator(cfg)   # the evaluation folder checked (the world's written) before the model
     run = build_run(cfg, ctx)
+    waiter = pdist.wait_group(ctx, cfg.eval_timeout_s) if cfg.eval_every else None   # every process, here
     cfg, model, method, modules, opt, sched, total = (run.cfg, run.model, run.method, run.modules, run.opt,
                                                       run.sched, run.total)
     run_dir = Path(cfg.out_dir)
@@ -672,14 +708,21 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                     raise RuntimeError(f"{state.bad_in_row} non-finite steps in a row "
                                        f"(max_bad_in_row={cfg.max_bad_in_row}): aborting at step {state.step}")
             bar.update(1)
-            if state.step % cfg.log_every == 0 or state.step == total:
+            evaluated, due = {}, bool(cfg.eval_every) and (state.step % cfg.eval_every == 0 or state.step == total)
+            if due:
+                t_eval = time.time()
+                evaluated = evaluate_isolated(evaluate, run.fwd, model, modules, state.step) if ctx.is_main else {}
+                pdist.wait_for_main(waiter)
+                dt = time.time() - t_eval     # left out of the training time and the throughput
+                t_start, t_last = t_start + dt, t_last + dt
+            if state.step % cfg.log_every == 0 or state.step == total or due:
                 now = time.time()
                 terms = {k: float(pdist.all_mean(v.float())) for k, v in sorted(out.items())
                          if k not in ("loss", "ok", "lr")}
                 skipped = _skip_columns(loader.skipped(), state.skipped, ctx) if cfg.data.source == "wds" else {}
                 last_row = dict(step=state.step, epoch=state.epoch, lr=out["lr"], loss=float(out["loss"]),
                                 **terms, img_per_s=global_batch * n_since / max(now - t_last, 1e-9),
-                                time=now - t_start, bad_total=state.bad_total, **skipped)
+                                time=now - t_start, bad_total=state.bad_total, **skipped, **evaluated)
                 logger.log(last_row)
                 bar.set_postfix(loss=f"{last_row['loss']:.4f}", img_s=f"{last_row['img_per_s']:.0f}", refresh=False)
                 t_last, n_since = now, 0
@@ -712,6 +755,27 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext) -> dict:
                 checkpoint=str(run_dir / "checkpoints" / "last.pt"), weights=str(run_dir / "model.pt"),
                 # the peak of the steps this call took (NaN when it took none: a finished run called again)
                 peak_mib=mem.mib() if state.step > first_step else float("nan"))
+
+
+# %% [markdown]
+# An evaluation that draws from every random stream and leaves the model in eval mode changes nothing: the weights
+# after 6 steps with it every 2 steps are bitwise those without it (the real evaluation, on the world's held-out
+# scenes, is `64a_eval_training`'s and `tests/test_eval_every.py`'s).
+
+# %%
+def _greedy(model, modules, step):
+    import random as _random
+    model.eval()
+    return {"eval/draws": float(torch.rand(3).sum() + np.random.rand() + _random.random()), "eval/step": step}
+
+with tempfile.TemporaryDirectory() as d:
+    # FLIP: its patches are dropped with the global torch stream, which the evaluation draws from too
+    _plain = train(load_config("smoke", dict(out_dir=f"{d}/plain", tensorboard=False, progress=False), "flip"))
+    _evald = train(load_config("smoke", dict(out_dir=f"{d}/eval", tensorboard=False, progress=False, eval_every=2),
+                               "flip"), _greedy)
+    _w0, _w1 = torch.load(f"{d}/plain/model.pt"), torch.load(f"{d}/eval/model.pt")
+    assert all(torch.equal(_w0[k], _w1[k]) for k in _w0) and _w0.keys() == _w1.keys()
+    test_eq([r["eval/step"] for r in read_metrics(f"{d}/eval/metrics.csv") if "eval/step" in r], [2, 4, 6])
 
 
 # %% [markdown]
@@ -770,7 +834,9 @@ def _main(argv: list[str]) -> int:
     with usage_errors():     # the user's mistakes, found before the model is built: one line (powerclip.commandline)
         cfg = parse_args(argv)
         validate(cfg)
-    summary = train(cfg)
+        # the main process's evaluation folder, checked (the world's written) before the model is built
+        evaluate = default_evaluator(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
+    summary = train(cfg, evaluate)
     if int(os.environ.get("RANK", 0)) == 0:
         print(yaml.safe_dump(summary, sort_keys=False))
     return 0

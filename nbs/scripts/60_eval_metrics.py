@@ -23,12 +23,12 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 # %%
 #| hide
-import numpy as np
 from fastcore.test import test_close, test_eq, test_fail
 
 
@@ -337,6 +337,17 @@ test_eq(winoground_scores(cases), dict(text=50.0, image=50.0, group=25.0, n=4))
 #   true positive when $y_r=k$; the average precision is COCO's (precision made monotone from the right, read at the
 #   101 recalls $0, 0.01, \dots, 1$); `ap50` is its mean over the classes that have regions, in percent.
 #
+# **COCO's recall grid, to the last bit.** pycocotools reads the precision at `np.linspace(0, 1, 101)` in float64, the
+# first rank whose recall is at least the grid point (`np.searchsorted(recall, grid, side='left')`). That grid is not
+# $i/100$ at every point: `np.linspace` computes $i \cdot 0.01$, so point 35 is `0.35000000000000003`, above the
+# recall $7/20 = 0.35$ of a class's 7th hit out of 20, which therefore does not reach it (the 8th hit does). Ten of the
+# 101 points differ from $i/100$ this way (35, 41, 47, 57, 69, 70, 82, 83, 94, 95), and `torch.linspace`, which this
+# notebook used before, rounds six points otherwise (35, 41, 47, 56, 68, 81: it gives `0.5599999999999999` at 56 and
+# `0.7` at 70), so a class with 20 or 100 positives could be read at another rank than COCO reads it (the hand case
+# below moves by 0.05 points). `RECALL_POINTS` is `np.linspace`'s array, and `tests/test_region_edges.py` checks
+# `average_precision` against pycocotools' own `COCOeval` where it is installed, and against the algorithm written out
+# in NumPy where it is not.
+#
 # **How it relates to the paper's detector AP50** (Table 15, OV-COCO): a detector proposes boxes and is scored with
 # COCO's AP at IoU $\ge 0.5$; here the proposals are the ground-truth boxes themselves, so every box matches its own
 # object at IoU 1, no object is missed and no box is a duplicate. What is left is exactly the classification half of
@@ -353,7 +364,8 @@ test_eq(winoground_scores(cases), dict(text=50.0, image=50.0, group=25.0, n=4))
 
 # %%
 #| export
-RECALL_POINTS = torch.linspace(0, 1, 101, dtype=torch.float64)   # COCO's 101 recall thresholds
+# COCO's 101 recall thresholds, bit for bit: pycocotools' np.linspace (not i/100, not torch.linspace; see above)
+RECALL_POINTS = torch.from_numpy(np.linspace(0.0, 1.0, 101))
 
 def average_precision(scores: torch.Tensor, positive: torch.Tensor) -> float:
     """scores `(n,)`, positive `(n,)` bool -> COCO's 101-point interpolated average precision (%) of ranking by
@@ -449,8 +461,8 @@ def _ap_reference(scores: list, positive: list) -> float:
         rec.append(tp / P)
     for j in range(len(prec) - 2, -1, -1):
         prec[j] = max(prec[j], prec[j + 1])
-    return (100
-            * sum(next((prec[j] for j in range(len(rec)) if rec[j] >= r / 100 - 1e-12), 0.0) for r in range(101)) / 101)
+    grid = np.linspace(0, 1, 101).tolist()                                   # COCO's grid, as pycocotools makes it
+    return 100 * sum(next((prec[j] for j in range(len(rec)) if rec[j] >= r), 0.0) for r in grid) / 101
 
 _g = torch.Generator().manual_seed(0)
 for _ in range(200):
@@ -460,6 +472,69 @@ for _ in range(200):
     if not pos.any():
         pos[0] = True
     test_close(_ap(sc, pos), _ap_reference(sc.tolist(), pos.tolist()), eps=1e-9)
+
+# %% [markdown]
+# Where the grid matters: 20 positives, the first 14 ranked first, then one negative, then the other 6. The monotone
+# precision is 1 up to the 14th hit and 20/21 after it. The 14th hit's recall is $14/20 = 0.7$, below COCO's grid point
+# 70 (`0.7000000000000001`), so COCO reads that point at the 15th hit: 70 of the 101 points read 1 and 31 read 20/21.
+# On a grid of exact hundredths (or `torch.linspace`'s, whose point 70 is `0.7`) 71 points would read 1.
+
+# %%
+_pos20 = torch.tensor([True] * 14 + [False] + [True] * 6)
+_coco = 100 * (70 + 31 * 20 / 21) / 101
+test_close(_ap(-torch.arange(21.0), _pos20), _coco, eps=1e-12)
+test_eq(float(torch.linspace(0, 1, 101, dtype=torch.float64)[70]) == 0.7 < float(RECALL_POINTS[70]), True)
+print(f'AP {_ap(-torch.arange(21.0), _pos20):.4f}; on hundredths it would be {100 * (71 + 30 * 20 / 21) / 101:.4f}')
+
+
+# %% [markdown]
+# ## Chance AP
+#
+# A scorer that knows nothing gives each region iid random logits, so each class's scores (its softmax column) are iid
+# over the regions, and the regions of the class land at uniformly random ranks among all $R$ regions, whatever the
+# number of classes $K$ is. The AP it gets for a class therefore depends only on the class's count $P$ and on $R$:
+# $E[\mathrm{AP}(P, R)]$, the mean AP over uniform random rankings. `chance_average_precision` estimates it from random
+# permutations (seeded, 2,000 by default, vectorised: the $P$ positives' ranks are the first $P$ of a random sample of
+# ranks without replacement) through the same monotone-precision, 101-point rule as `average_precision`. Chance AP50
+# of a set of classes (all, OV-COCO's base, its novel) is the mean of $E[\mathrm{AP}(P_k, R)]$ over its classes with
+# regions, exactly what `region_classification_metrics` averages; chance top-1 is $100/K$ for every group, since each
+# region still chooses among all $K$ classes. One exact case checks it: with one positive at a uniform rank $j$, AP is
+# $1/j$ at every grid point, so $E[\mathrm{AP}(1, R)] = H_R / R$.
+
+# %%
+#| export
+def chance_average_precision(positives, n: int, draws: int = 2000, seed: int = 0) -> list[float]:
+    """For each count `P` of `positives` (ints): the expected `average_precision` (%) of a uniformly random ranking of
+    `n` items of which `P` are positive, the mean over `draws` random rankings from `seed` (see above)."""
+    ps = [int(p) for p in positives]
+    if not ps:
+        return []
+    if n < 1 or min(ps) < 1 or max(ps) > n:
+        raise ValueError(f'each count of positives must be in [1, {n}], got {min(ps)}..{max(ps)}')
+    rng, top = np.random.default_rng(seed), max(ps)
+    ranks = np.stack([rng.choice(n, top, replace=False) for _ in range(draws)]) + 1   # (draws, top) 1-based ranks
+    grid = RECALL_POINTS.numpy()
+    out = []
+    for P in ps:
+        at = np.sort(ranks[:, :P], axis=1)                                     # (draws, P) the hits' ranks
+        hits = np.arange(1, P + 1)
+        prec = np.maximum.accumulate((hits / at)[:, ::-1], axis=1)[:, ::-1]     # (draws, P) monotone from the right
+        idx = np.searchsorted(hits / P, grid, side='left')                     # (101,) the same for every draw
+        read = np.where(idx < P, prec[:, np.minimum(idx, P - 1)], 0.0)         # (draws, 101)
+        out.append(100 * float(read.mean()))
+    return out
+
+
+# %%
+_n = 10
+_c = chance_average_precision([1, 3, _n], _n, draws=4000)
+test_close(_c[0], 100 * sum(1 / j for j in range(1, _n + 1)) / _n, eps=1.5)     # H_n / n; Monte-Carlo error ~0.4
+test_eq(_c[2], 100.0)                                                                # every item positive
+_gr = torch.Generator().manual_seed(1)
+_mc = np.mean([_ap(torch.rand(_n, generator=_gr), torch.arange(_n) < 3) for _ in range(4000)])
+test_close(_c[1], _mc, eps=1.5)                          # the same expectation as random scores through `_ap`
+test_eq(chance_average_precision([1, 3], _n, draws=50, seed=3), chance_average_precision([1, 3], _n, draws=50, seed=3))
+test_fail(lambda: chance_average_precision([0], 5), contains='in [1, 5]')
 
 
 # %% [markdown]

@@ -90,7 +90,10 @@ class BadData(ValueError):
 # | `bad_caption` | a caption that `parsing.caption_problem` refuses (null, not a string, empty, no letter or digit): the rule training uses |
 # | `bad_negative` | a SugarCrepe item whose negative caption is refused by the same rule |
 # | `no_caption` | an image left without any usable caption: dropped from retrieval |
-# | `bad_region` | a region annotation with an empty area or segmentation, a degenerate box (no width or height) or a box outside its image |
+# | `bad_region` | a region annotation whose box is not `[x, y, w, h]` of finite numbers, or lies outside its image, or whose area is not a number |
+# | `bad_polygon` | a polygon segmentation that cannot be drawn: a flat list, an odd number of coordinates, a coordinate that is not a finite number |
+# | `bad_rle` | an RLE segmentation that cannot be decoded: a size that is not the image's, counts that are not non-negative integers summing to height x width, a compressed string that does not parse |
+# | `degenerate` | a region with nothing to see: an empty segmentation, polygons that enclose no area (a one-point polygon), an RLE without a foreground pixel, a box without width or height, an area of 0 |
 # | `unknown_category` | a region whose category id the file's `categories` do not list |
 # | `crowd_region` | a COCO crowd region (`iscrowd`: many objects in one mask; COCO's evaluation ignores them too) |
 # | `outside_vocabulary` | a region of a category outside the chosen vocabulary (OV-COCO's 65 classes leave out 15 of COCO's 80) |
@@ -110,7 +113,8 @@ class BadData(ValueError):
 # %%
 #| export
 ITEM_SKIP_REASONS = ('missing_image', 'bad_image', 'bad_caption', 'bad_negative', 'no_caption', 'bad_region',
-                     'unknown_category', 'crowd_region', 'outside_vocabulary', 'outside_view')
+                     'bad_polygon', 'bad_rle', 'degenerate', 'unknown_category', 'crowd_region', 'outside_vocabulary',
+                     'outside_view')
 
 @dataclass
 class ItemSkips:

@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from powerclip.checkpoint import CheckpointFiles, CheckpointLayoutError, find_weights, read_params
 from powerclip.eval.data import BadData, MissingData, read_image
 from powerclip.methods import GlobalScorer, Scorer, get_method
 
@@ -47,8 +48,9 @@ from fastcore.test import test_eq, test_fail
 #
 # > The one way a checkpoint is loaded for evaluation, the scorers its method offers, and an `Evaluator`.
 #
-# A checkpoint is a file, a run folder or a random initialisation, with the architecture and the method read from the run;
-# the `Evaluator` turns images and captions into cached features and scores.
+# A checkpoint is a file, a run folder (ours or open_clip's), an open_clip release or a random initialisation, with the
+# architecture and the method read from what the checkpoint records; the `Evaluator` turns images and captions into
+# cached features and scores.
 
 # %% [markdown]
 # ## Loading a checkpoint
@@ -57,15 +59,26 @@ from fastcore.test import test_eq, test_fail
 # and loads a local checkpoint, whatever a user has:
 #
 # - a plain open_clip `state_dict` (`runs/NAME/model.pt`), open_clip's `{'state_dict': ..}`, or the trainer's
-#   `{'model': ..}` (`runs/NAME/checkpoints/last.pt`), with `module.` / `model.` prefixes (DDP, `model.Encoder`) stripped;
+#   `{'model': ..}` (`runs/NAME/checkpoints/last.pt`), with `module.` / `model.` prefixes (DDP, `model.Encoder`)
+#   stripped;
 # - a run folder: its `model.pt`, else `checkpoints/last.pt`;
+# - open_clip's two folders (`49b_checkpoint`, `find_weights`): a release as on a model hub (`open_clip_config.json`
+#   beside `open_clip_model.safetensors` or `open_clip_pytorch_model.bin`, a `.safetensors` file read by the
+#   `safetensors` package) and a run of open_clip's training script (`logs/NAME/`: its latest `checkpoints/epoch_N.pt`;
+#   another epoch by giving its file);
 # - nothing: a random initialisation from `seed` (the untrained row of the comparison, and tests).
 #
 # **What the run says.** A trainer checkpoint carries its run config; a plain `model.pt` has the run's
 # `config.yaml` beside it (or one folder up). From it come the architecture (`model.name`), its overrides
 # (`model.kwargs`: fewer layers, context length 32, ..., applied, and the tokenizer uses the model's context
 # length) and the **method** (`method`, `method_cfg`). A name given by the caller wins (`--model`, `--method`); the
-# run's kwargs only apply to the architecture the run names.
+# run's kwargs only apply to the architecture the run names. open_clip's folders record less, in their own files
+# (found beside the weights or one folder up, after our `config.yaml`): a run's `params.txt` names the architecture
+# (`model: ViT-B-16`) and whether QuickGELU was forced (its other `force_*` options are not applied: a warning says
+# so); a release's `model_cfg` is built as it is, from the registered architecture closest to it (fewest differing
+# entries: usually the same config, then no kwargs) with the entries that differ as kwargs, and with the release's
+# own `preprocess_cfg` (mean, std, interpolation, resize mode) and tokenizer. `checkpoint_record` reads all of these
+# into the run config's form. So both open_clip folders load without `--model`.
 #
 # **How it is scored.** The evaluator asks the method: `Method.scorers()` maps names to `Scorer`s
 # (`40_methods`), the method's own way first (FILIP: `'late'` interaction, then `'global'`), and every method offers
@@ -155,20 +168,17 @@ def _state_dict(ck) -> dict:
         sd[k] = v
     return sd
 
-def checkpoint_file(path) -> Path:
-    "A checkpoint file, or a run folder's `model.pt` (else its `checkpoints/last.pt`)."
-    path = Path(path)
-    if path.is_dir():
-        found = [p for p in (path / 'model.pt', path / 'checkpoints' / 'last.pt') if p.is_file()]
-        if not found:
-            raise MissingData(f'run directory {path} has neither model.pt nor checkpoints/last.pt')
-        return found[0]
-    return _need_file(path)
+def checkpoint_files(path) -> CheckpointFiles:
+    "`find_weights` (`49b_checkpoint`) of a checkpoint file or folder; a path in no known layout is `MissingData`."
+    try:
+        return find_weights(path)
+    except CheckpointLayoutError as e:
+        raise MissingData(str(e)) from None
 
-def _need_file(path: Path) -> Path:
-    if not path.is_file():
-        raise MissingData(f'checkpoint: expected {path}')
-    return path
+def checkpoint_file(path) -> Path:
+    """The weights file of a checkpoint file or folder: a run folder's `model.pt` (else its `checkpoints/last.pt`),
+    an open_clip release's weights, an open_clip run's latest `epoch_N.pt`."""
+    return checkpoint_files(path).weights
 
 def run_config(checkpoint, ck=None) -> dict:
     """The config of the run a checkpoint belongs to: the one inside a trainer checkpoint `ck`, else `config.yaml`
@@ -181,6 +191,89 @@ def run_config(checkpoint, ck=None) -> dict:
         if (d / 'config.yaml').is_file():
             return yaml.safe_load((d / 'config.yaml').read_text()) or {}
     return {}
+
+def _release_record(f: Path) -> dict:
+    """A release's `open_clip_config.json` in the run config's form: the registered architecture closest to its
+    `model_cfg` (`model.name`), the entries that make it that config (`model.kwargs`), its pooling (its vision
+    `pool_type`, set apart), the `preprocess_cfg` and the folder (`release`)."""
+    import open_clip
+    from powerclip.model import register_configs
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f'{f}: not a JSON file ({type(e).__name__}: {e})') from None
+    mc = cfg.get('model_cfg') if isinstance(cfg, dict) else None
+    if not isinstance(mc, dict) or not {'embed_dim', 'vision_cfg', 'text_cfg'} <= set(mc):
+        raise CheckpointError(f'{f}: no open_clip model config ("model_cfg" with embed_dim, vision_cfg, text_cfg)')
+    register_configs()
+    (bare, pool), best = _unpooled(mc), None
+    for n in sorted(open_clip.list_models()):
+        c, cp = _unpooled(open_clip.get_model_config(n))
+        if set(c) <= set(mc):                    # an entry of c that mc lacks could not be overridden away
+            kw = {k: v for k, v in bare.items() if c.get(k) != v}
+            score = (len(kw), cp != pool)          # fewest differing entries, then the same pooling
+            if best is None or score < best[0]:
+                best = (score, n, kw)
+    if best is None:
+        raise CheckpointError(f'{f}: its model_cfg has entries no open_clip architecture here has: pass --model')
+    return dict(model=dict(name=best[1], kwargs=best[2], pool=pool), release=str(f.parent),
+                preprocess_cfg=cfg.get('preprocess_cfg') or {})
+
+def _unpooled(cfg: dict) -> tuple[dict, str]:
+    "An open_clip model config without its vision `pool_type` (the pooling is set apart, `pool=`), and that pooling."
+    v = dict(cfg.get('vision_cfg') or {})
+    return {**cfg, 'vision_cfg': v}, v.pop('pool_type', 'tok')
+
+def _params_record(f: Path) -> dict:
+    "An open_clip run's `params.txt` in the run config's form: the architecture it trained, with QuickGELU if forced."
+    p = read_params(f)
+    ignored = [k for k in ('force_image_size', 'force_patch_dropout', 'force_context_length')
+               if p.get(k, 'None') not in ('None', '')]
+    if ignored:
+        log.warning('%s: %s not applied here (pass --model-kwargs)', f, ', '.join(f'{k} {p[k]}' for k in ignored))
+    kw = {'quick_gelu': True} if p.get('force_quick_gelu') == 'True' else {}
+    return dict(model=dict(name=p.get('model') or None, kwargs=kw))
+
+def checkpoint_record(files: CheckpointFiles, ck=None) -> tuple[dict, str | None]:
+    """How a checkpoint was trained, in the run config's form (`model.name`, `.kwargs`, `.pool`, `method`, ..), and
+    where it was read: the config inside a trainer checkpoint `ck`, else `files.record` (our `config.yaml`, open_clip's
+    `params.txt` or a release's `open_clip_config.json`); `({}, None)` when nothing records it."""
+    if isinstance(ck, dict) and isinstance(ck.get('config'), dict):
+        return ck['config'], f'the config inside {files.weights}'
+    r = files.record
+    if r is None:
+        return {}, None
+    if r.name == 'params.txt':
+        return _params_record(r), str(r)
+    if r.name == 'open_clip_config.json':
+        return _release_record(r), str(r)
+    return run_config(files.weights), str(r)
+
+def _trained_pool(run_model: dict) -> str | None:
+    """The pooling a run config records: `model.pool`, else its architecture's own; None when it names no known one
+    (our configs registered: `register_configs`)."""
+    from powerclip.model import arch_pool
+    if run_model.get('pool') is not None or run_model.get('name') is None:
+        return run_model.get('pool')
+    try:
+        return arch_pool(run_model['name'], run_model.get('kwargs'))
+    except (TypeError, NotImplementedError):        # an architecture unknown here, or pooled another way
+        return None
+
+def choose_pool(asked: str | None, trained: str | None, default: str | None, named: bool,
+                source: str | None) -> tuple[str | None, str | None]:
+    """`(pool, warning or None)`: the pooling `asked` (`--pool`) if any, else the one the checkpoint was `trained`
+    with (read from `source`), else None (the architecture's own, `default`). `named`: the caller named the
+    architecture, whose own pooling is `default`."""
+    if asked is not None:
+        if trained is not None and trained != asked:
+            return asked, (f'pooling: {asked!r} as --pool asks, though the checkpoint was trained pooling by '
+                           f'{trained!r} ({source})')
+        return asked, None
+    if trained is not None and named and default is not None and trained != default:
+        return trained, (f'pooling: {trained!r}, as the checkpoint was trained ({source}), where the architecture '
+                         f'named pools by {default!r}; --pool {default} scores it that way')
+    return trained, None
 
 def _method(method: str | None, method_cfg: dict | None):
     if method is None:
@@ -224,45 +317,70 @@ class LoadedModel:
     method: str | None = None                              # the training method, when known
     scorers: dict = field(default_factory=lambda: {'global': GlobalScorer()})   # name -> Scorer, the headline first
     modules: object = None  # the method's trained modules (`method_modules`), when it has any
+    weights: str | None = None  # the file the weights were read from (a folder's latest epoch, ..); None: random init
+
+def _read_checkpoint(f: Path):
+    "What a weights file holds: a `.safetensors` file's tensors, else what `torch.load` reads."
+    if f.suffix == '.safetensors':
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CheckpointError(f'{f}: reading a .safetensors file needs the safetensors package '
+                                  '(pip install safetensors)') from None
+        try:
+            return load_file(str(f), device='cpu')
+        except Exception as e:
+            raise CheckpointError(f'{f}: not a safetensors file ({type(e).__name__}: {e})') from None
+    try:
+        return torch.load(f, map_location='cpu', weights_only=True)
+    except Exception as e:   # the trainer's checkpoints also hold RNG states and configs
+        log.info('weights_only load failed (%s); loading %s as a trusted local pickle', type(e).__name__, f)
+        try:
+            return torch.load(f, map_location='cpu', weights_only=False)
+        except Exception as e2:
+            raise CheckpointError(f'{f}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
 
 def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, device: str = 'cpu',
                model_kwargs: dict | None = None, method: str | None = None, method_cfg: dict | None = None,
                pool: str | None = None) -> LoadedModel:
-    """Build the architecture and load a checkpoint file or run folder (None = random init from `seed`). The run's
-    config (inside a trainer checkpoint, or `config.yaml` beside the file) names the architecture, its kwargs, its
-    pooling (`model.pool`) and the method; `model_name` / `method` / `pool` given here win (a pool None and none in the
-    run: the architecture's, `30_model`). Raises `CheckpointError` (`NonFiniteWeights`) before building
-    anything for a checkpoint that cannot be evaluated."""
+    """Build the architecture and load a checkpoint file or folder (None = random init from `seed`). What the
+    checkpoint records (`checkpoint_record`) names the architecture, its kwargs, its pooling and the method;
+    `model_name` / `method` given here win, and `pool` (see "Pooling" below). Raises `CheckpointError`
+    (`NonFiniteWeights`) before building anything for a checkpoint that cannot be evaluated."""
     # here, not at the top: `--help`, `table`, `make-world` stay fast
     import open_clip
-    from powerclip.model import create_model, pool_of
-    sd, run, ck = None, {}, None
+    from powerclip.model import arch_pool, create_model, pool_of, register_configs
+    register_configs()
+    sd, run, ck, source = None, {}, None, None
     if checkpoint is not None:
-        checkpoint = checkpoint_file(checkpoint)
-        try:
-            ck = torch.load(checkpoint, map_location='cpu', weights_only=True)
-        except Exception as e:   # the trainer's checkpoints also hold RNG states and configs
-            log.info('weights_only load failed (%s); loading %s as a trusted local pickle',
-                     type(e).__name__, checkpoint)
-            try:
-                ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
-            except Exception as e2:
-                raise CheckpointError(
-                    f'{checkpoint}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
+        files = checkpoint_files(checkpoint)
+        checkpoint = files.weights
+        log.info('checkpoint: %s (%s)', checkpoint, files.layout)
+        ck = _read_checkpoint(checkpoint)
         if not isinstance(ck, dict):
             raise CheckpointError(f'{checkpoint}: not a state dict or a trainer checkpoint (a {type(ck).__name__})')
-        sd, run = _state_dict(ck), run_config(checkpoint, ck)
+        sd, (run, source) = _state_dict(ck), checkpoint_record(files, ck)
         check_finite(sd, f'checkpoint {checkpoint}')
     run_model = run.get('model') or {}
     name = model_name or run_model.get('name')
     if name is None:
         raise CheckpointError('no model name given: pass --model' if checkpoint is None else
-                              f'no model name given, and neither {checkpoint} nor a config.yaml beside '
-                              'it names one: pass --model')
-    kw = dict(run_model.get('kwargs') or {}) if run_model.get('name') in (None, name) else {}
+                              f'no model name given, and neither {checkpoint} nor a config.yaml, params.txt or '
+                              'open_clip_config.json beside it names one: pass --model')
+    same = run_model.get('name') in (None, name)         # the run's kwargs only fit the architecture it names
+    kw = dict(run_model.get('kwargs') or {}) if same else {}
     kw.update(model_kwargs or {})
-    if pool is None and run_model.get('name') in (None, name):
-        pool = run_model.get('pool')
+    try:
+        default = arch_pool(name, kw)
+    except (TypeError, NotImplementedError):             # unknown here (create_model says so) or pooled another way
+        default = None
+    pool, warning = choose_pool(pool, _trained_pool(run_model), default, model_name is not None, source)
+    if warning:
+        log.warning(warning)
+    # a release built as its own config says: its preprocessing, its tokenizer (our architecture is only the closest)
+    release = run.get('release') if same else None
+    pre = (run.get('preprocess_cfg') or {}) if release else {}
+    extra = {f'image_{k}': pre[k] for k in ('mean', 'std', 'interpolation', 'resize_mode') if k in pre}
     method = method or run.get('method')
     if method_cfg is None:
         method_cfg = (run.get('method_cfg') or {}) if run.get('method') == method else {}
@@ -270,9 +388,10 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     torch.manual_seed(seed)
     with _quiet_open_clip_random_init():
         try:
-            model, _, preprocess = create_model(name, pool=pool, **kw)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None     # an unknown architecture name
+            model, _, preprocess = create_model(name, pool=pool, **kw, **extra)
+        except (ValueError, NotImplementedError) as e:   # an unknown architecture name, or pooled another way
+            where = f' (named by {source})' if model_name is None and source else ''
+            raise CheckpointError(f'{e}{where}') from None
     arch = name                                          # architecture names only (no aliases)
     pooled = pool_of(model)
     if m is not None and pooled not in m.pools:
@@ -293,13 +412,16 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
         if missing or unexpected:
             raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), '
                                   f'unexpected {unexpected[:5]}.. ({len(unexpected)})')
-    tok = open_clip.get_tokenizer(arch, context_length=model.context_length)
+    try:
+        tok = open_clip.get_tokenizer(f'local-dir:{release}' if release else arch, context_length=model.context_length)
+    except Exception as e:   # a release naming a Hugging Face tokenizer that is not here (nothing downloads)
+        raise CheckpointError(f'the tokenizer of {release or arch} cannot be built ({type(e).__name__}: {e})') from None
     modules = method_modules(m, model, checkpoint, ck)
     if modules is not None:
         modules.to(device)
     scorers = {'global': GlobalScorer()} if m is None else dict(m.scorers(modules))
     return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw, pool=pooled),
-                       method, scorers, modules)
+                       method, scorers, modules, None if checkpoint is None else str(checkpoint))
 
 
 # %% [markdown]
@@ -331,7 +453,7 @@ test_eq(load_model('powerclip-micro').ckpt_id, 'random-init-powerclip-micro-seed
 (d / 'bare').mkdir()
 torch.save(_sd, d / 'bare' / 'model.pt')
 test_fail(lambda: load_model(checkpoint=d / 'bare' / 'model.pt'), contains='config.yaml')
-test_fail(lambda: load_model(checkpoint=d), contains='neither model.pt')
+test_fail(lambda: load_model(checkpoint=d), contains='no checkpoint in a known layout')
 (d / 'notes.pt').write_text('not a checkpoint')
 test_fail(lambda: load_model('powerclip-micro', d / 'notes.pt'), contains='not a checkpoint torch can read')
 test_fail(lambda: load_model('powerclip-micro', method='nosuch'), contains='unknown method')
@@ -339,8 +461,14 @@ test_fail(lambda: load_model(), contains='pass --model')
 
 # %% [markdown]
 # **Pooling and the authors' checkpoints.** How the model pools (`'tok'`: class token and EOT; `'avg'`: the mean of
-# the patch and caption tokens, the PowerCLIP authors' model; `30_model`, "Pooling") comes from the run's
-# `model.pool`, else from the architecture (`ViT-B-16-avg` pools by the mean), and `pool=` (`--pool`) wins. It reaches
+# the patch and caption tokens, the PowerCLIP authors' model; `30_model`, "Pooling") is the one the checkpoint was
+# trained with, as its record says (the run's `model.pool`, else its architecture's: `ViT-B-16-avg` pools by the
+# mean; a release's `vision_cfg.pool_type`), unless the caller names one (`pool=`, `--pool`), and the architecture's
+# own when nothing records it. We honour the record over the architecture a caller names, because the weights were
+# trained to be read that way: `--model ViT-B-16` on a checkpoint trained as `ViT-B-16-avg` builds ViT-B/16 pooled
+# by the mean. Where the choice disagrees with something (a `--pool` against the record, or the record against the
+# named architecture's own pooling), one warning line says which pooling is used, why, and how to get the other
+# (`choose_pool`); an explicit `--pool` is obeyed. It reaches
 # every scorer, because they read `encode_image` / `encode_text` or `encode`, which all pool the model's way; the
 # checkpoint id of an `'avg'` model carries `-avg`, so the same weights pooled two ways never share cached features.
 # The PowerCLIP authors trained with open_clip's training script, whose checkpoints are `epoch_N.pt` files holding
@@ -375,6 +503,93 @@ torch.save(_avg.state_dict(), d / 'avgrun' / 'model.pt')
 (d / 'avgrun' / 'config.yaml').write_text('model: {name: powerclip-micro, pool: avg}\nmethod: clip\nmethod_cfg: {}\n')
 test_eq(pool_of(load_model(checkpoint=d / 'avgrun').model), 'avg')
 test_fail(lambda: load_model(checkpoint=d / 'avgrun', method='aclip'), contains="method 'aclip' pools by tok")
+
+# %% [markdown]
+# **open_clip's folders.** The same average-pooled weights as open_clip would leave them, the micro model standing in:
+# a release (its `model_cfg` the micro config with `pool_type: avg`, its own normalisation, the weights as
+# `open_clip_pytorch_model.bin`, then as `open_clip_model.safetensors`) and a training run (`params.txt` naming the
+# architecture, `epoch_2.pt` and `epoch_10.pt` under `module.`): each loads with no name given, the run folder as its
+# latest epoch (10, not 2), another epoch by its file. A release whose config differs from every registered one is
+# built from the closest, the difference as kwargs. The release is trained pooling by the mean: named as
+# `powerclip-micro` (which pools by the class token) it is still pooled by the mean, with one warning line; an
+# explicit `pool='tok'` is obeyed, with one warning line too.
+
+# %%
+import io as _io
+from safetensors.torch import save_file
+import open_clip
+_cfg = open_clip.get_model_config('powerclip-micro')
+_cfg['vision_cfg']['pool_type'] = 'avg'
+(d / 'hub').mkdir()
+(d / 'hub' / 'open_clip_config.json').write_text(json.dumps(dict(model_cfg=_cfg, preprocess_cfg=dict(
+    mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5]))))
+torch.save(_avg.state_dict(), d / 'hub' / 'open_clip_pytorch_model.bin')
+_lr = load_model(checkpoint=d / 'hub')
+test_eq((_lr.spec, _lr.ckpt_id, list(_lr.scorers)),
+        (dict(name='powerclip-micro', kwargs={}, pool='avg'), sha256_file(d / 'hub' / 'open_clip_pytorch_model.bin')
+         + '-avg', ['global']))
+assert all(torch.equal(v, _avg.state_dict()[k]) for k, v in _lr.model.state_dict().items())
+test_eq(_lr.preprocess.transforms[-1].mean, (0.5, 0.5, 0.5))                  # the release's own normalisation
+save_file({k: v.contiguous() for k, v in _avg.state_dict().items()}, d / 'hub' / 'open_clip_model.safetensors')
+_ls = load_model(checkpoint=d / 'hub')                                         # safetensors first, as open_clip
+test_eq((_ls.ckpt_id, _ls.spec['pool']), (sha256_file(d / 'hub' / 'open_clip_model.safetensors') + '-avg', 'avg'))
+assert all(torch.equal(v, _avg.state_dict()[k]) for k, v in _ls.model.state_dict().items())
+(d / 'logs' / 'r1' / 'checkpoints').mkdir(parents=True)
+(d / 'logs' / 'r1' / 'params.txt').write_text('batch_size: 8\nforce_quick_gelu: False\nmodel: powerclip-micro\n')
+for _n, _m in ((2, _avg), (10, create_model('powerclip-micro')[0])):
+    torch.save(dict(epoch=_n, name='r1', state_dict={f'module.{k}': v for k, v in _m.state_dict().items()},
+                    optimizer={}), d / 'logs' / 'r1' / 'checkpoints' / f'epoch_{_n}.pt')
+_l10 = load_model(checkpoint=d / 'logs' / 'r1')
+_l2 = load_model(checkpoint=d / 'logs' / 'r1' / 'checkpoints' / 'epoch_2.pt')
+assert all(torch.equal(v, _m.state_dict()[k]) for k, v in _l10.model.state_dict().items())
+test_eq(Path(_l10.weights).name, 'epoch_10.pt')
+assert all(torch.equal(v, _avg.state_dict()[k]) for k, v in _l2.model.state_dict().items())
+test_eq((_l10.spec['name'], _l10.spec['pool']), ('powerclip-micro', 'tok'))     # params.txt: micro, class token
+_cfg16 = dict(_cfg, embed_dim=16)
+(d / 'hub16').mkdir()
+(d / 'hub16' / 'open_clip_config.json').write_text(json.dumps(dict(model_cfg=_cfg16, preprocess_cfg={})))
+torch.manual_seed(0)
+_m16 = open_clip.create_model('powerclip-micro', embed_dim=16)
+torch.save(_m16.state_dict(), d / 'hub16' / 'open_clip_pytorch_model.bin')
+test_eq(load_model(checkpoint=d / 'hub16').spec, dict(name='powerclip-micro', kwargs=dict(embed_dim=16), pool='avg'))
+_h = logging.StreamHandler(_buf := _io.StringIO())
+logging.getLogger().addHandler(_h)
+try:
+    test_eq(load_model('powerclip-micro', d / 'hub').spec['pool'], 'avg')
+    _said_named = _buf.getvalue()
+    _buf.truncate(0)
+    _buf.seek(0)
+    test_eq(load_model('powerclip-micro', d / 'hub', pool='tok').spec['pool'], 'tok')
+    _said_asked = _buf.getvalue()
+finally:
+    logging.getLogger().removeHandler(_h)
+print(_said_named + _said_asked)
+assert _said_named.count('pooling:') == 1 and "'avg', as the checkpoint was trained" in _said_named, _said_named
+assert _said_asked.count('pooling:') == 1 and "'tok' as --pool asks" in _said_asked, _said_asked
+test_eq(choose_pool(None, None, 'tok', True, None), (None, None))              # nothing recorded: the architecture's
+test_eq(choose_pool(None, 'avg', 'avg', True, 'x'), ('avg', None))
+test_eq(choose_pool(None, 'avg', 'tok', False, 'x'), ('avg', None))            # nothing named: nothing to disagree
+test_eq(choose_pool('avg', 'avg', 'tok', True, 'x'), ('avg', None))
+
+# %% [markdown]
+# A folder in no layout, a release without weights, a config that is not JSON or holds no `model_cfg`, an unreadable
+# `.safetensors`, and a `params.txt` naming an architecture unknown here: one line each.
+
+# %%
+(d / 'empty').mkdir()
+test_fail(lambda: load_model(checkpoint=d / 'empty'), contains='no checkpoint in a known layout')
+(d / 'noweights').mkdir()
+(d / 'noweights' / 'open_clip_config.json').write_text('{}')
+test_fail(lambda: load_model(checkpoint=d / 'noweights'), contains='no weights beside it')
+(d / 'noweights' / 'open_clip_pytorch_model.bin').write_bytes((d / 'hub' / 'open_clip_pytorch_model.bin').read_bytes())
+test_fail(lambda: load_model(checkpoint=d / 'noweights'), contains='no open_clip model config')
+(d / 'noweights' / 'open_clip_config.json').write_text('{"model_cfg": ')
+test_fail(lambda: load_model(checkpoint=d / 'noweights'), contains='not a JSON file')
+(d / 'badst').mkdir()
+(d / 'badst' / 'open_clip_model.safetensors').write_bytes(b'not safetensors')
+test_fail(lambda: load_model('powerclip-micro', d / 'badst'), contains='not a safetensors file')
+(d / 'logs' / 'r1' / 'params.txt').write_text('model: no-such-arch\n')
+test_fail(lambda: load_model(checkpoint=d / 'logs' / 'r1'), contains='(named by')
 
 # %% [markdown]
 # A method with modules of its own (SmartCLIP's mask network here) gets them back with the run's weights, from

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from powerclip.eval.data import read_image
-from powerclip.eval.metrics import region_classification_metrics
+from powerclip.eval.metrics import chance_average_precision, region_classification_metrics
 from powerclip.eval.models import Evaluator
 from powerclip.eval.region_data import RegionSet
 from powerclip.model import grid_size
@@ -37,7 +37,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from fastcore.test import test_eq
+from fastcore.test import test_close, test_eq
 from PIL import Image
 
 
@@ -77,9 +77,14 @@ from PIL import Image
 # top-1 accuracy, mean per-class recall and AP50 with ground-truth boxes (defined there, with how it relates to a
 # detector's AP50), over all classes and over OV-COCO's base and novel classes when the set has them.
 #
-# **Chance.** A model that knows nothing ranks classes at random: top-1 accuracy and mean per-class recall $100/K$;
-# AP50 is measured on random logits (the mean of 20 draws from a fixed seed), since it depends on how many regions each
-# class has. Both are reported beside every result, and the comparison has its untrained row as well.
+# **Chance, per group.** A model that knows nothing ranks classes at random: top-1 accuracy and mean per-class recall
+# $100/K$, for every group too (a novel region still chooses among all $K$ classes of the vocabulary). Its AP for a
+# class depends only on how many of the $R$ scored regions the class has ($E[\mathrm{AP}(P_k, R)]$,
+# `chance_average_precision` in `60_eval_metrics`), so chance AP50 is the mean of that expectation over the classes
+# with regions, and over the base and the novel classes apart: `chance_ap50`, `chance_ap50_base`, `chance_ap50_novel`,
+# `chance_top1_{group}`, computed from the labels of the regions the model sees (the same regions the metrics average
+# over), not from a model's scores. Novel AP50 is a headline number, and the novel classes are fewer and rarer, so
+# their chance level is not the overall one. Every result carries them, and the comparison has its untrained row too.
 
 # %% [markdown]
 # ## Regions to patch masks and crops
@@ -177,25 +182,34 @@ def region_embeddings(ev: Evaluator, rs: RegionSet, scorer: str | None = None) -
                      f"region {rs.regions[j]['id']} outside the centred square")
     return ev._finite({k: v for k, v in f.items() if k != 'unseen'}, 'region features', scorer)
 
-def chance_ap50(labels: torch.Tensor, K: int, draws: int = 20, seed: int = 0) -> float:
-    "AP50 (%) of random logits for regions with these `labels` among `K` classes: the mean of `draws` draws."
-    g = torch.Generator().manual_seed(seed)
-    return float(np.mean([region_classification_metrics(torch.randn(len(labels), K, generator=g,
-                                                                    dtype=torch.float64), labels)['ap50']
-                          for _ in range(draws)]))
+def region_chance(labels: torch.Tensor, K: int, groups: dict | None = None) -> dict:
+    """For regions with these `labels` `(R,)` among `K` classes: `chance_top1`, `chance_ap50` and, per group of
+    `groups` ({name: class indices}), `chance_top1_{name}`, `chance_ap50_{name}` (NaN for a group without regions);
+    the expected numbers of a uniform random scorer (see above), in percent."""
+    counts = torch.bincount(torch.as_tensor(labels, dtype=torch.long), minlength=K).tolist()
+    present = [k for k in range(K) if counts[k]]
+    ap = dict(zip(present, chance_average_precision([counts[k] for k in present], len(labels))))   # {class: E[AP]}
+    def mean(classes) -> float:
+        aps = [ap[int(k)] for k in classes if int(k) in ap]
+        return float(np.mean(aps)) if aps else float('nan')
+    out = dict(chance_top1=100 / K, chance_ap50=mean(present))
+    for g, classes in (groups or {}).items():
+        out[f'chance_top1_{g}'] = 100 / K
+        out[f'chance_ap50_{g}'] = mean(classes)
+    return out
 
 def region_task(ev: Evaluator, rs: RegionSet, scorer: str | None = None) -> dict:
     """Region classification of `rs` with one scorer: `{pooled: metrics, crop: metrics}`
-    (`region_classification_metrics`, without the per-class APs), `n_regions` scored, `classes`, and the chance
-    numbers."""
+    (`region_classification_metrics`, without the per-class APs), `n_regions` scored, `classes`, `vocabulary`, and the
+    chance numbers (`region_chance`, per group)."""
     cls = class_embeddings(ev, rs.classnames, rs.templates, scorer)                        # (K, D)
     f = region_embeddings(ev, rs, scorer)
     if len(f['rows']) == 0:
         raise ValueError('no region is inside the view of the model')
     labels = torch.tensor([rs.regions[j]['label'] for j in f['rows'].tolist()], dtype=torch.long)
     scale = float(ev.model.logit_scale.detach().exp())
-    out = dict(n_regions=len(labels), classes=len(rs.classnames), chance_top1=100 / len(rs.classnames),
-               chance_ap50=chance_ap50(labels, len(rs.classnames)))
+    out = dict(n_regions=len(labels), classes=len(rs.classnames), vocabulary=rs.vocabulary,
+               **region_chance(labels, len(rs.classnames), rs.groups))
     for emb in ('pooled', 'crop'):
         m = region_classification_metrics(scale * f[emb].double() @ cls.double().T, labels, rs.groups)
         out[emb] = {k: v for k, v in m.items() if k != 'ap_per_class'}
@@ -244,6 +258,34 @@ with torch.no_grad():
         _hand = torch.nn.functional.normalize(_p[_mask].mean(0), dim=-1)
         torch.testing.assert_close(_f['pooled'][_k].double(), _hand, rtol=0, atol=1e-5)
 print({k: _res[k] for k in ('n_regions', 'chance_top1', 'chance_ap50')}, _res['pooled'])
+
+# %% [markdown]
+# The chance numbers against random logits through the metrics themselves (the mean of 300 draws): 120 regions of 10
+# classes, unevenly many per class, in two groups; then, where the real sample is there, the chance levels of
+# `coco_sample`'s regions under both vocabularies (every region read, before the model's view is applied).
+
+# %%
+_lab = torch.tensor(sum(([k] * n for k, n in enumerate([40, 25, 15, 10, 8, 7, 6, 5, 3, 1])), []))
+_grp = dict(base=[0, 1, 2, 3, 4], novel=[5, 6, 7, 8, 9])
+_ch = region_chance(_lab, 10, _grp)
+_gen = torch.Generator().manual_seed(0)
+_draws = [region_classification_metrics(torch.randn(len(_lab), 10, generator=_gen, dtype=torch.float64), _lab, _grp)
+          for _ in range(300)]
+for _k in ('ap50', 'ap50_base', 'ap50_novel'):
+    test_close(_ch[f'chance_{_k}'], np.mean([d[_k] for d in _draws]), eps=1.5)
+test_eq((_ch['chance_top1'], _ch['chance_top1_novel']), (10.0, 10.0))
+assert _ch['chance_ap50_novel'] < _ch['chance_ap50_base']           # rarer classes: lower chance AP
+assert np.isnan(region_chance(_lab[_lab < 5], 10, _grp)['chance_ap50_novel'])
+print({k: round(v, 2) for k, v in _ch.items()})
+_DATA = next((d for d in (Path('../shared/data'), Path('../../shared/data')) if d.is_dir()), None)
+if _DATA is not None and (_DATA / 'coco_sample' / 'annotations').is_dir():
+    for _v in ('all', 'ovcoco'):
+        _cs = load_regions(_DATA / 'coco_sample' / 'annotations' / 'instances_val2017.json', vocabulary=_v)
+        _c = region_chance(torch.tensor([r['label'] for r in _cs.regions]), len(_cs.classnames), _cs.groups)
+        print(f'coco_sample val2017, vocabulary {_v} ({len(_cs.classnames)} classes, {len(_cs.regions)} regions): '
+              + ', '.join(f'{k} {v:.2f}' for k, v in _c.items()))
+else:
+    print('skipped the real sample: ../shared/data is absent')
 
 # %% [markdown]
 # Every registered method's scorers read regions (on the toy set, a random micro model with its method's freshly built

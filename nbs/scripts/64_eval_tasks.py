@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from powerclip.checkpoint import RELEASE_WEIGHTS
 from powerclip.eval.benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchmark_data, open_wds, select
 from powerclip.eval.data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, RetrievalSet,
                                  load_classification, load_coco_sample, load_retrieval, load_sugarcrepe,
@@ -42,7 +43,7 @@ from powerclip.eval.data import (SUGARCREPE, ClassificationSet, ItemSkips, Missi
 from powerclip.eval.metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy,
                                     linear_probe, retrieval_recall, winoground_scores)
 from powerclip.eval.models import Evaluator
-from powerclip.eval.region_data import RegionSet, load_regions
+from powerclip.eval.region_data import RegionSet, RegionSkips, load_regions
 from powerclip.eval.regions import region_task
 from powerclip.methods import GlobalScorer
 
@@ -215,6 +216,7 @@ class Task:
     skips: Callable       # load's answer -> the reader's `ItemSkips` (the items it dropped)
     headline: dict        # metric -> display name: the numbers the tables show, in their order
     scored: bool = True   # False: one run with the headline scorer, reading the global image features
+    options: tuple = ()   # the keyword options its `load` takes beyond (root, image_root, strict): ('vocabulary',)
 
 TASKS: dict[str, Task] = {}
 
@@ -267,29 +269,34 @@ for _t in [
 # val2017 and train2017), and classifies their ground-truth regions, pooled and cropped. The set with the most classes
 # gives the task's unprefixed numbers (`pooled_top1`, `pooled_ap50`, ...: on the world, the attribute-bound "red circle"
 # vocabulary); every other set's numbers carry its name (`shape/pooled_top1`). What the readers dropped and the regions
-# outside the model's view are counted in the result's `skipped_items`.
+# outside the model's view are counted in the result's `skipped_items`. The task's one option, `vocabulary` (`--vocab`
+# of the command line: `all` or `ovcoco`, `61a_eval_region_data`), picks the classes, and the result records it
+# (`vocabulary`) beside the chance levels of every group (`chance_ap50_novel`, ...), so a table of region numbers says
+# which vocabulary they were scored in (`65_eval_tables`).
 
 # %%
 #| export
 def merge_region_sets(sets: list) -> RegionSet:
     "One `RegionSet` of several with the same classes: images and regions concatenated, their skips together."
-    images, sizes, regions, skips = [], [], [], ItemSkips(sets[0].skips.strict)
+    images, sizes, regions, skips = [], [], [], RegionSkips(sets[0].skips.strict)
     for rs in sets:
         regions += [dict(r, image=r['image'] + len(images)) for r in rs.regions]
         images += rs.images
         sizes += rs.sizes
         skips.items += rs.skips.items
-    return RegionSet(images, sizes, regions, sets[0].classnames, sets[0].templates, sets[0].groups, skips)
+    return RegionSet(images, sizes, regions, sets[0].classnames, sets[0].templates, sets[0].groups, skips,
+                     vocabulary=sets[0].vocabulary)
 
-def region_sets(root: Path, image_root=None, strict: bool = False) -> tuple:
-    "`({name: RegionSet}, )`, the set with the most classes first (see above); `MissingData` without instances files."
+def region_sets(root: Path, image_root=None, strict: bool = False, vocabulary: str = 'all') -> tuple:
+    """`({name: RegionSet}, )`, the set with the most classes first (see above); `MissingData` without instances files;
+    `vocabulary`: `load_regions`' ('all' or 'ovcoco')."""
     files = [root] if root.is_file() else sorted((root / 'annotations').glob('instances_*.json'))
     if not files:
         raise MissingData(f'regions: expected COCO-format instance files {root}/annotations/instances_*.json (images '
                           f'in {root}/images or {root}/<split>), or an instances file')
     by_classes = {}
     for f in files:
-        rs = load_regions(f, image_root, strict=strict)
+        rs = load_regions(f, image_root, vocabulary=vocabulary, strict=strict)
         by_classes.setdefault(tuple(rs.classnames), []).append((f.stem.removeprefix('instances_'), rs))
     sets = {'+'.join(n for n, _ in group): merge_region_sets([rs for _, rs in group]) for group in by_classes.values()}
     return (dict(sorted(sets.items(), key=lambda kv: -len(kv[1].classnames))),)
@@ -301,7 +308,8 @@ def task_regions(ev: Evaluator, sets: dict, scorer: str | None = None) -> dict:
     for k, (name, rs) in enumerate(sets.items()):
         r = region_task(ev, rs, scorer)
         flat = {**{f'{e}_{m}': v for e in ('pooled', 'crop') for m, v in r[e].items()},
-                **{m: r[m] for m in ('n_regions', 'classes', 'chance_top1', 'chance_ap50')}}
+                **{m: v for m, v in r.items() if m in ('n_regions', 'classes', 'vocabulary')
+                   or m.startswith('chance_')}}
         out.update({(m if k == 0 else f'{name}/{m}'): v for m, v in flat.items()})
         if k == 0:
             out['set'] = name
@@ -316,8 +324,9 @@ def _region_skips(args: tuple) -> ItemSkips:
 
 register_task(Task('regions', region_sets, task_regions, _region_skips,
                    dict(pooled_top1='region top-1 (pooled)', pooled_ap50='region AP50 (pooled)',
-                        pooled_ap50_novel='region AP50 novel (pooled)', crop_top1='region top-1 (crop)',
-                        crop_ap50='region AP50 (crop)')))
+                        pooled_ap50_novel='region AP50 novel (pooled)', chance_ap50_novel='region AP50 novel (chance)',
+                        crop_top1='region top-1 (crop)', crop_ap50='region AP50 (crop)'),
+                   options=('vocabulary',)))
 
 # %%
 test_eq(list(TASKS)[:5], ['retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground'])
@@ -346,10 +355,11 @@ def task_record(task: str) -> Task:
         raise ValueError(f'unknown task {task!r}; known: {tuple(TASKS)}')
     return TASKS[task]
 
-def load_task_data(task: str, root, image_root=None, strict: bool = False) -> tuple:
+def load_task_data(task: str, root, image_root=None, strict: bool = False, options: dict | None = None) -> tuple:
     """The arguments of task `task`'s runner (after the evaluator) read from `root`; `strict`: a bad item raises
-    `BadData`."""
-    return task_record(task).load(Path(root), image_root, strict)
+    `BadData`; `options`: keyword options for the loaders, each passed to the tasks that take it (`Task.options`)."""
+    t = task_record(task)
+    return t.load(Path(root), image_root, strict, **{k: v for k, v in (options or {}).items() if k in t.options})
 
 def item_skips(task: str, args: tuple) -> ItemSkips:
     "The `ItemSkips` of a task's loaded data (`load_task_data`'s answer); empty for clip_benchmark's data sets."
@@ -359,14 +369,16 @@ def skip_report(found: dict) -> dict:
     "`{task: ItemSkips.report()}` of the tasks whose reader dropped something: the result JSON's `skipped_items`."
     return {t: item_skips(t, a).report() for t, a in found.items() if len(item_skips(t, a))}
 
-def find_data(root, tasks=TASKS, image_root=None, require: bool = True, strict: bool = False) -> tuple[dict, dict]:
+def find_data(root, tasks=TASKS, image_root=None, require: bool = True, strict: bool = False,
+              options: dict | None = None) -> tuple[dict, dict]:
     """`({task: loaded data}, {task: reason skipped})`; `require`: a task without data raises `MissingData`;
-    `strict`: a bad item raises `BadData` (else it is skipped and counted, `skip_report`)."""
+    `strict`: a bad item raises `BadData` (else it is skipped and counted, `skip_report`); `options`: the loaders'
+    keyword options (`load_task_data`), e.g. `{'vocabulary': 'ovcoco'}`."""
     found, skipped = {}, {}
     for task in tasks:
         task_record(task)
         try:
-            found[task] = load_task_data(task, root, image_root, strict)
+            found[task] = load_task_data(task, root, image_root, strict, options)
         except MissingData as e:
             if require:
                 raise
@@ -432,7 +444,11 @@ print(f'first run {t1:.1f}s, cached rerun {t2:.1f}s ({ev2.cache.hits} cache hits
 # regions: the attribute-bound vocabulary (35 classes) first, the shapes (5) beside it, both embeddings
 test_eq((m1['regions']['set'], m1['regions']['classes'], m1['regions']['shape/classes']), ('colour_shape', 35, 5))
 test_close(m1['regions']['chance_top1'], 100 / 35, eps=1e-9)
-assert {'pooled_ap50', 'crop_top1'} <= set(m1['regions'])
+assert {'pooled_ap50', 'crop_top1', 'chance_ap50', 'shape/chance_ap50'} <= set(m1['regions'])
+test_eq(m1['regions']['vocabulary'], 'all')
+# the vocabulary option reaches the region reader only: OV-COCO's needs COCO's names, which the world does not have
+test_fail(lambda: find_data(tmp / 'world', ['regions'], options=dict(vocabulary='ovcoco')), contains='needs COCO')
+test_eq(list(find_data(tmp / 'world', ['retrieval'], options=dict(vocabulary='ovcoco'))[0]), ['retrieval'])
 {t: {k: round(v, 1) for k, v in d.items()
      if k in ('i2t_R@1', 't2i_R@1', 'chance_t2i_R@1', 'mean', 'top1', 'chance_top1', 'acc',
                                                     'text', 'image', 'group', 'pooled_top1', 'crop_top1')}
@@ -517,16 +533,20 @@ torch.testing.assert_close(zeroshot_logits(fev, _x, cls.classnames, cls.template
 # %% [markdown]
 # ## Results on disk, and the suite
 #
-# `write_result` writes one JSON per (checkpoint, data set), `<out>/<label>/<data set>.json`: the headline scorer's
-# metrics (`metrics`), its name (`scorer`) and the other scorers' metrics (`other_scorers`), the method, the
-# checkpoint's path and sha256 (`random-init` for none) and `checkpoint_id`, the model, the data root, the tasks
+# `write_result` writes one JSON per (checkpoint, data set), `<out>/<label>/<data set>.json` (the data folder's
+# name, or a data file's stem: `--data .../instances_val2017.json` writes `instances_val2017.json`, not
+# `instances_val2017.json.json`): the headline scorer's metrics (`metrics`), its name (`scorer`) and the other
+# scorers' metrics (`other_scorers`), the method, the checkpoint's path, the file its weights were read from
+# (`weights`: a folder's `model.pt`, latest `epoch_N.pt`, ..), its sha256 (`random-init` for none) and `checkpoint_id`,
+# the model, the data root, the tasks
 # skipped for want of data (`skipped`, with the reason), the items the readers dropped (`skipped_items`: per task the
 # count per reason and the files, `ItemSkips.report()`), and the exact command. `65_eval_tables` lays them out, one column
 # per label.
 #
 # **Two checkpoints never share a label.** The label defaults to the run's name: the folder's name for a run folder,
 # for its `model.pt` and for its `checkpoints/last.pt` (every run exports a `model.pt`, so the file's stem would be
-# `model` for all of them); else the checkpoint file's stem; `random-init` without a checkpoint. Before writing,
+# `model` for all of them), and for an open_clip release's weights; `<run>-epoch_N` for an open_clip run's
+# `checkpoints/epoch_N.pt`; else the checkpoint file's stem; `random-init` without a checkpoint. Before writing,
 # `result_label` looks at the results already under `<out>/<label>/`: if they belong to another checkpoint (another
 # `checkpoint_id`), this one is written under `<label>-<sha8>` (the first 8 hex digits of its sha256; of its id for a
 # random initialisation), and a warning says so. The same checkpoint evaluated again replaces its own results.
@@ -539,17 +559,20 @@ torch.testing.assert_close(zeroshot_logits(fev, _x, cls.classnames, cls.template
 # %%
 #| export
 def default_label(checkpoint) -> str:
-    """The run folder's name for a run folder, its `model.pt` or its `checkpoints/last.pt`; else the file's stem;
+    """The run folder's name for a run folder, its `model.pt` or its `checkpoints/last.pt`, and for an open_clip
+    release's weights; `<run>-epoch_N` for an open_clip run's `checkpoints/epoch_N.pt`; else the file's stem;
     'random-init' for None."""
     if checkpoint is None:
         return 'random-init'
     p = Path(checkpoint).resolve()
     if p.is_dir():
         return p.name
-    if p.name == 'model.pt':
+    if p.name in ('model.pt', *RELEASE_WEIGHTS):
         return p.parent.name
     if p.name == 'last.pt':
         return p.parent.parent.name if p.parent.name == 'checkpoints' else p.parent.name
+    if p.stem.startswith('epoch_') and p.parent.name == 'checkpoints':
+        return f'{p.parent.parent.name}-{p.stem}'
     return p.stem
 
 def result_label(out_dir, label: str, ckpt_id: str) -> str:
@@ -574,11 +597,12 @@ def result_label(out_dir, label: str, ckpt_id: str) -> str:
 def write_result(out_dir, metrics: dict, skipped: dict, *, model, checkpoint, ckpt_id: str, data_root,
                  name: str | None = None, label: str | None = None, command: str | None = None,
                  method: str | None = None, scorer: str = 'global', other_scorers: dict | None = None,
-                 skipped_items: dict | None = None) -> Path:
-    "`out_dir/<label>/<name>.json`; label: `label` or `default_label(checkpoint)`, made unique by `result_label`."
+                 skipped_items: dict | None = None, weights: str | None = None) -> Path:
+    """`out_dir/<label>/<name>.json`; label: `label` or `default_label(checkpoint)`, made unique by `result_label`;
+    `weights`: the file a checkpoint folder's weights were read from."""
     label = result_label(out_dir, label or default_label(checkpoint), ckpt_id)
-    name = name or Path(data_root).name
-    res = dict(checkpoint=None if checkpoint is None else str(checkpoint), label=label,
+    name = name or (Path(data_root).stem if Path(data_root).is_file() else Path(data_root).name)   # x.json: x
+    res = dict(checkpoint=None if checkpoint is None else str(checkpoint), weights=weights, label=label,
                sha256='random-init' if checkpoint is None else ckpt_id, checkpoint_id=ckpt_id,
                model=model, method=method,
                dataset=name, data_root=str(data_root), scorer=scorer, metrics=metrics,
@@ -593,7 +617,7 @@ def write_result(out_dir, metrics: dict, skipped: dict, *, model, checkpoint, ck
 def write_scored(out_dir, ev: Evaluator, by_scorer: dict, skipped: dict, **kw) -> Path:
     "`write_result` of `evaluate_scorers`' answer: the headline's metrics, the others beside them."
     return write_result(out_dir, by_scorer[ev.headline], skipped, model=ev.spec, ckpt_id=ev.ckpt_id, method=ev.method,
-                        scorer=ev.headline,
+                        scorer=ev.headline, weights=ev.lm.weights,
                         other_scorers={s: m for s, m in by_scorer.items() if s != ev.headline}, **kw)
 
 def run_suite(ev: Evaluator, root, names=('all',), out_dir='results/eval', label: str | None = None, checkpoint=None,
@@ -643,8 +667,9 @@ test_eq(r1['sha256'], fev.ckpt_id)
 
 # %%
 test_eq([default_label(x) for x in (tmp / 'filip', tmp / 'filip' / 'model.pt', tmp / 'r7' / 'checkpoints' / 'last.pt',
-                                    tmp / 'ck' / 'step_100.pt', None)],
-        ['filip', 'filip', 'r7', 'step_100', 'random-init'])
+                                    tmp / 'ck' / 'step_100.pt', None, tmp / 'hub' / 'open_clip_model.safetensors',
+                                    tmp / 'logs' / 'r2' / 'checkpoints' / 'epoch_32.pt')],
+        ['filip', 'filip', 'r7', 'step_100', 'random-init', 'hub', 'r2-epoch_32'])
 _other = dict(model=fev.spec, data_root=tmp / 'world', command='notebook')
 f2 = write_result(tmp / 'results', {}, {}, checkpoint=tmp / 'x' / 'filip' / 'model.pt', ckpt_id='ab' * 32, **_other)
 test_eq(f2.parent.name, 'filip-abababab')
@@ -654,3 +679,6 @@ test_eq(write_result(tmp / 'results', {}, {}, checkpoint=None, ckpt_id='random-i
                      **_other).parent.name, 'random-init')
 _f3 = write_result(tmp / 'results', {}, {}, checkpoint=None, ckpt_id='random-init-powerclip-micro-seed2', **_other)
 test_eq(_f3.parent.name, 'random-init-' + hashlib.sha256(b'random-init-powerclip-micro-seed2').hexdigest()[:8])
+(tmp / 'instances_val2017.json').write_text('{}')                              # a data file: its stem
+test_eq(write_result(tmp / 'results', {}, {}, checkpoint=None, ckpt_id='random-init-powerclip-micro-seed1',
+                     **dict(_other, data_root=tmp / 'instances_val2017.json')).name, 'instances_val2017.json')

@@ -51,7 +51,10 @@ from fastcore.test import test_close, test_eq
 # it) and lays out one row per (data set, task, metric) and one column per checkpoint label. A checkpoint scored in
 # several ways (FILIP: late interaction, then global) has its headline scorer's numbers in the rows of the task
 # and the others' in rows whose task is suffixed with the scorer, `retrieval [global]`. The metrics of a task are the
-# `headline` of its record in the task registry (`64_eval_tasks`), in that order. `render_table` writes Markdown or CSV.
+# `headline` of its record in the task registry (`64_eval_tasks`), in that order. A task scored in a named vocabulary
+# (the region task's `vocabulary`, `--vocab`) says so in its rows, `regions (vocab ovcoco)`: numbers of OV-COCO's 65
+# classes and of COCO's 80 are different tasks, so they stand in different rows and never side by side as one
+# comparison. `render_table` writes Markdown or CSV.
 
 # %%
 #| export
@@ -66,9 +69,10 @@ def results_table(paths) -> tuple[list[str], list[list]]:
         scored = [('', r['metrics'])] + [(f' [{s}]', m) for s, m in (r.get('other_scorers') or {}).items()]
         for suffix, metrics in scored:
             for task, m in metrics.items():
+                vocab = f" (vocab {m['vocabulary']})" if isinstance(m, dict) and 'vocabulary' in m else ''
                 for k in (TASKS[task].headline if task in TASKS else ()):
                     if k in m:
-                        cells[(r['dataset'], task + suffix, k, r['label'])] = m[k]
+                        cells[(r['dataset'], task + vocab + suffix, k, r['label'])] = m[k]
     keys = list(dict.fromkeys((d, t, k) for d, t, k, _ in cells))
     return ['dataset', 'task', 'metric', *labels], [[*key, *(cells.get((*key, l)) for l in labels)] for key in keys]
 
@@ -103,6 +107,16 @@ test_eq(rows[:2], [['world', 'retrieval', 'i2t_R@1', 10.0, 10.0], ['world', 'ret
 test_eq(rows[-1], ['world', 'retrieval [global]', 'i2t_R@1', 5.0, None])
 print(render_table(header, rows))
 test_eq(render_table(header, rows, 'csv').splitlines()[-1], 'world,retrieval [global],i2t_R@1,5.0,')
+# region numbers name their vocabulary: OV-COCO's 65 classes and COCO's 80 in rows of their own
+for _lab, _v in (('a', 'ovcoco'), ('b', 'all')):
+    write_result(tmp / 'regions', dict(regions=dict(pooled_top1=5.0, chance_ap50_novel=2.0, vocabulary=_v)), {},
+                 model='powerclip-micro', checkpoint=None, ckpt_id=_lab, data_root=tmp / 'coco', label=_lab,
+                 command='notebook')
+test_eq(results_table([tmp / 'regions'])[1],
+        [['coco', 'regions (vocab ovcoco)', 'pooled_top1', 5.0, None],
+         ['coco', 'regions (vocab ovcoco)', 'chance_ap50_novel', 2.0, None],
+         ['coco', 'regions (vocab all)', 'pooled_top1', None, 5.0],
+         ['coco', 'regions (vocab all)', 'chance_ap50_novel', None, 2.0]])
 
 # %% [markdown]
 # ## The paper's layouts

@@ -29,10 +29,12 @@ from pathlib import Path
 
 import torch
 
+from powerclip.checkpoint import LAYOUTS as CHECKPOINT_LAYOUTS
 from powerclip.commandline import ArgumentParser, UsageError, check_device, run_main, usage_errors
 from powerclip.eval.benchmarks import BENCHMARKS, _missing, clip_benchmark_cli, select
 from powerclip.eval.data import BadData, MissingData, write_world_benchmark
 from powerclip.eval.models import CheckpointError, Evaluator, NonFiniteFeatures, checkpoint_file
+from powerclip.eval.region_data import VOCABULARIES
 from powerclip.eval.tables import PAPER, paper_tables, render_table, results_table, write_paper_tables
 from powerclip.eval.tasks import TASKS, evaluate_scorers, find_data, run_suite, skip_report, write_scored
 from powerclip.world import WorldConfig
@@ -59,7 +61,8 @@ from fastcore.test import test_eq, test_fail
 # %% [markdown]
 # ```
 # powerclip-eval run [--model powerclip-tiny] [--checkpoint run/ | ckpt.pt] [--method filip] --data ../shared/data/coco_sample \
-#     [--tasks retrieval sugarcrepe | all] [--out results/eval] [--cache ~/.cache/powerclip/features] [--strict]
+#     [--tasks retrieval sugarcrepe | all] [--out results/eval] [--cache ~/.cache/powerclip/features] [--strict] \
+#     [--vocab all | ovcoco]                              # the region task's classes (61a_eval_region_data)
 # powerclip-eval make-world /tmp/world --n-images 100     # the built-in world's benchmark folder (every task)
 # powerclip-eval table results/eval/*/*.json --out results/eval/table   # table.md and table.csv
 # powerclip-eval suite --model ViT-B-16 --checkpoint run/model.pt --root ~/benchmarks [--benchmarks table1 table3 | cifar10 ..] \
@@ -67,10 +70,12 @@ from fastcore.test import test_eq, test_fail
 # powerclip-eval tables results/eval --out results/eval/tables [--paper powerclip-s=PowerCLIP-S]   # Tables 1-5, 9
 # powerclip-eval clip-benchmark eval --dataset ... --model powerclip-tiny --pretrained run/model.pt --output 'res/{dataset}.json'
 # ```
-# `python -m powerclip.eval` is the same (`66a_eval_main`). A checkpoint is a file or a run folder (`62_eval_models`):
-# the run's config names the architecture and the method, whose scorers are all computed (`--method` overrides it;
-# `--model` the architecture). Results go to `OUT/<label>/<data set>.json`, the label being the run's name unless
-# `--label` says otherwise, and never one that another checkpoint's results hold (`64_eval_tasks`).
+# `python -m powerclip.eval` is the same (`66a_eval_main`). A checkpoint is a file, a run folder, ours or open_clip's,
+# or an open_clip release folder (`62_eval_models`): what the checkpoint records (its config, open_clip's
+# `params.txt` or `open_clip_config.json`) names the architecture, its pooling and the method, whose scorers are all
+# computed (`--model`, `--pool`, `--method` override them). Results go to `OUT/<label>/<data set>.json`, the label
+# being the run's name unless `--label` says otherwise, and never one that another checkpoint's results hold
+# (`64_eval_tasks`).
 #
 # **Mistakes are one line** (`17_commandline`): `powerclip-eval: error: <argument>: <what is wrong> (<what is allowed>)` on
 # stderr, exit status 2, found before any model is built: an unknown subcommand or flag, a `--data` or `--root` that
@@ -112,13 +117,14 @@ def _json_dict(s: str) -> dict:
 def _model_args(r):
     "The options of `run` and `suite` that pick the checkpoint and how to run it."
     r.add_argument('--model', default=None, help="architecture: 'powerclip-tiny', 'powerclip-micro', 'ViT-B-16', .. "
-                   "(default: the one the run's config names)")
+                   "(default: the one the checkpoint's config, params.txt or open_clip_config.json names)")
     r.add_argument('--model-kwargs', default=None, type=_json_dict, help='JSON open_clip '
                                                                          'model_kwargs overriding the config')
     r.add_argument('--pool', default=None, choices=('tok', 'avg'), help="pooling of both towers: 'tok' class token / "
-                   "EOT, 'avg' mean of the patch and caption tokens (default: the run's model.pool, "
-                   "else the architecture's)")
-    r.add_argument('--checkpoint', default=None, help='checkpoint file or run folder; omitted = random init (tests)')
+                   "EOT, 'avg' mean of the patch and caption tokens (default: the one the checkpoint was "
+                   "trained with, else the architecture's)")
+    r.add_argument('--checkpoint', default=None, help='checkpoint file, run folder (ours or open_clip\'s logs/NAME: '
+                   'its latest epoch_N.pt) or open_clip release folder; omitted = random init (tests)')
     r.add_argument('--method', default=None, help="training method whose scorers to use, e.g. 'filip' (default: the "
                    "one the run's config names; none known: the global cosine)")
     r.add_argument('--label', default=None, help="the result's column label (default: the run folder's name, else the "
@@ -133,7 +139,8 @@ def _model_args(r):
                                                                                  'bfloat16 (features cached apart)')
     r.add_argument('--workers', type=_nonnegative, default=0, help='DataLoader workers for clip_benchmark data sets')
     r.add_argument('--strict', action='store_true', help='stop at the first bad item (missing or undecodable image, '
-                   'bad caption) instead of skipping and counting it')
+                   'bad caption; for regions only a broken annotation: bad polygon or RLE, degenerate, bad box) '
+                   'instead of skipping and counting it')
     r.add_argument('--no-progress', action='store_true')
 
 def parse_args(argv=None):
@@ -150,6 +157,9 @@ def parse_args(argv=None):
                                                   'COCO val2017 for SugarCrepe)')
     r.add_argument('--tasks', nargs='+', default=['all'], help=f"some of {' '.join(TASKS)}, or all")
     r.add_argument('--name', default=None, help='data set name in the results (default: the data folder name)')
+    r.add_argument('--vocab', default='all', choices=VOCABULARIES, help="the region task's classes: 'all' (every "
+                   "category of the instances file) or 'ovcoco' (OV-COCO's 48 base + 17 novel, its generalized "
+                   "setting)")
     s = sub.add_parser('suite', help="one checkpoint on the paper's benchmarks under a root "
                                      "(one folder per data set)", parents=[common])
     _model_args(s)
@@ -198,8 +208,8 @@ def _check_model_args(a):
     "The checkpoint, architecture, method, label, folders and device of `run` / `suite`."
     if a.checkpoint is not None:
         if not Path(a.checkpoint).exists():
-            raise UsageError(f'--checkpoint: {a.checkpoint} does not exist (a checkpoint file, or a run folder holding '
-                             'model.pt or checkpoints/last.pt)')
+            raise UsageError(f'--checkpoint: {a.checkpoint} does not exist (a checkpoint file, or a folder holding '
+                             f'{CHECKPOINT_LAYOUTS})')
         try:
             checkpoint_file(a.checkpoint)
         except MissingData as e:
@@ -259,7 +269,8 @@ def _cmd_run(a, cmd: str) -> int:
             raise UsageError(f'--tasks: unknown task {bad[0]!r} ({", ".join(TASKS)}, or all)')
         try:
             # before the model: fail fast
-            found = find_data(a.data, tasks, a.images, require=a.tasks != ['all'], strict=a.strict)
+            found = find_data(a.data, tasks, a.images, require=a.tasks != ['all'], strict=a.strict,
+                              options=dict(vocabulary=a.vocab))
         except (MissingData, BadData) as e:
             raise UsageError(f'--data: {e}') from None
         if not found[0]:

@@ -20,11 +20,11 @@
 #| export
 from __future__ import annotations
 
-import math
+import functools, math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats as _st
+from scipy import optimize as _optimize, special as _special, stats as _st
 
 # %%
 #| hide
@@ -64,7 +64,16 @@ from fastcore.test import test_fail
 # It says nothing about training luck, so it is reported beside the seed interval, never instead of it.
 #
 # **The rule.** A row of the comparison says *better* or *worse* only when the seed interval excludes zero;
-# otherwise *no difference shown* (which is not "equal": the interval says how large a difference could hide).
+# otherwise *no difference shown* (which is not "equal": the interval says how large a difference could hide, and the
+# smallest detectable difference below says how large a difference the design would have seen).
+#
+# **A degenerate interval.** When every seed gives the same difference, $s_d = 0$ and the t interval has zero width:
+# it "excludes zero" without saying anything about the spread of training luck, only that the spread fell below the
+# metric's resolution (R@1 over 254 captions moves in steps of 1/254, and three seeds can land on the same step). Such
+# an interval gives no verdict of its own: `verdict` says *degenerate interval*, and the report
+# (`69a_report`) then reads the scene bootstrap, the only interval left with a spread, and says so. The test is
+# numerical: a width below $10^{-9}$ of the mean's size (a difference computed from per-seed percentages is exact to
+# about $10^{-14}$, not to 0).
 
 # %%
 #| export
@@ -83,8 +92,15 @@ class Interval:
         "True when the whole interval is on one side of 0 (NaN bounds: False)."
         return bool(self.lo > 0 or self.hi < 0)
 
+    @property
+    def degenerate(self) -> bool:
+        "True when the interval rests on 2 or more values yet has zero width (no spread among them; see above)."
+        return bool(self.n >= 2 and self.hi - self.lo <= 1e-9 * max(1.0, abs(self.mean)))
+
     def verdict(self, higher_is_better: bool = True) -> str:
-        "'better' | 'worse' | 'no difference shown' for a difference method - reference."
+        "'better' | 'worse' | 'no difference shown' | 'degenerate interval' for a difference method - reference."
+        if self.degenerate:
+            return "degenerate interval"
         if not self.excludes_zero:
             return "no difference shown"
         return "better" if (self.mean > 0) == higher_is_better else "worse"
@@ -132,6 +148,10 @@ print(f"coverage of the t interval with 3 seeds: {_cover:.4f}; t_0.975,2 = {_st.
 assert math.isnan(t_interval([0.3]).lo) and t_interval([0.3]).mean == 0.3   # one seed: no interval
 assert t_interval([0.3]).format(100) == "+30.0 [-]" and t_interval([]).format() == "-"   # printed without NaN
 assert t_interval([2.0, 2.0, 2.0]).lo == 2.0 and t_interval([2.0, 2.0, 2.0]).excludes_zero  # no spread
+# no spread is no verdict, also when float rounding leaves a width of 1e-15 (36/254 three times, in %)
+assert t_interval([2.0, 2.0, 2.0]).verdict() == "degenerate interval"
+assert t_interval([14.173228346456693, 14.17322834645669, 14.17322834645669]).verdict() == "degenerate interval"
+assert not t_interval([0.0, 0.0, 0.0]).excludes_zero and not t_interval([0.5]).degenerate
 assert t_interval([1.0, -1.0, 0.5]).verdict() == "no difference shown"
 assert t_interval([0.10, 0.12, 0.11]).verdict() == "better" and t_interval([-0.10, -0.12, -0.11]).verdict() == "worse"
 assert t_interval([-0.10, -0.12, -0.11]).verdict(higher_is_better=False) == "better"
@@ -167,6 +187,128 @@ _iv = paired_difference(_m, _clip)
 assert _iv.n == 3 and abs(_iv.mean - np.mean([0.66 - 0.697, 0.67 - 0.71, 0.65 - 0.68])) < 1e-12
 assert _iv.verdict() == "worse", _iv
 assert paired_difference({0: 1.0, 1: float("nan")}, {0: 0.5, 1: 0.5}).n == 1
+
+
+# %% [markdown]
+# ## How large a difference the design can see
+#
+# "No difference shown" with three seeds is weak evidence of no difference: the interval is wide. The number that
+# says how weak is the **minimum detectable difference** (MDD): the smallest true difference $\delta$ that the paired
+# t test above (two-sided, $\alpha = 0.05$, $S$ seeds) detects with probability (power) $1 - \beta = 0.8$.
+#
+# **Exact power.** With per-seed differences $d_s \sim \mathcal N(\delta, \sigma^2)$, the statistic
+# $T = \bar d / (s_d/\sqrt S)$ is noncentral t with $S - 1$ degrees of freedom and noncentrality
+# $\lambda = \delta\sqrt S/\sigma$. Writing $T = (Z + \lambda)/\sqrt{V/(S-1)}$ with $Z \sim \mathcal N(0, 1)$ and
+# $V \sim \chi^2_{S-1}$ independent, the test rejects ($|T| > t_c$, $t_c = t_{1-\alpha/2,\,S-1}$) with probability
+# $$\text{power}(\lambda) = \int_0^\infty \Big[\Phi\big(\lambda - t_c\sqrt{v/(S-1)}\big)
+#   + \Phi\big(-\lambda - t_c\sqrt{v/(S-1)}\big)\Big]\, f_{\chi^2_{S-1}}(v)\, dv .$$
+# `detectable_lambda` solves $\text{power}(\lambda) = 0.8$ for $\lambda^*$ by Brent's method. The integral is taken
+# over the quantile $q = F_{\chi^2_{S-1}}(v) \in (0, 1)$, $dv\, f(v) = dq$, by Gauss-Legendre with 400 nodes: the
+# integrand is bounded and smooth there, and the result agrees with adaptive quadrature and with `nct` (below) to
+# $10^{-6}$ in $\lambda^*$. It is the noncentral t's own probability, computed this way because
+# `scipy.stats.nct` returns NaN at $S = 2$ for the large $\lambda$ needed there (and is slow); where `nct` is finite the
+# two agree (checked below). Then
+# $$\text{MDD} = \lambda^* \sigma / \sqrt S .$$
+# With $S = 3$: $\lambda^* = 5.65$, MDD $= 3.26\,\sigma$; the normal approximation
+# $(z_{0.975} + z_{0.8})\,\sigma/\sqrt S = 1.62\,\sigma$ is half of it, because it ignores that $\sigma$ is
+# estimated from two degrees of freedom. With $S = 5$ it is $1.68\,\sigma$, with $S = 10$ about $1.0\,\sigma$.
+#
+# **Its own uncertainty.** $\sigma$ is unknown; we plug in the paired sd $s_d$ of the seeds. Since
+# $(S-1)s_d^2/\sigma^2 \sim \chi^2_{S-1}$, the 95 % interval of $\sigma$ is
+# $\big[s_d\sqrt{(S-1)/\chi^2_{0.975,S-1}},\ s_d\sqrt{(S-1)/\chi^2_{0.025,S-1}}\big]$, and the MDD, linear in
+# $\sigma$, has the same interval scaled by $\lambda^*/\sqrt S$. With $S = 3$ that is $[0.52, 6.3]$ times the
+# estimate: three seeds say little about their own spread, so the estimated MDD is a rough guide, and its upper bound
+# is the honest reading of "could have been missed". With $S = 10$ the factor is $[0.69, 1.83]$.
+#
+# A paired sd of (numerically) zero gives no estimate at all (the interval above collapses to a point): the MDD is then
+# NaN, as is the verdict's interval (a *degenerate interval*).
+
+# %%
+#| export
+@functools.lru_cache(maxsize=4)
+def _legendre(nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    "Gauss-Legendre nodes and weights on [-1, 1], (nodes,) each (an eigenproblem: computed once)."
+    return np.polynomial.legendre.leggauss(nodes)
+
+
+@functools.lru_cache(maxsize=64)
+def detectable_lambda(n: int, alpha: float = 0.05, power: float = 0.8, nodes: int = 400) -> float:
+    """Noncentrality at which a two-sided t test on `n` paired values (df n - 1) rejects with probability `power`;
+    the power integral over the chi-square's quantile by Gauss-Legendre with `nodes` nodes (see above)."""
+    if n < 2:
+        return math.nan
+    df = n - 1
+    tc = float(_st.t.ppf(1 - alpha / 2, df))
+    x, w = _legendre(nodes)                                   # (nodes,) on [-1, 1]
+    q = (x + 1) / 2                                           # quantiles of V in (0, 1), weights w / 2
+    r = tc * np.sqrt(_special.chdtri(df, 1 - q) / df)         # (nodes,) t_c sqrt(V / df) at those quantiles
+    reject = lambda lam: float((w / 2) @ (_special.ndtr(lam - r) + _special.ndtr(-lam - r)))
+    return float(_optimize.brentq(lambda lam: reject(lam) - power, 0.0, 1e3, xtol=1e-10))
+
+
+def min_detectable(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    "MDD of a paired t test on `n` seeds whose differences have standard deviation `sd` (see above)."
+    return detectable_lambda(n, alpha, power) * float(sd) / math.sqrt(n)
+
+
+def detectable_difference(d, alpha: float = 0.05, power: float = 0.8, conf: float = 0.95) -> Interval:
+    """The MDD estimated from the per-seed differences `d` (1-D, NaNs dropped) with its `conf` interval from the
+    chi-square interval of their sd (method 'mdd'); NaN when fewer than 2 values or no spread among them."""
+    d = np.asarray(d, dtype=np.float64).ravel()
+    d = d[~np.isnan(d)]
+    n = len(d)
+    nan = Interval(math.nan, math.nan, math.nan, n, conf, "mdd")
+    if n < 2:
+        return nan
+    sd = float(d.std(ddof=1))
+    if sd <= 1e-9 * max(1.0, float(np.abs(d).max())):        # no spread: nothing to estimate the power from
+        return nan
+    k = detectable_lambda(n, alpha, power) / math.sqrt(n)
+    df = n - 1
+    lo = sd * math.sqrt(df / float(_st.chi2.ppf((1 + conf) / 2, df)))
+    hi = sd * math.sqrt(df / float(_st.chi2.ppf((1 - conf) / 2, df)))
+    return Interval(k * sd, k * lo, k * hi, n, conf, "mdd")
+
+
+def paired_detectable(method: dict, reference: dict, alpha: float = 0.05, power: float = 0.8) -> Interval:
+    "`detectable_difference` of the paired per-seed differences `method[s] - reference[s]` (dicts seed -> value)."
+    return detectable_difference(paired_seeds(method, reference)[1], alpha, power)
+
+
+# %% [markdown]
+# A Monte Carlo check, seeded: 20,000 simulated experiments of $S$ normal differences with true mean the MDD for
+# $\sigma = 1$; the t test should reject in 80 % of them (a standard error of 0.3 %). The first 1,000 of them check
+# the MDD's interval: the true MDD ($\sigma = 1$) should lie in the interval estimated from each experiment's own
+# $s_d$ 95 % of the time. And `scipy.stats.nct` agrees with the integral where it is finite.
+
+# %%
+_rng = np.random.default_rng(2)
+for _n in (2, 3, 5):
+    _mdd = min_detectable(1.0, _n)
+    _x = _rng.normal(_mdd, 1.0, size=(20_000, _n))
+    _t = _x.mean(1) / (_x.std(1, ddof=1) / np.sqrt(_n))
+    _power = np.mean(np.abs(_t) > _st.t.ppf(0.975, _n - 1))
+    assert abs(_power - 0.8) < 0.012, (_n, _power)
+    _ivs = [detectable_difference(_r) for _r in _x[:1000]]
+    _cover = np.mean([_iv.lo <= _mdd <= _iv.hi for _iv in _ivs])
+    assert abs(_cover - 0.95) < 0.025, (_n, _cover)          # 1,000 experiments: a standard error of 0.7 %
+    print(f"S = {_n}: MDD = {_mdd:.3f} sd (normal approximation {(1.959964 + 0.841621) / math.sqrt(_n):.3f}); "
+          f"simulated power {_power:.3f}; coverage of its interval {_cover:.3f}")
+for _n in (3, 5, 10):
+    _tc, _lam = _st.t.ppf(0.975, _n - 1), detectable_lambda(_n)
+    assert abs(_st.nct.sf(_tc, _n - 1, _lam) + _st.nct.cdf(-_tc, _n - 1, _lam) - 0.8) < 1e-6
+assert detectable_lambda(3, power=0.5) < detectable_lambda(3) < detectable_lambda(3, power=0.9)   # more power, more
+
+# %%
+_iv = detectable_difference([1.0, 2.0, 4.0])
+assert _iv.method == "mdd" and _iv.n == 3 and _iv.lo < _iv.mean < _iv.hi
+_near = lambda a, b: abs(a - b) < 1e-9 * max(1.0, abs(b))
+assert _near(_iv.mean, min_detectable(np.std([1.0, 2.0, 4.0], ddof=1), 3))
+assert _near(_iv.hi / _iv.mean, math.sqrt(2 / _st.chi2.ppf(0.025, 2)))
+assert math.isnan(detectable_difference([1.0]).mean) and math.isnan(detectable_difference([2.0, 2.0, 2.0]).mean)
+assert math.isnan(detectable_difference([14.173228346456693, 14.17322834645669, 14.17322834645669]).mean)
+assert _near(paired_detectable({0: 3.0, 1: 4.0, 2: 7.0, 5: 1.0}, {0: 2.0, 1: 2.0, 2: 3.0}).mean, _iv.mean)
+assert math.isnan(detectable_lambda(1)) and detectable_lambda(2) > detectable_lambda(3) > detectable_lambda(10)
 
 # %% [markdown]
 # Pairing matters: when the seed moves both methods alike, the paired interval is much narrower than the

@@ -21,13 +21,13 @@
 from __future__ import annotations
 
 import csv, json, math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from powerclip.eval.world_scores import FOLDER_HEADLINE, HEADLINE
-from powerclip.stats import Interval, bootstrap_paired, paired_difference
+from powerclip.stats import Interval, bootstrap_paired, paired_detectable, paired_difference
 from powerclip.train import plot_metrics
 
 # %%
@@ -41,8 +41,9 @@ from fastcore.test import test_close, test_eq, test_fail
 #
 # > What a comparison (`70_compare`) or an experiment (`71_experiments`) writes from its per-seed numbers.
 #
-# Means and spreads over seeds, paired differences to the reference row with their seed and scene intervals, verdicts, and
-# the Markdown tables, `summary.csv`, `summary.json` and the learning curves.
+# Means and spreads over seeds, paired differences to the reference row with their seed and scene intervals, the
+# smallest differences the seeds can detect, verdicts, and the Markdown tables, `summary.csv`, `summary.json` and the
+# learning curves (mean over seeds, and each seed's).
 
 # %% [markdown]
 # The numbers come from the world evaluation (`68_eval_world_scores`), whose `HEADLINE` names the ones that get paired
@@ -70,6 +71,8 @@ class Comparison:
     stats: dict                   # {row: {metric: {'t': Interval, 'boot': Interval}}}
     sweeps: dict                  # {row: {key, candidates, chosen}}
     meta: dict
+    seed_curves: dict = field(default_factory=dict)   # {row: {seed: [{step, seconds, hn_mean, R@1, ...}]}}: each
+                                                      # seed's curve (`curves_per_seed.csv`); empty when not kept
 
 
 # %% [markdown]
@@ -78,13 +81,25 @@ class Comparison:
 # `summarize_seeds` gives the mean and sample standard deviation over seeds of every number of every row, and each
 # row's time per step relative to the reference (the ratio taken within each seed, then averaged). `paired_stats` gives,
 # for each row and headline number, the t interval over seeds of the paired differences to the reference (`t`, the
-# verdict) and the paired bootstrap over scenes (`boot`).
+# verdict), the paired bootstrap over scenes (`boot`), and the smallest true difference the design detects with 80 %
+# power (`mdd`: two-sided paired t test at $\alpha = 0.05$ on the row's seeds, its sd the paired sd, with the 95 %
+# interval from the chi-square interval of that sd; `69_stats`, "How large a difference the design can see").
+#
+# **Verdicts.** `verdicts` reads the seed interval of each number: *better* or *worse* where it excludes 0, else *no
+# difference shown*. A seed interval of zero width (every seed the same difference, `69_stats`, "A degenerate
+# interval") gives no verdict of its own. We then read the scene bootstrap, and mark the number so ("i2t R@1 (scene
+# bootstrap, seed sd 0)"): it is the one interval with a spread, and a difference that is the same on every seed is
+# at least not training luck; but it knows only test-set sampling, so the mark says the verdict rests on it alone.
+# Where there is no bootstrap (a merged report keeps no per-scene shares) the number is listed as *degenerate
+# interval*, with no verdict. The other choice, to call such a number *no difference shown*, would deny a difference
+# every seed shows; to call it *better* on the t interval would claim a certainty three equal draws do not give.
 
 # %%
 #| export
 def summarize_seeds(per_seed: dict, base: str = REFERENCE) -> dict[str, dict]:
-    """Mean and sample sd (`_sd`) over seeds of every number of every row, and `time_ratio`: s/step relative to `base`,
-    within each seed."""
+    """Mean and sample sd (`_sd`) over seeds of every number of every row (a number named `*_min` or `*_max`, a range
+    within each run: its minimum or maximum over seeds instead), and `time_ratio`: s/step relative to `base`, within
+    each seed."""
     names = list(dict.fromkeys(n for res in per_seed.values() for n in res))
     out = {}
     for n in names:
@@ -97,6 +112,9 @@ def summarize_seeds(per_seed: dict, base: str = REFERENCE) -> dict[str, dict]:
                 agg[k] = rows[0][k]
         for k in keys:
             v = [float(r[k]) for r in rows if k in r]
+            if k.endswith(("_min", "_max")):                 # the range of a logged quantity: over every seed's run
+                agg[k] = float(min(v) if k.endswith("_min") else max(v))
+                continue
             agg[k] = float(np.mean(v))
             agg[k + "_sd"] = float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
         v = [res[n]["s_per_step"] / res[base]["s_per_step"] for res in per_seed.values()
@@ -109,7 +127,8 @@ def summarize_seeds(per_seed: dict, base: str = REFERENCE) -> dict[str, dict]:
 
 
 def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot: int = 2000) -> dict:
-    "{row: {metric: {'t': Interval over seeds, 'boot': Interval over scenes or None}}} of row - `base`, same seed."
+    """{row: {metric: {'t': Interval over seeds, 'boot': Interval over scenes or None, 'mdd': smallest difference
+    detectable with 80 % power, with its interval}}} of row - `base`, same seed (`69_stats`)."""
     names = list(dict.fromkeys(n for res in per_seed.values() for n in res if n != base))
     out = {}
     for n in names:
@@ -126,22 +145,38 @@ def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot
                 y = np.array([per_seed[s][base]["per_scene"][m] for s in common])
                 if x.shape == y.shape:
                     boot = bootstrap_paired(x, y, n_boot=n_boot)
-            out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot)
+            out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot, mdd=paired_detectable(a, b))
     return out
 
 
+# how a verdict read from the scene bootstrap (the seed interval of zero width) is marked
+_FROM_BOOT = "scene bootstrap, seed sd 0"
+
+
+def metric_verdict(x: dict) -> str:
+    """The verdict on one number from its {'t': seed interval, 'boot': scene interval or None}: the seed interval's;
+    where that is degenerate (zero width), the scene bootstrap's marked `_FROM_BOOT`, else 'degenerate interval'."""
+    v = x["t"].verdict()
+    if v != "degenerate interval":
+        return v
+    boot = x.get("boot")
+    if boot is None or boot.degenerate or math.isnan(boot.lo):
+        return v
+    return f"{boot.verdict()} ({_FROM_BOOT})"
+
+
 def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
-    "One phrase per row from the seed intervals: 'better: ...; worse: ...', or 'no difference shown'."
+    """One phrase per row: 'better: ...; worse: ...' (a number read from the scene bootstrap marked so), the numbers
+    whose seed interval is degenerate with no bootstrap to read, or 'no difference shown'."""
     out = {}
     for n, by in stats.items():
-        v = {m: by[m]["t"].verdict() for m in metrics if m in by}
-        better, worse = ([HEADLINE[m] for m, x in v.items() if x == "better"],
-                         [HEADLINE[m] for m, x in v.items() if x == "worse"])
+        v = {m: metric_verdict(by[m]) for m in metrics if m in by}
+        name = lambda m, x: HEADLINE[m] + (f" ({_FROM_BOOT})" if _FROM_BOOT in x else "")
+        groups = {k: [name(m, x) for m, x in v.items() if x.split(" (")[0] == k]
+                  for k in ("better", "worse", "degenerate interval")}
         one = all(by[m]["t"].n < 2 for m in v)
         out[n] = ("one seed: no verdict" if one
-                  else "; ".join(p for p in (("better: " + ", ".join(better)) if better else "",
-                                                                           ("worse: " + ", ".join(worse)) if worse
-                                             else "") if p) or "no difference shown")
+                  else "; ".join(f"{k}: " + ", ".join(g) for k, g in groups.items() if g) or "no difference shown")
     return out
 
 
@@ -165,6 +200,16 @@ _st = paired_stats(_ps)
 test_eq(_st["X"]["hn_mean"]["t"].verdict(), "better")
 assert _st["X"]["hn_mean"]["boot"].n == 200
 test_eq(verdicts(_st), {"X": "better: HN mean"})
+assert _st["X"]["hn_mean"]["mdd"].n == 3 and _st["X"]["hn_mean"]["mdd"].method == "mdd"
+# a seed interval of zero width: the scene bootstrap's verdict, marked; without a bootstrap no verdict
+_deg = {s: {"CLIP": _ps[s]["CLIP"], "X": dict(_ps[s]["CLIP"], hn_mean=_ps[s]["CLIP"]["hn_mean"] + 5.0,
+                                              per_scene={"hn_mean": _scenes(0.8)})} for s in _ps}
+_sd0 = paired_stats(_deg)
+test_eq(_sd0["X"]["hn_mean"]["t"].verdict(), "degenerate interval")
+assert math.isnan(_sd0["X"]["hn_mean"]["mdd"].mean)                      # no spread: no power to estimate
+test_eq(verdicts(_sd0), {"X": f"better: HN mean ({_FROM_BOOT})"})         # its scenes 80 % against 60 %
+_sd0["X"]["hn_mean"]["boot"] = None
+test_eq(verdicts(_sd0), {"X": "degenerate interval: HN mean"})
 # pairing removes the seed's share
 assert _sm["X"]["hn_mean_sd"] > 9 and _st["X"]["hn_mean"]["t"].hi - _st["X"]["hn_mean"]["t"].lo < 2
 
@@ -212,6 +257,67 @@ def headline_table(summary: dict, stats: dict, base: str = REFERENCE) -> str:
                  _cell(r, "time_ratio", "{:.2f}") + ("x" if "time_ratio" in r else ""), _other(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def mdd_cell(x: dict | None) -> str:
+    "'9.7 [5.0, 61.0]': the smallest detectable difference [95 % interval]; 'sd 0' for a degenerate seed interval."
+    if x is None:
+        return "-"
+    if x["t"].degenerate:
+        return "sd 0"
+    d = x.get("mdd")
+    return "-" if d is None or math.isnan(d.mean) else f"{d.mean:.1f} [{d.lo:.1f}, {d.hi:.1f}]"
+
+
+def detectable_table(stats: dict, base: str = REFERENCE) -> str:
+    """Markdown: for each paired difference to `base`, the smallest true difference detectable with 80 % power
+    [95 % interval] (`paired_stats`' 'mdd')."""
+    lines = ["| run | seeds | " + " | ".join(f"detectable Δ {HEADLINE[m]}" for m in HEADLINE) + " |",
+             "|---|---:|" + "---:|" * len(HEADLINE)]
+    for n, by in stats.items():
+        lines.append(f"| {n} | {max((x['t'].n for x in by.values()), default=0)} | "
+                     + " | ".join(mdd_cell(by.get(m)) for m in HEADLINE) + " |")
+    return "\n".join(lines)
+
+
+# what a method's runs log while training that the report shows: the trainer's `metrics.csv` column -> (the methods
+# that log it, by name prefix; what it is). The comparison keeps, per run, its mean over the logged steps under the
+# column's name without the underscore, with `_min` and `_max` (`70_compare`).
+_LOGGED = {"_pgs_drop_ratio": ("clip-pgs", "patch drop ratio")}
+
+
+def logged_numbers(rows: list[dict]) -> dict[str, float]:
+    """A run's numbers from the rows of its `metrics.csv` (`read_metrics`): of each `_LOGGED` column it has, the mean
+    over the logged steps (named without the underscore) and its `_min` and `_max`."""
+    out = {}
+    for col in _LOGGED:
+        v = [float(r[col]) for r in rows if col in r]
+        if v:
+            k = col.lstrip("_")
+            out.update({k: float(np.mean(v)), k + "_min": min(v), k + "_max": max(v)})
+    return out
+
+
+def logged_lines(summary: dict, per_seed: dict) -> list[str]:
+    "One line per row whose method logs a `_LOGGED` column: its mean over the runs, sd, per seed and range; or why not."
+    out = []
+    for col, (prefix, what) in _LOGGED.items():
+        k = col.lstrip("_")
+        for n in summary:
+            runs = [res[n] for res in per_seed.values() if n in res]
+            if not any(str(r.get("method", "")).startswith(prefix) for r in runs):
+                continue
+            have = [float(r[k]) for r in runs if k in r]
+            if not have:
+                out.append(f"{n}: {what} not recorded in this report (`{col}` of its runs' metrics.csv; the report was "
+                           "written before the comparison read it)")
+                continue
+            r, sd = summary[n], summary[n].get(k + "_sd", float("nan"))
+            out.append(f"{n}: {what} as its runs logged it (`{col}` in metrics.csv, mean over each run's logged "
+                       f"steps): {r[k]:.3f}{'' if sd is None or math.isnan(sd) else f' ± {sd:.3f}'} over "
+                       f"{len(have)} seed(s) (per seed {', '.join(f'{v:.3f}' for v in have)}); every logged step "
+                       f"between {r.get(k + '_min', float('nan')):.3f} and {r.get(k + '_max', float('nan')):.3f}")
+    return out
 
 
 def bootstrap_table(stats: dict, base: str = REFERENCE) -> str:
@@ -286,33 +392,93 @@ def plot_curves(curves: dict, path=None, title: str = ""):
 
 
 # %% [markdown]
+# The detectable differences of the hand-made rows above, and a CLIP-PGS row's logged drop ratio: each run's mean
+# over its logged steps, then the mean over seeds, with the range over every logged step of every seed. A comparison
+# written before the runs' log was read says so instead of a number.
+
+# %%
+assert "| X | 3 | " in detectable_table(_st) and "sd 0" in detectable_table(paired_stats(_deg))
+_log = [logged_numbers([{"step": 10, "_pgs_drop_ratio": a}, {"step": 20, "_pgs_drop_ratio": b}, {"step": 30}])
+        for a, b in ((0.30, 0.40), (0.32, 0.36))]
+test_eq(_log[0], dict(pgs_drop_ratio=0.35, pgs_drop_ratio_min=0.30, pgs_drop_ratio_max=0.40))
+test_eq(logged_numbers([{"step": 10, "loss": 1.0}]), {})
+_pgs = {s: {"CLIP": dict(hn_mean=60.0), "CLIP-PGS": dict(hn_mean=61.0, method="clip-pgs-0.3", **_log[s])}
+        for s in (0, 1)}
+_sm = summarize_seeds(_pgs)
+test_close((_sm["CLIP-PGS"]["pgs_drop_ratio"], _sm["CLIP-PGS"]["pgs_drop_ratio_min"],
+            _sm["CLIP-PGS"]["pgs_drop_ratio_max"]), (0.345, 0.30, 0.40), eps=1e-12)
+print(logged_lines(_sm, _pgs)[0])
+assert "0.345 ± 0.007 over 2 seed(s) (per seed 0.350, 0.340); every logged step between 0.300 and 0.400" in \
+    logged_lines(_sm, _pgs)[0]
+_old = {s: {n: {k: v for k, v in r.items() if "pgs" not in k} for n, r in res.items()} for s, res in _pgs.items()}
+assert "not recorded" in logged_lines(summarize_seeds(_old), _old)[0]
+test_eq(logged_lines(_sm, {s: {"CLIP": r["CLIP"]} for s, r in _pgs.items()}), [])   # no CLIP-PGS row: no line
+
+
+# %% [markdown]
 # ## The files
 #
 # `write_outputs` writes, under the report folder: `summary.md` (the header line with the budget, the machine and the
-# command, then the tables above), `summary.csv` (the headline table as tidy rows, for a spreadsheet or pandas),
-# `summary.json` (everything, the per-scene shares left out), `curves.png` and `loss_curves.png` (the first seed's
-# training losses).
+# command, then the tables above, the smallest detectable differences beside the headline table, and what the runs
+# logged), `summary.csv` (the headline table as tidy rows, for a spreadsheet or pandas, with each difference's smallest
+# detectable difference), `summary.json` (everything, the per-scene shares left out), `curves.png` (the curves' mean
+# over seeds), `curves_per_seed.csv` (each seed's curve: row, seed, step and every curve key; when the comparison kept
+# them) and `loss_curves.png` (the first seed's training losses).
 
 # %%
 #| export
 def summary_rows(cmp: Comparison) -> list[dict]:
-    """The headline table as tidy rows (run, metric): mean, sd and seeds, and the paired difference to the reference
-    with its t interval."""
+    """The headline table as tidy rows (run, metric): mean, sd and seeds, the paired difference to the reference with
+    its t interval, the smallest difference detectable with 80 % power with its interval, and the verdict."""
     ref, rows = cmp.meta.get("reference", REFERENCE), []
     for n, r in cmp.summary.items():
         for m in HEADLINE:
             if m not in r:
                 continue
-            t = cmp.stats.get(n, {}).get(m, {}).get("t")
+            x = cmp.stats.get(n, {}).get(m, {})
+            t, d = x.get("t"), x.get("mdd")
             rows.append(dict(run=n, regime=r.get("regime", ""), metric=m, mean=r[m], sd=r.get(m + "_sd"),
                              seeds=r["seeds"],
                              reference=ref, delta=t.mean if t else None, lo=t.lo if t else None, hi=t.hi if t else None,
-                             verdict=t.verdict() if t else ("reference" if n == ref else "")))
+                             mdd=d.mean if d else None, mdd_lo=d.lo if d else None, mdd_hi=d.hi if d else None,
+                             verdict=metric_verdict(x) if t else ("reference" if n == ref else "")))
     return rows
 
 
+_SEED_CSV = "curves_per_seed.csv"
+
+
+def write_seed_curves(seed_curves: dict, path) -> None:
+    "`seed_curves` ({row: {seed: [points]}}) as a CSV: row, seed, step, then every other key of the points."
+    keys = list(dict.fromkeys(k for per in seed_curves.values() for pts in per.values() for p in pts for k in p
+                              if k != "step"))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, ["row", "seed", "step", *keys])
+        w.writeheader()
+        w.writerows({"row": n, "seed": s, **p} for n, per in seed_curves.items() for s, pts in sorted(per.items())
+                    for p in pts)
+
+
+def read_seed_curves(folder) -> dict:
+    "The `curves_per_seed.csv` of `folder` as {row: {seed: [points]}} (empty cells left out); {} when there is none."
+    f = Path(folder) / _SEED_CSV
+    if not f.is_file():
+        return {}
+    out = {}
+    try:
+        with open(f, newline="") as fh:
+            for r in csv.DictReader(fh):
+                p = {k: float(v) for k, v in r.items() if k not in ("row", "seed") and v not in ("", None)}
+                p["step"] = int(p["step"])
+                out.setdefault(r["row"], {}).setdefault(int(r["seed"]), []).append(p)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{f}: not a file of per-seed curves ({type(e).__name__}: {e})") from None
+    return out
+
+
 def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
-    "`summary.md`, `summary.csv`, `summary.json`, `curves.png` (and `loss_curves.png`) of a comparison."
+    """`summary.md`, `summary.csv`, `summary.json`, `curves.png`, `curves_per_seed.csv` (when the comparison kept
+    each seed's curve) and `loss_curves.png` (with `losses`) of a comparison."""
     out, m = Path(out), cmp.meta
     head = (f"{len(m['seeds'])} seed(s) {m['seeds']}, T = {m['steps']} steps (fine-tunes: F = {m['finetune_steps']}), "
             f"preset {m['preset']}{', overrides ' + str(m['overrides']) if m['overrides'] else ''}; {m['eval_images']} "
@@ -325,8 +491,18 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
     ref = m.get("reference", REFERENCE)
     parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t "
              "interval over seeds]; the verdict reads the seed intervals (better/worse only where "
-             "the interval excludes 0).", "",
+             "the interval excludes 0; where every seed gives the same difference, a seed interval of zero width, it "
+             f"reads the scene bootstrap and says so: '{_FROM_BOOT}').", "",
              headline_table(cmp.summary, cmp.stats, ref)]
+    if cmp.stats:
+        parts += ["", f"Smallest true difference to {ref} each row's seeds detect with 80 % power (two-sided paired t "
+                      "test, alpha 0.05, on the row's seeds, the paired sd of its seeds as the true sd; `69_stats`), "
+                      "[95 % interval from the chi-square interval of that sd]: a 'no difference shown' does not "
+                      "rule out a difference below what is detectable ('sd 0': every seed gave the same difference).",
+                  "", detectable_table(cmp.stats, ref)]
+    logged = logged_lines(cmp.summary, cmp.per_seed)
+    if logged:
+        parts += ["", "Logged in training:", "", *(f"- {x}" for x in logged)]
     if any(x.get("boot") is not None for by in cmp.stats.values() for x in by.values()):   # none after a merge
         parts += ["", f"Paired differences to {ref} with the 95 % bootstrap interval over held-out scenes (test-set "
                             "sampling only; not the verdict):", "", bootstrap_table(cmp.stats, ref)]
@@ -351,6 +527,10 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
     (out / "summary.json").write_text(json.dumps(dict(meta=m, summary=cmp.summary, stats=stats, sweeps=cmp.sweeps,
                                                       curves=cmp.curves, per_seed=numbers), indent=1, default=str))
     plot_curves(cmp.curves, out / "curves.png", title=f"mean over seeds {m['seeds']}; T = {m['steps']}")
+    if cmp.seed_curves:
+        write_seed_curves(cmp.seed_curves, out / _SEED_CSV)
+    else:                   # an earlier report's, which this one would seem to have written
+        (out / _SEED_CSV).unlink(missing_ok=True)
     if losses:
         plot_metrics(losses, out / "loss_curves.png", title=f"training loss, seed {m['seeds'][0]}")
 
@@ -392,20 +572,24 @@ def load_comparison(folder) -> Comparison:
     f = Path(folder) / "summary.json"
     if not f.is_file():
         raise ValueError(f"{folder}: no summary.json (not a finished comparison)")
-    try:
+    try:   # every shape a merge reads, checked here: a malformed file is one line naming it, before anything trains
         d = json.loads(f.read_text())
-        per_seed = {int(s): res for s, res in d["per_seed"].items()}
+        per_seed = {int(s): {n: dict(r) for n, r in res.items()} for s, res in d["per_seed"].items()}
         meta = dict(d["meta"], folder=str(folder))
-    except (ValueError, KeyError, TypeError) as e:
+        curves, summary, sweeps = (dict(d.get(k, {})) for k in ("curves", "summary", "sweeps"))
+        if any(not isinstance(v, (int, float)) for pts in curves.values() for p in pts for v in p.values()):
+            raise TypeError("a learning curve's point holds a value that is not a number")
+        stats = trained_stats(per_seed, meta.get("reference", REFERENCE))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{f}: not a comparison's summary ({type(e).__name__}: {e})") from None
-    return Comparison(per_seed, d.get("curves", {}), d.get("summary", {}),
-                      trained_stats(per_seed, meta.get("reference", REFERENCE)), d.get("sweeps", {}), meta)
+    return Comparison(per_seed, curves, summary, stats, sweeps, meta, read_seed_curves(folder))
 
 
 def merge_comparisons(cmps: list[Comparison]) -> Comparison:
     """One comparison from `cmps`, the same plan (`MERGE_SAME`) over disjoint seeds: per-seed numbers joined (without
     per-scene shares), means, spreads, paired differences and verdicts recomputed, curves averaged weighted by seeds,
-    the rows of every part (in the order they first appear), `meta['merged_from']` naming each part."""
+    the rows of every part (in the order they first appear), each seed's curves joined where the parts kept them,
+    `meta['merged_from']` naming each part."""
     if len(cmps) < 2:
         raise ValueError(f"merge: need at least 2 comparisons, got {len(cmps)}")
     first = cmps[0].meta
@@ -438,6 +622,7 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
     curves = {}
     for n in runs:
         cs = [(sum(n in res for res in c.per_seed.values()), c.curves[n]) for c in cmps if c.curves.get(n)]
+        cs = [(w, c) for w, c in cs if w > 0]      # a part's curve of a row none of its seeds has: nothing to weigh
         k = min((len(c) for _, c in cs), default=0)
         curves[n] = [{key: sum(w * c[i][key] for w, c in cs) / sum(w for w, _ in cs) for key in cs[0][1][i]}
                      for i in range(k)]
@@ -448,8 +633,9 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
                 seconds=sum(c.meta.get("seconds", 0) for c in cmps),
                 train_seconds=sum(c.meta.get("train_seconds", 0) for c in cmps), merged_from=parts, command=None)
     meta.pop("folder", None)
+    seed_curves = {n: {s: pts for c in cmps for s, pts in c.seed_curves.get(n, {}).items()} for n in runs}
     return Comparison(per_seed, curves, summarize_seeds(per_seed, ref), trained_stats(per_seed, ref),
-                      cmps[0].sweeps, meta)
+                      cmps[0].sweeps, meta, {n: per for n, per in seed_curves.items() if per})
 
 
 # %% [markdown]
@@ -477,7 +663,7 @@ with tempfile.TemporaryDirectory() as _d:
     _m = merge_comparisons([load_comparison(Path(_d) / f"p{_i}") for _i in range(2)])
     write_outputs(_m, _d)
     assert "merged from" in (Path(_d) / "summary.md").read_text()
-    assert "bootstrap" not in (Path(_d) / "summary.md").read_text()        # no per-scene shares after a merge
+    assert "bootstrap interval over" not in (Path(_d) / "summary.md").read_text()   # no per-scene shares after a merge
 test_eq(_m.meta["seeds"], [0, 1, 2])
 test_eq(_m.meta["train_seconds"], 8)
 for _k in ("hn_mean", "hn_mean_sd"):
@@ -501,4 +687,78 @@ _w, _z = _cmp([0]), _cmp([1])
 _w.per_seed[0]["X"]["regime"], _z.per_seed[1]["X"]["regime"] = "pre-train 10", "pre-train 20"
 test_fail(lambda: merge_comparisons([_w, _z]), contains="row X is")
 test_close(_m2.curves["X"][0]["hn_mean"], _ps[0]["X"]["hn_mean"], eps=1e-9)
+_y.curves["X"] = _cmp([1]).curves["X"]            # a curve left over for a row its seeds lack: weighs nothing
+test_close(merge_comparisons([_cmp([0]), _y]).curves["X"][0]["hn_mean"], _ps[0]["X"]["hn_mean"], eps=1e-9)
 test_fail(lambda: load_comparison("/nonexistent"), contains="no summary.json")
+with tempfile.TemporaryDirectory() as _d:   # malformed per-seed numbers or curves: one line naming the file
+    for _bad in (dict(per_seed={"0": [1, 2]}), dict(per_seed={"0": {"CLIP": {"hn_mean": "x"}, "X": {"hn_mean": 1}}}),
+                 dict(per_seed={}, curves={"CLIP": [{"step": "late"}]})):
+        (Path(_d) / "summary.json").write_text(json.dumps(dict(meta={}, **_bad)))
+        test_fail(lambda: load_comparison(_d), contains=f"{Path(_d) / 'summary.json'}: not a comparison's summary")
+
+# %% [markdown]
+# Each seed's curve travels with its part: written to `curves_per_seed.csv`, read back by `load_comparison` and joined
+# by the merge; the detectable differences are recomputed with the rest.
+
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    for _i, _c in enumerate(_parts):
+        _c.seed_curves = {n: {s: [dict(step=10, seconds=1.5, hn_mean=_ps[s][n]["hn_mean"])] for s in _c.per_seed}
+                          for n in ("CLIP", "X")}
+        (Path(_d) / f"p{_i}").mkdir()
+        write_outputs(_c, Path(_d) / f"p{_i}")
+    _back = load_comparison(Path(_d) / "p1")
+    test_eq(_back.seed_curves, _parts[1].seed_curves)
+    _m3 = merge_comparisons([load_comparison(Path(_d) / f"p{_i}") for _i in range(2)])
+    write_outputs(_m3, _d)
+    test_eq(read_seed_curves(_d)["X"][2], [dict(step=10, seconds=1.5, hn_mean=_ps[2]["X"]["hn_mean"])])
+    assert "detectable" in (Path(_d) / "summary.md").read_text()
+    with open(Path(_d) / "summary.csv") as _f:
+        _row = next(r for r in csv.DictReader(_f) if r["run"] == "X" and r["metric"] == "hn_mean")
+    test_close(float(_row["mdd"]), _all.stats["X"]["hn_mean"]["mdd"].mean, eps=1e-9)
+    (Path(_d) / _SEED_CSV).write_text("row,seed,step\nX,zero,1\n")
+    test_fail(lambda: load_comparison(_d), contains="not a file of per-seed curves")
+test_eq(sorted(_m3.seed_curves["X"]), [0, 1, 2])
+test_close(_m3.stats["X"]["hn_mean"]["mdd"].hi, _all.stats["X"]["hn_mean"]["mdd"].hi, eps=1e-9)
+
+
+# %% [markdown]
+# ## A finished report, rewritten
+#
+# When the report gains a column, the committed results get it without retraining: `rewrite_outputs` reads a folder's
+# `summary.json` (`load_comparison`: the seed statistics recomputed from the per-seed numbers), puts back the scene
+# bootstrap as the file recorded it (the per-scene shares it came from are not kept), and writes the files again with
+# this version of `write_outputs`. It refuses when a recomputed seed interval differs from the recorded one (the
+# numbers would not be the file's). `loss_curves.png` needs the runs and is left as it is.
+
+# %%
+#| export
+def rewrite_outputs(folder) -> Comparison:
+    "Rewrite `folder`'s summary files from its `summary.json` with this version of the report (see above)."
+    c = load_comparison(folder)
+    d = json.loads((Path(folder) / "summary.json").read_text())
+    for n, by in c.stats.items():
+        for m, x in by.items():
+            rec = d.get("stats", {}).get(n, {}).get(m, {})
+            t = rec.get("t") or {}
+            if any(not math.isclose(getattr(x["t"], k), t.get(k, math.nan), rel_tol=1e-9, abs_tol=1e-12)
+                   for k in ("mean", "lo", "hi") if not math.isnan(getattr(x["t"], k))):
+                raise ValueError(f"{folder}: the seed interval of {n} {m} recomputes to {x['t'].format()}, not the "
+                                 f"recorded {t}: not rewritten")
+            x["boot"] = Interval(**rec["boot"]) if rec.get("boot") else None
+    c.meta.pop("folder", None)
+    write_outputs(c, folder)
+    return c
+
+
+# %%
+with tempfile.TemporaryDirectory() as _d:
+    write_outputs(_all, _d)
+    _before = {f: (Path(_d) / f).read_bytes() for f in ("summary.md", "summary.csv", "summary.json")}
+    _re = rewrite_outputs(_d)
+    test_eq({f: (Path(_d) / f).read_bytes() for f in _before}, _before)       # the same report, byte for byte
+    test_eq(_re.stats["X"]["hn_mean"]["boot"], _all.stats["X"]["hn_mean"]["boot"])
+    _j = json.loads((Path(_d) / "summary.json").read_text())
+    _j["per_seed"]["0"]["X"]["hn_mean"] += 1
+    (Path(_d) / "summary.json").write_text(json.dumps(_j))
+    test_fail(lambda: rewrite_outputs(_d), contains="recomputes to")

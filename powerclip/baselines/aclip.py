@@ -203,9 +203,12 @@ class Head(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-        for l in self.layers:
-            x = l(x, ctx) if isinstance(l, GlobalBatchNorm) else l(x)
+    def forward(self, x: torch.Tensor, ctx: DistContext) -> torch.Tensor:   # (R, dim) -> (R, out), at least float32
+        # at least float32 under autocast too: a bf16 Linear before a BatchNorm loses the rows' spread (see above)
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(torch.promote_types(x.dtype, torch.float32))
+            for l in self.layers:
+                x = l(x, ctx) if isinstance(l, GlobalBatchNorm) else l(x)
         return x
 
 
@@ -398,6 +401,9 @@ class ACLIP(StepClock, CLIP):
     Config = ACLIPConfig
     needs_patches = False
     pools = ("tok",)       # its paper's class-token / EOT pooling, which its EMA towers re-implement
+    # its forward pass moves the EMA towers (once per call) and normalises its heads over the batch (GlobalBatchNorm):
+    # neither is a function of each sample alone, so a micro-batch would not replay the batch's step (`49c_accum`)
+    accum_obstacle = "its EMA step runs inside forward and its heads' BatchNorm normalises over the whole batch"
 
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from ..dist import all_sum
-from ..methods import CLIP, StepClock, register
+from ..methods import CLIP, StepClock, hash_uniform, register
 
 # %% auto #0
-__all__ = ['WORLD_SIM_THRESHOLD', 'patch_pixels', 'sobel_patch_edges', 'cosine_matrix', 'mix_weight', 'sinkhorn', 'hash_uniform',
-           'drop_count', 'edge_protected', 'Selection', 'select_patches', 'PGSConfig', 'PGSSelector', 'CLIPPGS',
+__all__ = ['WORLD_SIM_THRESHOLD', 'patch_pixels', 'sobel_patch_edges', 'cosine_matrix', 'mix_weight', 'sinkhorn', 'drop_count',
+           'edge_protected', 'Selection', 'select_patches', 'PGSConfig', 'PGSSelector', 'probe_selection', 'CLIPPGS',
            'PGS03Config', 'CLIPPGS03']
 
 # %% ../../nbs/46_clip_pgs.ipynb #92e258d9
@@ -67,38 +67,6 @@ def sinkhorn(S: torch.Tensor, iters: int = 20, eps: float = 0.05) -> torch.Tenso
     for _ in range(iters):
         log_d = 0.5 * (log_d - torch.logsumexp(logk + log_d[:, None, :], dim=2))
     return (logk + log_d[:, :, None] + log_d[:, None, :]).exp()
-
-# %% ../../nbs/46_clip_pgs.ipynb #a4a251ed
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    "x * c mod 2**32 for x in [0, 2**32) int64, without int64 overflow."
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def hash_uniform(keys: torch.Tensor, step: int, seed: int, n: int) -> torch.Tensor:
-    """keys `(C,)` non-negative int64 sample ids -> `(C, n)` float32 uniform in [0, 1), a pure function of
-    (seed, step, key, column): the same on every device, process and batch composition."""
-    if (keys < 0).any():
-        raise ValueError("sample ids must be non-negative")
-    k = keys.long()
-    h = torch.full_like(k, 0)
-    for part in (seed & _M32, seed >> 32, step & _M32, step >> 32):    # fold the scalars in
-        h = _mix32(h ^ part)
-    h = _mix32(h ^ (k & _M32))
-    h = _mix32(h ^ (k >> 32))                # (C,) one stream per sample
-    col = _mix32(torch.arange(n, device=k.device) + 0x9E3779B9)          # (n,)
-    v = _mix32(h[:, None] ^ col[None, :])                                # (C, n)
-    return (v >> 8).float() / float(1 << 24)                             # 24 bits: exact in float32
 
 # %% ../../nbs/46_clip_pgs.ipynb #a1be23ef
 def drop_count(n: int, ratio: float) -> int:
@@ -228,6 +196,7 @@ class PGSSelector:
         # (C, 3, H, W), (C, N), (), (1 + N, width)
         self.image, self.noise, self.alpha, self.pos = image, noise, alpha, pos
         self.last: Selection | None = None     # the choice of the last call (for logging and checks)
+        self.all_sum = all_sum                 # the batch's count over the processes (an accumulated step: given)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         cfg, N = self.cfg, x.shape[1] - 1
@@ -242,10 +211,28 @@ class PGSSelector:
             edges = sobel_patch_edges(self.image, self.patch) if cfg.edges else None
             self.last = select_patches(sim, edges, n_seed, n_lo, n_hi, noise=self.noise, edge_top=cfg.edge_top,
                                        sim_threshold=cfg.sim_threshold, ot_iters=cfg.ot_iters if cfg.ot else 0,
-                                       ot_eps=cfg.ot_eps, all_sum=all_sum)
+                                       ot_eps=cfg.ot_eps, all_sum=self.all_sum)
         return self.last.keep                                              # (C, N_keep) ascending
 
 # %% ../../nbs/46_clip_pgs.ipynb #64be1ecf
+class _Probed(Exception):
+    "Raised by `probe_selection` right after the selection: the rest of the forward pass is not needed."
+
+
+def probe_selection(model, image: torch.Tensor, keep) -> None:
+    """Run the vision tower on `image` `(C, 3, H, W)` up to the patch selection, call `keep(x)` (a selector, which
+    records its choice) on its tokens, and stop there."""
+    from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+    def stop(x):
+        keep(x)
+        raise _Probed
+    try:
+        with select_patch_tokens(model, stop):
+            encode(model, image, None, need_patches=False)
+    except _Probed:
+        pass
+
+# %% ../../nbs/46_clip_pgs.ipynb #b519bb62
 @register("clip-pgs")
 class CLIPPGS(StepClock, CLIP):
     """CLIP-PGS_0.5: CLIP's loss with patch generation-to-selection in the vision tower during training, config
@@ -256,29 +243,54 @@ class CLIPPGS(StepClock, CLIP):
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
         self.last: Selection | None = None     # the selection of the last training forward pass
+        self._total: torch.Tensor | None = None   # an accumulated step's (sum of counts, images), from accum_begin
 
     @property
     def alpha(self) -> float:
         progress = self.step / max(1, self.total - 1) if self.total else 0.0
         return mix_weight(progress, self.cfg.alpha_start, self.cfg.alpha_end)
 
-    def forward(self, model, batch, modules=None):
-        from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+    def _selector(self, model, batch) -> tuple[PGSSelector, int]:
+        "This batch's selector (its noise keyed by sample and step) and the patch count N."
         image, v = batch["image"], model.visual
-        if not v.training:                                       # evaluation: every patch
-            return encode(model, image, batch["tokens"], need_patches=False)
         patch = int(v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size)
         C, N = image.shape[0], (image.shape[-2] // patch) * (image.shape[-1] // patch)
         keys = batch.get("index")
         keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
         sel = PGSSelector(self.cfg, patch, image, noise=hash_uniform(keys, self.step, self.seed, N), alpha=self.alpha,
                           pos=v.positional_embedding.detach())
+        if self._total is not None:       # an accumulated step: the whole batch's total, summed beforehand
+            sel.all_sum = lambda t: self._total.to(t.device)
+        return sel, N
+
+    def forward(self, model, batch, modules=None):
+        from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
+        image = batch["image"]
+        if not model.visual.training:                            # evaluation: every patch
+            return encode(model, image, batch["tokens"], need_patches=False)
+        sel, N = self._selector(model, batch)
         with select_patch_tokens(model, sel):
             out = encode(model, image, batch["tokens"], need_patches=False)
         self.tick()
         self.last = sel.last
         out["pgs_drop_ratio"] = torch.tensor(sel.last.n_drop / N, device=image.device)
         return out
+
+    def accum_begin(self, model, micro_batches, modules=None, dist=None):
+        "PGS-0.3: every image's count, over all micro-batches and processes, before any micro-batch's forward pass."
+        if self.cfg.lower == self.cfg.upper or not model.visual.training:
+            return                                   # PGS-0.5: one fixed count, nothing shared
+        tot = None
+        for mb in micro_batches:
+            sel, _ = self._selector(model, mb)
+            sel.all_sum = None                       # this micro-batch's counts only
+            probe_selection(model, mb["image"], sel)
+            part = torch.stack([sel.last.counts.sum(), sel.last.counts.new_tensor(len(sel.last.counts))])
+            tot = part if tot is None else tot + part
+        self._total = all_sum(tot)
+
+    def accum_end(self):
+        self._total = None
 
     def loss(self, out, batch, dist):
         terms = super().loss(out, batch, dist)

@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from .clip_pgs import cosine_matrix, drop_count, hash_uniform, mix_weight, patch_pixels
+from .clip_pgs import (cosine_matrix, drop_count, hash_uniform, mix_weight, patch_pixels,
+                                          probe_selection)
 from ..dist import all_max
 from ..methods import CLIP, StepClock, register
 
@@ -202,6 +203,7 @@ class ClusterSelector:
         # (C, 3, H, W), (C, 2N)
         self.cfg, self.patch, self.image, self.noise, self.alpha = cfg, patch, image, noise, alpha
         self.last: ClusterMasking | None = None   # the choice of the last call
+        self.all_min = _all_min                   # the batch's smallest cluster over the processes (accumulated: given)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         N = x.shape[1] - 1
@@ -213,7 +215,7 @@ class ClusterSelector:
             sim = patch_similarity(pix, emb, self.alpha)                       # (C, N, N)
             self.last = cluster_masking(sim, self.noise[:, :N], self.noise[:, N:],
                                         anchor_count(N, self.cfg.anchor_ratio),
-                                        self.cfg.threshold, self.cfg.min_ratio, all_min=_all_min)
+                                        self.cfg.threshold, self.cfg.min_ratio, all_min=self.all_min)
         return self.last.keep
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,6 +232,7 @@ class ECLIP(StepClock, CLIP):
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
         self.last: ClusterMasking | None = None    # the masking of the last training forward pass
+        self._min: int | None = None                # an accumulated step's smallest cluster, from accum_begin
 
     @property
     def alpha(self) -> float:
@@ -242,11 +245,7 @@ class ECLIP(StepClock, CLIP):
         image, v = batch["image"], model.visual
         if not v.training:                                       # evaluation: every patch
             return encode(model, image, batch["tokens"], need_patches=False)
-        patch = int(v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size)
-        C, N = image.shape[0], (image.shape[-2] // patch) * (image.shape[-1] // patch)
-        keys = batch.get("index")
-        keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
-        sel = ClusterSelector(self.cfg, patch, image, hash_uniform(keys, self.step, self.seed, 2 * N), self.alpha)
+        sel, N = self._selector(model, batch)
         with select_patch_tokens(model, sel, hide=sel.hidden if self.cfg.hide_clusters else None):
             out = encode(model, image, batch["tokens"], need_patches=False)
         self.tick()
@@ -256,6 +255,33 @@ class ECLIP(StepClock, CLIP):
         out["eclip_cluster_ratio"] = f(m.masked.sum(1).double().mean() / N)
         out["eclip_hidden_ratio"] = f(m.hidden.sum(1).double().mean() / N if self.cfg.hide_clusters else 0.0)
         return out
+
+    def _selector(self, model, batch) -> tuple[ClusterSelector, int]:
+        "This batch's selector (its noise keyed by sample and step) and the patch count N."
+        image, v = batch["image"], model.visual
+        patch = int(v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size)
+        C, N = image.shape[0], (image.shape[-2] // patch) * (image.shape[-1] // patch)
+        keys = batch.get("index")
+        keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
+        sel = ClusterSelector(self.cfg, patch, image, hash_uniform(keys, self.step, self.seed, 2 * N), self.alpha)
+        if self._min is not None:           # an accumulated step: the whole batch's smallest cluster, found beforehand
+            sel.all_min = lambda t: torch.tensor(self._min)
+        return sel, N
+
+    def accum_begin(self, model, micro_batches, modules=None, dist=None):
+        "The smallest cluster over all micro-batches and processes, before any micro-batch's forward pass."
+        if not model.visual.training:
+            return
+        smallest = []
+        for mb in micro_batches:
+            sel, _ = self._selector(model, mb)
+            sel.all_min = lambda t: t                 # this micro-batch's own smallest cluster
+            probe_selection(model, mb["image"], sel)
+            smallest.append(int(sel.last.masked.sum(1).min()))
+        self._min = int(_all_min(torch.tensor(min(smallest))))
+
+    def accum_end(self):
+        self._min = None
 
     def loss(self, out, batch, dist):
         terms = super().loss(out, batch, dist)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..methods import CLIP, register
+from ..methods import CLIP, StepClock, hash_uniform, register
 
 # %% auto #0
 __all__ = ['FLIPConfig', 'random_keep', 'FLIP']
@@ -24,16 +24,19 @@ class FLIPConfig:
             raise ValueError(f"ratio must be in [0, 1), got {self.ratio}")
 
 
-def random_keep(x: torch.Tensor, ratio: float) -> torch.Tensor:
+def random_keep(x: torch.Tensor, ratio: float, noise: torch.Tensor | None = None) -> torch.Tensor:
     """x `(C, 1 + N, width)` (class token first) -> `(C, K)` indices of K = max(1, int(N (1 - ratio))) patches per
-    image, uniformly at random: open_clip's `PatchDropout` rule and random stream (top-K of Gaussian noise)."""
+    image, uniformly at random: open_clip's `PatchDropout` rule (the top-K of noise). `noise` `(C, N)` (FLIP's: keyed
+    by sample); None: Gaussian noise from the global stream, open_clip's own draw."""
     C, N = x.shape[0], x.shape[1] - 1
     k = max(1, int(N * (1 - ratio)))
-    return torch.randn(C, N, device=x.device).topk(k, dim=-1).indices      # (C, K)
+    if noise is None:
+        noise = torch.randn(C, N, device=x.device)
+    return noise[:, :N].to(x.device).topk(k, dim=-1).indices              # (C, K)
 
 
 @register("flip")
-class FLIP(CLIP):
+class FLIP(StepClock, CLIP):
     "FLIP: CLIP's loss with random patch dropout in the vision tower during training, config `FLIPConfig`."
     Config = FLIPConfig
     needs_patches = False
@@ -42,5 +45,12 @@ class FLIP(CLIP):
         from powerclip.model import encode, select_patch_tokens  # late: keeps this module importable without open_clip
         if not model.visual.training or self.cfg.ratio == 0:    # evaluation: every patch
             return encode(model, batch["image"], batch["tokens"], need_patches=False)
-        with select_patch_tokens(model, lambda x: random_keep(x, self.cfg.ratio)):
-            return encode(model, batch["image"], batch["tokens"], need_patches=False)
+        image = batch["image"]
+        keys = batch.get("index")
+        keys = torch.arange(image.shape[0], device=image.device) if keys is None else keys.to(image.device)
+        n = model.visual.grid_size[0] * model.visual.grid_size[1]
+        noise = hash_uniform(keys, self.step, self.seed, n)                 # (C, N), a function of the sample
+        with select_patch_tokens(model, lambda x: random_keep(x, self.cfg.ratio, noise)):
+            out = encode(model, image, batch["tokens"], need_patches=False)
+        self.tick()
+        return out

@@ -40,7 +40,8 @@ class BadData(ValueError):
 
 # %% ../../nbs/61_eval_data.ipynb #e7d9ad87
 ITEM_SKIP_REASONS = ('missing_image', 'bad_image', 'bad_caption', 'bad_negative', 'no_caption', 'bad_region',
-                     'unknown_category', 'crowd_region', 'outside_vocabulary', 'outside_view')
+                     'bad_polygon', 'bad_rle', 'degenerate', 'unknown_category', 'crowd_region', 'outside_vocabulary',
+                     'outside_view')
 
 @dataclass
 class ItemSkips:

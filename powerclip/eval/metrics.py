@@ -8,13 +8,15 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['RECALL_POINTS', 'LAMBDAS', 'outranks', 'RetrievalRanks', 'retrieval_ranks', 'retrieval_recall', 'recall_hits',
            'chance_recall', 'true_class_rank', 'classification_metrics', 'hard_negative_accuracy', 'winoground_scores',
-           'average_precision', 'region_classification_metrics', 'fit_logreg', 'linear_probe']
+           'average_precision', 'region_classification_metrics', 'chance_average_precision', 'fit_logreg',
+           'linear_probe']
 
 # %% ../../nbs/60_eval_metrics.ipynb #21c95d3c
 def outranks(wrong: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,8 @@ def winoground_scores(s: torch.Tensor) -> dict[str, float]:
                 group=100 * (text & image).double().mean().item(), n=len(s))
 
 # %% ../../nbs/60_eval_metrics.ipynb #2b7be568
-RECALL_POINTS = torch.linspace(0, 1, 101, dtype=torch.float64)   # COCO's 101 recall thresholds
+# COCO's 101 recall thresholds, bit for bit: pycocotools' np.linspace (not i/100, not torch.linspace; see above)
+RECALL_POINTS = torch.from_numpy(np.linspace(0.0, 1.0, 101))
 
 def average_precision(scores: torch.Tensor, positive: torch.Tensor) -> float:
     """scores `(n,)`, positive `(n,)` bool -> COCO's 101-point interpolated average precision (%) of ranking by
@@ -179,6 +182,28 @@ def region_classification_metrics(logits: torch.Tensor, labels: torch.Tensor, gr
         out[f'n_regions_{name}'] = int(inside.sum())
         out[f'top1_{name}'] = 100 * hit[inside].double().mean().item() if inside.any() else math.nan
         out[f'ap50_{name}'] = float(sum(aps) / len(aps)) if aps else math.nan
+    return out
+
+# %% ../../nbs/60_eval_metrics.ipynb #d8c5140b
+def chance_average_precision(positives, n: int, draws: int = 2000, seed: int = 0) -> list[float]:
+    """For each count `P` of `positives` (ints): the expected `average_precision` (%) of a uniformly random ranking of
+    `n` items of which `P` are positive, the mean over `draws` random rankings from `seed` (see above)."""
+    ps = [int(p) for p in positives]
+    if not ps:
+        return []
+    if n < 1 or min(ps) < 1 or max(ps) > n:
+        raise ValueError(f'each count of positives must be in [1, {n}], got {min(ps)}..{max(ps)}')
+    rng, top = np.random.default_rng(seed), max(ps)
+    ranks = np.stack([rng.choice(n, top, replace=False) for _ in range(draws)]) + 1   # (draws, top) 1-based ranks
+    grid = RECALL_POINTS.numpy()
+    out = []
+    for P in ps:
+        at = np.sort(ranks[:, :P], axis=1)                                     # (draws, P) the hits' ranks
+        hits = np.arange(1, P + 1)
+        prec = np.maximum.accumulate((hits / at)[:, ::-1], axis=1)[:, ::-1]     # (draws, P) monotone from the right
+        idx = np.searchsorted(hits / P, grid, side='left')                     # (101,) the same for every draw
+        read = np.where(idx < P, prec[:, np.minimum(idx, P - 1)], 0.0)         # (draws, 101)
+        out.append(100 * float(read.mean()))
     return out
 
 # %% ../../nbs/60_eval_metrics.ipynb #2d85e13a

@@ -16,15 +16,16 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from ..checkpoint import CheckpointFiles, CheckpointLayoutError, find_weights, read_params
 from .data import BadData, MissingData, read_image
 from ..methods import GlobalScorer, Scorer, get_method
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'CheckpointError', 'NonFiniteWeights', 'nonfinite_tensors', 'check_finite', 'sha256_file', 'checkpoint_file',
-           'run_config', 'method_modules', 'LoadedModel', 'load_model', 'FeatureCache', 'NonFiniteFeatures',
-           'Evaluator']
+__all__ = ['log', 'CheckpointError', 'NonFiniteWeights', 'nonfinite_tensors', 'check_finite', 'sha256_file', 'checkpoint_files',
+           'checkpoint_file', 'run_config', 'checkpoint_record', 'choose_pool', 'method_modules', 'LoadedModel',
+           'load_model', 'FeatureCache', 'NonFiniteFeatures', 'Evaluator']
 
 # %% ../../nbs/62_eval_models.ipynb #75f50b7d
 class CheckpointError(ValueError):
@@ -89,20 +90,17 @@ def _state_dict(ck) -> dict:
         sd[k] = v
     return sd
 
-def checkpoint_file(path) -> Path:
-    "A checkpoint file, or a run folder's `model.pt` (else its `checkpoints/last.pt`)."
-    path = Path(path)
-    if path.is_dir():
-        found = [p for p in (path / 'model.pt', path / 'checkpoints' / 'last.pt') if p.is_file()]
-        if not found:
-            raise MissingData(f'run directory {path} has neither model.pt nor checkpoints/last.pt')
-        return found[0]
-    return _need_file(path)
+def checkpoint_files(path) -> CheckpointFiles:
+    "`find_weights` (`49b_checkpoint`) of a checkpoint file or folder; a path in no known layout is `MissingData`."
+    try:
+        return find_weights(path)
+    except CheckpointLayoutError as e:
+        raise MissingData(str(e)) from None
 
-def _need_file(path: Path) -> Path:
-    if not path.is_file():
-        raise MissingData(f'checkpoint: expected {path}')
-    return path
+def checkpoint_file(path) -> Path:
+    """The weights file of a checkpoint file or folder: a run folder's `model.pt` (else its `checkpoints/last.pt`),
+    an open_clip release's weights, an open_clip run's latest `epoch_N.pt`."""
+    return checkpoint_files(path).weights
 
 def run_config(checkpoint, ck=None) -> dict:
     """The config of the run a checkpoint belongs to: the one inside a trainer checkpoint `ck`, else `config.yaml`
@@ -115,6 +113,89 @@ def run_config(checkpoint, ck=None) -> dict:
         if (d / 'config.yaml').is_file():
             return yaml.safe_load((d / 'config.yaml').read_text()) or {}
     return {}
+
+def _release_record(f: Path) -> dict:
+    """A release's `open_clip_config.json` in the run config's form: the registered architecture closest to its
+    `model_cfg` (`model.name`), the entries that make it that config (`model.kwargs`), its pooling (its vision
+    `pool_type`, set apart), the `preprocess_cfg` and the folder (`release`)."""
+    import open_clip
+    from powerclip.model import register_configs
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f'{f}: not a JSON file ({type(e).__name__}: {e})') from None
+    mc = cfg.get('model_cfg') if isinstance(cfg, dict) else None
+    if not isinstance(mc, dict) or not {'embed_dim', 'vision_cfg', 'text_cfg'} <= set(mc):
+        raise CheckpointError(f'{f}: no open_clip model config ("model_cfg" with embed_dim, vision_cfg, text_cfg)')
+    register_configs()
+    (bare, pool), best = _unpooled(mc), None
+    for n in sorted(open_clip.list_models()):
+        c, cp = _unpooled(open_clip.get_model_config(n))
+        if set(c) <= set(mc):                    # an entry of c that mc lacks could not be overridden away
+            kw = {k: v for k, v in bare.items() if c.get(k) != v}
+            score = (len(kw), cp != pool)          # fewest differing entries, then the same pooling
+            if best is None or score < best[0]:
+                best = (score, n, kw)
+    if best is None:
+        raise CheckpointError(f'{f}: its model_cfg has entries no open_clip architecture here has: pass --model')
+    return dict(model=dict(name=best[1], kwargs=best[2], pool=pool), release=str(f.parent),
+                preprocess_cfg=cfg.get('preprocess_cfg') or {})
+
+def _unpooled(cfg: dict) -> tuple[dict, str]:
+    "An open_clip model config without its vision `pool_type` (the pooling is set apart, `pool=`), and that pooling."
+    v = dict(cfg.get('vision_cfg') or {})
+    return {**cfg, 'vision_cfg': v}, v.pop('pool_type', 'tok')
+
+def _params_record(f: Path) -> dict:
+    "An open_clip run's `params.txt` in the run config's form: the architecture it trained, with QuickGELU if forced."
+    p = read_params(f)
+    ignored = [k for k in ('force_image_size', 'force_patch_dropout', 'force_context_length')
+               if p.get(k, 'None') not in ('None', '')]
+    if ignored:
+        log.warning('%s: %s not applied here (pass --model-kwargs)', f, ', '.join(f'{k} {p[k]}' for k in ignored))
+    kw = {'quick_gelu': True} if p.get('force_quick_gelu') == 'True' else {}
+    return dict(model=dict(name=p.get('model') or None, kwargs=kw))
+
+def checkpoint_record(files: CheckpointFiles, ck=None) -> tuple[dict, str | None]:
+    """How a checkpoint was trained, in the run config's form (`model.name`, `.kwargs`, `.pool`, `method`, ..), and
+    where it was read: the config inside a trainer checkpoint `ck`, else `files.record` (our `config.yaml`, open_clip's
+    `params.txt` or a release's `open_clip_config.json`); `({}, None)` when nothing records it."""
+    if isinstance(ck, dict) and isinstance(ck.get('config'), dict):
+        return ck['config'], f'the config inside {files.weights}'
+    r = files.record
+    if r is None:
+        return {}, None
+    if r.name == 'params.txt':
+        return _params_record(r), str(r)
+    if r.name == 'open_clip_config.json':
+        return _release_record(r), str(r)
+    return run_config(files.weights), str(r)
+
+def _trained_pool(run_model: dict) -> str | None:
+    """The pooling a run config records: `model.pool`, else its architecture's own; None when it names no known one
+    (our configs registered: `register_configs`)."""
+    from powerclip.model import arch_pool
+    if run_model.get('pool') is not None or run_model.get('name') is None:
+        return run_model.get('pool')
+    try:
+        return arch_pool(run_model['name'], run_model.get('kwargs'))
+    except (TypeError, NotImplementedError):        # an architecture unknown here, or pooled another way
+        return None
+
+def choose_pool(asked: str | None, trained: str | None, default: str | None, named: bool,
+                source: str | None) -> tuple[str | None, str | None]:
+    """`(pool, warning or None)`: the pooling `asked` (`--pool`) if any, else the one the checkpoint was `trained`
+    with (read from `source`), else None (the architecture's own, `default`). `named`: the caller named the
+    architecture, whose own pooling is `default`."""
+    if asked is not None:
+        if trained is not None and trained != asked:
+            return asked, (f'pooling: {asked!r} as --pool asks, though the checkpoint was trained pooling by '
+                           f'{trained!r} ({source})')
+        return asked, None
+    if trained is not None and named and default is not None and trained != default:
+        return trained, (f'pooling: {trained!r}, as the checkpoint was trained ({source}), where the architecture '
+                         f'named pools by {default!r}; --pool {default} scores it that way')
+    return trained, None
 
 def _method(method: str | None, method_cfg: dict | None):
     if method is None:
@@ -158,45 +239,70 @@ class LoadedModel:
     method: str | None = None                              # the training method, when known
     scorers: dict = field(default_factory=lambda: {'global': GlobalScorer()})   # name -> Scorer, the headline first
     modules: object = None  # the method's trained modules (`method_modules`), when it has any
+    weights: str | None = None  # the file the weights were read from (a folder's latest epoch, ..); None: random init
+
+def _read_checkpoint(f: Path):
+    "What a weights file holds: a `.safetensors` file's tensors, else what `torch.load` reads."
+    if f.suffix == '.safetensors':
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CheckpointError(f'{f}: reading a .safetensors file needs the safetensors package '
+                                  '(pip install safetensors)') from None
+        try:
+            return load_file(str(f), device='cpu')
+        except Exception as e:
+            raise CheckpointError(f'{f}: not a safetensors file ({type(e).__name__}: {e})') from None
+    try:
+        return torch.load(f, map_location='cpu', weights_only=True)
+    except Exception as e:   # the trainer's checkpoints also hold RNG states and configs
+        log.info('weights_only load failed (%s); loading %s as a trusted local pickle', type(e).__name__, f)
+        try:
+            return torch.load(f, map_location='cpu', weights_only=False)
+        except Exception as e2:
+            raise CheckpointError(f'{f}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
 
 def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, device: str = 'cpu',
                model_kwargs: dict | None = None, method: str | None = None, method_cfg: dict | None = None,
                pool: str | None = None) -> LoadedModel:
-    """Build the architecture and load a checkpoint file or run folder (None = random init from `seed`). The run's
-    config (inside a trainer checkpoint, or `config.yaml` beside the file) names the architecture, its kwargs, its
-    pooling (`model.pool`) and the method; `model_name` / `method` / `pool` given here win (a pool None and none in the
-    run: the architecture's, `30_model`). Raises `CheckpointError` (`NonFiniteWeights`) before building
-    anything for a checkpoint that cannot be evaluated."""
+    """Build the architecture and load a checkpoint file or folder (None = random init from `seed`). What the
+    checkpoint records (`checkpoint_record`) names the architecture, its kwargs, its pooling and the method;
+    `model_name` / `method` given here win, and `pool` (see "Pooling" below). Raises `CheckpointError`
+    (`NonFiniteWeights`) before building anything for a checkpoint that cannot be evaluated."""
     # here, not at the top: `--help`, `table`, `make-world` stay fast
     import open_clip
-    from powerclip.model import create_model, pool_of
-    sd, run, ck = None, {}, None
+    from powerclip.model import arch_pool, create_model, pool_of, register_configs
+    register_configs()
+    sd, run, ck, source = None, {}, None, None
     if checkpoint is not None:
-        checkpoint = checkpoint_file(checkpoint)
-        try:
-            ck = torch.load(checkpoint, map_location='cpu', weights_only=True)
-        except Exception as e:   # the trainer's checkpoints also hold RNG states and configs
-            log.info('weights_only load failed (%s); loading %s as a trusted local pickle',
-                     type(e).__name__, checkpoint)
-            try:
-                ck = torch.load(checkpoint, map_location='cpu', weights_only=False)
-            except Exception as e2:
-                raise CheckpointError(
-                    f'{checkpoint}: not a checkpoint torch can read ({type(e2).__name__}: {e2})') from None
+        files = checkpoint_files(checkpoint)
+        checkpoint = files.weights
+        log.info('checkpoint: %s (%s)', checkpoint, files.layout)
+        ck = _read_checkpoint(checkpoint)
         if not isinstance(ck, dict):
             raise CheckpointError(f'{checkpoint}: not a state dict or a trainer checkpoint (a {type(ck).__name__})')
-        sd, run = _state_dict(ck), run_config(checkpoint, ck)
+        sd, (run, source) = _state_dict(ck), checkpoint_record(files, ck)
         check_finite(sd, f'checkpoint {checkpoint}')
     run_model = run.get('model') or {}
     name = model_name or run_model.get('name')
     if name is None:
         raise CheckpointError('no model name given: pass --model' if checkpoint is None else
-                              f'no model name given, and neither {checkpoint} nor a config.yaml beside '
-                              'it names one: pass --model')
-    kw = dict(run_model.get('kwargs') or {}) if run_model.get('name') in (None, name) else {}
+                              f'no model name given, and neither {checkpoint} nor a config.yaml, params.txt or '
+                              'open_clip_config.json beside it names one: pass --model')
+    same = run_model.get('name') in (None, name)         # the run's kwargs only fit the architecture it names
+    kw = dict(run_model.get('kwargs') or {}) if same else {}
     kw.update(model_kwargs or {})
-    if pool is None and run_model.get('name') in (None, name):
-        pool = run_model.get('pool')
+    try:
+        default = arch_pool(name, kw)
+    except (TypeError, NotImplementedError):             # unknown here (create_model says so) or pooled another way
+        default = None
+    pool, warning = choose_pool(pool, _trained_pool(run_model), default, model_name is not None, source)
+    if warning:
+        log.warning(warning)
+    # a release built as its own config says: its preprocessing, its tokenizer (our architecture is only the closest)
+    release = run.get('release') if same else None
+    pre = (run.get('preprocess_cfg') or {}) if release else {}
+    extra = {f'image_{k}': pre[k] for k in ('mean', 'std', 'interpolation', 'resize_mode') if k in pre}
     method = method or run.get('method')
     if method_cfg is None:
         method_cfg = (run.get('method_cfg') or {}) if run.get('method') == method else {}
@@ -204,9 +310,10 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
     torch.manual_seed(seed)
     with _quiet_open_clip_random_init():
         try:
-            model, _, preprocess = create_model(name, pool=pool, **kw)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None     # an unknown architecture name
+            model, _, preprocess = create_model(name, pool=pool, **kw, **extra)
+        except (ValueError, NotImplementedError) as e:   # an unknown architecture name, or pooled another way
+            where = f' (named by {source})' if model_name is None and source else ''
+            raise CheckpointError(f'{e}{where}') from None
     arch = name                                          # architecture names only (no aliases)
     pooled = pool_of(model)
     if m is not None and pooled not in m.pools:
@@ -227,13 +334,16 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
         if missing or unexpected:
             raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), '
                                   f'unexpected {unexpected[:5]}.. ({len(unexpected)})')
-    tok = open_clip.get_tokenizer(arch, context_length=model.context_length)
+    try:
+        tok = open_clip.get_tokenizer(f'local-dir:{release}' if release else arch, context_length=model.context_length)
+    except Exception as e:   # a release naming a Hugging Face tokenizer that is not here (nothing downloads)
+        raise CheckpointError(f'the tokenizer of {release or arch} cannot be built ({type(e).__name__}: {e})') from None
     modules = method_modules(m, model, checkpoint, ck)
     if modules is not None:
         modules.to(device)
     scorers = {'global': GlobalScorer()} if m is None else dict(m.scorers(modules))
     return LoadedModel(model.to(device).eval(), preprocess, tok, ckpt_id, dict(name=name, kwargs=kw, pool=pooled),
-                       method, scorers, modules)
+                       method, scorers, modules, None if checkpoint is None else str(checkpoint))
 
 # %% ../../nbs/62_eval_models.ipynb #86051135
 class FeatureCache:

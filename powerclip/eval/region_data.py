@@ -9,10 +9,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import BadData, ItemSkips, MissingData, _field, _need, _read_json, check_image
+from .data import (ITEM_SKIP_REASONS, BadData, ItemSkips, MissingData, _field, _need, _read_json,
+                                 check_image)
 
 # %% auto #0
-__all__ = ['OV_COCO_BASE', 'OV_COCO_NOVEL', 'REGION_TEMPLATES', 'RegionSet', 'load_regions']
+__all__ = ['OV_COCO_BASE', 'OV_COCO_NOVEL', 'REGION_TEMPLATES', 'VOCABULARIES', 'REGION_BROKEN', 'RegionSkips', 'rle_counts',
+           'segmentation_problem', 'RegionSet', 'load_regions']
 
 # %% ../../nbs/61a_eval_region_data.ipynb #3db68119
 OV_COCO_BASE = ('person', 'bicycle', 'car', 'motorcycle', 'train', 'truck', 'boat', 'bench', 'bird', 'horse', 'sheep',
@@ -24,6 +26,88 @@ OV_COCO_BASE = ('person', 'bicycle', 'car', 'motorcycle', 'train', 'truck', 'boa
 OV_COCO_NOVEL = ('airplane', 'bus', 'cat', 'dog', 'cow', 'elephant', 'umbrella', 'tie', 'snowboard', 'skateboard',
                  'cup', 'knife', 'cake', 'couch', 'keyboard', 'sink', 'scissors')   # 17
 REGION_TEMPLATES = ('a photo of a {c}.', 'a photo of the {c}.', 'a cropped photo of a {c}.', 'a {c}.')
+VOCABULARIES = ('all', 'ovcoco')
+# the reasons that mean a broken annotation or file (strict mode stops on them); the others are legitimate exclusions
+REGION_BROKEN = ('bad_polygon', 'bad_rle', 'degenerate', 'bad_region', 'unknown_category', 'bad_image')
+
+@dataclass
+class RegionSkips(ItemSkips):
+    "`ItemSkips` whose strict mode stops only on a broken annotation (`REGION_BROKEN`), not a legitimate exclusion."
+    def add(self, reason: str, file, detail: str = '', group: str | None = None):
+        if reason not in ITEM_SKIP_REASONS:
+            raise ValueError(f'unknown skip reason {reason!r}; known: {ITEM_SKIP_REASONS}')
+        if self.strict and reason in REGION_BROKEN:
+            raise BadData(f'{file}: {reason.replace("_", " ")}' + (f' ({detail})' if detail else '') + ' [strict mode]')
+        self.items.append((reason, str(file), detail, group))
+
+def _finite_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+def rle_counts(s: str) -> list[int]:
+    """The run lengths of COCO's compressed RLE string (pycocotools' `rleFrString`: 6-bit groups from '0', the last
+    of a number flagged by bit 5 clear, sign-extended, each count after the second a delta on the one two before);
+    ValueError when it does not parse."""
+    counts, p = [], 0
+    while p < len(s):
+        x, k, more = 0, 0, True
+        while more:
+            if p >= len(s):
+                raise ValueError('the string ends inside a number')
+            c = ord(s[p]) - 48
+            if not 0 <= c < 64:
+                raise ValueError(f'character {s[p]!r} at {p} is not one of RLE\'s 64')
+            x |= (c & 0x1f) << 5 * k
+            more = bool(c & 0x20)
+            p, k = p + 1, k + 1
+            if not more and c & 0x10:
+                x |= -1 << 5 * k
+        counts.append(x + counts[-2] if len(counts) > 2 else x)
+    return counts
+
+def segmentation_problem(seg, width: int, height: int) -> tuple[str, str] | None:
+    """Why a COCO `segmentation` cannot be a region of a `width x height` image: `(reason, detail)` with reason
+    `bad_polygon`, `bad_rle` or `degenerate` (see above); None when it can."""
+    if seg is None or (isinstance(seg, (list, dict)) and not seg):
+        return 'degenerate', 'empty segmentation'
+    if isinstance(seg, list):
+        if all(_finite_number(v) for v in seg):
+            return 'bad_polygon', f'a flat list of {len(seg)} numbers, not a list of polygons [[x0, y0, x1, y1, ..]]'
+        area = 0.0
+        for k, poly in enumerate(seg):
+            if not isinstance(poly, list) or not poly:
+                return 'bad_polygon', f'polygon {k} is {poly!r:.40}, not a list of coordinates'
+            bad = [v for v in poly if not _finite_number(v)]
+            if bad:
+                return 'bad_polygon', f'polygon {k} has a coordinate {bad[0]!r:.20} that is not a finite number'
+            if len(poly) % 2:
+                return 'bad_polygon', f'polygon {k} has an odd number of coordinates ({len(poly)})'
+            x, y = poly[0::2], poly[1::2]
+            area += abs(sum(x[i] * y[i - 1] - x[i - 1] * y[i] for i in range(len(x)))) / 2   # shoelace
+        if area <= 0:
+            return 'degenerate', f'polygons of {sum(len(q) // 2 for q in seg)} points that enclose no area'
+        return None
+    if not isinstance(seg, dict):
+        return 'bad_polygon', f'segmentation {seg!r:.40} is neither a list of polygons nor an RLE'
+    size, counts = seg.get('size'), seg.get('counts')
+    if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(_count(v) for v in size)):
+        return 'bad_rle', f'size {size!r:.40} is not [height, width]'
+    if list(size) != [height, width]:
+        return 'bad_rle', f"size {list(size)} (height, width) is not the image's [{height}, {width}]"
+    if isinstance(counts, str):
+        try:
+            counts = rle_counts(counts)
+        except ValueError as e:
+            return 'bad_rle', f'compressed counts: {e}'
+    if not (isinstance(counts, list) and all(_count(c) for c in counts)):
+        return 'bad_rle', f'counts {counts!r:.40} are not non-negative integers'
+    if sum(counts) != height * width:
+        return 'bad_rle', f'counts sum to {sum(counts)}, not height x width = {height * width}'
+    if not any(counts[1::2]):
+        return 'degenerate', 'an RLE without a foreground pixel'
+    return None
 
 @dataclass
 class RegionSet:
@@ -38,6 +122,7 @@ class RegionSet:
     skips: ItemSkips        # the annotations and images left out, by reason
     unseen: set = field(default_factory=set)   # ids of regions an evaluation found outside the model's view (counted
                                                # once)
+    vocabulary: str = 'all'                    # the vocabulary the classes come from (`VOCABULARIES`)
 
 def _region_images(path: Path, image_root) -> Path:
     "Where the images of an instances file are: `image_root`, else `images/` or `<split>/` beside `annotations/`."
@@ -53,7 +138,8 @@ def _region_images(path: Path, image_root) -> Path:
 
 def _bad_box(box, width: int, height: int) -> str | None:
     "Why a COCO box `[x, y, w, h]` cannot be a region of a `width x height` image (None: it can)."
-    if not (isinstance(box, (list, tuple)) and len(box) == 4 and all(isinstance(v, (int, float)) for v in box)):
+    if not (isinstance(box, (list, tuple)) and len(box) == 4
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)):
         return f'box {box!r:.40} is not [x, y, w, h]'
     x, y, w, h = map(float, box)
     if not all(math.isfinite(v) for v in (x, y, w, h)):
@@ -67,34 +153,41 @@ def _bad_box(box, width: int, height: int) -> str | None:
 def load_regions(path, image_root=None, vocabulary: str = 'all', templates=REGION_TEMPLATES,
                  strict: bool = False) -> RegionSet:
     """The regions of a COCO-format instances file (see above); `vocabulary` 'all' (every category of the file) or
-    'ov-coco' (OV-COCO's 48 base + 17 novel classes). Bad annotations are skipped, counted and named (`ItemSkips`)."""
+    'ovcoco' (OV-COCO's 48 base + 17 novel classes). Bad annotations are skipped, counted and named (`RegionSkips`);
+    `strict`: a broken one (`REGION_BROKEN`) raises `BadData` naming the file and the annotation id."""
     path = _need(Path(path), 'a COCO-format instances file (instances_*.json)')
-    if vocabulary not in ('all', 'ov-coco'):
-        raise ValueError(f"vocabulary must be 'all' or 'ov-coco', got {vocabulary!r}")
+    if vocabulary not in VOCABULARIES:
+        raise ValueError(f'vocabulary must be one of {VOCABULARIES}, got {vocabulary!r}')
     d = _read_json(path)
     what = 'COCO instances: {"images", "annotations", "categories"}'
     cats = {c['id']: c['name'] for c in _field(d, 'categories', path, what) if isinstance(c, dict) and 'id' in c
             and 'name' in c}
     names = list(dict.fromkeys(cats.values())) if vocabulary == 'all' else [*OV_COCO_BASE, *OV_COCO_NOVEL]
-    if vocabulary == 'ov-coco' and not set(names) <= set(cats.values()):
-        raise BadData(f'{path}: vocabulary ov-coco needs COCO category names; missing '
+    if vocabulary == 'ovcoco' and not set(names) <= set(cats.values()):
+        raise BadData(f'{path}: vocabulary ovcoco needs COCO category names; missing '
                       f'{sorted(set(names) - set(cats.values()))[:5]}')
     index = {n: k for k, n in enumerate(names)}
-    root, skips = _region_images(path, image_root), ItemSkips(strict)
+    root, skips = _region_images(path, image_root), RegionSkips(strict)
     images, sizes, at, bad_images = [], [], {}, set()
     for im in _field(d, 'images', path, what):
         f = root / str(_field(im, 'file_name', path, what))
+        W, H = im.get('width'), im.get('height')
+        if not (_count(W) and _count(H) and W * H > 0):
+            skips.add('bad_image', f'{path} image {im.get("id")}', f'width {W!r:.20} and height {H!r:.20} are not '
+                      'positive integers')
+            bad_images.add(im.get('id'))
+            continue
         if not check_image(f, skips):
             bad_images.add(im.get('id'))
             continue
         at[im.get('id')] = len(images)
         images.append(f)
-        sizes.append((int(im.get('width', 0)), int(im.get('height', 0))))
+        sizes.append((W, H))
     regions = []
     for a in _field(d, 'annotations', path, what):
         if not isinstance(a, dict) or a.get('image_id') in bad_images:
             continue          # its image is already counted
-        where = f"{path.name} annotation {a.get('id')}"
+        where = f"{path} annotation {a.get('id')}"
         if a.get('image_id') not in at:
             skips.add('missing_image', where, f"image id {a.get('image_id')} not listed")
             continue
@@ -105,20 +198,18 @@ def load_regions(path, image_root=None, vocabulary: str = 'all', templates=REGIO
         if a.get('iscrowd'):
             skips.add('crowd_region', where, cats[a['category_id']])
             continue
+        bad = _annotation_problem(a, *sizes[i])
+        if bad:
+            skips.add(bad[0], where, bad[1])
+            continue
         if cats[a['category_id']] not in index:
             skips.add('outside_vocabulary', where, cats[a['category_id']])
             continue
-        why = _bad_box(a.get('bbox'), *sizes[i])
-        seg = a.get('segmentation')
-        if why is None and (not seg or float(a.get('area', 1)) <= 0):
-            why = 'empty area or segmentation'
-        if why is None and isinstance(seg, dict) and isinstance(seg.get('counts'), str):
-            why = 'compressed RLE segmentation (a string of counts; this reader decodes polygons and uncompressed RLE)'
-        if why:
-            skips.add('bad_region', where, why)
-            continue
         x, y, w, h = map(float, a['bbox'])
-        regions.append(dict(image=i, box=(x, y, x + w, y + h), segmentation=a['segmentation'],
+        seg = a['segmentation']
+        if isinstance(seg, dict) and isinstance(seg.get('counts'), str):   # compressed: decoded once, here
+            seg = dict(size=list(seg['size']), counts=rle_counts(seg['counts']))
+        regions.append(dict(image=i, box=(x, y, x + w, y + h), segmentation=seg,
                             label=index[cats[a['category_id']]], id=a.get('id')))
     groups = {}
     if set(OV_COCO_BASE) | set(OV_COCO_NOVEL) <= set(names):
@@ -126,4 +217,16 @@ def load_regions(path, image_root=None, vocabulary: str = 'all', templates=REGIO
     skips.log(str(path), len(d.get('annotations') or []))
     if not regions:
         raise MissingData(f'{path}: no usable region ({skips.counts() or "no annotations"})')
-    return RegionSet(images, sizes, regions, names, list(templates), groups, skips)
+    return RegionSet(images, sizes, regions, names, list(templates), groups, skips, vocabulary=vocabulary)
+
+def _annotation_problem(a: dict, width: int, height: int) -> tuple[str, str] | None:
+    "Why annotation `a` (not a crowd) of a `width x height` image cannot be a region: `(reason, detail)`, else None."
+    why = _bad_box(a.get('bbox'), width, height)
+    if why:
+        return ('degenerate' if why.startswith('degenerate') else 'bad_region'), why
+    area = a.get('area', 1)
+    if not _finite_number(area):
+        return 'bad_region', f'area {area!r:.20} is not a number'
+    if area <= 0:
+        return 'degenerate', f'area {area}'
+    return segmentation_problem(a.get('segmentation'), width, height)

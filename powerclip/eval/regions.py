@@ -10,14 +10,14 @@ import torch
 from tqdm import tqdm
 
 from .data import read_image
-from .metrics import region_classification_metrics
+from .metrics import chance_average_precision, region_classification_metrics
 from .models import Evaluator
 from .region_data import RegionSet
 from ..model import grid_size
 from ..regions import GridConfig, coco_mask, masks_to_patch_grid
 
 # %% auto #0
-__all__ = ['region_patch_masks', 'square_box', 'class_embeddings', 'region_embeddings', 'chance_ap50', 'region_task',
+__all__ = ['region_patch_masks', 'square_box', 'class_embeddings', 'region_embeddings', 'region_chance', 'region_task',
            'region_top_classes', 'region_picture']
 
 # %% ../../nbs/63a_eval_regions.ipynb #60410368
@@ -90,25 +90,34 @@ def region_embeddings(ev: Evaluator, rs: RegionSet, scorer: str | None = None) -
                      f"region {rs.regions[j]['id']} outside the centred square")
     return ev._finite({k: v for k, v in f.items() if k != 'unseen'}, 'region features', scorer)
 
-def chance_ap50(labels: torch.Tensor, K: int, draws: int = 20, seed: int = 0) -> float:
-    "AP50 (%) of random logits for regions with these `labels` among `K` classes: the mean of `draws` draws."
-    g = torch.Generator().manual_seed(seed)
-    return float(np.mean([region_classification_metrics(torch.randn(len(labels), K, generator=g,
-                                                                    dtype=torch.float64), labels)['ap50']
-                          for _ in range(draws)]))
+def region_chance(labels: torch.Tensor, K: int, groups: dict | None = None) -> dict:
+    """For regions with these `labels` `(R,)` among `K` classes: `chance_top1`, `chance_ap50` and, per group of
+    `groups` ({name: class indices}), `chance_top1_{name}`, `chance_ap50_{name}` (NaN for a group without regions);
+    the expected numbers of a uniform random scorer (see above), in percent."""
+    counts = torch.bincount(torch.as_tensor(labels, dtype=torch.long), minlength=K).tolist()
+    present = [k for k in range(K) if counts[k]]
+    ap = dict(zip(present, chance_average_precision([counts[k] for k in present], len(labels))))   # {class: E[AP]}
+    def mean(classes) -> float:
+        aps = [ap[int(k)] for k in classes if int(k) in ap]
+        return float(np.mean(aps)) if aps else float('nan')
+    out = dict(chance_top1=100 / K, chance_ap50=mean(present))
+    for g, classes in (groups or {}).items():
+        out[f'chance_top1_{g}'] = 100 / K
+        out[f'chance_ap50_{g}'] = mean(classes)
+    return out
 
 def region_task(ev: Evaluator, rs: RegionSet, scorer: str | None = None) -> dict:
     """Region classification of `rs` with one scorer: `{pooled: metrics, crop: metrics}`
-    (`region_classification_metrics`, without the per-class APs), `n_regions` scored, `classes`, and the chance
-    numbers."""
+    (`region_classification_metrics`, without the per-class APs), `n_regions` scored, `classes`, `vocabulary`, and the
+    chance numbers (`region_chance`, per group)."""
     cls = class_embeddings(ev, rs.classnames, rs.templates, scorer)                        # (K, D)
     f = region_embeddings(ev, rs, scorer)
     if len(f['rows']) == 0:
         raise ValueError('no region is inside the view of the model')
     labels = torch.tensor([rs.regions[j]['label'] for j in f['rows'].tolist()], dtype=torch.long)
     scale = float(ev.model.logit_scale.detach().exp())
-    out = dict(n_regions=len(labels), classes=len(rs.classnames), chance_top1=100 / len(rs.classnames),
-               chance_ap50=chance_ap50(labels, len(rs.classnames)))
+    out = dict(n_regions=len(labels), classes=len(rs.classnames), vocabulary=rs.vocabulary,
+               **region_chance(labels, len(rs.classnames), rs.groups))
     for emb in ('pooled', 'crop'):
         m = region_classification_metrics(scale * f[emb].double() @ cls.double().T, labels, rs.groups)
         out[emb] = {k: v for k, v in m.items() if k != 'ap_per_class'}

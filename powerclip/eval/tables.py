@@ -32,9 +32,10 @@ def results_table(paths) -> tuple[list[str], list[list]]:
         scored = [('', r['metrics'])] + [(f' [{s}]', m) for s, m in (r.get('other_scorers') or {}).items()]
         for suffix, metrics in scored:
             for task, m in metrics.items():
+                vocab = f" (vocab {m['vocabulary']})" if isinstance(m, dict) and 'vocabulary' in m else ''
                 for k in (TASKS[task].headline if task in TASKS else ()):
                     if k in m:
-                        cells[(r['dataset'], task + suffix, k, r['label'])] = m[k]
+                        cells[(r['dataset'], task + vocab + suffix, k, r['label'])] = m[k]
     keys = list(dict.fromkeys((d, t, k) for d, t, k, _ in cells))
     return ['dataset', 'task', 'metric', *labels], [[*key, *(cells.get((*key, l)) for l in labels)] for key in keys]
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..checkpoint import RELEASE_WEIGHTS
 from .benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchmark_data, open_wds, select
 from .data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, RetrievalSet,
                                  load_classification, load_coco_sample, load_retrieval, load_sugarcrepe,
@@ -27,7 +28,7 @@ from .data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, Retrie
 from .metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy,
                                     linear_probe, retrieval_recall, winoground_scores)
 from .models import Evaluator
-from .region_data import RegionSet, load_regions
+from .region_data import RegionSet, RegionSkips, load_regions
 from .regions import region_task
 from ..methods import GlobalScorer
 
@@ -154,6 +155,7 @@ class Task:
     skips: Callable       # load's answer -> the reader's `ItemSkips` (the items it dropped)
     headline: dict        # metric -> display name: the numbers the tables show, in their order
     scored: bool = True   # False: one run with the headline scorer, reading the global image features
+    options: tuple = ()   # the keyword options its `load` takes beyond (root, image_root, strict): ('vocabulary',)
 
 TASKS: dict[str, Task] = {}
 
@@ -202,23 +204,25 @@ for _t in [
 # %% ../../nbs/64_eval_tasks.ipynb #436593d1
 def merge_region_sets(sets: list) -> RegionSet:
     "One `RegionSet` of several with the same classes: images and regions concatenated, their skips together."
-    images, sizes, regions, skips = [], [], [], ItemSkips(sets[0].skips.strict)
+    images, sizes, regions, skips = [], [], [], RegionSkips(sets[0].skips.strict)
     for rs in sets:
         regions += [dict(r, image=r['image'] + len(images)) for r in rs.regions]
         images += rs.images
         sizes += rs.sizes
         skips.items += rs.skips.items
-    return RegionSet(images, sizes, regions, sets[0].classnames, sets[0].templates, sets[0].groups, skips)
+    return RegionSet(images, sizes, regions, sets[0].classnames, sets[0].templates, sets[0].groups, skips,
+                     vocabulary=sets[0].vocabulary)
 
-def region_sets(root: Path, image_root=None, strict: bool = False) -> tuple:
-    "`({name: RegionSet}, )`, the set with the most classes first (see above); `MissingData` without instances files."
+def region_sets(root: Path, image_root=None, strict: bool = False, vocabulary: str = 'all') -> tuple:
+    """`({name: RegionSet}, )`, the set with the most classes first (see above); `MissingData` without instances files;
+    `vocabulary`: `load_regions`' ('all' or 'ovcoco')."""
     files = [root] if root.is_file() else sorted((root / 'annotations').glob('instances_*.json'))
     if not files:
         raise MissingData(f'regions: expected COCO-format instance files {root}/annotations/instances_*.json (images '
                           f'in {root}/images or {root}/<split>), or an instances file')
     by_classes = {}
     for f in files:
-        rs = load_regions(f, image_root, strict=strict)
+        rs = load_regions(f, image_root, vocabulary=vocabulary, strict=strict)
         by_classes.setdefault(tuple(rs.classnames), []).append((f.stem.removeprefix('instances_'), rs))
     sets = {'+'.join(n for n, _ in group): merge_region_sets([rs for _, rs in group]) for group in by_classes.values()}
     return (dict(sorted(sets.items(), key=lambda kv: -len(kv[1].classnames))),)
@@ -230,7 +234,8 @@ def task_regions(ev: Evaluator, sets: dict, scorer: str | None = None) -> dict:
     for k, (name, rs) in enumerate(sets.items()):
         r = region_task(ev, rs, scorer)
         flat = {**{f'{e}_{m}': v for e in ('pooled', 'crop') for m, v in r[e].items()},
-                **{m: r[m] for m in ('n_regions', 'classes', 'chance_top1', 'chance_ap50')}}
+                **{m: v for m, v in r.items() if m in ('n_regions', 'classes', 'vocabulary')
+                   or m.startswith('chance_')}}
         out.update({(m if k == 0 else f'{name}/{m}'): v for m, v in flat.items()})
         if k == 0:
             out['set'] = name
@@ -245,8 +250,9 @@ def _region_skips(args: tuple) -> ItemSkips:
 
 register_task(Task('regions', region_sets, task_regions, _region_skips,
                    dict(pooled_top1='region top-1 (pooled)', pooled_ap50='region AP50 (pooled)',
-                        pooled_ap50_novel='region AP50 novel (pooled)', crop_top1='region top-1 (crop)',
-                        crop_ap50='region AP50 (crop)')))
+                        pooled_ap50_novel='region AP50 novel (pooled)', chance_ap50_novel='region AP50 novel (chance)',
+                        crop_top1='region top-1 (crop)', crop_ap50='region AP50 (crop)'),
+                   options=('vocabulary',)))
 
 # %% ../../nbs/64_eval_tasks.ipynb #e31668fa
 def task_record(task: str) -> Task:
@@ -255,10 +261,11 @@ def task_record(task: str) -> Task:
         raise ValueError(f'unknown task {task!r}; known: {tuple(TASKS)}')
     return TASKS[task]
 
-def load_task_data(task: str, root, image_root=None, strict: bool = False) -> tuple:
+def load_task_data(task: str, root, image_root=None, strict: bool = False, options: dict | None = None) -> tuple:
     """The arguments of task `task`'s runner (after the evaluator) read from `root`; `strict`: a bad item raises
-    `BadData`."""
-    return task_record(task).load(Path(root), image_root, strict)
+    `BadData`; `options`: keyword options for the loaders, each passed to the tasks that take it (`Task.options`)."""
+    t = task_record(task)
+    return t.load(Path(root), image_root, strict, **{k: v for k, v in (options or {}).items() if k in t.options})
 
 def item_skips(task: str, args: tuple) -> ItemSkips:
     "The `ItemSkips` of a task's loaded data (`load_task_data`'s answer); empty for clip_benchmark's data sets."
@@ -268,14 +275,16 @@ def skip_report(found: dict) -> dict:
     "`{task: ItemSkips.report()}` of the tasks whose reader dropped something: the result JSON's `skipped_items`."
     return {t: item_skips(t, a).report() for t, a in found.items() if len(item_skips(t, a))}
 
-def find_data(root, tasks=TASKS, image_root=None, require: bool = True, strict: bool = False) -> tuple[dict, dict]:
+def find_data(root, tasks=TASKS, image_root=None, require: bool = True, strict: bool = False,
+              options: dict | None = None) -> tuple[dict, dict]:
     """`({task: loaded data}, {task: reason skipped})`; `require`: a task without data raises `MissingData`;
-    `strict`: a bad item raises `BadData` (else it is skipped and counted, `skip_report`)."""
+    `strict`: a bad item raises `BadData` (else it is skipped and counted, `skip_report`); `options`: the loaders'
+    keyword options (`load_task_data`), e.g. `{'vocabulary': 'ovcoco'}`."""
     found, skipped = {}, {}
     for task in tasks:
         task_record(task)
         try:
-            found[task] = load_task_data(task, root, image_root, strict)
+            found[task] = load_task_data(task, root, image_root, strict, options)
         except MissingData as e:
             if require:
                 raise
@@ -317,17 +326,20 @@ def evaluate_scorers(ev: Evaluator, root, tasks=TASKS, image_root=None, require:
 
 # %% ../../nbs/64_eval_tasks.ipynb #ed1f0e29
 def default_label(checkpoint) -> str:
-    """The run folder's name for a run folder, its `model.pt` or its `checkpoints/last.pt`; else the file's stem;
+    """The run folder's name for a run folder, its `model.pt` or its `checkpoints/last.pt`, and for an open_clip
+    release's weights; `<run>-epoch_N` for an open_clip run's `checkpoints/epoch_N.pt`; else the file's stem;
     'random-init' for None."""
     if checkpoint is None:
         return 'random-init'
     p = Path(checkpoint).resolve()
     if p.is_dir():
         return p.name
-    if p.name == 'model.pt':
+    if p.name in ('model.pt', *RELEASE_WEIGHTS):
         return p.parent.name
     if p.name == 'last.pt':
         return p.parent.parent.name if p.parent.name == 'checkpoints' else p.parent.name
+    if p.stem.startswith('epoch_') and p.parent.name == 'checkpoints':
+        return f'{p.parent.parent.name}-{p.stem}'
     return p.stem
 
 def result_label(out_dir, label: str, ckpt_id: str) -> str:
@@ -352,11 +364,12 @@ def result_label(out_dir, label: str, ckpt_id: str) -> str:
 def write_result(out_dir, metrics: dict, skipped: dict, *, model, checkpoint, ckpt_id: str, data_root,
                  name: str | None = None, label: str | None = None, command: str | None = None,
                  method: str | None = None, scorer: str = 'global', other_scorers: dict | None = None,
-                 skipped_items: dict | None = None) -> Path:
-    "`out_dir/<label>/<name>.json`; label: `label` or `default_label(checkpoint)`, made unique by `result_label`."
+                 skipped_items: dict | None = None, weights: str | None = None) -> Path:
+    """`out_dir/<label>/<name>.json`; label: `label` or `default_label(checkpoint)`, made unique by `result_label`;
+    `weights`: the file a checkpoint folder's weights were read from."""
     label = result_label(out_dir, label or default_label(checkpoint), ckpt_id)
-    name = name or Path(data_root).name
-    res = dict(checkpoint=None if checkpoint is None else str(checkpoint), label=label,
+    name = name or (Path(data_root).stem if Path(data_root).is_file() else Path(data_root).name)   # x.json: x
+    res = dict(checkpoint=None if checkpoint is None else str(checkpoint), weights=weights, label=label,
                sha256='random-init' if checkpoint is None else ckpt_id, checkpoint_id=ckpt_id,
                model=model, method=method,
                dataset=name, data_root=str(data_root), scorer=scorer, metrics=metrics,
@@ -371,7 +384,7 @@ def write_result(out_dir, metrics: dict, skipped: dict, *, model, checkpoint, ck
 def write_scored(out_dir, ev: Evaluator, by_scorer: dict, skipped: dict, **kw) -> Path:
     "`write_result` of `evaluate_scorers`' answer: the headline's metrics, the others beside them."
     return write_result(out_dir, by_scorer[ev.headline], skipped, model=ev.spec, ckpt_id=ev.ckpt_id, method=ev.method,
-                        scorer=ev.headline,
+                        scorer=ev.headline, weights=ev.lm.weights,
                         other_scorers={s: m for s, m in by_scorer.items() if s != ev.headline}, **kw)
 
 def run_suite(ev: Evaluator, root, names=('all',), out_dir='results/eval', label: str | None = None, checkpoint=None,

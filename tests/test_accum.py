@@ -1,0 +1,185 @@
+"""Gradient accumulation (`accum_steps`, `powerclip.accum`) is exact, for every registered method.
+
+1. One step's gradients through the trainer's forward and loss (the smoke preset's micro model, batches of the
+   world with everything any method needs; `forward_loss` against `accumulate` on one run): the gradients of every
+   parameter (the method's own modules included) with 4 micro-batches of 16 equal those of one batch of 64, to a
+   relative error of 1e-10 in float64 and 1e-5 in float32 (per tensor, relative to its largest entry), and the loss
+   with them.
+2. Two gloo processes with 2 micro-batches of 16 each, through the trainer's own step (`Run.step`: `train_step` with
+   `accum_steps=2`, DDP's `no_sync`), equal one process with the batch of 64 (float64, 1e-10).
+3. A method that is not exact is refused with one line naming it (`validate` and `accumulate` alike); the test lists
+   it as an expected failure with its reason.
+"""
+import os, socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from powerclip.methods import METHODS, _import_baselines, get_method
+
+_import_baselines()
+NAMES = sorted(m for m in METHODS if not m.startswith("_"))   # every registered method (not a test's stand-in)
+# tau large enough that the NLAs are smooth at float64 precision (test_ddp.py); CLIP-PGS-0.3 at the world's calibrated
+# threshold and E-CLIP without its floor, so that their batch-level drop counts vary and the pre-pass matters
+CFG = {"powerclip": {"tau": 0.05}, "clip-pgs-0.3": {"sim_threshold": 0.984},
+       "eclip": {"min_ratio": 0.0, "threshold": 0.3, "anchor_ratio": 0.2}}
+# methods whose accumulation is refused, each with its reason (their notebooks explain the obstacle)
+NOT_EXACT = {"aclip": "A-CLIP: EMA towers move and BatchNorm heads normalise over the batch inside forward"}
+SEED, ROWS = 4, 64
+TOL = {"fp64": 1e-10, "fp32": 1e-5}
+
+
+def _spec(batch_size):
+    "World batches with what every method needs (the tree, its NP labels, 4 random boxes), micro model geometry."
+    from powerclip.data import BatchNeeds, BatchSpec, DataConfig
+    from powerclip.model import model_geometry
+    return BatchSpec(DataConfig(batch_size=batch_size, workers=0, world_length=64), model_geometry("powerclip-micro"),
+                     BatchNeeds(tree=True, node_np=True, regions=4), seed=SEED)
+
+
+def _config(method, rows, k, precision):
+    from powerclip.config import load_config
+    ov = {"precision": precision, "max_steps": 1, "seed": SEED, "data.batch_size": rows, "accum_steps": k,
+          "optim.grad_clip": None, **{f"method_cfg.{a}": v for a, v in CFG.get(method, {}).items()}}
+    return load_config("smoke", ov, method=method)
+
+
+def _grads(run) -> dict:
+    grads = {f"model.{n}": p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None}
+    if run.modules is not None:
+        grads.update({f"modules_.{n}": p.grad.clone() for n, p in run.modules.named_parameters() if p.grad is not None})
+    return grads
+
+
+def _step(method, batch, ctx, k, precision):
+    "(logged loss, every gradient) of one step of the trainer (`Run.step`, `train_step`) on `batch`, k micro-batches."
+    from powerclip.checkpoint import TrainState
+    from powerclip.train import build_run
+    run = build_run(_config(method, batch["image"].shape[0], k, precision), ctx)
+    run.method.on_step(0, run.total)   # as the trainer's loop: the method's clock is the step's
+    out = run.step(run.prepare(batch), TrainState())
+    assert out["ok"], method
+    return float(out["loss"]), _grads(run)
+
+
+def _steps(method, batch, ks, precision) -> dict:
+    """k -> (loss, every gradient) of `batch` in k micro-batches, on one process and one run (the trainer's forward
+    and loss, `forward_loss` for k = 1 and `accumulate` otherwise; no optimiser step between them)."""
+    from powerclip.accum import accumulate
+    from powerclip.dist import DistContext
+    from powerclip.train import autocast_for, build_run, forward_loss
+    ctx = DistContext()
+    run = build_run(_config(method, batch["image"].shape[0], 1, precision), ctx)
+    run.method.on_step(0, run.total)
+    b, res = run.prepare(batch), {}
+    for k in ks:
+        run.opt.zero_grad(set_to_none=True)
+        if k == 1:
+            loss, _ = forward_loss(run.fwd, run.method, b, ctx, precision)
+            loss.backward()
+        else:
+            loss, _, backward = accumulate(run.fwd, run.method, b, ctx, k, lambda: autocast_for(precision, ctx.device))
+            backward()
+        res[k] = (float(loss.detach()), _grads(run))
+    return res
+
+
+def _rel_errors(g1: dict, g2: dict, floor: float) -> dict:
+    "Per tensor: max |g2 - g1| / max |g1| (tensors below `floor` on both sides are zero up to rounding: skipped)."
+    assert g1.keys() == g2.keys() and len(g1) > 10
+    out = {}
+    for n in g1:
+        top = max(float(g1[n].abs().max()), float(g2[n].abs().max()))
+        if top >= floor:
+            out[n] = float((g2[n] - g1[n]).abs().max()) / float(g1[n].abs().max())
+    return out
+
+
+_ONE = {}   # (method, precision) -> {k: (loss, grads)} on one process, shared by the tests
+
+
+def _one(method, precision):
+    from powerclip.data import make_loader
+    if (method, precision) not in _ONE:
+        _ONE[method, precision] = _steps(method, next(iter(make_loader(_spec(ROWS), epoch=0))), (1, 4), precision)
+    return _ONE[method, precision]
+
+
+def _params(names):
+    return [pytest.param(m, marks=pytest.mark.xfail(reason=NOT_EXACT[m], raises=ValueError, strict=True))
+            if m in NOT_EXACT else m for m in names]
+
+
+@pytest.mark.parametrize("method", _params(NAMES))
+def test_accumulation_equals_full_batch(method):
+    for precision in ("fp64", "fp32"):
+        loss1, g1 = _one(method, precision)[1]
+        loss4, g4 = _one(method, precision)[4]
+        tol = TOL[precision]
+        assert abs(loss4 - loss1) <= tol * abs(loss1), (method, precision, loss1, loss4)
+        err = _rel_errors(g1, g4, 1e-12 if precision == "fp64" else 1e-7)
+        worst = max(err, key=err.get)
+        print(f"{method} {precision}: loss {loss1:.6f}; largest relative gradient error {err[worst]:.1e} ({worst})")
+        assert err[worst] <= tol, f"{method} {precision}: grad of {worst} differs by {err[worst]:.2e}"
+
+
+def test_accum_refusals_are_one_line():
+    "Every method not exact is refused by `validate` (the command line's one line) and by `accumulate` itself."
+    from powerclip.accum import accumulate
+    from powerclip.dist import DistContext
+    from powerclip.train import validate
+    for m in NAMES:
+        method = get_method(m)
+        assert (method.accum_obstacle is not None) == (m in NOT_EXACT), m
+        if m not in NOT_EXACT:
+            validate(_config(m, 16, 4, "fp32"))
+            continue
+        with pytest.raises(ValueError, match=f"accum_steps: method '{m}' cannot accumulate") as e:
+            validate(_config(m, 16, 4, "fp32"))
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError, match="accum_steps"):
+            accumulate(None, method, {}, DistContext(), 2)
+    with pytest.raises(ValueError, match="accum_steps: 16 rows per process do not split into 3"):
+        validate(_config("clip", 16, 3, "fp32"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from powerclip.data import make_loader
+    from powerclip.dist import cleanup, init_distributed
+    ctx = init_distributed("cpu")
+    batch = next(iter(make_loader(_spec(ROWS // world), epoch=0, rank=rank, world_size=world)))
+    res = {m: _step(m, batch, ctx, 2, "fp64") for m in NAMES if m not in NOT_EXACT}
+    if rank == 0:
+        torch.save(res, out)
+    cleanup(ctx)
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    "Every exact method's step on 2 gloo processes x 2 micro-batches of 16 (one spawn for all)."
+    out = tmp_path_factory.mktemp("accum_ddp") / "res.pt"
+    mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("method", _params(NAMES))
+def test_accum_ddp_equals_one_process(method, ddp_results):
+    if method in NOT_EXACT:
+        raise ValueError(NOT_EXACT[method])   # refused: not run on the processes
+    loss1, g1 = _one(method, "fp64")[1]
+    loss2, g2 = ddp_results[method]
+    # the trainer logs the processes' mean loss in float32 (`train_step`): equal to its rounding
+    assert abs(loss2 - loss1) <= 1e-6 * abs(loss1), (method, loss1, loss2)
+    err = _rel_errors(g1, g2, 1e-12)
+    worst = max(err, key=err.get)
+    assert err[worst] <= 1e-10, f"{method}: grad of {worst} differs by {err[worst]:.2e} across processes"
