@@ -281,4 +281,5 @@ def test_real_command(cmd, key, tmp):
     assert r.returncode == 2 and len(lines) == 1 and key in lines[0] and r.stdout == "", r.stderr[-2000:]
     # a process start and the imports (torch, open_clip: seconds), nothing more. Generous, for a shared machine: the
     # one-line check above is the sharper one, as open_clip logs a warning line on stderr when it builds a model
-    assert dt < 60, f"{dt:.1f} s to answer a usage error"
+    # (90 s was measured beside two trainings under pytest -n 2: the bound allows that)
+    assert dt < 110, f"{dt:.1f} s to answer a usage error"
