@@ -17,7 +17,7 @@ from .powerset import phrase_embeddings, pool_normalize
 
 # %% auto #0
 __all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'StepClock', 'hash_uniform',
-           'PowerCLIPConfig', 'PowerCLIP', 'powerset_inputs', 'word_nodes', 'Scorer', 'GlobalScorer']
+           'sample_keys', 'PowerCLIPConfig', 'PowerCLIP', 'powerset_inputs', 'word_nodes', 'Scorer', 'GlobalScorer']
 
 # %% ../nbs/40_methods.ipynb #a7a3846c
 @dataclass
@@ -207,6 +207,13 @@ def hash_uniform(keys: torch.Tensor, step: int, seed: int, n: int) -> torch.Tens
     col = _mix32(torch.arange(n, device=k.device) + 0x9E3779B9)          # (n,)
     v = _mix32(h[:, None] ^ col[None, :])                                # (C, n)
     return (v >> 8).float() / float(1 << 24)                             # 24 bits: exact in float32
+
+
+def sample_keys(batch: dict, image: torch.Tensor) -> torch.Tensor:
+    """`(C,)` the batch's sample ids (`index`, what `hash_uniform` keys its noise by) on `image`'s device; without
+    them, the rows' positions in the batch."""
+    keys = batch.get("index")
+    return torch.arange(image.shape[0], device=image.device) if keys is None else keys.to(image.device)
 
 # %% ../nbs/40_methods.ipynb #e434784b
 @dataclass

@@ -314,6 +314,12 @@ def hash_uniform(keys: torch.Tensor, step: int, seed: int, n: int) -> torch.Tens
     return (v >> 8).float() / float(1 << 24)                             # 24 bits: exact in float32
 
 
+def sample_keys(batch: dict, image: torch.Tensor) -> torch.Tensor:
+    """`(C,)` the batch's sample ids (`index`, what `hash_uniform` keys its noise by) on `image`'s device; without
+    them, the rows' positions in the batch."""
+    keys = batch.get("index")
+    return torch.arange(image.shape[0], device=image.device) if keys is None else keys.to(image.device)
+
 # %% [markdown]
 # ## PowerCLIP
 #

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from powerclip.methods import CLIP, StepClock, hash_uniform, register
+from powerclip.methods import CLIP, StepClock, hash_uniform, register, sample_keys
 
 # %%
 #| hide
@@ -89,8 +89,7 @@ class FLIP(StepClock, CLIP):
         if not model.visual.training or self.cfg.ratio == 0:    # evaluation: every patch
             return encode(model, batch["image"], batch["tokens"], need_patches=False)
         image = batch["image"]
-        keys = batch.get("index")
-        keys = torch.arange(image.shape[0], device=image.device) if keys is None else keys.to(image.device)
+        keys = sample_keys(batch, image)
         n = model.visual.grid_size[0] * model.visual.grid_size[1]
         noise = hash_uniform(keys, self.step, self.seed, n)                 # (C, N), a function of the sample
         with select_patch_tokens(model, lambda x: random_keep(x, self.cfg.ratio, noise)):

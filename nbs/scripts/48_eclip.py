@@ -29,7 +29,7 @@ import torch
 from powerclip.baselines.clip_pgs import (cosine_matrix, drop_count, hash_uniform, mix_weight, patch_pixels,
                                           probe_selection)
 from powerclip.dist import all_max
-from powerclip.methods import CLIP, StepClock, register
+from powerclip.methods import CLIP, StepClock, register, sample_keys
 
 # %%
 #| hide
@@ -595,9 +595,8 @@ class ECLIP(StepClock, CLIP):
         "This batch's selector (its noise keyed by sample and step) and the patch count N."
         image, v = batch["image"], model.visual
         patch = int(v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size)
-        C, N = image.shape[0], (image.shape[-2] // patch) * (image.shape[-1] // patch)
-        keys = batch.get("index")
-        keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
+        N = (image.shape[-2] // patch) * (image.shape[-1] // patch)
+        keys = sample_keys(batch, image)
         sel = ClusterSelector(self.cfg, patch, image, hash_uniform(keys, self.step, self.seed, 2 * N), self.alpha)
         if self._min is not None:           # an accumulated step: the whole batch's smallest cluster, found beforehand
             sel.all_min = lambda t: torch.tensor(self._min)

@@ -17,7 +17,7 @@ from .aclip_views import color_augment, crop_boxes, crop_resize, enclosing_box
 from .clip_pgs import hash_uniform
 from ..dist import DistContext, gather
 from ..loss import clip_loss
-from ..methods import CLIP, GlobalScorer, StepClock, register
+from ..methods import CLIP, GlobalScorer, StepClock, register, sample_keys
 from ..powerset import pool_normalize
 
 # %% auto #0
@@ -467,8 +467,7 @@ class ACLIP(StepClock, CLIP):
         cfg, C = self.cfg, image.shape[0]
         m = self.momentum
         modules.update(model, m)                                 # 1. the EMA step, before the EMA is read
-        keys = batch.get("index")
-        keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
+        keys = sample_keys(batch, image)
         u = hash_uniform(keys, self.step, self.seed, _NOISE)     # (C, 110)
         gh, gw = grid_size(model)
         with torch.no_grad():

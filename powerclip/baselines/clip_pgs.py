@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dist import all_sum
-from ..methods import CLIP, StepClock, hash_uniform, register
+from ..methods import CLIP, StepClock, hash_uniform, register, sample_keys
 
 # %% auto #0
 __all__ = ['WORLD_SIM_THRESHOLD', 'patch_pixels', 'sobel_patch_edges', 'cosine_matrix', 'mix_weight', 'sinkhorn', 'drop_count',
@@ -254,9 +254,8 @@ class CLIPPGS(StepClock, CLIP):
         "This batch's selector (its noise keyed by sample and step) and the patch count N."
         image, v = batch["image"], model.visual
         patch = int(v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size)
-        C, N = image.shape[0], (image.shape[-2] // patch) * (image.shape[-1] // patch)
-        keys = batch.get("index")
-        keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
+        N = (image.shape[-2] // patch) * (image.shape[-1] // patch)
+        keys = sample_keys(batch, image)
         sel = PGSSelector(self.cfg, patch, image, noise=hash_uniform(keys, self.step, self.seed, N), alpha=self.alpha,
                           pos=v.positional_embedding.detach())
         if self._total is not None:       # an accumulated step: the whole batch's total, summed beforehand

@@ -14,7 +14,7 @@ import torch
 from .clip_pgs import (cosine_matrix, drop_count, hash_uniform, mix_weight, patch_pixels,
                                           probe_selection)
 from ..dist import all_max
-from ..methods import CLIP, StepClock, register
+from ..methods import CLIP, StepClock, register, sample_keys
 
 # %% auto #0
 __all__ = ['pixel_similarity', 'patch_similarity', 'anchor_count', 'draw_anchors', 'cluster_mask', 'cluster_drop_count',
@@ -260,9 +260,8 @@ class ECLIP(StepClock, CLIP):
         "This batch's selector (its noise keyed by sample and step) and the patch count N."
         image, v = batch["image"], model.visual
         patch = int(v.patch_size[0] if isinstance(v.patch_size, (tuple, list)) else v.patch_size)
-        C, N = image.shape[0], (image.shape[-2] // patch) * (image.shape[-1] // patch)
-        keys = batch.get("index")
-        keys = torch.arange(C, device=image.device) if keys is None else keys.to(image.device)
+        N = (image.shape[-2] // patch) * (image.shape[-1] // patch)
+        keys = sample_keys(batch, image)
         sel = ClusterSelector(self.cfg, patch, image, hash_uniform(keys, self.step, self.seed, 2 * N), self.alpha)
         if self._min is not None:           # an accumulated step: the whole batch's smallest cluster, found beforehand
             sel.all_min = lambda t: torch.tensor(self._min)
