@@ -120,7 +120,12 @@ def accumulate(fwd: torch.nn.Module, method: Method, batch: dict, ctx: DistConte
 
     def backward() -> None:
         try:
-            loss.backward()                                                    # dL/dz into the leaves' .grad
+            names = [n for n, v in joined.items() if torch.is_tensor(v) and v.requires_grad]
+            params = [p for p in inner.parameters() if p.requires_grad]
+            got = torch.autograd.grad(loss, [joined[n] for n in names] + params, allow_unused=True)
+            dz = dict(zip(names, got[:len(names)]))                            # dL/dz of the joined outputs
+            # parameters the loss reads itself (A-CLIP's heads); sum(p * dL/dp) has the gradient dL/dp, exactly
+            direct = [(p, g) for p, g in zip(params, got[len(names):]) if g is not None]
             for i, m in enumerate(micros):                                     # 3. re-embed, back-propagate a slice
                 last = i == k - 1
                 _set_rng_state(states[i], ctx.device)
@@ -128,13 +133,18 @@ def accumulate(fwd: torch.nn.Module, method: Method, batch: dict, ctx: DistConte
                     with amp():
                         out = fwd(m)
                     pairs = []
-                    for name, leaf in joined.items():
-                        if not torch.is_tensor(leaf) or leaf.grad is None or not out[name].requires_grad:
+                    for name in names:
+                        if dz[name] is None or not out[name].requires_grad:
                             continue
                         if name in per_sample:
-                            pairs.append((out[name], leaf.grad[starts[i]:starts[i + 1]]))
+                            pairs.append((out[name], dz[name][starts[i]:starts[i + 1]]))
                         elif last:                                             # shared: its gradient once
-                            pairs.append((out[name], leaf.grad))
+                            pairs.append((out[name], dz[name]))
+                    if last and direct:
+                        # into the last, synchronised backward pass: DDP all-reduces these gradients with the rest
+                        # (a backward of the loss alone would run before DDP expects gradients, and stay local)
+                        surrogate = sum((p * g.to(p.dtype)).sum() for p, g in direct)
+                        pairs.append((surrogate, torch.ones_like(surrogate)))
                     if pairs:
                         torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
             _set_rng_state(after, ctx.device)

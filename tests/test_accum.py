@@ -4,11 +4,15 @@
    world with everything any method needs; `forward_loss` against `accumulate` on one run): the gradients of every
    parameter (the method's own modules included) with 4 micro-batches of 16 equal those of one batch of 64, to a
    relative error of 1e-10 in float64 and 1e-5 in float32 (per tensor, relative to its largest entry), and the loss
-   with them.
+   with them. In float32 the bound is 1e-5 or, where larger, float32's own error on the full batch against float64:
+   accumulation may not add error beyond the precision's rounding of the same step. Only A-CLIP needs it: its heads'
+   BatchNorm divides by the small spread of the class tokens (`47_aclip`), so its full-batch float32 gradients are
+   1.7e-5 off float64, and the accumulated ones 1.3e-5 off the full batch's (measured, 2-core CPU).
 2. Two gloo processes with 2 micro-batches of 16 each, through the trainer's own step (`Run.step`: `train_step` with
    `accum_steps=2`, DDP's `no_sync`), equal one process with the batch of 64 (float64, 1e-10).
-3. A method that is not exact is refused with one line naming it (`validate` and `accumulate` alike); the test lists
-   it as an expected failure with its reason.
+3. A method that is not exact is refused with one line naming it (`validate` and `accumulate` alike). Every registered
+   method is exact today (A-CLIP since its EMA step moved to `accum_begin`); a stand-in with an `accum_obstacle`
+   checks the refusal.
 """
 import os, socket
 
@@ -16,16 +20,22 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from powerclip.methods import METHODS, _import_baselines, get_method
+from powerclip.methods import CLIP, METHODS, _import_baselines, get_method, register
 
 _import_baselines()
 NAMES = sorted(m for m in METHODS if not m.startswith("_"))   # every registered method (not a test's stand-in)
+
+
+@register("_not_exact")
+class _NotExact(CLIP):
+    "A stand-in whose forward pass is not a function of each sample alone."
+    accum_obstacle = "its forward pass reads a statistic of the whole batch"
 # tau large enough that the NLAs are smooth at float64 precision (test_ddp.py); CLIP-PGS-0.3 at the world's calibrated
 # threshold and E-CLIP without its floor, so that their batch-level drop counts vary and the pre-pass matters
 CFG = {"powerclip": {"tau": 0.05}, "clip-pgs-0.3": {"sim_threshold": 0.984},
        "eclip": {"min_ratio": 0.0, "threshold": 0.3, "anchor_ratio": 0.2}}
-# methods whose accumulation is refused, each with its reason (their notebooks explain the obstacle)
-NOT_EXACT = {"aclip": "A-CLIP: EMA towers move and BatchNorm heads normalise over the batch inside forward"}
+# registered methods whose accumulation is refused, each with its reason (none today; their notebooks would explain)
+NOT_EXACT: dict[str, str] = {}
 SEED, ROWS = 4, 64
 TOL = {"fp64": 1e-10, "fp32": 1e-5}
 
@@ -106,6 +116,15 @@ def _one(method, precision):
     return _ONE[method, precision]
 
 
+def _fp32_tolerance(method) -> float:
+    "1e-5, or the full batch's own float32 error against float64 (largest over tensors) where that is larger."
+    g64, g32 = _one(method, "fp64")[1][1], _one(method, "fp32")[1][1]
+    # tensors whose float64 gradient is zero up to rounding (a bias before a BatchNorm) have no relative error
+    own = [float((g32[n].double() - g64[n]).abs().max()) / float(g64[n].abs().max())
+           for n in g64 if float(g64[n].abs().max()) >= 1e-7]
+    return max(TOL["fp32"], *own)
+
+
 def _params(names):
     return [pytest.param(m, marks=pytest.mark.xfail(reason=NOT_EXACT[m], raises=ValueError, strict=True))
             if m in NOT_EXACT else m for m in names]
@@ -116,11 +135,12 @@ def test_accumulation_equals_full_batch(method):
     for precision in ("fp64", "fp32"):
         loss1, g1 = _one(method, precision)[1]
         loss4, g4 = _one(method, precision)[4]
-        tol = TOL[precision]
+        tol = TOL[precision] if precision == "fp64" else _fp32_tolerance(method)
         assert abs(loss4 - loss1) <= tol * abs(loss1), (method, precision, loss1, loss4)
         err = _rel_errors(g1, g4, 1e-12 if precision == "fp64" else 1e-7)
         worst = max(err, key=err.get)
-        print(f"{method} {precision}: loss {loss1:.6f}; largest relative gradient error {err[worst]:.1e} ({worst})")
+        print(f"{method} {precision}: loss {loss1:.6f}; largest relative gradient error {err[worst]:.1e} ({worst}); "
+              f"bound {tol:.1e}")
         assert err[worst] <= tol, f"{method} {precision}: grad of {worst} differs by {err[worst]:.2e}"
 
 
@@ -129,10 +149,11 @@ def test_accum_refusals_are_one_line():
     from powerclip.accum import accumulate
     from powerclip.dist import DistContext
     from powerclip.train import validate
-    for m in NAMES:
+    for m in [*NAMES, "_not_exact"]:
         method = get_method(m)
-        assert (method.accum_obstacle is not None) == (m in NOT_EXACT), m
-        if m not in NOT_EXACT:
+        exact = m in NAMES and m not in NOT_EXACT
+        assert (method.accum_obstacle is None) == exact, m
+        if exact:
             validate(_config(m, 16, 4, "fp32"))
             continue
         with pytest.raises(ValueError, match=f"accum_steps: method '{m}' cannot accumulate") as e:

@@ -98,7 +98,7 @@ from torch.testing import assert_close
 # | heads | 768-4096-256 (ViT-B; 4096 and 256 are written out for every width) | the same at width $\ge 768$; a smaller model gets width $\to$ 4 width $\to$ its embedding dimension (`head_hidden`, `head_out` override) |
 # | BatchNorm in the heads | `SyncBatchNorm` under DDP (`main.py` `get_model`), running statistics kept but never used (the heads exist only in training) | `GlobalBatchNorm`: the statistics of the **global** batch through `powerclip.dist.gather` (exactly SyncBatchNorm's, on CPU and GPU alike), no running statistics |
 # | heads' precision | presumably under the training loop's mixed precision with the rest of the model (SLIP's `amp.autocast`, fp16; not checked in A-CLIP's copy) | float32 under autocast (below: rounding before BatchNorm put the heads' gradients 0.32-0.36 off float64 in bf16) |
-# | EMA update | every forward (per micro-batch under gradient accumulation) | once per training step, at the start of the method's forward, momentum from the trainer's step |
+# | EMA update | every forward (per micro-batch under gradient accumulation) | once per training step, at the start of the method's forward (accumulating: in `accum_begin`, before the first micro-batch), momentum from the trainer's step |
 #
 # Evaluation in the authors' code: `eval_zeroshot.py` (the downstream tables) uses the **EMA** towers
 # (`encode_image(..., ema=True)`, `encode_text(..., ema=True)`); `main.py` logs both the online and the EMA
@@ -836,6 +836,13 @@ class ACLIPModules(nn.Module):
 # $0.5+0.5$), `simclr` ($\tau=0.1$, weight 1, views 1 against 2) and `byol` (weight 2), and logs each view's CLIP loss,
 # the momentum and the kept share. One `gather` carries the views' embeddings, the texts and the SimCLR outputs.
 #
+# **Gradient accumulation** (`accum_steps`, `49c_accum`) is exact for A-CLIP: what is not a function of one sample
+# alone stays out of the micro-batches' forward passes. The EMA step runs once, in `accum_begin`, before the first
+# micro-batch reads the EMA (forward then skips it); the heads, whose BatchNorm normalises over the global batch, run in
+# `loss`, once, on the joined outputs, so their statistics are the whole batch's; the crops, colours and kept patches
+# are keyed by the sample (`hash_uniform`). So the forward pass returns its per-view outputs sample-major, `image`
+# `(C, V, D)` and `cls` `(C, V, width)`, which join along the rows; `loss` reads the views back out.
+#
 # **The paper's words and the code's.** The abstract keeps "tokens with a strong semantic correlation to the
 # corresponding text"; the code (followed here) scores patches by the EMA image encoder's own class-token attention,
 # never looking at the caption. The claim is that the class token, trained to match the caption, attends to what the
@@ -958,13 +965,21 @@ class ACLIP(StepClock, CLIP):
     Config = ACLIPConfig
     needs_patches = False
     pools = ("tok",)       # its paper's class-token / EOT pooling, which its EMA towers re-implement
-    # its forward pass moves the EMA towers (once per call) and normalises its heads over the batch (GlobalBatchNorm):
-    # neither is a function of each sample alone, so a micro-batch would not replay the batch's step (`49c_accum`)
-    accum_obstacle = "its EMA step runs inside forward and its heads' BatchNorm normalises over the whole batch"
 
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
         self.last: dict = {}   # boxes, kept patches and scores of the last training forward pass (checks, figures)
+        self._ema_moved = False   # an accumulated step's EMA step is done (by accum_begin): forward must not repeat it
+
+    def accum_begin(self, model, micro_batches, modules=None, dist=None):
+        "An accumulated step: the EMA step once, before any micro-batch reads the EMA (forward then skips it)."
+        if not isinstance(modules, ACLIPModules):
+            raise RuntimeError("A-CLIP needs its EMA towers and heads: pass modules=method.build_modules(model)")
+        modules.update(model, self.momentum)
+        self._ema_moved = True
+
+    def accum_end(self):
+        self._ema_moved = False
 
     def setup_model(self, model) -> None:
         if self.cfg.freeze_patch_embed:
@@ -1023,7 +1038,8 @@ class ACLIP(StepClock, CLIP):
             raise RuntimeError("A-CLIP needs its EMA towers and heads: pass modules=method.build_modules(model)")
         cfg, C = self.cfg, image.shape[0]
         m = self.momentum
-        modules.update(model, m)                                 # 1. the EMA step, before the EMA is read
+        if not self._ema_moved:
+            modules.update(model, m)                             # 1. the EMA step, before the EMA is read
         keys = sample_keys(batch, image)
         u = hash_uniform(keys, self.step, self.seed, _NOISE)     # (C, 110)
         gh, gw = grid_size(model)
@@ -1046,20 +1062,24 @@ class ACLIP(StepClock, CLIP):
         txt = encode(model, None, tokens)
         self.tick()
         self.last = dict(boxes=boxes, ema_box=ema_box, keep=keep, scores=scores, views=views, ema_in=ema_in)
-        return dict(image=img["image"], text=txt["text"], logit_scale=txt["logit_scale"], cls=cls[0], cls_ema=cls_ema,
+        # per sample (C, V, ...): micro-batches join along the rows (`49c_accum`); the loss reads the views back out
+        V = cfg.views
+        return dict(image=img["image"].unflatten(0, (V, C)).transpose(0, 1), text=txt["text"],
+                    logit_scale=txt["logit_scale"], cls=cls[0].unflatten(0, (V, C)).transpose(0, 1), cls_ema=cls_ema,
                     heads=modules, momentum=torch.tensor(m, device=image.device),
                     keep_ratio=torch.tensor(keep.shape[1] / (gh * gw), device=image.device))
 
     def loss(self, out, batch, dist):
         cfg, mods = self.cfg, out["heads"]
         V, C = cfg.views, out["text"].shape[0]
-        z = out["image"].reshape(V, C, -1)                                           # (V, C, D) each view's embeddings
-        pred = mods.byol_pred(mods.byol_proj(out["cls"], dist), dist).reshape(V, C, -1)   # (V, C, out)
+        z = out["image"].transpose(0, 1)                                             # (V, C, D) each view's embeddings
+        cls = out["cls"].transpose(0, 1).flatten(0, 1)                               # (V C, width) view-major
+        pred = mods.byol_pred(mods.byol_proj(cls, dist), dist).reshape(V, C, -1)     # (V, C, out)
         with torch.no_grad():
             target = mods.byol_proj_ema(out["cls_ema"].detach(), dist)  # (C, out)
         send = {f"image{v}": z[v] for v in range(V)} | {"text": out["text"]}
         if V == 2:
-            ssl = mods.simclr(out["cls"], dist).reshape(2, C, -1)                    # (2, C, out)
+            ssl = mods.simclr(cls, dist).reshape(2, C, -1)                           # (2, C, out)
             send |= {"ssl1": ssl[0], "ssl2": ssl[1]}
         g = gather(dist, send)
         a = g.all
@@ -1176,15 +1196,16 @@ for n, e, o in _mods._pairs(_model):
     assert_close(e, _mom * _before[n] + (1 - _mom) * o.detach())
 # 2 views x 4 images, 12 of 16 patches
 assert _seen == [(8, 1 + 12, 64)], _seen
-assert _out["image"].shape == (8, 32) and _out["cls"].shape == (8, 64) and _out["cls_ema"].shape == (4, 64)
+assert _out["image"].shape == (4, 2, 32) and _out["cls"].shape == (4, 2, 64) and _out["cls_ema"].shape == (4, 64)
 _terms = _am.loss(_out, _batch, DistContext())
 # the terms, recomputed from the outputs
-_z = _out["image"].reshape(2, 4, -1)
+_z = _out["image"].transpose(0, 1)                                                     # (2 views, 4, 32)
+_cv = _out["cls"].transpose(0, 1).flatten(0, 1)                                         # (2 x 4, 64) view-major
 _c = [clip_loss(_z[v], _out["text"], _out["logit_scale"]) for v in range(2)]
 assert_close(_terms["clip"], (_c[0] + _c[1]) / 2)
-_ss = _mods.simclr(_out["cls"], DistContext()).reshape(2, 4, -1)
+_ss = _mods.simclr(_cv, DistContext()).reshape(2, 4, -1)
 assert_close(_terms["simclr"], simclr_loss(_ss[0], _ss[1], 0.1))
-_pr = _mods.byol_pred(_mods.byol_proj(_out["cls"], DistContext()), DistContext()).reshape(2, 4, -1)
+_pr = _mods.byol_pred(_mods.byol_proj(_cv, DistContext()), DistContext()).reshape(2, 4, -1)
 assert_close(_terms["byol"], 2 * byol_loss(_pr, _mods.byol_proj_ema(_out["cls_ema"], DistContext())))
 (_terms["clip"] + _terms["simclr"] + _terms["byol"]).backward()
 assert (_model.visual.transformer.resblocks[0].attn.in_proj_weight.grad is not None

@@ -54,24 +54,29 @@ from torch.testing import assert_close
 #
 # 1. **embed** every micro-batch without gradient (its outputs $z_i$ kept, its random state noted);
 # 2. **loss** once on the joined outputs $z$ (made leaves that require gradient; gathered across processes as
-#    always, `15_dist`) and its backward, which gives $\partial L/\partial z$, and the gradient of whatever the loss
-#    reads besides (the logit scale, SmartCLIP's mask, C2LIP's $t$ and $b$ are outputs of the forward pass too);
+#    always, `15_dist`) and its gradient with respect to $z$ (the logit scale, SmartCLIP's mask, C2LIP's $t$ and $b$
+#    are outputs of the forward pass too) and to the parameters the loss reads itself (A-CLIP's heads);
 # 3. **re-embed** each micro-batch with gradient, replaying its random state, and back-propagate its slice
 #    $\partial L/\partial z_i$ into the parameters (`torch.autograd.backward(z_i, grad)`), which sums the $k$
 #    terms of the chain rule in the parameters' `.grad`.
 #
 # Outputs that are not per sample (0-dimensional: the logit scale, C2LIP's $t$ and $b$) are the same in every
 # micro-batch; their gradient goes back once, through the last micro-batch. Under DDP the first $k-1$ backward
-# passes run in `no_sync()`, and the last one all-reduces the summed gradients, once per step. The cost: one more
+# passes run in `no_sync()`, and the last one all-reduces the summed gradients, once per step. The gradient $g$ of
+# a parameter $p$ that the loss reads itself (A-CLIP's heads, applied to the joined batch because their BatchNorm
+# normalises over it) joins that last pass as the term $\sum p\,g$, whose gradient is $g$: DDP reduces a gradient
+# only in a backward pass that follows its synchronised forward, so a backward of the loss alone, before it, would
+# leave these gradients local to each process (and a DDP without `find_unused_parameters` waiting for them). The cost: one more
 # forward pass per step (about 1.3 to 1.4 times the time, `benchmarks/accum_memory.py`), for about $1/k$ of the
 # activations.
 #
 # **What exactness asks of a method.** Its `forward` must be a function of each sample alone: randomness keyed by the
 # sample (`hash_uniform`, `40_methods`), not drawn from a global stream whose position depends on the batch; no
-# state changed in `forward` (A-CLIP's EMA step); no batch statistic computed inside the forward pass, or else
-# computed over the whole batch beforehand by `Method.accum_begin` (CLIP-PGS-0.3's drop count, E-CLIP's smallest
-# cluster) and read by every micro-batch. A method that cannot (A-CLIP: BatchNorm heads over the batch inside its
-# forward pass) names why in `accum_obstacle`, and `accum_steps > 1` is refused with that line. (Replaying the
+# state changed in `forward` (A-CLIP's EMA step moves once per step, in `accum_begin`); no batch statistic computed
+# inside the forward pass, or else computed over the whole batch beforehand by `Method.accum_begin` (CLIP-PGS-0.3's
+# drop count, E-CLIP's smallest cluster) and read by every micro-batch, or applied in the loss to the joined outputs
+# (A-CLIP's BatchNorm heads). Every registered method meets this; a method that cannot names why in
+# `accum_obstacle`, and `accum_steps > 1` is refused with that line. (Replaying the
 # random state of the global generators, done here as well, keeps any remaining draw, e.g. dropout, the same in
 # both passes, so the gradient is that of the loss computed; it would still differ from one batch of $k$ times the
 # size.)
@@ -147,7 +152,7 @@ test_fail(lambda: join_outputs([dict(x=torch.ones(5, 3)), dict(x=torch.ones(5, 3
 # ## The accumulated step
 #
 # `accumulate` does passes 1 and 2 at once and returns the loss, its terms and a `backward` that does the rest (the
-# loss's backward, then pass 3): the trainer decides between them whether the step is bad (a non-finite loss skips
+# loss's gradients, then pass 3): the trainer decides between them whether the step is bad (a non-finite loss skips
 # the update on every process, `50_train`), exactly as with `loss.backward` when $k=1$. `fwd` is the trainer's
 # forward module (`MethodForward`, possibly in DDP or compiled), `amp` the precision's autocast context.
 
@@ -214,7 +219,12 @@ def accumulate(fwd: torch.nn.Module, method: Method, batch: dict, ctx: DistConte
 
     def backward() -> None:
         try:
-            loss.backward()                                                    # dL/dz into the leaves' .grad
+            names = [n for n, v in joined.items() if torch.is_tensor(v) and v.requires_grad]
+            params = [p for p in inner.parameters() if p.requires_grad]
+            got = torch.autograd.grad(loss, [joined[n] for n in names] + params, allow_unused=True)
+            dz = dict(zip(names, got[:len(names)]))                            # dL/dz of the joined outputs
+            # parameters the loss reads itself (A-CLIP's heads); sum(p * dL/dp) has the gradient dL/dp, exactly
+            direct = [(p, g) for p, g in zip(params, got[len(names):]) if g is not None]
             for i, m in enumerate(micros):                                     # 3. re-embed, back-propagate a slice
                 last = i == k - 1
                 _set_rng_state(states[i], ctx.device)
@@ -222,13 +232,18 @@ def accumulate(fwd: torch.nn.Module, method: Method, batch: dict, ctx: DistConte
                     with amp():
                         out = fwd(m)
                     pairs = []
-                    for name, leaf in joined.items():
-                        if not torch.is_tensor(leaf) or leaf.grad is None or not out[name].requires_grad:
+                    for name in names:
+                        if dz[name] is None or not out[name].requires_grad:
                             continue
                         if name in per_sample:
-                            pairs.append((out[name], leaf.grad[starts[i]:starts[i + 1]]))
+                            pairs.append((out[name], dz[name][starts[i]:starts[i + 1]]))
                         elif last:                                             # shared: its gradient once
-                            pairs.append((out[name], leaf.grad))
+                            pairs.append((out[name], dz[name]))
+                    if last and direct:
+                        # into the last, synchronised backward pass: DDP all-reduces these gradients with the rest
+                        # (a backward of the loss alone would run before DDP expects gradients, and stay local)
+                        surrogate = sum((p * g.to(p.dtype)).sum() for p, g in direct)
+                        pairs.append((surrogate, torch.ones_like(surrogate)))
                     if pairs:
                         torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
             _set_rng_state(after, ctx.device)

@@ -401,13 +401,21 @@ class ACLIP(StepClock, CLIP):
     Config = ACLIPConfig
     needs_patches = False
     pools = ("tok",)       # its paper's class-token / EOT pooling, which its EMA towers re-implement
-    # its forward pass moves the EMA towers (once per call) and normalises its heads over the batch (GlobalBatchNorm):
-    # neither is a function of each sample alone, so a micro-batch would not replay the batch's step (`49c_accum`)
-    accum_obstacle = "its EMA step runs inside forward and its heads' BatchNorm normalises over the whole batch"
 
     def __init__(self, cfg=None, seed: int = 0):
         super().__init__(cfg, seed)
         self.last: dict = {}   # boxes, kept patches and scores of the last training forward pass (checks, figures)
+        self._ema_moved = False   # an accumulated step's EMA step is done (by accum_begin): forward must not repeat it
+
+    def accum_begin(self, model, micro_batches, modules=None, dist=None):
+        "An accumulated step: the EMA step once, before any micro-batch reads the EMA (forward then skips it)."
+        if not isinstance(modules, ACLIPModules):
+            raise RuntimeError("A-CLIP needs its EMA towers and heads: pass modules=method.build_modules(model)")
+        modules.update(model, self.momentum)
+        self._ema_moved = True
+
+    def accum_end(self):
+        self._ema_moved = False
 
     def setup_model(self, model) -> None:
         if self.cfg.freeze_patch_embed:
@@ -466,7 +474,8 @@ class ACLIP(StepClock, CLIP):
             raise RuntimeError("A-CLIP needs its EMA towers and heads: pass modules=method.build_modules(model)")
         cfg, C = self.cfg, image.shape[0]
         m = self.momentum
-        modules.update(model, m)                                 # 1. the EMA step, before the EMA is read
+        if not self._ema_moved:
+            modules.update(model, m)                             # 1. the EMA step, before the EMA is read
         keys = sample_keys(batch, image)
         u = hash_uniform(keys, self.step, self.seed, _NOISE)     # (C, 110)
         gh, gw = grid_size(model)
@@ -489,20 +498,24 @@ class ACLIP(StepClock, CLIP):
         txt = encode(model, None, tokens)
         self.tick()
         self.last = dict(boxes=boxes, ema_box=ema_box, keep=keep, scores=scores, views=views, ema_in=ema_in)
-        return dict(image=img["image"], text=txt["text"], logit_scale=txt["logit_scale"], cls=cls[0], cls_ema=cls_ema,
+        # per sample (C, V, ...): micro-batches join along the rows (`49c_accum`); the loss reads the views back out
+        V = cfg.views
+        return dict(image=img["image"].unflatten(0, (V, C)).transpose(0, 1), text=txt["text"],
+                    logit_scale=txt["logit_scale"], cls=cls[0].unflatten(0, (V, C)).transpose(0, 1), cls_ema=cls_ema,
                     heads=modules, momentum=torch.tensor(m, device=image.device),
                     keep_ratio=torch.tensor(keep.shape[1] / (gh * gw), device=image.device))
 
     def loss(self, out, batch, dist):
         cfg, mods = self.cfg, out["heads"]
         V, C = cfg.views, out["text"].shape[0]
-        z = out["image"].reshape(V, C, -1)                                           # (V, C, D) each view's embeddings
-        pred = mods.byol_pred(mods.byol_proj(out["cls"], dist), dist).reshape(V, C, -1)   # (V, C, out)
+        z = out["image"].transpose(0, 1)                                             # (V, C, D) each view's embeddings
+        cls = out["cls"].transpose(0, 1).flatten(0, 1)                               # (V C, width) view-major
+        pred = mods.byol_pred(mods.byol_proj(cls, dist), dist).reshape(V, C, -1)     # (V, C, out)
         with torch.no_grad():
             target = mods.byol_proj_ema(out["cls_ema"].detach(), dist)  # (C, out)
         send = {f"image{v}": z[v] for v in range(V)} | {"text": out["text"]}
         if V == 2:
-            ssl = mods.simclr(out["cls"], dist).reshape(2, C, -1)                    # (2, C, out)
+            ssl = mods.simclr(cls, dist).reshape(2, C, -1)                           # (2, C, out)
             send |= {"ssl1": ssl[0], "ssl2": ssl[1]}
         g = gather(dist, send)
         a = g.all
