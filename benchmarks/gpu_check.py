@@ -15,6 +15,8 @@ the time left once the worker below has started; a part that ends early leaves i
   paths-Kcc3m  the loss's paths (fast, dense, auto) and CLIP's loss at R = 512, C = 4096, real CC3M node counts
   memory       paper_memory.py on the device, beside the projection from the CPU's bytes
   steps-other  every other method's step at 256 (and PowerCLIP's blocked path), against CLIP's of step-B256
+  accum        CLIP's and PowerCLIP's ViT-B/16 bf16 step at 256 in k = 1, 2, 4 micro-batches (accum_steps, no
+               checkpointing): time and peak memory against k = 1
   paths-K16    the loss's paths with K = 16 nodes per caption
   compare      python -m powerclip.compare --runs all --steps 2000 --device cuda --precision bf16, run by run
 
@@ -72,7 +74,8 @@ from powerclip.commandline import ArgumentParser, run_main, usage_errors
 HERE, ROOT, RESULTS = P.HERE, P.ROOT, P.RESULTS
 # (part, share of the budget): the order is the order of value
 PLAN = (("parity", 0.15), ("step-B256", 0.17), ("step-B512", 0.12), ("ddp", 0.08), ("compile", 0.10),
-        ("paths-Kcc3m", 0.07), ("memory", 0.05), ("steps-other", 0.10), ("paths-K16", 0.04), ("compare", 0.12))
+        ("paths-Kcc3m", 0.07), ("memory", 0.05), ("steps-other", 0.10), ("accum", 0.06), ("paths-K16", 0.04),
+        ("compare", 0.06))
 PARTS = tuple(p for p, _ in PLAN)
 MIN_START_S = 5          # a part with less time than this left is deferred, not started
 GRACE_S = 3              # SIGTERM, then this long, then SIGKILL
@@ -154,6 +157,8 @@ def _units(a, part: str):
         return P.units_paths(a, raw, None if part == "paths-Kcc3m" else int(part[7:]))
     if part == "memory":
         return [("paper_memory", lambda: P.memory_unit(a, raw))]
+    if part == "accum":
+        return P.units_accum(a)
     return [("compare", lambda: P.compare_unit(a))]
 
 
@@ -164,7 +169,7 @@ def _report(a, part: str, values: dict, every: dict) -> dict:
         return P.report_step(a, values, int(part[6:]))
     if part == "steps-other":
         return P.report_step(a, values, 256, clip=every.get("step-B256", {}).get("clip"))
-    report = {"ddp": P.report_ddp, "compile": P.report_compile, "memory": P.report_memory,
+    report = {"ddp": P.report_ddp, "compile": P.report_compile, "memory": P.report_memory, "accum": P.report_accum,
               "compare": P.report_compare}.get(part)
     return report(a, values) if report else P.report_paths(a, values)
 

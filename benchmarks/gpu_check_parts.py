@@ -490,6 +490,62 @@ def report_paths(a, values: dict) -> dict:
     return dict(headline=head, ok=None, md=md, results=rows)
 
 
+# ------------------------------------------------------------------------------------------------ accumulation
+ACCUM_KS = (1, 2, 4)
+
+
+def accum_args(a) -> argparse.Namespace:
+    """accum_memory.py's settings: ViT-B/16 (the paper preset), 256 per GPU, bf16, without checkpointing, so that the
+    activations accumulation saves are there to see (a toy model on the CPU in a dry run)."""
+    if a.dry_run:
+        return argparse.Namespace(preset="smoke", batch=8, precision="bf16", steps=2, warmup=1,
+                                  grad_checkpointing=False, device=a.device)
+    return argparse.Namespace(preset="paper", batch=256, precision="bf16", steps=4, warmup=1,
+                              grad_checkpointing=False, device=a.device)
+
+
+def measure_accum(a, method: str, k: int) -> dict:
+    "One method's step at `accum_steps=k` through accum_memory's `measure`, in a fresh process on a GPU."
+    from powerclip.measure import run_isolated
+    am = script("accum_memory")
+    ns = accum_args(a)
+    out = (run_isolated(am.measure, method, k, ns, threads=os.cpu_count() or 1) if not a.dry_run
+           else dict(ok=True, **am.measure(method, k, ns)))
+    if not out.pop("ok"):
+        return dict(error=out["error"][:400])
+    t = sorted(out["times"])
+    return dict(k=k, micro_batch=ns.batch // k, ms_per_step=1e3 * t[len(t) // 2], times=out["times"],
+                peak_mib=out["peak_mib"], model=out["model"])
+
+
+def units_accum(a):
+    return [(f"{m}:k={k}", lambda m=m, k=k: measure_accum(a, m, k)) for m in methods(a) if m in HEAD for k in ACCUM_KS]
+
+
+def report_accum(a, values: dict) -> dict:
+    ns = accum_args(a)
+    md = [f"{ns.preset} preset, {a.device}, {ns.batch} per step in k micro-batches (`accum_steps`), {ns.precision}, "
+          "no gradient checkpointing; median of the timed steps, peak = what the timed steps allocated (a CPU's: its "
+          "resident set). Ratios against k = 1 of the same method.", "",
+          "| method | k | micro-batch | ms/step | peak GiB | time / k=1 | memory / k=1 |",
+          "|---|---:|---:|---:|---:|---:|---:|"]
+    head = []
+    for key, r in values.items():
+        m = key.split(":")[0]
+        if "error" in r:
+            md.append(f"| {key} | {r['error']} | | | | | |")
+            continue
+        base = values.get(f"{m}:k=1", {})
+        tr = r["ms_per_step"] / base["ms_per_step"] if "ms_per_step" in base else NAN
+        mr = r["peak_mib"] / base["peak_mib"] if base.get("peak_mib") else NAN
+        md.append(f"| {m} | {r['k']} | {r['micro_batch']} | {r['ms_per_step']:.1f} | {r['peak_mib'] / 1024:.2f} | "
+                  f"{fmt(tr, '.2f')}x | {fmt(mr, '.2f')}x |")
+        if r["k"] == max(ACCUM_KS):
+            head.append(f"{m} k={r['k']}: time {fmt(tr, '.2f')}x, memory {fmt(mr, '.2f')}x")
+    return dict(headline="; ".join(head) or f"{len(values)} unit(s)",
+                ok=None if not any("error" in r for r in values.values()) else False, md=md, results=values)
+
+
 # ------------------------------------------------------------------------------------------------ memory
 def memory_unit(a, raw: Path) -> dict:
     argv = ["--arch", "powerclip-micro", "--R", "8", "--M", "4"] if a.dry_run else []
