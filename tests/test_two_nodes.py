@@ -7,7 +7,7 @@ node as two subprocesses (`--node-rank 0` and `1`).
    for two epochs: every sample key is counted on the node and worker that read it; no key is seen twice in an epoch,
    and the keys missing are exactly those of each worker stream's last incomplete batch (dropped, `23_data`).
 """
-import io, json, os, socket, subprocess, sys
+import io, json, os, signal, socket, subprocess, sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,8 @@ def _two_nodes(target: list[str], timeout: int = 240) -> list[subprocess.Complet
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two",
                                "--node-rank", str(n), "--local-addr", "127.0.0.1", *target],
-                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)     # a group of its own: a timeout kills its workers too
              for n in (0, 1)]
     out = []
     for p in procs:
@@ -37,7 +38,7 @@ def _two_nodes(target: list[str], timeout: int = 240) -> list[subprocess.Complet
             so, se = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
-                q.kill()
+                os.killpg(q.pid, signal.SIGKILL)
             raise
         out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
     for r in out:
