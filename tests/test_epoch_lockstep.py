@@ -21,7 +21,8 @@ def test_unequal_shards_end_the_epoch_together(tmp_path):
                       f"data.shards={tmp_path}/{{0..2}}.tar", "data.workers=0", "data.batch_size=2", "max_steps=6",
                       "log_every=1", "progress=false", "tensorboard=false", f"out_dir={out}"], timeout=300)
     log = "".join(r.stderr for r in res)
-    assert "epoch 0 ended at its batch 4, where a process's shards ran out: 1 of 2 processes still had batches" in log, log
+    said = "epoch 0 ended at its batch 4, where a process's shards ran out: 1 of 2 processes still had batches"
+    assert said in log, log
     rows = read_metrics(out / "metrics.csv")
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert [r["epoch"] for r in rows] == [0] * 4 + [1] * 2        # the second epoch began together after 4 steps
