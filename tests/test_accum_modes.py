@@ -6,6 +6,8 @@
    itself (twice its error, plus 1e-3 for ties of rounding), and finite.
 3. Exact resume: a run with `accum_steps=2` stopped half-way and resumed in a new process logs the losses of the same
    run straight (1e-6, as tests/test_train_resume.py), and its straight losses are the plain run's (fp32 rounding).
+4. On webdataset shards (tests/test_train_resume.py's, bad samples and a truncated shard included): PowerCLIP with
+   `accum_steps=2` stopped twice and resumed is the straight run, every metrics column and every weight bitwise.
 """
 import os
 import subprocess
@@ -16,6 +18,10 @@ import pytest
 import torch
 
 from test_accum import CFG, ROWS, _grads, _rel_errors, _spec
+import test_train_resume as resume
+from test_train_resume import _assert_same_run, _main, _shard_args
+
+shards, one_thread = resume.shards, resume.one_thread   # its fixtures: the shards, one torch thread (autouse)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,3 +104,13 @@ def test_accum_resume_is_exact(tmp_path):
     r, resumed = _train(tmp_path / "resumed", "accum_steps=2")
     assert f"at step {N // 2}" in r.stderr
     assert len(resumed) == N and max(abs(a - b) for a, b in zip(resumed, straight)) < 1e-6, (straight, resumed)
+
+
+def test_accum_on_shards_resumes_exactly(tmp_path, request):
+    shards = request.getfixturevalue("shards")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _main(_shard_args(straight, shards, 0, "accum_steps=2"))
+    for stop in (3, 9):                                              # mid-epoch, and in the second epoch
+        _main(_shard_args(resumed, shards, 0, "accum_steps=2", f"stop_at={stop}"))
+    _main(_shard_args(resumed, shards, 0, "accum_steps=2"))
+    _assert_same_run(straight, resumed)
