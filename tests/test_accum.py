@@ -48,10 +48,10 @@ def _spec(batch_size):
                      BatchNeeds(tree=True, node_np=True, regions=4), seed=SEED)
 
 
-def _config(method, rows, k, precision):
+def _config(method, rows, k, precision, extra=None):
     from powerclip.config import load_config
     ov = {"precision": precision, "max_steps": 1, "seed": SEED, "data.batch_size": rows, "accum_steps": k,
-          "optim.grad_clip": None, **{f"method_cfg.{a}": v for a, v in CFG.get(method, {}).items()}}
+          "optim.grad_clip": None, **{f"method_cfg.{a}": v for a, v in CFG.get(method, {}).items()}, **(extra or {})}
     return load_config("smoke", ov, method=method)
 
 
@@ -73,14 +73,15 @@ def _step(method, batch, ctx, k, precision):
     return float(out["loss"]), _grads(run)
 
 
-def _steps(method, batch, ks, precision) -> dict:
+def _steps(method, batch, ks, precision, extra=None) -> dict:
     """k -> (loss, every gradient) of `batch` in k micro-batches, on one process and one run (the trainer's forward
-    and loss, `forward_loss` for k = 1 and `accumulate` otherwise; no optimiser step between them)."""
+    and loss, `forward_loss` for k = 1 and `accumulate` otherwise; no optimiser step between them); `extra`: more
+    overrides of the run config."""
     from powerclip.accum import accumulate
     from powerclip.dist import DistContext
     from powerclip.train import autocast_for, build_run, forward_loss
     ctx = DistContext()
-    run = build_run(_config(method, batch["image"].shape[0], 1, precision), ctx)
+    run = build_run(_config(method, batch["image"].shape[0], 1, precision, extra), ctx)
     run.method.on_step(0, run.total)
     b, res = run.prepare(batch), {}
     for k in ks:

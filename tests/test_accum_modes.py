@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_accum import CFG, ROWS, _grads, _rel_errors, _spec
+from test_accum import ROWS, _config, _rel_errors, _spec, _steps
 import test_train_resume as resume
 from test_train_resume import _assert_same_run, _main, _shard_args
 
@@ -26,35 +26,12 @@ shards, one_thread = resume.shards, resume.one_thread   # its fixtures: the shar
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _config(method, rows, precision, ckpt):
-    from powerclip.config import load_config
-    ov = {"precision": precision, "max_steps": 1, "seed": 4, "data.batch_size": rows, "optim.grad_clip": None,
-          "model.grad_checkpointing": ckpt, **{f"method_cfg.{a}": v for a, v in CFG.get(method, {}).items()}}
-    return load_config("smoke", ov, method=method)
-
-
 def _grads_k(method, precision, ckpt, ks=(1, 4)) -> dict:
-    "k -> (loss, every gradient) of one world batch of 64 in k micro-batches, one run (no optimiser step between)."
-    from powerclip.accum import accumulate
+    "k -> (loss, every gradient) of one world batch of 64 in k micro-batches (test_accum's `_steps`)."
     from powerclip.data import make_loader
-    from powerclip.dist import DistContext
-    from powerclip.train import autocast_for, build_run, forward_loss
-    batch = next(iter(make_loader(_spec(ROWS), epoch=0)))
-    ctx = DistContext()
-    run = build_run(_config(method, ROWS, precision, ckpt), ctx)
-    assert run.model.visual.transformer.grad_checkpointing == ckpt
-    run.method.on_step(0, run.total)
-    b, res = run.prepare(batch), {}
-    for k in ks:
-        run.opt.zero_grad(set_to_none=True)
-        if k == 1:
-            loss, _ = forward_loss(run.fwd, run.method, b, ctx, precision)
-            loss.backward()
-        else:
-            loss, _, backward = accumulate(run.fwd, run.method, b, ctx, k, lambda: autocast_for(precision, ctx.device))
-            backward()
-        res[k] = (float(loss.detach()), _grads(run))
-    return res
+    extra = {"model.grad_checkpointing": ckpt}
+    assert _config(method, ROWS, 1, precision, extra).model.grad_checkpointing == ckpt
+    return _steps(method, next(iter(make_loader(_spec(ROWS), epoch=0))), ks, precision, extra)
 
 
 @pytest.mark.parametrize("method", ["clip", "powerclip", "aclip"])
