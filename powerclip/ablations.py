@@ -156,7 +156,7 @@ def term_gradients(run, batch: dict) -> dict[str, float]:
     res, i = {k: float(terms[k].detach()) for k in ("clip", "powerset")}, 0
     flat = {k: [] for k in g}
     for part, ps in parts.items():
-        a, b = (torch.cat([x.flatten().double() for x in g[k][i:i + len(ps)]] or [torch.zeros(1)])
+        a, b = (torch.cat([x.detach().flatten().double() for x in g[k][i:i + len(ps)]] or [torch.zeros(1)])
                 for k in ("clip", "powerset"))
         i += len(ps)
         flat["clip"].append(a)
