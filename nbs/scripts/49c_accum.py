@@ -61,14 +61,13 @@ from torch.testing import assert_close
 #    terms of the chain rule in the parameters' `.grad`.
 #
 # Outputs that are not per sample (0-dimensional: the logit scale, C2LIP's $t$ and $b$) are the same in every
-# micro-batch; their gradient goes back once, through the last micro-batch. Under DDP the first $k-1$ backward
-# passes run in `no_sync()`, and the last one all-reduces the summed gradients, once per step. The gradient $g$ of
-# a parameter $p$ that the loss reads itself (A-CLIP's heads, applied to the joined batch because their BatchNorm
-# normalises over it) joins that last pass as the term $\sum p\,g$, whose gradient is $g$: DDP reduces a gradient
-# only in a backward pass that follows its synchronised forward, so a backward of the loss alone, before it, would
-# leave these gradients local to each process (and a DDP without `find_unused_parameters` waiting for them). The cost: one more
-# forward pass per step (about 1.3 to 1.4 times the time, `benchmarks/accum_memory.py`), for about $1/k$ of the
-# activations.
+# micro-batch; their gradient goes back once, through the last micro-batch. Under DDP the first $k-1$ backward passes
+# run in `no_sync()`, and the last one all-reduces the summed gradients, once per step. The gradient $g$ of a parameter
+# $p$ that the loss reads itself (A-CLIP's heads, applied to the joined batch because their BatchNorm normalises over
+# it) joins that last pass as the term $\sum p\,g$, whose gradient is $g$: DDP reduces a gradient only in a backward
+# pass that follows its synchronised forward, so a backward of the loss alone, before it, would leave these gradients
+# local to each process (and a DDP without `find_unused_parameters` waiting for them). The cost: one more forward pass
+# per step (about 1.3 to 1.4 times the time, `benchmarks/accum_memory.py`), for about $1/k$ of the activations.
 #
 # **What exactness asks of a method.** Its `forward` must be a function of each sample alone: randomness keyed by the
 # sample (`hash_uniform`, `40_methods`), not drawn from a global stream whose position depends on the batch; no
@@ -294,3 +293,49 @@ _err = max(float((_g4[n] - _g1[n]).abs().max() / _g1[n].abs().max().clamp_min(1e
 print(f"{len(_g1)} gradient tensors; largest relative difference {_err:.1e}")
 assert _err < 1e-10
 test_fail(lambda: accumulate(_f, _clip, _batch, DistContext(), 3), contains="16 rows per process do not split into 3")
+
+# %% [markdown]
+# A-CLIP is the method with parameters inside its loss: its SimCLR and BYOL heads, applied to the joined batch because
+# their BatchNorm normalises over it, get their gradient in pass 2 and hand it to the last backward pass (above). Its
+# EMA step moves once, in `accum_begin`. From the same EMA towers, 4 micro-batches of 4 give the gradient of the batch
+# of 16, heads included (float64).
+
+# %%
+import copy
+
+from powerclip.methods import _import_baselines
+
+_import_baselines()
+_ac = get_method("aclip", seed=0)
+_am = create_model("powerclip-micro")[0].double().train()
+_ac.setup_model(_am)
+_heads = _ac.build_modules(_am).double().train()
+_ema0 = copy.deepcopy(_heads.state_dict())
+
+
+class _AFwd(torch.nn.Module):
+    def __init__(self, model, modules):
+        super().__init__()
+        self.model, self.modules_ = model, modules
+
+    def forward(self, b):
+        return _ac.forward(self.model, b, self.modules_)
+
+
+_af, _ab = _AFwd(_am, _heads), dict(_batch, index=torch.arange(16))
+_named = [*_am.named_parameters(), *(("heads." + n, p) for n, p in _heads.named_parameters())]
+_ac.on_step(3, 10)
+_t = _ac.loss(_af(_ab), _ab, DistContext())
+sum(v for n, v in _t.items() if not n.startswith("_")).backward()
+_a1 = {n: p.grad.clone() for n, p in _named if p.grad is not None}
+_am.zero_grad(set_to_none=True)
+_heads.zero_grad(set_to_none=True)
+_heads.load_state_dict(_ema0)                       # the EMA towers as before the first step's EMA move
+_bw = accumulate(_af, _ac, _ab, DistContext(), 4)[2]
+_bw()
+_a4 = {n: p.grad.clone() for n, p in _named if p.grad is not None}
+test_eq(set(_a4), set(_a1))
+assert any(n.startswith("heads.") for n in _a1)
+_err = max(float((_a4[n] - _a1[n]).abs().max() / _a1[n].abs().max()) for n in _a1 if _a1[n].abs().max() > 1e-12)
+print(f"A-CLIP: {len(_a1)} gradient tensors; largest relative difference {_err:.1e}")
+assert _err < 1e-10
