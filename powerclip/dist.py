@@ -14,7 +14,7 @@ import torch.distributed as td
 
 # %% auto #0
 __all__ = ['DistContext', 'env_world', 'init_distributed', 'cleanup', 'Gathered', 'pad_dim', 'gather', 'all_sum', 'all_max',
-           'all_mean', 'barrier', 'all_gather_object', 'wrap_ddp', 'wait_group', 'wait_for_main']
+           'all_mean', 'barrier', 'all_gather_object', 'wrap_ddp', 'Lockstep', 'wait_group', 'wait_for_main']
 
 # %% ../nbs/15_dist.ipynb #b9ab5674
 @dataclass
@@ -228,6 +228,22 @@ def wrap_ddp(module: torch.nn.Module, ctx: DistContext, find_unused_parameters: 
     from torch.nn.parallel import DistributedDataParallel
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused_parameters)
+
+# %% ../nbs/15_dist.ipynb #36667988
+class Lockstep:
+    "The items of `iterable` while every process still has one; `cut`: this process still had items at the stop."
+    def __init__(self, iterable):
+        self.iterable, self.cut = iterable, False
+
+    def __iter__(self):
+        world = td.get_world_size() if _on() else 1
+        it = iter(self.iterable)
+        while True:
+            item = next(it, None)
+            if int(all_sum(torch.tensor([int(item is not None)]))) < world:
+                self.cut = item is not None
+                return
+            yield item
 
 # %% ../nbs/15_dist.ipynb #24b1c321
 def wait_group(ctx: DistContext, timeout_s: float):

@@ -28,7 +28,7 @@ from .methods import Method, get_method
 # %% auto #0
 __all__ = ['no_decay', 'make_optimizer', 'lr_factor', 'make_scheduler', 'MetricLogger', 'read_metrics', 'plot_metrics',
            'MethodForward', 'method_forward', 'to_device', 'autocast_for', 'forward_loss', 'train_step', 'Checked',
-           'validate', 'Run', 'build_run', 'Lockstep', 'train', 'parse_args', 'main']
+           'validate', 'Run', 'build_run', 'train', 'parse_args', 'main']
 
 # %% ../nbs/50_train.ipynb #0f745f10
 def no_decay(name: str, p: torch.Tensor) -> bool:
@@ -388,23 +388,6 @@ def _total_steps(cfg: TrainConfig, spe: int | None) -> int:
     return cfg.epochs * spe
 
 # %% ../nbs/50_train.ipynb #b9530633
-class Lockstep:
-    "The batches of `loader` while every process still has one; `cut`: this process still had batches at the end."
-    def __init__(self, loader, ctx: pdist.DistContext):
-        self.loader, self.ctx, self.cut = loader, ctx, False
-
-    def __iter__(self):
-        it = iter(self.loader)
-        while True:
-            batch = next(it, None)
-            have = pdist.all_sum(torch.tensor([int(batch is not None)], device=self.ctx.device))
-            if int(have) < self.ctx.world_size:
-                # the rest is not read: on a large imbalance reading it could outlast the others' collective timeout
-                self.cut = batch is not None
-                return
-            yield batch
-
-
 def _skip_columns(epoch: dict, before: dict, ctx: pdist.DistContext) -> dict:
     "The metrics row's skip columns: this epoch's and the run's counts, each summed over the processes."
     n = pdist.all_sum(torch.tensor([epoch.get(k, 0) for k in SAMPLE_SKIP_REASONS], device=ctx.device)).tolist()
@@ -498,7 +481,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
     together = ctx.world_size > 1 and cfg.data.source == "wds" and cfg.data.samples_per_epoch is None
     while state.step < min(total, cfg.stop_at or total):
         loader = run.loader(state.epoch, state.step_in_epoch, position)
-        batches = Lockstep(loader, ctx) if together else loader
+        batches = pdist.Lockstep(loader) if together else loader
         n_batches = 0
         for batch in batches:
             n_batches += 1

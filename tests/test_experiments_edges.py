@@ -10,7 +10,7 @@ import pytest
 import powerclip.experiments as E
 
 ROOT = Path(__file__).resolve().parents[1]
-KEPT = ROOT / "benchmarks" / "results" / "plateau_cpu" / "T1600"  # committed: seeds 0-2 (five rows), 3-4 (avg rows)
+KEPT = ROOT / "benchmarks" / "results" / "plateau_cpu" / "T1600"  # committed: seeds 0-2 (five rows), 3-7 (avg rows)
 AVG = ["--rows", "CLIP (avg)", "PowerCLIP-R (avg)"]
 
 
@@ -50,10 +50,10 @@ class _Stop(Exception):
 
 
 def test_lead_command_precheck_passes(part, tmp_path, no_training):
-    """The plateau without class-token CLIP, merged with the committed three seeds: the pre-check (plans, merge rules,
+    """The plateau without class-token CLIP, merged with the committed seeds (0-7): the pre-check (plans, merge rules,
     the parts' anatomy) passes and the plateau is called with those rows."""
     with pytest.raises(_Stop):
-        E.main(["plateau", "--steps", "1600", "--seeds", "5", "6", "7", *AVG, "--merge", str(part), "--out",
+        E.main(["plateau", "--steps", "1600", "--seeds", "8", "9", "10", *AVG, "--merge", str(part), "--out",
                 str(tmp_path / "out"), "progress=false"])
     (kind, args, kw), = no_training
     assert kind == "plateau" and kw["rows"] == ["CLIP (avg)", "PowerCLIP-R (avg)"] and kw["merge"] == [str(part)]
@@ -78,7 +78,7 @@ def test_merge_tolerates_other_rows(part, tmp_path):
     d["meta"]["runs"] = list(keep[1:])
     d["per_seed"] = {s: {n: r for n, r in res.items() if n in keep} for s, res in d["per_seed"].items()}
     (part / "summary.json").write_text(json.dumps(d))
-    plan = E._plateau_plan(E.PLATEAU_ROWS, [7], 1600, tmp_path, log=lambda m: None, grounding_scenes=200,
+    plan = E._plateau_plan(E.PLATEAU_ROWS, [8], 1600, tmp_path, log=lambda m: None, grounding_scenes=200,
                            overrides={"progress": False}, eval_images=300)
     parts, extra = E._merge_parts(plan, [part])
     assert set(parts[0].per_seed[0]) == set(keep) and set(extra[0]) == {"PowerCLIP-R (avg)"}   # its anatomy: its rows
@@ -96,12 +96,12 @@ def test_malformed_summary_named(part, tmp_path, capsys):
     d = json.loads((part / "summary.json").read_text())
     for bad in ({"0": [1, 2]}, {"0": {"CLIP": {"hn_mean": "x"}, "CLIP (avg)": {"hn_mean": 1.0}}}, [1]):
         (part / "summary.json").write_text(json.dumps(dict(d, per_seed=bad)))
-        rc, err = _run(["plateau", "--steps", "1600", "--seeds", "7", *AVG, "--merge", str(part), "--out",
+        rc, err = _run(["plateau", "--steps", "1600", "--seeds", "8", *AVG, "--merge", str(part), "--out",
                         str(tmp_path / "out"), "progress=false"], capsys)
         assert rc == 2
         _one_line(err, str(part / "summary.json"))
     (part / "summary.json").write_text("{not json")
-    rc, err = _run(["plateau", "--steps", "1600", "--seeds", "7", "--merge", str(part), "--out", str(tmp_path / "o"),
+    rc, err = _run(["plateau", "--steps", "1600", "--seeds", "8", "--merge", str(part), "--out", str(tmp_path / "o"),
                     "progress=false"], capsys)
     assert rc == 2
     _one_line(err, str(part / "summary.json"))
@@ -117,7 +117,7 @@ def _rewrite_anatomy(path: Path, change) -> None:
 
 
 def test_malformed_anatomy_named(part, tmp_path, capsys):
-    argv = ["plateau", "--steps", "1600", "--seeds", "7", *AVG, "--merge", str(part), "--out", str(tmp_path / "out"),
+    argv = ["plateau", "--steps", "1600", "--seeds", "8", *AVG, "--merge", str(part), "--out", str(tmp_path / "out"),
             "progress=false"]
     _rewrite_anatomy(part / "anatomy.csv", lambda rows: rows[3].update(all_cos="n/a"))
     rc, err = _run(argv, capsys)
@@ -149,7 +149,7 @@ def test_other_kind_of_summary_refused(part, tmp_path, capsys, no_training):
     (tmp_path / "T1600").mkdir()
     (tmp_path / "T1600" / "summary.json").write_text(json.dumps(dict(d, meta=dict(
         d["meta"], experiment="budget", command="python -m powerclip.experiments budget --steps 1600 3200"))))
-    rc, err = _run(["plateau", "--steps", "1600", "--seeds", "7", "--out", str(tmp_path), "progress=false"], capsys)
+    rc, err = _run(["plateau", "--steps", "1600", "--seeds", "8", "--out", str(tmp_path), "progress=false"], capsys)
     assert rc == 2
     _one_line(err, "holds a budget's summary")
     (tmp_path / "budget" / "T800").mkdir(parents=True)
@@ -159,7 +159,7 @@ def test_other_kind_of_summary_refused(part, tmp_path, capsys, no_training):
     _one_line(err, "holds a plateau's summary")
     shutil.copy(part / "summary.json", tmp_path / "T1600" / "summary.json")
     with pytest.raises(_Stop):
-        E.main(["plateau", "--steps", "1600", "--seeds", "7", "--out", str(tmp_path), "progress=false"])
+        E.main(["plateau", "--steps", "1600", "--seeds", "8", "--out", str(tmp_path), "progress=false"])
     assert no_training[-1][0] == "plateau"
 
 

@@ -349,6 +349,38 @@ assert all_gather_object({"a": 1}) == [{"a": 1}] and wrap_ddp(_lin := torch.nn.L
 
 
 # %% [markdown]
+# ## Iterating together
+#
+# Processes that step through data of their own in lockstep (the trainer on shards whose epochs may differ in length
+# between processes, `50_train`) must stop together: a process that ran out and went on to its next collective would
+# leave the others waiting in theirs until the timeout. `Lockstep(iterable)` yields an item only while every process
+# has one (a sum of "I have one" flags per item: one small all-reduce), and stops all when one has none. A process
+# that still had items says so in `cut`; the rest is not read (on a large imbalance, reading it could outlast the
+# others' collective timeout).
+
+# %%
+#| export
+class Lockstep:
+    "The items of `iterable` while every process still has one; `cut`: this process still had items at the stop."
+    def __init__(self, iterable):
+        self.iterable, self.cut = iterable, False
+
+    def __iter__(self):
+        world = td.get_world_size() if _on() else 1
+        it = iter(self.iterable)
+        while True:
+            item = next(it, None)
+            if int(all_sum(torch.tensor([int(item is not None)]))) < world:
+                self.cut = item is not None
+                return
+            yield item
+
+
+# %%
+_ls = Lockstep(range(3))
+assert list(_ls) == [0, 1, 2] and not _ls.cut     # one process: every item (two: tests/test_epoch_lockstep.py)
+
+# %% [markdown]
 # ## Waiting while the main process works alone
 #
 # The trainer evaluates on the main process only (`50_train`, "Evaluation while training"); the other processes wait

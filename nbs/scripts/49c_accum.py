@@ -67,7 +67,12 @@ from torch.testing import assert_close
 # it) joins that last pass as the term $\sum p\,g$, whose gradient is $g$: DDP reduces a gradient only in a backward
 # pass that follows its synchronised forward, so a backward of the loss alone, before it, would leave these gradients
 # local to each process (and a DDP without `find_unused_parameters` waiting for them). The cost: one more forward pass
-# per step (about 1.3 to 1.4 times the time, `benchmarks/accum_memory.py`), for about $1/k$ of the activations.
+# per step. Measured on this repository's idle 2-core CPU (`benchmarks/results/accum_memory_demo_cpu_B128_fp32.md`:
+# the demo model, 128 per step, fp32, 4 rounds), a step took 1.49x / 1.56x / 1.73x (CLIP) and 1.36x / 1.29x / 1.25x
+# (PowerCLIP) the time of the plain step at k = 2 / 4 / 8 (the rounds' medians vary by about 15 %; small micro-batches
+# also use a CPU less well), for 0.68x / 0.47x / 0.38x (CLIP) and 0.68x / 0.48x / 0.47x (PowerCLIP) of its peak memory
+# above the weights: the activations shrink as $1/k$, what stays (gradients, AdamW's moments, the joined outputs and
+# PowerCLIP's loss) does not. On a GPU the GPU check's `accum` part measures ViT-B/16.
 #
 # **What exactness asks of a method.** Its `forward` must be a function of each sample alone: randomness keyed by the
 # sample (`hash_uniform`, `40_methods`), not drawn from a global stream whose position depends on the batch; no

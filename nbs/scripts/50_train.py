@@ -599,35 +599,18 @@ assert _out["ok"] and set(_run.derived()) == {"seeds", "geometry", "needs"} and 
 # loader counts the skips among the samples it consumed (`23_data`), and the checkpoint keeps the epoch's count in
 # its data position and the finished epochs' in the `TrainState`, so a resumed run logs the same numbers.
 #
-# **Epochs of unequal length.** On shards without `data.samples_per_epoch` an epoch is one pass over each process's
-# own shards, and the processes' shards may hold different numbers of samples (shard counts that do not divide by the
-# processes, shards of different sizes, samples skipped). A process whose epoch ended first would go on to its
-# epoch-end sum and the next epoch while the others wait in a step's gather: the run would hang until the collective
-# timeout. So in that setting the loop takes the batches in `Lockstep`: before each step the processes sum a flag
-# "I have a batch" (one small all-reduce per step), and the epoch ends for all as soon as one has none. The batches
-# the others still held are not trained on in this epoch (nor read: on a large imbalance reading them could outlast
-# the collective timeout); one line of the log says at which batch the epoch ended and how many processes it cut
+# **Epochs of unequal length.** On shards without `data.samples_per_epoch` an epoch is one pass over each process's own
+# shards, and the processes' shards may hold different numbers of samples (shard counts that do not divide by the
+# processes, shards of different sizes, samples skipped). A process whose epoch ended first would go on to its epoch-end
+# sum and the next epoch while the others wait in a step's gather: the run would hang until the collective timeout. So
+# in that setting the loop takes the batches in `pdist.Lockstep` (`15_dist`): before each step the processes sum a flag
+# "I have a batch" (one small all-reduce per step), and the epoch ends for all as soon as one has none. The batches the
+# others still held are not trained on in this epoch (nor read: on a large imbalance reading them could outlast the
+# collective timeout); one line of the log says at which batch the epoch ended and how many processes it cut
 # (`data.samples_per_epoch` gives every process the same number of steps and avoids it).
 
 # %%
 #| export
-class Lockstep:
-    "The batches of `loader` while every process still has one; `cut`: this process still had batches at the end."
-    def __init__(self, loader, ctx: pdist.DistContext):
-        self.loader, self.ctx, self.cut = loader, ctx, False
-
-    def __iter__(self):
-        it = iter(self.loader)
-        while True:
-            batch = next(it, None)
-            have = pdist.all_sum(torch.tensor([int(batch is not None)], device=self.ctx.device))
-            if int(have) < self.ctx.world_size:
-                # the rest is not read: on a large imbalance reading it could outlast the others' collective timeout
-                self.cut = batch is not None
-                return
-            yield batch
-
-
 def _skip_columns(epoch: dict, before: dict, ctx: pdist.DistContext) -> dict:
     "The metrics row's skip columns: this epoch's and the run's counts, each summed over the processes."
     n = pdist.all_sum(torch.tensor([epoch.get(k, 0) for k in SAMPLE_SKIP_REASONS], device=ctx.device)).tolist()
@@ -721,7 +704,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
     together = ctx.world_size > 1 and cfg.data.source == "wds" and cfg.data.samples_per_epoch is None
     while state.step < min(total, cfg.stop_at or total):
         loader = run.loader(state.epoch, state.step_in_epoch, position)
-        batches = Lockstep(loader, ctx) if together else loader
+        batches = pdist.Lockstep(loader) if together else loader
         n_batches = 0
         for batch in batches:
             n_batches += 1
