@@ -109,21 +109,6 @@ def loss_parity(a, spec: str) -> list[dict]:
     return rows
 
 
-def _sbar_case(Ci, Cj, M, D, Kmax, seed=0):
-    "Ragged inputs as 10a_powerset_fast's tests: image 1 without a valid region, text 0 with one node."
-    import torch.nn.functional as F
-    g = torch.Generator().manual_seed(seed)
-    regions = F.normalize(torch.randn(Ci, M, D, generator=g, dtype=torch.float64), dim=-1)
-    rv = torch.rand(Ci, M, generator=g) < 0.7
-    rv[0] = True
-    rv[1] = False
-    k = torch.randint(1, Kmax + 1, (Cj,), generator=g)
-    k[0] = 1
-    node_text = torch.arange(Cj).repeat_interleave(k)
-    phrases = torch.randn(int(k.sum()), D, generator=g, dtype=torch.float64)
-    return regions, rv, phrases, node_text
-
-
 def sbar_cases():
     "(name, PowerCLIPLossConfig) for every NLA activation and switch, then the exact 2^M enumeration."
     from dataclasses import replace
@@ -141,8 +126,9 @@ def sbar_parity(a, name: str, cfg) -> list[dict]:
     "S-bar of one case on the device (each path), fp32 and bf16, against the float64 dense CPU reference."
     from dataclasses import replace
     from powerclip.loss import PowersetInputs, powerset_similarity
+    from powerclip.powerset_fast import ragged_case
     Ci, Cj, M, D, K = (5, 6, 4, 8, 5) if a.dry_run else (24, 32, 10, 64, 12)
-    reg, rv, ph, nt = _sbar_case(Ci, Cj, M, D, K)
+    reg, rv, ph, nt = ragged_case(Ci, Cj, M, D, K)
     W = torch.randn(Ci, Cj, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
     def run(c, device, dtype, autocast):

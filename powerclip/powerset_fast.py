@@ -16,7 +16,7 @@ from .powerset import NLA_T1_ACTS, NLA_T2_INTEGRALS
 
 # %% auto #0
 __all__ = ['NLA_T1_GRADS', 'NLA_T2_ACTS', 'pack_nodes', 'node_counts', 'unpack_nodes', 'segment_sum', 'segment_max',
-           'segment_logsumexp', 'SbarSpec', 'block_plan', 'sbar_blocked', 'saved_tensor_bytes']
+           'segment_logsumexp', 'SbarSpec', 'block_plan', 'sbar_blocked', 'ragged_case', 'saved_tensor_bytes']
 
 # %% ../nbs/10a_powerset_fast.ipynb #f012189b
 def pack_nodes(
@@ -335,6 +335,21 @@ def sbar_blocked(
     if torch.is_autocast_enabled(dev) and mm == torch.float32:
         mm = torch.get_autocast_dtype(dev)  # the score products in the autocast dtype, as the dense einsum
     return _SbarBlocked.apply(regions, phrases, region_valid.bool(), node_text, counts, spec, mm)
+
+# %% ../nbs/10a_powerset_fast.ipynb #5604105d
+def ragged_case(Ci=5, Cj=6, M=4, D=8, Kmax=5, seed=0, dtype=torch.float64, scale=1.0):
+    """Random ragged inputs (regions `(Ci, M, D)`, their validity `(Ci, M)`, packed phrases `(sum K, D)`, node_text
+    `(sum K,)`): image 1 has no valid region, text 0 a single node (these tests; the GPU check's S-bar parity)."""
+    g = torch.Generator().manual_seed(seed)
+    regions = F.normalize(torch.randn(Ci, M, D, generator=g, dtype=dtype), dim=-1) * scale
+    rv = torch.rand(Ci, M, generator=g) < 0.7
+    rv[0] = True
+    rv[1] = False
+    k = torch.randint(1, Kmax + 1, (Cj,), generator=g)
+    k[0] = 1
+    node_text = torch.arange(Cj).repeat_interleave(k)
+    phrases = torch.randn(int(k.sum()), D, generator=g, dtype=dtype) * scale
+    return regions, rv, phrases, node_text
 
 # %% ../nbs/10a_powerset_fast.ipynb #86ebeef3
 @contextmanager

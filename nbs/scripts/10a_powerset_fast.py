@@ -568,6 +568,23 @@ def sbar_blocked(
 # and phrases) agree to $10^{-9}$.
 
 # %%
+#| export
+def ragged_case(Ci=5, Cj=6, M=4, D=8, Kmax=5, seed=0, dtype=torch.float64, scale=1.0):
+    """Random ragged inputs (regions `(Ci, M, D)`, their validity `(Ci, M)`, packed phrases `(sum K, D)`, node_text
+    `(sum K,)`): image 1 has no valid region, text 0 a single node (these tests; the GPU check's S-bar parity)."""
+    g = torch.Generator().manual_seed(seed)
+    regions = F.normalize(torch.randn(Ci, M, D, generator=g, dtype=dtype), dim=-1) * scale
+    rv = torch.rand(Ci, M, generator=g) < 0.7
+    rv[0] = True
+    rv[1] = False
+    k = torch.randint(1, Kmax + 1, (Cj,), generator=g)
+    k[0] = 1
+    node_text = torch.arange(Cj).repeat_interleave(k)
+    phrases = torch.randn(int(k.sum()), D, generator=g, dtype=dtype) * scale
+    return regions, rv, phrases, node_text
+
+
+# %%
 def _dense(regions, rv, phrases, node_text, n_texts, spec):
     "The reference: S-bar from the padded Q of 10_powerset's functions."
     ph, nv = unpack_nodes(phrases, node_text, n_texts)
@@ -581,20 +598,6 @@ def _dense(regions, rv, phrases, node_text, n_texts, spec):
     return S
 
 
-def _case(Ci=5, Cj=6, M=4, D=8, Kmax=5, seed=0, dtype=torch.float64, scale=1.0):
-    "Random ragged inputs: image 1 has no valid region, text 0 a single node."
-    g = torch.Generator().manual_seed(seed)
-    regions = F.normalize(torch.randn(Ci, M, D, generator=g, dtype=dtype), dim=-1) * scale
-    rv = torch.rand(Ci, M, generator=g) < 0.7
-    rv[0] = True
-    rv[1] = False
-    k = torch.randint(1, Kmax + 1, (Cj,), generator=g)
-    k[0] = 1
-    node_text = torch.arange(Cj).repeat_interleave(k)
-    phrases = torch.randn(int(k.sum()), D, generator=g, dtype=dtype) * scale
-    return regions, rv, phrases, node_text
-
-
 _SPECS = ([SbarSpec(tau=0.3, t1_act=a) for a in NLA_T1_ACTS] + [SbarSpec(tau=0.3, t2_act=a) for a in NLA_T2_INTEGRALS]
           + [SbarSpec(tau=0.3, use_t2r=False), SbarSpec(tau=0.3, use_r2t=False), SbarSpec(tau=0.3, debias_t2=True),
              SbarSpec(tau=0.05, alpha=0.0), SbarSpec(tau=0.05, alpha=1.0), SbarSpec(tau=1e-3),
@@ -603,7 +606,7 @@ _SPECS = ([SbarSpec(tau=0.3, t1_act=a) for a in NLA_T1_ACTS] + [SbarSpec(tau=0.3
 
 
 def _parity(spec, Ci, Cj, seed, budget):
-    reg, rv, ph, nt = _case(Ci, Cj, seed=seed)
+    reg, rv, ph, nt = ragged_case(Ci, Cj, seed=seed)
     fast_spec = replace(spec, block_bytes=budget)
     out = {}
     for name, f in (("dense", _dense), ("fast", sbar_blocked)):
@@ -641,12 +644,12 @@ assert block_plan(2, 4, [1, 3, 2], 8, 2 * 4 * 8 * 4) == (2, [(0, 2, 0, 4), (2, 3
 # gathered columns equals the same rows of the full matrix.
 
 # %%
-_reg, _rv, _ph, _nt = _case(4, 4, M=3, D=5, Kmax=3, seed=7)
+_reg, _rv, _ph, _nt = ragged_case(4, 4, M=3, D=5, Kmax=3, seed=7)
 for spec in (SbarSpec(tau=0.3, block_bytes=200), SbarSpec(region_sets=False, block_bytes=200)):
     assert gradcheck(lambda r, p: sbar_blocked(r, _rv, p, _nt, 4, spec),
                      (_reg.clone().requires_grad_(), _ph.clone().requires_grad_()), eps=1e-6, atol=1e-6)
 
-_reg, _rv, _ph, _nt = _case(6, 6, seed=8)
+_reg, _rv, _ph, _nt = ragged_case(6, 6, seed=8)
 _full = sbar_blocked(_reg, _rv, _ph, _nt, 6, SbarSpec(tau=0.1))
 _loc = slice(2, 4)                                  # this process's rows
 _lt = (_nt >= 2) & (_nt < 4)                        # its texts' nodes
@@ -663,7 +666,7 @@ assert_close(sbar_blocked(_reg, _rv, _ph[_lt], _nt[_lt] - 2, 2, SbarSpec(tau=0.1
 # rounded to 8 bits of mantissa before reduction, as in the dense path).
 
 # %%
-_reg, _rv, _ph, _nt = _case(6, 8, M=10, D=32, Kmax=12, seed=9, scale=3.0)
+_reg, _rv, _ph, _nt = ragged_case(6, 8, M=10, D=32, Kmax=12, seed=9, scale=3.0)
 _W = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 _res = {}
 for name, dtype, autocast in (("fp64", torch.float64, False), ("fp32", torch.float32, False),
@@ -712,7 +715,7 @@ def saved_tensor_bytes():
 
 # %%
 def _saved(M, Kmax, Ci=4, Cj=16, D=8):
-    reg, rv, ph, nt = _case(Ci, Cj, M=M, D=D, Kmax=Kmax, seed=1, dtype=torch.float32)
+    reg, rv, ph, nt = ragged_case(Ci, Cj, M=M, D=D, Kmax=Kmax, seed=1, dtype=torch.float32)
     reg.requires_grad_()
     ph.requires_grad_()
     with saved_tensor_bytes() as n:
