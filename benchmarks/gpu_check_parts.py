@@ -212,16 +212,20 @@ def step_args(a, batch: int) -> argparse.Namespace:
                               set=["model.pool=tok"], device=a.device)
 
 
-def measure_step(a, method: str, batch: int) -> dict:
-    """One method's step time and peak memory through train_step_ratio's `measure`, in a fresh process on a GPU (its
-    peak is its own); in this process in a dry run (a CPU's peak RSS measures nothing here anyway)."""
+def fresh(a, fn, *args) -> dict:
+    """`fn(*args)`'s dict in a fresh process on a GPU (its peak memory is its own), in this process in a dry run (a
+    CPU's peak RSS measures nothing here anyway); {'error': ...} when it raised."""
     from powerclip.measure import run_isolated
-    tsr = script("train_step_ratio")
+    out = run_isolated(fn, *args, threads=os.cpu_count() or 1) if not a.dry_run else dict(ok=True, **fn(*args))
+    return out if out.pop("ok") else dict(error=out["error"][:400])
+
+
+def measure_step(a, method: str, batch: int) -> dict:
+    "One method's step time and peak memory through train_step_ratio's `measure` (`fresh`)."
     ns = step_args(a, batch)
-    out = (run_isolated(tsr.measure, method, ns, threads=os.cpu_count() or 1) if not a.dry_run
-           else dict(ok=True, **tsr.measure(method, ns)))
-    if not out.pop("ok"):
-        return dict(error=out["error"][:400])
+    out = fresh(a, script("train_step_ratio").measure, method, ns)
+    if "error" in out:
+        return out
     t = sorted(out["times"])
     return dict(ms_per_step=1e3 * t[len(t) // 2], images_per_s=ns.batch / t[len(t) // 2], times=out["times"],
                 peak_mib=out["peak_mib"], peak_total_mib=out["peak_total_mib"],
@@ -491,14 +495,11 @@ def accum_args(a) -> argparse.Namespace:
 
 
 def measure_accum(a, method: str, k: int) -> dict:
-    "One method's step at `accum_steps=k` through accum_memory's `measure`, in a fresh process on a GPU."
-    from powerclip.measure import run_isolated
-    am = script("accum_memory")
+    "One method's step at `accum_steps=k` through accum_memory's `measure` (`fresh`)."
     ns = accum_args(a)
-    out = (run_isolated(am.measure, method, k, ns, threads=os.cpu_count() or 1) if not a.dry_run
-           else dict(ok=True, **am.measure(method, k, ns)))
-    if not out.pop("ok"):
-        return dict(error=out["error"][:400])
+    out = fresh(a, script("accum_memory").measure, method, k, ns)
+    if "error" in out:
+        return out
     t = sorted(out["times"])
     return dict(k=k, micro_batch=ns.batch // k, ms_per_step=1e3 * t[len(t) // 2], times=out["times"],
                 peak_mib=out["peak_mib"], model=out["model"])
