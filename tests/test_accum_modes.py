@@ -9,21 +9,13 @@
 4. On webdataset shards (tests/test_train_resume.py's, bad samples and a truncated shard included): PowerCLIP with
    `accum_steps=2` stopped twice and resumed is the straight run, every metrics column and every weight bitwise.
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from test_accum import ROWS, _config, _rel_errors, _spec, _steps
 import test_train_resume as resume
-from test_train_resume import _assert_same_run, _main, _shard_args
 
 shards, one_thread = resume.shards, resume.one_thread   # its fixtures: the shards, one torch thread (autouse)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _grads_k(method, precision, ckpt, ks=(1, 4)) -> dict:
@@ -59,35 +51,27 @@ def test_accum_in_bf16_within_its_rounding(method):
     assert abs(res[4][0] - res[1][0]) <= 2e-2 * abs(res[1][0])
 
 
-N = 8
-
-
-def _train(out_dir, *extra):
-    cmd = [sys.executable, "-m", "powerclip.train", "--preset", "smoke", "data.workers=0", f"max_steps={N}",
-           "ckpt_every=2", "optim.warmup_steps=2", f"out_dir={out_dir}", *extra]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    from powerclip.train import read_metrics
-    return r, [row["loss"] for row in read_metrics(Path(out_dir) / "metrics.csv")]
-
-
 def test_accum_resume_is_exact(tmp_path):
-    _, plain = _train(tmp_path / "plain")
-    _, straight = _train(tmp_path / "straight", "accum_steps=2")
-    assert len(straight) == N and max(abs(a - b) for a, b in zip(straight, plain)) < 1e-4, (plain, straight)
-    _, first = _train(tmp_path / "resumed", "accum_steps=2", f"stop_at={N // 2}")
-    assert len(first) == N // 2
-    r, resumed = _train(tmp_path / "resumed", "accum_steps=2")
+    "tests/test_train_resume.py's runner (smoke preset, N steps in a new process each): plain, straight, resumed."
+    N = resume.N
+    plain, straight, resumed = (tmp_path / d for d in ("plain", "straight", "resumed"))
+    resume._run(plain)
+    resume._run(straight, "accum_steps=2")
+    (steps, acc, _), (_, ref, _) = resume._losses(straight), resume._losses(plain)
+    assert steps == list(range(1, N + 1)) and max(abs(a - b) for a, b in zip(acc, ref)) < 1e-4, (ref, acc)
+    resume._run(resumed, "accum_steps=2", f"stop_at={N // 2}")
+    assert resume._losses(resumed)[0] == list(range(1, N // 2 + 1))
+    r = resume._run(resumed, "accum_steps=2")
     assert f"at step {N // 2}" in r.stderr
-    assert len(resumed) == N and max(abs(a - b) for a, b in zip(resumed, straight)) < 1e-6, (straight, resumed)
+    steps, again, _ = resume._losses(resumed)
+    assert steps == list(range(1, N + 1)) and max(abs(a - b) for a, b in zip(again, acc)) < 1e-6, (acc, again)
 
 
 def test_accum_on_shards_resumes_exactly(tmp_path, request):
     shards = request.getfixturevalue("shards")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _main(_shard_args(straight, shards, 0, "accum_steps=2"))
+    resume._main(resume._shard_args(straight, shards, 0, "accum_steps=2"))
     for stop in (3, 9):                                              # mid-epoch, and in the second epoch
-        _main(_shard_args(resumed, shards, 0, "accum_steps=2", f"stop_at={stop}"))
-    _main(_shard_args(resumed, shards, 0, "accum_steps=2"))
-    _assert_same_run(straight, resumed)
+        resume._main(resume._shard_args(resumed, shards, 0, "accum_steps=2", f"stop_at={stop}"))
+    resume._main(resume._shard_args(resumed, shards, 0, "accum_steps=2"))
+    resume._assert_same_run(straight, resumed)
