@@ -353,6 +353,13 @@ class ACLIPConfig:
             raise ValueError("head_hidden and head_out must be >= 0 (0: automatic)")
 
 
+def _need(modules) -> ACLIPModules:
+    "A-CLIP's training-time modules, or one line saying how to build them."
+    if not isinstance(modules, ACLIPModules):
+        raise RuntimeError("A-CLIP needs its EMA towers and heads: pass modules=method.build_modules(model)")
+    return modules
+
+
 _NOISE = 110   # hashed noise per sample and step: 2 x 40 crop draws, 4 for the EMA box, 2 x 13 colour draws
 
 
@@ -409,9 +416,7 @@ class ACLIP(StepClock, CLIP):
 
     def accum_begin(self, model, micro_batches, modules=None, dist=None):
         "An accumulated step: the EMA step once, before any micro-batch reads the EMA (forward then skips it)."
-        if not isinstance(modules, ACLIPModules):
-            raise RuntimeError("A-CLIP needs its EMA towers and heads: pass modules=method.build_modules(model)")
-        modules.update(model, self.momentum)
+        _need(modules).update(model, self.momentum)
         self._ema_moved = True
 
     def accum_end(self):
@@ -470,8 +475,7 @@ class ACLIP(StepClock, CLIP):
         image, tokens = batch["image"], batch["tokens"]
         if not model.visual.training:                            # evaluation: the online model, every patch
             return encode(model, image, tokens, need_patches=False)
-        if not isinstance(modules, ACLIPModules):
-            raise RuntimeError("A-CLIP needs its EMA towers and heads: pass modules=method.build_modules(model)")
+        modules = _need(modules)
         cfg, C = self.cfg, image.shape[0]
         m = self.momentum
         if not self._ema_moved:
