@@ -278,7 +278,8 @@ def _merge_parts(plan, merge) -> tuple[list, list]:
     extra = [{n: per for n, per in e.items() if per} for e in extra]     # a row none of the part's seeds has: none
     if parts:
         ahead = dict(plan.meta, runs=list(plan.runs), chosen={}, device=plan.device, folder=str(plan.out))
-        merge_comparisons([Comparison({s: {} for s in plan.seeds}, {}, {}, {}, {}, ahead), *parts])
+        ahead_runs = {s: {n: {} for n in plan.runs} for s in plan.seeds}     # the runs this plan will add
+        merge_comparisons([Comparison(ahead_runs, {}, {}, {}, {}, ahead), *parts])
     want = [0.0, *map(float, sorted(set(next(iter(plan.jobs.values())).cfg.snapshot_steps)))]   # `loss_anatomy`'s
     for d, e in zip(merge, extra):
         for n, s, got in ((n, s, [r.get("step") for r in x]) for n, per in e.items() for s, x in per.items()):

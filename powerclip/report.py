@@ -429,8 +429,14 @@ def load_comparison(folder) -> Comparison:
     return Comparison(per_seed, curves, summary, stats, sweeps, meta, read_seed_curves(folder))
 
 
+def _untimed(r: dict) -> dict:
+    "A row's numbers without its timings (`eval_s`, ...): what must agree where one run is read twice."
+    return {k: v for k, v in r.items() if not k.endswith("_s")}
+
+
 def merge_comparisons(cmps: list[Comparison]) -> Comparison:
-    """One comparison from `cmps`, the same plan (`MERGE_SAME`) over disjoint seeds: per-seed numbers joined (without
+    """One comparison from `cmps`, the same plan (`MERGE_SAME`) over disjoint runs (a seed may be in two parts for
+    different rows; its chance line, which each part evaluates, must agree): per-seed numbers joined (without
     per-scene shares), means, spreads, paired differences and verdicts recomputed, curves averaged weighted by seeds,
     the rows of every part (in the order they first appear), each seed's curves joined where the parts kept them,
     `meta['merged_from']` naming each part."""
@@ -455,11 +461,18 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
             if regime.setdefault(n, r["regime"]) != r["regime"]:
                 raise ValueError(f"merge: row {n} is {regime[n]!r} in one part and {r['regime']!r} in another: not "
                                  "the same runs")
-    seeds = [s for c in cmps for s in c.per_seed]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"merge: a seed is in two comparisons (seeds {sorted(seeds)}): each seed may count once")
-    per_seed = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()}
-                for c in cmps for s, res in c.per_seed.items()}
+    per_seed = {}
+    for c in cmps:
+        for s, res in c.per_seed.items():
+            have = per_seed.setdefault(s, {})
+            for n, r in res.items():
+                r = {k: v for k, v in r.items() if k != "per_scene"}
+                if n in have and n != "untrained":
+                    raise ValueError(f"merge: {n} of seed {s} is in two comparisons: each run may count once")
+                if n in have and _untimed(have[n]) != _untimed(r):
+                    raise ValueError(f"merge: the chance line of seed {s} differs between two comparisons: not the "
+                                     "same initialisation or test scenes")
+                have.setdefault(n, r)
     per_seed = dict(sorted(per_seed.items()))
     ref = first.get("reference", REFERENCE)
     runs = list(dict.fromkeys(n for c in cmps for n in c.meta.get("runs", [])))

@@ -10,7 +10,7 @@ import pytest
 import powerclip.experiments as E
 
 ROOT = Path(__file__).resolve().parents[1]
-KEPT = ROOT / "benchmarks" / "results" / "plateau_cpu" / "T1600"  # committed: seeds 0-2 (five rows), 3-7 (avg rows)
+KEPT = ROOT / "benchmarks" / "results" / "plateau_cpu" / "T1600"  # committed: seeds 0-7, gold (avg) 0-2 only
 AVG = ["--rows", "CLIP (avg)", "PowerCLIP-R (avg)"]
 
 
@@ -58,6 +58,20 @@ def test_lead_command_precheck_passes(part, tmp_path, no_training):
     (kind, args, kw), = no_training
     assert kind == "plateau" and kw["rows"] == ["CLIP (avg)", "PowerCLIP-R (avg)"] and kw["merge"] == [str(part)]
     assert not (tmp_path / "out").exists()                       # nothing written before the plateau itself
+
+
+def test_other_rows_of_committed_seeds(part, tmp_path, no_training, capsys):
+    """A row the committed seeds lack (PowerCLIP-gold (avg) has seeds 0-2 only) run on seed 3, merged with them: the
+    pre-check passes; a row seed 3 already has is refused in one line naming the run, before anything trains."""
+    with pytest.raises(_Stop):
+        E.main(["plateau", "--steps", "1600", "--seeds", "3", "--rows", "PowerCLIP-gold (avg)", "--merge", str(part),
+                "--out", str(tmp_path / "out"), "progress=false"])
+    assert [k for k, _, _ in no_training] == ["plateau"]
+    rc, err = _run(["plateau", "--steps", "1600", "--seeds", "3", "--rows", "CLIP (avg)", "--merge", str(part),
+                    "--out", str(tmp_path / "out"), "progress=false"], capsys)
+    assert rc == 2
+    _one_line(err, "CLIP (avg) of seed 3 is in two comparisons")
+    assert not (tmp_path / "out").exists()
 
 
 def test_rows_checked(tmp_path, capsys):

@@ -552,7 +552,11 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
 # regime for a row both have. The rows may differ (a row left out of a later part, say, for lack of time): a row's numbers
 # are then those of the seeds that ran it, the table says how many after its name, and with one seed it gets no
 # verdict. Two
-# comparisons that share a seed are refused too: the same seed twice would count one run as two.
+# comparisons may share a seed when they ran different rows of it (the class-token rows of seeds 3-7 in one session,
+# the average-pooling rows of the same seeds in another): what is refused is one row of one seed in two parts, which
+# would count one run as two. The chance line (`untrained`), which every part evaluates for each of its seeds, is the
+# exception: it is the same network on the same scenes, so two parts must agree on it (timings aside), and it counts
+# once.
 
 # %%
 #| export
@@ -585,8 +589,14 @@ def load_comparison(folder) -> Comparison:
     return Comparison(per_seed, curves, summary, stats, sweeps, meta, read_seed_curves(folder))
 
 
+def _untimed(r: dict) -> dict:
+    "A row's numbers without its timings (`eval_s`, ...): what must agree where one run is read twice."
+    return {k: v for k, v in r.items() if not k.endswith("_s")}
+
+
 def merge_comparisons(cmps: list[Comparison]) -> Comparison:
-    """One comparison from `cmps`, the same plan (`MERGE_SAME`) over disjoint seeds: per-seed numbers joined (without
+    """One comparison from `cmps`, the same plan (`MERGE_SAME`) over disjoint runs (a seed may be in two parts for
+    different rows; its chance line, which each part evaluates, must agree): per-seed numbers joined (without
     per-scene shares), means, spreads, paired differences and verdicts recomputed, curves averaged weighted by seeds,
     the rows of every part (in the order they first appear), each seed's curves joined where the parts kept them,
     `meta['merged_from']` naming each part."""
@@ -611,11 +621,18 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
             if regime.setdefault(n, r["regime"]) != r["regime"]:
                 raise ValueError(f"merge: row {n} is {regime[n]!r} in one part and {r['regime']!r} in another: not "
                                  "the same runs")
-    seeds = [s for c in cmps for s in c.per_seed]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"merge: a seed is in two comparisons (seeds {sorted(seeds)}): each seed may count once")
-    per_seed = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()}
-                for c in cmps for s, res in c.per_seed.items()}
+    per_seed = {}
+    for c in cmps:
+        for s, res in c.per_seed.items():
+            have = per_seed.setdefault(s, {})
+            for n, r in res.items():
+                r = {k: v for k, v in r.items() if k != "per_scene"}
+                if n in have and n != "untrained":
+                    raise ValueError(f"merge: {n} of seed {s} is in two comparisons: each run may count once")
+                if n in have and _untimed(have[n]) != _untimed(r):
+                    raise ValueError(f"merge: the chance line of seed {s} differs between two comparisons: not the "
+                                     "same initialisation or test scenes")
+                have.setdefault(n, r)
     per_seed = dict(sorted(per_seed.items()))
     ref = first.get("reference", REFERENCE)
     runs = list(dict.fromkeys(n for c in cmps for n in c.meta.get("runs", [])))
@@ -640,7 +657,7 @@ def merge_comparisons(cmps: list[Comparison]) -> Comparison:
 
 # %% [markdown]
 # Three seeds run as one comparison and as two (seed 0, then seeds 1 and 2) give the same means, spreads and seed
-# intervals; the curves are the mean of the three seeds' curves; plans that differ, or share a seed, are refused.
+# intervals; the curves are the mean of the three seeds' curves; plans that differ, or share a run, are refused.
 
 # %%
 def _cmp(seeds, **meta):
@@ -673,7 +690,18 @@ test_eq(_m.stats["X"]["hn_mean"]["boot"], None)
 test_eq(set(_m.stats), {"X"})                      # the chance line: no difference, no verdict
 test_close(_m.curves["X"][0]["hn_mean"], _all.curves["X"][0]["hn_mean"], eps=1e-9)
 test_fail(lambda: merge_comparisons([_cmp([0]), _cmp([1]), _cmp([2], steps=20)]), contains="steps differs")
-test_fail(lambda: merge_comparisons([_cmp([0]), _cmp([0, 1])]), contains="a seed is in two")
+test_fail(lambda: merge_comparisons([_cmp([0]), _cmp([0, 1])]), contains="CLIP of seed 0 is in two comparisons")
+# one seed in two parts, different rows of it (CLIP in one, X in the other): joined, the chance line counted once
+_a, _b = _cmp([0, 1]), _cmp([0, 1])
+for _s in (0, 1):
+    del _a.per_seed[_s]["X"]
+    del _b.per_seed[_s]["CLIP"]
+    _b.per_seed[_s]["untrained"]["eval_s"] = 7.0          # a timing: not a number that must agree
+_m4 = merge_comparisons([_a, _b])
+test_eq({s: sorted(r) for s, r in _m4.per_seed.items()}, {s: ["CLIP", "X", "untrained"] for s in (0, 1)})
+test_close(_m4.stats["X"]["hn_mean"]["t"].lo, _cmp([0, 1]).stats["X"]["hn_mean"]["t"].lo, eps=1e-9)
+_b.per_seed[1]["untrained"]["hn_mean"] += 1
+test_fail(lambda: merge_comparisons([_a, _b]), contains="the chance line of seed 1 differs")
 test_fail(lambda: merge_comparisons([_cmp([0], chosen={"X": 1.0}), _cmp([1], chosen={"X": 5.0})]), contains="swept")
 # a row that only the first part ran: its numbers from that part's seeds, one seed, no verdict
 _y = _cmp([1, 2])

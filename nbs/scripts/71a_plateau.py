@@ -342,7 +342,8 @@ def _merge_parts(plan, merge) -> tuple[list, list]:
     extra = [{n: per for n, per in e.items() if per} for e in extra]     # a row none of the part's seeds has: none
     if parts:
         ahead = dict(plan.meta, runs=list(plan.runs), chosen={}, device=plan.device, folder=str(plan.out))
-        merge_comparisons([Comparison({s: {} for s in plan.seeds}, {}, {}, {}, {}, ahead), *parts])
+        ahead_runs = {s: {n: {} for n in plan.runs} for s in plan.seeds}     # the runs this plan will add
+        merge_comparisons([Comparison(ahead_runs, {}, {}, {}, {}, ahead), *parts])
     want = [0.0, *map(float, sorted(set(next(iter(plan.jobs.values())).cfg.snapshot_steps)))]   # `loss_anatomy`'s
     for d, e in zip(merge, extra):
         for n, s, got in ((n, s, [r.get("step") for r in x]) for n, per in e.items() for s, x in per.items()):
@@ -487,7 +488,8 @@ assert all(abs(r["fp"] - PLATEAU_ALPHA) < 0.02 for r in _rates.values())      # 
 # %% [markdown]
 # Seeds run apart, read together (`merge`, `--merge DIR`): seed 0's plateau kept in a folder of its own, then seed 1's
 # run with it merged, gives the tables and the anatomy of the run over both seeds. A folder of another plan, or one that
-# holds a seed again, is refused before anything trains.
+# holds a run (a row of a seed) of this one again, is refused before anything trains; other rows of the same seeds are
+# joined (below).
 
 # %%
 _part = _tmp / "seed0_only"
@@ -504,7 +506,7 @@ test_eq(set(_anatomy_csv(_tmp / "plateau" / f"T{_T}" / "anatomy.csv")["PowerCLIP
 _d = [_pm.per_seed[s]["PowerCLIP-R (avg)"]["i2t_R@1"] - _pm.per_seed[s]["CLIP (avg)"]["i2t_R@1"] for s in (0, 1)]
 _row = next(r for r in pooling_table(_pm).splitlines() if r.startswith("| PowerCLIP-R (avg) | CLIP (avg) | 2 |"))
 assert f"{np.mean(_d):+.1f} [" in _row.split("|")[5], _row
-test_fail(lambda: plateau(_T, [0], _tmp / "plateau", merge=[_part], **_kw), contains="a seed is in two")
+test_fail(lambda: plateau(_T, [0], _tmp / "plateau", merge=[_part], **_kw), contains="of seed 0 is in two comparisons")
 test_fail(lambda: plateau(4, [2], _tmp / "plateau", merge=[_part], **_kw), contains="steps differs")
 test_fail(lambda: plateau(_T, [2], _tmp / "plateau", rows=["PowerCLIP-R", "FILIP"], **_kw), contains="--rows")
 test_fail(lambda: plateau(_T, [2], _tmp / "plateau", rows=["CLIP", "CLIP"], **_kw), contains="--rows")
@@ -522,6 +524,19 @@ test_eq(_pa.stats["PowerCLIP-R (avg)"]["i2t_R@1"]["t"].n, 2)
 assert "| PowerCLIP-R (avg) | CLIP (avg) | 3 |" in (_pd / "pooling.md").read_text()
 test_eq({n: sorted(p) for n, p in _anatomy_csv(_pd / "anatomy.csv").items()},
         {"PowerCLIP-R (avg)": [0, 1, 2], "PowerCLIP-R": [0, 1]})
+# the same seed, other rows: seed 0's two average-pooling rows kept in a folder, its class-token rows run with it
+# merged: every row of seed 0 as the run of all five gave it, the chance line once, the anatomy of both poolings
+_avg0 = _tmp / "seed0_avg"
+with contextlib.redirect_stderr(io.StringIO()):
+    plateau(_T, [0], _tmp / "plateau", batches=1, rows=["CLIP (avg)", "PowerCLIP-R (avg)"], **_kw)
+    shutil.copytree(_pd, _avg0, ignore=shutil.ignore_patterns("seed*", "world_*", "untrained"))
+    _pr = plateau(_T, [0], _tmp / "plateau", batches=1, merge=[_avg0], rows=["CLIP", "PowerCLIP-R",
+                                                                             "PowerCLIP-gold (avg)"], **_kw)
+test_eq(sorted(_pr.per_seed[0]), sorted(["untrained", *PLATEAU_ROWS]))
+for _n in ("untrained", *PLATEAU_ROWS):
+    test_close(_pr.per_seed[0][_n]["i2t_R@1"], _p.per_seed[0][_n]["i2t_R@1"], eps=1e-9)
+test_eq({n: sorted(p) for n, p in _anatomy_csv(_pd / "anatomy.csv").items()},
+        {"PowerCLIP-R (avg)": [0], "PowerCLIP-R": [0]})
 
 # %% [markdown]
 # ### What the budget and the plateau measured
