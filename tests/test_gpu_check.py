@@ -105,6 +105,23 @@ def test_headline_parts_resume_and_force(tmp_path):
     assert {"parity", "step-B256"} <= set(_results(out)["parts"])       # what an earlier job measured stays
 
 
+def test_step_b512_judges_only_a_measured_peak():
+    """The B512 headline judges PowerCLIP's whole peak against 80 GB only where one was measured: 90 GB is NOT met,
+    60 GB is met, and a CPU's NaN (no allocator to ask) is said to be unmeasured, neither met nor missed."""
+    import gpu_check_parts as P
+
+    def values(gb):
+        r = dict(ms_per_step=100.0, images_per_s=5120.0, peak_mib=1000.0, peak_total_mib=40e9 / 2**20,
+                 peak_reserved_mib=2000.0)
+        return {"clip": r, "powerclip": dict(r, ms_per_step=105.0, peak_total_mib=gb * 1e9 / 2**20)}
+
+    a = Namespace(dry_run=False, device="cuda")
+    over, under, cpu = (P.report_step(a, values(gb), 512) for gb in (90.0, 60.0, float("nan")))
+    assert over["ok"] is False and "whole peak 90.0 GB (NOT met: <= 80 GB)" in over["headline"], over["headline"]
+    assert under["ok"] is True and "whole peak 60.0 GB (met: <= 80 GB)" in under["headline"], under["headline"]
+    assert cpu["ok"] is True and "whole peak not measured" in cpu["headline"], cpu["headline"]
+
+
 def test_a_part_past_its_share_is_stopped_whole(tmp_path):
     """The driver's `_worker` with 2 seconds for the comparison (`--part-timeout`; it trains in a child process): the
     worker stops the part and kills what it started, nothing survives, and the part reads deferred (nothing done)."""
