@@ -639,7 +639,7 @@ for _d in _old:
 # The 3-seed reading below said "no difference shown" for this pair; the bullets below are that reading, kept as the
 # record of what 3 seeds could and could not see.
 #
-# **Seeds 3-7 of the class-token rows (2026-11-27, later)**: CLIP and PowerCLIP-R, one thread each, two at a time (17-30
+# **Seeds 3-7 of the class-token rows (2026-11-27, later)**: CLIP and PowerCLIP-R, one thread each, two at a time (16-30
 # minutes a run beside a test suite), read with the committed folder by `python -m powerclip.experiments plateau
 # --steps 1600 --seeds 3 4 5 6 7 --rows CLIP PowerCLIP-R --merge benchmarks/results/plateau_cpu/T1600 progress=false`
 # (92 s). The folder's seeds 3-7 already held the two average-pooling rows: a merge joins other rows of the same seeds
