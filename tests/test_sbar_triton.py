@@ -1,0 +1,175 @@
+"""The fused Triton S-bar (`powerclip.sbar_triton`, notebook 10b) against the float64 dense reference, on the CPU
+under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when there is no GPU): every switch of
+SbarSpec, ragged inputs whose texts are longer than a tile, tiles that cut texts, an image without a valid region,
+one-node texts, tau = 1e-3 in float32 and bf16, the DDP forms, the loss's padded and packed inputs, the op's
+dispatch, torch.compile, and the one-line refusal without a GPU or the interpreter."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from powerclip.powerset_fast import SbarSpec, ragged_case, sbar_blocked, sbar_dense
+from powerclip.sbar_triton import Tiles, sbar_triton, triton_parity, unavailable
+
+
+def _interpreter_problem() -> str | None:
+    "Why the kernels cannot run here (None: they can): no GPU and no interpreter, or an interpreter that fails."
+    if torch.cuda.is_available():
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return "no GPU and TRITON_INTERPRET unset"
+    import triton.language as tl
+
+    @triton.jit
+    def _loop(x_ptr, lo_ptr, hi_ptr):
+        acc = 0.0
+        for i in range(tl.load(lo_ptr), tl.load(hi_ptr)):          # a loop with runtime bounds, as the kernels'
+            acc += tl.load(x_ptr + i)
+        tl.store(x_ptr, acc)
+
+    x = torch.ones(4)
+    try:
+        _loop[(1,)](x, torch.tensor([1]), torch.tensor([4]))
+    except Exception as e:  # torch 2.11's triton 3.6 interpreter under numpy >= 2.4: "only 0-dimensional arrays ..."
+        return (f"triton {triton.__version__}'s interpreter cannot run a loop with runtime bounds under numpy "
+                f"{np.__version__} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    return None if float(x[0]) == 3.0 else "the interpreter's loop gave a wrong sum"
+
+
+_PROBLEM = _interpreter_problem()
+pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
+
+SMALL = Tiles(rows=16, nodes=16, texts=4)      # texts cross chunks and groups at these sizes
+SPECS = {
+    "softplus/tanh": SbarSpec(),
+    "softplus/tanh alpha 0": SbarSpec(alpha=0.0),
+    "softplus/tanh alpha 1": SbarSpec(alpha=1.0),
+    "relu/tanh": SbarSpec(t1_act="relu", tau=1e-2),
+    "gelu/tanh": SbarSpec(t1_act="gelu", tau=0.1),
+    "swish/tanh": SbarSpec(t1_act="swish", tau=0.05),
+    "softplus/sigmoid": SbarSpec(t2_act="sigmoid", tau=0.05),
+    "softplus/softsign": SbarSpec(t2_act="softsign", tau=0.05),
+    "T2R only": SbarSpec(use_r2t=False),
+    "R2T only": SbarSpec(use_t2r=False),
+    "debias": SbarSpec(debias_t2=True, tau=0.1),
+    "no region sets": SbarSpec(region_sets=False),
+    "no sets, T2R only": SbarSpec(region_sets=False, use_r2t=False),
+    "no sets, R2T only": SbarSpec(region_sets=False, use_t2r=False),
+}
+CASES = {
+    "ragged": dict(),                                                   # 5 x 6, M = 4, 1-5 nodes
+    "long texts": dict(Ci=7, Cj=13, M=10, D=24, Kmax=27, seed=3),      # texts up to 27 nodes, tiles of 16
+    "one-node texts": dict(Ci=6, Cj=9, M=3, D=8, Kmax=1, seed=4),      # every text its root only
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+@pytest.mark.parametrize("spec", SPECS, ids=list(SPECS))
+def test_fp32_matches_float64(spec, case):
+    "Values within 1e-5 relative, gradients within 1e-4 of the largest (both inputs), against float64."
+    ev, eg = triton_parity(SPECS[spec], SMALL, **CASES[case])
+    assert ev < 1e-5 and eg < 1e-4, (ev, eg)
+
+
+def test_default_tiles_and_every_text_its_own_group():
+    "The default tiles (the GPU's), and groups of one text, on the long-text case."
+    for tiles in (Tiles(), Tiles(rows=16, nodes=16, texts=1)):
+        ev, eg = triton_parity(SbarSpec(), tiles, **CASES["long texts"])
+        assert ev < 1e-5 and eg < 1e-4, (tiles, ev, eg)
+
+
+def test_tau_1e3_fp32_and_bf16():
+    "Scores up to ~20 at tau = 1e-3: finite; float32 at float64; bf16 within twice the blocked path's bf16 error."
+    reg, rv, ph, nt = ragged_case(6, 8, M=10, D=32, Kmax=12, seed=9, scale=3.0)
+    W = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    res = {}
+    for name, f, dtype, ac in (("fp64", sbar_dense, torch.float64, False), ("fp32", sbar_triton, torch.float32, False),
+                               ("bf16", sbar_triton, torch.float32, True),
+                               ("bf16 blocked", sbar_blocked, torch.float32, True)):
+        r, p = reg.to(dtype, copy=True).requires_grad_(), ph.to(dtype, copy=True).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            S = f(r, rv, p, nt, 8, SbarSpec(tau=1e-3))
+        g = torch.autograd.grad(S, (r, p), W.to(S.dtype))
+        assert all(torch.isfinite(t).all() for t in (S, *g)), name
+        res[name] = [t.detach().double() for t in (S, *g)]
+    for a, b in zip(res["fp32"], res["fp64"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    for a, b, c in zip(res["bf16"], res["bf16 blocked"], res["fp32"]):
+        assert rel(a, c) <= 2 * rel(b, c) + 1e-3
+
+
+def test_ddp_forms():
+    "Local rows against all columns, and all rows against local columns, are the full matrix's slices."
+    reg, rv, ph, nt = ragged_case(9, 11, M=6, D=16, Kmax=9, seed=5, dtype=torch.float32)
+    full = sbar_triton(reg, rv, ph, nt, 11, SbarSpec(), SMALL)
+    torch.testing.assert_close(full, sbar_blocked(reg, rv, ph, nt, 11, SbarSpec()), rtol=1e-5, atol=1e-6)
+    o, R = 3, 4
+    mine = (nt >= o) & (nt < o + R)
+    torch.testing.assert_close(sbar_triton(reg[o:o + R], rv[o:o + R], ph, nt, 11, SbarSpec(), SMALL), full[o:o + R],
+                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sbar_triton(reg, rv, ph[mine], nt[mine] - o, R, SbarSpec(), SMALL), full[:, o:o + R],
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_no_valid_region_and_empty_sides():
+    "An image without a valid region gets the blocked path's row; no images or no texts give an empty S-bar."
+    reg, rv, ph, nt = ragged_case(4, 5, M=4, D=8, Kmax=4, seed=7, dtype=torch.float32)
+    rv[:] = False
+    torch.testing.assert_close(sbar_triton(reg, rv, ph, nt, 5, SbarSpec(), SMALL),
+                               sbar_blocked(reg, rv, ph, nt, 5, SbarSpec()), rtol=1e-5, atol=1e-6)
+    assert sbar_triton(reg[:0], rv[:0], ph, nt, 5).shape == (0, 5)
+
+
+def test_one_op_forward_and_backward():
+    "A forward and backward call dispatches no matrix product, segment reduction or activation, only the two ops."
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func._schema.name.split("::")[-1])
+            return func(*args, **(kwargs or {}))
+
+    bad = ("mm", "bmm", "addmm", "matmul", "einsum", "index_add", "index_add_", "scatter", "scatter_add",
+           "scatter_reduce", "softplus", "logsumexp", "log1p", "sigmoid", "tanh", "exp", "log", "gelu", "silu", "relu")
+    reg, rv, ph, nt = ragged_case(4, 5, M=4, D=8, Kmax=4, seed=2, dtype=torch.float32)
+    for spec in (SbarSpec(), SbarSpec(region_sets=False)):
+        r, p = reg.clone().requires_grad_(), ph.clone().requires_grad_()
+        with Ops() as ops:
+            S = sbar_triton(r, rv, p, nt, 5, spec, SMALL)
+            torch.autograd.grad(S, (r, p), torch.ones_like(S))
+        assert {"sbar_fwd", "sbar_bwd"} <= set(ops.seen)
+        assert not [n for n in ops.seen if n.split(".")[0] in bad], ops.seen
+
+
+def test_compiles_in_one_graph():
+    "torch.compile(fullgraph=True) through AOTAutograd: no graph break, the same gradients."
+    reg, rv, ph, nt = ragged_case(4, 5, M=4, D=8, Kmax=4, seed=2, dtype=torch.float32)
+    f = lambda r, p: (sbar_triton(r, rv, p, nt, 5, SbarSpec(), SMALL) ** 2).sum()
+    grads = []
+    for fn in (torch.compile(f, fullgraph=True, backend="aot_eager"), f):
+        r, p = reg.clone().requires_grad_(), ph.clone().requires_grad_()
+        grads.append(torch.autograd.grad(fn(r, p), (r, p)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_refused_in_one_line_without_gpu_or_interpreter():
+    "impl='triton' on the CPU without the interpreter: one line naming the way out."
+    assert unavailable("mps").startswith("impl='triton'")
+    code = ("import torch\nfrom powerclip.powerset_fast import ragged_case\n"
+            "from powerclip.sbar_triton import sbar_triton\n"
+            "r, rv, p, nt = ragged_case(dtype=torch.float32)\n"
+            "try:\n    sbar_triton(r, rv, p, nt, 6)\nexcept RuntimeError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the kernels run")
+    assert out.returncode == 0 and out.stdout.count("\n") == 1 and "needs a CUDA GPU" in out.stdout, out
