@@ -45,6 +45,7 @@ _PROBLEM = _interpreter_problem()
 pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
 
 SMALL = Tiles(rows=16, nodes=16, texts=4)      # texts cross chunks and groups at these sizes
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # the interpreter's CPU tensors, or a GPU's
 SPECS = {
     "softplus/tanh": SbarSpec(),
     "softplus/tanh alpha 0": SbarSpec(alpha=0.0),
@@ -72,27 +73,27 @@ CASES = {
 @pytest.mark.parametrize("spec", SPECS, ids=list(SPECS))
 def test_fp32_matches_float64(spec, case):
     "Values within 1e-5 relative, gradients within 1e-4 of the largest (both inputs), against float64."
-    ev, eg = triton_parity(SPECS[spec], SMALL, **CASES[case])
+    ev, eg = triton_parity(SPECS[spec], SMALL, device=DEV, **CASES[case])
     assert ev < 1e-5 and eg < 1e-4, (ev, eg)
 
 
 def test_default_tiles_and_every_text_its_own_group():
     "The default tiles (the GPU's), and groups of one text, on the long-text case."
     for tiles in (Tiles(), Tiles(rows=16, nodes=16, texts=1)):
-        ev, eg = triton_parity(SbarSpec(), tiles, **CASES["long texts"])
+        ev, eg = triton_parity(SbarSpec(), tiles, device=DEV, **CASES["long texts"])
         assert ev < 1e-5 and eg < 1e-4, (tiles, ev, eg)
 
 
 def test_tau_1e3_fp32_and_bf16():
     "Scores up to ~20 at tau = 1e-3: finite; float32 at float64; bf16 within twice the blocked path's bf16 error."
-    reg, rv, ph, nt = ragged_case(6, 8, M=10, D=32, Kmax=12, seed=9, scale=3.0)
-    W = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    reg, rv, ph, nt = (t.to(DEV) for t in ragged_case(6, 8, M=10, D=32, Kmax=12, seed=9, scale=3.0))
+    W = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(DEV)
     res = {}
     for name, f, dtype, ac in (("fp64", sbar_dense, torch.float64, False), ("fp32", sbar_triton, torch.float32, False),
                                ("bf16", sbar_triton, torch.float32, True),
                                ("bf16 blocked", sbar_blocked, torch.float32, True)):
         r, p = reg.to(dtype, copy=True).requires_grad_(), ph.to(dtype, copy=True).requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=ac):
             S = f(r, rv, p, nt, 8, SbarSpec(tau=1e-3))
         g = torch.autograd.grad(S, (r, p), W.to(S.dtype))
         assert all(torch.isfinite(t).all() for t in (S, *g)), name
@@ -106,7 +107,7 @@ def test_tau_1e3_fp32_and_bf16():
 
 def test_ddp_forms():
     "Local rows against all columns, and all rows against local columns, are the full matrix's slices."
-    reg, rv, ph, nt = ragged_case(9, 11, M=6, D=16, Kmax=9, seed=5, dtype=torch.float32)
+    reg, rv, ph, nt = (t.to(DEV) for t in ragged_case(9, 11, M=6, D=16, Kmax=9, seed=5, dtype=torch.float32))
     full = sbar_triton(reg, rv, ph, nt, 11, SbarSpec(), SMALL)
     torch.testing.assert_close(full, sbar_blocked(reg, rv, ph, nt, 11, SbarSpec()), rtol=1e-5, atol=1e-6)
     o, R = 3, 4
@@ -119,7 +120,7 @@ def test_ddp_forms():
 
 def test_no_valid_region_and_empty_sides():
     "An image without a valid region gets the blocked path's row; no images or no texts give an empty S-bar."
-    reg, rv, ph, nt = ragged_case(4, 5, M=4, D=8, Kmax=4, seed=7, dtype=torch.float32)
+    reg, rv, ph, nt = (t.to(DEV) for t in ragged_case(4, 5, M=4, D=8, Kmax=4, seed=7, dtype=torch.float32))
     rv[:] = False
     torch.testing.assert_close(sbar_triton(reg, rv, ph, nt, 5, SbarSpec(), SMALL),
                                sbar_blocked(reg, rv, ph, nt, 5, SbarSpec()), rtol=1e-5, atol=1e-6)
@@ -139,7 +140,7 @@ def test_one_op_forward_and_backward():
 
     bad = ("mm", "bmm", "addmm", "matmul", "einsum", "index_add", "index_add_", "scatter", "scatter_add",
            "scatter_reduce", "softplus", "logsumexp", "log1p", "sigmoid", "tanh", "exp", "log", "gelu", "silu", "relu")
-    reg, rv, ph, nt = ragged_case(4, 5, M=4, D=8, Kmax=4, seed=2, dtype=torch.float32)
+    reg, rv, ph, nt = (t.to(DEV) for t in ragged_case(4, 5, M=4, D=8, Kmax=4, seed=2, dtype=torch.float32))
     for spec in (SbarSpec(), SbarSpec(region_sets=False)):
         r, p = reg.clone().requires_grad_(), ph.clone().requires_grad_()
         with Ops() as ops:
@@ -151,7 +152,7 @@ def test_one_op_forward_and_backward():
 
 def test_compiles_in_one_graph():
     "torch.compile(fullgraph=True) through AOTAutograd: no graph break, the same gradients."
-    reg, rv, ph, nt = ragged_case(4, 5, M=4, D=8, Kmax=4, seed=2, dtype=torch.float32)
+    reg, rv, ph, nt = (t.to(DEV) for t in ragged_case(4, 5, M=4, D=8, Kmax=4, seed=2, dtype=torch.float32))
     f = lambda r, p: (sbar_triton(r, rv, p, nt, 5, SbarSpec(), SMALL) ** 2).sum()
     grads = []
     for fn in (torch.compile(f, fullgraph=True, backend="aot_eager"), f):
