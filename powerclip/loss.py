@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from powerclip.powerset import (
     nla_t1, nla_t2, powerset_scores, r2t_exact, r2t_singletons, t2r_exact, t2r_singletons, triplet,
 )
-from .powerset_fast import SbarSpec, pack_nodes, sbar_blocked, unpack_nodes
+from .powerset_fast import CPU_BLOCK_BYTES, SbarSpec, check_counts, pack_nodes, sbar_blocked, unpack_nodes
 
 # %% auto #0
-__all__ = ['contrastive_rows', 'symmetric_infonce', 'dot_similarity', 'clip_loss', 'PowerCLIPLossConfig', 'PowersetInputs',
-           'powerset_similarity', 'powerset_triplet_loss', 'powerclip_loss']
+__all__ = ['DENSE_AUTO_BYTES', 'contrastive_rows', 'symmetric_infonce', 'dot_similarity', 'clip_loss', 'PowerCLIPLossConfig',
+           'PowersetInputs', 'powerset_similarity', 'powerset_triplet_loss', 'powerclip_loss']
 
 # %% ../nbs/11_loss.ipynb #d22d3f91
 def _is_local(x_all, x) -> bool:
@@ -91,48 +91,67 @@ class PowerCLIPLossConfig:
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
     region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
     impl: str = "auto"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K)
-                              # reference; 'auto': dense when its scores fit in block_bytes (small batches: fewer,
-                              # larger kernels), else fast
-    block_bytes: int = 16 << 20  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient memory
+                              # reference; 'auto': dense when its scores fit in one block and in 16 MiB (small
+                              # batches: fewer, larger kernels), else fast
+    block_bytes: int | str = "auto"  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient
+                              # memory. 'auto': the device's budget, settled when a run is built; elsewhere 16 MiB
 
     def __post_init__(self):
         if not (self.use_t2r or self.use_r2t):
             raise ValueError("at least one of use_t2r / use_r2t must be on (set lam=0 to drop the triplet loss)")
         if self.tau <= 0 or not 0 <= self.alpha <= 1:
             raise ValueError(f"need tau > 0 and alpha in [0, 1], got tau={self.tau}, alpha={self.alpha}")
-        if self.impl not in ("auto", "fast", "dense") or self.block_bytes < 1:
-            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, "
-                             f"block_bytes={self.block_bytes}")
+        bb = self.block_bytes
+        if self.impl not in ("auto", "fast", "dense") or not (bb == "auto" or (type(bb) is int and bb >= 1)):
+            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes 'auto' or an integer >= 1, got "
+                             f"impl={self.impl!r}, block_bytes={bb!r}")
+
+    @property
+    def block_budget(self) -> int:
+        "block_bytes in bytes: 'auto' not settled for a device (outside a run) is a CPU's 16 MiB."
+        return CPU_BLOCK_BYTES if self.block_bytes == "auto" else self.block_bytes
 
     def sbar_spec(self) -> SbarSpec:
         "The switches of S-bar, for the fast path."
         return SbarSpec(tau=self.tau, alpha=self.alpha, t1_act=self.t1_act, t2_act=self.t2_act, use_t2r=self.use_t2r,
                         use_r2t=self.use_r2t, debias_t2=self.debias_t2, region_sets=self.region_sets,
-                        block_bytes=self.block_bytes)
+                        block_bytes=self.block_budget)
 
 
 @dataclass
 class PowersetInputs:
     """What the powerset loss needs of a batch (local, or gathered across processes). Tree nodes come padded,
     `phrases (C, K, D)` with `node_valid (C, K)`, or packed, `phrases (P, D)` with `node_text (P,)`: the row
-    (text) of each node, sorted, every row with at least one node (`10a_powerset_fast`)."""
+    (text) of each node, sorted, every row with at least one node (`10a_powerset_fast`). Optional host facts, read
+    on the CPU from the same masks before they moved to the device: `node_counts` (K of each row) and
+    `all_regions_valid`; with both the loss reads nothing back from the device."""
     regions: torch.Tensor       # (C, M, D) region embeddings phi(I | R_m) (Eq. 2)
     region_valid: torch.Tensor  # (C, M) bool
     phrases: torch.Tensor       # (C, K, D) padded or (P, D) packed phrase embeddings p_B (Eq. 3)
     node_valid: torch.Tensor | None = None  # (C, K) bool: padded layout
     node_text: torch.Tensor | None = None   # (P,) long: packed layout
+    node_counts: list[int] | None = None    # host: valid nodes of each row's text (node_valid's row sums), or None
+    all_regions_valid: bool | None = None   # host: region_valid is all True, or None (not known on the host)
 
     def __post_init__(self):
         if (self.node_valid is None) == (self.node_text is None):
             raise ValueError("PowersetInputs needs exactly one of node_valid (padded phrases) and "
                              "node_text (packed phrases)")
+        if self.node_counts is not None:   # against the shapes, on the host (the values are trusted, not read back)
+            self.node_counts = check_counts(self.node_counts, self.regions.shape[0],
+                                            None if self.node_text is None else self.node_text.shape[0],
+                                            None if self.node_valid is None else self.node_valid.shape[1])
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (P, D), node_text (P,)
-        return (self.phrases, self.node_text) if self.node_valid is None else pack_nodes(self.phrases, self.node_valid)
+        return ((self.phrases, self.node_text) if self.node_valid is None
+                else pack_nodes(self.phrases, self.node_valid, self.node_counts))
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (C, K, D), node_valid (C, K)
         return ((self.phrases, self.node_valid) if self.node_text is None
-                else unpack_nodes(self.phrases, self.node_text, self.regions.shape[0]))
+                else unpack_nodes(self.phrases, self.node_text, self.regions.shape[0], self.node_counts))
+
+
+DENSE_AUTO_BYTES = 16 << 20   # impl='auto': the dense path only where its scores take at most this (and one block)
 
 
 def powerset_similarity(
@@ -143,18 +162,21 @@ def powerset_similarity(
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
     if cfg.impl == "auto" and not cfg.exact:   # the dense scores' bytes against one block of the fast path
         Ci, M = images.regions.shape[:2]
+        small = min(cfg.block_budget, DENSE_AUTO_BYTES)
         if texts.node_valid is not None:
             dense = Ci * texts.regions.shape[0] * M * texts.node_valid.shape[1] * 4
+        elif texts.node_counts is not None:   # K_max from the host
+            dense = Ci * texts.regions.shape[0] * M * max(texts.node_counts) * 4
         else:   # packed: K_max >= P / Cj, so Ci * M * P bounds the dense bytes from below without reading the counts,
                 # and the host sync of K_max is paid only where the dense path may be taken (small batches)
             dense = Ci * M * texts.node_text.shape[0] * 4
-            if dense <= cfg.block_bytes:
+            if dense <= small:
                 dense = Ci * texts.regions.shape[0] * M * int(torch.bincount(texts.node_text).max()) * 4
-        cfg = dataclasses.replace(cfg, impl="dense" if dense <= cfg.block_bytes else "fast")
+        cfg = dataclasses.replace(cfg, impl="dense" if dense <= small else "fast")
     if cfg.impl == "fast" and not cfg.exact:
         phrases, node_text = texts.packed()
         return sbar_blocked(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0],
-                            cfg.sbar_spec())
+                            cfg.sbar_spec(), counts=texts.node_counts, all_valid=images.all_regions_valid)
     phrases, node_valid = texts.padded()
     rv = images.region_valid
     Q = powerset_scores(images.regions, rv, phrases)  # (Ci, Cj, M, K)
@@ -185,9 +207,10 @@ def powerset_triplet_loss(
     sim = lambda a, b: powerset_similarity(a, b, cfg)                      # regions of images a, phrases of texts b
     S_img, S_txt = contrastive_rows(sim, local, local, gathered, gathered)  # (R, C) each
     with torch.no_grad():  # for logging: mean positive and mean negative similarity of the local image rows
-        diag = torch.zeros_like(S_img, dtype=torch.bool).scatter_(1, pos[:, None], True)
-        sim_pos = S_img[diag].mean()
-        sim_neg = S_img[~diag].mean() if S_img.shape[1] > 1 else S_img.new_zeros(())
+        diag = torch.zeros_like(S_img, dtype=torch.bool).scatter_(1, pos[:, None], True)       # (R, C)
+        sim_pos = S_img.gather(1, pos[:, None]).mean()      # no boolean-mask indexing: its size is read back on a GPU
+        n_neg = S_img.numel() - R
+        sim_neg = S_img.masked_fill(diag, 0).sum() / n_neg if n_neg else S_img.new_zeros(())
     return {"i2t": triplet(S_img, pos, cfg.gamma), "t2i": triplet(S_txt, pos, cfg.gamma),
             "sim_pos": sim_pos, "sim_neg": sim_neg}
 

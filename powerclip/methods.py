@@ -14,6 +14,7 @@ from .data import BatchNeeds
 from .dist import DistContext, gather
 from .loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 from .powerset import phrase_embeddings, pool_normalize
+from .powerset_fast import device_block_bytes
 
 # %% auto #0
 __all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'StepClock', 'hash_uniform',
@@ -243,22 +244,40 @@ class PowerCLIP(Method):
     def needs(self) -> BatchNeeds:
         return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
 
+    def setup_model(self, model) -> None:
+        "Settle `block_bytes='auto'` for the model's device, once, when the run is built (see above)."
+        if self.cfg.block_bytes == "auto":
+            self.cfg = dataclasses.replace(self.cfg, block_bytes=device_block_bytes(next(model.parameters()).device))
+
+    def prepare_batch(self, batch: dict) -> dict:
+        "The batch's host facts, read from its CPU masks: `node_counts` (C ints) and `all_regions_valid` (see above)."
+        batch = super().prepare_batch(batch)
+        nodes = word_nodes(batch) if self.cfg.nodes == "words" else batch
+        return {**batch, "node_counts": nodes["node_valid"].sum(1).tolist(),
+                "all_regions_valid": bool(batch["region_valid"].all())}
+
     def loss(self, out, batch, dist):
         if self.cfg.nodes == "words":
             batch = word_nodes(batch)
-        padded = powerset_inputs(out, batch)               # (R, M, D), (R, M), (R, K, D), (R, K)
+        padded = powerset_inputs(out, batch)               # (R, M, D), (R, M), (R, K, D), (R, K), host facts if any
         phrases, node_text = padded.packed()               # (P, D), (P,): the valid nodes only, text by text
-        local = PowersetInputs(padded.regions, padded.region_valid, phrases, node_text=node_text)
-        g = gather(dist, {"image": out["image"], "text": out["text"], "regions": local.regions,
-                          "region_valid": local.region_valid, "phrases": phrases, "node_text": node_text},
-                   pad={"regions": {1: 0.0}, "region_valid": {1: False}})   # M padded to its maximum; nodes packed
+        local = PowersetInputs(padded.regions, padded.region_valid, phrases, node_text=node_text,
+                               node_counts=padded.node_counts, all_regions_valid=padded.all_regions_valid)
+        tensors = {"image": out["image"], "text": out["text"], "regions": local.regions,
+                   "region_valid": local.region_valid, "phrases": phrases}
+        if dist.distributed:   # each caption's nodes and each image's valid regions: the gathered batch's host facts
+            tensors["facts"] = torch.stack([padded.node_valid.sum(1), padded.region_valid.sum(1)], 1)   # (R, 2)
+        g = gather(dist, tensors, pad={"regions": {1: 0.0}, "region_valid": {1: False}})  # M padded; nodes packed
         a = g.all
-        if a["phrases"] is phrases:                        # one process: the gathered batch is the local one
+        if not dist.distributed:                           # one process: the gathered batch is the local one
             gathered = local
-        else:  # node_text counts texts from 0 on every process: shift each process's nodes by its first text row
-            shift = torch.tensor(g.starts("image"), device=node_text.device).repeat_interleave(
-                torch.tensor(g.rows["node_text"], device=node_text.device))          # (P_all,)
-            gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], node_text=a["node_text"] + shift)
+        else:   # one copy to the host (see above): K of every gathered caption, valid regions of every image
+            facts = a["facts"].tolist()                                              # (C, 2)
+            node_text_all = torch.arange(len(facts), device=phrases.device).repeat_interleave(
+                a["facts"][:, 0], output_size=a["phrases"].shape[0])                 # (P_all,) sorted
+            gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], node_text=node_text_all,
+                                      node_counts=[k for k, _ in facts],
+                                      all_regions_valid=all(m == a["region_valid"].shape[1] for _, m in facts))
         terms = powerclip_loss(out["image"], out["text"], out["logit_scale"], local, self.cfg,
                                a["image"], a["text"], gathered, g.offset)
         terms["_logit_scale"] = out["logit_scale"].detach()
@@ -268,7 +287,8 @@ class PowerCLIP(Method):
 def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
     """Regions `(C, M, D)` (Eq. 2), phrases `(C, K, D)` (Eqs. 3-4) and validity masks from `encode`'s output and
     a batch with `region_masks (C, M, N)`, `region_valid (C, M)`, `leaf_tokens (C, W, L)`, `incidence (C, K, W)`,
-    `node_valid (C, K)`."""
+    `node_valid (C, K)`, and the host facts `node_counts`, `all_regions_valid` where `PowerCLIP.prepare_batch` read
+    them."""
     if enc.get('patches') is None:
         raise ValueError('no patch embeddings: encode with need_patches=True')
     masks = batch['region_masks'].to(enc['patches'].device)
@@ -278,7 +298,8 @@ def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
     leaves = pool_normalize(enc['tokens'], batch['leaf_tokens'].to(enc['tokens'].device))  # (C, W, D)
     phrases = phrase_embeddings(leaves, batch['incidence'].to(leaves.device))         # (C, K, D)
     return PowersetInputs(regions, batch['region_valid'].to(regions.device), phrases,
-                          batch['node_valid'].to(phrases.device))
+                          batch['node_valid'].to(phrases.device), node_counts=batch.get('node_counts'),
+                          all_regions_valid=batch.get('all_regions_valid'))
 
 
 def word_nodes(batch: dict) -> dict:

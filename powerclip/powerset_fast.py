@@ -15,18 +15,43 @@ import torch.nn.functional as F
 from .powerset import NLA_T1_ACTS, NLA_T2_INTEGRALS
 
 # %% auto #0
-__all__ = ['NLA_T1_GRADS', 'NLA_T2_ACTS', 'pack_nodes', 'node_counts', 'unpack_nodes', 'segment_sum', 'segment_max',
-           'segment_logsumexp', 'SbarSpec', 'block_plan', 'sbar_blocked', 'ragged_case', 'saved_tensor_bytes']
+__all__ = ['NLA_T1_GRADS', 'NLA_T2_ACTS', 'CPU_BLOCK_BYTES', 'check_counts', 'pack_nodes', 'node_counts', 'unpack_nodes',
+           'segment_sum', 'segment_max', 'segment_logsumexp', 'SbarSpec', 'block_plan', 'device_block_bytes',
+           'sbar_blocked', 'ragged_case', 'saved_tensor_bytes']
 
 # %% ../nbs/10a_powerset_fast.ipynb #f012189b
+def check_counts(
+    counts,            # K_j of each text, on the host (a list or tuple of ints)
+    n_texts: int,      # C_j
+    n_nodes: int | None = None,  # P, the packed nodes (a shape: free to read), if packed
+    k_max: int | None = None,    # K, the padded width, if padded
+) -> list[int]:        # the counts as a list of ints
+    "Host-side check of the host counts against the shapes: one-line errors, nothing read from the device."
+    counts = [int(k) for k in counts]
+    if len(counts) != n_texts:
+        raise ValueError(f"node counts: {len(counts)} given for {n_texts} texts")
+    if counts and min(counts) < 1:
+        raise ValueError("every text needs at least one valid tree node (the root); the node counts hold a 0")
+    if n_nodes is not None and sum(counts) != n_nodes:
+        raise ValueError(f"node counts: they sum to {sum(counts)}, but {n_nodes} packed nodes are given")
+    if k_max is not None and counts and max(counts) > k_max:
+        raise ValueError(f"node counts: a text with {max(counts)} nodes, but the padded width is {k_max}")
+    return counts
+
+
 def pack_nodes(
     phrases: torch.Tensor,     # (C, K, D) padded phrase embeddings
     node_valid: torch.Tensor,  # (C, K) bool
+    counts=None,               # K_j of each text on the host (node_valid's row sums, read on the CPU), or None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (P, D), node_text (P,) long: the valid nodes, text by text
-    "Padded -> packed: keep the valid nodes in text order, with the text index of each."
-    C = phrases.shape[0]
-    node_text = torch.arange(C, device=phrases.device).repeat_interleave(node_valid.sum(1))  # (P,)
-    return phrases[node_valid], node_text  # row-major boolean indexing keeps text order
+    "Padded -> packed: keep the valid nodes in text order, with the text index of each (no host sync given counts)."
+    C, K = node_valid.shape
+    if counts is None:   # the packed size is read from the device (a host sync on a GPU)
+        node_text = torch.arange(C, device=phrases.device).repeat_interleave(node_valid.sum(1))  # (P,)
+        return phrases[node_valid], node_text  # row-major boolean indexing keeps text order
+    P = sum(check_counts(counts, C, k_max=K))
+    flat = torch.nonzero_static(node_valid.reshape(-1), size=P).squeeze(1)   # (P,) c * K + k, row-major: text order
+    return phrases.reshape(C * K, -1).index_select(0, flat), flat.div(K, rounding_mode="floor")
 
 
 def node_counts(
@@ -50,12 +75,18 @@ def unpack_nodes(
     phrases: torch.Tensor,    # (P, D) packed
     node_text: torch.Tensor,  # (P,) long, sorted
     n_texts: int,             # C_j
+    counts=None,              # K_j of each text on the host, or None (read from the device, and checked there)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (C_j, K_max, D) zero-padded, node_valid (C_j, K_max)
     "Packed -> padded (for the dense reference and the exact oracle); differentiable in `phrases`."
-    counts = node_counts(node_text, n_texts)                        # (C_j,)
-    start = counts.cumsum(0) - counts                               # (C_j,) first node of each text
+    if counts is None:
+        k = node_counts(node_text, n_texts)                        # (C_j,)
+        K = int(k.max())
+    else:
+        K = max(check_counts(counts, n_texts, n_nodes=node_text.shape[0]), default=1)
+        k = torch.zeros(n_texts, dtype=torch.long, device=node_text.device).index_add_(
+            0, node_text, torch.ones_like(node_text))              # (C_j,) on the device, no sync
+    start = k.cumsum(0) - k                                         # (C_j,) first node of each text
     slot = torch.arange(node_text.numel(), device=node_text.device) - start[node_text]  # (P,) position in its text
-    K = int(counts.max())
     out = phrases.new_zeros(n_texts, K, phrases.shape[1]).index_put((node_text, slot), phrases)  # (C_j, K, D)
     valid = torch.zeros(n_texts, K, dtype=torch.bool, device=phrases.device)
     valid[node_text, slot] = True
@@ -131,7 +162,7 @@ class SbarSpec:
     use_r2t: bool = True         # add the R2T term (NLA-T2, or the singleton max)
     debias_t2: bool = False      # add tau * alpha * M_i * log 2 to NLA-T2
     region_sets: bool = True     # False: single regions only, hard max (Table 6 "w/o region sets")
-    block_bytes: int = 16 << 20  # budget for one block of scores (rb, M, pb) in the aggregation dtype
+    block_bytes: int = 16 << 20  # budget for one block of scores (rb, M, pb) in the aggregation dtype (a CPU's)
 
     @property
     def needs_lse(self) -> bool:
@@ -255,18 +286,36 @@ def block_plan(
     return rows, blocks
 
 
+CPU_BLOCK_BYTES = 16 << 20   # the block budget on a CPU (and wherever no device was asked)
+
+
+def device_block_bytes(device) -> int:
+    """The block budget for `device`: 16 MiB on a CPU; on CUDA 1/128 of the GPU's memory within [256 MiB, 1 GiB], whole
+    MiB. Asks the CUDA runtime: call it once, when a run is built."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_BLOCK_BYTES
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(max(total // 128, 256 << 20), 1 << 30) >> 20 << 20
+
+
+def _nodes_per_text(node_text: torch.Tensor, n_texts: int, dtype: torch.dtype) -> torch.Tensor:
+    "(C_j,) K_j on the device, from node_text (no host sync: a segment sum of ones)."
+    return torch.zeros(n_texts, dtype=dtype, device=node_text.device).index_add_(
+        0, node_text, torch.ones(node_text.shape, dtype=dtype, device=node_text.device))
+
+
 class _SbarBlocked(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, regions, phrases, region_valid, node_text, counts, spec, mm_dtype):
+    def forward(ctx, regions, phrases, region_valid, node_text, counts, all_valid, spec, mm_dtype):
         agg = torch.promote_types(torch.promote_types(regions.dtype, phrases.dtype), torch.float32)
         Ci, M, D = regions.shape
         Cj = len(counts)
-        rows, blocks = block_plan(Ci, M, counts, agg.itemsize, spec.block_bytes)
-        K = torch.tensor(counts, dtype=agg, device=regions.device)                  # (C_j,)
+        rows, blocks = block_plan(Ci, M, counts, agg.itemsize, spec.block_bytes)  # on the host, from host counts
+        K = _nodes_per_text(node_text, Cj, agg)                                       # (C_j,)
         S = regions.new_zeros(Ci, Cj, dtype=agg)
         lse = regions.new_zeros(Ci, Cj, dtype=agg) if spec.needs_lse else None
         ph = phrases.to(mm_dtype)                                                     # (P, D)
-        all_valid = bool(region_valid.all())                                          # then no masking passes
         with torch.autocast(regions.device.type, enabled=False):
             for r0 in range(0, Ci, rows):
                 r1 = min(Ci, r0 + rows)
@@ -290,7 +339,7 @@ class _SbarBlocked(torch.autograd.Function):
         spec, mm, (rows, blocks) = ctx.spec, ctx.mm_dtype, ctx.plan
         Ci, M, D = regions.shape
         agg = G.dtype
-        K = torch.tensor(ctx.counts, dtype=agg, device=G.device)
+        K = _nodes_per_text(node_text, len(ctx.counts), agg)                         # recomputed: not kept
         need_r, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_reg = torch.zeros(Ci, M, D, dtype=agg, device=G.device) if need_r else None
         g_ph = torch.zeros(phrases.shape, dtype=agg, device=G.device) if need_p else None
@@ -312,7 +361,7 @@ class _SbarBlocked(torch.autograd.Function):
                     if need_p:
                         g_ph[p0:p1] += d.T @ reg                                 # (pb, D)
         return (None if g_reg is None else g_reg.to(regions.dtype),
-                None if g_ph is None else g_ph.to(phrases.dtype), None, None, None, None, None)
+                None if g_ph is None else g_ph.to(phrases.dtype), None, None, None, None, None, None)
 
 
 def sbar_blocked(
@@ -322,19 +371,27 @@ def sbar_blocked(
     node_text: torch.Tensor,     # (P,) long, sorted: the text of each node; every text has >= 1 node
     n_texts: int,                # C_j
     spec: SbarSpec = SbarSpec(),
+    counts=None,                 # K_j of each text on the host (list of ints), or None: read from node_text
+    all_valid: bool | None = None,  # every region valid (host), or None: read from region_valid
 ) -> torch.Tensor:               # (C_i, C_j) S-bar, float32 at least
-    "S-bar of every image against every text from packed nodes, in blocks; backward recomputes the scores."
+    """S-bar of every image against every text from packed nodes, in blocks; backward recomputes the scores. With the
+    host facts `counts` and `all_valid` it reads nothing back from the device (no host sync on a GPU)."""
     if spec.t1_act not in NLA_T1_ACTS or spec.t2_act not in NLA_T2_INTEGRALS:
         raise ValueError(f"unknown activation: t1_act={spec.t1_act!r} (one of {sorted(NLA_T1_ACTS)}), "
                          f"t2_act={spec.t2_act!r} (one of {sorted(NLA_T2_INTEGRALS)})")
     if regions.shape[-1] != phrases.shape[-1] or regions.shape[:2] != region_valid.shape:
         raise ValueError(f"shapes do not match: regions {tuple(regions.shape)}, region_valid "
                          f"{tuple(region_valid.shape)}, phrases {tuple(phrases.shape)}")
-    counts = node_counts(node_text, n_texts).tolist()
+    if counts is None:   # no host facts: the counts from the device, the layout checked there (host syncs on a GPU)
+        counts = node_counts(node_text, n_texts).tolist()
+    else:
+        counts = check_counts(counts, n_texts, n_nodes=node_text.shape[0])
+    if all_valid is None:
+        all_valid = bool(region_valid.all())   # a host sync on a GPU; True: no masking passes
     dev, mm = regions.device.type, torch.promote_types(regions.dtype, phrases.dtype)
     if torch.is_autocast_enabled(dev) and mm == torch.float32:
         mm = torch.get_autocast_dtype(dev)  # the score products in the autocast dtype, as the dense einsum
-    return _SbarBlocked.apply(regions, phrases, region_valid.bool(), node_text, counts, spec, mm)
+    return _SbarBlocked.apply(regions, phrases, region_valid.bool(), node_text, counts, bool(all_valid), spec, mm)
 
 # %% ../nbs/10a_powerset_fast.ipynb #5604105d
 def ragged_case(Ci=5, Cj=6, M=4, D=8, Kmax=5, seed=0, dtype=torch.float64, scale=1.0):

@@ -15,8 +15,16 @@ A `SimCuda` tensor holds a real CPU tensor and says it lives on `cuda:0`. Inside
 * the values are real: the op runs on the CPU tensors, so data-dependent code (`.item()`, `bool(t)`,
   `nonzero`, boolean masks, `.tolist()`) runs as it would on a GPU. This is why the simulation is not
   `FakeTensorMode`: fake tensors have no values, and half the methods ask their tensors a question;
-* host syncs are counted with where they came from (`SimStats.scalars`, `d2h`, `sync_sites`: the first frame outside
-  torch), so that a test can bound them per training step (`counted()` counts a section, e.g. `Run.step`);
+* host syncs are counted with where they came from (`sync_sites`: the first frame outside torch), so that a test can
+  bound them per training step (`counted()` counts a section, e.g. `Run.step`), in four kinds: `scalars` (`.item()`,
+  `bool()`, `int()` of a cuda tensor), `d2h` (a copy to the host, `.tolist()`), `shape` (an op whose output's size
+  depends on the data, so the host waits for the device to learn it: `nonzero`, and `argwhere` and one-argument
+  `torch.where`, which call it; indexing with a boolean mask, `x[mask]`, and `x[mask] = t` unless CUDA turns it into
+  `masked_fill_` (one mask on the tensor's device, a one-element value on the CPU); `masked_select`; `bincount`, whose
+  `minlength` does not bound its size; `repeat_interleave` without `output_size`; `unique`, `unique_consecutive`)
+  and `h2d_blocking` (a copy from the host made without `non_blocking=True`, such as `torch.tensor(list,
+  device='cuda')`, or a CPU index tensor into a cuda tensor, which ATen copies: CUDA's copy then waits for the
+  stream);
 * `torch.autocast` regions are tracked: an op on `cuda` whose result is bf16 / fp16 inside a region that the code
   opened with `enabled=False` but that left CUDA's autocast on (a hard-coded `autocast('cpu', enabled=False)`: float32
   on the CPU, bf16 on a GPU) is counted in `SimStats.autocast_leaks` with the region's site. Regions torch opens itself
@@ -35,8 +43,9 @@ hooks (none in this project's training step outside DDP, which is not simulated)
 
 What `sim_cuda()` changes in the process while it is open, so that code written for a GPU runs on without one:
 `torch.cuda`'s queries (`_CUDA_API`: `is_available()` True, `device_count`, `current_device`, `set_device`,
-`synchronize`, the memory counters (0), `get_device_name`, `get_device_capability`, `is_bf16_supported`,
-`is_current_stream_capturing` False), each only where this torch release has it; the optimisers' CUDA-graph capture
+`synchronize`, the memory counters (0), `get_device_name`, `get_device_capability`, `get_device_properties` (an
+80 GiB GPU), `is_bf16_supported`, `is_current_stream_capturing` False), each only where this torch release has it;
+the optimisers' CUDA-graph capture
 health checks (`Optimizer.*graph_capture_health_check`, whatever a release calls it: torch 2.11's AdamW asks
 `torch.cuda.is_current_stream_capturing()`, which reaches the CUDA runtime) do nothing; no simulated code asks the CUDA
 runtime anything (tests/test_cuda_dry_run.py runs a step with every `torch._C._cuda_*` refusing); `Tensor.to('cuda')`
@@ -59,6 +68,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import types
 from collections import Counter, defaultdict
 
 import torch
@@ -84,13 +94,21 @@ class SimStats:
     pinned: int = 0                    # tensors pinned (`pin_memory()`)
     d2h: int = 0                       # cuda -> CPU copies (a host sync on a GPU)
     scalars: int = 0                   # `.item()` / `bool()` of a cuda tensor (a host sync on a GPU)
+    shape: int = 0                     # ops on cuda whose output size depends on the data (a host sync on a GPU)
+    h2d_blocking: int = 0              # CPU -> cuda copies without non_blocking (CUDA waits for the stream)
     bf16_ops: int = 0                  # ops on cuda with a bfloat16 result (autocast at work)
     op_names: set = dataclasses.field(default_factory=set)
-    # where each host sync came from: 'scalar' / 'd2h' at the first frame outside torch ('path:line in function')
+    # where each host sync came from: 'scalar' / 'd2h' / 'shape (op)' / 'h2d_blocking' at the first frame outside
+    # torch ('path:line in function')
     sync_sites: Counter = dataclasses.field(default_factory=Counter)
     # ops on cuda with a bf16 / fp16 result inside a `torch.autocast(..., enabled=False)` that left CUDA's autocast
     # on (a hard-coded `autocast('cpu', enabled=False)`): (where the region was entered, op) -> count
     autocast_leaks: Counter = dataclasses.field(default_factory=Counter)
+
+    @property
+    def syncs(self) -> int:
+        "Host syncs of every kind."
+        return self.scalars + self.d2h + self.shape + self.h2d_blocking
 
     def add(self, other: SimStats) -> None:
         "Add `other`'s counts to these (a section's counts back into the run's)."
@@ -138,13 +156,52 @@ def _site(depth: int = 2) -> str:
     return f"{path}:{f.f_lineno} in {f.f_code.co_name}"
 
 
-def _sync(kind: str) -> None:
-    "Count a host sync of `kind` ('scalar' or 'd2h') and where it came from."
-    if kind == "scalar":
-        STATS.scalars += 1
-    else:
-        STATS.d2h += 1
-    STATS.sync_sites[f"{kind} at {_site(3)}"] += 1
+def _sync(kind: str, what: str = "") -> None:
+    "Count a host sync of `kind` ('scalar', 'd2h', 'shape', 'h2d_blocking'; `what`: the op) and where it came from."
+    field = "scalars" if kind == "scalar" else kind
+    setattr(STATS, field, getattr(STATS, field) + 1)
+    STATS.sync_sites[f"{kind}{f' ({what})' if what else ''} at {_site(3)}"] += 1
+
+
+# ops whose output's size depends on the values of their input: CUDA computes it on the device and the host waits
+_SHAPE_SYNC = {aten.nonzero.default, aten.masked_select.default, aten.bincount.default, aten._unique.default,
+               aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+               aten.unique_dim_consecutive.default}
+_INDEX_PUT = {aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+def _is_mask(i) -> bool:
+    return isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+
+
+def _shape_sync(func, args, kwargs) -> bool:
+    """Whether the op, on cuda, waits for the device to size its output (see the module's docstring): the ops of
+    `_SHAPE_SYNC`, `repeat_interleave` without `output_size`, and boolean-mask indexing (`index_put` with a mask only
+    where CUDA cannot make it a `masked_fill_`: ATen's `canDispatchToMaskedFill`)."""
+    if func in _SHAPE_SYNC:
+        return True
+    if func is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size", args[1] if len(args) > 1 else None) is None
+    if func is aten.index.Tensor or func in _INDEX_PUT:
+        indices = [i for i in (args[1] if len(args) > 1 else kwargs["indices"]) if i is not None]
+        if not any(_is_mask(i) for i in indices):
+            return False
+        if func is aten.index.Tensor:
+            return True
+        value = args[2] if len(args) > 2 else kwargs["values"]
+        fill = (len(indices) == 1 and _dev(indices[0]) == _dev(args[0]) and value.numel() == 1
+                and _dev(value).type == "cpu")
+        return not fill
+    return False
+
+
+def _cpu_index(func, args, kwargs) -> bool:
+    "An indexing op on a cuda tensor with an index tensor (not 0-dim, not a mask) on the CPU: ATen copies it over."
+    if func is not aten.index.Tensor and func not in _INDEX_PUT:
+        return False
+    indices = args[1] if len(args) > 1 else kwargs["indices"]
+    return _dev(args[0]).type == "cuda" and any(isinstance(i, torch.Tensor) and not _is_mask(i) and i.dim() > 0
+                                                 and _dev(i).type == "cpu" for i in indices if i is not None)
 
 
 # ------------------------------------------------------------------------------------------------ the tensor
@@ -328,16 +385,25 @@ def _dispatch(func, args, kwargs):
         STATS.op_names.add(func.name())
         if func is aten._local_scalar_dense.default:
             _sync("scalar")
+        elif _shape_sync(func, args, kwargs):
+            _sync("shape", func.name().replace("aten::", ""))
+        elif _cpu_index(func, args, kwargs):
+            _sync("h2d_blocking", func.name().replace("aten::", "") + " with a CPU index")
     if func is aten._to_copy.default and flat_in:
         src = args[0]
         if dev.type == "cuda" and not isinstance(src, SimCuda):
             STATS.h2d += 1
             STATS.h2d_non_blocking += bool(kwargs.get("non_blocking"))
             STATS.h2d_pinned += bool(getattr(src, "_sim_pinned", False))
+            if not kwargs.get("non_blocking"):
+                _sync("h2d_blocking")
         elif dev.type == "cpu" and isinstance(src, SimCuda):
             _sync("d2h")
     if func is aten.copy_.default and isinstance(args[1], SimCuda) and not isinstance(args[0], SimCuda):
         _sync("d2h")
+    if (func is aten.copy_.default and isinstance(args[0], SimCuda) and not isinstance(args[1], SimCuda)
+            and args[1].dim() > 0 and not (args[2] if len(args) > 2 else kwargs.get("non_blocking"))):
+        _sync("h2d_blocking", "copy_")
     kw = dict(kwargs)
     if kw.get("pin_memory"):
         kw["pin_memory"] = False                   # a CPU tensor cannot be pinned without CUDA
@@ -403,6 +469,10 @@ class SimCudaMode(TorchDispatchMode):
         return _dispatch(func, args, kwargs or {})
 
 
+# what `torch.cuda.get_device_properties` answers inside `sim_cuda()`: an 80 GiB GPU of capability 9.0 (an H100's)
+_SIM_PROPERTIES = types.SimpleNamespace(name="simulated CUDA (a CPU)", major=9, minor=0, total_memory=80 << 30,
+                                        multi_processor_count=132, is_integrated=False)
+
 # what `torch.cuda` answers inside `sim_cuda()`: a one-GPU machine that is not capturing a CUDA graph. A name this torch
 # release lacks is skipped, so that no release's set of queries is assumed; any other query that reaches the CUDA
 # runtime fails loudly (tests/test_cuda_dry_run.py checks that a training step asks the runtime nothing).
@@ -412,7 +482,8 @@ _CUDA_API = dict(
     reset_peak_memory_stats=lambda *a: None, memory_allocated=lambda *a: 0, max_memory_allocated=lambda *a: 0,
     memory_reserved=lambda *a: 0, max_memory_reserved=lambda *a: 0, empty_cache=lambda: None,
     get_device_name=lambda *a: "simulated CUDA (a CPU)", get_device_capability=lambda *a: (9, 0),
-    is_current_stream_capturing=lambda: False, get_arch_list=lambda: ["sm_90"])
+    is_current_stream_capturing=lambda: False, get_arch_list=lambda: ["sm_90"],
+    get_device_properties=lambda *a, **k: _SIM_PROPERTIES)
 
 
 def _optimizer_capture_checks() -> list[str]:

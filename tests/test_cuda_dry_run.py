@@ -34,12 +34,15 @@ bfloat16)`, through the trainer's own objects (`train.build_run` with a `cuda:0`
   `all_sum`, `all_max`, the gradient through `all_gather` (reduce-scatter).
 
 Stricter since issue 29: every method's training step (and each of PowerCLIP's loss paths) makes at most its budget of
-host syncs, `.item()`/`bool()` and device-to-host copies (`SYNC_BUDGET`, today's counts; a failure names every sync's
-site); the dtypes of every method's loss inputs and outputs under bf16 autocast are checked (terms float32) and no op
-runs in bf16 inside a region the code turned autocast off for but that left CUDA's on (`autocast('cpu',
-enabled=False)`); `sim_backward` follows autograd's device rule (0-dim gradients move to their input's device, others
-are an error); a step asks the CUDA runtime nothing, whatever this torch release's optimiser queries. Planted versions
-of each (a host round trip, an extra `bool()`, a CPU autocast region, a loss term on the host) are caught below.
+host syncs, `.item()`/`bool()`, device-to-host copies, and since issue 37 the ops whose output size depends on the data
+(`nonzero`, boolean-mask indexing, `bincount`, ...) and blocking host-to-device copies (`SYNC_BUDGET`, today's counts;
+a failure names every sync's site); PowerCLIP's blocked loss makes none at all, forward and backward (its host facts
+come from `prepare_batch`), and a `nonzero` planted in it is caught; the dtypes of every method's loss inputs and
+outputs under bf16 autocast are checked (terms float32) and no op runs in bf16 inside a region the code turned autocast
+off for but that left CUDA's on (`autocast('cpu', enabled=False)`); `sim_backward` follows autograd's device rule
+(0-dim gradients move to their input's device, others are an error); a step asks the CUDA runtime nothing, whatever
+this torch release's optimiser queries. Planted versions of each (a host round trip, an extra `bool()`, a CPU autocast
+region, a loss term on the host) are caught below.
 
 The simulation runs the step's values on the CPU (the fp32 step equals the CPU's, checked below), so a test here takes
 about a second; the whole file about a minute on 2 cores.
@@ -63,7 +66,7 @@ import torch.distributed as td
 
 from cuda_sim import SimCuda, SimDeviceMismatch, SimStats, counted, sim_backward, sim_cuda, to_sim
 from powerclip import dist as pdist
-from powerclip.methods import CLIP, METHODS, _import_baselines, register
+from powerclip.methods import CLIP, METHODS, PowerCLIP, _import_baselines, register
 from powerclip.train import TrainState, build_run, load_config
 
 _import_baselines()
@@ -105,6 +108,7 @@ class Stepped:
     step: SimStats      # `Run.step` alone: the host syncs a GPU would make per training step
     loss_in: dict       # dtype of each floating-point input of the method's loss (its forward's outputs)
     loss_out: dict      # dtype of each term the loss returned
+    loss: SimStats      # the method's loss alone (its forward pass: `method.loss`)
 
 
 def _run_step(method, precision, overrides=()) -> Stepped:
@@ -116,7 +120,8 @@ def _run_step(method, precision, overrides=()) -> Stepped:
         seen, loss = {}, run.method.loss
 
         def loss_seen(out, b, ctx):   # the loss's inputs and outputs, as the step hands them over
-            terms = loss(out, b, ctx)
+            with counted() as seen["loss"]:
+                terms = loss(out, b, ctx)
             seen["in"] = {k: v.dtype for k, v in out.items() if torch.is_tensor(v) and v.is_floating_point()}
             seen["out"] = {k: v.dtype for k, v in terms.items()}
             return terms
@@ -124,7 +129,7 @@ def _run_step(method, precision, overrides=()) -> Stepped:
             out = run.step(batch, TrainState())
         out = {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}   # what the trainer logs, on the host
         assert not any(isinstance(v, SimCuda) for v in out.values())
-    return Stepped(run, batch, out, st, before, step, seen["in"], seen["out"])
+    return Stepped(run, batch, out, st, before, step, seen["in"], seen["out"], seen["loss"])
 
 
 _STEPS: dict = {}
@@ -226,33 +231,72 @@ def test_paper_preset_step_on_cuda():
 
 
 # ------------------------------------------------------------------------------------------------ host syncs, dtypes
-# Host syncs of one training step (`Run.step`) on a GPU, per method: (scalar reads: `.item()`, `bool()`, `int()` of a
-# cuda tensor; device-to-host copies), at their counts when they were set (issue 29; the same in fp32 and bf16). Every
-# method pays two in the trainer (the finite checks of the loss and of the gradient norm), the rest are its own
-# (data-dependent shapes, argument checks, the hashed noise's key range). A new sync fails test_host_syncs_per_step:
-# take it out, or raise the budget here and say why.
-SYNC_BUDGET = {"clip": (2, 0), "c2lip": (2, 0), "aclip": (3, 0), "clip-pgs": (3, 0), "clip-pgs-0.3": (4, 0),
-               "eclip": (4, 0), "filip": (5, 0), "flip": (3, 0), "powerclip": (9, 0), "smartclip": (3, 0),
-               "sparc": (6, 0)}
-# PowerCLIP's loss paths (test_powerclip_loss_paths_on_cuda's overrides); the blocked path reads the node counts to
-# the host once (`sbar_blocked`: the block plan), whatever the number of blocks
+# Host syncs of one training step (`Run.step`) on a GPU, per method, by kind: (scalar reads: `.item()`, `bool()`,
+# `int()` of a cuda tensor; device-to-host copies; ops whose output size depends on the data: `nonzero`, boolean-mask
+# indexing, `bincount`, `repeat_interleave` without its size, `unique`; blocking host-to-device copies), at today's
+# counts (issue 29; the data-dependent shapes and blocking copies since issue 37; the same in fp32 and bf16). A new
+# sync fails test_host_syncs_per_step: take it out, or raise the budget here and say why.
+# The trainer's own, in every method's step (`train_step`): the finite checks of the loss and of the gradient norm
+# (a `bool` each: the step is skipped on every process alike when either is not finite).
+TRAINER_SYNCS = (2, 0, 0, 0)
+# Each method's own, beyond the trainer's (sites as counted on 2026-11-27; the ones marked "could go" are not needed
+# by the method's maths, only not yet written without a sync):
+OWN_SYNCS = {
+    "clip": (0, 0, 0, 0), "c2lip": (0, 0, 0, 0),
+    # PowerCLIP's default `impl='auto'` takes the dense reference at the smoke preset's size: its check that every
+    # caption has a node (`powerset._check_nodes`, a `bool`); the blocked path makes none (PATH_SYNC_BUDGET)
+    "powerclip": (1, 0, 0, 0),
+    # the hashed noise's key check (`hash_uniform`: ids >= 0, a `bool`; could go: the ids are host data)
+    "flip": (1, 0, 0, 0),
+    # `text_token_mask`'s check of the token ids (`bool`; could go)
+    "smartclip": (1, 0, 0, 0),
+    # `hash_uniform`'s key check; `select_patches`: boolean-mask indexing (x2) and `nonzero` of the kept patches (their
+    # count per image is data-dependent by design, CLIP-PGS's edge threshold); the Sobel kernel and the candidates'
+    # index built on the host and copied (blocking; could go: made on the device, or copied non-blocking)
+    "clip-pgs": (1, 0, 3, 2),
+    # as clip-pgs, plus the drop count of the 0.3 variant read to the host (`select_patches`: a `bool`) and its copy
+    "clip-pgs-0.3": (2, 0, 3, 3),
+    # `hash_uniform`'s key check; `_all_min` (the smallest cluster, read to size the kept tokens); `select_kept`'s
+    # `nonzero`; one host-built index copied (blocking; could go)
+    "eclip": (2, 0, 1, 1),
+    # `hash_uniform`'s key check; the augmentations' random parameters built on the host and copied (blocking, 11: could
+    # go), and `color_augment`'s `nonzero` per channel operation (38: could go, with `torch.where` on the whole batch)
+    "aclip": (1, 0, 38, 11),
+    # `filip_scores`: two `bool` checks and a `nonzero` of the valid tokens; `text_token_mask`: a check and a boolean
+    # mask index (the token-wise scores need the valid tokens' count: could go, padded to the context length)
+    "filip": (3, 0, 3, 0),
+    # as filip: `sparc_fine_loss`'s checks and `nonzero`, `text_token_mask` twice
+    "sparc": (4, 0, 3, 0),
+}
+SYNC_BUDGET = {m: tuple(t + o for t, o in zip(TRAINER_SYNCS, own)) for m, own in OWN_SYNCS.items()}
+# PowerCLIP's loss paths (test_powerclip_loss_paths_on_cuda's overrides), beyond the trainer's: the blocked path makes
+# no host sync (the node counts and "every region valid" come from `prepare_batch`, on the host); the dense reference
+# checks that every caption has a node (`powerset._check_nodes`, a `bool`: in NLA-T2, and in each of the exact
+# enumeration's T2R and R2T)
 PATHS = [["method_cfg.impl=dense"], ["method_cfg.impl=fast"], ["method_cfg.impl=fast", "method_cfg.block_bytes=4096"],
          ["method_cfg.exact=true"], ["method_cfg.masks=gold"], ["method_cfg.nodes=words"],
          ["model.grad_checkpointing=true"]]
-PATH_SYNC_BUDGET = {"method_cfg.impl=dense": (8, 0), "method_cfg.impl=fast": (7, 1),
-                    "method_cfg.impl=fast method_cfg.block_bytes=4096": (7, 1), "method_cfg.exact=true": (9, 0),
-                    "method_cfg.masks=gold": (9, 0), "method_cfg.nodes=words": (9, 0),
-                    "model.grad_checkpointing=true": (9, 0)}
+_PATH_OWN = {"method_cfg.impl=dense": (1, 0, 0, 0), "method_cfg.impl=fast": (0, 0, 0, 0),
+             "method_cfg.impl=fast method_cfg.block_bytes=4096": (0, 0, 0, 0), "method_cfg.exact=true": (2, 0, 0, 0),
+             "method_cfg.masks=gold": (1, 0, 0, 0), "method_cfg.nodes=words": (1, 0, 0, 0),
+             "model.grad_checkpointing=true": (1, 0, 0, 0)}
+PATH_SYNC_BUDGET = {p: tuple(t + o for t, o in zip(TRAINER_SYNCS, own)) for p, own in _PATH_OWN.items()}
+# the blocked loss with no host sync, in every setting that changes its inputs (masks with invalid regions, word nodes,
+# small blocks, checkpointing)
+FAST_PATHS = [["method_cfg.impl=fast"], ["method_cfg.impl=fast", "method_cfg.block_bytes=4096"],
+              ["method_cfg.impl=fast", "method_cfg.masks=gold"], ["method_cfg.impl=fast", "method_cfg.nodes=words"],
+              ["method_cfg.impl=fast", "model.grad_checkpointing=true"]]
 
 
-def _over_budget(what: str, c: SimStats, budget: tuple[int, int]) -> list[str]:
-    "What one step's host syncs exceed of `budget` (scalars, copies), with every sync's site; [] within it."
-    scalars, d2h = budget
-    bad = []
-    if c.scalars > scalars:
-        bad.append(f"{what}: {c.scalars} scalar reads (.item()/bool()) of cuda tensors per step, budget {scalars}")
-    if c.d2h > d2h:
-        bad.append(f"{what}: {c.d2h} device-to-host copies per step, budget {d2h}")
+_SYNC_KINDS = (("scalars", "scalar reads (.item()/bool()) of cuda tensors"), ("d2h", "device-to-host copies"),
+               ("shape", "ops with a data-dependent output size (nonzero, boolean-mask indexing, ...)"),
+               ("h2d_blocking", "blocking host-to-device copies"))
+
+
+def _over_budget(what: str, c: SimStats, budget: tuple[int, int, int, int]) -> list[str]:
+    "What one step's host syncs exceed of `budget` (scalars, d2h, shape, h2d_blocking), with every sync's site; []."
+    bad = [f"{what}: {getattr(c, k)} {words} per step, budget {b}" for (k, words), b in zip(_SYNC_KINDS, budget)
+           if getattr(c, k) > b]
     if bad:
         bad.append("the step's syncs: " + "; ".join(f"{k} x{v}" for k, v in sorted(c.sync_sites.items())))
     return bad
@@ -283,6 +327,55 @@ def test_powerclip_paths_host_syncs_and_autocast_dtypes(overrides, precision):
     assert not bad, "\n".join(bad)
     assert not s.st.autocast_leaks, _leaks(s.st)
     assert all(d == torch.float32 for d in s.loss_out.values()), s.loss_out
+
+
+def _loss_syncs(method: str, precision: str, overrides) -> list[str]:
+    """What of PowerCLIP's blocked loss syncs, forward and backward ([]: nothing): none may in `method.loss`, and the
+    step may make no more of any kind than CLIP's (the trainer's own: so the loss's backward adds none either)."""
+    s, clip = _step(method, precision, overrides), _step("clip", precision)
+    bad = [f"{method} {' '.join(overrides)}: {n} {words} in the loss" for k, words in _SYNC_KINDS
+           if (n := getattr(s.loss, k))]
+    bad += [f"{method} {' '.join(overrides)}: {getattr(s.step, k)} {words} per step, CLIP's step "
+            f"{getattr(clip.step, k)}" for k, words in _SYNC_KINDS if getattr(s.step, k) > getattr(clip.step, k)]
+    if bad:
+        bad.append("the step's syncs: " + "; ".join(f"{k} x{v}" for k, v in sorted(s.step.sync_sites.items())))
+    return bad
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("overrides", FAST_PATHS, ids=lambda o: " ".join(o))
+def test_powerclip_blocked_loss_makes_no_host_sync(overrides, precision):
+    """The blocked path (`impl='fast'`) reads nothing back: its node counts, block plan and "every region valid" come
+    from the host (`PowerCLIP.prepare_batch`), so neither its forward nor its backward waits for the device."""
+    bad = _loss_syncs("powerclip", precision, overrides)
+    assert not bad, "\n".join(bad)
+    assert _step("powerclip", precision, overrides).run.method.cfg.block_bytes == (
+        4096 if "method_cfg.block_bytes=4096" in overrides else 640 << 20)     # settled for the (80 GiB) device
+
+
+class _PlantedNonzero(PowerCLIP):
+    "PowerCLIP whose loss asks which regions are valid with `nonzero` (the result is right; a GPU's host waits)."
+    def loss(self, out, batch, dist):
+        terms = super().loss(out, batch, dist)
+        valid = batch["region_valid"].nonzero()                                # (n, 2): its size is read back
+        terms["powerset"] = terms["powerset"] + 0.0 * valid.shape[0]
+        return terms
+
+
+if "_planted_nonzero" not in METHODS:
+    register("_planted_nonzero")(_PlantedNonzero)
+
+
+def test_a_planted_nonzero_in_the_loss_is_caught():
+    "One `mask.nonzero()` in PowerCLIP's blocked loss fails the host-sync checks, which name it and its line."
+    fast = ["method_cfg.impl=fast"]
+    bad = _loss_syncs("_planted_nonzero", "bf16", fast)
+    assert bad and "1 ops with a data-dependent output size" in bad[0], bad
+    assert "shape (nonzero) at tests/test_cuda_dry_run.py" in bad[-1], bad
+    over = _over_budget("planted", _step("_planted_nonzero", "bf16", fast).step,
+                        PATH_SYNC_BUDGET["method_cfg.impl=fast"])
+    assert over and "data-dependent" in over[0], over
+    assert not _loss_syncs("powerclip", "bf16", fast)                         # the same loss without it
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -397,10 +490,12 @@ def test_sim_backward_device_rule_is_autograds():
             _HostGrad.apply(x).sum().backward()
 
 
-def test_a_training_step_asks_the_cuda_runtime_nothing():
+@pytest.mark.parametrize("method", ["clip", "powerclip"])
+def test_a_training_step_asks_the_cuda_runtime_nothing(method):
     """Build, step (AdamW's CUDA-graph capture check included) and evaluate on the simulated GPU with every CUDA runtime
     entry point of torch._C refusing: what `torch.cuda` is asked, the simulation answers (whatever this torch release
-    asks: torch 2.11's AdamW asks `torch.cuda.is_current_stream_capturing()`, which reached the CUDA runtime)."""
+    asks: torch 2.11's AdamW asks `torch.cuda.is_current_stream_capturing()`, which reached the CUDA runtime). PowerCLIP
+    asks for the GPU's memory once, when the run is built (its block budget), through `torch.cuda`."""
     asked = []
 
     def refuse(name):
@@ -413,7 +508,7 @@ def test_a_training_step_asks_the_cuda_runtime_nothing():
             v = getattr(torch._C, n)
             if n.startswith("_cuda_") and callable(v) and not isinstance(v, type):
                 stack.enter_context(mock.patch.object(torch._C, n, refuse(n)))
-        s = _run_step("clip", "bf16")
+        s = _run_step(method, "bf16")
         with sim_cuda():
             assert not torch.cuda.is_current_stream_capturing() and torch.cuda.is_available()
             s.run.opt.step()

@@ -33,9 +33,12 @@ from powerclip.powerset import NLA_T1_ACTS, NLA_T2_INTEGRALS
 #| hide
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
 from torch.autograd import gradcheck
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from powerclip.powerset import (
     nla_t1, nla_t2, powerset_scores, r2t_singletons, t2r_singletons,
@@ -92,17 +95,52 @@ from powerclip.powerset import (
 # Across processes the packed matrices are concatenated in rank order and each process's `node_text` is
 # shifted by the number of texts before it, which keeps it sorted (`powerclip.dist.gather` returns the row
 # counts needed for the shift).
+#
+# **Sizes known on the host.** On a GPU, any op whose output size depends on the data makes the host wait for the
+# device: packing with a boolean mask (`phrases[node_valid]` calls `nonzero`), `repeat_interleave` without its
+# `output_size`, `bincount`, and reading the counts back (`.tolist()`, `int()`, `bool()`). The counts are no
+# secret: the data pipeline builds `node_valid` on the CPU, so the number of nodes of each text, $K_j$, can be read
+# there before the batch moves to the device (`PowerCLIP.prepare_batch` does, `40_methods`). With those **host
+# counts** (`counts`, a list of ints) every function below knows its output sizes in advance and reads nothing
+# back: `pack_nodes` takes the valid nodes' flat indices with `nonzero_static` (the size given: $P=\sum_jK_j$) and
+# one `index_select`; `unpack_nodes` pads to $K_{\max}=\max_jK_j$ from the host. Without them they read the
+# sizes from the device, and check the layout there, as they always did. `check_counts` is the host-side check of
+# the counts against the shapes (which cost nothing to read): one-line errors, no sync.
 
 # %%
 #| export
+def check_counts(
+    counts,            # K_j of each text, on the host (a list or tuple of ints)
+    n_texts: int,      # C_j
+    n_nodes: int | None = None,  # P, the packed nodes (a shape: free to read), if packed
+    k_max: int | None = None,    # K, the padded width, if padded
+) -> list[int]:        # the counts as a list of ints
+    "Host-side check of the host counts against the shapes: one-line errors, nothing read from the device."
+    counts = [int(k) for k in counts]
+    if len(counts) != n_texts:
+        raise ValueError(f"node counts: {len(counts)} given for {n_texts} texts")
+    if counts and min(counts) < 1:
+        raise ValueError("every text needs at least one valid tree node (the root); the node counts hold a 0")
+    if n_nodes is not None and sum(counts) != n_nodes:
+        raise ValueError(f"node counts: they sum to {sum(counts)}, but {n_nodes} packed nodes are given")
+    if k_max is not None and counts and max(counts) > k_max:
+        raise ValueError(f"node counts: a text with {max(counts)} nodes, but the padded width is {k_max}")
+    return counts
+
+
 def pack_nodes(
     phrases: torch.Tensor,     # (C, K, D) padded phrase embeddings
     node_valid: torch.Tensor,  # (C, K) bool
+    counts=None,               # K_j of each text on the host (node_valid's row sums, read on the CPU), or None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (P, D), node_text (P,) long: the valid nodes, text by text
-    "Padded -> packed: keep the valid nodes in text order, with the text index of each."
-    C = phrases.shape[0]
-    node_text = torch.arange(C, device=phrases.device).repeat_interleave(node_valid.sum(1))  # (P,)
-    return phrases[node_valid], node_text  # row-major boolean indexing keeps text order
+    "Padded -> packed: keep the valid nodes in text order, with the text index of each (no host sync given counts)."
+    C, K = node_valid.shape
+    if counts is None:   # the packed size is read from the device (a host sync on a GPU)
+        node_text = torch.arange(C, device=phrases.device).repeat_interleave(node_valid.sum(1))  # (P,)
+        return phrases[node_valid], node_text  # row-major boolean indexing keeps text order
+    P = sum(check_counts(counts, C, k_max=K))
+    flat = torch.nonzero_static(node_valid.reshape(-1), size=P).squeeze(1)   # (P,) c * K + k, row-major: text order
+    return phrases.reshape(C * K, -1).index_select(0, flat), flat.div(K, rounding_mode="floor")
 
 
 def node_counts(
@@ -126,12 +164,18 @@ def unpack_nodes(
     phrases: torch.Tensor,    # (P, D) packed
     node_text: torch.Tensor,  # (P,) long, sorted
     n_texts: int,             # C_j
+    counts=None,              # K_j of each text on the host, or None (read from the device, and checked there)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (C_j, K_max, D) zero-padded, node_valid (C_j, K_max)
     "Packed -> padded (for the dense reference and the exact oracle); differentiable in `phrases`."
-    counts = node_counts(node_text, n_texts)                        # (C_j,)
-    start = counts.cumsum(0) - counts                               # (C_j,) first node of each text
+    if counts is None:
+        k = node_counts(node_text, n_texts)                        # (C_j,)
+        K = int(k.max())
+    else:
+        K = max(check_counts(counts, n_texts, n_nodes=node_text.shape[0]), default=1)
+        k = torch.zeros(n_texts, dtype=torch.long, device=node_text.device).index_add_(
+            0, node_text, torch.ones_like(node_text))              # (C_j,) on the device, no sync
+    start = k.cumsum(0) - k                                         # (C_j,) first node of each text
     slot = torch.arange(node_text.numel(), device=node_text.device) - start[node_text]  # (P,) position in its text
-    K = int(counts.max())
     out = phrases.new_zeros(n_texts, K, phrases.shape[1]).index_put((node_text, slot), phrases)  # (C_j, K, D)
     valid = torch.zeros(n_texts, K, dtype=torch.bool, device=phrases.device)
     valid[node_text, slot] = True
@@ -154,6 +198,23 @@ for bad, msg in ((torch.tensor([0, 2, 1]), "sorted"), (torch.tensor([0, 1, 3]), 
                  (torch.tensor([0, 0, 2]), "at least one"), (torch.tensor([0., 1, 2]), "long")):
     try:
         node_counts(bad, 3)
+        raise AssertionError(msg)
+    except ValueError as e:
+        assert msg in str(e), (msg, e)
+
+# %% [markdown]
+# With the host counts, the same packing and padding (bitwise), and the counts checked against the shapes on the host:
+
+# %%
+_kc = _nv.sum(1).tolist()                                   # [2, 1, 4]: what the CPU side reads before the move
+_pp2, _nt2 = pack_nodes(_ph, _nv, _kc)
+assert torch.equal(_pp2, _pp) and torch.equal(_nt2, _nt)
+_up2, _uv2 = unpack_nodes(_pp, _nt, 3, _kc)
+assert torch.equal(_up2, _up) and torch.equal(_uv2, _uv)
+for args, msg in (((_kc[:2], 3), "2 given for 3 texts"), (([2, 0, 4], 3), "hold a 0"),
+                  ((_kc, 3, 6), "sum to 7, but 6 packed"), ((_kc, 3, None, 3), "4 nodes, but the padded width is 3")):
+    try:
+        check_counts(*args)
         raise AssertionError(msg)
     except ValueError as e:
         assert msg in str(e), (msg, e)
@@ -322,7 +383,7 @@ class SbarSpec:
     use_r2t: bool = True         # add the R2T term (NLA-T2, or the singleton max)
     debias_t2: bool = False      # add tau * alpha * M_i * log 2 to NLA-T2
     region_sets: bool = True     # False: single regions only, hard max (Table 6 "w/o region sets")
-    block_bytes: int = 16 << 20  # budget for one block of scores (rb, M, pb) in the aggregation dtype
+    block_bytes: int = 16 << 20  # budget for one block of scores (rb, M, pb) in the aggregation dtype (a CPU's)
 
     @property
     def needs_lse(self) -> bool:
@@ -448,8 +509,21 @@ def _block_backward(
 # the transient memory of a block is a small multiple of it (the scores and a few elementwise temporaries).
 # Blocks hold whole texts, so every segment reduction stays inside a block; rows are split too when even the
 # longest single text does not fit with all rows. The default, 16 MiB, was chosen on a CPU, where a block
-# should stay near the caches; on a GPU a larger budget (a few hundred MiB) means fewer, larger kernels
-# (not measured here: this project's sessions had no GPU).
+# should stay near the caches; on a GPU a larger budget means fewer, larger kernels: every block costs a few dozen
+# kernel launches, and at the paper's size (R = 512 against C = 4,096, M = 10) 16 MiB makes 83 blocks
+# (issue 37). `device_block_bytes` is the budget for a device: 16 MiB on a CPU; on CUDA 1/128 of the GPU's memory,
+# within [256 MiB, 1 GiB] (596 MiB on an 80 GB GPU, 1 GiB on a 141 GB one, 256 MiB below 34 GB), so that a block's
+# few transient copies stay a few GB at most. It asks the CUDA runtime for the memory, so it is called once, when a
+# run is built (`PowerCLIP.setup_model` resolves the loss config's `block_bytes='auto'`, `40_methods`), never in a
+# step. The larger budget is not yet measured against 16 MiB on a GPU (the GPU check's paths part does).
+#
+# **Host facts.** The block plan needs the node counts $K_j$ on the host, and skipping the masking passes needs to
+# know that every region is valid. `sbar_blocked` takes both as host arguments (`counts`, `all_valid`), which the
+# caller read on the CPU before the batch moved (`11_loss`'s `PowersetInputs` carries them); the $K_j$ the
+# aggregation divides by are then summed on the device from `node_text` (a segment sum of ones) instead of copied
+# from the host, and nothing is read back: the forward and backward passes make no host sync. Without them it reads
+# the counts and the regions' validity from the device and checks the layout there (`node_counts`), as it always
+# did: a few host syncs per call on a GPU.
 #
 # **Precision.** Scores are reduced in float32 at least (float64 stays float64), as in `10_powerset`. Under
 # autocast the two score products run in the autocast dtype, like the dense reference's einsum, and the
@@ -476,18 +550,36 @@ def block_plan(
     return rows, blocks
 
 
+CPU_BLOCK_BYTES = 16 << 20   # the block budget on a CPU (and wherever no device was asked)
+
+
+def device_block_bytes(device) -> int:
+    """The block budget for `device`: 16 MiB on a CPU; on CUDA 1/128 of the GPU's memory within [256 MiB, 1 GiB], whole
+    MiB. Asks the CUDA runtime: call it once, when a run is built."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_BLOCK_BYTES
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(max(total // 128, 256 << 20), 1 << 30) >> 20 << 20
+
+
+def _nodes_per_text(node_text: torch.Tensor, n_texts: int, dtype: torch.dtype) -> torch.Tensor:
+    "(C_j,) K_j on the device, from node_text (no host sync: a segment sum of ones)."
+    return torch.zeros(n_texts, dtype=dtype, device=node_text.device).index_add_(
+        0, node_text, torch.ones(node_text.shape, dtype=dtype, device=node_text.device))
+
+
 class _SbarBlocked(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, regions, phrases, region_valid, node_text, counts, spec, mm_dtype):
+    def forward(ctx, regions, phrases, region_valid, node_text, counts, all_valid, spec, mm_dtype):
         agg = torch.promote_types(torch.promote_types(regions.dtype, phrases.dtype), torch.float32)
         Ci, M, D = regions.shape
         Cj = len(counts)
-        rows, blocks = block_plan(Ci, M, counts, agg.itemsize, spec.block_bytes)
-        K = torch.tensor(counts, dtype=agg, device=regions.device)                  # (C_j,)
+        rows, blocks = block_plan(Ci, M, counts, agg.itemsize, spec.block_bytes)  # on the host, from host counts
+        K = _nodes_per_text(node_text, Cj, agg)                                       # (C_j,)
         S = regions.new_zeros(Ci, Cj, dtype=agg)
         lse = regions.new_zeros(Ci, Cj, dtype=agg) if spec.needs_lse else None
         ph = phrases.to(mm_dtype)                                                     # (P, D)
-        all_valid = bool(region_valid.all())                                          # then no masking passes
         with torch.autocast(regions.device.type, enabled=False):
             for r0 in range(0, Ci, rows):
                 r1 = min(Ci, r0 + rows)
@@ -511,7 +603,7 @@ class _SbarBlocked(torch.autograd.Function):
         spec, mm, (rows, blocks) = ctx.spec, ctx.mm_dtype, ctx.plan
         Ci, M, D = regions.shape
         agg = G.dtype
-        K = torch.tensor(ctx.counts, dtype=agg, device=G.device)
+        K = _nodes_per_text(node_text, len(ctx.counts), agg)                         # recomputed: not kept
         need_r, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_reg = torch.zeros(Ci, M, D, dtype=agg, device=G.device) if need_r else None
         g_ph = torch.zeros(phrases.shape, dtype=agg, device=G.device) if need_p else None
@@ -533,7 +625,7 @@ class _SbarBlocked(torch.autograd.Function):
                     if need_p:
                         g_ph[p0:p1] += d.T @ reg                                 # (pb, D)
         return (None if g_reg is None else g_reg.to(regions.dtype),
-                None if g_ph is None else g_ph.to(phrases.dtype), None, None, None, None, None)
+                None if g_ph is None else g_ph.to(phrases.dtype), None, None, None, None, None, None)
 
 
 def sbar_blocked(
@@ -543,19 +635,27 @@ def sbar_blocked(
     node_text: torch.Tensor,     # (P,) long, sorted: the text of each node; every text has >= 1 node
     n_texts: int,                # C_j
     spec: SbarSpec = SbarSpec(),
+    counts=None,                 # K_j of each text on the host (list of ints), or None: read from node_text
+    all_valid: bool | None = None,  # every region valid (host), or None: read from region_valid
 ) -> torch.Tensor:               # (C_i, C_j) S-bar, float32 at least
-    "S-bar of every image against every text from packed nodes, in blocks; backward recomputes the scores."
+    """S-bar of every image against every text from packed nodes, in blocks; backward recomputes the scores. With the
+    host facts `counts` and `all_valid` it reads nothing back from the device (no host sync on a GPU)."""
     if spec.t1_act not in NLA_T1_ACTS or spec.t2_act not in NLA_T2_INTEGRALS:
         raise ValueError(f"unknown activation: t1_act={spec.t1_act!r} (one of {sorted(NLA_T1_ACTS)}), "
                          f"t2_act={spec.t2_act!r} (one of {sorted(NLA_T2_INTEGRALS)})")
     if regions.shape[-1] != phrases.shape[-1] or regions.shape[:2] != region_valid.shape:
         raise ValueError(f"shapes do not match: regions {tuple(regions.shape)}, region_valid "
                          f"{tuple(region_valid.shape)}, phrases {tuple(phrases.shape)}")
-    counts = node_counts(node_text, n_texts).tolist()
+    if counts is None:   # no host facts: the counts from the device, the layout checked there (host syncs on a GPU)
+        counts = node_counts(node_text, n_texts).tolist()
+    else:
+        counts = check_counts(counts, n_texts, n_nodes=node_text.shape[0])
+    if all_valid is None:
+        all_valid = bool(region_valid.all())   # a host sync on a GPU; True: no masking passes
     dev, mm = regions.device.type, torch.promote_types(regions.dtype, phrases.dtype)
     if torch.is_autocast_enabled(dev) and mm == torch.float32:
         mm = torch.get_autocast_dtype(dev)  # the score products in the autocast dtype, as the dense einsum
-    return _SbarBlocked.apply(regions, phrases, region_valid.bool(), node_text, counts, spec, mm)
+    return _SbarBlocked.apply(regions, phrases, region_valid.bool(), node_text, counts, bool(all_valid), spec, mm)
 
 
 # %% [markdown]
@@ -630,6 +730,47 @@ print(f"fast == dense (values, d regions, d phrases) in float64: {len(_SPECS)} s
       f"largest difference {_worst:.1e}")
 
 # %% [markdown]
+# **The host facts change nothing but where the sizes come from.** Given `counts` and `all_valid`, `sbar_blocked`
+# returns the same numbers bitwise, forward and backward, and dispatches none of the ops that make a GPU's host wait:
+# the scalar reads (`_local_scalar_dense`, under `.item()`, `bool()`, `int()`) and the ops whose output size depends
+# on the data. (`.tolist()` dispatches nothing on a CPU tensor; its `bincount` does.) `tests/test_cuda_dry_run.py`
+# counts the same, with their sites, on a simulated GPU, through the whole training step.
+
+# %%
+_SYNCING = {"_local_scalar_dense", "nonzero", "bincount", "masked_select", "_unique2", "unique_consecutive"}
+
+
+class _HostReads(TorchDispatchMode):
+    "The ops dispatched that would make a GPU's host wait (a small version of tests/cuda_sim.py's counter)."
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        mask = func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1])
+        ri = name == "repeat_interleave" and (kwargs or {}).get("output_size") is None and torch.is_tensor(args[0])
+        if name in _SYNCING or mask or ri:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+for spec in (SbarSpec(tau=0.3, block_bytes=600), SbarSpec(region_sets=False, block_bytes=600)):
+    for rv_all in (False, True):
+        reg, rv, ph, nt = ragged_case(5, 6, seed=3)
+        rv = rv | rv_all                                     # ragged_case has an image without a valid region
+        out = []
+        for facts in ({}, dict(counts=torch.bincount(nt, minlength=6).tolist(), all_valid=bool(rv.all()))):
+            r, p = reg.clone().requires_grad_(), ph.clone().requires_grad_()
+            with _HostReads() as seen:
+                S = sbar_blocked(r, rv, p, nt, 6, spec, **facts)
+                S.backward(torch.ones_like(S))
+            out.append((S.detach(), r.grad, p.grad, seen.seen))
+        assert out[1][3] == [] and out[0][3], out[0][3]     # with the host facts: nothing read back
+        assert all(torch.equal(a, b) for a, b in zip(out[0][:3], out[1][:3]))
+print("without host facts sbar_blocked dispatches", sorted(set(out[0][3])), "; with them, none")
+
+# %% [markdown]
 # The block plan at the budgets used above, for the record: one node of one row per block, and everything
 # at once.
 
@@ -637,6 +778,27 @@ print(f"fast == dense (values, d regions, d phrases) in float64: {len(_SPECS)} s
 assert block_plan(5, 4, [1, 3, 2], 8, 1) == (1, [(0, 1, 0, 1), (1, 2, 1, 4), (2, 3, 4, 6)])
 assert block_plan(5, 4, [1, 3, 2], 8, 10**9) == (5, [(0, 3, 0, 6)])
 assert block_plan(2, 4, [1, 3, 2], 8, 2 * 4 * 8 * 4) == (2, [(0, 2, 0, 4), (2, 3, 4, 6)])
+
+# %% [markdown]
+# The budget per device, with the GPU's memory answered by hand (16, 80 and 141 GB: the lower bound, 1/128, the upper
+# bound); the budget at the paper's size, in blocks, against 16 MiB:
+
+# %%
+assert device_block_bytes("cpu") == device_block_bytes(torch.device("cpu")) == CPU_BLOCK_BYTES == SbarSpec().block_bytes
+for gb, mib in ((16, 256), (80, 596), (141, 1024)):
+    props = SimpleNamespace(total_memory=gb * 10**9)
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda d, props=props: props):
+        assert device_block_bytes("cuda:0") == mib << 20, (gb, device_block_bytes("cuda:0") >> 20)
+_kp = (1 + torch.poisson(torch.full((4096,), 7.1), generator=_g)).long().tolist()   # about CC3M's mean of 8.1 nodes
+
+
+def _n_blocks(Ci, counts, budget):
+    rows, blocks = block_plan(Ci, 10, counts, 4, budget)
+    return -(-Ci // rows) * len(blocks)
+
+
+print({f"{b >> 20} MiB": _n_blocks(512, _kp, b) + _n_blocks(4096, _kp[:512], b) for b in (16 << 20, 596 << 20)},
+      "blocks per loss call at R = 512, C = 4,096, M = 10, fp32 (both directions)")
 
 # %% [markdown]
 # `gradcheck` on the Function itself (finite differences, not the reference), and the local-row form of the

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from powerclip.powerset import (
     nla_t1, nla_t2, powerset_scores, r2t_exact, r2t_singletons, t2r_exact, t2r_singletons, triplet,
 )
-from powerclip.powerset_fast import SbarSpec, pack_nodes, sbar_blocked, unpack_nodes
+from powerclip.powerset_fast import CPU_BLOCK_BYTES, SbarSpec, check_counts, pack_nodes, sbar_blocked, unpack_nodes
 
 # %%
 #| hide
@@ -66,6 +66,18 @@ from torch.testing import assert_close
 # in rank order, and the gathered `node_text` is each process's `node_text` plus the number of rows before it
 # (`rank * R` when every process holds R rows), which keeps it sorted. Nothing is padded to the longest
 # caption, and the loss keeps $O(RC)$ for backward beyond its inputs, whatever $M$ and $K$.
+#
+# **Host facts.** The blocked path plans its blocks from the node counts $K_j$, and skips its masking passes when
+# every region is valid. On a GPU, reading either from the device makes the host wait for everything queued before
+# (a host sync), and so do the ops whose output size depends on the data (boolean-mask indexing, `nonzero`,
+# `bincount`, `repeat_interleave` without its size). Both facts are known on the CPU before the batch moves to the
+# device, where the data pipeline built `node_valid` and `region_valid`; `PowersetInputs` carries them as optional
+# host fields, `node_counts` (a list of ints, one per row) and `all_regions_valid` (a bool), which the caller reads
+# from the same masks (`PowerCLIP.prepare_batch` does, `40_methods`). Given both, the blocked path reads nothing
+# back (0 host syncs in the loss, forward and backward: `tests/test_cuda_dry_run.py` counts them on a simulated
+# GPU). They are trusted: checked against the shapes on the host (one-line errors), never against the masks, which
+# would take the sync they save. Without them the loss reads them from the device and checks the layout there, as
+# before. The logged means of the positive and negative similarities are taken without boolean indexing too.
 
 # %% [markdown]
 # ## The local-row skeleton
@@ -197,7 +209,8 @@ assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone
 # | `use_t2r`, `use_r2t` | True | Table 6 ablations "w/o T2R agg.", "w/o R2T agg." |
 # | `region_sets` | True | False: Table 6 ablation "w/o region sets", single regions with a hard max (`10_powerset`) |
 # | `exact` | False | enumerate the $2^M$ subsets instead of the NLAs (small $M$ only; Fig. 9 "without approximation") |
-# | `impl`, `block_bytes` | `'auto'`, 16 MiB | how $\bar S$ is computed: blocked from packed nodes (`10a_powerset_fast`), the dense reference, or `'auto'`: dense when its $(C_i, C_j, M, K)$ scores fit in one block, else blocked |
+# | `impl` | `'auto'` | how $\bar S$ is computed: blocked from packed nodes (`10a_powerset_fast`), the dense reference, or `'auto'`: dense when its $(C_i, C_j, M, K)$ scores fit in one block and in 16 MiB, else blocked |
+# | `block_bytes` | `'auto'` | the blocked path's budget per block: the device's (`device_block_bytes`: 16 MiB on a CPU, 256 MiB - 1 GiB on CUDA), settled when a run is built (`PowerCLIP.setup_model`); elsewhere 16 MiB |
 
 # %%
 #| export
@@ -215,48 +228,67 @@ class PowerCLIPLossConfig:
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
     region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
     impl: str = "auto"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K)
-                              # reference; 'auto': dense when its scores fit in block_bytes (small batches: fewer,
-                              # larger kernels), else fast
-    block_bytes: int = 16 << 20  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient memory
+                              # reference; 'auto': dense when its scores fit in one block and in 16 MiB (small
+                              # batches: fewer, larger kernels), else fast
+    block_bytes: int | str = "auto"  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient
+                              # memory. 'auto': the device's budget, settled when a run is built; elsewhere 16 MiB
 
     def __post_init__(self):
         if not (self.use_t2r or self.use_r2t):
             raise ValueError("at least one of use_t2r / use_r2t must be on (set lam=0 to drop the triplet loss)")
         if self.tau <= 0 or not 0 <= self.alpha <= 1:
             raise ValueError(f"need tau > 0 and alpha in [0, 1], got tau={self.tau}, alpha={self.alpha}")
-        if self.impl not in ("auto", "fast", "dense") or self.block_bytes < 1:
-            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes >= 1, got impl={self.impl!r}, "
-                             f"block_bytes={self.block_bytes}")
+        bb = self.block_bytes
+        if self.impl not in ("auto", "fast", "dense") or not (bb == "auto" or (type(bb) is int and bb >= 1)):
+            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes 'auto' or an integer >= 1, got "
+                             f"impl={self.impl!r}, block_bytes={bb!r}")
+
+    @property
+    def block_budget(self) -> int:
+        "block_bytes in bytes: 'auto' not settled for a device (outside a run) is a CPU's 16 MiB."
+        return CPU_BLOCK_BYTES if self.block_bytes == "auto" else self.block_bytes
 
     def sbar_spec(self) -> SbarSpec:
         "The switches of S-bar, for the fast path."
         return SbarSpec(tau=self.tau, alpha=self.alpha, t1_act=self.t1_act, t2_act=self.t2_act, use_t2r=self.use_t2r,
                         use_r2t=self.use_r2t, debias_t2=self.debias_t2, region_sets=self.region_sets,
-                        block_bytes=self.block_bytes)
+                        block_bytes=self.block_budget)
 
 
 @dataclass
 class PowersetInputs:
     """What the powerset loss needs of a batch (local, or gathered across processes). Tree nodes come padded,
     `phrases (C, K, D)` with `node_valid (C, K)`, or packed, `phrases (P, D)` with `node_text (P,)`: the row
-    (text) of each node, sorted, every row with at least one node (`10a_powerset_fast`)."""
+    (text) of each node, sorted, every row with at least one node (`10a_powerset_fast`). Optional host facts, read
+    on the CPU from the same masks before they moved to the device: `node_counts` (K of each row) and
+    `all_regions_valid`; with both the loss reads nothing back from the device."""
     regions: torch.Tensor       # (C, M, D) region embeddings phi(I | R_m) (Eq. 2)
     region_valid: torch.Tensor  # (C, M) bool
     phrases: torch.Tensor       # (C, K, D) padded or (P, D) packed phrase embeddings p_B (Eq. 3)
     node_valid: torch.Tensor | None = None  # (C, K) bool: padded layout
     node_text: torch.Tensor | None = None   # (P,) long: packed layout
+    node_counts: list[int] | None = None    # host: valid nodes of each row's text (node_valid's row sums), or None
+    all_regions_valid: bool | None = None   # host: region_valid is all True, or None (not known on the host)
 
     def __post_init__(self):
         if (self.node_valid is None) == (self.node_text is None):
             raise ValueError("PowersetInputs needs exactly one of node_valid (padded phrases) and "
                              "node_text (packed phrases)")
+        if self.node_counts is not None:   # against the shapes, on the host (the values are trusted, not read back)
+            self.node_counts = check_counts(self.node_counts, self.regions.shape[0],
+                                            None if self.node_text is None else self.node_text.shape[0],
+                                            None if self.node_valid is None else self.node_valid.shape[1])
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (P, D), node_text (P,)
-        return (self.phrases, self.node_text) if self.node_valid is None else pack_nodes(self.phrases, self.node_valid)
+        return ((self.phrases, self.node_text) if self.node_valid is None
+                else pack_nodes(self.phrases, self.node_valid, self.node_counts))
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:  # phrases (C, K, D), node_valid (C, K)
         return ((self.phrases, self.node_valid) if self.node_text is None
-                else unpack_nodes(self.phrases, self.node_text, self.regions.shape[0]))
+                else unpack_nodes(self.phrases, self.node_text, self.regions.shape[0], self.node_counts))
+
+
+DENSE_AUTO_BYTES = 16 << 20   # impl='auto': the dense path only where its scores take at most this (and one block)
 
 
 def powerset_similarity(
@@ -267,18 +299,21 @@ def powerset_similarity(
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
     if cfg.impl == "auto" and not cfg.exact:   # the dense scores' bytes against one block of the fast path
         Ci, M = images.regions.shape[:2]
+        small = min(cfg.block_budget, DENSE_AUTO_BYTES)
         if texts.node_valid is not None:
             dense = Ci * texts.regions.shape[0] * M * texts.node_valid.shape[1] * 4
+        elif texts.node_counts is not None:   # K_max from the host
+            dense = Ci * texts.regions.shape[0] * M * max(texts.node_counts) * 4
         else:   # packed: K_max >= P / Cj, so Ci * M * P bounds the dense bytes from below without reading the counts,
                 # and the host sync of K_max is paid only where the dense path may be taken (small batches)
             dense = Ci * M * texts.node_text.shape[0] * 4
-            if dense <= cfg.block_bytes:
+            if dense <= small:
                 dense = Ci * texts.regions.shape[0] * M * int(torch.bincount(texts.node_text).max()) * 4
-        cfg = dataclasses.replace(cfg, impl="dense" if dense <= cfg.block_bytes else "fast")
+        cfg = dataclasses.replace(cfg, impl="dense" if dense <= small else "fast")
     if cfg.impl == "fast" and not cfg.exact:
         phrases, node_text = texts.packed()
         return sbar_blocked(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0],
-                            cfg.sbar_spec())
+                            cfg.sbar_spec(), counts=texts.node_counts, all_valid=images.all_regions_valid)
     phrases, node_valid = texts.padded()
     rv = images.region_valid
     Q = powerset_scores(images.regions, rv, phrases)  # (Ci, Cj, M, K)
@@ -314,9 +349,10 @@ def powerset_triplet_loss(
     sim = lambda a, b: powerset_similarity(a, b, cfg)                      # regions of images a, phrases of texts b
     S_img, S_txt = contrastive_rows(sim, local, local, gathered, gathered)  # (R, C) each
     with torch.no_grad():  # for logging: mean positive and mean negative similarity of the local image rows
-        diag = torch.zeros_like(S_img, dtype=torch.bool).scatter_(1, pos[:, None], True)
-        sim_pos = S_img[diag].mean()
-        sim_neg = S_img[~diag].mean() if S_img.shape[1] > 1 else S_img.new_zeros(())
+        diag = torch.zeros_like(S_img, dtype=torch.bool).scatter_(1, pos[:, None], True)       # (R, C)
+        sim_pos = S_img.gather(1, pos[:, None]).mean()      # no boolean-mask indexing: its size is read back on a GPU
+        n_neg = S_img.numel() - R
+        sim_neg = S_img.masked_fill(diag, 0).sum() / n_neg if n_neg else S_img.new_zeros(())
     return {"i2t": triplet(S_img, pos, cfg.gamma), "t2i": triplet(S_txt, pos, cfg.gamma),
             "sim_pos": sim_pos, "sim_neg": sim_neg}
 
@@ -443,6 +479,68 @@ try:
     raise AssertionError
 except ValueError as e:
     assert "exactly one" in str(e)
+
+
+# %% [markdown]
+# The host facts change no number: the loss and its gradients with `node_counts` and `all_regions_valid` given equal
+# those without, bitwise, on the fast path (padded and packed nodes, one and two processes; a batch with an invalid
+# region, and one without). Counts that do not fit the shapes are a one-line error.
+
+# %%
+def _with_facts(inp: PowersetInputs) -> PowersetInputs:
+    "The same inputs with their host facts (read here from CPU tensors: what the data side does before the move)."
+    counts = (inp.node_valid.sum(1) if inp.node_text is None else torch.bincount(inp.node_text,
+                                                                                minlength=inp.regions.shape[0]))
+    return dataclasses.replace(inp, node_counts=counts.tolist(), all_regions_valid=bool(inp.region_valid.all()))
+
+
+def _loss_grads(inp, cfg, facts, two):
+    reg, ph = inp.regions.clone().requires_grad_(), inp.phrases.clone().requires_grad_()
+    full = dataclasses.replace(inp, regions=reg, phrases=ph)
+    f = _with_facts if facts else (lambda x: x)
+    if two:
+        rows = lambda sl: f(_rows(full, sl) if full.node_text is None else _packed(_rows(_padded_of(full), sl)))
+        loss = sum(sum(v for k, v in powerclip_loss(_img[sl], _txt[sl], _s, rows(sl), cfg, _img, _txt, f(full),
+                                                   off).items() if not k.startswith("_"))
+                   for sl, off in ((slice(0, 3), 0), (slice(3, 6), 3)))
+    else:
+        out = powerclip_loss(_img, _txt, _s, f(full), cfg)
+        loss = sum(v for k, v in out.items() if not k.startswith("_"))
+    return (loss.detach(), *torch.autograd.grad(loss, (reg, ph)))
+
+
+def _padded_of(inp):
+    ph, nv = inp.padded()
+    return PowersetInputs(inp.regions, inp.region_valid, ph, nv)
+
+
+_all_valid = dataclasses.replace(_inp, region_valid=torch.ones_like(_inp.region_valid))
+for inp in (_inp, _packed(_inp), _all_valid, _packed(_all_valid)):
+    for cfg in (PowerCLIPLossConfig(impl="fast", tau=0.05, gamma=5.0, block_bytes=600),
+                PowerCLIPLossConfig(impl="fast", region_sets=False, gamma=5.0)):
+        for two in (False, True):
+            a, b = _loss_grads(inp, cfg, False, two), _loss_grads(inp, cfg, True, two)
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (cfg, two)
+for bad, msg in ((dict(node_counts=[1] * 5), "5 given for 6 texts"), (dict(node_counts=[9] * 6), "padded width is 4")):
+    try:
+        dataclasses.replace(_inp, **bad)
+        raise AssertionError(msg)
+    except ValueError as e:
+        assert msg in str(e), (msg, e)
+# the logged means: those of the positive pairs and of all the others
+_t = powerset_triplet_loss(_inp, cfg=_cfg)
+_S = powerset_similarity(_inp, _inp, _cfg)
+assert_close(_t["sim_pos"], _S.diagonal().mean())
+assert_close(_t["sim_neg"], _S[~torch.eye(6, dtype=torch.bool)].mean())
+# block_bytes: 'auto' (16 MiB outside a run) or a positive integer
+assert PowerCLIPLossConfig().block_budget == 16 << 20
+assert PowerCLIPLossConfig(block_bytes=4096).sbar_spec().block_bytes == 4096
+for bb in ("autoo", 0, 1.5):
+    try:
+        PowerCLIPLossConfig(block_bytes=bb)
+        raise AssertionError(bb)
+    except ValueError as e:
+        assert "block_bytes 'auto' or an integer >= 1" in str(e)
 try:
     PowerCLIPLossConfig(impl="cuda")
     raise AssertionError

@@ -29,6 +29,7 @@ from powerclip.data import BatchNeeds
 from powerclip.dist import DistContext, gather
 from powerclip.loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
 from powerclip.powerset import phrase_embeddings, pool_normalize
+from powerclip.powerset_fast import device_block_bytes
 
 # %%
 #| hide
@@ -320,6 +321,7 @@ def sample_keys(batch: dict, image: torch.Tensor) -> torch.Tensor:
     keys = batch.get("index")
     return torch.arange(image.shape[0], device=image.device) if keys is None else keys.to(image.device)
 
+
 # %% [markdown]
 # ## PowerCLIP
 #
@@ -337,6 +339,27 @@ def sample_keys(batch: dict, image: torch.Tensor) -> torch.Tensor:
 # the tree's leaves already are (`20_parsing`), so that the ablation removes the tree's structure and nothing else (a
 # word split into several BPE pieces stays one node). (`lam=0` is "w/o triplet loss", `region_sets=False`
 # "w/o region sets".)
+#
+# **What the host knows.** The blocked loss needs two facts of the batch on the host: the number of tree nodes of each
+# caption (its block plan) and whether every region is valid (then it skips its masking passes). Read on a GPU they
+# would make the host wait for the device (`11_loss`, "Host facts"), so `prepare_batch` reads them from the batch's
+# CPU masks before `Run.prepare` moves it: `node_counts` (a list of C ints, of the word nodes under `nodes='words'`)
+# and `all_regions_valid` (a bool), two host values in the batch that `to_device` leaves where they are and
+# `powerset_inputs` hands to the loss. On one process the loss then makes no host sync at all on the fast path
+# (`tests/test_cuda_dry_run.py`). A batch that did not go through `prepare_batch` (a notebook calling `loss` on model
+# outputs) still works: the loss reads the facts from the device, as it always did.
+#
+# **Under DDP** two syncs remain, both in the gather and both needed: `gather`'s shape exchange (the processes'
+# shapes, to pad and cut the collectives; `15_dist`), and one copy to the host of the gathered batch's host facts
+# (each caption's node count and each image's valid regions, `(C, 2)` integers gathered with the masks), because the
+# block plan of the local images against all $C$ texts needs every process's counts on the host, and no process has
+# them before the collective. The gathered `node_text` is then built on the device from the gathered counts
+# (`repeat_interleave` with its output size known), not gathered and shifted.
+#
+# **The block budget** (`block_bytes='auto'`, the default) is settled for the device once, when the run is built:
+# `setup_model`, which the trainer calls with the model on its device, sets it to `device_block_bytes` (16 MiB on a
+# CPU; on CUDA 1/128 of the GPU's memory, within 256 MiB - 1 GiB; `10a_powerset_fast`), so no step asks the CUDA
+# runtime anything. A number given in the config (`method_cfg.block_bytes=4096`) is kept.
 
 # %%
 #| export
@@ -367,22 +390,40 @@ class PowerCLIP(Method):
     def needs(self) -> BatchNeeds:
         return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
 
+    def setup_model(self, model) -> None:
+        "Settle `block_bytes='auto'` for the model's device, once, when the run is built (see above)."
+        if self.cfg.block_bytes == "auto":
+            self.cfg = dataclasses.replace(self.cfg, block_bytes=device_block_bytes(next(model.parameters()).device))
+
+    def prepare_batch(self, batch: dict) -> dict:
+        "The batch's host facts, read from its CPU masks: `node_counts` (C ints) and `all_regions_valid` (see above)."
+        batch = super().prepare_batch(batch)
+        nodes = word_nodes(batch) if self.cfg.nodes == "words" else batch
+        return {**batch, "node_counts": nodes["node_valid"].sum(1).tolist(),
+                "all_regions_valid": bool(batch["region_valid"].all())}
+
     def loss(self, out, batch, dist):
         if self.cfg.nodes == "words":
             batch = word_nodes(batch)
-        padded = powerset_inputs(out, batch)               # (R, M, D), (R, M), (R, K, D), (R, K)
+        padded = powerset_inputs(out, batch)               # (R, M, D), (R, M), (R, K, D), (R, K), host facts if any
         phrases, node_text = padded.packed()               # (P, D), (P,): the valid nodes only, text by text
-        local = PowersetInputs(padded.regions, padded.region_valid, phrases, node_text=node_text)
-        g = gather(dist, {"image": out["image"], "text": out["text"], "regions": local.regions,
-                          "region_valid": local.region_valid, "phrases": phrases, "node_text": node_text},
-                   pad={"regions": {1: 0.0}, "region_valid": {1: False}})   # M padded to its maximum; nodes packed
+        local = PowersetInputs(padded.regions, padded.region_valid, phrases, node_text=node_text,
+                               node_counts=padded.node_counts, all_regions_valid=padded.all_regions_valid)
+        tensors = {"image": out["image"], "text": out["text"], "regions": local.regions,
+                   "region_valid": local.region_valid, "phrases": phrases}
+        if dist.distributed:   # each caption's nodes and each image's valid regions: the gathered batch's host facts
+            tensors["facts"] = torch.stack([padded.node_valid.sum(1), padded.region_valid.sum(1)], 1)   # (R, 2)
+        g = gather(dist, tensors, pad={"regions": {1: 0.0}, "region_valid": {1: False}})  # M padded; nodes packed
         a = g.all
-        if a["phrases"] is phrases:                        # one process: the gathered batch is the local one
+        if not dist.distributed:                           # one process: the gathered batch is the local one
             gathered = local
-        else:  # node_text counts texts from 0 on every process: shift each process's nodes by its first text row
-            shift = torch.tensor(g.starts("image"), device=node_text.device).repeat_interleave(
-                torch.tensor(g.rows["node_text"], device=node_text.device))          # (P_all,)
-            gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], node_text=a["node_text"] + shift)
+        else:   # one copy to the host (see above): K of every gathered caption, valid regions of every image
+            facts = a["facts"].tolist()                                              # (C, 2)
+            node_text_all = torch.arange(len(facts), device=phrases.device).repeat_interleave(
+                a["facts"][:, 0], output_size=a["phrases"].shape[0])                 # (P_all,) sorted
+            gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], node_text=node_text_all,
+                                      node_counts=[k for k, _ in facts],
+                                      all_regions_valid=all(m == a["region_valid"].shape[1] for _, m in facts))
         terms = powerclip_loss(out["image"], out["text"], out["logit_scale"], local, self.cfg,
                                a["image"], a["text"], gathered, g.offset)
         terms["_logit_scale"] = out["logit_scale"].detach()
@@ -403,7 +444,8 @@ class PowerCLIP(Method):
 def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
     """Regions `(C, M, D)` (Eq. 2), phrases `(C, K, D)` (Eqs. 3-4) and validity masks from `encode`'s output and
     a batch with `region_masks (C, M, N)`, `region_valid (C, M)`, `leaf_tokens (C, W, L)`, `incidence (C, K, W)`,
-    `node_valid (C, K)`."""
+    `node_valid (C, K)`, and the host facts `node_counts`, `all_regions_valid` where `PowerCLIP.prepare_batch` read
+    them."""
     if enc.get('patches') is None:
         raise ValueError('no patch embeddings: encode with need_patches=True')
     masks = batch['region_masks'].to(enc['patches'].device)
@@ -413,7 +455,8 @@ def powerset_inputs(enc: dict, batch: dict) -> PowersetInputs:
     leaves = pool_normalize(enc['tokens'], batch['leaf_tokens'].to(enc['tokens'].device))  # (C, W, D)
     phrases = phrase_embeddings(leaves, batch['incidence'].to(leaves.device))         # (C, K, D)
     return PowersetInputs(regions, batch['region_valid'].to(regions.device), phrases,
-                          batch['node_valid'].to(phrases.device))
+                          batch['node_valid'].to(phrases.device), node_counts=batch.get('node_counts'),
+                          all_regions_valid=batch.get('all_regions_valid'))
 
 
 def word_nodes(batch: dict) -> dict:
@@ -605,6 +648,33 @@ assert_close(_t["clip"], clip_loss(_out["image"], _out["text"], _out["logit_scal
 _t = get_method("powerclip").loss(_out, _b, _one)
 print({k: round(float(v), 4) for k, v in _t.items()})
 assert set(_t) >= {"clip", "powerset", "_triplet_i2t", "_logit_scale"} and torch.isfinite(_t["powerset"])
+
+# %% [markdown]
+# PowerCLIP's host facts: `prepare_batch` reads them from the CPU masks (the word nodes' counts under `nodes='words'`),
+# and the loss with them is the loss without them, bitwise, on each path; `setup_model` settles `block_bytes='auto'`
+# for the model's device (a CPU: 16 MiB) and keeps a number given.
+
+# %%
+_bf = dict(_b, node_valid=torch.rand(4, 4, generator=torch.Generator().manual_seed(3)) < 0.6,
+           region_valid=torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.bool))
+_bf["node_valid"][:, 0] = True
+for kw in ({}, {"nodes": "words"}, {"impl": "fast", "block_bytes": 256}, {"impl": "fast", "region_sets": False},
+           {"impl": "dense"}):
+    _pm = get_method("powerclip", kw)
+    for b in (_b, _bf):
+        pb = _pm.prepare_batch(b)
+        want = (word_nodes(b) if kw.get("nodes") == "words" else b)["node_valid"].sum(1).tolist()
+        test_eq((pb["node_counts"], pb["all_regions_valid"]), (want, bool(b["region_valid"].all())))
+        t0, t1 = _pm.loss(_out, b, DistContext()), _pm.loss(_out, pb, DistContext())
+        assert all(torch.equal(t0[k], t1[k]) for k in t0), kw
+_pm = get_method("powerclip")
+test_eq(_pm.cfg.block_bytes, "auto")
+_pm.setup_model(torch.nn.Linear(2, 2))
+test_eq(_pm.cfg.block_bytes, 16 << 20)
+_pm = get_method("powerclip", {"block_bytes": 4096})
+_pm.setup_model(torch.nn.Linear(2, 2))
+test_eq(_pm.cfg.block_bytes, 4096)
+test_fail(lambda: get_method("powerclip", {"block_bytes": "big"}), contains="block_bytes 'auto' or an integer")
 
 # %% [markdown]
 # A name belongs to one class: registering another class under a taken name is an error, while the same
