@@ -12,12 +12,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .powerset import NLA_T1_ACTS, NLA_T2_INTEGRALS
+from powerclip.powerset import (
+    NLA_T1_ACTS, NLA_T2_INTEGRALS, nla_t1, nla_t2, powerset_scores, r2t_singletons, t2r_singletons,
+)
 
 # %% auto #0
 __all__ = ['NLA_T1_GRADS', 'NLA_T2_ACTS', 'CPU_BLOCK_BYTES', 'check_counts', 'pack_nodes', 'node_counts', 'unpack_nodes',
            'segment_sum', 'segment_max', 'segment_logsumexp', 'SbarSpec', 'block_plan', 'device_block_bytes',
-           'sbar_blocked', 'ragged_case', 'saved_tensor_bytes']
+           'sbar_blocked', 'ragged_case', 'sbar_dense', 'saved_tensor_bytes']
 
 # %% ../nbs/10a_powerset_fast.ipynb #f012189b
 def check_counts(
@@ -407,6 +409,27 @@ def ragged_case(Ci=5, Cj=6, M=4, D=8, Kmax=5, seed=0, dtype=torch.float64, scale
     node_text = torch.arange(Cj).repeat_interleave(k)
     phrases = torch.randn(int(k.sum()), D, generator=g, dtype=dtype) * scale
     return regions, rv, phrases, node_text
+
+# %% ../nbs/10a_powerset_fast.ipynb #32035daf
+def sbar_dense(
+    regions: torch.Tensor,       # (C_i, M, D)
+    region_valid: torch.Tensor,  # (C_i, M) bool
+    phrases: torch.Tensor,       # (P, D) packed
+    node_text: torch.Tensor,     # (P,) long, sorted
+    n_texts: int,                # C_j
+    spec: SbarSpec = SbarSpec(),
+) -> torch.Tensor:               # (C_i, C_j)
+    "The reference of every fast path: S-bar from the padded Q of 10_powerset's functions (float64 in the tests)."
+    rv = region_valid
+    ph, nv = unpack_nodes(phrases, node_text, n_texts)
+    Q = powerset_scores(regions, rv, ph)  # (Ci, Cj, M, K)
+    S = 0
+    if spec.use_t2r:
+        S = S + (nla_t1(Q, rv, nv, spec.tau, spec.t1_act) if spec.region_sets else t2r_singletons(Q, rv, nv))
+    if spec.use_r2t:
+        S = S + (nla_t2(Q, rv, nv, spec.tau, spec.alpha, spec.t2_act, spec.debias_t2) if spec.region_sets
+                 else r2t_singletons(Q, rv, nv))
+    return S
 
 # %% ../nbs/10a_powerset_fast.ipynb #86ebeef3
 @contextmanager

@@ -30,6 +30,7 @@
 # | notebooks | module | idea |
 # |---|---|---|
 # | `10_powerset`, `10a_powerset_fast` | `powerset`, `powerset_fast` | the loss's math as pure tensor functions: exact $2^M$ enumeration (the oracle), the readable dense NLA form, and the fast path (packed nodes, blocked $\bar S$, analytic backward) checked against it in float64 |
+# | `10b_sbar_triton` | `sbar_triton` | $\bar S$ as fused Triton kernels for the GPU (a forward with a per-text online log-sum-exp, two backward kernels that recompute the scores), a `torch.library` op that compiles in one graph; tested against float64 under Triton's interpreter |
 # | `11_loss` | `loss` | CLIP's InfoNCE in its data-parallel local-rows form (`contrastive_rows`), the PowerCLIP loss |
 # | `12_theory_t2r`, `13_theory_r2t`, `14_approximation` | `theory` | the theory: LSE bound, Thm. 1 (softplus), Thm. 2 (cosh), the Fig. 5/7 experiment, checked numerically |
 # | `15_dist`, `16_measure`, `17_commandline` | `dist`, `measure`, `commandline` | the whole distributed contract (`gather`: one collective for float tensors with gradient, one for masks, ragged dims padded); fresh-process runs and peak memory for benchmarks; one command-line convention (one line, exit 2, `--debug`) and the one device check (`check_device`) |

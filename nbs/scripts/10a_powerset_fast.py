@@ -27,7 +27,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from powerclip.powerset import NLA_T1_ACTS, NLA_T2_INTEGRALS
+from powerclip.powerset import (
+    NLA_T1_ACTS, NLA_T2_INTEGRALS, nla_t1, nla_t2, powerset_scores, r2t_singletons, t2r_singletons,
+)
 
 # %%
 #| hide
@@ -40,9 +42,6 @@ from torch.autograd import gradcheck
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from powerclip.powerset import (
-    nla_t1, nla_t2, powerset_scores, r2t_singletons, t2r_singletons,
-)
 
 
 # %% [markdown]
@@ -685,8 +684,17 @@ def ragged_case(Ci=5, Cj=6, M=4, D=8, Kmax=5, seed=0, dtype=torch.float64, scale
 
 
 # %%
-def _dense(regions, rv, phrases, node_text, n_texts, spec):
-    "The reference: S-bar from the padded Q of 10_powerset's functions."
+#| export
+def sbar_dense(
+    regions: torch.Tensor,       # (C_i, M, D)
+    region_valid: torch.Tensor,  # (C_i, M) bool
+    phrases: torch.Tensor,       # (P, D) packed
+    node_text: torch.Tensor,     # (P,) long, sorted
+    n_texts: int,                # C_j
+    spec: SbarSpec = SbarSpec(),
+) -> torch.Tensor:               # (C_i, C_j)
+    "The reference of every fast path: S-bar from the padded Q of 10_powerset's functions (float64 in the tests)."
+    rv = region_valid
     ph, nv = unpack_nodes(phrases, node_text, n_texts)
     Q = powerset_scores(regions, rv, ph)  # (Ci, Cj, M, K)
     S = 0
@@ -698,6 +706,7 @@ def _dense(regions, rv, phrases, node_text, n_texts, spec):
     return S
 
 
+# %%
 _SPECS = ([SbarSpec(tau=0.3, t1_act=a) for a in NLA_T1_ACTS] + [SbarSpec(tau=0.3, t2_act=a) for a in NLA_T2_INTEGRALS]
           + [SbarSpec(tau=0.3, use_t2r=False), SbarSpec(tau=0.3, use_r2t=False), SbarSpec(tau=0.3, debias_t2=True),
              SbarSpec(tau=0.05, alpha=0.0), SbarSpec(tau=0.05, alpha=1.0), SbarSpec(tau=1e-3),
@@ -709,7 +718,7 @@ def _parity(spec, Ci, Cj, seed, budget):
     reg, rv, ph, nt = ragged_case(Ci, Cj, seed=seed)
     fast_spec = replace(spec, block_bytes=budget)
     out = {}
-    for name, f in (("dense", _dense), ("fast", sbar_blocked)):
+    for name, f in (("dense", sbar_dense), ("fast", sbar_blocked)):
         r, p = reg.clone().requires_grad_(), ph.clone().requires_grad_()
         S = f(r, rv, p, nt, Cj, fast_spec if name == "fast" else spec)
         W = torch.randn(S.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=S.dtype)
