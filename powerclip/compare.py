@@ -28,9 +28,10 @@ from .train import read_metrics, train
 from .world import WorldConfig
 
 # %% auto #0
-__all__ = ['RUNS', 'DEMO_RUNS', 'COMPARE_STEPS', 'COMPARE_SEEDS', 'FINETUNE_SHARE', 'CURVE_POINTS', 'EVAL_IMAGES',
-           'GROUNDING_SCENES', 'VOLATILE', 'SWEEP_BY', 'RunSpec', 'finetune_steps', 'snapshot_steps', 'Job', 'Plan',
-           'make_plan', 'train_isolated', 'step_seconds', 'train_job', 'run_sweep', 'run_plan', 'compare', 'main']
+__all__ = ['FT_RECIPE', 'FT_WARMUP_SHARE', 'RUNS', 'DEMO_RUNS', 'COMPARE_STEPS', 'COMPARE_SEEDS', 'FINETUNE_SHARE',
+           'CURVE_POINTS', 'EVAL_IMAGES', 'GROUNDING_SCENES', 'VOLATILE', 'SWEEP_BY', 'RunSpec', 'finetune_steps',
+           'snapshot_steps', 'Job', 'Plan', 'make_plan', 'train_isolated', 'step_seconds', 'train_job', 'run_sweep',
+           'run_plan', 'compare', 'main']
 
 # %% ../nbs/70_compare.ipynb #30cd359a
 @dataclass
@@ -46,6 +47,11 @@ class RunSpec:
     steps: int | None = None                        # a pre-trained row's own T (the plan's when None; `71_experiments`'
                                                     # Fig. 8)
 
+
+# PowerCLIP's fine-tune recipe (its paper has none): the pre-training's own, restarted at the rate CLIP's schedule has
+# reached at T - F (a cosine from 1e-3 at 80 % of the run: 1.0e-4), weight decay unchanged, a warm-up of 2 % of F
+FT_RECIPE = {"optim.lr": 1e-4, "optim.weight_decay": 0.2}
+FT_WARMUP_SHARE = 0.02
 
 RUNS = {
     "CLIP": RunSpec("clip"),
@@ -69,6 +75,11 @@ RUNS = {
     "SmartCLIP": RunSpec("smartclip", {"optim.lr": 1e-6, "optim.weight_decay": 0.01}, base="CLIP",
                          warmup_share=200 / 2_400),
     "PowerCLIP-R": RunSpec("powerclip", {"method_cfg.masks": "random"}),
+    # PowerCLIP-R's loss as a fine-tune of CLIP's snapshot, and its matched control: CLIP's loss with the same recipe
+    # (FT_RECIPE, below: "PowerCLIP as a fine-tune")
+    "CLIP ft": RunSpec("clip", dict(FT_RECIPE), base="CLIP", warmup_share=FT_WARMUP_SHARE),
+    "PowerCLIP-R ft": RunSpec("powerclip", {"method_cfg.masks": "random", **FT_RECIPE}, base="CLIP",
+                              warmup_share=FT_WARMUP_SHARE),
     "PowerCLIP-gold": RunSpec("powerclip", {"method_cfg.masks": "gold"}),
     # average pooling in both towers (30_model, "Pooling"): the PowerCLIP authors' model, and CLIP pooled alike
     "CLIP (avg)": RunSpec("clip", {"model.pool": "avg"}),

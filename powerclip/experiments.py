@@ -16,12 +16,14 @@ from .commandline import ArgumentParser, run_main, usage_errors
 from .compare import COMPARE_SEEDS, RUNS, make_plan, run_plan
 from .config import PRECISIONS, parse_override
 from .eval.world_scores import FOLDER_HEADLINE, HEADLINE
-from .report import (Comparison, load_comparison, merge_comparisons, mdd_cell, paired_stats, verdicts,
-                              write_outputs)
+from .report import (Comparison, load_comparison, merge_comparisons, mdd_cell, p_cell, paired_stats,
+                              rewrite_outputs, verdicts, write_outputs)
 
 # %% auto #0
 __all__ = ['BUDGET_STEPS', 'PLATEAU_ROWS', 'PLATEAU_METRICS', 'GROUNDING_SCENES', 'PLATEAU_ALPHA', 'ANATOMY_KEYS',
-           'POOLING_PAIRS', 'pooled_sd', 'move_test', 'budget', 'budget_table', 'pooling_table', 'plateau', 'main']
+           'POOLING_PAIRS', 'FINETUNE_ROWS', 'FINETUNE_REFERENCE', 'FINETUNE_STEPS', 'FINETUNE_PAIRS',
+           'FINETUNE_LABELS', 'pooled_sd', 'move_test', 'budget', 'budget_table', 'pairs_table', 'plateau', 'finetune',
+           'rewrite_results', 'main']
 
 # %% ../nbs/71a_plateau.ipynb #b04d272a
 BUDGET_STEPS = (400, 800, 1600)   # CLIP alone at each T (each the double of the one before)
@@ -99,7 +101,7 @@ def _kind(folder: Path) -> str | None:
         raise ValueError(f"{f}: not a readable summary ({type(e).__name__}: {e}); move it, or give another "
                          "--out") from None
     after = words[words.index("powerclip.experiments") + 1:] if "powerclip.experiments" in words else []
-    return meta.get("experiment") or next((w for w in after if w in ("budget", "plateau")), None)
+    return meta.get("experiment") or next((w for w in after if w in ("budget", "plateau", "finetune")), None)
 
 
 def _claim(plan, kind: str, folder: Path) -> None:
@@ -217,32 +219,45 @@ POOLING_PAIRS = (("PowerCLIP-R", "CLIP"), ("PowerCLIP-R (avg)", "CLIP (avg)"), (
                  ("CLIP (avg)", "CLIP"), ("PowerCLIP-R (avg)", "PowerCLIP-R"))
 
 
-def pooling_table(cmp: Comparison, pairs=POOLING_PAIRS) -> str:
+def pairs_table(cmp: Comparison, pairs=POOLING_PAIRS, labels: dict | None = None) -> str:
     """Markdown: each row of `pairs` against its own reference on the same seeds (mean [95 % t interval over seeds])
-    and the verdict, then the smallest difference each pair's seeds detect (80 % power, `69_stats`); the headline
-    table's differences are all to class-token CLIP."""
-    lines = ["| row | against | seeds | " + " | ".join(f"Δ {v}" for v in HEADLINE.values()) + " | verdict |",
-             "|---|---|---:|" + "---:|" * len(HEADLINE) + "---|"]
+    and the verdict (Holm over the pair's numbers); then each difference's raw and Holm-adjusted p and on how many
+    seeds it is above 0; then the smallest difference each pair's seeds detect (80 % power, `69_stats`). `labels`:
+    how a row is shown (the headline table's differences are all to its one reference)."""
+    lab = lambda n: (labels or {}).get(n, n)
+    head = lambda f: ("| row | against | seeds | " + " | ".join(map(f, HEADLINE.values())) + " |",
+                      "|---|---|---:|" + "---:|" * len(HEADLINE))
+    lines = [head("Δ {}".format)[0][:-1] + "| verdict |", head("Δ {}".format)[1] + "---|"]
+    ps_ = ["", "Each difference's raw p (paired t test over the seeds), its Holm-adjusted p over the pair's numbers "
+           "(the verdict's: better/worse only below 0.05, suggestive where only the raw interval excludes 0) and on "
+           "how many seeds it is above 0 ('sd 0': every seed gave the same difference, no p-value):", "",
+           *head("{}: p / Holm p / seeds > 0".format)]
     power = ["", "Smallest true difference each pair's seeds detect with 80 % power (two-sided paired t test, alpha "
              "0.05, the pair's paired sd as the true sd) [95 % interval from the chi-square interval of that sd]:", "",
-             "| row | against | seeds | " + " | ".join(f"detectable Δ {v}" for v in HEADLINE.values()) + " |",
-             "|---|---|---:|" + "---:|" * len(HEADLINE)]
+             *head("detectable Δ {}".format)]
     for a, b in pairs:
         ps = {s: {k: r[k] for k in (a, b)} for s, r in cmp.per_seed.items() if a in r and b in r}
         if not ps:
             continue
         st = paired_stats(ps, b).get(a, {})
-        lines.append(f"| {a} | {b} | {len(ps)} | "
-                     + " | ".join(st[m]["t"].format() if m in st else "-" for m in HEADLINE)
+        row = f"| {lab(a)} | {lab(b)} | {len(ps)} | "
+        lines.append(row + " | ".join(st[m]["t"].format() if m in st else "-" for m in HEADLINE)
                      + f" | {verdicts({a: st}).get(a, '-') if st else '-'} |")
-        power.append(f"| {a} | {b} | {len(ps)} | " + " | ".join(mdd_cell(st.get(m)) for m in HEADLINE) + " |")
-    return "\n".join(lines + power)
+        ps_.append(row + " | ".join(p_cell(st.get(m)) for m in HEADLINE) + " |")
+        power.append(row + " | ".join(mdd_cell(st.get(m)) for m in HEADLINE) + " |")
+    return "\n".join(lines + ps_ + power)
 
 
-def _check_rows(rows) -> None:
-    "`--rows`: distinct rows of `PLATEAU_ROWS`, at least one (CLIP, the reference, may be left to a merged part)."
-    if not rows or any(r not in PLATEAU_ROWS for r in rows) or len(set(rows)) != len(rows):
-        raise ValueError(f"--rows: need distinct rows of {list(PLATEAU_ROWS)}, got {list(rows)}")
+def _pooling_md(cmp: Comparison) -> str:
+    "`pooling.md`: the plateau's differences (`POOLING_PAIRS`), each against the CLIP of its own pooling."
+    return (f"# The plateau at T = {cmp.meta['steps']}, difference by difference (seeds {cmp.meta['seeds']})\n\n"
+            f"{pairs_table(cmp, POOLING_PAIRS)}\n")
+
+
+def _check_rows(rows, allowed=PLATEAU_ROWS) -> None:
+    "`--rows`: distinct rows of `allowed`, at least one (CLIP, the reference, may be left to a merged part)."
+    if not rows or any(r not in allowed for r in rows) or len(set(rows)) != len(rows):
+        raise ValueError(f"--rows: need distinct rows of {list(allowed)}, got {list(rows)}")
 
 
 def _plateau_plan(rows, seeds, steps: int, root: Path, **kw):
@@ -314,8 +329,61 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
         (plan.out / f).unlink(missing_ok=True)
     if anat:
         _write_anatomy(anat, plan.out, steps, batches)
-    (plan.out / "pooling.md").write_text(f"# The plateau at T = {steps}, difference by difference (seeds "
-                                         f"{cmp.meta['seeds']})\n\n{pooling_table(cmp)}\n")
+    (plan.out / "pooling.md").write_text(_pooling_md(cmp))
+    return cmp
+
+# %% ../nbs/71a_plateau.ipynb #996dfa3c
+FINETUNE_ROWS = ("CLIP", "CLIP ft", "C2LIP", "SmartCLIP", "PowerCLIP-R ft")   # rows of RUNS, in the table's order
+FINETUNE_REFERENCE = "CLIP ft"   # summary.md's reference: CLIP's loss with PowerCLIP-R ft's recipe
+FINETUNE_STEPS = 1600            # T (F = 20 % of it)
+# every difference finetune.md reads: each fine-tune against the matched control and against CLIP continued
+FINETUNE_PAIRS = (("PowerCLIP-R ft", "CLIP ft"), ("C2LIP", "CLIP ft"), ("SmartCLIP", "CLIP ft"),
+                  ("PowerCLIP-R ft", "CLIP"), ("C2LIP", "CLIP"), ("SmartCLIP", "CLIP"), ("CLIP ft", "CLIP"))
+FINETUNE_LABELS = {"CLIP": "CLIP (continued)"}
+
+
+def _finetune_plan(rows, seeds, steps: int, root: Path, **kw):
+    "The fine-tune table's plan: `rows` (of `FINETUNE_ROWS`, in their order) at T = `steps`, runs in `root/T{steps}`."
+    _check_rows(rows, FINETUNE_ROWS)
+    plan = make_plan({n: RUNS[n] for n in FINETUNE_ROWS if n in rows}, seeds, steps, root / f"T{steps}",
+                     reference=FINETUNE_REFERENCE, **kw)
+    _claim(plan, "finetune", plan.out)
+    return plan
+
+
+def _finetune_md(cmp: Comparison) -> str:
+    "`finetune.md`: every difference of `FINETUNE_PAIRS`."
+    m = cmp.meta
+    return (f"# The fine-tune table at T = {m['steps']} (F = {m['finetune_steps']}), difference by difference (seeds "
+            f"{m['seeds']})\n\nCLIP (continued): CLIP's own run to T. CLIP ft: CLIP's snapshot at T - F fine-tuned "
+            "with CLIP's loss and PowerCLIP-R ft's recipe (the matched control).\n\n"
+            f"{pairs_table(cmp, FINETUNE_PAIRS, FINETUNE_LABELS)}\n")
+
+
+def finetune(steps: int = FINETUNE_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, merge=(), rows=FINETUNE_ROWS,
+             **kw) -> Comparison:
+    """The fine-tune table (see above): `rows` of `FINETUNE_ROWS` at T = `steps` over `seeds`, runs and tables in
+    `out_dir/T{T}` (default runs/finetune), paired differences to CLIP ft in `summary.md`, every pair of
+    `FINETUNE_PAIRS` in `finetune.md`. `merge`: folders of the same table over other seeds (`merge_comparisons`)."""
+    plan = _finetune_plan(rows, seeds, steps, Path(out_dir or "runs/finetune"), log=log, **kw)
+    parts, _ = _merge_parts(plan, merge)
+    cmp = run_plan(plan, log)
+    if parts:
+        cmp = merge_comparisons([cmp, *parts])
+        cmp.meta["command"] = plan.meta["command"]
+        write_outputs(cmp, plan.out)
+    (plan.out / "finetune.md").write_text(_finetune_md(cmp))
+    return cmp
+
+
+def rewrite_results(folder) -> Comparison:
+    """A finished result rewritten from its `summary.json` with this version of the report (`rewrite_outputs`), with
+    the `pooling.md` or `finetune.md` beside it where there is one; nothing trains or evaluates."""
+    folder = Path(folder)
+    cmp = rewrite_outputs(folder)
+    for f, md in (("pooling.md", _pooling_md), ("finetune.md", _finetune_md)):
+        if (folder / f).is_file():
+            (folder / f).write_text(md(cmp))
     return cmp
 
 # %% ../nbs/71a_plateau.ipynb #c307666d
@@ -324,30 +392,32 @@ def _parser() -> ArgumentParser:
                         description="The paper's ablations on the built-in world.")
     ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), "
                     "anatomy (why PowerCLIP-R loses here), budget (where CLIP stops improving), plateau (the "
-                    "comparison there, both poolings), or all (every table and fig8); key=value pairs "
+                    "comparison at its T, both poolings), finetune (PowerCLIP-R, C2LIP and SmartCLIP as fine-tunes of "
+                    "CLIP beside a matched control), or all (every table and fig8); key=value pairs "
                     "among them apply to every run")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(COMPARE_SEEDS))
     ap.add_argument("--steps", type=int, nargs="+", default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); "
                     "budget: the T to try, each the double of the one before (default "
-                    f"{' '.join(map(str, BUDGET_STEPS))}; one T: T, 2T, 4T); plateau: default the budget's T*")
+                    f"{' '.join(map(str, BUDGET_STEPS))}; one T: T, 2T, 4T); plateau: default the budget's T*; "
+                    f"finetune: default {FINETUNE_STEPS}")
     ap.add_argument("--out", default=None, help="runs and tables (default runs/experiments; "
-                                                "budget, plateau: runs/plateau)")
+                                                "budget, plateau: runs/plateau; finetune: runs/finetune)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
     ap.add_argument("--precision", default=None, help=" | ".join(PRECISIONS))
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--eval-images", type=int, default=300)
     ap.add_argument("--grounding", type=int, default=None, help="test scenes of the pointing game (default 0; budget, "
-                    f"plateau: {GROUNDING_SCENES})")
-    ap.add_argument("--rows", nargs="+", default=list(PLATEAU_ROWS), metavar="ROW", help="plateau: the rows to run "
-                    f"(default all: {', '.join(PLATEAU_ROWS)})")
-    ap.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="plateau: folders of the same plateau over "
-                    "other seeds (summary.json, anatomy.csv), read together with this run's seeds")
+                    f"plateau, finetune: {GROUNDING_SCENES})")
+    ap.add_argument("--rows", nargs="+", default=None, metavar="ROW", help="plateau, finetune: the rows to run "
+                    f"(default all: {', '.join(PLATEAU_ROWS)}; {', '.join(FINETUNE_ROWS)})")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="plateau, finetune: folders of the same "
+                    "table over other seeds (summary.json, anatomy.csv), read together with this run's seeds")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     return ap
 
 
 _PLATEAU = ("budget", "plateau")
-_ALONE = ("fig9", "anatomy", *_PLATEAU)      # named on their own, not part of `all`
+_ALONE = ("fig9", "anatomy", *_PLATEAU, "finetune")      # named on their own, not part of `all`
 
 
 def _main(argv: list[str]) -> int:
@@ -368,12 +438,15 @@ def _main(argv: list[str]) -> int:
             raise ValueError(f"--steps: one T (several only for budget, named alone), got {a.steps}")
         budget_steps = _budget_steps(a.steps)
         T = a.steps[0] if a.steps else None
-        if (a.merge or a.rows != list(PLATEAU_ROWS)) and names != ["plateau"]:
-            raise ValueError(f"--merge, --rows: options of the plateau; name plateau alone, got {names}")
+        if (a.merge or a.rows is not None) and names not in (["plateau"], ["finetune"]):
+            raise ValueError(f"--merge, --rows: options of the plateau and the fine-tune table; name one alone, got "
+                             f"{names}")
         kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images,
                   command=shlex.join(["python", "-m", "powerclip.experiments", *argv]))
-        ground = lambda n: a.grounding if a.grounding is not None else (GROUNDING_SCENES if n in _PLATEAU else 0)
-        out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else "runs/experiments")
+        ground = lambda n: (a.grounding if a.grounding is not None
+                            else GROUNDING_SCENES if n in (*_PLATEAU, "finetune") else 0)
+        out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else "runs/finetune" if n == "finetune"
+                                  else "runs/experiments")
         for n in names:                      # every plan validated before the first run trains
             if n == "fig9":
                 continue
@@ -381,13 +454,18 @@ def _main(argv: list[str]) -> int:
                 _budget_plans(budget_steps, a.seeds, Path(out(n)), log=lambda m: None, grounding_scenes=ground(n),
                               **kw)
                 continue
+            if n == "finetune":
+                p = _finetune_plan(a.rows or FINETUNE_ROWS, a.seeds, T or FINETUNE_STEPS, Path(out(n)),
+                                   log=lambda m: None, grounding_scenes=ground(n), **kw)
+                _merge_parts(p, a.merge)
+                continue
             if n == "plateau":
-                _check_rows(a.rows)
+                _check_rows(a.rows or PLATEAU_ROWS)
                 if a.merge and T is None:
                     raise ValueError("--merge: give --steps, the T of the folders merged")
                 Tp = T if T is not None else None if "budget" in names else _budget_T(Path(out(n)))
                 if Tp is not None:          # else the budget named before it decides T
-                    p = _plateau_plan(a.rows, a.seeds, Tp, Path(out(n)), log=lambda m: None,
+                    p = _plateau_plan(a.rows or PLATEAU_ROWS, a.seeds, Tp, Path(out(n)), log=lambda m: None,
                                       grounding_scenes=ground(n), **kw)
                     _merge_parts(p, a.merge)
                 continue
@@ -410,12 +488,18 @@ def _main(argv: list[str]) -> int:
             print((Path(out(n)) / "budget.md").read_text())
             continue
         if n == "plateau":
-            cmp = plateau(T, a.seeds, out(n), merge=a.merge, rows=a.rows, **kw)
+            cmp = plateau(T, a.seeds, out(n), merge=a.merge, rows=a.rows or list(PLATEAU_ROWS), **kw)
             folder = Path(out(n)) / f"T{cmp.meta['steps']}"
             print((folder / "summary.md").read_text())
             for f in ("anatomy.md", "pooling.md"):
                 if (folder / f).is_file():
                     print((folder / f).read_text())
+            continue
+        if n == "finetune":
+            cmp = finetune(T or FINETUNE_STEPS, a.seeds, out(n), merge=a.merge, rows=a.rows or FINETUNE_ROWS, **kw)
+            folder = Path(out(n)) / f"T{cmp.meta['steps']}"
+            print((folder / "summary.md").read_text())
+            print((folder / "finetune.md").read_text())
             continue
         run_experiment(n, a.seeds, T or EXPERIMENT_STEPS, out(n), **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")

@@ -12,14 +12,15 @@ from pathlib import Path
 import numpy as np
 
 from .eval.world_scores import FOLDER_HEADLINE, HEADLINE
-from .stats import Interval, bootstrap_paired, paired_detectable, paired_difference
+from .stats import Interval, bootstrap_paired, holm, paired_detectable, paired_difference, paired_seeds
 from .train import plot_metrics
 
 # %% auto #0
-__all__ = ['REFERENCE', 'MERGE_SAME', 'Comparison', 'summarize_seeds', 'paired_stats', 'metric_verdict', 'verdicts',
-           'headline_table', 'mdd_cell', 'detectable_table', 'logged_numbers', 'logged_lines', 'bootstrap_table',
-           'kinds_table', 'sweep_table', 'plot_curves', 'summary_rows', 'write_seed_curves', 'read_seed_curves',
-           'write_outputs', 'trained_stats', 'load_comparison', 'merge_comparisons', 'rewrite_outputs']
+__all__ = ['REFERENCE', 'ALPHA', 'MERGE_SAME', 'Comparison', 'summarize_seeds', 'paired_stats', 'metric_verdict', 'verdicts',
+           'headline_table', 'mdd_cell', 'detectable_table', 'p_cell', 'holm_table', 'logged_numbers', 'logged_lines',
+           'bootstrap_table', 'kinds_table', 'sweep_table', 'plot_curves', 'summary_rows', 'write_seed_curves',
+           'read_seed_curves', 'write_outputs', 'trained_stats', 'load_comparison', 'merge_comparisons',
+           'rewrite_outputs']
 
 # %% ../nbs/69a_report.ipynb #0d143fcf
 # the row every paired difference is taken to, same seed, unless a plan names another (`71_experiments`)
@@ -33,7 +34,8 @@ class Comparison:
                                   # shares)}}
     curves: dict                  # {row: [{step, seconds, hn_mean, R@1, ...} mean over seeds]}
     summary: dict                 # {row: mean and sd over seeds}
-    stats: dict                   # {row: {metric: {'t': Interval, 'boot': Interval}}}
+    stats: dict                   # {row: {metric: {'t': Interval, 'boot': Interval, 'mdd': Interval, 'holm': p,
+                                  # 'signs': {pos, neg, n}}}}
     sweeps: dict                  # {row: {key, candidates, chosen}}
     meta: dict
     seed_curves: dict = field(default_factory=dict)   # {row: {seed: [{step, seconds, hn_mean, R@1, ...}]}}: each
@@ -89,7 +91,12 @@ def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot
                 y = np.array([per_seed[s][base]["per_scene"][m] for s in common])
                 if x.shape == y.shape:
                     boot = bootstrap_paired(x, y, n_boot=n_boot)
-            out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot, mdd=paired_detectable(a, b))
+            d = paired_seeds(a, b)[1]
+            out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot, mdd=paired_detectable(a, b),
+                                            signs=dict(pos=int((d > 0).sum()), neg=int((d < 0).sum()), n=len(d)))
+        by = out.get(n, {})
+        for m, h in zip(by, holm([x["t"].p for x in by.values()])):     # the row's family: its numbers
+            by[m]["holm"] = float(h)
     return out
 
 
@@ -97,27 +104,39 @@ def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot
 _FROM_BOOT = "scene bootstrap, seed sd 0"
 
 
-def metric_verdict(x: dict) -> str:
-    """The verdict on one number from its {'t': seed interval, 'boot': scene interval or None}: the seed interval's;
-    where that is degenerate (zero width), the scene bootstrap's marked `_FROM_BOOT`, else 'degenerate interval'."""
-    v = x["t"].verdict()
-    if v != "degenerate interval":
+ALPHA = 0.05      # the family-wise error rate of a row's verdicts (Holm over its numbers)
+
+
+def metric_verdict(x: dict, p_holm: float | None = None) -> str:
+    """The verdict on one number from its {'t': seed interval, 'boot': scene interval or None} and its Holm-adjusted p
+    (None: a family of one, the raw p): 'better' | 'worse' where that p < `ALPHA`, 'suggestive (+)' | 'suggestive (-)'
+    where only the raw interval excludes 0, else 'no difference shown'; a degenerate seed interval: the scene
+    bootstrap's reading, at most suggestive, marked `_FROM_BOOT`, else 'degenerate interval' (see above)."""
+    t = x["t"]
+    sign = "+" if t.mean > 0 else "-"
+    v = t.verdict()
+    if v == "degenerate interval":
+        boot = x.get("boot")
+        if boot is None or boot.degenerate or math.isnan(boot.lo):
+            return v
+        return f"suggestive ({sign}, {_FROM_BOOT})" if boot.excludes_zero else f"no difference shown ({_FROM_BOOT})"
+    if v == "no difference shown":
         return v
-    boot = x.get("boot")
-    if boot is None or boot.degenerate or math.isnan(boot.lo):
-        return v
-    return f"{boot.verdict()} ({_FROM_BOOT})"
+    p = t.p if p_holm is None else p_holm
+    return v if p < ALPHA else f"suggestive ({sign})"
 
 
 def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
-    """One phrase per row: 'better: ...; worse: ...' (a number read from the scene bootstrap marked so), the numbers
-    whose seed interval is degenerate with no bootstrap to read, or 'no difference shown'."""
+    """One phrase per row: 'better: ...; worse: ...; suggestive: ...' (Holm over the row's numbers; a suggestive
+    number with its sign, one read from the scene bootstrap marked so), the numbers whose seed interval is degenerate
+    with no bootstrap to read, or 'no difference shown'."""
     out = {}
     for n, by in stats.items():
-        v = {m: metric_verdict(by[m]) for m in metrics if m in by}
-        name = lambda m, x: HEADLINE[m] + (f" ({_FROM_BOOT})" if _FROM_BOOT in x else "")
+        ms = [m for m in metrics if m in by]
+        v = {m: metric_verdict(by[m], float(h)) for m, h in zip(ms, holm([by[m]["t"].p for m in ms]))}
+        name = lambda m, x: HEADLINE[m] + (f" ({x.split(' (', 1)[1]}" if x.startswith("suggestive") else "")
         groups = {k: [name(m, x) for m, x in v.items() if x.split(" (")[0] == k]
-                  for k in ("better", "worse", "degenerate interval")}
+                  for k in ("better", "worse", "suggestive", "degenerate interval")}
         one = all(by[m]["t"].n < 2 for m in v)
         out[n] = ("one seed: no verdict" if one
                   else "; ".join(f"{k}: " + ", ".join(g) for k, g in groups.items() if g) or "no difference shown")
@@ -148,7 +167,7 @@ def headline_table(summary: dict, stats: dict, base: str = REFERENCE) -> str:
     v = verdicts(stats)
     most = max((r.get("seeds", 0) for r in summary.values()), default=0)
     head = ["run", "regime", *HEADLINE.values(), *(f"Δ {h} vs {base}" for h in HEADLINE.values()),
-            "verdict (seed intervals)", f"time/step vs {base}", "other scorer"]
+            "verdict (seed intervals, Holm)", f"time/step vs {base}", "other scorer"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (2 * len(HEADLINE)) + "---|---:|---|"]
     for n, r in summary.items():
         d = [stats.get(n, {}).get(m, {}).get("t") for m in HEADLINE]
@@ -178,6 +197,29 @@ def detectable_table(stats: dict, base: str = REFERENCE) -> str:
     for n, by in stats.items():
         lines.append(f"| {n} | {max((x['t'].n for x in by.values()), default=0)} | "
                      + " | ".join(mdd_cell(by.get(m)) for m in HEADLINE) + " |")
+    return "\n".join(lines)
+
+
+def p_cell(x: dict | None) -> str:
+    "'0.022 / 0.065 / 7 of 8': raw p / Holm-adjusted p / seeds whose difference is above 0; 'sd 0' for no spread."
+    if x is None:
+        return "-"
+    f = lambda v: "-" if math.isnan(v) else "<0.001" if v < 0.001 else f"{v:.3f}"
+    sg = x.get("signs") or {}
+    k = f" / {sg['pos']} of {sg['n']}" if sg.get("n") else ""
+    if x["t"].degenerate:
+        return "sd 0" + k
+    return f"{f(x['t'].p)} / {f(x.get('holm', math.nan))}{k}"
+
+
+def holm_table(stats: dict, base: str = REFERENCE) -> str:
+    """Markdown: for each paired difference to `base`, its raw p, its Holm-adjusted p over the row's numbers and on how
+    many seeds it is above 0 (`paired_stats`' 'holm' and 'signs')."""
+    lines = ["| run | seeds | " + " | ".join(f"{HEADLINE[m]}: p / Holm p / seeds > 0" for m in HEADLINE) + " |",
+             "|---|---:|" + "---:|" * len(HEADLINE)]
+    for n, by in stats.items():
+        lines.append(f"| {n} | {max((x['t'].n for x in by.values()), default=0)} | "
+                     + " | ".join(p_cell(by.get(m)) for m in HEADLINE) + " |")
     return "\n".join(lines)
 
 
@@ -294,19 +336,21 @@ def plot_curves(curves: dict, path=None, title: str = ""):
 # %% ../nbs/69a_report.ipynb #ea5d7a52
 def summary_rows(cmp: Comparison) -> list[dict]:
     """The headline table as tidy rows (run, metric): mean, sd and seeds, the paired difference to the reference with
-    its t interval, the smallest difference detectable with 80 % power with its interval, and the verdict."""
+    its t interval, its raw and Holm-adjusted p and sign count, the smallest difference detectable with 80 % power
+    with its interval, and the verdict."""
     ref, rows = cmp.meta.get("reference", REFERENCE), []
     for n, r in cmp.summary.items():
         for m in HEADLINE:
             if m not in r:
                 continue
             x = cmp.stats.get(n, {}).get(m, {})
-            t, d = x.get("t"), x.get("mdd")
+            t, d, sg = x.get("t"), x.get("mdd"), x.get("signs") or {}
             rows.append(dict(run=n, regime=r.get("regime", ""), metric=m, mean=r[m], sd=r.get(m + "_sd"),
                              seeds=r["seeds"],
                              reference=ref, delta=t.mean if t else None, lo=t.lo if t else None, hi=t.hi if t else None,
+                             p=t.p if t else None, p_holm=x.get("holm"), seeds_above_0=sg.get("pos"),
                              mdd=d.mean if d else None, mdd_lo=d.lo if d else None, mdd_hi=d.hi if d else None,
-                             verdict=metric_verdict(x) if t else ("reference" if n == ref else "")))
+                             verdict=metric_verdict(x, x.get("holm")) if t else ("reference" if n == ref else "")))
     return rows
 
 
@@ -355,11 +399,15 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
                                             for x in m["merged_from"]) if m.get("merged_from") else ""))
     ref = m.get("reference", REFERENCE)
     parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t "
-             "interval over seeds]; the verdict reads the seed intervals (better/worse only where "
-             "the interval excludes 0; where every seed gives the same difference, a seed interval of zero width, it "
-             f"reads the scene bootstrap and says so: '{_FROM_BOOT}').", "",
+             "interval over seeds]; the verdict reads the seed intervals with Holm's correction over each row's "
+             "numbers (better/worse only where the Holm-adjusted p < 0.05; suggestive, with its sign, where only the "
+             "raw interval excludes 0; where every seed gives the same difference, a seed interval of zero width, it "
+             f"reads the scene bootstrap, says so, '{_FROM_BOOT}', and says at most suggestive).", "",
              headline_table(cmp.summary, cmp.stats, ref)]
     if cmp.stats:
+        parts += ["", f"Each difference to {ref}: its raw p (paired t test over seeds), its Holm-adjusted p over the "
+                      "row's numbers (the verdict's), and on how many seeds it is above 0 ('sd 0': every seed gave the "
+                      "same difference, no p-value):", "", holm_table(cmp.stats, ref)]
         parts += ["", f"Smallest true difference to {ref} each row's seeds detect with 80 % power (two-sided paired t "
                       "test, alpha 0.05, on the row's seeds, the paired sd of its seeds as the true sd; `69_stats`), "
                       "[95 % interval from the chi-square interval of that sd]: a 'no difference shown' does not "

@@ -12,7 +12,7 @@ import numpy as np
 from scipy import optimize as _optimize, special as _special, stats as _st
 
 # %% auto #0
-__all__ = ['Interval', 't_interval', 'paired_seeds', 'paired_difference', 'detectable_lambda', 'min_detectable',
+__all__ = ['Interval', 't_interval', 'paired_seeds', 'paired_difference', 'holm', 'detectable_lambda', 'min_detectable',
            'detectable_difference', 'paired_detectable', 'bootstrap_paired']
 
 # %% ../nbs/69_stats.ipynb #f6eaaeaa
@@ -36,8 +36,19 @@ class Interval:
         "True when the interval rests on 2 or more values yet has zero width (no spread among them; see above)."
         return bool(self.n >= 2 and self.hi - self.lo <= 1e-9 * max(1.0, abs(self.mean)))
 
+    @property
+    def p(self) -> float:
+        """Two-sided p-value of the t test of a zero mean, read from the t interval itself (half-width = t quantile x
+        standard error); NaN for one value, a degenerate interval, or a method other than 't'."""
+        if self.method != "t" or self.n < 2 or self.degenerate or math.isnan(self.lo):
+            return math.nan
+        df = self.n - 1
+        se = (self.hi - self.lo) / (2 * float(_st.t.ppf(0.5 + self.conf / 2, df)))
+        return float(2 * _st.t.sf(abs(self.mean) / se, df))
+
     def verdict(self, higher_is_better: bool = True) -> str:
-        "'better' | 'worse' | 'no difference shown' | 'degenerate interval' for a difference method - reference."
+        """'better' | 'worse' | 'no difference shown' | 'degenerate interval' for a difference method - reference, on
+        this interval alone (the raw reading; a row's verdict corrects it over its numbers, `69a_report`)."""
         if self.degenerate:
             return "degenerate interval"
         if not self.excludes_zero:
@@ -79,6 +90,20 @@ def paired_seeds(method: dict, reference: dict) -> tuple[list, np.ndarray]:
 def paired_difference(method: dict, reference: dict, conf: float = 0.95) -> Interval:
     "t interval over seeds of `method[s] - reference[s]` (dicts seed -> value)."
     return t_interval(paired_seeds(method, reference)[1], conf)
+
+# %% ../nbs/69_stats.ipynb #c37eb647
+def holm(p_values) -> np.ndarray:
+    """Holm's step-down adjusted p-values of one family, in the order given (see above). A NaN is a hypothesis of the
+    family without a p-value: counted in the family's size, never rejected, its adjusted value NaN."""
+    p = np.asarray(p_values, dtype=np.float64).ravel()
+    m = len(p)
+    q = np.where(np.isnan(p), 1.0, p)                       # no p-value: sorts last, never rejected
+    order = np.argsort(q, kind="stable")
+    adj = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * q[order]))   # (m,) in sorted order
+    out = np.empty(m)
+    out[order] = adj
+    out[np.isnan(p)] = math.nan
+    return out
 
 # %% ../nbs/69_stats.ipynb #7386a799
 @functools.lru_cache(maxsize=4)

@@ -386,11 +386,11 @@ import matplotlib.pyplot as plt
 plt.close(_fig)
 
 # %% [markdown]
-# **Trained models on the world.** The cell below draws test scenes of the world for the models that the plateau
-# comparison trained (`python -m powerclip.experiments plateau --steps 1600`, `71_experiments`; seed 0), or, where it
-# has not been run, those of `make compare` (T = 150). Read with the numbers of the cell after it (pooled top-1 on the
-# 300 test scenes, 35 attribute-bound classes, chance 2.9 %; T = 1,600, seed 0, so no interval yet; the comparison's
-# tables have them over seeds):
+# **Trained models on the world.** The cell below draws test scenes of the world for the models of the comparison at
+# T = 1,600 (CLIP still rising; `python -m powerclip.experiments plateau --steps 1600`, `71a_plateau`; seed 0), or,
+# where it has not been run, those of `make compare` (T = 150). Read with the numbers of the cell after it (pooled
+# top-1 on the 300 test scenes, 35 attribute-bound classes, chance 2.9 %; T = 1,600, seed 0, so no interval yet; the
+# comparison's tables have them over seeds):
 #
 # - **PowerCLIP-R names a region no better than chance** (2.6 %): it gives nearly every region the same answer ("blue
 #   triangle" in both pictures). The model trained to align regions with phrases has not learned a region embedding

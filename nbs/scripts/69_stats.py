@@ -36,8 +36,8 @@ from fastcore.test import test_fail
 #
 # > When is one method better than another?
 #
-# Paired differences over seeds with a t interval, a bootstrap over held-out scenes, and the rule that "better" needs an
-# interval that excludes zero.
+# Paired differences over seeds with a t interval, a bootstrap over held-out scenes, Holm's correction over a row's
+# numbers, and the rule that "better" needs a difference that survives it.
 
 # %% [markdown]
 # A comparison trains every method with the same budget on the same seeds and scores it on the same held-out
@@ -63,15 +63,19 @@ from fastcore.test import test_fail
 # recomputes $\bar d$; the 2.5 and 97.5 percentiles bound how much a different draw of test scenes would move it.
 # It says nothing about training luck, so it is reported beside the seed interval, never instead of it.
 #
-# **The rule.** A row of the comparison says *better* or *worse* only when the seed interval excludes zero;
-# otherwise *no difference shown* (which is not "equal": the interval says how large a difference could hide, and the
-# smallest detectable difference below says how large a difference the design would have seen).
+# **The rule.** A number's seed interval that excludes zero is the raw reading of one comparison. A row of the
+# comparison says *better* or *worse* on a number only when that difference also survives Holm's correction over the
+# row's numbers (below, "Several numbers at once"): a Holm-adjusted p below 0.05. Where only the raw interval excludes
+# zero the row says *suggestive*; otherwise *no difference shown* (which is not "equal": the interval says how large a
+# difference could hide, and the smallest detectable difference below says how large a difference the design would
+# have seen).
 #
 # **A degenerate interval.** When every seed gives the same difference, $s_d = 0$ and the t interval has zero width:
 # it "excludes zero" without saying anything about the spread of training luck, only that the spread fell below the
 # metric's resolution (R@1 over 254 captions moves in steps of 1/254, and three seeds can land on the same step). Such
 # an interval gives no verdict of its own: `verdict` says *degenerate interval*, and the report
-# (`69a_report`) then reads the scene bootstrap, the only interval left with a spread, and says so. The test is
+# (`69a_report`) then reads the scene bootstrap, the only interval left with a spread, says so, and calls a difference
+# it shows *suggestive* at most (it has no p-value over seeds to correct; "Several numbers at once" below). The test is
 # numerical: a width below $10^{-9}$ of the mean's size (a difference computed from per-seed percentages is exact to
 # about $10^{-14}$, not to 0).
 
@@ -97,8 +101,19 @@ class Interval:
         "True when the interval rests on 2 or more values yet has zero width (no spread among them; see above)."
         return bool(self.n >= 2 and self.hi - self.lo <= 1e-9 * max(1.0, abs(self.mean)))
 
+    @property
+    def p(self) -> float:
+        """Two-sided p-value of the t test of a zero mean, read from the t interval itself (half-width = t quantile x
+        standard error); NaN for one value, a degenerate interval, or a method other than 't'."""
+        if self.method != "t" or self.n < 2 or self.degenerate or math.isnan(self.lo):
+            return math.nan
+        df = self.n - 1
+        se = (self.hi - self.lo) / (2 * float(_st.t.ppf(0.5 + self.conf / 2, df)))
+        return float(2 * _st.t.sf(abs(self.mean) / se, df))
+
     def verdict(self, higher_is_better: bool = True) -> str:
-        "'better' | 'worse' | 'no difference shown' | 'degenerate interval' for a difference method - reference."
+        """'better' | 'worse' | 'no difference shown' | 'degenerate interval' for a difference method - reference, on
+        this interval alone (the raw reading; a row's verdict corrects it over its numbers, `69a_report`)."""
         if self.degenerate:
             return "degenerate interval"
         if not self.excludes_zero:
@@ -158,6 +173,19 @@ assert t_interval([-0.10, -0.12, -0.11]).verdict(higher_is_better=False) == "bet
 assert (t_interval([0.021, 0.047, -0.005]).format(100)
         == "+2.1 [-4.4, +8.6]"), t_interval([0.021, 0.047, -0.005]).format(100)
 
+# %% [markdown]
+# The interval and the t test are one computation: the p-value read back from an interval is scipy's paired t test's,
+# and it is below 0.05 exactly when the 95 % interval excludes 0. One seed or no spread: no p-value.
+
+# %%
+_rng = np.random.default_rng(3)
+for _n in (2, 3, 8):
+    for _x in _rng.normal(0.7, 1.0, size=(200, _n)):
+        _iv = t_interval(_x)
+        assert abs(_iv.p - _st.ttest_1samp(_x, 0.0).pvalue) < 1e-9 * max(1.0, _iv.p), (_n, _x)
+        assert (_iv.p < 0.05) == _iv.excludes_zero
+assert math.isnan(t_interval([0.3]).p) and math.isnan(t_interval([2.0, 2.0, 2.0]).p)
+
 
 # %% [markdown]
 # ## Paired differences over seeds
@@ -187,6 +215,109 @@ _iv = paired_difference(_m, _clip)
 assert _iv.n == 3 and abs(_iv.mean - np.mean([0.66 - 0.697, 0.67 - 0.71, 0.65 - 0.68])) < 1e-12
 assert _iv.verdict() == "worse", _iv
 assert paired_difference({0: 1.0, 1: float("nan")}, {0: 0.5, 1: 0.5}).n == 1
+
+
+# %% [markdown]
+# ## Several numbers at once: Holm's correction
+#
+# A row is compared with its reference on up to five headline numbers (hard-negative mean, R@1 both ways, pointing,
+# region top-1), each with its own 95 % interval. If the method changes nothing, each interval excludes 0 with
+# probability 5 %, and at least one of five does with probability up to $1 - 0.95^5 = 23\,\%$ (for independent numbers;
+# the numbers of one row are correlated, R@1 both ways most, which lowers it). So a "better" read off any of a row's
+# intervals is not a 5 % claim. Holm's step-down procedure (S. Holm, "A simple sequentially rejective multiple test
+# procedure", *Scand. J. Statist.* 6, 1979) holds the **family-wise error rate**, the chance of at least one false
+# *better* or *worse* among the row's numbers, at $\alpha$ whatever the dependence between them. With the $m$
+# p-values sorted, $p_{(1)} \le \dots \le p_{(m)}$, the adjusted p-values are
+# $$\tilde p_{(i)} = \max_{j \le i}\ \min\big(1,\ (m - j + 1)\, p_{(j)}\big),$$
+# and a number is rejected when $\tilde p < \alpha$: the smallest p-value against $\alpha/m$, the next against
+# $\alpha/(m-1)$, and so on, stopping at the first that fails. It rejects everything Bonferroni's $m\,p_i < \alpha$
+# rejects, and sometimes more.
+#
+# **The family** is one row's headline numbers against its reference, on the seeds they share (`69a_report`). Rows are
+# not corrected against each other: each row asks its own question ("does this method differ from CLIP?"), so a table
+# of 15 rows in which no method does anything can still show a row with a false verdict (5 % per row; at least one in
+# up to half of such tables, $1 - 0.95^{15} = 54\,\%$ for independent rows). A number whose seed interval has zero
+# width has no p-value (NaN here): it still **counts in its family** ($m$ includes it, so the others are corrected as
+# if it had been tested, which can only make them more cautious), it is never rejected (it sorts last, as $p = 1$
+# would), and its adjusted value is NaN.
+#
+# **A worked example** (the one of the Wikipedia article "Holm–Bonferroni method"): four hypotheses with p-values
+# 0.01, 0.04, 0.03, 0.005 at $\alpha = 0.05$. Sorted: 0.005 < 0.05/4 = 0.0125, rejected; 0.01 < 0.05/3 = 0.0167,
+# rejected; 0.03 > 0.05/2 = 0.025, not rejected, and the procedure stops (0.04 is not rejected either). The adjusted
+# p-values: $4 \times 0.005 = 0.02$, $3 \times 0.01 = 0.03$, $2 \times 0.03 = 0.06$, $\max(0.06, 1 \times 0.04) = 0.06$;
+# in the order given, 0.03, 0.06, 0.06, 0.02: hypotheses 1 and 4 below 0.05, as the steps said. A second, with six:
+# 0.01, 0.04, 0.20, 0.03, 0.005, 0.07 sort to 0.005, 0.01, 0.03, 0.04, 0.07, 0.20, times 6, 5, 4, 3, 2, 1: 0.03, 0.05,
+# 0.12, 0.12, 0.14, 0.20 (each already at least the one before), so 0.05, 0.12, 0.20, 0.12, 0.03, 0.14 in the order
+# given, and only the fifth (0.03) is below 0.05.
+#
+# **The oracle.** Holm's procedure is the closed test whose local tests are Bonferroni's: the adjusted p-value of
+# hypothesis $i$ is the largest, over every subset $S$ of the family that contains $i$, of
+# $\min(1, |S| \min_{j \in S} p_j)$. Enumerating the $2^m$ subsets is the naive version; the sort above is the fast
+# one, checked against it.
+
+# %%
+#| export
+def holm(p_values) -> np.ndarray:
+    """Holm's step-down adjusted p-values of one family, in the order given (see above). A NaN is a hypothesis of the
+    family without a p-value: counted in the family's size, never rejected, its adjusted value NaN."""
+    p = np.asarray(p_values, dtype=np.float64).ravel()
+    m = len(p)
+    q = np.where(np.isnan(p), 1.0, p)                       # no p-value: sorts last, never rejected
+    order = np.argsort(q, kind="stable")
+    adj = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * q[order]))   # (m,) in sorted order
+    out = np.empty(m)
+    out[order] = adj
+    out[np.isnan(p)] = math.nan
+    return out
+
+
+# %%
+def _holm_closed(p) -> np.ndarray:
+    "The oracle: closed testing with Bonferroni's local tests, every subset enumerated (O(2^m m))."
+    m = len(p)
+    out = np.zeros(m)
+    for mask in range(1, 1 << m):
+        S = [j for j in range(m) if mask >> j & 1]
+        local = min(1.0, len(S) * min(p[j] for j in S))
+        for i in S:
+            out[i] = max(out[i], local)
+    return out
+
+
+_near = lambda a, b: np.allclose(a, b, rtol=0, atol=1e-12)
+assert _near(holm([0.01, 0.04, 0.03, 0.005]), [0.03, 0.06, 0.06, 0.02])                  # the worked example
+assert _near(holm([0.01, 0.04, 0.20, 0.03, 0.005, 0.07]), [0.05, 0.12, 0.20, 0.12, 0.03, 0.14])
+assert list(holm([0.01, 0.04, 0.03, 0.005]) < 0.05) == [True, False, False, True]
+_rng = np.random.default_rng(5)
+for _m in range(1, 8):
+    for _p in _rng.random((50, _m)) ** 3:                  # many small p-values, ties of 1 after the factor
+        assert _near(holm(_p), _holm_closed(_p)), _p
+        assert (holm(_p) >= _p - 1e-15).all() and (holm(_p) <= np.minimum(1, _m * _p) + 1e-15).all()   # <= Bonferroni
+# a number without a p-value counts in the family: the others are corrected as in a family of three
+_h = holm([0.01, float("nan"), 0.02])
+assert math.isnan(_h[1]) and _near(_h[[0, 2]], holm([0.01, 1.0, 0.02])[[0, 2]]) and _near(_h[0], 0.03)
+assert len(holm([])) == 0
+
+# %% [markdown]
+# **Looking more than once.** Seeds were added to some comparisons after their results had been read (the plateau:
+# 3 seeds, then 5, then 8). Each look is another chance: were a difference reported at the first of three looks (3, 5,
+# 8 seeds of the same experiment) that showed it, a number that does not move would be called different in about
+# 11 % of experiments instead of 5 % (simulated below). The readings this repository reports are the last look's, and
+# the earlier looks are kept as the record of what fewer seeds could see, not as tests; but the seeds were not fixed in
+# advance, and the notebooks that add seeds say how many and when.
+
+# %%
+_rng = np.random.default_rng(4)
+_x = _rng.normal(size=(20_000, 8))                      # one number that does not move, 8 seeds, read at 3, 5 and 8
+_any = np.zeros(len(_x), bool)
+for _n in (3, 5, 8):
+    _y = _x[:, :_n]
+    _t = _y.mean(1) / (_y.std(1, ddof=1) / np.sqrt(_n))
+    _look = np.abs(_t) > _st.t.ppf(0.975, _n - 1)
+    assert abs(_look.mean() - 0.05) < 0.006, (_n, _look.mean())   # each look alone: 5 %
+    _any |= _look
+assert 0.10 < _any.mean() < 0.13, _any.mean()
+print(f"false difference at any of the looks at 3, 5, 8 seeds: {100 * _any.mean():.1f} % (each alone 5 %)")
 
 
 # %% [markdown]

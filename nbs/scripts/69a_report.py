@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from powerclip.eval.world_scores import FOLDER_HEADLINE, HEADLINE
-from powerclip.stats import Interval, bootstrap_paired, paired_detectable, paired_difference
+from powerclip.stats import Interval, bootstrap_paired, holm, paired_detectable, paired_difference, paired_seeds
 from powerclip.train import plot_metrics
 
 # %%
@@ -68,7 +68,8 @@ class Comparison:
                                   # shares)}}
     curves: dict                  # {row: [{step, seconds, hn_mean, R@1, ...} mean over seeds]}
     summary: dict                 # {row: mean and sd over seeds}
-    stats: dict                   # {row: {metric: {'t': Interval, 'boot': Interval}}}
+    stats: dict                   # {row: {metric: {'t': Interval, 'boot': Interval, 'mdd': Interval, 'holm': p,
+                                  # 'signs': {pos, neg, n}}}}
     sweeps: dict                  # {row: {key, candidates, chosen}}
     meta: dict
     seed_curves: dict = field(default_factory=dict)   # {row: {seed: [{step, seconds, hn_mean, R@1, ...}]}}: each
@@ -85,14 +86,21 @@ class Comparison:
 # power (`mdd`: two-sided paired t test at $\alpha = 0.05$ on the row's seeds, its sd the paired sd, with the 95 %
 # interval from the chi-square interval of that sd; `69_stats`, "How large a difference the design can see").
 #
-# **Verdicts.** `verdicts` reads the seed interval of each number: *better* or *worse* where it excludes 0, else *no
-# difference shown*. A seed interval of zero width (every seed the same difference, `69_stats`, "A degenerate
-# interval") gives no verdict of its own. We then read the scene bootstrap, and mark the number so ("i2t R@1 (scene
-# bootstrap, seed sd 0)"): it is the one interval with a spread, and a difference that is the same on every seed is
-# at least not training luck; but it knows only test-set sampling, so the mark says the verdict rests on it alone.
-# Where there is no bootstrap (a merged report keeps no per-scene shares) the number is listed as *degenerate
-# interval*, with no verdict. The other choice, to call such a number *no difference shown*, would deny a difference
-# every seed shows; to call it *better* on the t interval would claim a certainty three equal draws do not give.
+# Beside each difference, `paired_stats` keeps its **Holm-adjusted p** (`holm`: the family is the row's headline
+# numbers against the same reference, `69_stats`, "Several numbers at once") and its **sign count** (`signs`: on how
+# many of the n seeds the difference is above 0, below 0).
+#
+# **Verdicts.** `verdicts` reads each number of a row: *better* or *worse* where the Holm-adjusted p over the row's
+# numbers is below 0.05; *suggestive* (with the sign: "HN mean (+)") where only the raw 95 % seed interval excludes 0;
+# else *no difference shown*. A seed interval of zero width (every seed the same difference, `69_stats`, "A degenerate
+# interval") gives no p-value and no verdict of its own. We then read the scene bootstrap, and mark the number so ("i2t
+# R@1 (+, scene bootstrap, seed sd 0)"): it is the one interval with a spread, and a difference that is the same on
+# every seed is at least not training luck; but it knows only test-set sampling, and it has no p-value over seeds for
+# Holm's correction to adjust. So **such a number is at most *suggestive***, and in its row's family it counts without
+# being rejectable (`holm` with a NaN), which makes the other numbers' correction no weaker. Where there is no bootstrap
+# (a merged report keeps no per-scene shares) the number is listed as *degenerate interval*, with no verdict. The other
+# choices: to call such a number *no difference shown* would deny a difference every seed shows; to call it *better*
+# on the t interval would claim a certainty three equal draws do not give.
 
 # %%
 #| export
@@ -145,7 +153,12 @@ def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot
                 y = np.array([per_seed[s][base]["per_scene"][m] for s in common])
                 if x.shape == y.shape:
                     boot = bootstrap_paired(x, y, n_boot=n_boot)
-            out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot, mdd=paired_detectable(a, b))
+            d = paired_seeds(a, b)[1]
+            out.setdefault(n, {})[m] = dict(t=paired_difference(a, b), boot=boot, mdd=paired_detectable(a, b),
+                                            signs=dict(pos=int((d > 0).sum()), neg=int((d < 0).sum()), n=len(d)))
+        by = out.get(n, {})
+        for m, h in zip(by, holm([x["t"].p for x in by.values()])):     # the row's family: its numbers
+            by[m]["holm"] = float(h)
     return out
 
 
@@ -153,27 +166,39 @@ def paired_stats(per_seed: dict, base: str = REFERENCE, metrics=HEADLINE, n_boot
 _FROM_BOOT = "scene bootstrap, seed sd 0"
 
 
-def metric_verdict(x: dict) -> str:
-    """The verdict on one number from its {'t': seed interval, 'boot': scene interval or None}: the seed interval's;
-    where that is degenerate (zero width), the scene bootstrap's marked `_FROM_BOOT`, else 'degenerate interval'."""
-    v = x["t"].verdict()
-    if v != "degenerate interval":
+ALPHA = 0.05      # the family-wise error rate of a row's verdicts (Holm over its numbers)
+
+
+def metric_verdict(x: dict, p_holm: float | None = None) -> str:
+    """The verdict on one number from its {'t': seed interval, 'boot': scene interval or None} and its Holm-adjusted p
+    (None: a family of one, the raw p): 'better' | 'worse' where that p < `ALPHA`, 'suggestive (+)' | 'suggestive (-)'
+    where only the raw interval excludes 0, else 'no difference shown'; a degenerate seed interval: the scene
+    bootstrap's reading, at most suggestive, marked `_FROM_BOOT`, else 'degenerate interval' (see above)."""
+    t = x["t"]
+    sign = "+" if t.mean > 0 else "-"
+    v = t.verdict()
+    if v == "degenerate interval":
+        boot = x.get("boot")
+        if boot is None or boot.degenerate or math.isnan(boot.lo):
+            return v
+        return f"suggestive ({sign}, {_FROM_BOOT})" if boot.excludes_zero else f"no difference shown ({_FROM_BOOT})"
+    if v == "no difference shown":
         return v
-    boot = x.get("boot")
-    if boot is None or boot.degenerate or math.isnan(boot.lo):
-        return v
-    return f"{boot.verdict()} ({_FROM_BOOT})"
+    p = t.p if p_holm is None else p_holm
+    return v if p < ALPHA else f"suggestive ({sign})"
 
 
 def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
-    """One phrase per row: 'better: ...; worse: ...' (a number read from the scene bootstrap marked so), the numbers
-    whose seed interval is degenerate with no bootstrap to read, or 'no difference shown'."""
+    """One phrase per row: 'better: ...; worse: ...; suggestive: ...' (Holm over the row's numbers; a suggestive
+    number with its sign, one read from the scene bootstrap marked so), the numbers whose seed interval is degenerate
+    with no bootstrap to read, or 'no difference shown'."""
     out = {}
     for n, by in stats.items():
-        v = {m: metric_verdict(by[m]) for m in metrics if m in by}
-        name = lambda m, x: HEADLINE[m] + (f" ({_FROM_BOOT})" if _FROM_BOOT in x else "")
+        ms = [m for m in metrics if m in by]
+        v = {m: metric_verdict(by[m], float(h)) for m, h in zip(ms, holm([by[m]["t"].p for m in ms]))}
+        name = lambda m, x: HEADLINE[m] + (f" ({x.split(' (', 1)[1]}" if x.startswith("suggestive") else "")
         groups = {k: [name(m, x) for m, x in v.items() if x.split(" (")[0] == k]
-                  for k in ("better", "worse", "degenerate interval")}
+                  for k in ("better", "worse", "suggestive", "degenerate interval")}
         one = all(by[m]["t"].n < 2 for m in v)
         out[n] = ("one seed: no verdict" if one
                   else "; ".join(f"{k}: " + ", ".join(g) for k, g in groups.items() if g) or "no difference shown")
@@ -207,11 +232,23 @@ _deg = {s: {"CLIP": _ps[s]["CLIP"], "X": dict(_ps[s]["CLIP"], hn_mean=_ps[s]["CL
 _sd0 = paired_stats(_deg)
 test_eq(_sd0["X"]["hn_mean"]["t"].verdict(), "degenerate interval")
 assert math.isnan(_sd0["X"]["hn_mean"]["mdd"].mean)                      # no spread: no power to estimate
-test_eq(verdicts(_sd0), {"X": f"better: HN mean ({_FROM_BOOT})"})         # its scenes 80 % against 60 %
+test_eq(verdicts(_sd0), {"X": f"suggestive: HN mean (+, {_FROM_BOOT})"})   # its scenes 80 % against 60 %
 _sd0["X"]["hn_mean"]["boot"] = None
 test_eq(verdicts(_sd0), {"X": "degenerate interval: HN mean"})
 # pairing removes the seed's share
 assert _sm["X"]["hn_mean_sd"] > 9 and _st["X"]["hn_mean"]["t"].hi - _st["X"]["hn_mean"]["t"].lo < 2
+# Holm over a row's numbers: HN mean's interval excludes 0 (p 0.040) but not after the correction over the row's three
+# numbers (0.080): suggestive, with its sign; i2t R@1 (p 0.001, adjusted 0.003) stays worse
+_d = {"hn_mean": [1.0, 2.0, 0.5, 1.5, 0.1], "i2t_R@1": [-3.0, -2.5, -4.0, -3.5, -2.0],
+      "t2i_R@1": [0.5, -0.5, 1.0, -1.0, 0.2]}
+_fam = {s: {"CLIP": {m: 50.0 for m in _d}, "X": {m: 50.0 + v[s] for m, v in _d.items()}} for s in range(5)}
+_hs = paired_stats(_fam)["X"]
+assert _hs["hn_mean"]["t"].excludes_zero and _hs["i2t_R@1"]["t"].excludes_zero
+test_close(_hs["hn_mean"]["holm"], 2 * _hs["hn_mean"]["t"].p, eps=1e-12)
+test_close(_hs["i2t_R@1"]["holm"], 3 * _hs["i2t_R@1"]["t"].p, eps=1e-12)
+test_eq((_hs["hn_mean"]["signs"], _hs["t2i_R@1"]["signs"]), (dict(pos=5, neg=0, n=5), dict(pos=3, neg=2, n=5)))
+test_eq(verdicts({"X": _hs}), {"X": "worse: i2t R@1; suggestive: HN mean (+)"})
+test_eq(metric_verdict(_hs["hn_mean"]), "better")                                 # alone (a family of one) it is
 
 
 # %% [markdown]
@@ -247,7 +284,7 @@ def headline_table(summary: dict, stats: dict, base: str = REFERENCE) -> str:
     v = verdicts(stats)
     most = max((r.get("seeds", 0) for r in summary.values()), default=0)
     head = ["run", "regime", *HEADLINE.values(), *(f"Δ {h} vs {base}" for h in HEADLINE.values()),
-            "verdict (seed intervals)", f"time/step vs {base}", "other scorer"]
+            "verdict (seed intervals, Holm)", f"time/step vs {base}", "other scorer"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (2 * len(HEADLINE)) + "---|---:|---|"]
     for n, r in summary.items():
         d = [stats.get(n, {}).get(m, {}).get("t") for m in HEADLINE]
@@ -277,6 +314,29 @@ def detectable_table(stats: dict, base: str = REFERENCE) -> str:
     for n, by in stats.items():
         lines.append(f"| {n} | {max((x['t'].n for x in by.values()), default=0)} | "
                      + " | ".join(mdd_cell(by.get(m)) for m in HEADLINE) + " |")
+    return "\n".join(lines)
+
+
+def p_cell(x: dict | None) -> str:
+    "'0.022 / 0.065 / 7 of 8': raw p / Holm-adjusted p / seeds whose difference is above 0; 'sd 0' for no spread."
+    if x is None:
+        return "-"
+    f = lambda v: "-" if math.isnan(v) else "<0.001" if v < 0.001 else f"{v:.3f}"
+    sg = x.get("signs") or {}
+    k = f" / {sg['pos']} of {sg['n']}" if sg.get("n") else ""
+    if x["t"].degenerate:
+        return "sd 0" + k
+    return f"{f(x['t'].p)} / {f(x.get('holm', math.nan))}{k}"
+
+
+def holm_table(stats: dict, base: str = REFERENCE) -> str:
+    """Markdown: for each paired difference to `base`, its raw p, its Holm-adjusted p over the row's numbers and on how
+    many seeds it is above 0 (`paired_stats`' 'holm' and 'signs')."""
+    lines = ["| run | seeds | " + " | ".join(f"{HEADLINE[m]}: p / Holm p / seeds > 0" for m in HEADLINE) + " |",
+             "|---|---:|" + "---:|" * len(HEADLINE)]
+    for n, by in stats.items():
+        lines.append(f"| {n} | {max((x['t'].n for x in by.values()), default=0)} | "
+                     + " | ".join(p_cell(by.get(m)) for m in HEADLINE) + " |")
     return "\n".join(lines)
 
 
@@ -398,6 +458,9 @@ def plot_curves(curves: dict, path=None, title: str = ""):
 
 # %%
 assert "| X | 3 | " in detectable_table(_st) and "sd 0" in detectable_table(paired_stats(_deg))
+assert ("| X | 5 | 0.040 / 0.080 / 5 of 5 | 0.001 / 0.003 / 0 of 5 | 0.916 / 0.916 / 3 of 5 | - |"
+        in holm_table({"X": _hs}))
+assert "| X | 3 | sd 0 / 3 of 3 |" in holm_table(paired_stats(_deg))
 _log = [logged_numbers([{"step": 10, "_pgs_drop_ratio": a}, {"step": 20, "_pgs_drop_ratio": b}, {"step": 30}])
         for a, b in ((0.30, 0.40), (0.32, 0.36))]
 test_eq(_log[0], dict(pgs_drop_ratio=0.35, pgs_drop_ratio_min=0.30, pgs_drop_ratio_max=0.40))
@@ -429,19 +492,21 @@ test_eq(logged_lines(_sm, {s: {"CLIP": r["CLIP"]} for s, r in _pgs.items()}), []
 #| export
 def summary_rows(cmp: Comparison) -> list[dict]:
     """The headline table as tidy rows (run, metric): mean, sd and seeds, the paired difference to the reference with
-    its t interval, the smallest difference detectable with 80 % power with its interval, and the verdict."""
+    its t interval, its raw and Holm-adjusted p and sign count, the smallest difference detectable with 80 % power
+    with its interval, and the verdict."""
     ref, rows = cmp.meta.get("reference", REFERENCE), []
     for n, r in cmp.summary.items():
         for m in HEADLINE:
             if m not in r:
                 continue
             x = cmp.stats.get(n, {}).get(m, {})
-            t, d = x.get("t"), x.get("mdd")
+            t, d, sg = x.get("t"), x.get("mdd"), x.get("signs") or {}
             rows.append(dict(run=n, regime=r.get("regime", ""), metric=m, mean=r[m], sd=r.get(m + "_sd"),
                              seeds=r["seeds"],
                              reference=ref, delta=t.mean if t else None, lo=t.lo if t else None, hi=t.hi if t else None,
+                             p=t.p if t else None, p_holm=x.get("holm"), seeds_above_0=sg.get("pos"),
                              mdd=d.mean if d else None, mdd_lo=d.lo if d else None, mdd_hi=d.hi if d else None,
-                             verdict=metric_verdict(x) if t else ("reference" if n == ref else "")))
+                             verdict=metric_verdict(x, x.get("holm")) if t else ("reference" if n == ref else "")))
     return rows
 
 
@@ -490,11 +555,15 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
                                             for x in m["merged_from"]) if m.get("merged_from") else ""))
     ref = m.get("reference", REFERENCE)
     parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t "
-             "interval over seeds]; the verdict reads the seed intervals (better/worse only where "
-             "the interval excludes 0; where every seed gives the same difference, a seed interval of zero width, it "
-             f"reads the scene bootstrap and says so: '{_FROM_BOOT}').", "",
+             "interval over seeds]; the verdict reads the seed intervals with Holm's correction over each row's "
+             "numbers (better/worse only where the Holm-adjusted p < 0.05; suggestive, with its sign, where only the "
+             "raw interval excludes 0; where every seed gives the same difference, a seed interval of zero width, it "
+             f"reads the scene bootstrap, says so, '{_FROM_BOOT}', and says at most suggestive).", "",
              headline_table(cmp.summary, cmp.stats, ref)]
     if cmp.stats:
+        parts += ["", f"Each difference to {ref}: its raw p (paired t test over seeds), its Holm-adjusted p over the "
+                      "row's numbers (the verdict's), and on how many seeds it is above 0 ('sd 0': every seed gave the "
+                      "same difference, no p-value):", "", holm_table(cmp.stats, ref)]
         parts += ["", f"Smallest true difference to {ref} each row's seeds detect with 80 % power (two-sided paired t "
                       "test, alpha 0.05, on the row's seeds, the paired sd of its seeds as the true sd; `69_stats`), "
                       "[95 % interval from the chi-square interval of that sd]: a 'no difference shown' does not "
