@@ -19,7 +19,7 @@ except ImportError:            # the package works without triton: impl='triton'
     triton = None
 
 # %% auto #0
-__all__ = ['Tiles', 'unavailable', 'sbar_triton', 'triton_parity']
+__all__ = ['Tiles', 'default_tiles', 'unavailable', 'sbar_triton', 'compile_report', 'triton_parity']
 
 # %% ../nbs/10b_sbar_triton.ipynb #9919511d
 _T1 = {"softplus": 0, "relu": 1, "gelu": 2, "swish": 3}     # NLA_T1_ACTS keys, as the kernels' constants
@@ -299,7 +299,7 @@ class Tiles:
     "Tile sizes of the kernels (powers of two; `rows` counts region rows, images x padded regions)."
     rows: int = 32          # region rows of a tile (B_R images x B_M regions)
     nodes: int = 32         # nodes of a chunk
-    texts: int = 32         # forward: texts of a group
+    texts: int = 16         # forward: texts of a group
     warps: int = 4          # forward's warps
     bwd_warps: int = 8      # backward's warps (their accumulators are rows x D and nodes x D)
 
@@ -310,6 +310,16 @@ class Tiles:
                 raise ValueError(f"Tiles.{k}: need a power of two, got {v}")
         if min(self.rows, self.nodes) < 16:
             raise ValueError("Tiles: rows and nodes need at least 16 (a matrix product's smallest tile)")
+
+
+def default_tiles(dtype: torch.dtype, spec: SbarSpec = SbarSpec()) -> Tiles:
+    """Tiles for products in `dtype`: bf16 / fp16 32 x 32 with groups of 16 texts; without region sets 16 x 16 with 8
+    (their maxima per region and text take BR*BM x BP x BJ registers); float32 16 x 16 (its 'ieee' products take more
+    registers). At M = 10, D = 512 each compiles for sm_90 without spills, but for 16 bytes a thread in the ablation's
+    node gradient (`compile_report`, benchmarks/results/sbar_triton_sm90.md)."""
+    if dtype == torch.float32:
+        return Tiles(rows=16, nodes=16, texts=16)
+    return Tiles(rows=32, nodes=32, texts=16) if spec.region_sets else Tiles(rows=16, nodes=16, texts=8)
 
 
 def _interpret() -> bool:
@@ -328,6 +338,11 @@ def unavailable(x: torch.Tensor | torch.device | str) -> str | None:
         from torch._subclasses.fake_tensor import FakeTensor
         if not isinstance(x, FakeTensor):
             return f"impl='triton': a {type(x).__name__} tensor has no memory a kernel can read"
+    if dev.type == "cuda" and not _interpret() and torch.cuda.is_available():
+        cc = torch.cuda.get_device_capability(dev)
+        if cc < (8, 0):     # bf16 tensor cores, and the backward's shared memory (up to 91 KiB a block)
+            return (f"impl='triton' needs a GPU of compute capability 8.0 or more (A100, H100, ...), this one has "
+                    f"{cc[0]}.{cc[1]}: use impl='fast'")
     if dev.type == "cuda" or (dev.type == "cpu" and _interpret()):
         return None
     if dev.type == "cpu":
@@ -446,7 +461,7 @@ def sbar_triton(
     node_text: torch.Tensor,     # (P,) long, sorted: the text of each node; every text has >= 1 node (not checked)
     n_texts: int,                # C_j
     spec: SbarSpec = SbarSpec(),
-    tiles: Tiles = Tiles(),
+    tiles: Tiles | None = None,  # None: default_tiles for the products' dtype and the spec
 ) -> torch.Tensor:               # (C_i, C_j) S-bar, float32
     "S-bar of every image against every text from packed nodes, as fused Triton kernels (forward and backward)."
     why = unavailable(regions)
@@ -465,16 +480,68 @@ def sbar_triton(
         mm = torch.get_autocast_dtype(dev)      # the score products in the autocast dtype, as the blocked path
     if mm not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"impl='triton' computes in float32, bfloat16 or float16, got {mm}; use impl='fast'")
+    tiles = tiles or default_tiles(mm, spec)
     t = (tiles.rows, tiles.nodes, tiles.texts, tiles.warps, tiles.bwd_warps)
     S = _sbar_fwd_op(regions.to(mm).contiguous(), region_valid.bool().contiguous(), phrases.to(mm).contiguous(),
                      node_text.long().contiguous(), int(n_texts), float(spec.tau), float(spec.alpha),
                      _T1[spec.t1_act], _T2[spec.t2_act], _flags(spec), list(t))[0]
     return S
 
+# %% ../nbs/10b_sbar_triton.ipynb #5f2da9e1
+def _signature(kernel: str, ptr: str) -> dict:
+    "The argument types of a kernel, for ahead-of-time compilation (`ptr`: '*bf16', '*fp16' or '*fp32')."
+    fwd = [("reg_ptr", ptr), ("rv_ptr", "*u8"), ("ph_ptr", ptr), ("nt_ptr", "*i64"), ("st_ptr", "*i64")]
+    out = [("R", "i32"), ("C", "i32")]
+    if kernel == "_sbar_fwd_kernel":
+        rest = [("s_ptr", "*fp32"), ("lse_ptr", "*fp32"), ("xm_ptr", "*fp32"), ("xn_ptr", "*fp32"), *out]
+    else:
+        rest = [("g_ptr", "*fp32"), ("lse_ptr", "*fp32"), ("xm_ptr", "*fp32"), ("xn_ptr", "*fp32"), ("out_ptr", ptr),
+                *out, ("P", "i32")]
+    return dict(fwd + rest + [("M", "i32"), ("D", "i32"), ("tau", "fp32"), ("alpha", "fp32")])
+
+
+def compile_report(
+    arch: int = 90,                     # CUDA compute capability x 10 (90: H100 / H200)
+    dtype: torch.dtype = torch.bfloat16,
+    spec: SbarSpec = SbarSpec(),
+    tiles: Tiles | None = None,         # None: default_tiles
+    M: int = 10, D: int = 512,
+) -> dict[str, dict]:                   # kernel -> {'regs', 'stack', 'shared'} (None where cuobjdump is missing)
+    "Compile the three kernels for `arch` without a GPU; each one's registers per thread, stack bytes and shared bytes."
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if _interpret():
+        raise RuntimeError("compile_report: unset TRITON_INTERPRET (interpreted kernels do not compile)")
+    tiles = tiles or default_tiles(dtype, spec)
+    BR, BM, BD = _grid_sizes(M, D, tiles.rows)
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    sw = dict(T1=_T1[spec.t1_act], T2=_T2[spec.t2_act], USE_T2R=spec.use_t2r, USE_R2T=spec.use_r2t,
+              SETS=spec.region_sets, PREC=_precision(dtype), BR=BR, BM=BM, BP=tiles.nodes, BD=BD)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    out = {}
+    for kernel, const, warps in (("_sbar_fwd_kernel", dict(sw, DEBIAS=spec.debias_t2, BJ=tiles.texts), tiles.warps),
+                                 ("_sbar_bwd_regions", sw, tiles.bwd_warps), ("_sbar_bwd_nodes", sw, tiles.bwd_warps)):
+        sig = {**_signature(kernel, ptr), **{k: "constexpr" for k in const}}
+        k = triton.compile(ASTSource(fn=globals()[kernel], signature=sig, constexprs=const),
+                           target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        use = {"regs": None, "stack": None}
+        if os.path.isfile(tool):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+            m = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
+            use = {"regs": int(m.group(1)), "stack": int(m.group(2))} if m else use
+        out[kernel] = dict(use, shared=int(k.metadata.shared), warps=warps)
+    return out
+
 # %% ../nbs/10b_sbar_triton.ipynb #cb3495f8
 def triton_parity(
     spec: SbarSpec = SbarSpec(),
-    tiles: Tiles = Tiles(),
+    tiles: Tiles | None = None,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     **case,                      # ragged_case's arguments (sizes, seed, scale)

@@ -3,6 +3,7 @@ under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when there
 SbarSpec, ragged inputs whose texts are longer than a tile, tiles that cut texts, an image without a valid region,
 one-node texts, tau = 1e-3 in float32 and bf16, the DDP forms, the loss's padded and packed inputs, the op's
 dispatch, torch.compile, and the one-line refusal without a GPU or the interpreter."""
+import json
 import os
 import subprocess
 import sys
@@ -174,3 +175,29 @@ def test_refused_in_one_line_without_gpu_or_interpreter():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the kernels run")
     assert out.returncode == 0 and out.stdout.count("\n") == 1 and "needs a CUDA GPU" in out.stdout, out
+
+
+def test_compiles_for_sm90_without_spills():
+    "The kernels at the default bf16 tiles compile for an H100/H200 with Triton's ptxas, no GPU: no register spills."
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sbar_triton_compile.py"), "--quick"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.splitlines()[-1]
+    rep = json.loads(last[last.index("{"):])
+    assert set(rep) == {"_sbar_fwd_kernel", "_sbar_bwd_regions", "_sbar_bwd_nodes"}
+    for k, r in rep.items():
+        assert r["stack"] in (0, None) and r["shared"] <= 227 * 1024, (k, r)
+
+
+def test_trainer_refuses_triton_without_gpu_in_one_line(tmp_path):
+    "`method_cfg.impl=triton` on a CPU without the interpreter: exit 2, one line, before any file is written."
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the kernels run")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "powerclip.train", "--preset", "smoke", "--method", "powerclip",
+                          "method_cfg.impl=triton", "max_steps=1", f"out_dir={tmp_path / 'run'}", "progress=false"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert "impl='triton' needs a CUDA GPU" in out.stderr and not (tmp_path / "run").exists()

@@ -434,10 +434,11 @@ if triton is not None:
 # ## Tiles, the op, and when it can run
 #
 # **Tile sizes.** `Tiles` holds them: `rows` is $B_RB_M$, the region rows of a tile ($B_R = $ `rows` $/B_M$ images,
-# at least one), `nodes` $B_P$, `texts` $B_J$. The defaults keep every register tile within a few thousand float32
-# values per program (the backward's accumulators, `rows` $\times B_D$ and `nodes` $\times B_D$, are the largest);
-# they are a starting point to be tuned on a GPU by the GPU check's paths part. Tests use small tiles so that texts
-# cross chunk and group boundaries.
+# at least one), `nodes` $B_P$, `texts` $B_J$. `default_tiles` picks them by dtype and spec: sizes that compile for
+# an H100/H200 (sm_90) without spilling registers to memory at the paper's $M=10$, $D=512$, which this machine can
+# check without a GPU, since Triton compiles ahead of time with the `ptxas` it ships (`compile_report`, below, and
+# `benchmarks/sbar_triton_compile.py`). Which of them is fastest needs a GPU: the GPU check's paths part times them.
+# Tests use small tiles so that texts cross chunk and group boundaries.
 #
 # **One op.** `sbar_triton` wraps the kernels in `torch.library.custom_op`s, a forward `powerclip::sbar_fwd` and a
 # backward `powerclip::sbar_bwd`, with fake implementations that give only shapes: `torch.compile` then keeps the
@@ -461,7 +462,7 @@ class Tiles:
     "Tile sizes of the kernels (powers of two; `rows` counts region rows, images x padded regions)."
     rows: int = 32          # region rows of a tile (B_R images x B_M regions)
     nodes: int = 32         # nodes of a chunk
-    texts: int = 32         # forward: texts of a group
+    texts: int = 16         # forward: texts of a group
     warps: int = 4          # forward's warps
     bwd_warps: int = 8      # backward's warps (their accumulators are rows x D and nodes x D)
 
@@ -472,6 +473,16 @@ class Tiles:
                 raise ValueError(f"Tiles.{k}: need a power of two, got {v}")
         if min(self.rows, self.nodes) < 16:
             raise ValueError("Tiles: rows and nodes need at least 16 (a matrix product's smallest tile)")
+
+
+def default_tiles(dtype: torch.dtype, spec: SbarSpec = SbarSpec()) -> Tiles:
+    """Tiles for products in `dtype`: bf16 / fp16 32 x 32 with groups of 16 texts; without region sets 16 x 16 with 8
+    (their maxima per region and text take BR*BM x BP x BJ registers); float32 16 x 16 (its 'ieee' products take more
+    registers). At M = 10, D = 512 each compiles for sm_90 without spills, but for 16 bytes a thread in the ablation's
+    node gradient (`compile_report`, benchmarks/results/sbar_triton_sm90.md)."""
+    if dtype == torch.float32:
+        return Tiles(rows=16, nodes=16, texts=16)
+    return Tiles(rows=32, nodes=32, texts=16) if spec.region_sets else Tiles(rows=16, nodes=16, texts=8)
 
 
 def _interpret() -> bool:
@@ -490,6 +501,11 @@ def unavailable(x: torch.Tensor | torch.device | str) -> str | None:
         from torch._subclasses.fake_tensor import FakeTensor
         if not isinstance(x, FakeTensor):
             return f"impl='triton': a {type(x).__name__} tensor has no memory a kernel can read"
+    if dev.type == "cuda" and not _interpret() and torch.cuda.is_available():
+        cc = torch.cuda.get_device_capability(dev)
+        if cc < (8, 0):     # bf16 tensor cores, and the backward's shared memory (up to 91 KiB a block)
+            return (f"impl='triton' needs a GPU of compute capability 8.0 or more (A100, H100, ...), this one has "
+                    f"{cc[0]}.{cc[1]}: use impl='fast'")
     if dev.type == "cuda" or (dev.type == "cpu" and _interpret()):
         return None
     if dev.type == "cpu":
@@ -620,7 +636,7 @@ def sbar_triton(
     node_text: torch.Tensor,     # (P,) long, sorted: the text of each node; every text has >= 1 node (not checked)
     n_texts: int,                # C_j
     spec: SbarSpec = SbarSpec(),
-    tiles: Tiles = Tiles(),
+    tiles: Tiles | None = None,  # None: default_tiles for the products' dtype and the spec
 ) -> torch.Tensor:               # (C_i, C_j) S-bar, float32
     "S-bar of every image against every text from packed nodes, as fused Triton kernels (forward and backward)."
     why = unavailable(regions)
@@ -639,11 +655,76 @@ def sbar_triton(
         mm = torch.get_autocast_dtype(dev)      # the score products in the autocast dtype, as the blocked path
     if mm not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"impl='triton' computes in float32, bfloat16 or float16, got {mm}; use impl='fast'")
+    tiles = tiles or default_tiles(mm, spec)
     t = (tiles.rows, tiles.nodes, tiles.texts, tiles.warps, tiles.bwd_warps)
     S = _sbar_fwd_op(regions.to(mm).contiguous(), region_valid.bool().contiguous(), phrases.to(mm).contiguous(),
                      node_text.long().contiguous(), int(n_texts), float(spec.tau), float(spec.alpha),
                      _T1[spec.t1_act], _T2[spec.t2_act], _flags(spec), list(t))[0]
     return S
+
+
+# %% [markdown]
+# ## Compiled for a GPU, without one
+#
+# The interpreter checks what the kernels compute, not that they compile: a GPU compiler refuses some programs the
+# interpreter runs (shapes it cannot lay out, types it cannot convert), and the register budget decides whether a
+# kernel runs at speed. `compile_report` compiles the three kernels for a given CUDA architecture with Triton's own
+# toolchain (to PTX, then `ptxas` to a cubin; no GPU, no driver) and reads each kernel's registers per thread, its
+# stack (bytes per thread spilled to local memory: 0 is the aim) and its shared memory per block (at most 227 KiB on
+# sm_90). It needs `TRITON_INTERPRET` unset (interpreted kernels do not compile), so the tests run it in a fresh
+# process (`benchmarks/sbar_triton_compile.py`, which writes `benchmarks/results/sbar_triton_sm90.md`).
+
+# %%
+#| export
+def _signature(kernel: str, ptr: str) -> dict:
+    "The argument types of a kernel, for ahead-of-time compilation (`ptr`: '*bf16', '*fp16' or '*fp32')."
+    fwd = [("reg_ptr", ptr), ("rv_ptr", "*u8"), ("ph_ptr", ptr), ("nt_ptr", "*i64"), ("st_ptr", "*i64")]
+    out = [("R", "i32"), ("C", "i32")]
+    if kernel == "_sbar_fwd_kernel":
+        rest = [("s_ptr", "*fp32"), ("lse_ptr", "*fp32"), ("xm_ptr", "*fp32"), ("xn_ptr", "*fp32"), *out]
+    else:
+        rest = [("g_ptr", "*fp32"), ("lse_ptr", "*fp32"), ("xm_ptr", "*fp32"), ("xn_ptr", "*fp32"), ("out_ptr", ptr),
+                *out, ("P", "i32")]
+    return dict(fwd + rest + [("M", "i32"), ("D", "i32"), ("tau", "fp32"), ("alpha", "fp32")])
+
+
+def compile_report(
+    arch: int = 90,                     # CUDA compute capability x 10 (90: H100 / H200)
+    dtype: torch.dtype = torch.bfloat16,
+    spec: SbarSpec = SbarSpec(),
+    tiles: Tiles | None = None,         # None: default_tiles
+    M: int = 10, D: int = 512,
+) -> dict[str, dict]:                   # kernel -> {'regs', 'stack', 'shared'} (None where cuobjdump is missing)
+    "Compile the three kernels for `arch` without a GPU; each one's registers per thread, stack bytes and shared bytes."
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if _interpret():
+        raise RuntimeError("compile_report: unset TRITON_INTERPRET (interpreted kernels do not compile)")
+    tiles = tiles or default_tiles(dtype, spec)
+    BR, BM, BD = _grid_sizes(M, D, tiles.rows)
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    sw = dict(T1=_T1[spec.t1_act], T2=_T2[spec.t2_act], USE_T2R=spec.use_t2r, USE_R2T=spec.use_r2t,
+              SETS=spec.region_sets, PREC=_precision(dtype), BR=BR, BM=BM, BP=tiles.nodes, BD=BD)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    out = {}
+    for kernel, const, warps in (("_sbar_fwd_kernel", dict(sw, DEBIAS=spec.debias_t2, BJ=tiles.texts), tiles.warps),
+                                 ("_sbar_bwd_regions", sw, tiles.bwd_warps), ("_sbar_bwd_nodes", sw, tiles.bwd_warps)):
+        sig = {**_signature(kernel, ptr), **{k: "constexpr" for k in const}}
+        k = triton.compile(ASTSource(fn=globals()[kernel], signature=sig, constexprs=const),
+                           target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        use = {"regs": None, "stack": None}
+        if os.path.isfile(tool):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+            m = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
+            use = {"regs": int(m.group(1)), "stack": int(m.group(2))} if m else use
+        out[kernel] = dict(use, shared=int(k.metadata.shared), warps=warps)
+    return out
 
 
 # %% [markdown]
@@ -660,7 +741,7 @@ def sbar_triton(
 #| export
 def triton_parity(
     spec: SbarSpec = SbarSpec(),
-    tiles: Tiles = Tiles(),
+    tiles: Tiles | None = None,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     **case,                      # ragged_case's arguments (sizes, seed, scale)
@@ -756,6 +837,7 @@ for _name in ("bf16", "bf16 blocked"):
           % tuple(_rel(a, b) for a, b in zip(_res[_name], _res["fp32"])))
 for _a, _b, _c in zip(_res["bf16"], _res["bf16 blocked"], _res["fp32"]):
     assert _rel(_a, _c) <= 2 * _rel(_b, _c) + 1e-3
+
 
 # %% [markdown]
 # ## One op, nothing else
