@@ -11,11 +11,12 @@ m = L / k at a time. Its memory, by the passes of `accumulate`:
 with W the weights, their gradients and AdamW's moments (16 bytes per parameter) and autocast's bf16 copy of the
 weights (2 bytes per parameter under bf16), j the joined forward outputs per sample (image, text, patch and token
 embeddings: what PowerCLIP's loss reads; CLIP's reads image and text but the tokens are joined all the same), g their
-gradient (the outputs the loss reads), t the towers' saved-for-backward bytes per sample (`paper_memory.json`, CPU
-attention kernels: an upper bound of a GPU's), and loss(L) the loss's saved bytes at L local rows against the global
-batch. PowerCLIP's loss was measured at R = 512 against C = 4096 (`paper_memory.json`); at L rows against the same
-C it is at most L / 512 times that (its R x C tables grow as L, its gathered inputs stay). CLIP's loss at CLIP's own
-batch (32,768) is measured here, at 512 rows against 32,768 columns, and scaled by L / 512 the same way.
+gradient (the outputs the loss reads), t the towers' saved-for-backward bytes per sample (`paper_memory.json`: those
+one H200 measured where it measured them, which is every precision and checkpointing setting here; each recipe row
+says which), and loss(L) the loss's saved bytes at L local rows against the global batch. PowerCLIP's loss was
+measured at R = 512 against C = 4096 (`paper_memory.json`); at L rows against the same C it is at most L / 512 times
+that (its R x C tables grow as L, its gathered inputs stay). CLIP's loss at CLIP's own batch (32,768) is measured
+here, at 512 rows against 32,768 columns, and scaled by L / 512 the same way.
 
 A recipe is k = 1 where the plain step fits, else the smallest k >= 2 (a power of two dividing L) with both passes
 within the GPU's memory less 10 % (the allocator and the CUDA context, as `paper_memory.py`). Nothing here runs on a
@@ -98,7 +99,7 @@ def main(argv=None):
     N = (geo.image_size // geo.patch_size) ** 2
     params, block = meta["params"], meta["block_mib"] * 2**20
     R0 = next(r["R_measured"] for r in rows)
-    out, lines = [], []
+    out, lines, towers_from = [], [], {}
     for prec in ("bf16", "fp32"):
         b = 2 if prec == "bf16" else 4                                     # bytes of an output under autocast
         W = 16 * params + (2 * params if prec == "bf16" else 0)
@@ -106,6 +107,9 @@ def main(argv=None):
         for ck in (False, True):
             row = next(r for r in rows if r["precision"] == prec and r["checkpointing"] == ck and r["M"] == 10)
             t = row["towers_mib_per_sample"] * 2**20
+            src = row.get("towers_from", meta.get("measured_on", "the CPU"))
+            towers_from[f"{prec}, checkpointing {'on' if ck else 'off'}"] = (f"{row['towers_mib_per_sample']:.1f} MiB "
+                                                                            f"({src})")
             cases = [("powerclip", a.batch, (N + geo.context_length + 2) * D * b,
                       (N + geo.context_length + 2) * D * b, lambda L: row["loss_gib_at_R"] * 2**30 * L / R0),
                      ("clip", a.clip_batch, (geo.context_length + 2) * D * b, 2 * D * b, lambda L: clip_R0 * L / R0)]
@@ -117,10 +121,10 @@ def main(argv=None):
                         L = batch // G
                         r = recipe(L, gib * 2**30 * (1 - a.reserve), W, j, g, t, loss(L), block)
                         out.append(dict(method=method, precision=prec, checkpointing=ck, card=card, card_gib=gib,
-                                        gpus=G, global_batch=batch, local_batch=L, **r))
+                                        gpus=G, global_batch=batch, local_batch=L, towers_from=src, **r))
     meta_out = dict(memory=str(a.memory), reserve=a.reserve, arch=arch, params=params, patches=N,
                     context=geo.context_length, embed_dim=D, measured_on=meta.get("measured_on", "the CPU"),
-                    loss_R_measured=R0, cards_gib=CARDS)
+                    towers_from=towers_from, loss_R_measured=R0, cards_gib=CARDS)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "accum_recipes.json").write_text(json.dumps(dict(meta=meta_out, recipes=out), indent=1))
 
@@ -130,8 +134,9 @@ def main(argv=None):
         return f"k={r['k']} (micro {r['micro']}, {r['peak_gib']:.1f} GiB)"
 
     lines = [f"# The paper's batch on fewer GPUs: accum_steps from measured bytes ({arch}, M = 10)", "",
-             f"Computed by `python benchmarks/accum_recipes.py` from `{a.memory.name}` (towers' saved bytes measured "
-             f"on {meta_out['measured_on']}, CPU attention kernels: an upper bound of a GPU's). Memory per card class: "
+             f"Computed by `python benchmarks/accum_recipes.py` from `{a.memory.name}` (the loss's saved bytes "
+             f"measured on {meta_out['measured_on']}; the towers' per sample: "
+             + "; ".join(f"{k} {v}" for k, v in towers_from.items()) + "). Memory per card class: "
              + ", ".join(f"{c} as {v} GiB" for c, v in CARDS.items())
              + f", less {a.reserve:.0%}. Each cell: the smallest `accum_steps` k whose two passes fit, the micro-batch "
              "per process and the larger pass's bytes; \"no\" when the joined outputs and the loss of one process's "
