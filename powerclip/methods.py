@@ -196,9 +196,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def hash_uniform(keys: torch.Tensor, step: int, seed: int, n: int) -> torch.Tensor:
     """keys `(C,)` non-negative int64 sample ids -> `(C, n)` float32 uniform in [0, 1), a pure function of
-    (seed, step, key, column): the same on every device, process and batch composition."""
-    if (keys < 0).any():
-        raise ValueError("sample ids must be non-negative")
+    (seed, step, key, column): the same on every device, process and batch composition. The ids are checked on the
+    host where they are (a ValueError); on a GPU by the device itself (`torch._assert_async`: no wait for the host)."""
+    if keys.device.type == "cpu":
+        if (keys < 0).any():
+            raise ValueError("sample ids must be non-negative")
+    else:
+        torch._assert_async((keys >= 0).all(), "sample ids must be non-negative")
     k = keys.long()
     h = torch.full_like(k, 0)
     for part in (seed & _M32, seed >> 32, step & _M32, step >> 32):    # fold the scalars in

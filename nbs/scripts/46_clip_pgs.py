@@ -157,6 +157,14 @@ def patch_pixels(image: torch.Tensor, patch: int) -> torch.Tensor:
 _SOBEL_X = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]])
 
 
+def sobel_kernels(like: torch.Tensor) -> torch.Tensor:
+    """`(2, 1, 3, 3)` Sobel d/dx, d/dy (`_SOBEL_X` and its transpose) in `like`'s dtype, made on its device (no copy
+    from the host, which a GPU would wait for)."""
+    d = torch.arange(-1, 2, device=like.device, dtype=like.dtype)      # (3,) -1, 0, 1: the derivative
+    kx = (2 - d.abs())[:, None] * d[None, :]                           # (3, 3) smoothing 1, 2, 1 down the rows
+    return torch.stack([kx, kx.T])[:, None]
+
+
 def sobel_patch_edges(image: torch.Tensor, patch: int) -> torch.Tensor:
     """image `(C, 3, H, W)` -> `(C, N)`: mean Sobel gradient magnitude inside each patch, the filter run on the
     whole image (replicate padding: the image border is no edge), per channel, magnitudes averaged over channels."""
@@ -165,7 +173,7 @@ def sobel_patch_edges(image: torch.Tensor, patch: int) -> torch.Tensor:
         raise ValueError(f"image {H}x{W} is not a multiple of the patch size {patch}")
     x = image.to(torch.promote_types(image.dtype, torch.float32))
     x = F.pad(x, (1, 1, 1, 1), mode="replicate")                        # (C, 3, H+2, W+2)
-    k = torch.stack([_SOBEL_X, _SOBEL_X.T]).to(x)[:, None]              # (2, 1, 3, 3): d/dx, d/dy
+    k = sobel_kernels(x)                                                # (2, 1, 3, 3): d/dx, d/dy
     g = F.conv2d(x.reshape(C * ch, 1, H + 2, W + 2), k)                 # (C*3, 2, H, W)
     mag = g.square().sum(1).sqrt().reshape(C, ch, H, W).mean(1)         # (C, H, W)
     return F.avg_pool2d(mag[:, None], patch).flatten(1)                 # (C, N)
@@ -287,6 +295,14 @@ def drop_count(n: int, ratio: float) -> int:
     return n - max(1, int(n * (1 - ratio)))
 
 
+def bucketed(n: int, lo: int, hi: int, multiple: int = 1) -> int:
+    """`n` rounded to the nearest multiple of `multiple` (ties up), kept within [lo, hi]: a batch's drop count from a
+    few values, so that a GPU sees few token counts (new shapes: new kernels and allocations). `multiple=1`: `n`."""
+    if multiple <= 1:
+        return n
+    return min(max(multiple * ((2 * n + multiple) // (2 * multiple)), lo), hi)
+
+
 def edge_protected(edges: torch.Tensor, top: float) -> torch.Tensor:
     "edges `(C, N)` -> `(C, N)` bool: the `round(top * N)` strongest-edge patches of each image (non-zero only)."
     C, N = edges.shape
@@ -311,11 +327,13 @@ class Selection:
 def select_patches(sim: torch.Tensor, edges: torch.Tensor | None, n_seed: int, n_lo: int, n_hi: int,
                    noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
                    edge_top: float = 0.25, sim_threshold: float = 0.84,
-                   ot_iters: int = 20, ot_eps: float = 0.05, all_sum=None) -> Selection:
+                   ot_iters: int = 20, ot_eps: float = 0.05, all_sum=None, multiple: int = 1) -> Selection:
     """sim `(C, N, N)` mixed cosine similarity, edges `(C, N)` (None: no edge protection), noise `(C, N)` uniform
     (None: drawn from `generator`) -> `Selection` dropping between `n_lo` and `n_hi` patches per image
     (`ot_iters=0`: no OT normalisation). `all_sum`: sums a tensor over the processes, so that the batch's count
-    is the rounded mean over the *global* batch (None: this batch only)."""
+    is the rounded mean over the *global* batch (None: this batch only); `multiple`: that count rounded to the
+    nearest multiple of it within [n_lo, n_hi] (`bucketed`; 1: the rounded mean itself). Nothing here waits for the
+    device but the count of the 0.3 variant (n_lo < n_hi), which sizes the kept tokens."""
     C, N, _ = sim.shape
     if not 1 <= n_seed <= n_hi or not 0 <= n_lo <= n_hi < N:
         raise ValueError(f"need 1 <= n_seed <= n_hi, 0 <= n_lo <= n_hi < N; got n_seed={n_seed}, "
@@ -329,8 +347,9 @@ def select_patches(sim: torch.Tensor, edges: torch.Tensor | None, n_seed: int, n
     seeds.scatter_(1, noise.topk(n_seed, dim=1, largest=False).indices, True)
     prot = edge_protected(edges, edge_top) if edges is not None else torch.zeros_like(seeds)
     active = seeds & ~prot                                                # protected seeds are retained
-    lonely = ~active.any(1)                                               # every seed protected: keep one seed,
-    active[ar[lonely], (noise + 2.0 * prot)[lonely].argmin(1)] = True     # the first unprotected one by noise
+    lonely = ~active.any(1, keepdim=True)                                 # (C, 1) every seed protected: keep one,
+    first = (noise + 2.0 * prot).argmin(1, keepdim=True)                  # (C, 1) the first unprotected one by noise
+    active |= torch.zeros_like(active).scatter_(1, first, True) & lonely
     big = 4.0 * (N + 2)                                                   # > any |S'| (<= 1 + N)
     masked = torch.zeros_like(seeds)
     best_rank = sim.new_full((C, N), -big)                     # max S' to the masked set
@@ -352,13 +371,14 @@ def select_patches(sim: torch.Tensor, edges: torch.Tensor | None, n_seed: int, n
     if n_lo == n_hi:
         n_drop = n_hi
     else:                                                                 # round(sum / images), in integers
-        tot = torch.stack([counts.sum(), counts.new_tensor(C)])
+        tot = torch.stack([counts.sum(), torch.full_like(counts[0], C)])  # (2,) made on the device: no copy
         if all_sum is not None:
             tot = all_sum(tot)
-        n_drop = int((2 * tot[0] + tot[1]) // (2 * tot[1]))
+        n_drop = bucketed(int((2 * tot[0] + tot[1]) // (2 * tot[1])), n_lo, n_hi, multiple)   # the one host read
     keep_mask = torch.ones(C, N, dtype=torch.bool, device=dev)
     keep_mask.scatter_(1, order[:, :n_drop], False)
-    keep = keep_mask.nonzero()[:, 1].reshape(C, N - n_drop)              # row-major: ascending per image
+    # the kept patches first, each image's in ascending order (a stable sort: no `nonzero`, whose size the host reads)
+    keep = torch.sort(keep_mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :N - n_drop]
     return Selection(keep, order, counts, n_drop, seeds, prot)
 
 
@@ -390,6 +410,30 @@ for s in (_a, _c, select_patches(_S, _E, 3, 32, 32, noise=torch.rand(6, 64, gene
     act = s.seeds & ~s.protected
     assert act.gather(1, s.order[:, :1])[act.any(1)].all()                          # an unprotected seed goes first
 print("PGS-0.3 per-image counts:", _a.counts.tolist(), "-> batch drops", _a.n_drop)
+
+# %% [markdown]
+# **Nothing here waits for a GPU** but the 0.3 variant's count (issue 38): a training step on a GPU runs ahead of the
+# device until the host needs a value, and each such read stalls the queue while the host goes on launching the next
+# of the selection's few hundred small operators. The image whose seeds are all protected gets its seed by a scatter
+# (not by boolean-mask indexing, which reads the mask's count), the kept indices come from a stable sort of the keep
+# mask (not `nonzero`, which reads its size), and the Sobel kernels are made on the device. The kept indices are the
+# ones `nonzero` gives, in the same order; `drop_multiple` rounds PGS$_{0.3}$'s batch count to a multiple (8 keeps a
+# ViT-B/16 step among 7 token counts instead of 40; the default, 1, is the rounded mean), within the limits.
+
+# %%
+for _s in (_a, _c):
+    _km = torch.ones(6, 64, dtype=torch.bool).scatter_(1, _s.order[:, :_s.n_drop], False)
+    assert torch.equal(_s.keep, _km.nonzero()[:, 1].reshape(6, 64 - _s.n_drop))            # the oracle: nonzero
+_ed = torch.rand(6, 64, generator=_g) + 0.1                 # seeds = the strongest edges: every seed protected
+_lone = select_patches(_S, _ed, 3, 32, 32, noise=1 - _ed / 2)
+assert (_lone.seeds & ~_lone.protected).sum() == 0 and _lone.keep.shape == (6, 32)
+assert torch.equal(_lone.order[:, 0], (1 - _ed / 2 + 2.0 * _lone.protected).argmin(1))     # the first unprotected
+assert torch.equal(sobel_kernels(torch.zeros(1))[:, 0], torch.stack([_SOBEL_X, _SOBEL_X.T]))
+test_eq([bucketed(n, 59, 98, 8) for n in (59, 60, 63, 64, 67, 68, 95, 97, 98)], [59, 64, 64, 64, 64, 72, 96, 96, 96])
+test_eq(bucketed(77, 59, 98), 77)
+_b8 = select_patches(_S, _E, 3, _n_lo, _n_hi, generator=torch.Generator().manual_seed(1), multiple=8)
+assert _b8.n_drop % 8 == 0 and _n_lo <= _b8.n_drop <= _n_hi and abs(_b8.n_drop - _a.n_drop) <= 4, _b8.n_drop
+print(f"PGS-0.3's batch count {_a.n_drop}, rounded to a multiple of 8: {_b8.n_drop}")
 
 # %% [markdown]
 # ## The edge test: what the selection keeps
@@ -608,6 +652,8 @@ class PGSConfig:
     alpha_start: float = 0.0    # weight of the feature similarity at the start of training (ours)
     alpha_end: float = 1.0      # ... at the end, linear in step / total in between (ours)
     sim_threshold: float = 0.84  # PGS_0.3: grow while the added patch has cosine >= this (ours, calibrated below)
+    drop_multiple: int = 1      # PGS_0.3: the batch's drop count rounded to a multiple of this within the limits (ours:
+                                # 8 keeps a GPU's token counts to a few shapes; 1, the default, is the rounded mean)
 
     def __post_init__(self):
         if not 0 <= self.lower <= self.upper < 1:
@@ -620,6 +666,8 @@ class PGSConfig:
             raise ValueError("need ot_iters >= 1 and ot_eps > 0")
         if not -1 <= self.sim_threshold <= 1:
             raise ValueError(f"sim_threshold is a cosine, in [-1, 1]; got {self.sim_threshold}")
+        if self.drop_multiple < 1:
+            raise ValueError(f"drop_multiple must be at least 1, got {self.drop_multiple}")
 
     def counts(self, n: int) -> tuple[int, int, int]:
         "(n_seed, n_lo, n_hi) for `n` patches."
@@ -653,7 +701,7 @@ class PGSSelector:
             edges = sobel_patch_edges(self.image, self.patch) if cfg.edges else None
             self.last = select_patches(sim, edges, n_seed, n_lo, n_hi, noise=self.noise, edge_top=cfg.edge_top,
                                        sim_threshold=cfg.sim_threshold, ot_iters=cfg.ot_iters if cfg.ot else 0,
-                                       ot_eps=cfg.ot_eps, all_sum=self.all_sum)
+                                       ot_eps=cfg.ot_eps, all_sum=self.all_sum, multiple=cfg.drop_multiple)
         return self.last.keep                                              # (C, N_keep) ascending
 
 
@@ -738,7 +786,7 @@ class CLIPPGS(StepClock, CLIP):
             out = encode(model, image, batch["tokens"], need_patches=False)
         self.tick()
         self.last = sel.last
-        out["pgs_drop_ratio"] = torch.tensor(sel.last.n_drop / N, device=image.device)
+        out["pgs_drop_ratio"] = torch.full((), sel.last.n_drop / N, device=image.device)   # a fill: no host copy
         return out
 
     def accum_begin(self, model, micro_batches, modules=None, dist=None):

@@ -241,7 +241,12 @@ assert torch.equal(draw_anchors(_u, 4)[4:7], draw_anchors(_u[4:7], 4))         #
 # ## How many patches leave, and which
 #
 # `cluster_drop_count` is step 4's $n_{\text{drop}}$ from the smallest cluster mask of the batch (capped at $N-1$:
-# the class token alone carries no image). `select_kept` then removes exactly $n_{\text{drop}}$ patches from
+# the class token alone carries no image). It changes from batch to batch, and with it the number of tokens the vision
+# transformer sees: on a GPU each new count is a new shape (new kernels, new allocations). `drop_multiple` (ours;
+# default 1, the authors' count) rounds it down to a multiple, never below the `min_ratio` count: 8 leaves a ViT-B/16
+# step a few token counts. The method allows it: every image's cluster still holds the dropped patches, and with
+# `hide_clusters` the patches dropped or hidden are the same, only a few more of them kept and hidden. The host reads
+# this one number (the smallest cluster) and nothing else: the kept indices come from a stable sort, not `nonzero`. `select_kept` then removes exactly $n_{\text{drop}}$ patches from
 # each image: its cluster patches first, in random order, then, if its clusters are smaller, random other
 # patches. It returns the kept indices (ascending, the order of open_clip's patch tokens) and which of the kept
 # ones are cluster patches (`hidden`). Per image, the patches that are dropped or hidden number
@@ -250,12 +255,14 @@ assert torch.equal(draw_anchors(_u, 4)[4:7], draw_anchors(_u[4:7], 4))         #
 
 # %%
 #| export
-def cluster_drop_count(min_masked: int, n: int, min_ratio: float = 0.3) -> int:
+def cluster_drop_count(min_masked: int, n: int, min_ratio: float = 0.3, multiple: int = 1) -> int:
     """Patches every image of the batch drops: FLIP-rounded `min_ratio` of `n`, or the batch's smallest cluster mask if
-    larger; at most n - 1."""
+    larger; at most n - 1. `multiple` > 1: rounded down to a multiple of it, not below the `min_ratio` count."""
     if not 0 <= min_ratio < 1:
         raise ValueError(f"min_ratio must be in [0, 1), got {min_ratio}")
-    return min(n - 1, max(drop_count(n, min_ratio), int(min_masked)))
+    low = drop_count(n, min_ratio)
+    d = min(n - 1, max(low, int(min_masked)))
+    return max(low, d - d % multiple) if multiple > 1 else d
 
 
 def select_kept(
@@ -272,7 +279,8 @@ def select_kept(
     order = by_noise.gather(1, torch.sort(outside, dim=1, stable=True).indices)           # (C, N) drop order
     keep_mask = torch.ones(C, N, dtype=torch.bool, device=masked.device)
     keep_mask.scatter_(1, order[:, :n_drop], False)
-    keep = keep_mask.nonzero()[:, 1].reshape(C, N - n_drop)                               # row-major: ascending
+    # the kept patches first, ascending (a stable sort: no `nonzero`, whose size a GPU's host would wait for)
+    keep = torch.sort(keep_mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :N - n_drop]
     return keep, masked.gather(1, keep)
 
 
@@ -294,6 +302,7 @@ def effective_ratio(masked: torch.Tensor, min_ratio: float = 0.3) -> float:
 # %%
 assert cluster_drop_count(0, 196) == 59 and cluster_drop_count(80, 196) == 80 and cluster_drop_count(196, 196) == 195
 assert cluster_drop_count(3, 16, 0.0) == 3
+assert [cluster_drop_count(m, 196, 0.3, 8) for m in (0, 63, 64, 71, 80, 196)] == [59, 59, 64, 64, 80, 192]
 _m = torch.zeros(3, 20, dtype=torch.bool)
 _m[0, :3] = True
 _m[1, 5:15] = True
@@ -308,6 +317,7 @@ assert torch.equal(_hid, _m.gather(1, _keep))
 _k1, _h1 = select_kept(_m[1:2], _n[1:2], 6)
 assert torch.equal(_k1, _keep[1:2]) and torch.equal(_h1, _hid[1:2])
 assert torch.equal(select_kept(_m, _n, 6)[0], _keep)
+assert torch.equal(_keep, _kept.nonzero()[:, 1].reshape(3, 14))       # the oracle: the kept mask's nonzero, in order
 assert abs(effective_ratio(_m, 0.3) - (6 + 10 + 10) / 60) < 1e-12      # n_drop = max(20 - 14, 3) = 6
 print("kept (image 0):", _keep[0].tolist(), " hidden per image:", _hid.sum(1).tolist())
 
@@ -392,14 +402,16 @@ def cluster_masking(
     threshold: float,             # cosine threshold r
     min_ratio: float = 0.3,       # least share of patches dropped
     all_min: Callable[[torch.Tensor], torch.Tensor] | None = None,  # min over processes of a scalar tensor
+    multiple: int = 1,            # the drop count rounded down to a multiple of this (`cluster_drop_count`)
 ) -> ClusterMasking:
-    "E-CLIP's cluster masking of a batch: anchors, clusters, one drop count, the kept patches."
+    """E-CLIP's cluster masking of a batch: anchors, clusters, one drop count, the kept patches. The host reads one
+    value: the smallest cluster (`int(m_min)`), which sizes the kept tokens."""
     anchors = draw_anchors(anchor_noise, n_anchor)
     masked = cluster_mask(sim, anchors, threshold)
     m_min = masked.sum(1).min()
     if all_min is not None:
         m_min = all_min(m_min)
-    n_drop = cluster_drop_count(int(m_min), masked.shape[1], min_ratio)
+    n_drop = cluster_drop_count(int(m_min), masked.shape[1], min_ratio, multiple)
     keep, hidden = select_kept(masked, order_noise, n_drop)
     return ClusterMasking(keep, hidden, masked, anchors, n_drop)
 
@@ -516,6 +528,9 @@ class ECLIPConfig:
     hide_clusters: bool = True   # hide the cluster patches left after the common drop (the paper's intent); False:
                                  # leave them visible (the released code, without its +1 attention bias)
     use_embed: bool = False      # mix the token similarity in with weight alpha = progress (their use_embed; off)
+    drop_multiple: int = 1       # the batch's drop count rounded down to a multiple of this (ours: 8 keeps a GPU's
+                                 # token counts to a few shapes; with hide_clusters the dropped or hidden patches are
+                                 # the same, only fewer of them dropped; 1, the default: the authors' count)
 
     def __post_init__(self):
         if not 0 < self.anchor_ratio < 1:
@@ -524,6 +539,8 @@ class ECLIPConfig:
             raise ValueError(f"threshold is a cosine, in [-1, 1]; got {self.threshold}")
         if not 0 <= self.min_ratio < 1:
             raise ValueError(f"min_ratio must be in [0, 1), got {self.min_ratio}")
+        if self.drop_multiple < 1:
+            raise ValueError(f"drop_multiple must be at least 1, got {self.drop_multiple}")
 
 
 def _all_min(t: torch.Tensor) -> torch.Tensor:
@@ -550,7 +567,8 @@ class ClusterSelector:
             sim = patch_similarity(pix, emb, self.alpha)                       # (C, N, N)
             self.last = cluster_masking(sim, self.noise[:, :N], self.noise[:, N:],
                                         anchor_count(N, self.cfg.anchor_ratio),
-                                        self.cfg.threshold, self.cfg.min_ratio, all_min=self.all_min)
+                                        self.cfg.threshold, self.cfg.min_ratio, all_min=self.all_min,
+                                        multiple=self.cfg.drop_multiple)
         return self.last.keep
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:

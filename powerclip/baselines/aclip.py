@@ -450,11 +450,12 @@ class ACLIP(StepClock, CLIP):
         "The online views (V C, 3, H, W), the EMA's input (C, 3, H, W), the boxes [(C, 4)] * V and the EMA box (C, 4)."
         cfg, (C, _, H, W) = self.cfg, image.shape
         v = model.visual
-        mean = torch.tensor(getattr(v, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073), dtype=image.dtype,
-                            device=image.device)
-        std = torch.tensor(getattr(v, "image_std", None) or (0.26862954, 0.26130258, 0.27577711), dtype=image.dtype,
-                           device=image.device)
-        full = torch.tensor([0.0, 0.0, H, W], dtype=torch.float64, device=image.device).expand(C, 4)
+        # constants sent without waiting: a blocking copy from the host would make a GPU's host wait for the device
+        mean = torch.tensor(getattr(v, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073),
+                            dtype=image.dtype).to(image.device, non_blocking=True)
+        std = torch.tensor(getattr(v, "image_std", None) or (0.26862954, 0.26130258, 0.27577711),
+                           dtype=image.dtype).to(image.device, non_blocking=True)
+        full = torch.tensor([0.0, 0.0, H, W], dtype=torch.float64).to(image.device, non_blocking=True).expand(C, 4)
         if cfg.views == 2:
             boxes = [crop_boxes(u[:, 40 * i:40 * (i + 1)], (H, W), cfg.crop_scale) for i in range(2)]
             ema_box = enclosing_box(*boxes, u[:, 80:84], (H, W))
@@ -506,8 +507,8 @@ class ACLIP(StepClock, CLIP):
         V = cfg.views
         return dict(image=img["image"].unflatten(0, (V, C)).transpose(0, 1), text=txt["text"],
                     logit_scale=txt["logit_scale"], cls=cls[0].unflatten(0, (V, C)).transpose(0, 1), cls_ema=cls_ema,
-                    heads=modules, momentum=torch.tensor(m, device=image.device),
-                    keep_ratio=torch.tensor(keep.shape[1] / (gh * gw), device=image.device))
+                    heads=modules, momentum=torch.full((), m, device=image.device),          # fills: no host copy
+                    keep_ratio=torch.full((), keep.shape[1] / (gh * gw), device=image.device))
 
     def loss(self, out, batch, dist):
         cfg, mods = self.cfg, out["heads"]

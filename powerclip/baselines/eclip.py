@@ -81,12 +81,14 @@ def cluster_mask(
     return near.any(1) | anchors
 
 # %% ../../nbs/48_eclip.ipynb #086fc050
-def cluster_drop_count(min_masked: int, n: int, min_ratio: float = 0.3) -> int:
+def cluster_drop_count(min_masked: int, n: int, min_ratio: float = 0.3, multiple: int = 1) -> int:
     """Patches every image of the batch drops: FLIP-rounded `min_ratio` of `n`, or the batch's smallest cluster mask if
-    larger; at most n - 1."""
+    larger; at most n - 1. `multiple` > 1: rounded down to a multiple of it, not below the `min_ratio` count."""
     if not 0 <= min_ratio < 1:
         raise ValueError(f"min_ratio must be in [0, 1), got {min_ratio}")
-    return min(n - 1, max(drop_count(n, min_ratio), int(min_masked)))
+    low = drop_count(n, min_ratio)
+    d = min(n - 1, max(low, int(min_masked)))
+    return max(low, d - d % multiple) if multiple > 1 else d
 
 
 def select_kept(
@@ -103,7 +105,8 @@ def select_kept(
     order = by_noise.gather(1, torch.sort(outside, dim=1, stable=True).indices)           # (C, N) drop order
     keep_mask = torch.ones(C, N, dtype=torch.bool, device=masked.device)
     keep_mask.scatter_(1, order[:, :n_drop], False)
-    keep = keep_mask.nonzero()[:, 1].reshape(C, N - n_drop)                               # row-major: ascending
+    # the kept patches first, ascending (a stable sort: no `nonzero`, whose size a GPU's host would wait for)
+    keep = torch.sort(keep_mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :N - n_drop]
     return keep, masked.gather(1, keep)
 
 
@@ -160,14 +163,16 @@ def cluster_masking(
     threshold: float,             # cosine threshold r
     min_ratio: float = 0.3,       # least share of patches dropped
     all_min: Callable[[torch.Tensor], torch.Tensor] | None = None,  # min over processes of a scalar tensor
+    multiple: int = 1,            # the drop count rounded down to a multiple of this (`cluster_drop_count`)
 ) -> ClusterMasking:
-    "E-CLIP's cluster masking of a batch: anchors, clusters, one drop count, the kept patches."
+    """E-CLIP's cluster masking of a batch: anchors, clusters, one drop count, the kept patches. The host reads one
+    value: the smallest cluster (`int(m_min)`), which sizes the kept tokens."""
     anchors = draw_anchors(anchor_noise, n_anchor)
     masked = cluster_mask(sim, anchors, threshold)
     m_min = masked.sum(1).min()
     if all_min is not None:
         m_min = all_min(m_min)
-    n_drop = cluster_drop_count(int(m_min), masked.shape[1], min_ratio)
+    n_drop = cluster_drop_count(int(m_min), masked.shape[1], min_ratio, multiple)
     keep, hidden = select_kept(masked, order_noise, n_drop)
     return ClusterMasking(keep, hidden, masked, anchors, n_drop)
 
@@ -181,6 +186,9 @@ class ECLIPConfig:
     hide_clusters: bool = True   # hide the cluster patches left after the common drop (the paper's intent); False:
                                  # leave them visible (the released code, without its +1 attention bias)
     use_embed: bool = False      # mix the token similarity in with weight alpha = progress (their use_embed; off)
+    drop_multiple: int = 1       # the batch's drop count rounded down to a multiple of this (ours: 8 keeps a GPU's
+                                 # token counts to a few shapes; with hide_clusters the dropped or hidden patches are
+                                 # the same, only fewer of them dropped; 1, the default: the authors' count)
 
     def __post_init__(self):
         if not 0 < self.anchor_ratio < 1:
@@ -189,6 +197,8 @@ class ECLIPConfig:
             raise ValueError(f"threshold is a cosine, in [-1, 1]; got {self.threshold}")
         if not 0 <= self.min_ratio < 1:
             raise ValueError(f"min_ratio must be in [0, 1), got {self.min_ratio}")
+        if self.drop_multiple < 1:
+            raise ValueError(f"drop_multiple must be at least 1, got {self.drop_multiple}")
 
 
 def _all_min(t: torch.Tensor) -> torch.Tensor:
@@ -215,7 +225,8 @@ class ClusterSelector:
             sim = patch_similarity(pix, emb, self.alpha)                       # (C, N, N)
             self.last = cluster_masking(sim, self.noise[:, :N], self.noise[:, N:],
                                         anchor_count(N, self.cfg.anchor_ratio),
-                                        self.cfg.threshold, self.cfg.min_ratio, all_min=self.all_min)
+                                        self.cfg.threshold, self.cfg.min_ratio, all_min=self.all_min,
+                                        multiple=self.cfg.drop_multiple)
         return self.last.keep
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
