@@ -134,7 +134,7 @@ test-torch-lower: install
 	cd $(CURDIR) && PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -c "import torch, torchvision, numpy; \
 	  print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'numpy', numpy.__version__)"
 	PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -m powerclip.train --preset smoke --method powerclip max_steps=20 \
-	  resume=never out_dir=runs/torch_lower/train20
+	  resume=never overwrite=true out_dir=runs/torch_lower/train20
 	PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -m pytest -q -p no:cacheprovider tests/test_cuda_dry_run.py
 
 ## The paper's ablations on the world (71_experiments): Tables 6, 7, 8, 10, 14, the margin and Fig. 8 (EXP=all), each

@@ -8,12 +8,13 @@ from pathlib import Path
 
 
 def at_least(args, lo: int, *names: str) -> None:
-    "Every `--name` (one value or a list of them) is at least `lo`."
+    """Every `--name` (one value or a list of them) is a finite number of at least `lo` (`check_number`: NaN, which
+    passes `x < lo`, is refused too)."""
+    from powerclip.commandline import check_number
     for n in names:
         v = getattr(args, n.replace('-', '_'))
         for x in (v if isinstance(v, (list, tuple)) else [v]):
-            if x < lo:
-                raise ValueError(f'--{n}: must be at least {lo}, got {x}')
+            check_number(f'--{n}', x, lo)
 
 
 def device(name: str):

@@ -327,9 +327,10 @@ def train_and_resume(a, raw: Path, steps: int = 50) -> dict:
     losses = {}
     for name, calls in (("straight", [None]), ("resumed", [steps // 2, None])):
         d = raw / name
-        for stop in calls:
+        for i, stop in enumerate(calls):   # the first call starts afresh: a run left by an earlier try moved aside
             over = ["data.workers=0", f"max_steps={steps}", f"ckpt_every={steps // 2}", f"precision={prec}",
-                    f"device={a.device}", f"out_dir={d}", "resume=auto" if stop is None else "resume=never"]
+                    f"device={a.device}", f"out_dir={d}", "resume=never" if i == 0 else "resume=auto",
+                    "overwrite=true"]
             train(load_config("smoke", over + ([f"stop_at={stop}"] if stop else []), method="powerclip"))
         losses[name] = [r["loss"] for r in read_metrics(d / "metrics.csv")]
     ck = raw / "resumed" / "checkpoints" / "last.pt"

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # the project's command-line convention
-from powerclip.commandline import ArgumentParser, UsageError, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, UsageError, check_number, run_main, usage_errors
 
 OURS = ('tree.json', 'regions.npz')             # members this tool writes (replaced if the input has them)
 STATS_VERSION = 2                               # 2: trees hold the caption as given + word offsets; caption_problem
@@ -126,6 +126,14 @@ def check_inputs(specs: list[str], shards: list[Path], out: str):
         raise UsageError(f'--out: {out!r} is a file; give a directory (created if missing)')
     if next((a for a in o.parents if a.exists() and not a.is_dir()), None) is not None:
         raise UsageError(f'--out: {out!r} is inside a file; give a directory (created if missing)')
+    # the input is never written over: --out may not be the folder of an input, nor hold an output named as an input
+    ins = {p.resolve() for p in shards}
+    here = next((p for p in shards if p.parent.resolve() == o.resolve()), None)
+    hit = next((p for p in shards if out_paths(p, o)[0].resolve() in ins), None)
+    if here is not None or hit is not None:
+        p = here or hit
+        raise UsageError(f'--out: {out!r} would write over the input {str(p)!r} (the output shard keeps the input\'s '
+                         'name): give another directory')
 
 
 def out_paths(shard: Path, out: Path, run: str = 'direct') -> tuple[Path, Path, Path]:
@@ -459,9 +467,13 @@ def check_config(cfg: AnnotateConfig):
     "Raise UsageError for settings that cannot work."
     if cfg.regions == 'sam2' and cfg.sam2_checkpoint is None and not cfg.sam2_random_weights_ok:
         raise UsageError('--regions sam2 needs --sam2-checkpoint (download a SAM2 checkpoint first)')
-    for name in ('workers', 'batch_size', 'grid_h', 'grid_w', 'seg_size', 'n_segments'):
-        if getattr(cfg, name) < 1:
-            raise UsageError(f'--{name.replace("_", "-")}: must be at least 1, got {getattr(cfg, name)}')
+    try:       # the project's one check of a number (finite, in range: NaN passes every `x < lo`)
+        for name in ('workers', 'batch_size', 'grid_h', 'grid_w', 'seg_size', 'n_segments', 'sam2_points_per_side'):
+            check_number(f'--{name.replace("_", "-")}', getattr(cfg, name), 1, integer=True)
+        check_number('--min-frac', cfg.min_frac, 0, 1, lo_open=True)      # a share of a patch: (0, 1]
+        check_number('--fz-scale', cfg.fz_scale, 0, lo_open=True)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def run(shards: list[Path], cfg: AnnotateConfig, progress: bool = True) -> dict:

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from .dist import DistContext
-from .methods import Method
+from .methods import Method, StepClock
 
 # %% auto #0
 __all__ = ['batch_rows', 'split_batch', 'join_outputs', 'accumulate']
@@ -91,6 +91,13 @@ def accumulate(fwd: torch.nn.Module, method: Method, batch: dict, ctx: DistConte
     if method.accum_obstacle:
         raise ValueError(f"accum_steps: method {method.name!r} cannot accumulate gradients exactly: "
                          f"{method.accum_obstacle}")
+    if "index" not in batch:
+        raise ValueError("accum_steps: the batch has no 'index' (its sample ids): keyed noise would follow the rows of "
+                         "each micro-batch, not the samples, and the gradient would not be the whole batch's")
+    if isinstance(method, StepClock) and not method._hooked:
+        raise ValueError(f"accum_steps: method {method.name!r} keeps a step clock that was not set: call "
+                         "method.on_step(step, total) before each step (the trainer does); counted by its forward "
+                         "passes, it would advance 2k times a step")
     micros = split_batch(batch, k)
     rows = [batch_rows(m) for m in micros]
     inner = _inner(fwd)

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import numbers
 import os
 import re
+import signal
 import sys
+import threading
 
 # %% auto #0
-__all__ = ['KEY_VALUE', 'UsageError', 'debug_requested', 'usage_errors', 'ArgumentParser', 'run_main', 'check_device']
+__all__ = ['KEY_VALUE', 'UsageError', 'debug_requested', 'usage_errors', 'ArgumentParser', 'Interrupted', 'run_main',
+           'check_device', 'check_number', 'StopSignals']
 
 # %% ../nbs/17_commandline.ipynb #dbc276f4
 class UsageError(Exception):
@@ -74,9 +79,23 @@ class ArgumentParser(argparse.ArgumentParser):
         return kv + rest
 
 
+class Interrupted(Exception):
+    """A run stopped by SIGINT or SIGTERM at a step boundary, its checkpoint written: `run_main` prints the message
+    (when there is one: the other processes of a distributed run stay quiet) and exits with 128 + the signal's
+    number."""
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message)
+        self.signum, self.message = int(signum), message
+
+    @property
+    def status(self) -> int: return 128 + self.signum
+
+
 def run_main(main, argv=None, prog: str | None = None) -> int:
     """`main(argv)` -> its exit status (None counts as 0). A `UsageError` is printed as `prog: error: message` on
-    stderr with status 2, unless `debug_requested(argv)`, which re-raises it with its traceback."""
+    stderr with status 2, unless `debug_requested(argv)`, which re-raises it with its traceback. An `Interrupted` run
+    is its one line and 128 + its signal (130 for SIGINT, 143 for SIGTERM); a Ctrl-C anywhere else is one line and
+    130."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or os.path.basename(sys.argv[0]) or "powerclip"
     try:
@@ -86,6 +105,17 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Interrupted as e:
+        if debug_requested(argv):
+            raise
+        if e.message:
+            print(f"{prog}: {e.message}", file=sys.stderr, flush=True)
+        return e.status
+    except KeyboardInterrupt:
+        if debug_requested(argv):
+            raise
+        print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     return 0 if rc is None else int(rc)
 
 
@@ -104,4 +134,69 @@ def check_device(flag: str, name: str, hint: str = "cpu") -> str:
             raise ValueError(f"{flag}: {name!r} asks for a GPU and none is available ({hint})")
         if d.index is not None and d.index >= n:
             raise ValueError(f"{flag}: {name!r}, but there are {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
+    elif d.type != "cpu":          # mps, xpu, ...: a device torch knows, which this machine may lack
+        backend = getattr(torch.backends, d.type, None) or getattr(torch, d.type, None)
+        available = getattr(backend, "is_available", lambda: False)
+        if not available():
+            raise ValueError(f"{flag}: {name!r} is a device torch knows but this machine lacks (cpu, cuda, cuda:N)")
     return name
+
+
+def _bound_words(lo, hi, lo_open: bool, hi_open: bool) -> str:
+    "What `check_number` asks, in words: 'at least 0', 'above 0', 'in (0, 1]'."
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'above' if lo_open else 'at least'} {lo:g}"
+    if hi is not None:
+        return f"{'below' if hi_open else 'at most'} {hi:g}"
+    return ""
+
+
+def check_number(flag: str, x, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False,
+                 integer: bool = False):
+    """`x` if it is a finite number (an integer when `integer`) in the bounds (`lo`, `hi`: None for none; `lo_open`,
+    `hi_open`: the bound itself excluded), else a ValueError whose message starts with `flag`. The one check of a number
+    for every command and config (see "Numbers" above): NaN passes every `x < lo`, so finiteness comes first."""
+    words = _bound_words(lo, hi, lo_open, hi_open)
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ValueError(f"{flag}: must be {'an integer' if integer else 'a number'}{' ' + words if words else ''}, "
+                         f"got {x!r}")
+    if not math.isfinite(x):
+        raise ValueError(f"{flag}: must be a finite number{' ' + words if words else ''}, got {x}")
+    if integer and int(x) != x:
+        raise ValueError(f"{flag}: must be an integer{' ' + words if words else ''}, got {x}")
+    if ((lo is not None and (x <= lo if lo_open else x < lo)) or (hi is not None and (x >= hi if hi_open else x > hi))):
+        raise ValueError(f"{flag}: must be {words}, got {x}")
+    return x
+
+
+class StopSignals:
+    """While active (a `with` block on the main thread), SIGINT and SIGTERM are recorded, not raised: `signum` is the
+    first one received (0: none), `count` how many came; `on_signal(signum)`, if given, runs on each (e.g. to pass it
+    on to a child process). The previous handlers are put back at the end. On another thread it does nothing."""
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, on_signal=None):
+        self.signum, self.count, self.on_signal, self._old = 0, 0, on_signal, {}
+
+    def _handle(self, signum, frame):
+        self.signum = self.signum or signum
+        self.count += 1
+        if self.on_signal is not None:
+            self.on_signal(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+        return False
+
+    @property
+    def name(self) -> str: return signal.Signals(self.signum).name if self.signum else ""

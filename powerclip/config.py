@@ -5,18 +5,19 @@
 # %% ../nbs/49a_config.ipynb #b351a957
 from __future__ import annotations
 
-import dataclasses, typing
+import dataclasses, math, typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
+from .commandline import check_number
 from .data import DataConfig
 from .methods import METHODS, method_config
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'PRESET_DIR', 'ModelConfig', 'OptimConfig', 'check_precision', 'TrainConfig', 'from_dict', 'to_dict',
-           'preset_path', 'set_dotted', 'parse_override', 'method_options', 'load_config']
+           'check_kwargs', 'preset_path', 'set_dotted', 'parse_override', 'method_options', 'load_config']
 
 # %% ../nbs/49a_config.ipynb #87126376
 @dataclass
@@ -52,15 +53,18 @@ class OptimConfig:
     grad_clip: float | None = None     # clip the global gradient norm (None: no clipping, norm still checked)
 
     def __post_init__(self):
-        for k in ("lr", "weight_decay", "min_lr", "warmup_steps"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"{k}: must be at least 0, got {getattr(self, k)}")
-        if self.eps <= 0:
-            raise ValueError(f"eps: must be above 0, got {self.eps}")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"grad_clip: must be above 0 or null (no clipping), got {self.grad_clip}")
+        for k in ("lr", "weight_decay", "min_lr"):
+            check_number(k, getattr(self, k), 0)
+        check_number("warmup_steps", self.warmup_steps, 0, integer=True)
+        check_number("eps", self.eps, 0, lo_open=True)
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0
+                                               and math.isfinite(self.grad_clip)):
+            raise ValueError(f"grad_clip: must be a finite number above 0 or null (no clipping), got {self.grad_clip}")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas: must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr: {self.min_lr} is above the peak lr {self.lr}: the cosine would climb to it "
+                             "(give min_lr <= lr)")
 
 
 PRECISIONS = ("fp32", "bf16", "auto", "fp64")   # the trainer's: fp64 for exactness checks (tests/test_ddp.py)
@@ -97,6 +101,8 @@ class TrainConfig:
     ckpt_every: int = 500              # steps between checkpoints (and one at the end)
     resume: str = "auto"               # 'auto' (out_dir/checkpoints/last.pt, else prev.pt, if present) | 'never' | a
                                        # checkpoint path
+    overwrite: bool = False            # resume=never into a folder that holds a run: move that run aside to
+                                       # OUT_DIR.old-<time> (never deleted) and start afresh; false: refused
     max_bad_in_row: int = 20           # abort after this many consecutive non-finite steps
     device: str | None = None          # 'cpu' | 'cuda' | 'cuda:N' | None (cuda when available)
     progress: bool = True              # tqdm progress bar on the main process
@@ -147,8 +153,7 @@ class TrainConfig:
             raise ValueError(f"eval_every: must be at least 1 or null (no evaluation), got {self.eval_every}")
         if self.eval_images < 1:
             raise ValueError(f"eval_images: must be at least 1, got {self.eval_images}")
-        if self.eval_timeout_s <= 0:
-            raise ValueError(f"eval_timeout_s: must be above 0, got {self.eval_timeout_s}")
+        check_number("eval_timeout_s", self.eval_timeout_s, 0, lo_open=True)
         if not all(isinstance(t, str) and t for t in self.eval_tasks):
             raise ValueError(f"eval_tasks: must be task names, got {list(self.eval_tasks)}")
         if any(int(n) != n or n < 1 for n in self.snapshot_steps):
@@ -216,12 +221,15 @@ def _typed(t, v, key: str):
             if n is not None and n.is_integer():
                 return int(n)
         if o is float and _number(v) is not None:
-            return _number(v)
+            return check_number(key, _number(v))     # finite: NaN would pass every range check after this
         if o is str and isinstance(v, str):
             return v
         if o is str and isinstance(v, (int, float)) and not isinstance(v, bool):
             return str(v)   # out_dir=2024
         if o in (tuple, list) and isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                if isinstance(x, float):
+                    check_number(f"{key}[{i}]", x)
             return o(v)
         if o is dict and isinstance(v, dict):
             return v
@@ -259,6 +267,21 @@ def to_dict(cfg) -> dict:
             return [plain(v) for v in x]
         return x
     return plain(asdict(cfg))
+
+
+def check_kwargs(fn, kwargs: dict, path: str) -> dict:
+    """`kwargs` of the callable `fn` (e.g. open_clip's `CLIP.__init__`, for `model.kwargs`), each key one of its
+    parameters and each value of its annotated type, as `from_dict` checks a config (a dataclass parameter, open_clip's
+    `CLIPVisionCfg`, is checked field by field); a ValueError naming `path.key`. Returns them typed (the keys given
+    only)."""
+    hints = {k: v for k, v in typing.get_type_hints(fn).items() if k != "return"}
+    out = {}
+    for k, v in (kwargs or {}).items():
+        if k not in hints:
+            raise ValueError(f"{path}.{k}: unknown key (known: {', '.join(sorted(hints))})")
+        t = _typed(hints[k], v, f"{path}.{k}")
+        out[k] = {f: getattr(t, f) for f in v} if dataclasses.is_dataclass(t) else t
+    return out
 
 # %% ../nbs/49a_config.ipynb #a5615be7
 PRESET_DIR = Path(__import__("powerclip").__file__).parent / "presets"  # shipped as package data

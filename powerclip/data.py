@@ -11,7 +11,10 @@ import io
 import itertools
 import json
 import logging
+import os
 import random
+import signal
+import tarfile
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -32,8 +35,8 @@ __all__ = ['logger', 'REGION_SOURCES', 'SEED_STREAMS', 'SAMPLE_SKIP_REASONS', 'I
            'BatchNeeds', 'BatchSpec', 'mix_seed', 'key_index', 'derive_seed', 'run_seeds', 'sample_generator',
            'SampleSkipCounter', 'add_counts', 'caption_tokens', 'region_masks', 'make_item', 'collate',
            'EpochBatchSampler', 'world_config', 'WorldItems', 'world_region_pool', 'shard_urls', 'eval_transform',
-           'decode_sample', 'read_shard', 'StreamPosition', 'n_streams', 'WdsItems', 'Loader', 'steps_per_epoch',
-           'make_loader', 'write_shard']
+           'to_rgb', 'tar_end_problem', 'decode_sample', 'read_shard', 'StreamPosition', 'n_streams', 'WdsItems',
+           'quiet_worker', 'Loader', 'steps_per_epoch', 'make_loader', 'write_shard']
 
 # %% ../nbs/23_data.ipynb #041e8a8c
 @dataclass
@@ -311,6 +314,41 @@ def eval_transform(image_size: int):
     from open_clip import image_transform
     return image_transform(image_size, is_train=False)
 
+def to_rgb(im: Image.Image) -> Image.Image:
+    """An opened image as 8-bit RGB, by value: 16-bit grey ('I;16', or 'I' holding 0..65535, as Pillow opens 16-bit
+    PNG) scaled to 0..255, not clipped at 255 (which `convert('RGB')` does: a white image); the 8-bit modes through
+    Pillow (palette, grey, alpha dropped, CMYK). A ValueError for what has no known range (32-bit float 'F', 'I' beyond
+    16 bits): the caller skips the image, saying why."""
+    if im.mode.startswith('I;16') or im.mode == 'I':
+        a = np.asarray(im).astype(np.int64)
+        if a.size and (a.min() < 0 or a.max() > 65535):
+            raise ValueError(f'mode {im.mode} image with values {a.min()}..{a.max()}: outside 16 bits, no known range')
+        return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), 'L').convert('RGB')
+    if im.mode in ('F', 'I;32', 'I;32B', 'I;32L'):
+        raise ValueError(f'mode {im.mode} image (32-bit values): no known range to map to 8 bits')
+    return im.convert('RGB')
+
+
+def tar_end_problem(path) -> str | None:
+    """Why the plain `.tar` file `path` does not end as a complete tar (None when it does, or when it is no local plain
+    tar): its end-of-archive blocks must follow the last member. Python's tarfile ends quietly at a header cut short
+    (the rest of the shard silently missing); the annotator (`data_prep`) checks the same."""
+    if not str(path).endswith('.tar') or not os.path.isfile(path):
+        return None
+    try:
+        with tarfile.open(path, 'r:') as tf:
+            tf.getmembers()
+            end = tf.offset
+        with open(path, 'rb') as f:
+            f.seek(end)
+            tail = f.read(1024)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        return f'{type(e).__name__}: {e}'
+    if len(tail) < 1024 or tail.strip(b'\0'):
+        return f'no end-of-archive marker after byte {end} (file cut short?)'
+    return None
+
+
 def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: SampleSkipCounter) -> dict | None:
     """A raw webdataset sample (bytes per extension) -> a batch item, or None (counted and logged) when unusable.
     Reads a tree (stored, or parsed on the fly) and stored masks only when the method needs them."""
@@ -326,7 +364,7 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Sam
     try:
         with Image.open(io.BytesIO(img)) as im:
             im.load()
-            im = im.convert('RGB')
+            im = to_rgb(im)            # by value: 16-bit scaled, not clipped; an image of no known range skipped
     except Exception as e:
         return skip('bad_image', repr(e)[:200])
     if why := caption_problem(s.get('txt')):
@@ -365,14 +403,17 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Sam
     return make_item(preprocess(im), text, tt, key_index(key), spec, epoch, pool)
 
 def read_shard(url: str):
-    """Raw samples of one tar; read errors (a truncated or corrupt tar) end the shard with one shard-error record
-    (`{'__shard_error__': what, '__url__': url}`), which `decode_sample` skips as a `shard_error`."""
+    """Raw samples of one tar; read errors (a truncated or corrupt tar, or a local tar without its end-of-archive
+    blocks: cut inside a header, `tar_end_problem`) end the shard with one shard-error record (`{'__shard_error__':
+    what, '__url__': url}`), which `decode_sample` skips as a `shard_error`."""
     import webdataset as wds
     errors = []
     def handler(exn):
         errors.append(exn)
         return True
     yield from wds.tarfile_to_samples(handler=handler)(iter([dict(url=url)]))
+    if not errors and (why := tar_end_problem(url)):   # cut inside a header: tarfile ends quietly, the tail is lost
+        errors.append(why)
     if errors:
         yield {'__key__': url, '__url__': url, '__shard_error__': f'{len(errors)} read '
                                                                   f'error(s), first {errors[0]!r}'[:300]}
@@ -486,16 +527,25 @@ class WdsItems(IterableDataset):
                     yield batch
             end = j * K + len(block)
             j += 1
-        yield {'_meta': dict(worker=w, pos=end, at=head, skips=skips.take(), end=True)}
+        yield {'_meta': dict(worker=w, pos=end, at=head, skips=skips.take(), end=True, left=len(items))}
 
 # %% ../nbs/23_data.ipynb #3f67f4d0
 def _as_is(x): return x        # the DataLoader's collate for items that are batches already (picklable)
 
 
+def quiet_worker(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and the main process
+    decides where to stop (the trainer, at a step boundary); it ends its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class Loader:
-    "Batches of one epoch from a position on, with the skips among the samples consumed and the position reached."
+    """Batches of one epoch from a position on, with the skips among the samples consumed and the position reached;
+    `usable`: the usable samples the workers' streams ended with, fewer than a batch (dropped)."""
     def __init__(self, dataloader: DataLoader, steps: int | None, position: StreamPosition):
         self.dataloader, self.steps, self.position = dataloader, steps, copy.deepcopy(position)
+        self.usable = 0
 
     def __iter__(self):
         P, it = self.position, iter(self.dataloader)
@@ -505,6 +555,7 @@ class Loader:
                 if meta is None or not meta['end']:
                     return x, meta
                 P.consume(meta)
+                self.usable += meta.get('left', 0)
             return None
         nxt = None if self.steps is not None and P.step >= self.steps else pull()
         while nxt is not None:
@@ -550,14 +601,16 @@ def make_loader(spec: BatchSpec, epoch: int = 0, start_step: int = 0, preprocess
         sampler = EpochBatchSampler(cfg.world_length, cfg.batch_size, spec.order_seed, epoch, position.step,
                                     rank, world_size)
         dl = DataLoader(WorldItems(spec, epoch), batch_sampler=sampler, num_workers=cfg.workers,
-                        collate_fn=partial(collate, node_np=spec.needs.node_np), pin_memory=pin_memory)
+                        collate_fn=partial(collate, node_np=spec.needs.node_np), pin_memory=pin_memory,
+                        worker_init_fn=quiet_worker if cfg.workers else None)
         return Loader(dl, sampler.steps, position)
     if position.workers != n_streams(cfg):
         raise ValueError(f'data.workers: the shard position was reached with {position.workers} worker stream(s); '
                          f'shards are split by worker, so resume with data.workers={position.workers}'
                          + (' (or 0)' if position.workers == 1 else ''))
     ds = WdsItems(spec, epoch, position, preprocess, rank, world_size)
-    dl = DataLoader(ds, batch_size=None, num_workers=cfg.workers, collate_fn=_as_is, pin_memory=pin_memory)
+    dl = DataLoader(ds, batch_size=None, num_workers=cfg.workers, collate_fn=_as_is, pin_memory=pin_memory,
+                    worker_init_fn=quiet_worker if cfg.workers else None)
     return Loader(dl, steps_per_epoch(cfg, world_size), position)
 
 # %% ../nbs/23_data.ipynb #4215afb5

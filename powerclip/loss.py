@@ -97,6 +97,8 @@ class PowerCLIPLossConfig:
                               # memory. 'auto': the device's budget, settled when a run is built; elsewhere 16 MiB
 
     def __post_init__(self):
+        if not self.lam >= 0:     # NaN too: a negative or NaN weight would drop (or invert) the triplet term silently
+            raise ValueError(f"lam: must be at least 0 (0: no triplet term), got {self.lam}")
         if not (self.use_t2r or self.use_r2t):
             raise ValueError("at least one of use_t2r / use_r2t must be on (set lam=0 to drop the triplet loss)")
         if self.tau <= 0 or not 0 <= self.alpha <= 1:

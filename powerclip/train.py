@@ -5,7 +5,7 @@
 # %% ../nbs/50_train.ipynb #1a4f0f8c
 from __future__ import annotations
 
-import contextlib, csv, dataclasses, math, os, sys, time, warnings
+import contextlib, csv, dataclasses, math, os, signal, sys, time, warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,10 +15,13 @@ import yaml
 
 from . import dist as pdist
 from .accum import accumulate
-from .checkpoint import (TrainState, export_weights, load_checkpoint, previous_checkpoint, read_resume,
-                                  resume_position, rng_state, save_checkpoint, save_snapshot, seed_all, set_rng_state)
-from .commandline import ArgumentParser, check_device, run_main, usage_errors
-from .config import OptimConfig, TrainConfig, load_config, method_options, to_dict
+from .checkpoint import (TrainState, check_run_folder, export_weights, load_checkpoint, move_aside,
+                                  previous_checkpoint, read_resume, resume_changes, resume_position, rng_state,
+                                  run_marks, save_checkpoint, save_snapshot, seed_all, set_rng_state, shape_mismatch,
+                                  weights_problem)
+from .commandline import (ArgumentParser, Interrupted, StopSignals, UsageError, check_device, check_number,
+                                   run_main, usage_errors)
+from .config import OptimConfig, TrainConfig, check_kwargs, load_config, method_options, to_dict
 from .data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
                             mix_seed, run_seeds, shard_urls, steps_per_epoch, world_config)
 from .measure import PeakMemory
@@ -191,17 +194,27 @@ def forward_loss(fwd, method, batch: dict, ctx: pdist.DistContext,
     return sum(summed), terms
 
 
-def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: TrainConfig, model) -> dict:
-    "Forward, backward, optimiser and scheduler step; a non-finite loss or gradient norm skips the update."
+def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: TrainConfig, model,
+               stop: int = 0) -> dict:
+    """Forward, backward, optimiser and scheduler step; a non-finite loss or gradient norm skips the update. `stop`: a
+    signal this process received (0: none); `out['stop']` is the one every process agrees on (see "Interruptions")."""
     if cfg.accum_steps > 1:   # k micro-batches, the loss once on their joined outputs (49c_accum)
         loss, terms, backward = accumulate(fwd, method, batch, ctx, cfg.accum_steps,
                                            lambda: autocast_for(cfg.precision, ctx.device))
     else:
         loss, terms = forward_loss(fwd, method, batch, ctx, cfg.precision)
         backward = loss.backward
-    loss_all = pdist.all_mean(loss.float())
+    # one all-reduce, as before: the loss's mean, and whether any process got SIGINT or SIGTERM (the flags' means),
+    # made on the device (fills, no copy from the host); and one read of the three, as the loss's finiteness was read
+    reduced = torch.zeros(3, device=loss.device, dtype=torch.float32)
+    reduced[0] = loss.detach().float()
+    if stop:
+        reduced[1 if stop == signal.SIGINT else 2] = 1.0
+    reduced = pdist.all_mean(reduced)
+    loss_all, (value, got_int, got_term) = reduced[0], reduced.tolist()
+    stop = signal.SIGTERM if got_term > 0 else signal.SIGINT if got_int > 0 else 0
     opt.zero_grad(set_to_none=True)
-    ok = bool(torch.isfinite(loss_all))
+    ok = math.isfinite(value)
     gnorm = torch.tensor(float("nan"))
     if ok:
         backward()
@@ -222,7 +235,8 @@ def train_step(fwd, method, batch, ctx, opt, sched, state: TrainState, cfg: Trai
     with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order; the
         warnings.simplefilter("ignore", UserWarning)  # schedule is indexed by step, so nothing is lost
         sched.step()
-    return dict(loss=loss_all, grad_norm=gnorm.detach(), ok=ok, lr=lr, **{k: v.detach() for k, v in terms.items()})
+    return dict(loss=loss_all, grad_norm=gnorm.detach(), ok=ok, lr=lr, stop=int(stop),
+                **{k: v.detach() for k, v in terms.items()})
 
 # %% ../nbs/50_train.ipynb #683b78bd
 def _is_url(u: str) -> bool: return "://" in u or u.startswith("pipe:")
@@ -264,6 +278,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
                          "with model.pretrained=/path/to/open_clip_state_dict.pt (nothing is downloaded)")
     if pre is not None and not Path(pre).is_file():
         raise ValueError(f"model.pretrained: no file {pre!r} (a local open_clip state dict; nothing is downloaded)")
+    if pre is not None and (why := weights_problem(pre)):
+        raise ValueError(f"model.pretrained: {pre!r} cannot be read ({why}): a damaged or partial copy?")
     data = dataclasses.replace(cfg.data, batch_size=B)
     if data.source == "world" and B * G > data.world_length:
         raise ValueError(f"data.batch_size: {B} per process x {G} process(es) is more than "
@@ -291,10 +307,18 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
         raise ValueError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
     if cfg.device is not None:
         check_device("device", cfg.device, hint="device=cpu, or null: a GPU when there is one")
+    for k, v in _free_numbers(data.world, "data.world"):
+        check_number(k, v)
     from powerclip.model import arch_pool, model_geometry   # imports open_clip: seconds
     try:
-        geometry = model_geometry(cfg.model.name, cfg.model.kwargs)
-        pool = cfg.model.pool or arch_pool(cfg.model.name, cfg.model.kwargs)
+        model_geometry(cfg.model.name)                        # the architecture exists
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise ValueError(f"model: {e}") from None
+    import open_clip
+    kwargs = check_kwargs(open_clip.CLIP.__init__, cfg.model.kwargs, "model.kwargs")   # typed: embed_dim=abc, one line
+    try:
+        geometry = model_geometry(cfg.model.name, kwargs)
+        pool = cfg.model.pool or arch_pool(cfg.model.name, kwargs)
     except (ValueError, TypeError, NotImplementedError) as e:
         raise ValueError(f"model: {e}") from None
     if pool not in method.pools:
@@ -309,7 +333,20 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
             world_config(data, geometry)
         except (TypeError, ValueError) as e:
             raise ValueError(f"data.world: {e}") from None
-    return Checked(dataclasses.replace(cfg, data=data), seeds, method, geometry, spec)
+    return Checked(dataclasses.replace(cfg, data=data, model=dataclasses.replace(cfg.model, kwargs=kwargs)), seeds,
+                   method, geometry, spec)
+
+
+def _free_numbers(d, path: str):
+    "(dotted key, value) of every float inside a free-form section (`data.world`), to check that each is finite."
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _free_numbers(v, f"{path}.{k}")
+    elif isinstance(d, (list, tuple)):
+        for i, v in enumerate(d):
+            yield from _free_numbers(v, f"{path}[{i}]")
+    elif isinstance(d, float):
+        yield path, d
 
 # %% ../nbs/50_train.ipynb #bb17daa6
 @dataclass
@@ -341,9 +378,10 @@ class Run:
             batch = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
         return batch
 
-    def step(self, batch: dict, state: TrainState) -> dict:
-        "One training step on a prepared batch (see `train_step`)."
-        return train_step(self.fwd, self.method, batch, self.ctx, self.opt, self.sched, state, self.cfg, self.model)
+    def step(self, batch: dict, state: TrainState, stop: int = 0) -> dict:
+        "One training step on a prepared batch (see `train_step`; `stop`: a signal this process received)."
+        return train_step(self.fwd, self.method, batch, self.ctx, self.opt, self.sched, state, self.cfg, self.model,
+                          stop)
 
     def derived(self) -> dict:
         "What the run derived from its config (written into config.yaml as a record)."
@@ -358,7 +396,15 @@ def build_run(cfg: TrainConfig, ctx: pdist.DistContext, total: int | None = None
     # cfg: a copy, batch per process
     cfg, seeds, method, geometry, spec = ok.cfg, ok.seeds, ok.method, ok.geometry, ok.spec
     seed_all(seeds["init"])  # the same initial weights on every process
-    model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, cfg.model.pool, **cfg.model.kwargs)
+    try:
+        model, _, _ = create_model(cfg.model.name, cfg.model.pretrained, cfg.model.pool, **cfg.model.kwargs)
+    except (RuntimeError, AssertionError):   # pretrained weights of another model size: one line, not open_clip's
+        why = None if cfg.model.pretrained is None else shape_mismatch(
+            torch.load(cfg.model.pretrained, map_location="cpu", weights_only=True),
+            create_model(cfg.model.name, None, cfg.model.pool, **cfg.model.kwargs)[0].state_dict())
+        if why is None:
+            raise
+        raise UsageError(f"model.pretrained: {cfg.model.pretrained} does not fit {cfg.model.name}: {why}") from None
     if geometry_of(model) != geometry:
         raise RuntimeError(f"model geometry {geometry_of(model)} is not its config's {geometry}")
     model.to(ctx.device)
@@ -405,25 +451,57 @@ def _log(msg: str, ctx: pdist.DistContext):
 
 def train(cfg: TrainConfig, evaluate=None) -> dict:
     """Run (or resume) a training run; returns a summary dict (run_dir, steps, last metrics, bad steps, seconds).
-    `evaluate`: the main process's evaluation every `cfg.eval_every` steps (None: `default_evaluator(cfg)`)."""
+    `evaluate`: the main process's evaluation every `cfg.eval_every` steps (None: `default_evaluator(cfg)`). SIGINT or
+    SIGTERM stop it at the next step boundary with a checkpoint: `Interrupted` (see "Interruptions")."""
     ctx = pdist.init_distributed(cfg.device)
     try:
-        return _train(cfg, ctx, evaluate)
+        with StopSignals() as stops:
+            return _train(cfg, ctx, evaluate, stops)
     finally:
         pdist.cleanup(ctx)
 
 
-def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
-    # before the model: a damaged checkpoint is one line
-    ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main)
+def _finite(*modules) -> bool:
+    "Every parameter and buffer of `modules` (None skipped) finite."
+    return all(bool(torch.isfinite(t).all()) for m in modules if m is not None for t in m.state_dict().values()
+               if torch.is_tensor(t) and t.is_floating_point())
+
+
+def _apply_resume(cfg: TrainConfig, opt, sched, peaks: list, changes: dict, ctx) -> None:
+    """The restored optimiser and schedule, with what the resume changed applied for real: each group's peak rate
+    (`initial_lr`, the scheduler's `base_lrs`) is this run's, the schedule's shape (warm-up, min_lr, length) this
+    run's `lr_lambdas`, and the rate of the step about to run recomputed from them (bitwise the checkpoint's when
+    nothing changed)."""
+    for g, peak in zip(opt.param_groups, peaks):
+        g["initial_lr"] = peak
+    sched.base_lrs = list(peaks)
+    for g, base, f in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+        g["lr"] = base * f(sched.last_epoch)
+    sched._last_lr = [g["lr"] for g in opt.param_groups]
+    if changes:
+        said = ", ".join(f"{k} {o} -> {n}" for k, (o, n) in changes.items())
+        lr = f"; the next step's lr is {opt.param_groups[0]['lr']:.3g}" if any(k.startswith("optim.") or k in (
+            "max_steps", "epochs") for k in changes) else ""
+        _log(f"resume changes {said} (applied: the optimiser's peak rates and the schedule are this run's{lr})", ctx)
+
+
+def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopSignals | None = None) -> dict:
+    stops = stops or StopSignals()
+    check_run_folder(cfg)   # resume=never over a run, a folder it cannot write: one line, before anything is written
+    # before the model and before any file is written: a damaged checkpoint, or one of another config, is one line
+    ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main, ctx.world_size)
     position = resume_position(cfg, ctx, ck, ck_path)
     if ctx.is_main and cfg.eval_every and evaluate is None:
-        evaluate = default_evaluator(cfg)   # the evaluation folder checked (the world's written) before the model
+        with usage_errors():
+            evaluate = default_evaluator(cfg)   # the evaluation folder checked (the world's written) before the model
+    run_dir = Path(cfg.out_dir)
+    if ctx.is_main and cfg.resume == "never" and cfg.overwrite and run_marks(run_dir):
+        _log(f"overwrite=true: the run in {run_dir} moved aside to {move_aside(run_dir)}", ctx)
+    pdist.barrier()                             # the old run is out of the way before any process looks there
     run = build_run(cfg, ctx)
     waiter = pdist.wait_group(ctx, cfg.eval_timeout_s) if cfg.eval_every else None   # every process, here
     cfg, model, method, modules, opt, sched, total = (run.cfg, run.model, run.method, run.modules, run.opt,
                                                       run.sched, run.total)
-    run_dir = Path(cfg.out_dir)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False)
@@ -436,14 +514,17 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
         state.epoch, state.step_in_epoch = divmod(cfg.start_batch, spe) if spe else (0, cfg.start_batch)
 
     if ck is not None:
+        peaks = [g["initial_lr"] for g in opt.param_groups]   # this run's peak rates, before the checkpoint's come
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
+        # what the resume may change (read_resume refused the rest), applied and said
+        _apply_resume(cfg, opt, sched, peaks, resume_changes(cfg, ck, ck_path, ctx.world_size), ctx)
         if modules is not None:
             if ck.get("method_modules") is None:
-                raise ValueError(f"{ck_path} has no state for {cfg.method}'s own modules (a checkpoint of another "
-                                 "method, or from before methods kept their modules beside the model): "
-                                 "resume=never starts afresh")
+                raise UsageError(f"resume: {ck_path} has no state for {cfg.method}'s own modules (a checkpoint of "
+                                 "another method, or from before methods kept their modules beside the model): start "
+                                 "afresh in another out_dir")
             modules.load_state_dict(ck["method_modules"])
         state = TrainState(**ck["state"])
         rngs = ck["rng"]
@@ -479,6 +560,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
     global_batch = cfg.data.batch_size * ctx.world_size
     # epochs whose length may differ between processes: stepped together (above)
     together = ctx.world_size > 1 and cfg.data.source == "wds" and cfg.data.samples_per_epoch is None
+    stopped = 0                                       # the signal every process stopped for (0: none)
     while state.step < min(total, cfg.stop_at or total):
         loader = run.loader(state.epoch, state.step_in_epoch, position)
         batches = pdist.Lockstep(loader) if together else loader
@@ -486,7 +568,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
         for batch in batches:
             n_batches += 1
             method.on_step(state.step, total)
-            out = run.step(run.prepare(batch), state)
+            out = run.step(run.prepare(batch), state, stops.signum)
             state.step += 1
             state.step_in_epoch += 1
             n_since += 1
@@ -508,7 +590,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
             if state.step % cfg.log_every == 0 or state.step == total or due:
                 now = time.time()
                 terms = {k: float(pdist.all_mean(v.float())) for k, v in sorted(out.items())
-                         if k not in ("loss", "ok", "lr")}
+                         if k not in ("loss", "ok", "lr", "stop")}
                 skipped = _skip_columns(loader.skipped(), state.skipped, ctx) if cfg.data.source == "wds" else {}
                 last_row = dict(step=state.step, epoch=state.epoch, lr=out["lr"], loss=float(out["loss"]),
                                 **terms, img_per_s=global_batch * n_since / max(now - t_last, 1e-9),
@@ -517,15 +599,18 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
                 bar.set_postfix(loss=f"{last_row['loss']:.4f}", img_s=f"{last_row['img_per_s']:.0f}", refresh=False)
                 t_last, n_since = now, 0
             if state.step in snapshots and ctx.is_main:
-                save_snapshot(run_dir, state.step, state.seconds, model, modules)
+                _save_finite(lambda: save_snapshot(run_dir, state.step, state.seconds, model, modules), state,
+                             model, modules, "a snapshot")
             if state.step % cfg.ckpt_every == 0 and state.step < total:
                 checkpoint(loader.state())
+            if out["stop"] and state.step < min(total, cfg.stop_at or total):
+                stopped = out["stop"]                 # every process has the same (the loss's all-reduce carried it)
+                break
             if state.step >= min(total, cfg.stop_at or total):
                 break
         else:  # the epoch ran out
             if n_batches == 0 and state.step_in_epoch == 0:
-                raise RuntimeError(f"epoch {state.epoch} yielded no batch: too little data for "
-                                   f"batch_size {cfg.data.batch_size}")
+                raise UsageError(_no_batch(loader, cfg, state, ctx, together))
             if together:
                 cut = int(pdist.all_sum(torch.tensor([int(batches.cut)], device=ctx.device)))
                 if cut:
@@ -539,18 +624,50 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None) -> dict:
             state.step_in_epoch = 0
             loader = None
         position = None if loader is None else loader.state()
+        if stopped:
+            break
     bar.close()
     checkpoint(position)
+    if stopped:
+        logger.close()
+        line = (f"interrupted ({signal.Signals(stopped).name}) at step {state.step} of {total}; checkpoint "
+                f"{run_dir / 'checkpoints' / 'last.pt'}; resume with the same command and resume=auto")
+        raise Interrupted(stopped, line if ctx.is_main else "")   # one line, from the main process
     if ctx.is_main:
-        export_weights(run_dir, model, modules)
+        _save_finite(lambda: export_weights(run_dir, model, modules), state, model, modules, "model.pt")
     logger.close()
     if ctx.is_main and logger.rows:
         plot_metrics(logger.rows, run_dir / "loss.png", title=f"{cfg.method} ({cfg.model.name})")
+    if stops.signum:
+        _log(f"{stops.name} came after the last step: the run is complete", ctx)
     return dict(run_dir=str(run_dir), steps=state.step, last=last_row, bad_total=state.bad_total,
                 seconds=time.time() - t_start, world_size=ctx.world_size,
                 checkpoint=str(run_dir / "checkpoints" / "last.pt"), weights=str(run_dir / "model.pt"),
                 # the peak of the steps this call took (NaN when it took none: a finished run called again)
                 peak_mib=mem.mib() if state.step > first_step else float("nan"))
+
+
+def _save_finite(save, state: TrainState, model, modules, what: str) -> None:
+    "Weights are written only when every one is finite (a diverged run leaves its checkpoints, never a NaN model.pt)."
+    if not _finite(model, modules):
+        raise RuntimeError(f"the weights are not finite after step {state.step}: {what} not written (the run "
+                           f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
+    save()
+
+
+def _no_batch(loader, cfg: TrainConfig, state: TrainState, ctx, together: bool) -> str:
+    "The line of an epoch that gave no batch: how many samples were skipped, by reason, and how many were usable."
+    skips, usable = loader.skipped(), getattr(loader, "usable", 0)
+    if together or ctx.world_size == 1:      # every process is here (in step, or alone): the counts of all of them
+        n = pdist.all_sum(torch.tensor([usable] + [skips.get(k, 0) for k in SAMPLE_SKIP_REASONS],
+                                       device=ctx.device)).tolist()
+        usable, skips = n[0], dict(zip(SAMPLE_SKIP_REASONS, n[1:]))
+    by = ", ".join(f"{k} {v}" for k, v in skips.items() if v)
+    if cfg.data.source == "wds" and not usable and by:
+        return (f"data.shards: every sample of epoch {state.epoch} was skipped ({by}; the log names each sample and "
+                "why): no batch to train on")
+    return (f"data: epoch {state.epoch} gave no batch of {cfg.data.batch_size}: {usable} usable sample(s)"
+            + (f", {sum(skips.values())} skipped ({by})" if by else "") + " (a smaller data.batch_size, or more data)")
 
 # %% ../nbs/50_train.ipynb #80230652
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -570,9 +687,9 @@ def _main(argv: list[str]) -> int:
     with usage_errors():     # the user's mistakes, found before the model is built: one line (powerclip.commandline)
         cfg = parse_args(argv)
         validate(cfg)
-        # the main process's evaluation folder, checked (the world's written) before the model is built
-        evaluate = default_evaluator(cfg) if int(os.environ.get("RANK", 0)) == 0 else None
-    summary = train(cfg, evaluate)
+        check_run_folder(cfg)   # a run never overwritten, a folder it can write: before any file is touched
+    # the checkpoint's config is compared, then the evaluation folder checked (the world's written), in `train`
+    summary = train(cfg)
     if int(os.environ.get("RANK", 0)) == 0:
         print(yaml.safe_dump(summary, sort_keys=False))
     return 0

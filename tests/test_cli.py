@@ -21,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))            # the benchmark scripts import their `_checks` beside them
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: device=cuda is not a mistake here")
+NO_MPS = pytest.mark.skipif(torch.backends.mps.is_available(), reason="mps is present: --device mps is no mistake here")
 
 
 class Built(BaseException):
@@ -90,7 +91,8 @@ def _entry(kind):
 
 # ------------------------------------------------------------------------------------------------ the table
 # (entry point, argv, the name the line must hold, marks); '{tmp}' is a fresh folder holding 'a_file' (an ordinary
-# file) and 'shard.tar' (a valid shard of one sample); '{env:K=V}' as the first word sets an environment variable.
+# file), 'shard.tar' (a valid shard of one sample) and 'cut.pt' (a torch file cut short); '{env:K=V}' as the first word
+# sets an environment variable.
 T = ["--preset", "smoke"]
 CASES = [
     # powerclip.train: the issue's cases, then more
@@ -120,6 +122,31 @@ CASES = [
     ("train", [*T, "progress=maybe"], "progress"),
     ("train", [*T, "optim.betas=[0.9]"], "optim.betas"),
     ("train", [*T, "data.world={max_objectz: 2}"], "data.world"),
+    # issue 40: numbers are finite numbers in their range, model.kwargs typed, out_dir writable, pretrained readable
+    ("train", [*T, "optim.lr=nan"], "optim.lr"),
+    ("train", [*T, "optim.lr=.inf"], "optim.lr"),
+    ("train", [*T, "method_cfg.lam=nan"], "method_cfg.lam"),
+    ("train", [*T, "method_cfg.lam=-0.1"], "method_cfg.lam"),
+    ("train", [*T, "optim.min_lr=1e-2"], "optim.min_lr"),                        # above the smoke preset's lr 1e-3
+    ("train", [*T, "optim.grad_clip=.nan"], "optim.grad_clip"),
+    ("train", [*T, "eval_timeout_s=.inf"], "eval_timeout_s"),
+    ("train", [*T, "data.world={max_objects: 2, noise: .nan}"], "data.world.noise"),
+    ("train", [*T, "model.kwargs.embed_dim=abc"], "model.kwargs.embed_dim"),
+    ("train", [*T, "model.kwargs.depth=3"], "model.kwargs.depth"),
+    ("train", [*T, "out_dir=/proc/sys/powerclip_run"], "out_dir"),
+    ("train", [*T, "model.pretrained={tmp}/cut.pt"], "model.pretrained"),
+    ("annotate", ["{tmp}/shard.tar", "--out", "{tmp}/out", "--min-frac", "5"], "--min-frac"),
+    ("annotate", ["{tmp}/shard.tar", "--out", "{tmp}/out", "--min-frac", "nan"], "--min-frac"),
+    ("annotate", ["{tmp}/shard.tar", "--out", "{tmp}/out", "--fz-scale", "nan"], "--fz-scale"),
+    ("annotate", ["{tmp}/shard.tar", "--out", "{tmp}"], "--out"),                      # the input's own folder
+    ("gpu_check", ["--dry-run", "--budget", "nan"], "--budget"),
+    ("gpu_check", ["--dry-run", "--budget", "inf"], "--budget"),
+    ("demo", ["--out", "{tmp}/demo", "--finetune-share", "nan"], "--finetune-share"),
+    ("demo", ["--out", "{tmp}/demo", "--curve-points", "0.5", "nan"], "--curve-points"),
+    ("demo", ["--out", "{tmp}/demo", "optim.lr=nan"], "optim.lr"),
+    ("experiments", ["table14", "method_cfg.lam=nan", "--out", "{tmp}/exp"], "method_cfg.lam"),
+    ("eval", ["run", "--model", "powerclip-micro", "--data", "{tmp}", "--device", "mps"], "--device", NO_MPS),
+    ("eval", ["make-world", "{tmp}"], "out"),                                     # a folder of other files
     # powerclip-heatmaps
     ("heatmaps", ["--image", "{tmp}/a_file", "--text", "a dog"], "--checkpoint"),
     ("heatmaps", ["--checkpoint", "{tmp}/nope/last.pt", "--grounding", "2"], "--checkpoint"),
@@ -215,6 +242,8 @@ def tmp(tmp_path):
     from powerclip.data import write_shard
     (tmp_path / "a_file").write_text("not an image, not a folder\n")
     write_shard(tmp_path / "shard.tar", [{"__key__": "000000000", "txt": "a dog", "jpg": b"\xff\xd8"}])
+    torch.save({"w": torch.ones(64)}, tmp_path / "cut.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "cut.pt").read_bytes()[:300])     # a copy cut short
     return tmp_path
 
 

@@ -245,4 +245,5 @@ def test_damaged_last_checkpoint_falls_back_to_the_previous(tmp_path, shards, sh
     from powerclip.train import main
     assert main(_shard_args(tmp_path, shards, 2)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("powerclip-train: error: resume: ") and "resume=never" in err[0], err
+    assert len(err) == 1 and err[0].startswith("powerclip-train: error: resume: ") and "another out_dir" in err[0], err
+    assert "overwrite=true (moves" in err[0] and "deletes nothing" in err[0], err     # never a way that destroys

@@ -38,7 +38,9 @@ import torch
 #
 # - `run_isolated(fn, *args)` runs `fn(*args) -> dict` in a freshly spawned process, so that what it measures (its
 #   peak memory above all) is its own and not the caller's; a child that dies without answering (killed for memory,
-#   or by a signal) is reported as an error instead of hanging the caller;
+#   or by a signal) is reported as an error instead of hanging the caller; a SIGINT or SIGTERM the caller receives
+#   meanwhile is passed on to the child and noted in the result (the comparison's runner then stops after the run,
+#   which stopped at a step boundary with its checkpoint: `70_compare`);
 # - `PeakMemory` measures the peak memory of what runs between `start()` and `mib()`: CUDA peak allocated memory above
 #   what was allocated at `start` on a GPU; on a CPU, the process's peak resident set size above its size at `start`
 #   (so a run in a fresh process reports what its steps needed, not the interpreter's own size). The CPU number is
@@ -82,27 +84,45 @@ def _isolated_child(fn, args, threads, q) -> None:
             torch.set_num_threads(threads)
         q.put(dict(ok=True, **fn(*args)))
     except BaseException as e:  # e.g. out of memory: report it, do not kill the caller's sweep
-        q.put(dict(ok=False, error=f"{type(e).__name__}: {e}"))
+        # a run stopped by a signal at a step boundary (`17_commandline`, `Interrupted`) says which, and its line
+        q.put(dict(ok=False, error=f"{type(e).__name__}: {e}", **({"signal": e.signum, "message": str(e)}
+                                                                   if hasattr(e, "signum") else {})))
 
 
 def run_isolated(fn, *args, threads: int | None = None) -> dict:
     """`fn(*args) -> dict` in a fresh spawned process (so that, e.g., its peak memory is its own); returns
     `{'ok': True, **result}` or `{'ok': False, 'error': ...}`, also when the child dies without answering.
-    `threads`: torch threads in the child (None: torch's default). `fn` must be importable by the child."""
-    import multiprocessing as mp, queue
+    `threads`: torch threads in the child (None: torch's default). `fn` must be importable by the child. SIGINT and
+    SIGTERM received while waiting are passed on to the child (a trainer there stops at its next step boundary) and
+    noted: the result then holds `signal`, the first one (and, from a child that stopped for it, its `message`)."""
+    import multiprocessing as mp, queue, signal, threading
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_isolated_child, args=(fn, args, threads, q))
+    got, old = [], {}
+
+    def forward(signum, frame):
+        got.append(signum)
+        if p.pid is not None and p.is_alive():
+            os.kill(p.pid, signum)      # a Ctrl-C reached the child too (same process group): it stops once
     p.start()
-    while True:  # poll: a child killed for memory (or by a signal) never answers
-        try:
-            res = q.get(timeout=5)
-            break  # before join: a large result would otherwise block the child's exit
-        except queue.Empty:
-            if not p.is_alive() and q.empty():
-                res = dict(ok=False, error=f"the process died with exit code {p.exitcode} (killed for memory?)")
-                break
-    p.join()
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:  # poll: a child killed for memory (or by a signal) never answers
+            try:
+                res = q.get(timeout=5)
+                break  # before join: a large result would otherwise block the child's exit
+            except queue.Empty:
+                if not p.is_alive() and q.empty():
+                    res = dict(ok=False, error=f"the process died with exit code {p.exitcode} (killed for memory?)")
+                    break
+        p.join()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got:
+        res.setdefault("signal", got[0])
     return res
 
 

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import numbers
 import os
 import re
+import signal
 import sys
+import threading
 
 # %%
 #| hide
@@ -131,9 +135,23 @@ class ArgumentParser(argparse.ArgumentParser):
         return kv + rest
 
 
+class Interrupted(Exception):
+    """A run stopped by SIGINT or SIGTERM at a step boundary, its checkpoint written: `run_main` prints the message
+    (when there is one: the other processes of a distributed run stay quiet) and exits with 128 + the signal's
+    number."""
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message)
+        self.signum, self.message = int(signum), message
+
+    @property
+    def status(self) -> int: return 128 + self.signum
+
+
 def run_main(main, argv=None, prog: str | None = None) -> int:
     """`main(argv)` -> its exit status (None counts as 0). A `UsageError` is printed as `prog: error: message` on
-    stderr with status 2, unless `debug_requested(argv)`, which re-raises it with its traceback."""
+    stderr with status 2, unless `debug_requested(argv)`, which re-raises it with its traceback. An `Interrupted` run
+    is its one line and 128 + its signal (130 for SIGINT, 143 for SIGTERM); a Ctrl-C anywhere else is one line and
+    130."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or os.path.basename(sys.argv[0]) or "powerclip"
     try:
@@ -143,6 +161,17 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Interrupted as e:
+        if debug_requested(argv):
+            raise
+        if e.message:
+            print(f"{prog}: {e.message}", file=sys.stderr, flush=True)
+        return e.status
+    except KeyboardInterrupt:
+        if debug_requested(argv):
+            raise
+        print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     return 0 if rc is None else int(rc)
 
 
@@ -161,12 +190,89 @@ def check_device(flag: str, name: str, hint: str = "cpu") -> str:
             raise ValueError(f"{flag}: {name!r} asks for a GPU and none is available ({hint})")
         if d.index is not None and d.index >= n:
             raise ValueError(f"{flag}: {name!r}, but there are {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
+    elif d.type != "cpu":          # mps, xpu, ...: a device torch knows, which this machine may lack
+        backend = getattr(torch.backends, d.type, None) or getattr(torch, d.type, None)
+        available = getattr(backend, "is_available", lambda: False)
+        if not available():
+            raise ValueError(f"{flag}: {name!r} is a device torch knows but this machine lacks (cpu, cuda, cuda:N)")
     return name
+
+
+def _bound_words(lo, hi, lo_open: bool, hi_open: bool) -> str:
+    "What `check_number` asks, in words: 'at least 0', 'above 0', 'in (0, 1]'."
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'above' if lo_open else 'at least'} {lo:g}"
+    if hi is not None:
+        return f"{'below' if hi_open else 'at most'} {hi:g}"
+    return ""
+
+
+def check_number(flag: str, x, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False,
+                 integer: bool = False):
+    """`x` if it is a finite number (an integer when `integer`) in the bounds (`lo`, `hi`: None for none; `lo_open`,
+    `hi_open`: the bound itself excluded), else a ValueError whose message starts with `flag`. The one check of a number
+    for every command and config (see "Numbers" above): NaN passes every `x < lo`, so finiteness comes first."""
+    words = _bound_words(lo, hi, lo_open, hi_open)
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ValueError(f"{flag}: must be {'an integer' if integer else 'a number'}{' ' + words if words else ''}, "
+                         f"got {x!r}")
+    if not math.isfinite(x):
+        raise ValueError(f"{flag}: must be a finite number{' ' + words if words else ''}, got {x}")
+    if integer and int(x) != x:
+        raise ValueError(f"{flag}: must be an integer{' ' + words if words else ''}, got {x}")
+    if ((lo is not None and (x <= lo if lo_open else x < lo)) or (hi is not None and (x >= hi if hi_open else x > hi))):
+        raise ValueError(f"{flag}: must be {words}, got {x}")
+    return x
+
+
+class StopSignals:
+    """While active (a `with` block on the main thread), SIGINT and SIGTERM are recorded, not raised: `signum` is the
+    first one received (0: none), `count` how many came; `on_signal(signum)`, if given, runs on each (e.g. to pass it
+    on to a child process). The previous handlers are put back at the end. On another thread it does nothing."""
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, on_signal=None):
+        self.signum, self.count, self.on_signal, self._old = 0, 0, on_signal, {}
+
+    def _handle(self, signum, frame):
+        self.signum = self.signum or signum
+        self.count += 1
+        if self.on_signal is not None:
+            self.on_signal(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+        return False
+
+    @property
+    def name(self) -> str: return signal.Signals(self.signum).name if self.signum else ""
 
 
 # %% [markdown]
 # **Devices.** `check_device` is the one check of a `--device` (or the trainer's `device`): a name torch reads as a
-# device, and, for a GPU, one that is there. Every command calls it in its validation, so a missing GPU is one line.
+# device, and, for a GPU, one that is there; any other kind torch knows (`mps`, `xpu`) must be available here. Every
+# command calls it in its validation, so a missing GPU is one line.
+#
+# **Numbers.** `check_number(flag, x, lo, hi)` is the one check of a number, for every command's flags and every float
+# of the trainer's config (`49a_config` calls it for each number it reads): a number, finite, an integer where asked,
+# within its bounds, else a ValueError naming the flag. Finiteness comes first because NaN passes every comparison
+# check (`nan < 0` is False): `optim.lr=nan`, `--budget nan`, `method_cfg.lam=nan` were accepted before it.
+#
+# **Interruptions.** `StopSignals` records SIGINT and SIGTERM instead of raising them, so that a long job (the trainer,
+# `50_train`) stops where it chooses: at the next step boundary, after a checkpoint. It then raises `Interrupted(signum,
+# line)`, which `run_main` prints as its one line and turns into the shell's exit status for that signal, 128 + its
+# number (130 for SIGINT, 143 for SIGTERM). A Ctrl-C elsewhere (no handler installed) is one line and 130 too, not a
+# traceback.
 
 # %% [markdown]
 # A small command shows every path: a good call, a bad value caught in validation, a bad flag caught by the parser,
@@ -234,3 +340,39 @@ test_fail(lambda: check_device("--device", "tpu"), contains="--device: 'tpu' is 
 if not __import__("torch").cuda.is_available():
     test_fail(lambda: check_device("--device", "cuda:1"), contains="'cuda:1' asks for a GPU "
                                                                    "and none is available (cpu)")
+if not __import__("torch").backends.mps.is_available():
+    test_fail(lambda: check_device("--device", "mps"), contains="'mps' is a device torch knows but this machine lacks")
+
+# %% [markdown]
+# Every way a number can be wrong, each one line naming the flag; and `Interrupted`, `StopSignals` in a command.
+
+# %%
+test_eq(check_number("--n", 3, 1, integer=True), 3)
+test_eq(check_number("--frac", 1.0, 0, 1, lo_open=True), 1.0)
+for args, kw, msg in [(("--lr", float("nan"), 0), {}, "--lr: must be a finite number at least 0, got nan"),
+                      (("--lr", float("inf")), {}, "--lr: must be a finite number, got inf"),
+                      (("--budget", -1.0, 1), {}, "--budget: must be at least 1, got -1.0"),
+                      (("--frac", 5.0, 0, 1), dict(lo_open=True), "--frac: must be in (0, 1], got 5.0"),
+                      (("--frac", 0.0, 0, 1), dict(lo_open=True), "--frac: must be in (0, 1], got 0.0"),
+                      (("--eps", 0.0, 0), dict(lo_open=True), "--eps: must be above 0, got 0.0"),
+                      (("--n", 1.5, 1), dict(integer=True), "--n: must be an integer at least 1, got 1.5"),
+                      (("--n", 0, 1), dict(integer=True), "--n: must be at least 1, got 0"),
+                      (("--n", "3"), {}, "--n: must be a number, got '3'"), (("--n", True), {}, "must be a number")]:
+    test_fail(lambda: check_number(*args, **kw), contains=msg)
+
+_before = signal.getsignal(signal.SIGINT)
+def _stopped(argv):
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)         # recorded, not raised: the work decides where to stop
+        os.kill(os.getpid(), signal.SIGINT)
+    test_eq((stop.signum, stop.count, stop.name), (signal.SIGTERM, 2, "SIGTERM"))
+    raise Interrupted(stop.signum, "interrupted at step 3 (SIGTERM); resume with the same command")
+
+_err = io.StringIO()
+with contextlib.redirect_stderr(_err):
+    test_eq(run_main(_stopped, [], prog="toy"), 143)
+    test_eq(run_main(lambda a: (_ for _ in ()).throw(KeyboardInterrupt()), [], prog="toy"), 130)
+    test_eq(run_main(lambda a: (_ for _ in ()).throw(Interrupted(signal.SIGINT)), [], prog="toy"), 130)  # quiet
+test_eq(_err.getvalue(), "toy: interrupted at step 3 (SIGTERM); resume with the same command\ntoy: interrupted "
+                         "(Ctrl-C)\n")
+assert signal.getsignal(signal.SIGINT) is _before                          # the handlers are put back

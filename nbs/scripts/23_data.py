@@ -26,7 +26,10 @@ import io
 import itertools
 import json
 import logging
+import os
 import random
+import signal
+import tarfile
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -44,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 # %%
 #| hide
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -614,6 +616,41 @@ def eval_transform(image_size: int):
     from open_clip import image_transform
     return image_transform(image_size, is_train=False)
 
+def to_rgb(im: Image.Image) -> Image.Image:
+    """An opened image as 8-bit RGB, by value: 16-bit grey ('I;16', or 'I' holding 0..65535, as Pillow opens 16-bit
+    PNG) scaled to 0..255, not clipped at 255 (which `convert('RGB')` does: a white image); the 8-bit modes through
+    Pillow (palette, grey, alpha dropped, CMYK). A ValueError for what has no known range (32-bit float 'F', 'I' beyond
+    16 bits): the caller skips the image, saying why."""
+    if im.mode.startswith('I;16') or im.mode == 'I':
+        a = np.asarray(im).astype(np.int64)
+        if a.size and (a.min() < 0 or a.max() > 65535):
+            raise ValueError(f'mode {im.mode} image with values {a.min()}..{a.max()}: outside 16 bits, no known range')
+        return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), 'L').convert('RGB')
+    if im.mode in ('F', 'I;32', 'I;32B', 'I;32L'):
+        raise ValueError(f'mode {im.mode} image (32-bit values): no known range to map to 8 bits')
+    return im.convert('RGB')
+
+
+def tar_end_problem(path) -> str | None:
+    """Why the plain `.tar` file `path` does not end as a complete tar (None when it does, or when it is no local plain
+    tar): its end-of-archive blocks must follow the last member. Python's tarfile ends quietly at a header cut short
+    (the rest of the shard silently missing); the annotator (`data_prep`) checks the same."""
+    if not str(path).endswith('.tar') or not os.path.isfile(path):
+        return None
+    try:
+        with tarfile.open(path, 'r:') as tf:
+            tf.getmembers()
+            end = tf.offset
+        with open(path, 'rb') as f:
+            f.seek(end)
+            tail = f.read(1024)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        return f'{type(e).__name__}: {e}'
+    if len(tail) < 1024 or tail.strip(b'\0'):
+        return f'no end-of-archive marker after byte {end} (file cut short?)'
+    return None
+
+
 def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: SampleSkipCounter) -> dict | None:
     """A raw webdataset sample (bytes per extension) -> a batch item, or None (counted and logged) when unusable.
     Reads a tree (stored, or parsed on the fly) and stored masks only when the method needs them."""
@@ -629,7 +666,7 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Sam
     try:
         with Image.open(io.BytesIO(img)) as im:
             im.load()
-            im = im.convert('RGB')
+            im = to_rgb(im)            # by value: 16-bit scaled, not clipped; an image of no known range skipped
     except Exception as e:
         return skip('bad_image', repr(e)[:200])
     if why := caption_problem(s.get('txt')):
@@ -668,14 +705,17 @@ def decode_sample(s: dict, spec: BatchSpec, epoch: int, preprocess, counter: Sam
     return make_item(preprocess(im), text, tt, key_index(key), spec, epoch, pool)
 
 def read_shard(url: str):
-    """Raw samples of one tar; read errors (a truncated or corrupt tar) end the shard with one shard-error record
-    (`{'__shard_error__': what, '__url__': url}`), which `decode_sample` skips as a `shard_error`."""
+    """Raw samples of one tar; read errors (a truncated or corrupt tar, or a local tar without its end-of-archive
+    blocks: cut inside a header, `tar_end_problem`) end the shard with one shard-error record (`{'__shard_error__':
+    what, '__url__': url}`), which `decode_sample` skips as a `shard_error`."""
     import webdataset as wds
     errors = []
     def handler(exn):
         errors.append(exn)
         return True
     yield from wds.tarfile_to_samples(handler=handler)(iter([dict(url=url)]))
+    if not errors and (why := tar_end_problem(url)):   # cut inside a header: tarfile ends quietly, the tail is lost
+        errors.append(why)
     if errors:
         yield {'__key__': url, '__url__': url, '__shard_error__': f'{len(errors)} read '
                                                                   f'error(s), first {errors[0]!r}'[:300]}
@@ -789,7 +829,7 @@ class WdsItems(IterableDataset):
                     yield batch
             end = j * K + len(block)
             j += 1
-        yield {'_meta': dict(worker=w, pos=end, at=head, skips=skips.take(), end=True)}
+        yield {'_meta': dict(worker=w, pos=end, at=head, skips=skips.take(), end=True, left=len(items))}
 
 
 # %% [markdown]
@@ -805,10 +845,19 @@ class WdsItems(IterableDataset):
 def _as_is(x): return x        # the DataLoader's collate for items that are batches already (picklable)
 
 
+def quiet_worker(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and the main process
+    decides where to stop (the trainer, at a step boundary); it ends its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class Loader:
-    "Batches of one epoch from a position on, with the skips among the samples consumed and the position reached."
+    """Batches of one epoch from a position on, with the skips among the samples consumed and the position reached;
+    `usable`: the usable samples the workers' streams ended with, fewer than a batch (dropped)."""
     def __init__(self, dataloader: DataLoader, steps: int | None, position: StreamPosition):
         self.dataloader, self.steps, self.position = dataloader, steps, copy.deepcopy(position)
+        self.usable = 0
 
     def __iter__(self):
         P, it = self.position, iter(self.dataloader)
@@ -818,6 +867,7 @@ class Loader:
                 if meta is None or not meta['end']:
                     return x, meta
                 P.consume(meta)
+                self.usable += meta.get('left', 0)
             return None
         nxt = None if self.steps is not None and P.step >= self.steps else pull()
         while nxt is not None:
@@ -863,14 +913,16 @@ def make_loader(spec: BatchSpec, epoch: int = 0, start_step: int = 0, preprocess
         sampler = EpochBatchSampler(cfg.world_length, cfg.batch_size, spec.order_seed, epoch, position.step,
                                     rank, world_size)
         dl = DataLoader(WorldItems(spec, epoch), batch_sampler=sampler, num_workers=cfg.workers,
-                        collate_fn=partial(collate, node_np=spec.needs.node_np), pin_memory=pin_memory)
+                        collate_fn=partial(collate, node_np=spec.needs.node_np), pin_memory=pin_memory,
+                        worker_init_fn=quiet_worker if cfg.workers else None)
         return Loader(dl, sampler.steps, position)
     if position.workers != n_streams(cfg):
         raise ValueError(f'data.workers: the shard position was reached with {position.workers} worker stream(s); '
                          f'shards are split by worker, so resume with data.workers={position.workers}'
                          + (' (or 0)' if position.workers == 1 else ''))
     ds = WdsItems(spec, epoch, position, preprocess, rank, world_size)
-    dl = DataLoader(ds, batch_size=None, num_workers=cfg.workers, collate_fn=_as_is, pin_memory=pin_memory)
+    dl = DataLoader(ds, batch_size=None, num_workers=cfg.workers, collate_fn=_as_is, pin_memory=pin_memory,
+                    worker_init_fn=quiet_worker if cfg.workers else None)
     return Loader(dl, steps_per_epoch(cfg, world_size), position)
 
 
@@ -1046,6 +1098,44 @@ b0 = list(ld0)
 test_eq({k: v for k, v in ld0.skipped().items() if v}, dict(shard_error=1, no_image=1, bad_image=1, no_caption=1))
 test_eq(set(b0[0]), {'image', 'tokens', 'index'})
 assert sum(len(x['index']) for x in b0) == n_good + 2   # the bad tree and the bad masks do not matter to CLIP
+
+# %% [markdown]
+# Counted, not guessed. A shard cut inside a tar header ends quietly in Python's `tarfile` (the samples after the cut
+# simply missing), so the end of a local tar is checked as the annotator checks it (`tar_end_problem`): it counts as a
+# `shard_error`. Images are converted by value: a 16-bit PNG is scaled to 8 bits (`convert('RGB')` clips it to white),
+# an image of 32-bit floats, whose range is unknown, is skipped as a `bad_image` with that reason. An epoch whose
+# samples were all skipped gives no batch, and the loader knows why: its skip counts, and no usable sample left over.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    d = Path(d)
+    write_shard(d / 'full.tar', [good(i, tree=False) for i in range(300, 304)])
+    raw = (d / 'full.tar').read_bytes()
+    with tarfile.open(d / 'full.tar') as t:
+        cut = t.getmembers()[-2].offset + 100            # inside the header of the last sample's second-last member
+    (d / 'cut.tar').write_bytes(raw[:cut])
+    test_eq(tar_end_problem(d / 'full.tar'), None)
+    assert 'no end-of-archive marker' in tar_end_problem(d / 'cut.tar')
+    _ld = make_loader(BatchSpec(DataConfig(source='wds', shards=str(d / 'cut.tar'), batch_size=1, workers=0,
+                                           shuffle_buffer=0), _geo), epoch=0)
+    # the 3 whole samples before the cut; the cut one lacks its caption; and the cut itself is counted
+    test_eq((len(list(_ld)), _ld.skipped()['no_caption'], _ld.skipped()['shard_error']), (3, 1, 1))
+    buf16, bufF = io.BytesIO(), io.BytesIO()
+    Image.fromarray(np.full((40, 40), 32768, dtype=np.uint16)).save(buf16, 'PNG')      # 16-bit mid-grey
+    Image.fromarray(np.full((40, 40), 0.5, dtype=np.float32)).save(bufF, 'TIFF')       # 32-bit floats
+    with Image.open(io.BytesIO(buf16.getvalue())) as _im:
+        test_eq(np.asarray(to_rgb(_im))[0, 0].tolist(), [128, 128, 128])               # not 255 (clipped)
+    _nojpg = lambda i: {k: v for k, v in good(i, tree=False).items() if k != 'jpg'}
+    write_shard(d / 'odd.tar', [dict(_nojpg(400), png=buf16.getvalue()), dict(_nojpg(401), png=bufF.getvalue())])
+    _c = SampleSkipCounter()
+    _items = [decode_sample(x, BatchSpec(DataConfig(), _geo), 0, eval_transform(64), _c)
+              for x in read_shard(str(d / 'odd.tar'))]
+    assert _items[0] is not None and _items[1] is None and _c.counts['bad_image'] == 1, _c.counts
+    # every sample skipped: the counts say so, and no usable sample was left over
+    write_shard(d / 'bad.tar', [dict(good(i, tree=False), jpg=b'not a jpeg') for i in range(3)])
+    _ld = make_loader(BatchSpec(DataConfig(source='wds', shards=str(d / 'bad.tar'), batch_size=2, workers=0), _geo),
+                      epoch=0)
+    test_eq((list(_ld), _ld.usable, _ld.skipped()['bad_image']), ([], 0, 3))
 
 
 # %% [markdown]

@@ -507,7 +507,8 @@ else:
 # and the threshold test in at least float32) and without gradient.
 #
 # The trainer logs `_eclip_drop_ratio` ($n_{\text{drop}}/N$), `_eclip_cluster_ratio` (mean $|M_i|/N$) and
-# `_eclip_hidden_ratio` (mean share of hidden tokens; 0 with `hide_clusters=False`).
+# `_eclip_hidden_ratio` (mean share of hidden tokens; 0 with `hide_clusters=False`), each over the whole batch: the
+# forward pass returns them per sample, so that an accumulated step's micro-batches join them (`49c_accum`).
 
 # %% [markdown]
 # **Gradient accumulation** (`49c_accum`). The drop count comes from the smallest cluster of the *global* batch,
@@ -603,10 +604,12 @@ class ECLIP(StepClock, CLIP):
             out = encode(model, image, batch["tokens"], need_patches=False)
         self.tick()
         self.last = m = sel.last
-        f = lambda x: torch.as_tensor(x, dtype=torch.float32, device=image.device)
-        out["eclip_drop_ratio"] = f(m.n_drop / N)
-        out["eclip_cluster_ratio"] = f(m.masked.sum(1).double().mean() / N)
-        out["eclip_hidden_ratio"] = f(m.hidden.sum(1).double().mean() / N if self.cfg.hide_clusters else 0.0)
+        # per sample (C,): micro-batches join along the rows (`49c_accum`), so the loss logs the whole batch's means
+        per = lambda x: x.to(device=image.device, dtype=torch.float32)
+        out["eclip_drop_ratio"] = per(torch.full((image.shape[0],), m.n_drop / N, device=image.device))
+        out["eclip_cluster_ratio"] = per(m.masked.sum(1).double() / N)
+        out["eclip_hidden_ratio"] = per(m.hidden.sum(1).double() / N if self.cfg.hide_clusters
+                                        else torch.zeros(image.shape[0], device=image.device))
         return out
 
     def _selector(self, model, batch) -> tuple[ClusterSelector, int]:
@@ -639,7 +642,7 @@ class ECLIP(StepClock, CLIP):
         terms = super().loss(out, batch, dist)
         for k in ("eclip_drop_ratio", "eclip_cluster_ratio", "eclip_hidden_ratio"):
             if k in out:
-                terms[f"_{k}"] = out[k]
+                terms[f"_{k}"] = out[k].detach().mean()          # over the batch's rows (every micro-batch's)
         return terms
 
 

@@ -20,7 +20,7 @@
 #| export
 from __future__ import annotations
 
-import json, os, random
+import json, os, random, re, time, zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,7 @@ import torch
 
 from powerclip.commandline import UsageError
 from powerclip.config import TrainConfig, to_dict
+from powerclip.methods import method_config
 from powerclip.data import n_streams
 from powerclip.dist import DistContext
 
@@ -36,6 +37,7 @@ from powerclip.dist import DistContext
 #| hide
 import tempfile
 from fastcore.test import test_eq, test_fail
+from powerclip.config import from_dict
 from torch.testing import assert_close
 
 
@@ -62,8 +64,9 @@ from torch.testing import assert_close
 # (`fsync`), and renamed over `last.pt`; the `last.pt` it replaces becomes `prev.pt`. A kill during the write leaves
 # both intact. A `last.pt` that cannot be read all the same (a full disk, a file copied over it, a zero-byte file)
 # is reported in one line, set aside as `last.pt.damaged`, and the run resumes from `prev.pt`; if neither can be read,
-# the run stops with one line saying so and how to start afresh (`resume=never`). Both are read *before* the model is
-# built. Resume with the same number of processes and the same `data.workers`: the data streams are split by both.
+# the run stops with one line saying so and how to start afresh without losing anything (another `out_dir`, or
+# `resume=never overwrite=true`, which moves the folder aside). Both are read *before* the model is built. Resume with
+# the same number of processes and the same `data.workers`: the data streams are split by both.
 # `read_resume` finds and reads the checkpoint to resume from; `resume_position` gives each process its data position
 # in it, and says in one line when shards cannot resume from it (another number of processes or workers).
 
@@ -182,11 +185,13 @@ def load_checkpoint(path, map_location="cpu") -> dict:
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "state", "rng")
 
 
-def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True) -> tuple[Path | None, dict | None]:
+def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True,
+                world_size: int = 1) -> tuple[Path | None, dict | None]:
     """The checkpoint a run resumes from, read (on the CPU): `last.pt` (or the `resume` path), else, with a warning, the
     checkpoint it replaced; (None, None) to start afresh. Neither readable: a `UsageError` saying how to start afresh.
-    `set_aside` (the main process): an unreadable `last.pt` becomes `last.pt.damaged`, so that the next checkpoint
-    does not push it over the good `prev.pt`."""
+    Its config is compared with `cfg` before anything is written (`resume_changes`: a `UsageError` naming what a resume
+    may not change; `world_size`: this run's processes). `set_aside` (the main process): an unreadable `last.pt`
+    becomes `last.pt.damaged`, so that the next checkpoint does not push it over the good `prev.pt`."""
     if cfg.resume == "never":
         return None, None
     last = Path(cfg.out_dir) / "checkpoints" / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
@@ -207,6 +212,7 @@ def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True) -> tuple[P
         except Exception as e:   # a torn or foreign file: say what, then try the older one
             problems.append(f"{p} cannot be read ({type(e).__name__}: {str(e).strip().split('. ')[0][:120]})")
             continue
+        resume_changes(cfg, ck, p, world_size)      # what may not change: refused here, before any file is touched
         if problems:
             kept = ""
             if set_aside and last.is_file():
@@ -214,8 +220,74 @@ def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True) -> tuple[P
                 kept = f" ({last.name} kept as {last.name}.damaged)"
             warn(f"{problems[0]}: resuming from the previous checkpoint {p} (step {ck['state']['step']}){kept}")
         return p, ck
-    raise UsageError(f"resume: {'; '.join(problems)}; no checkpoint to resume from. Start afresh with resume=never "
-                     f"(or move {last.parent} away)")
+    raise UsageError(f"resume: {'; '.join(problems)}; no checkpoint to resume from. Start afresh in another out_dir, "
+                     f"or with resume=never overwrite=true (moves {Path(cfg.out_dir)} aside, deletes nothing)")
+
+
+# What a resume may change, each applied for real (`50_train`): how long, how often it logs, evaluates and
+# checkpoints, where it writes, what it shows, the loader's workers (shards: the checkpoint's count, see
+# `resume_position`), the learning rate and its schedule (into the optimiser's groups and the scheduler), and how a step
+# is executed without changing what it computes (device, accumulation, checkpointing, compilation, DDP's option).
+# Anything else (the method and its options, the model, the batch, the data and its order, the seed, the precision,
+# the optimiser's other settings) is refused.
+RESUME_MAY_CHANGE = ("epochs", "max_steps", "stop_at", "log_every", "ckpt_every", "snapshot_steps", "eval_every",
+                     "eval_data", "eval_tasks", "eval_images", "eval_timeout_s", "out_dir", "progress", "tensorboard",
+                     "resume", "overwrite", "max_bad_in_row", "device", "find_unused_parameters", "accum_steps",
+                     "data.workers", "optim.lr", "optim.warmup_steps", "optim.min_lr", "optim.grad_clip",
+                     "model.grad_checkpointing", "model.compile")
+
+
+def _flat(d: dict, path: str = "") -> dict:
+    "A nested config dict as {dotted key: value} (sections opened, lists kept whole)."
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{path}{k}."))
+        else:
+            out[f"{path}{k}"] = v
+    return out
+
+
+def _method_options(d: dict) -> dict:
+    "The method's options as its config dataclass fills them (defaults included), so given and default values agree."
+    try:
+        return {f"method_cfg.{k}": v for k, v in to_dict(method_config(d["method"], d.get("method_cfg"))).items()}
+    except Exception:                       # a method this version no longer knows: compare as written
+        return {f"method_cfg.{k}": v for k, v in (d.get("method_cfg") or {}).items()}
+
+
+def resume_changes(cfg: TrainConfig, ck: dict, path, world_size: int = 1) -> dict:
+    """`{key: (the checkpoint's value, this run's)}` of what differs between the checkpoint's config and `cfg`, every
+    key one a resume may change (`RESUME_MAY_CHANGE`); else a `UsageError` naming the keys that may not. The batch is
+    compared as the global batch (processes x per-process batch): a resume on another number of processes keeps it."""
+    saved = ck.get("config")
+    if not isinstance(saved, dict):
+        return {}                           # a checkpoint from before configs were saved in it: nothing to compare
+    new, old = to_dict(cfg), saved
+    a = {**_flat({k: v for k, v in old.items() if k != "method_cfg"}), **_method_options(old)}
+    b = {**_flat({k: v for k, v in new.items() if k != "method_cfg"}), **_method_options(new)}
+    for d in (a, b):
+        d.pop("data.batch_size", None)
+        d.pop("global_batch_size", None)
+    old_world = len(ck.get("rng") or [None])
+    old_batch = old["data"]["batch_size"] * old_world
+    new_batch = cfg.global_batch_size or cfg.data.batch_size * world_size
+    diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) & set(b)) if a[k] != b[k]}
+    if a.get("method") != b.get("method"):   # another method's options are not comparable: the method says it
+        diff = {k: v for k, v in diff.items() if not k.startswith("method_cfg.")}
+    if old_batch != new_batch:
+        diff["global_batch_size" if cfg.global_batch_size else "data.batch_size"] = (
+            f"{old_batch} ({old['data']['batch_size']} x {old_world} process(es))",
+            f"{new_batch} ({cfg.data.batch_size if not cfg.global_batch_size else new_batch // world_size} x "
+            f"{world_size} process(es))")
+    fixed = {k: v for k, v in diff.items() if k not in RESUME_MAY_CHANGE}
+    if fixed:
+        shown = "; ".join(f"{k} {o!r} there, {n!r} now" for k, (o, n) in list(fixed.items())[:4])
+        more = f" (and {len(fixed) - 4} more)" if len(fixed) > 4 else ""
+        raise UsageError(f"resume: {path} was trained with other {', '.join(fixed)}: {shown}{more}. A resume may not "
+                         "change the method and its options, the model, the batch size, the data and its order, the "
+                         "seed or the precision: give the checkpoint's values, or another out_dir for a new run")
+    return diff
 
 
 def resume_position(cfg: TrainConfig, ctx: DistContext, ck: dict | None, path: Path | None) -> dict | None:
@@ -229,7 +301,7 @@ def resume_position(cfg: TrainConfig, ctx: DistContext, ck: dict | None, path: P
         return positions[ctx.rank] if ok else None
     if positions is None:
         raise UsageError(f"resume: {path} holds no data position (written before shard runs resumed exactly): "
-                         "resume=never starts afresh")
+                         "start afresh in another out_dir")
     if len(positions) != ctx.world_size:
         raise UsageError(f"resume: {path} was written by {len(positions)} process(es), this run has {ctx.world_size}: "
                          f"shards are split by process, so resume with {len(positions)}")
@@ -273,9 +345,217 @@ with tempfile.TemporaryDirectory() as d:
     assert not p.exists() and p.with_name("last.pt.damaged").is_file()   # set aside: the next save keeps prev.pt
     p.write_bytes(b"")                                                   # a zero-byte last.pt and prev.pt:
     (Path(d) / "checkpoints" / "prev.pt").write_bytes(b"")              # nothing to resume from
-    test_fail(lambda: read_resume(_cfg), contains="resume=never")
+    test_fail(lambda: read_resume(_cfg), contains="resume=never overwrite=true (moves")
     test_eq(read_resume(TrainConfig(out_dir=d, resume="never")), (None, None))
 
+# %% [markdown]
+# A resume compares the checkpoint's config with the new one, key by key, before anything is written: what a resume may
+# change comes back (the trainer applies it and logs it), anything else is one line naming the keys.
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    _old = TrainConfig(out_dir=d)
+    save_checkpoint(Path(d) / "checkpoints" / "last.pt", _m, _opt, _sch, TrainState(step=2), _old, [_s0])
+    _ck = load_checkpoint(Path(d) / "checkpoints" / "last.pt")
+    test_eq(resume_changes(_old, _ck, "last.pt"), {})
+    _new = from_dict(TrainConfig, {**to_dict(_old), "max_steps": 50, "optim": {"lr": 1e-3}, "progress": False})
+    test_eq(resume_changes(_new, _ck, "last.pt"), {"max_steps": (None, 50), "optim.lr": (5e-4, 1e-3),
+                                                   "progress": (True, False)})
+    test_eq(resume_changes(from_dict(TrainConfig, {**to_dict(_old), "method_cfg": {"lam": 0.1}}), _ck, "x"), {})
+    for ov, keys in [({"method": "clip"}, "other method:"), ({"seed": 3}, "other seed:"),
+                     ({"model": {"name": "powerclip-micro"}}, "other model.name: model.name 'powerclip-tiny' there"),
+                     ({"method_cfg": {"lam": 0.3}}, "other method_cfg.lam: method_cfg.lam 0.1 there, 0.3 now"),
+                     ({"data": {"batch_size": 32}}, "other data.batch_size: data.batch_size '64 (64 x 1 process(es))'"),
+                     ({"precision": "fp64", "optim": {"eps": 1e-8}}, "other optim.eps, precision:")]:
+        test_fail(lambda: resume_changes(from_dict(TrainConfig, {**to_dict(_old), **ov}), _ck, "x"), contains=keys)
+    # the global batch is what counts: 2 processes of 32 resume a run of 1 x 64
+    resume_changes(from_dict(TrainConfig, {**to_dict(_old), "data": {"batch_size": 32}}), _ck, "x", world_size=2)
+
+# %% [markdown]
+# ## A run's folder is never overwritten
+#
+# `resume=never` into a folder that already holds a run (its checkpoints, weights, metrics or config) is refused with
+# one line that names the run and the ways on: `resume=auto` continues it, another `out_dir` starts a new one beside
+# it, and `overwrite=true` moves the old run aside to `OUT_DIR.old-<time>` (a rename: nothing is deleted) before the
+# new one starts. `check_run_folder` also checks, before the first step, that every place the run will write is
+# writable: a run that trained for an hour must not fail at its first checkpoint.
+
+# %%
+#| export
+RUN_MARKS = ("checkpoints/last.pt", "checkpoints/prev.pt", "model.pt", "metrics.csv", "config.yaml", "snapshots")
+# what a run writes inside its folder: the folders must be writable folders, the files written in place writable files
+RUN_DIRS, RUN_FILES = ("checkpoints", "snapshots", "tb", "eval_world"), ("metrics.csv", "config.yaml")
+
+
+def run_marks(folder) -> list[str]:
+    "The marks of a run (`RUN_MARKS`) that `folder` holds: [] for a folder that holds no run (or does not exist)."
+    folder = Path(folder)
+    return [m for m in RUN_MARKS if (folder / m).exists()]
+
+
+def aside_path(folder) -> Path:
+    "`NAME.old-<date>-<time>` beside `folder`, a name not taken yet: where `overwrite=true` moves an old run."
+    folder = Path(folder)
+    base = folder.with_name(f"{folder.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    p, n = base, 1
+    while p.exists():
+        n += 1
+        p = base.with_name(f"{base.name}-{n}")
+    return p
+
+
+def _writable(p: Path) -> bool:
+    return os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))
+
+
+def check_run_folder(cfg: TrainConfig) -> None:
+    """Before anything is written: `resume=never` into a folder holding a run is refused (`overwrite=false`), and every
+    place the run writes must be writable. A `UsageError` naming `out_dir` (see above)."""
+    out = Path(cfg.out_dir)
+    marks = run_marks(out)
+    if cfg.resume == "never" and marks and not cfg.overwrite:
+        raise UsageError(f"out_dir: {str(out)!r} holds a run ({', '.join(marks)}) and resume=never would start over "
+                         "it: resume=auto continues it, another out_dir starts a new run beside it, overwrite=true "
+                         f"moves it aside to {out.name}.old-<time> (nothing is deleted)")
+    moving = cfg.resume == "never" and marks and cfg.overwrite
+    parent = next((a for a in [out, *out.parents] if a.exists()), None)
+    if moving or not out.exists():
+        parent = next((a for a in out.parents if a.exists()), Path("."))
+        if not (parent.is_dir() and _writable(parent)):
+            what = "moved aside" if moving else "created"
+            raise UsageError(f"out_dir: {str(out)!r} cannot be {what}: {str(parent)!r} is not writable")
+        if moving:
+            return
+    if not _writable(parent):
+        raise UsageError(f"out_dir: {str(out)!r} is not writable (give a folder this user may write)")
+    for name in RUN_DIRS + RUN_FILES:
+        p = out / name
+        if not p.exists():
+            continue
+        if name in RUN_DIRS and not p.is_dir():
+            raise UsageError(f"out_dir: {str(p)!r} is a file where the run writes a folder (give another out_dir)")
+        if not _writable(p):
+            raise UsageError(f"out_dir: {str(p)!r} is not writable: the run would fail when it first writes there "
+                             "(give a folder this user may write)")
+
+
+def move_aside(folder) -> Path:
+    "Rename `folder` to `aside_path(folder)` (a rename, never a deletion); returns where it went."
+    dest = aside_path(folder)
+    os.replace(folder, dest)
+    return dest
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    _run = Path(d) / "run"
+    check_run_folder(TrainConfig(out_dir=str(_run), resume="never"))           # a new folder: fine
+    (_run / "checkpoints").mkdir(parents=True)
+    (_run / "metrics.csv").write_text("step,loss\n1,2.0\n")
+    test_eq(run_marks(_run), ["metrics.csv"])
+    test_fail(lambda: check_run_folder(TrainConfig(out_dir=str(_run), resume="never")),
+              contains="holds a run (metrics.csv) and resume=never would start over it: resume=auto continues it")
+    check_run_folder(TrainConfig(out_dir=str(_run)))                           # resume=auto continues it
+    check_run_folder(TrainConfig(out_dir=str(_run), resume="never", overwrite=True))
+    _old = move_aside(_run)
+    assert not _run.exists() and (_old / "metrics.csv").is_file() and _old.name.startswith("run.old-")
+    _run.mkdir()
+    (_run / "checkpoints").write_text("")                                       # a file where a folder goes
+    test_fail(lambda: check_run_folder(TrainConfig(out_dir=str(_run))), contains="is a file where the run writes")
+    (_run / "checkpoints").unlink()
+    (_run / "checkpoints").symlink_to("/proc/sys")                              # a folder no one may write
+    test_fail(lambda: check_run_folder(TrainConfig(out_dir=str(_run))), contains="checkpoints' is not writable")
+    test_fail(lambda: check_run_folder(TrainConfig(out_dir="/proc/sys/powerclip_run")), contains="cannot be created")
+
+
+# %% [markdown]
+# ## Weights a run starts from, read before the model is built
+#
+# `model.pretrained` is checked before the model is built: a file cut short (a copy interrupted) or not a checkpoint
+# at all is one line (`weights_problem`), not open_clip's traceback. A checkpoint of another model size is found when
+# its weights meet the model; `shape_mismatch` (from the two state dicts) and `load_error_line` (from torch's error of
+# one line per tensor) make it one line naming the first tensor whose size differs, its size in the checkpoint and in
+# the model, and how many differ.
+
+# %%
+#| export
+def weights_problem(path) -> str | None:
+    """Why the weights file `path` cannot be read (None when it can): a torch zip file's directory, a safetensors
+    header and its extent, or an older torch file read whole. Cheap for the usual formats (no tensor is read)."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size == 0:
+            return "an empty file"
+        if zipfile.is_zipfile(p):
+            with zipfile.ZipFile(p) as z:
+                if not any(n.endswith("data.pkl") for n in z.namelist()):
+                    return "a zip file, not a torch checkpoint"
+            return None
+        with open(p, "rb") as f:
+            if p.suffix == ".safetensors":
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+                end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+                return None if 8 + n + end <= size else f"cut short ({size} bytes, its header needs {8 + n + end})"
+        torch.load(p, map_location="cpu", weights_only=True)        # an older (not zip) torch file: read it whole
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+
+
+def shape_mismatch(sd: dict, own: dict) -> str | None:
+    """One line naming the first tensor whose size differs between the state dict `sd` (a checkpoint's; `state_dict`
+    and `module.` wrappings undone) and `own` (the model's), with how many differ; None when every shared one fits."""
+    sd = sd.get("state_dict", sd) if isinstance(sd, dict) else {}
+    sd = {k.removeprefix("module."): v for k, v in sd.items()}
+    bad = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in sd.items()
+           if k in own and torch.is_tensor(v) and tuple(v.shape) != tuple(own[k].shape)]
+    if not bad:
+        return None
+    k, a, b = bad[0]
+    return (f"{k} is {a} in the checkpoint, {b} in the model; {len(bad)} tensors differ in size (a checkpoint of "
+            "another model size: give its model)")
+
+
+def load_error_line(e: BaseException) -> str:
+    "torch's `load_state_dict` error (a line per tensor) as one line: the first size that differs, and the counts."
+    msg = str(e)
+    sizes = re.findall(r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\(\[([\d, ]*)\]\) from "
+                       r"checkpoint, the shape in current model is torch\.Size\(\[([\d, ]*)\]\)", msg)
+    if not sizes:
+        return re.sub(r"\s+", " ", msg).strip()[:300]
+    counts = ""
+    for what in ("Missing", "Unexpected"):
+        keys = re.search(what + r" key\(s\) in state_dict: (.*)", msg)
+        if keys:
+            n = len(re.findall(r'"[^"]+"', keys[1]))
+            counts += f", {n} {what.lower()}"
+    name, ck, model = sizes[0]
+    return (f"{name} is ({ck}) in the checkpoint, ({model}) in the model; {len(sizes)} tensors differ in size{counts} "
+            "(a checkpoint of another model size: give its model)")
+
+
+# %%
+with tempfile.TemporaryDirectory() as d:
+    _w = Path(d) / "w.pt"
+    torch.save({"a": torch.ones(3)}, _w)
+    test_eq(weights_problem(_w), None)
+    _w.write_bytes(_w.read_bytes()[:200])                                       # a copy cut short
+    assert "central directory" in weights_problem(_w), weights_problem(_w)
+    _w.write_bytes(b"")
+    test_eq(weights_problem(_w), "an empty file")
+_a = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+_b = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2), torch.nn.Linear(2, 2))
+test_eq(shape_mismatch({"state_dict": {"module." + k: v for k, v in _a.state_dict().items()}}, _b.state_dict()),
+        "0.weight is (4, 3) in the checkpoint, (5, 3) in the model; 3 tensors differ in size (a checkpoint of another "
+        "model size: give its model)")
+test_eq(shape_mismatch(_a.state_dict(), _a.state_dict()), None)
+try:
+    _b.load_state_dict(_a.state_dict())
+except RuntimeError as _e:
+    test_eq(load_error_line(_e), "0.weight is (4, 3) in the checkpoint, (5, 3) in the model; 3 tensors differ in "
+                                 "size, 2 missing (a checkpoint of another model size: give its model)")
 
 # %% [markdown]
 # ## open_clip's checkpoints

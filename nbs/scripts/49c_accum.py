@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from powerclip.dist import DistContext
-from powerclip.methods import Method
+from powerclip.methods import Method, StepClock
 
 # %%
 #| hide
@@ -194,6 +194,13 @@ def accumulate(fwd: torch.nn.Module, method: Method, batch: dict, ctx: DistConte
     if method.accum_obstacle:
         raise ValueError(f"accum_steps: method {method.name!r} cannot accumulate gradients exactly: "
                          f"{method.accum_obstacle}")
+    if "index" not in batch:
+        raise ValueError("accum_steps: the batch has no 'index' (its sample ids): keyed noise would follow the rows of "
+                         "each micro-batch, not the samples, and the gradient would not be the whole batch's")
+    if isinstance(method, StepClock) and not method._hooked:
+        raise ValueError(f"accum_steps: method {method.name!r} keeps a step clock that was not set: call "
+                         "method.on_step(step, total) before each step (the trainer does); counted by its forward "
+                         "passes, it would advance 2k times a step")
     micros = split_batch(batch, k)
     rows = [batch_rows(m) for m in micros]
     inner = _inner(fwd)
@@ -258,6 +265,11 @@ def accumulate(fwd: torch.nn.Module, method: Method, batch: dict, ctx: DistConte
 
 
 # %% [markdown]
+# Two things `accumulate` cannot see for itself are refused: a batch without `index` (the sample ids that keyed noise,
+# `hash_uniform`, is drawn by: without them each micro-batch would key it by its own row positions, and the two
+# passes would still agree, but not with the whole batch), and a method with a step clock (`StepClock`) that the
+# caller did not set with `on_step` (counted by forward passes instead, it would move $2k$ times in one step).
+#
 # On the micro model, CLIP's gradient in 4 micro-batches of 4 equals that of the batch of 16 (float64); a batch that
 # does not split evenly is refused. `tests/test_accum.py` checks every method, in float64 and float32, and two
 # processes with micro-batches against one without; `50_train` calls `accumulate` when `accum_steps > 1`.
@@ -283,7 +295,7 @@ class _Fwd(torch.nn.Module):
 _ids = torch.zeros(16, 77, dtype=torch.long)
 _ids[:, 0], _ids[:, 1], _ids[:, 2] = 49406, torch.arange(300, 316), 49407
 _batch = dict(image=torch.randn(16, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
-              tokens=_ids)
+              tokens=_ids, index=torch.arange(16))
 _f = _Fwd(_model)
 _full = _clip.loss(_f(_batch), _batch, DistContext())["clip"]
 _full.backward()
@@ -298,12 +310,14 @@ _err = max(float((_g4[n] - _g1[n]).abs().max() / _g1[n].abs().max().clamp_min(1e
 print(f"{len(_g1)} gradient tensors; largest relative difference {_err:.1e}")
 assert _err < 1e-10
 test_fail(lambda: accumulate(_f, _clip, _batch, DistContext(), 3), contains="16 rows per process do not split into 3")
+test_fail(lambda: accumulate(_f, _clip, {k: v for k, v in _batch.items() if k != "index"}, DistContext(), 4),
+          contains="the batch has no 'index'")
 
 # %% [markdown]
 # A-CLIP is the method with parameters inside its loss: its SimCLR and BYOL heads, applied to the joined batch because
 # their BatchNorm normalises over it, get their gradient in pass 2 and hand it to the last backward pass (above). Its
-# EMA step moves once, in `accum_begin`. From the same EMA towers, 4 micro-batches of 4 give the gradient of the batch
-# of 16, heads included (float64).
+# EMA step moves once, in `accum_begin`. From the same EMA towers (the online weights moved away from them, so that the
+# EMA step changes them), 4 micro-batches of 4 give the gradient of the batch of 16, heads included (float64).
 
 # %%
 import copy
@@ -315,6 +329,9 @@ _ac = get_method("aclip", seed=0)
 _am = create_model("powerclip-micro")[0].double().train()
 _ac.setup_model(_am)
 _heads = _ac.build_modules(_am).double().train()
+with torch.no_grad():                    # the online weights away from the EMA's, so that the EMA step moves them
+    for _p in _am.parameters():
+        _p.add_(0.05 * torch.randn(_p.shape, dtype=_p.dtype, generator=torch.Generator().manual_seed(_p.numel())))
 _ema0 = copy.deepcopy(_heads.state_dict())
 
 
@@ -329,6 +346,7 @@ class _AFwd(torch.nn.Module):
 
 _af, _ab = _AFwd(_am, _heads), dict(_batch, index=torch.arange(16))
 _named = [*_am.named_parameters(), *(("heads." + n, p) for n, p in _heads.named_parameters())]
+test_fail(lambda: accumulate(_af, _ac, _ab, DistContext(), 4), contains="step clock that was not set")
 _ac.on_step(3, 10)
 _t = _ac.loss(_af(_ab), _ab, DistContext())
 sum(v for n, v in _t.items() if not n.startswith("_")).backward()

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from powerclip.checkpoint import LAYOUTS as CHECKPOINT_LAYOUTS
-from powerclip.commandline import ArgumentParser, UsageError, check_device, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, UsageError, check_device, check_number, run_main, usage_errors
 from powerclip.eval.benchmarks import BENCHMARKS, _missing, clip_benchmark_cli, select
-from powerclip.eval.data import BadData, MissingData, write_world_benchmark
+from powerclip.eval.data import BadData, MissingData, WorldFolderTaken, write_world_benchmark
 from powerclip.eval.models import CheckpointError, Evaluator, NonFiniteFeatures, checkpoint_file
 from powerclip.eval.region_data import VOCABULARIES
 from powerclip.eval.tables import PAPER, paper_tables, render_table, results_table, write_paper_tables
@@ -80,9 +80,12 @@ from fastcore.test import test_eq, test_fail
 # **Mistakes are one line** (`17_commandline`): `powerclip-eval: error: <argument>: <what is wrong> (<what is allowed>)` on
 # stderr, exit status 2, found before any model is built: an unknown subcommand or flag, a `--data` or `--root` that
 # does not exist or holds no known layout, a `--checkpoint` that does not exist, an unknown `--method`, `--model`,
-# task or benchmark, an `--out` that is a file, a `--device` that is not there, `--paper` without `=`; a task named in
-# `--tasks` whose data is absent (with `--tasks all` it is skipped and recorded). A checkpoint that cannot be scored
-# stops the same way once it is read (weights that do not fit, non-finite weights: `62_eval_models`), and so does
+# task or benchmark, an `--out` that is a file, a `--device` that is not there (`mps` on a machine without it too),
+# `--paper` without `=`, a `make-world` folder that is not empty and holds another world or other files (the same
+# world again is left as it is: nothing to do); a task named in `--tasks` whose data is absent (with `--tasks all` it
+# is skipped and recorded). A checkpoint that cannot be scored stops the same way once it is read (weights that do not
+# fit, named by the first tensor whose size differs, in the checkpoint and in the model; non-finite weights:
+# `62_eval_models`), and so does
 # one whose features or scores turn out non-finite; no result is written then. With `--strict` the first bad item of
 # a data folder (a missing or undecodable image, a bad caption: `61_eval_data`) stops the same way, naming the file;
 # without it such items are skipped and recorded in the result (`skipped_items`). `--debug` (or `POWERCLIP_DEBUG=1`)
@@ -91,15 +94,16 @@ from fastcore.test import test_eq, test_fail
 # %%
 #| export
 def _int_at_least(lo: int):
-    "An argparse type: an integer of at least `lo`, else one line saying what was expected."
+    "An argparse type: an integer of at least `lo` (`check_number`), else one line saying what was expected."
     def parse(s: str) -> int:
         try:
             n = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f'{s!r} is not an integer') from None
-        if n < lo:
-            raise argparse.ArgumentTypeError(f'{n} (an integer >= {lo})')
-        return n
+        try:
+            return check_number('value', n, lo, integer=True)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'{n} (an integer >= {lo})') from None
     return parse
 
 _positive = _int_at_least(1)
@@ -361,7 +365,11 @@ def _main(argv: list) -> int:
     if a.cmd == 'make-world':
         with usage_errors():
             _folder_arg('out', a.out, 'a folder for the world benchmark')
-        print(json.dumps(write_world_benchmark(a.out, a.n_images, WorldConfig(seed=a.seed))))
+        try:      # the same world again: nothing to do; anything else in the folder: one line, nothing touched
+            summary = write_world_benchmark(a.out, a.n_images, WorldConfig(seed=a.seed), replace=False)
+        except WorldFolderTaken as e:
+            raise UsageError(f'out: {e}') from None
+        print(json.dumps(summary))
         return 0
     if a.cmd == 'table':
         return _cmd_table(a)
@@ -391,6 +399,7 @@ torch.save(create_model('powerclip-micro')[0].state_dict(), tmp / 'filip' / 'mod
                                            '{}\nmethod: filip\nmethod_cfg: {}\n')
 with redirect_stdout(StringIO()):
     test_eq(main(['make-world', str(tmp / 'world'), '--n-images', '16']), 0)
+    test_eq(main(['make-world', str(tmp / 'world'), '--n-images', '16']), 0)        # the same world: nothing to do
     test_eq(main(['run', '--checkpoint', str(tmp / 'filip'), '--data', str(tmp / 'world'), '--tasks', 'retrieval',
                   'winoground', '--out', str(tmp / 'res'), '--cache', 'none', '--no-progress']), 0)
 res = json.loads((tmp / 'res' / 'filip' / 'world.json').read_text())
@@ -411,6 +420,11 @@ for _argv, _says in [(['run', '--model', 'powerclip-micro', '--data', str(tmp / 
                      (['run', '--checkpoint', str(tmp / 'no.pt'), '--data', str(tmp / 'world')], '--checkpoint: '),
                      (['run', '--method', 'nosuch', '--data', str(tmp / 'world')], '--method: unknown method'),
                      (['run', '--data', str(tmp / 'world'), '--tasks', 'bogus'], "--tasks: unknown task 'bogus'"),
+                     (['make-world', str(tmp / 'world'), '--n-images', '8'], 'out: ' + str(tmp / 'world') + ' holds '
+                      'another world (n_images 16'),
+                     (['make-world', str(tmp / 'filip')], 'holds files that are not a world folder'),
+                     (['run', '--model', 'powerclip-micro', '--data', str(tmp / 'world'), '--device', 'mps'],
+                      "--device: 'mps' is a device torch knows but this machine lacks"),
                      (['evaluate'], "invalid choice: 'evaluate'")]:
     _rc, _msg = _err(_argv)
     assert (_rc == 2 and _msg.startswith('powerclip-eval: error: ') and _msg.count('\n') == 1

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from powerclip.baselines.clip_pgs import WORLD_SIM_THRESHOLD
-from powerclip.commandline import ArgumentParser, check_device, run_main, usage_errors
+from powerclip.commandline import ArgumentParser, Interrupted, check_device, check_number, run_main, usage_errors
 from powerclip.config import PRECISIONS, TrainConfig, check_precision, from_dict, load_config, parse_override, to_dict
 from powerclip.data import derive_seed, world_config
 from powerclip.eval.data import write_world_benchmark
@@ -400,7 +400,7 @@ def _check_folder(cfg: TrainConfig) -> None:
         diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         raise ValueError(f"{cfg.out_dir} holds a run of another config "
                          f"({'; '.join(diff[:3])}{' ...' if len(diff) > 3 else ''}): give another "
-                         "--out, or delete that folder")
+                         "--out (or move that folder aside)")
 
 
 def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="runs/demo", preset: str = "demo",
@@ -432,13 +432,11 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     sweep_seeds = [seeds[0]] if sweep_seeds is None else [int(s) for s in sweep_seeds]
     if not sweep_seeds or any(s not in seeds for s in sweep_seeds):
         raise ValueError(f"--sweep-seeds: need some of the comparison's seeds {seeds}, got {sweep_seeds}")
-    if not all(0 < float(p) <= 1 for p in curve_points):
-        raise ValueError(f"--curve-points: need shares in (0, 1], got {list(curve_points)}")
-    if not 0 < finetune_share < 1:
-        raise ValueError(f"--finetune-share: need a share in (0, 1), got {finetune_share}")
-    if eval_images < 2 or grounding_scenes < 0:
-        raise ValueError(f"--eval-images: need at least 2 scenes (got {eval_images}); --grounding >= 0 "
-                         f"(got {grounding_scenes})")
+    for p in curve_points:                  # the one check of a number (17_commandline): finite, in its range
+        check_number("--curve-points", p, 0, 1, lo_open=True)
+    check_number("--finetune-share", finetune_share, 0, 1, lo_open=True, hi_open=True)
+    check_number("--eval-images", eval_images, 2, integer=True)
+    check_number("--grounding", grounding_scenes, 0, integer=True)
     skipped = {}
     for name, spec in list(specs.items()):
         why = _registered(spec.method) or (f"its base {spec.base} is left out" if spec.base in skipped else None)
@@ -560,9 +558,14 @@ def _train_from_dict(cfg_dict: dict) -> dict:
 
 
 def train_isolated(cfg: TrainConfig) -> dict:
-    "`train(cfg)` in a fresh spawned process (its peak memory is its own); returns the trainer's summary."
+    """`train(cfg)` in a fresh spawned process (its peak memory is its own); returns the trainer's summary. A SIGINT or
+    SIGTERM is passed on to it (`run_isolated`): the run stops at a step boundary with its checkpoint, and so does the
+    comparison, `Interrupted` with the run's line (and after a run that finished, before the next)."""
     res = run_isolated(_train_from_dict, to_dict(cfg))
     if not res.pop("ok"):
+        if res.get("signal"):      # the run's line, with the comparison's way on instead of the trainer's
+            said = (res.get("message") or "interrupted").split("; resume with")[0]
+            raise Interrupted(res["signal"], f"{said}; rerun the comparison to go on")
         raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}; rerun to resume it")
     return res
 
@@ -598,6 +601,8 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
              final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights),
              threads=torch.get_num_threads())     # the spawned process gets the same count from OMP_NUM_THREADS
     rec.write_text(json.dumps(r, indent=1))
+    if s.get("signal"):                       # a signal after the run's last step: the run is done, the plan stops
+        raise Interrupted(s["signal"], f"interrupted after {cfg.out_dir} finished; rerun the comparison to go on")
     return r
 
 

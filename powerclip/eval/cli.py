@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import LAYOUTS as CHECKPOINT_LAYOUTS
-from ..commandline import ArgumentParser, UsageError, check_device, run_main, usage_errors
+from ..commandline import ArgumentParser, UsageError, check_device, check_number, run_main, usage_errors
 from .benchmarks import BENCHMARKS, _missing, clip_benchmark_cli, select
-from .data import BadData, MissingData, write_world_benchmark
+from .data import BadData, MissingData, WorldFolderTaken, write_world_benchmark
 from .models import CheckpointError, Evaluator, NonFiniteFeatures, checkpoint_file
 from .region_data import VOCABULARIES
 from .tables import PAPER, paper_tables, render_table, results_table, write_paper_tables
@@ -31,15 +31,16 @@ __all__ = ['log', 'LAYOUTS', 'parse_args', 'main']
 
 # %% ../../nbs/66_eval_cli.ipynb #e4ff1e3c
 def _int_at_least(lo: int):
-    "An argparse type: an integer of at least `lo`, else one line saying what was expected."
+    "An argparse type: an integer of at least `lo` (`check_number`), else one line saying what was expected."
     def parse(s: str) -> int:
         try:
             n = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f'{s!r} is not an integer') from None
-        if n < lo:
-            raise argparse.ArgumentTypeError(f'{n} (an integer >= {lo})')
-        return n
+        try:
+            return check_number('value', n, lo, integer=True)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'{n} (an integer >= {lo})') from None
     return parse
 
 _positive = _int_at_least(1)
@@ -289,7 +290,11 @@ def _main(argv: list) -> int:
     if a.cmd == 'make-world':
         with usage_errors():
             _folder_arg('out', a.out, 'a folder for the world benchmark')
-        print(json.dumps(write_world_benchmark(a.out, a.n_images, WorldConfig(seed=a.seed))))
+        try:      # the same world again: nothing to do; anything else in the folder: one line, nothing touched
+            summary = write_world_benchmark(a.out, a.n_images, WorldConfig(seed=a.seed), replace=False)
+        except WorldFolderTaken as e:
+            raise UsageError(f'out: {e}') from None
+        print(json.dumps(summary))
         return 0
     if a.cmd == 'table':
         return _cmd_table(a)

@@ -9,6 +9,7 @@ import functools
 import io
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile
 
-from ..data import IMAGE_EXTS
+from ..data import IMAGE_EXTS, to_rgb
 from ..parsing import caption_problem
 from ..world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate, render
 
@@ -29,7 +30,7 @@ __all__ = ['log', 'ITEM_SKIP_REASONS', 'SUGARCREPE', 'CLASSIFICATION_FORMAT', 'W
            'load_coco_karpathy', 'load_flickr_karpathy', 'load_sugarcrepe', 'ClassificationSet',
            'classification_from_folders', 'load_classification', 'load_winoground', 'write_wds_classification',
            'write_world_classification', 'write_world_winoground', 'rle_counts', 'write_world_regions',
-           'write_world_benchmark']
+           'WorldFolderTaken', 'write_world_benchmark']
 
 # %% ../../nbs/61_eval_data.ipynb #3bcf4fbc
 class MissingData(FileNotFoundError):
@@ -99,6 +100,7 @@ def _decode_problem(path: str, size: int, mtime_ns: int) -> str | None:
         with Image.open(path) as im:
             im.draft('RGB', (64, 64))        # JPEG: decode at 1/8 scale; every byte of the stream is still read
             im.load()
+            to_rgb(im)                       # by value (16-bit scaled); an image of no known range is bad
     except Exception as e:                   # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError ..
         return f'{type(e).__name__}: {e}'.replace(path, Path(path).name)
     finally:
@@ -115,10 +117,11 @@ def image_problem(path) -> tuple[str, str] | None:
     return None if bad is None else ('bad_image', bad)
 
 def read_image(path) -> Image.Image:
-    "An image file as RGB; a file that does not decode raises `BadData` naming it (not PIL's message alone)."
+    """An image file as 8-bit RGB, converted by value (`powerclip.data.to_rgb`); a file that does not decode raises
+    `BadData` naming it (not PIL's message alone)."""
     try:
         with Image.open(path) as im:
-            return im.convert('RGB')
+            return to_rgb(im)                # by value: a 16-bit image scaled to 8 bits, not clipped white
     except FileNotFoundError:
         raise MissingData(f'image file not found: {path}') from None
     except Exception as e:
@@ -539,11 +542,26 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
                 retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
                 retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
 
+class WorldFolderTaken(FileExistsError):
+    "A folder that holds something other than the world asked for: it is not written over."
+
+
+def _request_of(out: Path) -> dict | None:
+    "The request a world folder was written for (its `summary.json`), None when it holds none."
+    try:
+        return json.loads((out / 'summary.json').read_text()).get('request')
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None = None, split: str = 'test',
-                          extras: bool = True, captions_per_image: int = 2) -> dict:
+                          extras: bool = True, captions_per_image: int = 2, replace: bool = True) -> dict:
     """The world's benchmark folder (see above) of `n_images` scenes of `split`; `extras`: also the classification
     set, its webdataset export and the Winoground-format pairs. Returns the summary (also `summary.json`); a folder
-    that already holds this request is left as it is."""
+    that already holds this request is left as it is. A folder holding another world is written anew as a whole
+    (`replace`, the callers that own the folder: the trainer's and the comparison's evaluation worlds; its old files
+    never left beside the new ones) or refused (`replace=False`: `powerclip-eval make-world`); a non-empty folder that
+    holds no world is always refused (`WorldFolderTaken`): nothing of it is touched."""
     cfg, out = cfg or WorldConfig(), Path(out_dir)
     request = json.loads(json.dumps(dict(n_images=n_images, split=split, extras=extras,
                                          captions_per_image=captions_per_image, config=asdict(cfg))))
@@ -556,6 +574,20 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
                 old['regions'] = write_world_regions(out, cfg, n_images, split, captions_per_image)
                 (out / 'summary.json').write_text(json.dumps(old, indent=1))
             return old
+    if out.is_dir() and any(out.iterdir()):
+        had = _request_of(out)
+        if had is None or not replace:
+            what = (f"another world ({', '.join(f'{k} {had.get(k)}' for k in ('n_images', 'split', 'extras'))}, "
+                    f"seed {had.get('config', {}).get('seed')})" if had else 'files that are not a world folder')
+            raise WorldFolderTaken(f'{out} holds {what}: give an empty or new folder (nothing there is written over)')
+        import shutil
+        fresh = out.with_name(f'{out.name}.new-{os.getpid()}')
+        write_world_benchmark(fresh, n_images, cfg, split, extras, captions_per_image)
+        gone = out.with_name(f'{out.name}.old-{os.getpid()}')
+        os.replace(out, gone)                          # the old world out, the new one in, then the old one removed:
+        os.replace(fresh, out)                         # its images would otherwise stay beside the new ones
+        shutil.rmtree(gone)
+        return json.loads((out / 'summary.json').read_text())
     out.mkdir(parents=True, exist_ok=True)
     summary = dict(n_images=n_images, split=split, **_world_scenes(out, cfg, n_images, split, captions_per_image),
                    regions=write_world_regions(out, cfg, n_images, split, captions_per_image))

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from ..checkpoint import CheckpointFiles, CheckpointLayoutError, find_weights, read_params
+from ..checkpoint import CheckpointFiles, CheckpointLayoutError, find_weights, load_error_line, read_params
 from .data import BadData, MissingData, read_image
 from ..methods import GlobalScorer, Scorer, get_method
 
@@ -329,8 +329,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
         ckpt_id = sha256_file(checkpoint) + tag
         try:
             missing, unexpected = model.load_state_dict(sd, strict=False)
-        except RuntimeError as e:
-            raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: {e}') from None   # shape mismatches
+        except RuntimeError as e:   # shape mismatches: torch's line per tensor as one line
+            raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: {load_error_line(e)}') from None
         if missing or unexpected:
             raise CheckpointError(f'{checkpoint} does not fit {arch} {kw}: missing {missing[:5]}.. ({len(missing)}), '
                                   f'unexpected {unexpected[:5]}.. ({len(unexpected)})')
