@@ -3,7 +3,8 @@
 1. Prepare the pages in `_proc/site_src/`: every `nbs/NN_*.ipynb` through nbdev's notebook processor (without Quarto):
    cells flagged `#| hide` dropped, `#| ...` directive lines stripped, the `#| default_exp` cell gone; the committed
    outputs kept as they are (nothing is executed). A backticked notebook name in the prose (`70_compare`) becomes a
-   link to its page. `00_index` is the home page. One reference page per module of the package (mkdocstrings reads the
+   link to its page. `00_index` is the home page. The hand-written pages of `docs/pages/*.md` (each starting with its
+   `# Title`) join as the section "Guides". One reference page per module of the package (mkdocstrings reads the
    docstrings with griffe, without importing the package). A local copy of MathJax (from `jupyter-server-mathjax`).
 2. Write the navigation, in reading order, to `_proc/nav.yml` (`mkdocs.yml`'s hook, docs/mkdocs_hooks.py, reads it).
 3. `mkdocs build --strict` into `_site/`: a warning fails the build, and so does a notebook that does not convert.
@@ -18,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 NBS, LIB = ROOT / "nbs", ROOT / "powerclip"
+PAGES = ROOT / "docs" / "pages"    # hand-written Markdown pages (what each command answers to a mistake): "Guides"
 PROC = ROOT / "_proc"
 SRC, SITE = PROC / "site_src", ROOT / "_site"
 BIN = Path(sys.executable).parent
@@ -132,6 +134,16 @@ def prepare() -> list:
         sec = SECTIONS.get(SECTION_OF.get(p.stem, int(p.stem[0])), "Other")
         label = p.stem.split("_")[0] + " · " + re.sub(r"[$\\`]", "", title)   # no LaTeX in the navigation
         sections.setdefault(sec, []).append({label: f"{p.stem}.ipynb"})
+    guides = []
+    for p in sorted(PAGES.glob("*.md")):
+        text = p.read_text()
+        head = re.match(r"# (.+)", text)
+        if not head:
+            raise SystemExit(f"{p.relative_to(ROOT)}: no `# Title` on its first line")
+        (SRC / p.name).write_text(linkify(text, stems))
+        guides.append({head[1].strip(): p.name})
+    if guides:
+        sections["Guides"] = guides
     ref = []
     for mod in modules():
         page = SRC / "reference" / f"{mod}.md"
