@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,9 @@ from powerclip.powerset import (
 from .powerset_fast import CPU_BLOCK_BYTES, SbarSpec, check_counts, pack_nodes, sbar_blocked, unpack_nodes
 
 # %% auto #0
-__all__ = ['DENSE_AUTO_BYTES', 'contrastive_rows', 'symmetric_infonce', 'dot_similarity', 'clip_loss', 'PowerCLIPLossConfig',
-           'PowersetInputs', 'powerset_similarity', 'powerset_triplet_loss', 'powerclip_loss']
+__all__ = ['IMPLS', 'DENSE_AUTO_BYTES', 'contrastive_rows', 'symmetric_infonce', 'dot_similarity', 'clip_loss',
+           'triton_unavailable', 'PowerCLIPLossConfig', 'PowersetInputs', 'powerset_similarity',
+           'powerset_triplet_loss', 'powerclip_loss']
 
 # %% ../nbs/11_loss.ipynb #d22d3f91
 def _is_local(x_all, x) -> bool:
@@ -77,6 +79,24 @@ def clip_loss(
     return symmetric_infonce(logit_scale * S_img, logit_scale * S_txt, offset)
 
 # %% ../nbs/11_loss.ipynb #198ef50b
+IMPLS = ("auto", "triton", "fast", "dense")   # how S-bar is computed (above)
+
+
+def triton_unavailable(x: torch.Tensor) -> str | None:
+    """None when `impl='triton'` can run on `x` (a tensor or device; `10b_sbar_triton.unavailable`), else why not, in one
+    line. Imports the kernels only for a CUDA device, where they can run: on the CPU they run only under Triton's
+    interpreter, which must be asked for before the kernels are defined."""
+    dev = torch.device(x.device if isinstance(x, torch.Tensor) else x)
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return (f"impl='triton' needs a CUDA GPU (on the CPU: TRITON_INTERPRET=1 before importing powerclip, slow, "
+                f"for tests); this is {dev.type}: use impl='fast'")
+    try:
+        from powerclip.sbar_triton import unavailable
+    except ImportError as e:
+        return f"impl='triton': {e}"
+    return unavailable(x)
+
+
 @dataclass
 class PowerCLIPLossConfig:
     lam: float = 0.1          # weight of the triplet loss (Appendix F; Sec. 3.4 prints 0.2)
@@ -90,9 +110,9 @@ class PowerCLIPLossConfig:
     exact: bool = False       # True: exact powerset enumeration instead of the NLAs (O(2^M))
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
     region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
-    impl: str = "auto"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K)
-                              # reference; 'auto': dense when its scores fit in one block and in 16 MiB (small
-                              # batches: fewer, larger kernels), else fast
+    impl: str = "auto"        # 'triton': fused kernels (10b, CUDA); 'fast': blocked, packed nodes, memory O(R x C)
+                              # (10a); 'dense': the (R, C, M, K) reference; 'auto': 'triton' on a GPU that runs it,
+                              # else dense when its scores fit in one block and in 16 MiB (small batches), else fast
     block_bytes: int | str = "auto"  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient
                               # memory. 'auto': the device's budget, settled when a run is built; elsewhere 16 MiB
 
@@ -104,9 +124,9 @@ class PowerCLIPLossConfig:
         if self.tau <= 0 or not 0 <= self.alpha <= 1:
             raise ValueError(f"need tau > 0 and alpha in [0, 1], got tau={self.tau}, alpha={self.alpha}")
         bb = self.block_bytes
-        if self.impl not in ("auto", "fast", "dense") or not (bb == "auto" or (type(bb) is int and bb >= 1)):
-            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes 'auto' or an integer >= 1, got "
-                             f"impl={self.impl!r}, block_bytes={bb!r}")
+        if self.impl not in IMPLS or not (bb == "auto" or (type(bb) is int and bb >= 1)):
+            raise ValueError(f"need impl one of {', '.join(map(repr, IMPLS))} and block_bytes 'auto' or an integer "
+                             f">= 1, got impl={self.impl!r}, block_bytes={bb!r}")
 
     @property
     def block_budget(self) -> int:
@@ -162,6 +182,16 @@ def powerset_similarity(
     cfg: PowerCLIPLossConfig,
 ) -> torch.Tensor:            # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
+    if cfg.impl == "auto" and not cfg.exact and images.regions.is_cuda and triton_unavailable(images.regions) is None:
+        cfg = dataclasses.replace(cfg, impl="triton")     # (a run settles this once, in PowerCLIP.setup_model)
+    if cfg.impl == "triton" and not cfg.exact:
+        why = triton_unavailable(images.regions)
+        if why:
+            raise RuntimeError(why)
+        from powerclip.sbar_triton import sbar_triton
+        phrases, node_text = texts.packed()
+        return sbar_triton(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0],
+                           cfg.sbar_spec())
     if cfg.impl == "auto" and not cfg.exact:   # the dense scores' bytes against one block of the fast path
         Ci, M = images.regions.shape[:2]
         small = min(cfg.block_budget, DENSE_AUTO_BYTES)

@@ -12,7 +12,7 @@ import torch
 
 from .data import BatchNeeds
 from .dist import DistContext, gather
-from .loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss
+from .loss import PowerCLIPLossConfig, PowersetInputs, clip_loss, powerclip_loss, triton_unavailable
 from .powerset import phrase_embeddings, pool_normalize
 from .powerset_fast import device_block_bytes
 
@@ -58,6 +58,10 @@ class Method:
         """What the data pipeline must build besides image, tokens and index (`powerclip.data.BatchNeeds`). Default:
         nothing."""
         return BatchNeeds()
+
+    def device_problem(self, device: str) -> str | None:
+        "Why this method's config cannot run on `device` (one line, before anything is built), or None. Default: None."
+        return None
 
     def prepare_batch(self, batch: dict) -> dict:
         """Add derived inputs to a host-side batch before it moves to the device. Default: check that `needs()` was
@@ -248,10 +252,22 @@ class PowerCLIP(Method):
     def needs(self) -> BatchNeeds:
         return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
 
+    def device_problem(self, device: str) -> str | None:
+        "impl='triton' where its kernels cannot run (no GPU, an old one, no triton): one line."
+        return triton_unavailable(device) if self.cfg.impl == "triton" and not self.cfg.exact else None
+
     def setup_model(self, model) -> None:
-        "Settle `block_bytes='auto'` for the model's device, once, when the run is built (see above)."
+        """Settle `block_bytes='auto'` for the model's device, and `impl='auto'` to 'triton' where the fused kernels
+        run on its parameters (a CUDA GPU of compute capability 8.0 or more: `11_loss`'s `triton_unavailable`), once,
+        when the run is built (see above): no question asked of the device inside a step, and nothing in a compiled
+        loss but the kernels' op."""
+        p = next(model.parameters())
         if self.cfg.block_bytes == "auto":
-            self.cfg = dataclasses.replace(self.cfg, block_bytes=device_block_bytes(next(model.parameters()).device))
+            self.cfg = dataclasses.replace(self.cfg, block_bytes=device_block_bytes(p.device))
+        if self.cfg.impl == "auto" and not self.cfg.exact and p.is_cuda and triton_unavailable(p) is None:
+            self.cfg = dataclasses.replace(self.cfg, impl="triton")
+        if self.cfg.impl == "triton" and not self.cfg.exact and (why := triton_unavailable(p)):
+            raise ValueError(f"method_cfg.impl: {why}")
 
     def prepare_batch(self, batch: dict) -> dict:
         "The batch's host facts, read from its CPU masks: `node_counts` (C ints) and `all_regions_valid` (see above)."

@@ -324,6 +324,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
     if pool not in method.pools:
         raise ValueError(f"model.pool: method {cfg.method!r} pools by {' or '.join(method.pools)}, not "
                          f"{pool!r} (see its notebook)")
+    if why := method.device_problem(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")):
+        raise ValueError(f"method_cfg: {why}")                # e.g. PowerCLIP's impl='triton' without a GPU
     try:
         spec = BatchSpec(data, geometry, method.needs(), cfg.seed)
     except ValueError as e:

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,9 @@ from powerclip.powerset_fast import CPU_BLOCK_BYTES, SbarSpec, check_counts, pac
 #| hide
 from torch.autograd import gradcheck
 from torch.testing import assert_close
+
+if not torch.cuda.is_available():      # impl='triton' below runs in Triton's interpreter (10b_sbar_triton)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # %% [markdown]
@@ -209,11 +213,29 @@ assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone
 # | `use_t2r`, `use_r2t` | True | Table 6 ablations "w/o T2R agg.", "w/o R2T agg." |
 # | `region_sets` | True | False: Table 6 ablation "w/o region sets", single regions with a hard max (`10_powerset`) |
 # | `exact` | False | enumerate the $2^M$ subsets instead of the NLAs (small $M$ only; Fig. 9 "without approximation") |
-# | `impl` | `'auto'` | how $\bar S$ is computed: blocked from packed nodes (`10a_powerset_fast`), the dense reference, or `'auto'`: dense when its $(C_i, C_j, M, K)$ scores fit in one block and in 16 MiB, else blocked |
+# | `impl` | `'auto'` | how $\bar S$ is computed: `'triton'`, the fused kernels (`10b_sbar_triton`, CUDA); `'fast'`, blocked from packed nodes (`10a_powerset_fast`); `'dense'`, the reference; or `'auto'`: on a GPU where the kernels can run `'triton'` (settled when a run is built, `PowerCLIP.setup_model`), else dense when its $(C_i, C_j, M, K)$ scores fit in one block and in 16 MiB, else blocked. `exact` is always dense |
 # | `block_bytes` | `'auto'` | the blocked path's budget per block: the device's (`device_block_bytes`: 16 MiB on a CPU, 256 MiB - 1 GiB on CUDA), settled when a run is built (`PowerCLIP.setup_model`); elsewhere 16 MiB |
 
 # %%
 #| export
+IMPLS = ("auto", "triton", "fast", "dense")   # how S-bar is computed (above)
+
+
+def triton_unavailable(x: torch.Tensor) -> str | None:
+    """None when `impl='triton'` can run on `x` (a tensor or device; `10b_sbar_triton.unavailable`), else why not, in one
+    line. Imports the kernels only for a CUDA device, where they can run: on the CPU they run only under Triton's
+    interpreter, which must be asked for before the kernels are defined."""
+    dev = torch.device(x.device if isinstance(x, torch.Tensor) else x)
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return (f"impl='triton' needs a CUDA GPU (on the CPU: TRITON_INTERPRET=1 before importing powerclip, slow, "
+                f"for tests); this is {dev.type}: use impl='fast'")
+    try:
+        from powerclip.sbar_triton import unavailable
+    except ImportError as e:
+        return f"impl='triton': {e}"
+    return unavailable(x)
+
+
 @dataclass
 class PowerCLIPLossConfig:
     lam: float = 0.1          # weight of the triplet loss (Appendix F; Sec. 3.4 prints 0.2)
@@ -227,9 +249,9 @@ class PowerCLIPLossConfig:
     exact: bool = False       # True: exact powerset enumeration instead of the NLAs (O(2^M))
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
     region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
-    impl: str = "auto"        # 'fast': blocked, packed nodes, memory O(R x C) (10a); 'dense': the (R, C, M, K)
-                              # reference; 'auto': dense when its scores fit in one block and in 16 MiB (small
-                              # batches: fewer, larger kernels), else fast
+    impl: str = "auto"        # 'triton': fused kernels (10b, CUDA); 'fast': blocked, packed nodes, memory O(R x C)
+                              # (10a); 'dense': the (R, C, M, K) reference; 'auto': 'triton' on a GPU that runs it,
+                              # else dense when its scores fit in one block and in 16 MiB (small batches), else fast
     block_bytes: int | str = "auto"  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient
                               # memory. 'auto': the device's budget, settled when a run is built; elsewhere 16 MiB
 
@@ -241,9 +263,9 @@ class PowerCLIPLossConfig:
         if self.tau <= 0 or not 0 <= self.alpha <= 1:
             raise ValueError(f"need tau > 0 and alpha in [0, 1], got tau={self.tau}, alpha={self.alpha}")
         bb = self.block_bytes
-        if self.impl not in ("auto", "fast", "dense") or not (bb == "auto" or (type(bb) is int and bb >= 1)):
-            raise ValueError(f"need impl 'auto', 'fast' or 'dense' and block_bytes 'auto' or an integer >= 1, got "
-                             f"impl={self.impl!r}, block_bytes={bb!r}")
+        if self.impl not in IMPLS or not (bb == "auto" or (type(bb) is int and bb >= 1)):
+            raise ValueError(f"need impl one of {', '.join(map(repr, IMPLS))} and block_bytes 'auto' or an integer "
+                             f">= 1, got impl={self.impl!r}, block_bytes={bb!r}")
 
     @property
     def block_budget(self) -> int:
@@ -299,6 +321,16 @@ def powerset_similarity(
     cfg: PowerCLIPLossConfig,
 ) -> torch.Tensor:            # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
+    if cfg.impl == "auto" and not cfg.exact and images.regions.is_cuda and triton_unavailable(images.regions) is None:
+        cfg = dataclasses.replace(cfg, impl="triton")     # (a run settles this once, in PowerCLIP.setup_model)
+    if cfg.impl == "triton" and not cfg.exact:
+        why = triton_unavailable(images.regions)
+        if why:
+            raise RuntimeError(why)
+        from powerclip.sbar_triton import sbar_triton
+        phrases, node_text = texts.packed()
+        return sbar_triton(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0],
+                           cfg.sbar_spec())
     if cfg.impl == "auto" and not cfg.exact:   # the dense scores' bytes against one block of the fast path
         Ci, M = images.regions.shape[:2]
         small = min(cfg.block_budget, DENSE_AUTO_BYTES)
@@ -442,9 +474,9 @@ def _packed(inp):
     ph, nt = inp.packed()
     return PowersetInputs(inp.regions, inp.region_valid, ph, node_text=nt)
 
-def _grads(cfg, packed, two_procs):
+def _grads(cfg, packed, two_procs, dtype=torch.float64):
     "Loss and its gradients w.r.t. regions, phrases (padded layout), image and text embeddings."
-    reg, ph, img, txt = (t.clone().requires_grad_() for t in (_inp.regions, _inp.phrases, _img, _txt))
+    reg, ph, img, txt = (t.to(dtype).clone().requires_grad_() for t in (_inp.regions, _inp.phrases, _img, _txt))
     inp = PowersetInputs(reg, _inp.region_valid, ph, _inp.node_valid)
     inp = _packed(inp) if packed else inp
     if two_procs:
@@ -481,6 +513,31 @@ try:
     raise AssertionError
 except ValueError as e:
     assert "exactly one" in str(e)
+
+# %% [markdown]
+# `impl='triton'`, the fused kernels of `10b_sbar_triton`, through the same loss, nodes padded and packed, one process
+# and two. The kernels compute in float32 (or bf16), so they are held to the float64 reference within float32's
+# reach; here they run in Triton's interpreter on the CPU. Without a GPU and without the interpreter, asking for them is
+# one line.
+
+# %%
+_worst = 0.0
+for kw in (dict(tau=0.05), dict(region_sets=False), dict(use_t2r=False, tau=1e-3)):
+    ref = _grads(PowerCLIPLossConfig(impl="dense", gamma=5.0, **kw), packed=False, two_procs=False)
+    for packed in (False, True):
+        for two in (False, True):
+            got = _grads(PowerCLIPLossConfig(impl="triton", gamma=5.0, **kw), packed, two, torch.float32)
+            for a, b in zip(got, ref):
+                _worst = max(_worst, float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-12)))
+assert _worst < 1e-4, _worst
+print(f"triton (float32) against dense (float64): largest relative error {_worst:.1e}")
+_env = os.environ.pop("TRITON_INTERPRET", None)
+try:
+    print(triton_unavailable(torch.device("cpu")))
+    assert "needs a CUDA GPU" in triton_unavailable(_inp.regions)
+finally:
+    if _env is not None:
+        os.environ["TRITON_INTERPRET"] = _env
 
 
 # %% [markdown]
