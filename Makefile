@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo compare experiments eval-compare theory test check docs sync nbs export bench gpu-check gpu-wheels gpu-offline test-torch-lower clean-venv
+.PHONY: install demo compare experiments eval-compare theory test check docs sync nbs export bench gpu-check gpu-wheels gpu-offline real-shards test-torch-lower clean-venv
 
 install: $(STAMP)
 
@@ -87,14 +87,26 @@ export: install
 bench: install
 	$(BIN)/python benchmarks/powerset_scale.py
 
-## On a machine with a GPU: everything it can show, one part at a time (each at most 10 minutes, resumable; --force
-## redoes): loss parity against float64, PowerCLIP's ViT-B/16 bf16 step against CLIP's (256 and 512 local), memory
-## measured beside the CPU projection, the loss's paths at R = 512, C = 4096, torch.compile, the comparison at 2000
-## steps; writes benchmarks/results/gpu_<device>/ and prints one table. Without a GPU: one line, exit status 2
-## (GPU_CHECK="--dry-run" runs every part on the CPU at toy sizes). make gpu-check GPU_CHECK="--parts parity step-B256"
+## On a machine with a GPU: everything it can show, one part at a time (resumable; --force redoes): loss parity against
+## float64, PowerCLIP's ViT-B/16 bf16 step against CLIP's (against 4096 gathered captions, and 256 and 512 local),
+## torch.compile, the loss's paths at R = 512, C = 4096, the other methods, real photos, memory, DDP, the comparison at
+## 2000 steps; writes benchmarks/results/gpu_<device>/ and prints one table. Without a GPU: one line, exit status 2
+## (GPU_CHECK="--dry-run" runs every part on the CPU at toy sizes; GPU_CHECK="--plan --budget 600" prints in a second
+## which parts a 600 s job runs, from the seconds one H200 measured). make gpu-check GPU_CHECK="--parts step-C4096"
 GPU_CHECK ?=
 gpu-check: install
 	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK)
+
+## Real photos for the GPU check's `real-shards` part (issue 38): ../shared/data/coco_sample's 239 photos and 1,195
+## captions packed as img2dataset shards (one sample per caption, 224 px JPEGs, 16 shards, 18 MiB) into
+## REAL_SHARDS/raw (data_prep/pack_coco_sample.py, under a minute), then annotated with spaCy trees and slic regions
+## into REAL_SHARDS/annotated (data_prep/annotate_shards.py, CPU only: about 7 minutes on 2 busy cores). Copy
+## runs/real_shards with the repository to a GPU node; the part is skipped, with one line, without them.
+REAL_SHARDS ?= runs/real_shards
+real-shards: install
+	$(BIN)/python data_prep/pack_coco_sample.py $(SHARED)/coco_sample --out $(REAL_SHARDS)/raw
+	$(BIN)/python data_prep/annotate_shards.py $(REAL_SHARDS)/raw --out $(REAL_SHARDS)/annotated --regions slic \
+	  --parser spacy --workers 2 --no-progress
 
 ## A GPU node with a preinstalled PyTorch and no network (issue 29). On a machine with the network, `make gpu-wheels`
 ## downloads into one folder (WHEELS) the wheels the training and GPU-check path needs beyond what such a node has

@@ -43,23 +43,33 @@ def config(method: str, k: int, a):
     return load_config(a.preset, over, method=method)
 
 
-def measure(method: str, k: int, a) -> dict:
-    "In a fresh process: the time of each timed step and the peak memory of the timed steps."
+def measure(method: str, k: int, a, batches=None) -> dict:
+    """The time of each timed step and the peak memory of the timed steps. On a GPU the peak is CUDA's allocated peak
+    of the timed steps alone, above what is allocated before them (weights, gradients, AdamW's moments, the batches);
+    on a CPU the resident set's peak from before the warm-up (a page the warm-up touched is not seen again).
+    `batches`: host batches to cycle through (None: the run's own loader, one per step)."""
     from powerclip import dist as pdist
     from powerclip.train import TrainState, build_run
     ctx = pdist.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device(a.device), backend=None)
     run = build_run(config(method, k, a), ctx)
-    it = iter(run.loader())
-    batches = [run.prepare(next(it)) for _ in range(a.warmup + a.steps)]
+    n = a.warmup + a.steps
+    if batches is None:
+        it = iter(run.loader())
+        batches = [next(it) for _ in range(n)]
+    prepared = [run.prepare(b) for b in batches[:n]]
     state = TrainState()
     mem = PeakMemory(a.device)
-    mem.start()   # before the warm-up: its steps make the same activations as the timed ones
-    for b in batches[:a.warmup]:
+    cuda = a.device.startswith("cuda")
+    if not cuda:
+        mem.start()
+    for i in range(a.warmup):
         run.method.on_step(state.step, run.total)
-        run.step(b, state)
+        run.step(prepared[i % len(prepared)], state)
         state.step += 1
+    if cuda:
+        mem.start()
     times = []
-    for b in batches[a.warmup:]:
+    for b in (prepared[i % len(prepared)] for i in range(a.warmup, n)):
         run.method.on_step(state.step, run.total)
         sync(a.device)
         t0 = time.perf_counter()
@@ -67,7 +77,8 @@ def measure(method: str, k: int, a) -> dict:
         sync(a.device)
         times.append(time.perf_counter() - t0)
         state.step += 1
-    return dict(times=times, peak_mib=mem.mib(), model=run.cfg.model.name)
+    return dict(times=times, peak_mib=mem.mib(), model=run.cfg.model.name,
+                peak_of="timed steps" if cuda else "warm-up and timed steps")
 
 
 def write(a, res: dict, failed: dict, done: bool) -> None:

@@ -26,6 +26,7 @@ synthetic distribution instead. Every configuration runs in a fresh process (`is
         --precision bf16 --tag gpu_K16 --out benchmarks/results/gpu_x     # a GPU (benchmarks/gpu_check.py)
 
 `auto` is the loss's default (`PowerCLIPLossConfig.impl='auto'`: dense when its scores fit one block, else fast);
+`triton` the fused kernel (`powerclip.sbar_triton`, issue 37) where the package has it;
 `--K` gives every caption K nodes instead of the CC3M counts. Results: `--out`/powerset_scale_TAG.{md,json,png}.
 """
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _inputs(R, C, M, D, counts, impl, seed=0, device="cpu"):
     for t in leaves.values():
         t.requires_grad_()
     rv_all = torch.ones(C, M, dtype=torch.bool, device=device)  # random boxes: every region valid (PowerCLIP-R)
-    if impl in ("fast", "auto"):
+    if impl in ("fast", "auto", "triton"):
         local = PowersetInputs(leaves["regions"], rv_all[:R], leaves["phrases"], node_text=node_text[node_text < R])
         gathered = PowersetInputs(leaves["regions_all"], rv_all, leaves["phrases_all"], node_text=node_text)
     else:  # padded to the longest caption: locally of the local batch, gathered of the global one
@@ -127,7 +128,8 @@ def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0, devi
     from powerclip.powerset_fast import saved_tensor_bytes
     from powerclip.measure import PeakMemory, sync
     leaves, local, gathered, others = _inputs(R, C, M, D, counts, impl, seed, device)
-    cfg = PowerCLIPLossConfig(impl={"dense": "dense", "exact": "dense", "auto": "auto"}.get(impl, "fast"),
+    cfg = PowerCLIPLossConfig(impl={"dense": "dense", "exact": "dense", "auto": "auto", "triton": "triton"}.get(impl,
+                                                                                                         "fast"),
                               exact=impl == "exact", block_bytes=block_bytes)
     scale = torch.tensor(100.0, device=device)
     inputs = {t.untyped_storage().data_ptr() for t in [*leaves.values(), *others]}
@@ -279,7 +281,7 @@ def main(argv=None):
     ap.add_argument("--M", type=int, nargs="+", default=[5, 10, 15, 32], help="regions per image")
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--impl", nargs="+", default=["fast", "dense", "exact", "clip"],
-                    choices=["fast", "dense", "exact", "clip", "auto"])
+                    choices=["fast", "dense", "exact", "clip", "auto", "triton"])
     ap.add_argument("--K", type=int, default=None, help="nodes per caption, the same for every caption "
                                                         "(default: real CC3M counts)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
