@@ -338,4 +338,4 @@ def test_the_issue_command(tmp_path):
     d = _results(out)
     assert {"clip", "powerclip"} <= set(d["parts"]["step-C4096"]["results"])
     assert all(v["status"] in ("complete", "partial", "deferred") for v in d["parts"].values())
-    assert all("deferred" in v["note"] for v in d["parts"].values() if v["status"] == "deferred")
+    assert all("budget" in v["note"] for v in d["parts"].values() if v["status"] == "deferred")
