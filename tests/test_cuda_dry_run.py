@@ -246,22 +246,22 @@ OWN_SYNCS = {
     # PowerCLIP's default `impl='auto'` takes the dense reference at the smoke preset's size: its check that every
     # caption has a node (`powerset._check_nodes`, a `bool`); the blocked path makes none (PATH_SYNC_BUDGET)
     "powerclip": (1, 0, 0, 0),
-    # the hashed noise's key check (`hash_uniform`: ids >= 0, a `bool`; could go: the ids are host data)
-    "flip": (1, 0, 0, 0),
+    # FLIP: none (the hashed noise's key check is the device's own, `torch._assert_async`; its kept count is fixed)
+    "flip": (0, 0, 0, 0),
     # `text_token_mask`'s check of the token ids (`bool`; could go)
     "smartclip": (1, 0, 0, 0),
-    # `hash_uniform`'s key check; `select_patches`: boolean-mask indexing (x2) and `nonzero` of the kept patches (their
-    # count per image is data-dependent by design, CLIP-PGS's edge threshold); the Sobel kernel and the candidates'
-    # index built on the host and copied (blocking; could go: made on the device, or copied non-blocking)
-    "clip-pgs": (1, 0, 3, 2),
-    # as clip-pgs, plus the drop count of the 0.3 variant read to the host (`select_patches`: a `bool`) and its copy
-    "clip-pgs-0.3": (2, 0, 3, 3),
-    # `hash_uniform`'s key check; `_all_min` (the smallest cluster, read to size the kept tokens); `select_kept`'s
-    # `nonzero`; one host-built index copied (blocking; could go)
-    "eclip": (2, 0, 1, 1),
-    # `hash_uniform`'s key check; the augmentations' random parameters built on the host and copied (blocking, 11: could
-    # go), and `color_augment`'s `nonzero` per channel operation (38: could go, with `torch.where` on the whole batch)
-    "aclip": (1, 0, 38, 11),
+    # CLIP-PGS_0.5: none (issue 38: the lonely seed by a scatter, the kept patches by a stable sort, the Sobel kernels
+    # made on the device; its drop count is fixed, 50 %)
+    "clip-pgs": (0, 0, 0, 0),
+    # PGS_0.3: the batch's drop count (`select_patches`, an `int`): the images' rounded mean wish, data-dependent by
+    # the method, and the host must know it to shape the kept tokens (needed)
+    "clip-pgs-0.3": (1, 0, 0, 0),
+    # E-CLIP: the batch's smallest cluster (`_all_min`, an `int`, over the processes under DDP): it sets the drop count
+    # of every image, so the host must know it to shape the kept tokens (needed)
+    "eclip": (1, 0, 0, 0),
+    # A-CLIP: none (issue 38: `color_augment` keeps each operation by `torch.where`, the constants go to the device
+    # without waiting; its kept count is fixed: 25 of 49 blocks at keep_ratio 0.5)
+    "aclip": (0, 0, 0, 0),
     # `filip_scores`: two `bool` checks and a `nonzero` of the valid tokens; `text_token_mask`: a check and a boolean
     # mask index (the token-wise scores need the valid tokens' count: could go, padded to the context length)
     "filip": (3, 0, 3, 0),

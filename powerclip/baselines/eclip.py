@@ -263,6 +263,7 @@ class ECLIP(StepClock, CLIP):
         self.last = m = sel.last
         # per sample (C,): micro-batches join along the rows (`49c_accum`), so the loss logs the whole batch's means
         per = lambda x: x.to(device=image.device, dtype=torch.float32)
+        # made on the device (a fill, not a copy from the host, which a GPU would wait for)
         out["eclip_drop_ratio"] = per(torch.full((image.shape[0],), m.n_drop / N, device=image.device))
         out["eclip_cluster_ratio"] = per(m.masked.sum(1).double() / N)
         out["eclip_hidden_ratio"] = per(m.hidden.sum(1).double() / N if self.cfg.hide_clusters
