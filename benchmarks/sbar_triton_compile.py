@@ -24,6 +24,7 @@ from powerclip.commandline import ArgumentParser, run_main, usage_errors
 from powerclip.powerset_fast import SbarSpec
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARED_KIB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}   # the most shared memory one block may take
 
 
 def rows(quick: bool) -> list[tuple]:
@@ -70,15 +71,16 @@ def main(argv=None) -> int:
             "backward, nodes |")
     md = [f"# The Triton S-bar kernels compiled for sm_{a.arch} (no GPU: Triton {triton.__version__}'s ptxas)", "",
           "Registers per thread, stack (bytes per thread spilled to local memory; 0 is the aim) and shared memory per "
-          "block (sm_90 allows 227 KiB), per kernel. Compiling says nothing of speed: the GPU check's paths part "
-          "times the kernels.", "", head, "|---|---|---|---|---|"]
+          f"block (sm_{a.arch} allows {SHARED_KIB.get(a.arch, '?')} KiB), per kernel. Compiling says nothing of speed: "
+          "the GPU check's paths part times the kernels.", "", head, "|---|---|---|---|---|"]
     for r in res:
         cell = lambda k: "{regs} / {stack} / {kib:.0f}".format(kib=k["shared"] / 1024, **k)
         ks = r["kernels"]
         md.append(f"| {r['label']} | {r['tiles'][0]} x {r['tiles'][1]}, {r['tiles'][2]} | "
                   f"{cell(ks['_sbar_fwd_kernel'])} | {cell(ks['_sbar_bwd_regions'])} | {cell(ks['_sbar_bwd_nodes'])} |")
     cmd = "python benchmarks/sbar_triton_compile.py" + (f" --arch {a.arch}" if a.arch != 90 else "")
-    md += ["", f"`{cmd}`: {time.time() - t0:.0f} s on {platform.processor() or platform.machine()}, "
+    md += ["", f"`{cmd}`: {time.time() - t0:.0f} s (Triton caches compilations) on "
+           f"{platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cores, torch {torch.__version__}, triton {triton.__version__}, "
            f"{time.strftime('%Y-%m-%d')}"]
     out = Path(a.out)
