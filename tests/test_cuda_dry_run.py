@@ -236,9 +236,10 @@ def test_paper_preset_step_on_cuda():
 # indexing, `bincount`, `repeat_interleave` without its size, `unique`; blocking host-to-device copies), at today's
 # counts (issue 29; the data-dependent shapes and blocking copies since issue 37; the same in fp32 and bf16). A new
 # sync fails test_host_syncs_per_step: take it out, or raise the budget here and say why.
-# The trainer's own, in every method's step (`train_step`): the finite checks of the loss and of the gradient norm
-# (a `bool` each: the step is skipped on every process alike when either is not finite).
-TRAINER_SYNCS = (2, 0, 0, 0)
+# The trainer's own, in every method's step (`train_step`): one read of the all-reduced (loss, SIGINT, SIGTERM) triple
+# (`.tolist()`: the loss's finiteness and whether any process was asked to stop, which every process must know alike;
+# the flags are filled on the device, no copy from the host), and the finite check of the gradient norm (a `bool`).
+TRAINER_SYNCS = (1, 1, 0, 0)
 # Each method's own, beyond the trainer's (sites as counted on 2026-11-27; the ones marked "could go" are not needed
 # by the method's maths, only not yet written without a sync):
 OWN_SYNCS = {
@@ -716,3 +717,30 @@ def test_skip_counts_summed_on_the_gpu():
     with sim_cuda(), _fake_nccl() as ctx:
         cols = _skip_columns({SAMPLE_SKIP_REASONS[0]: 2}, {}, ctx)
     assert cols["skipped"] == 4 and cols["skipped_cum"] == 4
+
+
+class _NoKernel:
+    "A Triton kernel that launches nothing: `kernel[grid](*args)` returns at once (the simulated GPU runs no kernel)."
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_triton_path_makes_no_host_sync_around_its_kernels(precision):
+    """`impl='auto'` on a GPU the kernels run on is the fused Triton path (`10b_sbar_triton`, settled in
+    `PowerCLIP.setup_model`). The simulated GPU runs no kernel, so here its three kernels launch nothing and the
+    kernels' check says yes; everything else of the path is the code a GPU runs (the packing, the wrapper, the ops'
+    bodies, the autograd formula): no host sync in the loss, and no more per step than CLIP's."""
+    import powerclip.sbar_triton as st
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(st, "unavailable", lambda x: None))
+        for k in ("_sbar_fwd_kernel", "_sbar_bwd_regions", "_sbar_bwd_nodes"):
+            stack.enter_context(mock.patch.object(st, k, _NoKernel()))
+        s = _run_step("powerclip", precision, ["method_cfg.impl=auto"])
+    assert s.run.method.cfg.impl == "triton"
+    bad = [f"{n} {words} in the loss" for k, words in _SYNC_KINDS if (n := getattr(s.loss, k))]
+    clip = _step("clip", precision)
+    bad += [f"{getattr(s.step, k)} {words} per step, CLIP's {getattr(clip.step, k)}" for k, words in _SYNC_KINDS
+            if getattr(s.step, k) > getattr(clip.step, k)]
+    assert not bad, "\n".join(bad + ["; ".join(f"{k} x{v}" for k, v in sorted(s.step.sync_sites.items()))])
+    assert s.out["ok"] and all(d == torch.float32 for d in s.loss_out.values()), (s.out, s.loss_out)
