@@ -222,8 +222,8 @@ IMPLS = ("auto", "triton", "fast", "dense")   # how S-bar is computed (above)
 
 
 def triton_unavailable(x: torch.Tensor) -> str | None:
-    """None when `impl='triton'` can run on `x` (a tensor or device; `10b_sbar_triton.unavailable`), else why not, in one
-    line. Imports the kernels only for a CUDA device, where they can run: on the CPU they run only under Triton's
+    """None when `impl='triton'` can run on `x` (a tensor or device; `10b_sbar_triton.unavailable`), else why not, in
+    one line. Imports the kernels only for a CUDA device, where they can run: on the CPU they run only under Triton's
     interpreter, which must be asked for before the kernels are defined."""
     dev = torch.device(x.device if isinstance(x, torch.Tensor) else x)
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
