@@ -380,6 +380,7 @@ class Lockstep:
 _ls = Lockstep(range(3))
 assert list(_ls) == [0, 1, 2] and not _ls.cut     # one process: every item (two: tests/test_epoch_lockstep.py)
 
+
 # %% [markdown]
 # ## Waiting while the main process works alone
 #

@@ -355,6 +355,7 @@ test_fail(lambda: load_regions(_rd / 'annotations' / 'instances_val.json', vocab
           contains='needs COCO category names')
 test_fail(lambda: load_regions(_rd / 'nothing.json'), contains='instances_*.json')
 
+
 # %% [markdown]
 # Each broken segmentation, one at a time, on a copy of a good annotation (a 10 x 10 square in a 40 x 30 image): the
 # reason and the detail `segmentation_problem` gives, and the same through `load_regions`, which counts the broken

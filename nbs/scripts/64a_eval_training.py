@@ -40,6 +40,7 @@ from powerclip.model import model_geometry, pool_of
 import tempfile
 from fastcore.test import test_eq, test_fail
 
+
 # %% [markdown]
 # # Evaluation while training
 #
