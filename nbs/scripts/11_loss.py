@@ -196,7 +196,6 @@ assert_close(_Si, _img @ _txt.T)
 assert_close(_St, 2 * _txt @ _img.T)
 assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone()), (_img, _txt))
 
-
 # %% [markdown]
 # ## The powerset similarity and its ablation switches
 #
