@@ -189,15 +189,20 @@ def mdd_cell(x: dict | None) -> str:
     return "-" if d is None or math.isnan(d.mean) else f"{d.mean:.1f} [{d.lo:.1f}, {d.hi:.1f}]"
 
 
-def detectable_table(stats: dict, base: str = REFERENCE) -> str:
-    """Markdown: for each paired difference to `base`, the smallest true difference detectable with 80 % power
-    [95 % interval] (`paired_stats`' 'mdd')."""
-    lines = ["| run | seeds | " + " | ".join(f"detectable Δ {HEADLINE[m]}" for m in HEADLINE) + " |",
+def _per_run(stats: dict, head, cell) -> str:
+    "Markdown: a row per run of `stats` (its seeds, then `cell(stats of a headline number)`), a column per number."
+    lines = ["| run | seeds | " + " | ".join(head(HEADLINE[m]) for m in HEADLINE) + " |",
              "|---|---:|" + "---:|" * len(HEADLINE)]
     for n, by in stats.items():
         lines.append(f"| {n} | {max((x['t'].n for x in by.values()), default=0)} | "
-                     + " | ".join(mdd_cell(by.get(m)) for m in HEADLINE) + " |")
+                     + " | ".join(cell(by.get(m)) for m in HEADLINE) + " |")
     return "\n".join(lines)
+
+
+def detectable_table(stats: dict, base: str = REFERENCE) -> str:
+    """Markdown: for each paired difference to `base`, the smallest true difference detectable with 80 % power
+    [95 % interval] (`paired_stats`' 'mdd')."""
+    return _per_run(stats, lambda h: f"detectable Δ {h}", mdd_cell)
 
 
 def p_cell(x: dict | None) -> str:
@@ -215,12 +220,7 @@ def p_cell(x: dict | None) -> str:
 def holm_table(stats: dict, base: str = REFERENCE) -> str:
     """Markdown: for each paired difference to `base`, its raw p, its Holm-adjusted p over the row's numbers and on how
     many seeds it is above 0 (`paired_stats`' 'holm' and 'signs')."""
-    lines = ["| run | seeds | " + " | ".join(f"{HEADLINE[m]}: p / Holm p / seeds > 0" for m in HEADLINE) + " |",
-             "|---|---:|" + "---:|" * len(HEADLINE)]
-    for n, by in stats.items():
-        lines.append(f"| {n} | {max((x['t'].n for x in by.values()), default=0)} | "
-                     + " | ".join(p_cell(by.get(m)) for m in HEADLINE) + " |")
-    return "\n".join(lines)
+    return _per_run(stats, lambda h: f"{h}: p / Holm p / seeds > 0", p_cell)
 
 
 # what a method's runs log while training that the report shows: the trainer's `metrics.csv` column -> (the methods
