@@ -147,8 +147,9 @@ test-torch-lower: install
 	  pytest pytest-timeout psutil
 	cd $(CURDIR) && PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -c "import torch, torchvision, numpy; \
 	  print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'numpy', numpy.__version__)"
+	rm -rf runs/torch_lower/train20*    # this target's own scratch run (overwrite=true would keep each old one)
 	PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -m powerclip.train --preset smoke --method powerclip max_steps=20 \
-	  resume=never overwrite=true out_dir=runs/torch_lower/train20
+	  resume=never out_dir=runs/torch_lower/train20
 	PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -m pytest -q -rs -p no:cacheprovider tests/test_cuda_dry_run.py \
 	  tests/test_sbar_triton.py
 

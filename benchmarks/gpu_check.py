@@ -595,8 +595,8 @@ def main(argv=None):
                 gpu_plan.load_timings(_checks.existing("--timings", a.timings))
             except (ValueError, KeyError) as e:
                 raise ValueError(f"--timings: {e}") from None
-        if a.part_timeout <= 0:
-            raise ValueError(f"--part-timeout: must be above 0 seconds, got {a.part_timeout:g}")
+        from powerclip.commandline import check_number
+        check_number("--part-timeout", a.part_timeout, 0, lo_open=True)     # seconds; NaN passes a `<= 0` check
         if a.dry_run:
             if a.parity_batch == 128:
                 a.parity_batch = 16

@@ -196,6 +196,7 @@ CASES = [
     ("gpu_check", ["--parts", "parity", "nope"], "--parts"),
     ("gpu_check", ["--dry-run", "--methods", "nope"], "--methods"),
     ("gpu_check", ["--dry-run", "--part-timeout", "0"], "--part-timeout"),
+    ("gpu_check", ["--dry-run", "--part-timeout", "nan"], "--part-timeout"),
     ("gpu_check", ["--dry-run", "--compare-steps", "0"], "--compare-steps"),
     ("gpu_check", ["--dry-run", "--out", "{tmp}/a_file"], "--out"),
     ("world_throughput", ["--workers", "-1"], "--workers"),
