@@ -15,11 +15,12 @@ import yaml
 
 from .compare import COMPARE_SEEDS, RUNS, RunSpec, make_plan, run_plan
 from .config import TrainConfig, from_dict, load_config
-from .data import region_masks, sample_generator, steps_per_epoch, world_config, world_region_pool
+from .data import region_masks, steps_per_epoch, world_config, world_region_pool
 from .dist import DistContext
 from .loss import powerset_similarity
 from .methods import powerset_inputs, word_nodes
 from .model import model_geometry
+from .seeds import sample_generator
 from .stats import t_interval
 from .report import Comparison
 from .train import build_run

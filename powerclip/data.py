@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import io
 import itertools
 import json
@@ -26,13 +25,14 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_
 from .parsing import ParsedCaption, caption_problem, parse_caption, tree_problems
 from .tokens import TreeTokens, collate_trees, default_tokenizer, tree_tokens
 from .regions import GridConfig, decode_regions, random_box_masks, select_masks, superpixel_masks
+from .seeds import derive_seed, key_index, mix_seed, sample_generator
+from .seeds import run_seeds  # noqa: F401  (re-exported: `from powerclip.data import run_seeds`)
 from .world import WorldConfig, WorldDataset
 
 logger = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['logger', 'REGION_SOURCES', 'SEED_STREAMS', 'SAMPLE_SKIP_REASONS', 'IMAGE_EXTS', 'DataConfig', 'Geometry',
-           'BatchNeeds', 'BatchSpec', 'mix_seed', 'key_index', 'derive_seed', 'run_seeds', 'sample_generator',
+__all__ = ['logger', 'REGION_SOURCES', 'SAMPLE_SKIP_REASONS', 'IMAGE_EXTS', 'DataConfig', 'Geometry', 'BatchNeeds', 'BatchSpec',
            'SampleSkipCounter', 'add_counts', 'caption_tokens', 'region_masks', 'make_item', 'collate',
            'EpochBatchSampler', 'world_config', 'WorldItems', 'world_region_pool', 'shard_urls', 'eval_transform',
            'to_rgb', 'tar_end_problem', 'decode_sample', 'read_shard', 'StreamPosition', 'n_streams', 'WdsItems',
@@ -136,31 +136,6 @@ class BatchSpec:
     def world_seed(self) -> int: return derive_seed(self.seed, 'world')
     @property
     def region_seed(self) -> int: return derive_seed(self.seed, 'regions')
-
-# %% ../nbs/23_data.ipynb #65cbddb8
-SEED_STREAMS = ('init', 'data', 'world', 'regions', 'method', 'forward')
-
-def mix_seed(*xs: int) -> int:
-    "One 63-bit seed from non-negative integers (e.g. seed, epoch, index)."
-    return int(np.random.SeedSequence([int(x) for x in xs]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-
-def key_index(key: str) -> int:
-    "A stable non-negative 56-bit id for a shard sample key."
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), 'big')
-
-def derive_seed(seed: int, stream: str) -> int:
-    "The seed of the named random stream of a run with seed `seed` (see the table above)."
-    if stream not in SEED_STREAMS:
-        raise ValueError(f'unknown random stream {stream!r}; streams: {SEED_STREAMS}')
-    return mix_seed(seed, key_index(stream))
-
-def run_seeds(seed: int) -> dict[str, int]:
-    "Every stream's seed of a run (what `config.yaml` records)."
-    return {s: derive_seed(seed, s) for s in SEED_STREAMS}
-
-def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    "The torch generator of one sample's random draws (region masks) in one epoch."
-    return torch.Generator().manual_seed(mix_seed(seed, epoch, index))
 
 # %% ../nbs/23_data.ipynb #008ccf5f
 SAMPLE_SKIP_REASONS = ('shard_error',   # unreadable / truncated tar or a read error inside it

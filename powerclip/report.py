@@ -13,7 +13,7 @@ import numpy as np
 
 from .eval.world_scores import FOLDER_HEADLINE, HEADLINE
 from .stats import Interval, bootstrap_paired, holm, paired_detectable, paired_difference, paired_seeds
-from .train import plot_metrics
+from .trainlog import plot_metrics
 
 # %% auto #0
 __all__ = ['REFERENCE', 'ALPHA', 'MERGE_SAME', 'Comparison', 'summarize_seeds', 'paired_stats', 'metric_verdict', 'verdicts',

@@ -5,11 +5,10 @@
 # %% ../nbs/50_train.ipynb #1a4f0f8c
 from __future__ import annotations
 
-import contextlib, csv, dataclasses, math, os, signal, sys, time, warnings
+import contextlib, dataclasses, math, os, signal, sys, time, warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import yaml
 
@@ -21,134 +20,19 @@ from .checkpoint import (TrainState, check_run_folder, export_weights, load_chec
                                   weights_problem)
 from .commandline import (ArgumentParser, Interrupted, StopSignals, UsageError, check_device, check_number,
                                    run_main, usage_errors)
-from .config import OptimConfig, TrainConfig, check_kwargs, load_config, method_options, to_dict
+from .config import TrainConfig, check_kwargs, load_config, method_options, to_dict
 from .data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
-                            mix_seed, run_seeds, shard_urls, steps_per_epoch, world_config)
+                            shard_urls, steps_per_epoch, world_config)
 from .measure import PeakMemory
+from .optim import lr_factor, make_optimizer, make_scheduler   # lr_factor: tests import it from here too
+from .seeds import mix_seed, run_seeds
+from .trainlog import MetricLogger, plot_metrics, read_metrics  # read_metrics: `compare` imports it from here
 from .train_eval import default_evaluator, evaluate_isolated
 from .methods import Method, get_method
 
 # %% auto #0
-__all__ = ['no_decay', 'make_optimizer', 'lr_factor', 'make_scheduler', 'MetricLogger', 'read_metrics', 'plot_metrics',
-           'MethodForward', 'method_forward', 'to_device', 'autocast_for', 'forward_loss', 'train_step', 'Checked',
-           'validate', 'Run', 'build_run', 'train', 'parse_args', 'main']
-
-# %% ../nbs/50_train.ipynb #0f745f10
-def no_decay(name: str, p: torch.Tensor) -> bool:
-    "Parameters without weight decay: biases, norms, gains (all < 2-D), logit_scale, and embeddings."
-    return p.ndim < 2 or "logit_scale" in name or "embedding" in name or ".ln" in name or name.startswith("ln")
-
-
-def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, modules: torch.nn.Module | None = None,
-                   modules_lr: float | None = None) -> torch.optim.AdamW:
-    """AdamW over the model (and a method's training-time `modules` at their own peak `modules_lr`), with and
-    without weight decay. `modules` may carry its own `weight_decay` attribute (SmartCLIP's mask network: 0; None or
-    absent: the run's). The schedule scales every group's peak rate by the same factor."""
-    groups = []
-    for mod, lr in ((model, cfg.lr), (modules, cfg.lr if modules_lr is None else modules_lr)):
-        if mod is None:
-            continue
-        wd = getattr(mod, "weight_decay", None) if mod is modules else None
-        decay, rest = [], []
-        for n, p in mod.named_parameters():
-            if p.requires_grad:
-                (rest if no_decay(n, p) else decay).append(p)
-        groups += [dict(params=decay, weight_decay=cfg.weight_decay if wd is None else wd, lr=lr),
-                   dict(params=rest, weight_decay=0.0, lr=lr)]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-
-
-def lr_factor(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
-    "Multiplier of the peak lr at `step` (0-based): linear warm-up, then cosine down to `min_ratio`."
-    if step < warmup:
-        return (step + 1) / warmup
-    t = (step - warmup) / max(1, total - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-
-def make_scheduler(opt, cfg: OptimConfig, total: int) -> torch.optim.lr_scheduler.LambdaLR:
-    ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, cfg.warmup_steps, ratio))
-
-# %% ../nbs/50_train.ipynb #67f7eebd
-class MetricLogger:
-    "metrics.csv (+ TensorBoard) in `run_dir`; inactive on processes other than the main one."
-    def __init__(self, run_dir, enabled: bool = True, resume_step: int | None = None, tensorboard: bool = True):
-        self.path, self.enabled, self.rows, self.tb = Path(run_dir) / "metrics.csv", enabled, [], None
-        if not enabled:
-            return
-        if resume_step is not None and self.path.is_file():
-            self.rows = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
-        self.cols = list(dict.fromkeys(k for r in self.rows for k in r))
-        self._rewrite()
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"),
-                                    purge_step=None if resume_step is None else resume_step + 1)
-
-    def _rewrite(self):
-        with open(self.path, "w", newline="") as f:
-            w = csv.DictWriter(f, self.cols)
-            w.writeheader()
-            w.writerows(self.rows)
-
-    def log(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        row = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
-        self.rows.append(row)
-        if any(k not in self.cols for k in row):
-            self.cols += [k for k in row if k not in self.cols]
-            self._rewrite()
-        else:
-            with open(self.path, "a", newline="") as f:
-                csv.DictWriter(f, self.cols).writerow(row)
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k.lstrip("_"), v, row["step"])
-
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
-
-
-def read_metrics(path) -> list[dict]:
-    "Rows of a metrics.csv with numbers parsed (empty cells dropped)."
-    def num(v):
-        try:
-            return int(v)
-        except ValueError:
-            return float(v)
-    with open(path, newline="") as f:
-        return [{k: num(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
-
-
-def plot_metrics(runs: dict[str, list[dict]] | list[dict], path=None, title: str = ""):
-    "Loss terms (every key without '_' that is a loss), lr and throughput against step; one line per run."
-    from matplotlib.figure import Figure  # no pyplot: works under any backend, never switches the notebook's
-    runs = {"": runs} if isinstance(runs, list) else runs
-    skip = {"step", "epoch", "lr", "img_per_s", "time", "bad_total", "loss"}
-    terms = sorted({k for rows in runs.values() for r in rows for k in r if k not in skip and not k.startswith("_")
-                    and not k.startswith(("skipped", "eval/"))})
-    panels = ["loss"] + terms + ["lr", "img_per_s"]
-    fig = Figure(figsize=(3.2 * len(panels), 2.8))
-    axes = fig.subplots(1, len(panels))
-    for ax, key in zip(np.atleast_1d(axes), panels):
-        for name, rows in runs.items():
-            xs = [r["step"] for r in rows if key in r]
-            if xs:
-                ax.plot(xs, [r[key] for r in rows if key in r], label=name or None, lw=1)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    if len(runs) > 1:
-        np.atleast_1d(axes)[0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-    return fig
+__all__ = ['MethodForward', 'method_forward', 'to_device', 'autocast_for', 'forward_loss', 'train_step', 'Checked', 'validate',
+           'Run', 'build_run', 'train', 'parse_args', 'main']
 
 # %% ../nbs/50_train.ipynb #f96d9bc9
 class MethodForward(torch.nn.Module):

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import io
 import itertools
 import json
@@ -41,6 +40,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_
 from powerclip.parsing import ParsedCaption, caption_problem, parse_caption, tree_problems
 from powerclip.tokens import TreeTokens, collate_trees, default_tokenizer, tree_tokens
 from powerclip.regions import GridConfig, decode_regions, random_box_masks, select_masks, superpixel_masks
+from powerclip.seeds import derive_seed, key_index, mix_seed, sample_generator
+from powerclip.seeds import run_seeds  # noqa: F401  (re-exported: `from powerclip.data import run_seeds`)
 from powerclip.world import WorldConfig, WorldDataset
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ from fastcore.test import test_eq, test_fail
 #   config by `powerclip.model.model_geometry` before the model is built); the world renders at that size and
 #   shards are resized to it;
 # - `BatchNeeds`: what the *method* reads of a batch (`Method.needs()`); the pipeline builds that and nothing more;
-# - the *run seed*, from which the data order, the world's training scenes and the region draws are derived by name.
+# - the *run seed*, from which the data order, the world's training scenes and the region draws are derived by name
+#   (`22a_seeds`).
 #
 # `BatchSpec` holds the four; `make_loader(spec, epoch, ...)` makes the batches.
 
@@ -222,67 +224,6 @@ test_fail(lambda: BatchSpec(DataConfig(source='wds', shards='x.tar'), Geometry(6
 test_fail(lambda: BatchNeeds(node_np=True), contains='tree')
 test_eq(BatchNeeds().keys(), ())
 test_eq(BatchNeeds(tree=True, regions=3).keys()[-2:], ('region_masks', 'region_valid'))
-
-# %% [markdown]
-# ## One run seed, many streams
-#
-# A run has one seed (`TrainConfig.seed`). Every random stream of the run is derived from it *by name*, so that
-# changing the seed changes all of them together (a comparison over seeds then varies the initial weights, the data
-# order, the world's training scenes, the region draws and a method's noise), while each stream stays independent
-# of the others:
-#
-# | stream | used for |
-# |---|---|
-# | `init` | the model's initial weights |
-# | `data` | the order of the world indices and of the shards, the shuffle buffer |
-# | `world` | the world's training scenes (`WorldConfig.seed`) |
-# | `regions` | region masks drawn per sample (random boxes, a subset of gold or stored masks) |
-# | `method` | a method's own noise (CLIP-PGS's random candidates) |
-# | `forward` | each process's random state during the forward pass (FLIP's dropout), with the rank mixed in |
-#
-# `derive_seed(seed, name)` hashes the seed and the name with NumPy's `SeedSequence`, whose purpose is exactly this:
-# nearby inputs give unrelated streams. `mix_seed` does the same for tuples of integers (seed, epoch, index), and
-# `key_index` turns a shard key into a stable 56-bit id (a hash, identical on every machine and run). The values are
-# written into the run's `config.yaml`. Held-out evaluation scenes are *not* derived from the run seed: they are a
-# fixed benchmark (the world's own default seed, on its `test` split).
-
-# %%
-#| export
-SEED_STREAMS = ('init', 'data', 'world', 'regions', 'method', 'forward')
-
-def mix_seed(*xs: int) -> int:
-    "One 63-bit seed from non-negative integers (e.g. seed, epoch, index)."
-    return int(np.random.SeedSequence([int(x) for x in xs]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-
-def key_index(key: str) -> int:
-    "A stable non-negative 56-bit id for a shard sample key."
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), 'big')
-
-def derive_seed(seed: int, stream: str) -> int:
-    "The seed of the named random stream of a run with seed `seed` (see the table above)."
-    if stream not in SEED_STREAMS:
-        raise ValueError(f'unknown random stream {stream!r}; streams: {SEED_STREAMS}')
-    return mix_seed(seed, key_index(stream))
-
-def run_seeds(seed: int) -> dict[str, int]:
-    "Every stream's seed of a run (what `config.yaml` records)."
-    return {s: derive_seed(seed, s) for s in SEED_STREAMS}
-
-def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
-    "The torch generator of one sample's random draws (region masks) in one epoch."
-    return torch.Generator().manual_seed(mix_seed(seed, epoch, index))
-
-
-# %%
-test_eq(mix_seed(0, 1, 2), mix_seed(0, 1, 2))
-assert mix_seed(0, 1, 2) != mix_seed(0, 2, 1)
-assert 0 <= mix_seed(2**40, 7) < 2**63
-test_eq(key_index('000123456'), key_index('000123456'))
-assert key_index('a') != key_index('b') and key_index('a') < 2**56
-_rs = run_seeds(0)
-assert len(set(_rs.values())) == len(SEED_STREAMS) and _rs == run_seeds(0) and _rs != run_seeds(1)
-test_eq(derive_seed(0, 'data'), _rs['data'])
-test_fail(lambda: derive_seed(0, 'dat'), contains='unknown random stream')
 
 # %% [markdown]
 # ## Skip accounting

@@ -20,11 +20,10 @@
 #| export
 from __future__ import annotations
 
-import contextlib, csv, dataclasses, math, os, signal, sys, time, warnings
+import contextlib, dataclasses, math, os, signal, sys, time, warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import yaml
 
@@ -36,16 +35,20 @@ from powerclip.checkpoint import (TrainState, check_run_folder, export_weights, 
                                   weights_problem)
 from powerclip.commandline import (ArgumentParser, Interrupted, StopSignals, UsageError, check_device, check_number,
                                    run_main, usage_errors)
-from powerclip.config import OptimConfig, TrainConfig, check_kwargs, load_config, method_options, to_dict
+from powerclip.config import TrainConfig, check_kwargs, load_config, method_options, to_dict
 from powerclip.data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
-                            mix_seed, run_seeds, shard_urls, steps_per_epoch, world_config)
+                            shard_urls, steps_per_epoch, world_config)
 from powerclip.measure import PeakMemory
+from powerclip.optim import lr_factor, make_optimizer, make_scheduler   # lr_factor: tests import it from here too
+from powerclip.seeds import mix_seed, run_seeds
+from powerclip.trainlog import MetricLogger, plot_metrics, read_metrics  # read_metrics: `compare` imports it from here
 from powerclip.train_eval import default_evaluator, evaluate_isolated
 from powerclip.methods import Method, get_method
 
 # %%
 #| hide
 import json, tempfile
+import numpy as np
 from fastcore.test import test_close, test_eq, test_fail
 from powerclip.data import write_shard
 from torch.testing import assert_close
@@ -78,164 +81,8 @@ from torch.testing import assert_close
 # `tests/test_ddp.py` alike. The run's config is one dataclass of dataclasses (`49a_config`), read from a small YAML
 # preset plus `key=value` overrides, and written next to the run's outputs with what was derived from it (every random
 # stream's seed, the geometry, the method's batch needs). What a run writes and reads back, checkpoints, weights and
-# snapshots, is `49b_checkpoint`.
-
-# %% [markdown]
-# ## Optimiser and schedule
-#
-# AdamW as in CLIP and open_clip: weight decay on the weight matrices only, none on biases, norm gains,
-# the temperature and the embeddings (positional, class, token). The learning rate rises linearly over
-# `warmup_steps`, then follows a cosine to `min_lr` at the last step.
-
-# %%
-#| export
-def no_decay(name: str, p: torch.Tensor) -> bool:
-    "Parameters without weight decay: biases, norms, gains (all < 2-D), logit_scale, and embeddings."
-    return p.ndim < 2 or "logit_scale" in name or "embedding" in name or ".ln" in name or name.startswith("ln")
-
-
-def make_optimizer(model: torch.nn.Module, cfg: OptimConfig, modules: torch.nn.Module | None = None,
-                   modules_lr: float | None = None) -> torch.optim.AdamW:
-    """AdamW over the model (and a method's training-time `modules` at their own peak `modules_lr`), with and
-    without weight decay. `modules` may carry its own `weight_decay` attribute (SmartCLIP's mask network: 0; None or
-    absent: the run's). The schedule scales every group's peak rate by the same factor."""
-    groups = []
-    for mod, lr in ((model, cfg.lr), (modules, cfg.lr if modules_lr is None else modules_lr)):
-        if mod is None:
-            continue
-        wd = getattr(mod, "weight_decay", None) if mod is modules else None
-        decay, rest = [], []
-        for n, p in mod.named_parameters():
-            if p.requires_grad:
-                (rest if no_decay(n, p) else decay).append(p)
-        groups += [dict(params=decay, weight_decay=cfg.weight_decay if wd is None else wd, lr=lr),
-                   dict(params=rest, weight_decay=0.0, lr=lr)]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-
-
-def lr_factor(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
-    "Multiplier of the peak lr at `step` (0-based): linear warm-up, then cosine down to `min_ratio`."
-    if step < warmup:
-        return (step + 1) / warmup
-    t = (step - warmup) / max(1, total - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-
-def make_scheduler(opt, cfg: OptimConfig, total: int) -> torch.optim.lr_scheduler.LambdaLR:
-    ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, cfg.warmup_steps, ratio))
-
-
-# %%
-from powerclip.model import create_model
-_m, _, _ = create_model("powerclip-micro")
-_opt = make_optimizer(_m, OptimConfig())
-_nd = {n for n, p in _m.named_parameters() if no_decay(n, p)}
-assert {"logit_scale", "positional_embedding", "token_embedding.weight", "visual.class_embedding"} <= _nd
-assert not any(n.endswith("attn.in_proj_weight") or n.endswith("mlp.c_fc.weight") for n in _nd)
-print(f"{len(_opt.param_groups[0]['params'])} tensors with weight decay, {len(_nd)} without")
-_f = [lr_factor(s, 100, 10) for s in range(100)]
-assert _f[0] == 0.1 and _f[9] == 1.0 and abs(_f[-1]) < 1e-3 and all(a >= b for a, b in zip(_f[9:], _f[10:]))
-
-
-# %% [markdown]
-# ## Metrics: CSV, TensorBoard, plot
-#
-# One row per `log_every` steps, with every loss term the method returned. Rows are kept in memory and the CSV
-# is rewritten when a new column appears (a method may add a term later). On resume, rows after the
-# checkpoint's step (written by the killed run after its last checkpoint) are dropped, so the file reads as one
-# uninterrupted run.
-
-# %%
-#| export
-class MetricLogger:
-    "metrics.csv (+ TensorBoard) in `run_dir`; inactive on processes other than the main one."
-    def __init__(self, run_dir, enabled: bool = True, resume_step: int | None = None, tensorboard: bool = True):
-        self.path, self.enabled, self.rows, self.tb = Path(run_dir) / "metrics.csv", enabled, [], None
-        if not enabled:
-            return
-        if resume_step is not None and self.path.is_file():
-            self.rows = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
-        self.cols = list(dict.fromkeys(k for r in self.rows for k in r))
-        self._rewrite()
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"),
-                                    purge_step=None if resume_step is None else resume_step + 1)
-
-    def _rewrite(self):
-        with open(self.path, "w", newline="") as f:
-            w = csv.DictWriter(f, self.cols)
-            w.writeheader()
-            w.writerows(self.rows)
-
-    def log(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        row = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
-        self.rows.append(row)
-        if any(k not in self.cols for k in row):
-            self.cols += [k for k in row if k not in self.cols]
-            self._rewrite()
-        else:
-            with open(self.path, "a", newline="") as f:
-                csv.DictWriter(f, self.cols).writerow(row)
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k.lstrip("_"), v, row["step"])
-
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
-
-
-def read_metrics(path) -> list[dict]:
-    "Rows of a metrics.csv with numbers parsed (empty cells dropped)."
-    def num(v):
-        try:
-            return int(v)
-        except ValueError:
-            return float(v)
-    with open(path, newline="") as f:
-        return [{k: num(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
-
-
-def plot_metrics(runs: dict[str, list[dict]] | list[dict], path=None, title: str = ""):
-    "Loss terms (every key without '_' that is a loss), lr and throughput against step; one line per run."
-    from matplotlib.figure import Figure  # no pyplot: works under any backend, never switches the notebook's
-    runs = {"": runs} if isinstance(runs, list) else runs
-    skip = {"step", "epoch", "lr", "img_per_s", "time", "bad_total", "loss"}
-    terms = sorted({k for rows in runs.values() for r in rows for k in r if k not in skip and not k.startswith("_")
-                    and not k.startswith(("skipped", "eval/"))})
-    panels = ["loss"] + terms + ["lr", "img_per_s"]
-    fig = Figure(figsize=(3.2 * len(panels), 2.8))
-    axes = fig.subplots(1, len(panels))
-    for ax, key in zip(np.atleast_1d(axes), panels):
-        for name, rows in runs.items():
-            xs = [r["step"] for r in rows if key in r]
-            if xs:
-                ax.plot(xs, [r[key] for r in rows if key in r], label=name or None, lw=1)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    if len(runs) > 1:
-        np.atleast_1d(axes)[0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-    return fig
-
-
-# %%
-with tempfile.TemporaryDirectory() as d:
-    lg = MetricLogger(d, tensorboard=False)
-    lg.log(dict(step=1, loss=2.0, clip=2.0))
-    lg.log(dict(step=2, loss=1.5, clip=1.4, powerset=torch.tensor(0.5)))
-    test_eq(read_metrics(Path(d) / "metrics.csv")[1], dict(step=2, loss=1.5, clip=1.4, powerset=0.5))
-    test_eq(len(MetricLogger(d, resume_step=1, tensorboard=False).rows), 1)  # the row after the checkpoint is dropped
-
+# snapshots, is `49b_checkpoint`. The optimiser and its learning-rate schedule are `49e_optim`; the training log
+# (`metrics.csv`, TensorBoard, the loss plot) is `49f_trainlog`.
 
 # %% [markdown]
 # ## One step
@@ -517,7 +364,7 @@ with tempfile.TemporaryDirectory() as d:
 # `build_run(cfg, ctx)` checks the config (`validate`), which gives it the first three of what a step needs, then
 # builds the rest, in this order:
 #
-# 1. the **seeds**: every random stream of the run derived from `cfg.seed` by name (`powerclip.data.run_seeds`);
+# 1. the **seeds**: every random stream of the run derived from `cfg.seed` by name (`powerclip.seeds.run_seeds`);
 # 2. the **method** (with its own seed) and what it needs of a batch;
 # 3. the **geometry**, read from the model config before the model exists, and with the data config, the needs and
 #    the run seed the `BatchSpec` of the loader;

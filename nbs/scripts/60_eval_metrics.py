@@ -46,6 +46,7 @@ from fastcore.test import test_close, test_eq, test_fail
 # | notebook | module | job |
 # |---|---|---|
 # | `60_eval_metrics` | `eval.metrics` | the metrics (this notebook): pure tensor functions of scores |
+# | `60a_eval_items` | `eval.items` | the errors of the readers (`MissingData`, `BadData`) and the bad items they skip, count and name (`ItemSkips`) |
 # | `61_eval_data` | `eval.data` | readers of benchmark folders on disk, and the one writer of the world's benchmark folder |
 # | `62_eval_models` | `eval.models` | the one model loader, the scorers a method offers, the feature cache, the `Evaluator` |
 # | `63_eval_benchmarks` | `eval.benchmarks` | the paper's 28 benchmarks: registry, clip_benchmark's readers and CLI, with downloads refused |

@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from powerclip.eval.data import (ITEM_SKIP_REASONS, BadData, ItemSkips, MissingData, _field, _need, _read_json,
-                                 check_image)
+from powerclip.eval.data import _need
+from powerclip.eval.items import ITEM_SKIP_REASONS, BadData, ItemSkips, MissingData, _field, _read_json, check_image
 
 # %%
 #| hide

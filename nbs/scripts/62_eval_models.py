@@ -32,7 +32,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from powerclip.checkpoint import CheckpointFiles, CheckpointLayoutError, find_weights, load_error_line, read_params
-from powerclip.eval.data import BadData, MissingData, read_image
+from powerclip.eval.items import BadData, MissingData, read_image
 from powerclip.methods import GlobalScorer, Scorer, get_method
 
 log = logging.getLogger(__name__)

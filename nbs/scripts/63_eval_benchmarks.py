@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from powerclip.commandline import UsageError
-from powerclip.eval.data import (MissingData, RetrievalSet, load_coco_karpathy, load_flickr_karpathy, load_retrieval,
+from powerclip.eval.data import (RetrievalSet, load_coco_karpathy, load_flickr_karpathy, load_retrieval,
                                  load_sugarcrepe, load_winoground)
+from powerclip.eval.items import MissingData
 
 # %%
 #| hide

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from powerclip.eval.data import read_image
+from powerclip.eval.items import read_image
 from powerclip.eval.metrics import chance_average_precision, region_classification_metrics
 from powerclip.eval.models import Evaluator
 from powerclip.eval.region_data import RegionSet

@@ -37,9 +37,9 @@ from tqdm import tqdm
 
 from powerclip.checkpoint import RELEASE_WEIGHTS
 from powerclip.eval.benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchmark_data, open_wds, select
-from powerclip.eval.data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, RetrievalSet,
-                                 load_classification, load_coco_sample, load_retrieval, load_sugarcrepe,
-                                 load_winoground)
+from powerclip.eval.data import (SUGARCREPE, ClassificationSet, RetrievalSet, load_classification, load_coco_sample,
+                                 load_retrieval, load_sugarcrepe, load_winoground)
+from powerclip.eval.items import ItemSkips, MissingData
 from powerclip.eval.metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy,
                                     linear_probe, retrieval_recall, winoground_scores)
 from powerclip.eval.models import Evaluator

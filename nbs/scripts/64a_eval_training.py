@@ -29,7 +29,8 @@ import torch
 
 from powerclip.config import TrainConfig
 from powerclip.data import world_config
-from powerclip.eval.data import BadData, MissingData, write_world_benchmark
+from powerclip.eval.data import write_world_benchmark
+from powerclip.eval.items import BadData, MissingData
 from powerclip.eval.models import Evaluator, LoadedModel, NonFiniteFeatures
 from powerclip.eval.tasks import TASKS, evaluate_scorers, find_data
 from powerclip.methods import get_method

@@ -32,7 +32,8 @@ import torch
 from powerclip.checkpoint import LAYOUTS as CHECKPOINT_LAYOUTS
 from powerclip.commandline import ArgumentParser, UsageError, check_device, check_number, run_main, usage_errors
 from powerclip.eval.benchmarks import BENCHMARKS, _missing, clip_benchmark_cli, select
-from powerclip.eval.data import BadData, MissingData, WorldFolderTaken, write_world_benchmark
+from powerclip.eval.data import WorldFolderTaken, write_world_benchmark
+from powerclip.eval.items import BadData, MissingData
 from powerclip.eval.models import CheckpointError, Evaluator, NonFiniteFeatures, checkpoint_file
 from powerclip.eval.region_data import VOCABULARIES
 from powerclip.eval.tables import PAPER, paper_tables, render_table, results_table, write_paper_tables

@@ -28,7 +28,7 @@ import numpy as np
 
 from powerclip.eval.world_scores import FOLDER_HEADLINE, HEADLINE
 from powerclip.stats import Interval, bootstrap_paired, holm, paired_detectable, paired_difference, paired_seeds
-from powerclip.train import plot_metrics
+from powerclip.trainlog import plot_metrics
 
 # %%
 #| hide

@@ -37,11 +37,12 @@ import yaml
 
 from powerclip.compare import COMPARE_SEEDS, RUNS, RunSpec, make_plan, run_plan
 from powerclip.config import TrainConfig, from_dict, load_config
-from powerclip.data import region_masks, sample_generator, steps_per_epoch, world_config, world_region_pool
+from powerclip.data import region_masks, steps_per_epoch, world_config, world_region_pool
 from powerclip.dist import DistContext
 from powerclip.loss import powerset_similarity
 from powerclip.methods import powerset_inputs, word_nodes
 from powerclip.model import model_geometry
+from powerclip.seeds import sample_generator
 from powerclip.stats import t_interval
 from powerclip.report import Comparison
 from powerclip.train import build_run

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..commandline import UsageError
-from .data import (MissingData, RetrievalSet, load_coco_karpathy, load_flickr_karpathy, load_retrieval,
+from .data import (RetrievalSet, load_coco_karpathy, load_flickr_karpathy, load_retrieval,
                                  load_sugarcrepe, load_winoground)
+from .items import MissingData
 
 # %% auto #0
 __all__ = ['BENCHMARKS', 'TABLE1', 'ROBUSTNESS', 'KARPATHY_TEST_IMAGES', 'IMAGENET_SUBSETS', 'COCO_OWN_CAPTIONS', 'Benchmark',

@@ -17,7 +17,8 @@ import torch
 from ..checkpoint import LAYOUTS as CHECKPOINT_LAYOUTS
 from ..commandline import ArgumentParser, UsageError, check_device, check_number, run_main, usage_errors
 from .benchmarks import BENCHMARKS, _missing, clip_benchmark_cli, select
-from .data import BadData, MissingData, WorldFolderTaken, write_world_benchmark
+from .data import WorldFolderTaken, write_world_benchmark
+from .items import BadData, MissingData
 from .models import CheckpointError, Evaluator, NonFiniteFeatures, checkpoint_file
 from .region_data import VOCABULARIES
 from .tables import PAPER, paper_tables, render_table, results_table, write_paper_tables

@@ -5,7 +5,6 @@
 # %% ../../nbs/61_eval_data.ipynb #e4448c97
 from __future__ import annotations
 
-import functools
 import io
 import json
 import logging
@@ -15,149 +14,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile
+from PIL import Image
 
-from ..data import IMAGE_EXTS, to_rgb
+from ..data import IMAGE_EXTS
+from .items import BadData, ItemSkips, MissingData, _field, _read_json, check_caption, check_image
 from ..parsing import caption_problem
 from ..world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate, render
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'ITEM_SKIP_REASONS', 'SUGARCREPE', 'CLASSIFICATION_FORMAT', 'WINOGROUND_HELP', 'WORLD_TEMPLATES',
-           'WORLD_REGION_VOCABULARIES', 'MissingData', 'BadData', 'ItemSkips', 'image_problem', 'read_image',
-           'check_image', 'check_caption', 'RetrievalSet', 'retrieval_set', 'load_retrieval', 'load_coco_sample',
-           'load_coco_karpathy', 'load_flickr_karpathy', 'load_sugarcrepe', 'ClassificationSet',
-           'classification_from_folders', 'load_classification', 'load_winoground', 'write_wds_classification',
-           'write_world_classification', 'write_world_winoground', 'rle_counts', 'write_world_regions',
-           'WorldFolderTaken', 'write_world_benchmark']
-
-# %% ../../nbs/61_eval_data.ipynb #3bcf4fbc
-class MissingData(FileNotFoundError):
-    "A data set (or one of its files) is absent; the message says what to put where (nothing is downloaded)."
-
-class BadData(ValueError):
-    "A data file that cannot be read as its format, or (strict mode) a bad item: one line naming the file."
-
-# %% ../../nbs/61_eval_data.ipynb #e7d9ad87
-ITEM_SKIP_REASONS = ('missing_image', 'bad_image', 'bad_caption', 'bad_negative', 'no_caption', 'bad_region',
-                     'bad_polygon', 'bad_rle', 'degenerate', 'unknown_category', 'crowd_region', 'outside_vocabulary',
-                     'outside_view')
-
-@dataclass
-class ItemSkips:
-    """The items a reader dropped, `(reason, file, detail, group)` each; `strict`: the first one raises `BadData`
-    instead."""
-    strict: bool = False
-    items: list = field(default_factory=list)
-
-    def add(self, reason: str, file, detail: str = '', group: str | None = None):
-        if reason not in ITEM_SKIP_REASONS:
-            raise ValueError(f'unknown skip reason {reason!r}; known: {ITEM_SKIP_REASONS}')
-        if self.strict:
-            raise BadData(f'{file}: {reason.replace("_", " ")}' + (f' ({detail})' if detail else '') + ' [strict mode]')
-        self.items.append((reason, str(file), detail, group))
-
-    def __len__(self): return len(self.items)
-
-    def count(self, group: str | None = None) -> int:
-        "Items dropped (of `group`: a SugarCrepe category, a classification split)."
-        return sum(1 for it in self.items if group is None or it[3] == group)
-
-    def counts(self) -> dict[str, int]:
-        "`{reason: n}` of the reasons that occur, in `ITEM_SKIP_REASONS` order."
-        n = {r: 0 for r in ITEM_SKIP_REASONS}
-        for it in self.items:
-            n[it[0]] += 1
-        return {r: k for r, k in n.items() if k}
-
-    def report(self, names: int = 100) -> dict:
-        """What the result JSON records: `n`, `counts` per reason, `items` (reason, file, detail, group; `names` per
-        reason at most), `items_left_out`."""
-        kept, per = [], {}
-        for r, f, d, g in self.items:
-            per[r] = per.get(r, 0) + 1
-            if per[r] <= names:
-                kept.append(dict(reason=r, file=f, detail=d, **({'group': g} if g is not None else {})))
-        return dict(n=len(self), counts=self.counts(), items=kept, items_left_out=len(self) - len(kept))
-
-    def log(self, what: str, total: int | None = None):
-        if not self.items:
-            return
-        r, f, d, _ = self.items[0]
-        among = f' in {total} items' if total is not None else ''
-        log.warning('%s: %d bad parts skipped%s (%s); first: %s %s (%s)', what, len(self), among,
-                    ', '.join(f'{k} {v}' for k, v in self.counts().items()), r, f, d)
-
-@functools.lru_cache(maxsize=1 << 20)
-def _decode_problem(path: str, size: int, mtime_ns: int) -> str | None:
-    "Why the image file at `path` (of this size and mtime: the memo's key) does not decode; None if it does."
-    if size == 0:
-        return 'zero bytes'
-    # a truncated file is bad, never padded
-    truncated, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False
-    try:
-        with Image.open(path) as im:
-            im.draft('RGB', (64, 64))        # JPEG: decode at 1/8 scale; every byte of the stream is still read
-            im.load()
-            to_rgb(im)                       # by value (16-bit scaled); an image of no known range is bad
-    except Exception as e:                   # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError ..
-        return f'{type(e).__name__}: {e}'.replace(path, Path(path).name)
-    finally:
-        ImageFile.LOAD_TRUNCATED_IMAGES = truncated
-    return None
-
-def image_problem(path) -> tuple[str, str] | None:
-    "`('missing_image' | 'bad_image', detail)` when the image file cannot be scored, None when it decodes."
-    p = Path(path)
-    if not p.is_file():
-        return 'missing_image', 'no such file'
-    st = p.stat()
-    bad = _decode_problem(str(p.resolve()), st.st_size, st.st_mtime_ns)
-    return None if bad is None else ('bad_image', bad)
-
-def read_image(path) -> Image.Image:
-    """An image file as 8-bit RGB, converted by value (`powerclip.data.to_rgb`); a file that does not decode raises
-    `BadData` naming it (not PIL's message alone)."""
-    try:
-        with Image.open(path) as im:
-            return to_rgb(im)                # by value: a 16-bit image scaled to 8 bits, not clipped white
-    except FileNotFoundError:
-        raise MissingData(f'image file not found: {path}') from None
-    except Exception as e:
-        raise BadData(f'{path}: bad image ({type(e).__name__}: {e})') from None
-
-def check_image(path, skips: ItemSkips, group: str | None = None) -> bool:
-    "True if the image decodes; else the problem goes into `skips`."
-    bad = image_problem(path)
-    if bad:
-        skips.add(bad[0], path, bad[1], group)
-    return bad is None
-
-def check_caption(text, skips: ItemSkips, file, what: str = 'caption', reason: str = 'bad_caption',
-                  group: str | None = None) -> bool:
-    "True if `text` is a usable caption (`parsing.caption_problem`); else the problem goes into `skips`, under `file`."
-    why = caption_problem(text)
-    if why:
-        skips.add(reason, file,
-                  f'{what}: {why}' + ('' if isinstance(text, str) or text is None else f' ({text!r:.40})'), group)
-    return why is None
-
-def _read_json(path: Path, jsonl: bool = False):
-    "A JSON (or JSON-lines) file; one that does not parse raises `BadData` naming it and the line."
-    text = path.read_text(encoding='utf-8', errors='replace')
-    try:
-        if not jsonl:
-            return json.loads(text)
-        return [json.loads(l) for l in text.splitlines() if l.strip()]
-    except json.JSONDecodeError as e:
-        raise BadData(f'{path}: not valid JSON{"-lines" if jsonl else ""} ({e})') from None
-
-def _field(row, key: str, path: Path, what: str):
-    "`row[key]`, or a `BadData` that names the file and says what a row should hold."
-    if not isinstance(row, dict) or key not in row:
-        raise BadData(f'{path}: an item without {key!r} ({what}); got {str(row)[:80]}')
-    return row[key]
+__all__ = ['log', 'SUGARCREPE', 'CLASSIFICATION_FORMAT', 'WINOGROUND_HELP', 'WORLD_TEMPLATES', 'WORLD_REGION_VOCABULARIES',
+           'RetrievalSet', 'retrieval_set', 'load_retrieval', 'load_coco_sample', 'load_coco_karpathy',
+           'load_flickr_karpathy', 'load_sugarcrepe', 'ClassificationSet', 'classification_from_folders',
+           'load_classification', 'load_winoground', 'write_wds_classification', 'write_world_classification',
+           'write_world_winoground', 'rle_counts', 'write_world_regions', 'WorldFolderTaken', 'write_world_benchmark']
 
 # %% ../../nbs/61_eval_data.ipynb #082e448c
 @dataclass

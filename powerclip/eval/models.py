@@ -17,7 +17,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from ..checkpoint import CheckpointFiles, CheckpointLayoutError, find_weights, load_error_line, read_params
-from .data import BadData, MissingData, read_image
+from .items import BadData, MissingData, read_image
 from ..methods import GlobalScorer, Scorer, get_method
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import (ITEM_SKIP_REASONS, BadData, ItemSkips, MissingData, _field, _need, _read_json,
-                                 check_image)
+from .data import _need
+from .items import ITEM_SKIP_REASONS, BadData, ItemSkips, MissingData, _field, _read_json, check_image
 
 # %% auto #0
 __all__ = ['OV_COCO_BASE', 'OV_COCO_NOVEL', 'REGION_TEMPLATES', 'VOCABULARIES', 'REGION_BROKEN', 'RegionSkips', 'rle_counts',

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .data import read_image
+from .items import read_image
 from .metrics import chance_average_precision, region_classification_metrics
 from .models import Evaluator
 from .region_data import RegionSet

@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from ..checkpoint import RELEASE_WEIGHTS
 from .benchmarks import BENCHMARKS, KARPATHY_TEST_IMAGES, BenchmarkData, benchmark_data, open_wds, select
-from .data import (SUGARCREPE, ClassificationSet, ItemSkips, MissingData, RetrievalSet,
-                                 load_classification, load_coco_sample, load_retrieval, load_sugarcrepe,
-                                 load_winoground)
+from .data import (SUGARCREPE, ClassificationSet, RetrievalSet, load_classification, load_coco_sample,
+                                 load_retrieval, load_sugarcrepe, load_winoground)
+from .items import ItemSkips, MissingData
 from .metrics import (LAMBDAS, chance_recall, classification_metrics, hard_negative_accuracy,
                                     linear_probe, retrieval_recall, winoground_scores)
 from .models import Evaluator

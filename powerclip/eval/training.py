@@ -14,7 +14,8 @@ import torch
 
 from ..config import TrainConfig
 from ..data import world_config
-from .data import BadData, MissingData, write_world_benchmark
+from .data import write_world_benchmark
+from .items import BadData, MissingData
 from .models import Evaluator, LoadedModel, NonFiniteFeatures
 from .tasks import TASKS, evaluate_scorers, find_data
 from ..methods import get_method
