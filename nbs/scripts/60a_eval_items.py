@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 import tempfile
 from fastcore.test import test_eq, test_fail
 
+
 # %% [markdown]
 # # Bad benchmark items
 #

@@ -718,7 +718,8 @@ for _d in _old:
 #   triplet term pulls with CLIP's and gets satisfied. It just does not turn into better global numbers here; a
 #   satisfied hinge stops pushing, which is one reading of why.
 # - Scale: a tiny model on the built-in world, 1,600 steps of 64 images. The authors train ViT-B/16 on CC12M for 32
-#   epochs; nothing here says what happens there, and no GPU was lent to any session of this project so far to look.
+#   epochs; nothing here says what happens there. The one GPU run so far (an H200, `benchmarks/results/gpu_nvidia_h200/`)
+#   measured speed, memory and parity, not these comparisons.
 # - The time/step column of `summary.md` comes from runs timed beside other trainings and tests on 2 cores; the
 #   same-process ratio is `benchmarks/train_step_ratio.py`'s (1.12x at the demo model, `benchmarks/`).
 
