@@ -718,8 +718,8 @@ for _d in _old:
 #   triplet term pulls with CLIP's and gets satisfied. It just does not turn into better global numbers here; a
 #   satisfied hinge stops pushing, which is one reading of why.
 # - Scale: a tiny model on the built-in world, 1,600 steps of 64 images. The authors train ViT-B/16 on CC12M for 32
-#   epochs; nothing here says what happens there. The one GPU run so far (an H200, `benchmarks/results/gpu_nvidia_h200/`)
-#   measured speed, memory and parity, not these comparisons.
+#   epochs; nothing here says what happens there. The one GPU run so far (an H200,
+#   `benchmarks/results/gpu_nvidia_h200/`) measured speed, memory and parity, not these comparisons.
 # - The time/step column of `summary.md` comes from runs timed beside other trainings and tests on 2 cores; the
 #   same-process ratio is `benchmarks/train_step_ratio.py`'s (1.12x at the demo model, `benchmarks/`).
 
@@ -869,17 +869,56 @@ for _f in ("summary.md", "summary.csv", "pooling.md"):
 # %% [markdown]
 # ### What the fine-tune table measured
 #
-# Seeds 0-7 at T = 1,600 (F = 320), one thread per run, trained on 2026-11-27 by the comparison's command line into
-# `runs/finetune/T1600` and read by `python -m powerclip.experiments finetune --steps 1600 --seeds 0 1 2 3 4 5 6 7
-# progress=false`, which reused every run; the tables are kept in `benchmarks/results/finetune_cpu/T1600/` and shown
-# by the cell below (not there yet while the runs train).
+# Seeds 0, 1, 2, 4, 5 and 6 at T = 1,600 (F = 320), one thread per run, trained on 2026-11-27 by the comparison's
+# command line into `runs/finetune/T1600` (from a frozen worktree of commit be50879 with the two fine-tune rows, so
+# that edits to the live tree could not reach the runs) and read by `python -m powerclip.experiments finetune --steps
+# 1600 --seeds 0 1 2 4 5 6 progress=false`, which reused every run (12 s; the runs' training loops took 6.6 hours);
+# the tables are in `benchmarks/results/finetune_cpu/T1600/` and the cell below reads them. Seeds 3 and 7 were still
+# training when these were committed; 8 seeds is the question's design (issue 39), so six is a look before the end,
+# and the reading at 8 seeds is the one that counts (`69_stats`, "Looking more than once"). Seeds 0 and 4 were also
+# read once, at two seeds, to check the table's form.
+#
+# Reading it (Δ against CLIP ft, the matched control, mean [95 % t interval over 6 seeds], Holm over each row's five):
+#
+# - **The restart is neutral**: CLIP ft against CLIP continued differs by at most 0.2 on every number (intervals
+#   within ±1.2), so the fine-tune recipe itself (rate restarted at $10^{-4}$, a short warm-up) costs and gives
+#   nothing, and the rows below differ from CLIP ft by their loss alone.
+# - **PowerCLIP's loss as a fine-tune costs retrieval and buys pointing**: i2t R@1 -4.5 [-7.0, -1.9] and t2i R@1
+#   -3.7 [-4.8, -2.7] (worse, Holm p 0.017 and 0.001, 0 of 6 seeds above 0), the pointing game +9.2 [+4.1, +14.3]
+#   (better, on 6 of 6), hard negatives -0.6 [-1.7, +0.6] (no difference shown; detectable 1.6). Pooled region top-1
+#   falls from 6.8 % to 2.5 % (-4.3 [-6.4, -2.3], worse), to the untrained model's chance line (2.6 %): 320 steps
+#   of the triplet term on CLIP's class token pull the pooled region embeddings away from the words that name them,
+#   while the maps point at the named object more often. The curves (`curves.png`) show the shape: mean R@1 falls
+#   about 7 points in the first 80 steps and climbs back to within about 4 by step 320, region top-1 falls at once and
+#   stays. In pre-training the same loss cost nothing measurable on retrieval (-0.5 / -0.3, 8 seeds); added late, to
+#   a CLIP that has settled, it is a shock the recipe's 2 % warm-up does not soften. Whether a longer fine-tune
+#   recovers the rest is not measured here.
+# - **The seed papers' own fine-tunes**: C2LIP costs 14.5 and 16.6 points of R@1 (worse; most of it within its
+#   first 80 steps, and it stays) and moves nothing else;
+#   SmartCLIP costs about 2 (suggestive). Neither gains on hard negatives here, where their papers report
+#   compositional gains; both are read against CLIP ft and against CLIP continued (`finetune.md`), with the same
+#   verdicts.
+# - So, for a user holding a trained CLIP, **the answer at this scale is no**: none of the three fine-tunes adds a
+#   detectable hard-negative gain (detectable sizes 1.6-2.6 points), and all three cost retrieval.
 
 # %%
-#| slow
-for _f in ("summary.md", "finetune.md"):
-    _s = _root / "benchmarks" / "results" / "finetune_cpu" / "T1600" / _f
-    print(f"## {_s}\n\n{_s.read_text() if _s.is_file() else 'not kept yet'}\n")
-
+# the committed fine-tune table: each row against CLIP ft, and the numbers the reading above quotes
+_kept_ft = _root / "benchmarks" / "results" / "finetune_cpu" / "T1600"
+_ft = json.loads((_kept_ft / "summary.json").read_text())
+_FT_SEEDS = [0, 1, 2, 4, 5, 6]
+test_eq((_ft["meta"]["reference"], _ft["meta"]["finetune_steps"], _ft["meta"]["seeds"]), ("CLIP ft", 320, _FT_SEEDS))
+_FT_METRICS = ("hn_mean", "i2t_R@1", "t2i_R@1", "pointing", "region_acc")
+for _r, _st in _ft["stats"].items():
+    _cells = [f"{m} {_st[m]['t']['mean']:+.1f} [{_st[m]['t']['lo']:+.1f}, {_st[m]['t']['hi']:+.1f}]"
+              f" (Holm {_st[m]['holm']:.3f})" for m in _FT_METRICS]
+    print(f"{_r:>15}: " + "; ".join(_cells))
+_p = _ft["stats"]["PowerCLIP-R ft"]
+test_eq([f"{_p[m]['t']['mean']:+.1f}" for m in _FT_METRICS],
+        ["-0.6", "-4.5", "-3.7", "+9.2", "-4.3"])
+test_eq([_p[m]["signs"]["pos"] for m in ("i2t_R@1", "t2i_R@1", "pointing")], [0, 0, 6])
+test_eq([f"{_ft['stats'][r][m]['t']['mean']:+.1f}" for r, m in (("C2LIP", "i2t_R@1"), ("C2LIP", "t2i_R@1"))],
+        ["-14.5", "-16.6"])
+print((_kept_ft / "finetune.md").read_text().split("\n\nEach difference")[0])
 
 # %% [markdown]
 # ## The command line
