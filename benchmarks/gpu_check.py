@@ -5,7 +5,8 @@ each part's units took on the GPU of `results/gpu_nvidia_h200/timings.json`, wit
 
   (environment) device, driver, torch, CUDA, cuDNN, NCCL, triton, TF32 and bf16 switches: read first, always
   parity       the loss on the device, fp32 and bf16 autocast, against float64 on the CPU: CLIP and PowerCLIP (every
-               impl, triton where it can run) first, then S-bar for every activation, switch and path, then the others
+               impl, triton where it can run) first, then S-bar for every activation, switch and path, then the others;
+               each PowerCLIP loss call also once under torch.cuda.set_sync_debug_mode("error") (no host sync expected)
   step-C4096   PowerCLIP's and CLIP's ViT-B/16 bf16 step at 512 local images whose loss sees what 7 more processes
                would send (3,584 further captions with CC3M node counts and images, detached): C = 4096, the paper's
                scale, in one process (targets: PowerCLIP <= 1.10x CLIP's time eager, its whole peak within 80 GB)

@@ -157,10 +157,8 @@ def _grads_of(total, leaves):
     return torch.cat([(torch.zeros_like(x) if g is None else g).double().cpu().flatten() for g, x in zip(gs, leaves)])
 
 
-def _loss_at(method, out, batch, device, dtype, autocast):
-    """A method's loss terms and the gradient of their sum w.r.t. the forward outputs, from `out` cast to `dtype` on
-    `device`."""
-    from powerclip.dist import DistContext
+def _inputs_at(out, batch, device, dtype):
+    "The forward outputs (the floating ones as gradient leaves) and the batch, cast to `dtype` on `device`."
     leaves, x = [], {}
     for k, v in out.items():
         if torch.is_tensor(v) and v.is_floating_point():
@@ -172,10 +170,42 @@ def _loss_at(method, out, batch, device, dtype, autocast):
             x[k] = v.to(device) if torch.is_tensor(v) else v
     b = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) if torch.is_tensor(v) else v
          for k, v in batch.items()}
+    return leaves, x, b
+
+
+def _loss_terms(method, x, b, device, autocast):
+    from powerclip.dist import DistContext
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
         terms = method.loss(x, b, DistContext(device=torch.device(device)))
-    total = sum(v for k, v in terms.items() if not k.startswith("_"))
+    return terms, sum(v for k, v in terms.items() if not k.startswith("_"))
+
+
+def _loss_at(method, out, batch, device, dtype, autocast):
+    """A method's loss terms and the gradient of their sum w.r.t. the forward outputs, from `out` cast to `dtype` on
+    `device`."""
+    leaves, x, b = _inputs_at(out, batch, device, dtype)
+    terms, total = _loss_terms(method, x, b, device, autocast)
     return {k: v.detach().double().cpu() for k, v in terms.items()}, _grads_of(total, leaves)
+
+
+def loss_syncs(method, out, batch, device, autocast) -> str:
+    """One loss call, forward and backward, under `torch.cuda.set_sync_debug_mode("error")` (issue 37: the blocked
+    and the triton paths wait for the GPU nowhere in the loss): "none", or the first sync's error. The inputs reach the
+    device before the mode is set (their copies are the batch's, not the loss's). "-" off CUDA, where the simulated
+    device of `tests/cuda_sim.py` counts the same syncs."""
+    if torch.device(device).type != "cuda":
+        return "-"
+    leaves, x, b = _inputs_at(out, batch, device, torch.float32)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _, total = _loss_terms(method, x, b, device, autocast)
+        torch.autograd.grad(total, leaves, allow_unused=True)
+        return "none"
+    except RuntimeError as e:
+        return f"{e}".splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def loss_parity(a, spec: str) -> list[dict]:
@@ -205,6 +235,8 @@ def loss_parity(a, spec: str) -> list[dict]:
         worst, gerr = max(errs.values()), rel(g, ref_g)
         rows.append(dict(kind="loss", what=spec, precision=prec, value_err=worst, grad_err=gerr, terms=errs,
                          ok=bool(worst <= tv and gerr <= tg and all(torch.isfinite(v).all() for v in t.values()))))
+        if name == "powerclip":
+            rows[-1]["syncs"] = loss_syncs(run.method, out, batch, a.device, prec == "bf16")
     return rows
 
 
@@ -313,10 +345,17 @@ def report_parity(a, values: dict) -> dict:
             md.append(f"| {r['kind']} | {r['what']} | {r['precision']} | {r['value_err']:.1e} | {r['grad_err']:.1e} | "
                       f"{'yes' if r['ok'] else 'NO'} |")
     why = sorted({r["skipped"] for r in skipped})
+    synced = [f"{r['what']} {r['precision']}: {r['syncs']}" for r in rows_run if r.get("syncs", "-") != "-"]
+    if synced:
+        md += ["", "Host syncs of one PowerCLIP loss call, forward and backward, under "
+               "`torch.cuda.set_sync_debug_mode(\"error\")` (none expected on the blocked and triton paths):", "",
+               *[f"- {x}" for x in synced]]
     head = (f"{len(rows_run) - len(bad)}/{len(rows_run)} within tolerance; worst loss error fp32 "
             f"{fmt(worst('loss', 'fp32', 'value_err'))} (grad {fmt(worst('loss', 'fp32', 'grad_err'))}), bf16 "
             f"{fmt(worst('loss', 'bf16', 'value_err'))} (grad {fmt(worst('loss', 'bf16', 'grad_err'))})"
-            + (f"; {len(skipped)} triton row(s) skipped ({'; '.join(why)})" if skipped else ""))
+            + (f"; {len(skipped)} triton row(s) skipped ({'; '.join(why)})" if skipped else "")
+            + (f"; loss syncs: {sum(x.endswith(': none') for x in synced)} of {len(synced)} calls make none"
+               if synced else ""))
     by = {}
     for r in rows_run:
         if r["kind"] == "loss":

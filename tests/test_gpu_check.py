@@ -189,6 +189,24 @@ def test_targets_are_judged_only_under_their_conditions():
     assert "world captions <= 6 nodes" in b512["headline"]
 
 
+def test_loss_syncs_are_reported_under_the_debug_mode():
+    """The parity part's PowerCLIP rows carry one loss call's host syncs under `torch.cuda.set_sync_debug_mode("error")`
+    (issue 37): off CUDA the call is not made ("-", the simulated device of tests/cuda_sim.py counts them instead);
+    on a GPU the report lists each call and the headline counts those that made none. The debug mode itself needs a
+    GPU: this checks the reading of its rows."""
+    import gpu_check_parts as P
+    assert P.loss_syncs(None, {}, {}, "cpu", False) == "-"
+    row = dict(kind="loss", precision="fp32", value_err=1e-7, grad_err=1e-6, terms={}, ok=True)
+    rows = [dict(row, what="powerclip", syncs="none"), dict(row, what="powerclip:impl=triton", syncs="none"),
+            dict(row, what="powerclip:masks=gold", syncs="called a synchronizing CUDA operation"),
+            dict(row, what="clip")]
+    r = P.report_parity(Namespace(parity_batch=8), {"loss": rows})
+    assert "loss syncs: 2 of 3 calls make none" in r["headline"], r["headline"]
+    assert "- powerclip:masks=gold fp32: called a synchronizing CUDA operation" in r["md"], r["md"]
+    cpu = P.report_parity(Namespace(parity_batch=8), {"loss": [dict(row, what="powerclip", syncs="-")]})
+    assert "syncs" not in cpu["headline"] and not any("sync_debug_mode" in x for x in cpu["md"])
+
+
 def test_simulated_peers_deliver_what_ddp_would():
     """The step-C4096 stand-in for `gather`: this process's rows (with gradient) then 7 peers' (detached), each peer's
     captions with CC3M node counts (`node_text` counted from 0 per peer, PowerCLIP's `facts`), C = 8 R."""
