@@ -909,9 +909,10 @@ _FT_SEEDS = [0, 1, 2, 4, 5, 6]
 test_eq((_ft["meta"]["reference"], _ft["meta"]["finetune_steps"], _ft["meta"]["seeds"]), ("CLIP ft", 320, _FT_SEEDS))
 _FT_METRICS = ("hn_mean", "i2t_R@1", "t2i_R@1", "pointing", "region_acc")
 for _r, _st in _ft["stats"].items():
+    _holm = {m: f"{_st[m]['holm']:.3f}" if _st[m]["holm"] >= 0.001 else "<0.001" for m in _FT_METRICS}
     _cells = [f"{m} {_st[m]['t']['mean']:+.1f} [{_st[m]['t']['lo']:+.1f}, {_st[m]['t']['hi']:+.1f}]"
-              f" (Holm {_st[m]['holm']:.3f})" for m in _FT_METRICS]
-    print(f"{_r:>15}: " + "; ".join(_cells))
+              f" (Holm {_holm[m]})" for m in _FT_METRICS]
+    print(f"{FINETUNE_LABELS.get(_r, _r):>16}: " + "; ".join(_cells))
 _p = _ft["stats"]["PowerCLIP-R ft"]
 test_eq([f"{_p[m]['t']['mean']:+.1f}" for m in _FT_METRICS],
         ["-0.6", "-4.5", "-3.7", "+9.2", "-4.3"])
@@ -919,6 +920,7 @@ test_eq([_p[m]["signs"]["pos"] for m in ("i2t_R@1", "t2i_R@1", "pointing")], [0,
 test_eq([f"{_ft['stats'][r][m]['t']['mean']:+.1f}" for r, m in (("C2LIP", "i2t_R@1"), ("C2LIP", "t2i_R@1"))],
         ["-14.5", "-16.6"])
 print((_kept_ft / "finetune.md").read_text().split("\n\nEach difference")[0])
+
 
 # %% [markdown]
 # ## The command line
