@@ -148,7 +148,10 @@ from fastcore.test import test_eq, test_fail
 #
 # The question is asked with class-token pooling, where C2LIP and SmartCLIP live, by the fine-tune table
 # (`python -m powerclip.experiments finetune`, `71a_plateau`: at $T$ = 1,600 over 8 seeds, paired differences to CLIP ft
-# and to CLIP continued). `--runs all` includes both rows.
+# and to CLIP continued). `--runs all` includes both rows. Its answer (`benchmarks/results/finetune_cpu/T1600/`): the
+# restart alone changes nothing (CLIP ft - CLIP within 0.3), and PowerCLIP-R ft - CLIP ft is worse on R@1 (i2t -4.1
+# [-6.0, -2.2], t2i -3.7 [-5.0, -2.4]) and pooled region top-1, better on pointing (+7.9 [+3.9, +11.9]), with no
+# difference shown on hard negatives (-0.4 [-1.3, +0.5]): no gain on top of a trained CLIP at this scale.
 #
 # ## SPARC's $\lambda_f$
 #
