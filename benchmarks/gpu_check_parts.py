@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import gpu_limits as L
 from gpu_plan import ACCUM_KS, LOADER_WORKERS, PATHS, ordered, unit_keys
 
 HERE = Path(__file__).resolve().parent
@@ -98,6 +99,16 @@ def triton_unavailable(device) -> str | None:
         return "PowerCLIPLossConfig does not take impl='triton' yet"
     own = getattr(loss, "triton_unavailable", None)            # the loss's own test where it has one
     return own(torch.device(device)) if own else unavailable(torch.device(device))
+
+
+def card_name(a) -> str:
+    """The device's name as `torch.cuda.get_device_name` gives it (the table of peaks is keyed by it); `a.card` where a
+    caller names one (a report read on another machine); 'CPU (dry run)' off a GPU."""
+    if getattr(a, "card", None):
+        return a.card
+    if a.dry_run or not str(a.device).startswith("cuda") or not torch.cuda.is_available():
+        return "CPU (dry run)"
+    return torch.cuda.get_device_name(torch.device(a.device))
 
 
 def free_memory(device) -> None:
@@ -247,7 +258,8 @@ def sbar_cases():
     from powerclip.powerset import NLA_T1_ACTS, NLA_T2_INTEGRALS
     specs = ([dict()] + [dict(t1_act=x) for x in NLA_T1_ACTS] + [dict(t2_act=x) for x in NLA_T2_INTEGRALS]
              + [dict(use_t2r=False), dict(use_r2t=False), dict(debias_t2=True), dict(alpha=0.0), dict(alpha=1.0),
-                dict(region_sets=False), dict(tau=0.05)])
+                dict(region_sets=False), dict(region_sets=False, use_t2r=False), dict(region_sets=False, use_r2t=False),
+                dict(tau=0.05)])
     cases = [("+".join(f"{k}={v}" for k, v in s.items()) or "default", replace(PowerCLIPLossConfig(tau=0.1), **s))
              for s in specs]
     return cases + [("exact 2^M", PowerCLIPLossConfig(tau=0.1, exact=True))]
@@ -387,10 +399,31 @@ def measure_step(a, method: str, ns) -> dict:
     finally:
         free_memory(a.device)
     t = out["times"]
+    p20, _, p80 = L.quantiles(t)
     return dict(ms_per_step=1e3 * median(t), images_per_s=ns.batch / median(t), spread=spread(t), times=t,
+                p20_ms=1e3 * p20, p80_ms=1e3 * p80, tower_flops=model_flops(),
                 peak_mib=out["peak_mib"], peak_total_mib=out["peak_total_mib"],
                 peak_reserved_mib=out.get("peak_reserved_mib", NAN), model=out["model"], params=out["params"],
                 columns=out["columns"], peers=out["peers"], pool=out["pool"], batches=out["batches"])
+
+
+def model_flops() -> dict | None:
+    """The towers' FLOPs per sample (`gpu_limits.tower_flops`) of the model `one_model` built last, from its shapes
+    (None where it is not a plain ViT and text transformer)."""
+    try:
+        model = next(iter(_MODELS.values()))[0]
+        return L.tower_flops(L.tower_shapes(model))
+    except (StopIteration, AttributeError, NotImplementedError, IndexError):
+        return None
+
+
+def mfu(r: dict, name: str, ckpt: bool = False) -> float | None:
+    """Model FLOPs utilisation of a step result: images/s x the towers' training FLOPs per sample (forward + backward;
+    `ckpt`: with the blocks' forward recomputed under checkpointing, the hardware's work) / the card's bf16 peak."""
+    f = r.get("tower_flops")
+    if not f or "images_per_s" not in r:
+        return None
+    return L.fraction(f["train_ckpt" if ckpt else "train"] * r["images_per_s"], 1.0, name)
 
 
 def units_step(a, part: str):
@@ -432,15 +465,25 @@ def report_step(a, values: dict, part: str, clip: dict | None = None) -> dict:
     other = part == "steps-other"
     rtt = (" Beside each method, its paper's relative training time (the CLIP-PGS paper's Table 1, R.T.T. against "
            "CLIP's 1.0x: whole trainings of 32 epochs on 8 V100s, not one step) where it gives one." if other else "")
-    md = [step_conditions(a, ns, res) + rtt, "",
-          "| method | ms/step | spread | images/s | peak GiB | whole GiB | reserved GiB | time / CLIP | memory / CLIP |"
-          + (" paper's R.T.T. |" if other else ""),
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if other else "")]
+    name = card_name(a)
+    tf = next((r["tower_flops"] for r in res.values() if r.get("tower_flops")), None)
+    work = ("MFU = images/s x the two towers' training FLOPs per sample (`gpu_limits.tower_flops`, counted from the "
+            "model's shapes: matrix products, forward + backward = 3 x forward"
+            + (f", {tf['train'] / 1e9:.1f} GFLOP; with checkpointing's recomputed blocks {tf['train_ckpt'] / 1e9:.1f} "
+               "GFLOP: 'MFU ckpt'" if tf else "") + ") / the card's bf16 peak: " + L.limits_line(name)
+            + ". The loss and the methods' own heads are not counted; masking methods are counted at every token.")
+    md = [step_conditions(a, ns, res) + rtt, "", work, "",
+          "| method | ms/step | p20-p80 ms | spread | images/s | MFU | MFU ckpt | peak GiB | whole GiB | reserved GiB | "
+          "time / CLIP | memory / CLIP |" + (" paper's R.T.T. |" if other else ""),
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if other else "")]
     for m, r in res.items():
         if "error" in r:
-            md.append(f"| {m} | {r['error']} | | | | | | | |" + (" |" if other else ""))
+            md.append(f"| {m} | {r['error']} | | | | | | | | | | |" + (" |" if other else ""))
             continue
-        md.append(f"| {m} | {r['ms_per_step']:.1f} | {fmt(r.get('spread', NAN), '.2f')} | {r['images_per_s']:.0f} | "
+        r["mfu"], r["mfu_ckpt"] = mfu(r, name), mfu(r, name, True)
+        md.append(f"| {m} | {r['ms_per_step']:.1f} | {fmt(r.get('p20_ms'), '.1f')}-{fmt(r.get('p80_ms'), '.1f')} | "
+                  f"{fmt(r.get('spread', NAN), '.2f')} | {r['images_per_s']:.0f} | {L.pct(r['mfu'])} | "
+                  f"{L.pct(r['mfu_ckpt'])} | "
                   f"{fmt(r['peak_mib'] / 1024, '.2f')} | {fmt(r['peak_total_mib'] / 1024, '.2f')} | "
                   f"{fmt(r['peak_reserved_mib'] / 1024, '.2f')} | {fmt(r.get('time_ratio'), '.2f')}x | "
                   f"{fmt(r.get('mem_ratio'), '.2f')}x |"
@@ -454,7 +497,8 @@ def report_step(a, values: dict, part: str, clip: dict | None = None) -> dict:
             + f", class-token pooling, eager, median of {ns.steps} timed steps")
     if "time_ratio" not in pc:
         sp = ", ".join(f"{m} {fmt(r.get('spread', NAN), '.2f')}" for m, r in res.items() if "error" not in r)
-        return dict(headline=f"{len(res)} method(s) measured ({cond}; spread max/min: {sp or '-'})"
+        mf = ", ".join(f"{m} MFU {L.pct(r.get('mfu'))}" for m, r in res.items() if "error" not in r)
+        return dict(headline=f"{len(res)} method(s) measured ({cond}; spread max/min: {sp or '-'}; {mf or '-'})"
                     + ("; PowerCLIP or CLIP missing" if not other and clip is None else ""),
                     ok=None if not any("error" in r for r in res.values()) else False, md=md, results=res)
     target = part == "step-C4096"            # the targets' conditions: 512 local, C = 4096, eager
@@ -462,7 +506,10 @@ def report_step(a, values: dict, part: str, clip: dict | None = None) -> dict:
     measured = not math.isnan(gib) and not a.dry_run
     ok_time = pc["time_ratio"] <= TIME_TARGET
     ok_mem = gib <= MEMORY_TARGET_GIB if measured else True
-    head = (f"PowerCLIP {pc['time_ratio']:.2f}x CLIP's step time, memory {fmt(pc['mem_ratio'], '.2f')}x ({cond}; "
+    times = ", ".join(f"{m} {res[m]['ms_per_step']:.0f} ms, {res[m]['images_per_s']:.0f} images/s, MFU "
+                      f"{L.pct(res[m].get('mfu'))}" for m in ("powerclip", "clip") if "ms_per_step" in res.get(m, {}))
+    head = (f"PowerCLIP {pc['time_ratio']:.2f}x CLIP's step time ({times}), memory {fmt(pc['mem_ratio'], '.2f')}x "
+            f"({cond}; "
             f"spread CLIP {fmt(base.get('spread', NAN), '.2f')}, PowerCLIP {fmt(pc.get('spread', NAN), '.2f')})")
     if target and not a.dry_run:
         head += (f"; target <= {TIME_TARGET:.2f}x: {'met' if ok_time else 'NOT met'}; whole peak "
@@ -723,11 +770,12 @@ def paths_unit(a, K: int | None, M: int, path: str) -> dict:
     """One path of the loss at one M, forward + backward in this process (powerset_scale.measure): R = 512 local rows
     against C = 4096 gathered, D = 512, bf16, CC3M node counts (or K per caption); a row that cannot run says why."""
     ps = script("powerset_scale")
-    R, C, D, reps = (8, 16, 16, 1) if a.dry_run else (512, 4096, 512, 3)
+    R, C, D, reps = (8, 16, 16, 3) if a.dry_run else (512, 4096, 512, 10)
     hist = ps.node_count_hist()
     counts = [K] * C if K else ps.draw_counts(hist["hist"], C, 0)
     row = dict(path=path, M=M, R=R, C=C, dim=D, K_max=max(counts), K_mean=sum(counts) / C,
-               node_counts=f"fixed: K = {K} nodes per caption" if K else hist["source"])
+               node_counts=f"fixed: K = {K} nodes per caption" if K else hist["source"],
+               flops=L.loss_flops(R, C, M, D, counts, local=False))
     impl, block = {"fast": ("fast", 16 << 20), "fast-device": ("fast", device_block_bytes(a.device)),
                    "triton": ("triton", 16 << 20)}.get(path, (path, 16 << 20))
     row["block_mib"] = block / 2**20 if impl == "fast" else None
@@ -743,7 +791,14 @@ def paths_unit(a, K: int | None, M: int, path: str) -> dict:
         r = ps.measure(impl, R, C, M, D, counts, "bf16", reps, block, 0, a.device)
     finally:
         free_memory(a.device)
-    return dict(row, ok=True, **r)
+    p20, _, p80 = L.quantiles(r.get("times", [r["time_s"]]))
+    return dict(row, ok=True, p20_s=p20, p80_s=p80, **r)
+
+
+def path_work(r: dict) -> float:
+    "The useful FLOPs of a paths row: CLIP's logits alone for the clip path, else S-bar's useful products + CLIP's."
+    f = r["flops"]
+    return f["clip"] if r["path"] == "clip" else f["useful"]
 
 
 def units_paths(a, K: int | None):
@@ -756,6 +811,7 @@ def report_paths(a, values: dict) -> dict:
     rows = [v for v in values.values() if isinstance(v, dict) and "path" in v]
     if not rows:
         return dict(headline="-", ok=None, md=[], results={})
+    name = card_name(a)
 
     def get(path, M):
         return next((r for r in rows if r["path"] == path and r["M"] == M), None)
@@ -763,36 +819,53 @@ def report_paths(a, values: dict) -> dict:
     def ms(r):
         return "-" if r is None else (f"{r['time_s'] * 1e3:.1f}" if r.get("ok") else f"skipped: {r.get('why', '?')}")
 
-    def mib(r):
-        return "-" if r is None or not r.get("ok") else f"{r['peak_mib']:.0f}"
+    def frac(r):
+        return L.fraction(path_work(r), r["time_s"], name) if r is not None and r.get("ok") and "flops" in r else None
     r0 = rows[0]
     dev_mib = next((r["block_mib"] for r in rows if r["path"] == "fast-device"), None)
     md = [f"Forward + backward of `powerclip_loss` (both directions, CLIP loss included) at R = {r0['R']} local "
           f"rows against C = {r0['C']} gathered columns, bf16 autocast, D = {r0['dim']}; node counts: "
-          f"{r0['node_counts']}; each path and M a unit, in this part's one process; median of the timed steps after "
-          "a warm-up; peak = memory the step adds. triton = the fused S-bar kernel (`impl=\"triton\"`), fast = the "
-          f"blocked path with its default 16 MiB blocks, fast-device = the same with the device's budget "
-          f"({fmt(dev_mib, '.0f')} MiB), dense = the (R, C, M, K) reference, clip = CLIP's loss alone.", "",
-          "| M | K_max | " + " | ".join(f"{p} ms" for p in PATHS) + " | " + " | ".join(f"{p} peak MiB" for p in PATHS)
-          + " |", "|---:|---:|" + "---:|" * (2 * len(PATHS))]
+          f"{r0['node_counts']}; each path and M a unit, in this part's one process; the median and the 20th-80th "
+          "percentiles of the timed steps after a warm-up; peak = memory the step adds. triton = the fused S-bar "
+          "kernel (`impl=\"triton\"`), fast = the blocked path with its default 16 MiB blocks, fast-device = the same "
+          f"with the device's budget ({fmt(dev_mib, '.0f')} MiB), dense = the (R, C, M, K) reference, clip = CLIP's "
+          "loss alone.", "",
+          "Work (`gpu_limits.loss_flops`, from the shapes): the useful products, unpadded (each caption's own node "
+          "count): the scores q = <region, phrase> forward and the two gradient products (regions, phrases), plus "
+          "CLIP's logits forward and backward; not counted: the backward's recomputed scores (the blocked and the "
+          "Triton paths: one product more), the dense path's padding to K_max, the activations (their scores are "
+          "counted apart: 'G scores/s' = the scores of one pass, forward, through the activations, per second). "
+          "TFLOP/s = useful FLOPs / the median time; % of peak against " + L.limits_line(name) + ".", "",
+          "| M | K_max | path | ms median | ms p20-p80 | useful TFLOP | TFLOP/s | % of peak | G scores/s | peak MiB |",
+          "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for M in sorted({r["M"] for r in rows}):
-        got = [get(p, M) for p in PATHS]
         kmax = next(r["K_max"] for r in rows if r["M"] == M)
-        md.append(f"| {M} | {kmax} | " + " | ".join(ms(r) for r in got) + " | " + " | ".join(mib(r) for r in got)
-                  + " |")
+        for p in PATHS:
+            r = get(p, M)
+            if r is None:
+                continue
+            if not r.get("ok"):
+                md.append(f"| {M} | {kmax} | {p} | {ms(r)} | | | | | | |")
+                continue
+            work, t = path_work(r), r["time_s"]
+            sc = r["flops"]["scores"] if p != "clip" else None
+            md.append(f"| {M} | {kmax} | {p} | {t * 1e3:.2f} | {fmt(r.get('p20_s', NAN) * 1e3, '.2f')}-"
+                      f"{fmt(r.get('p80_s', NAN) * 1e3, '.2f')} | {work / 1e12:.3g} | {work / t / 1e12:.3g} | "
+                      f"{L.pct(frac(r))} | {fmt(sc / t / 1e9 if sc else None, '.3g')} | {r['peak_mib']:.0f} |")
     M0 = 10 if any(r["M"] == 10 for r in rows) else rows[0]["M"]
     cond = (f"R = {r0['R']}, C = {r0['C']}, M = {M0}, "
             + ("K = " + str(r0["K_max"]) if r0["node_counts"].startswith("fixed") else "CC3M node counts")
-            + ", bf16, forward + backward")
-    parts = [f"{p} {ms(get(p, M0))} ms" if get(p, M0).get("ok") else f"{p} {ms(get(p, M0))}"
-             for p in PATHS if get(p, M0) is not None]
+            + ", bf16, forward + backward, median; % of the card's bf16 peak on the useful products")
+    parts = [f"{p} {ms(get(p, M0))} ms ({L.pct(frac(get(p, M0)))} of peak)" if get(p, M0).get("ok")
+             else f"{p} {ms(get(p, M0))}" for p in PATHS if get(p, M0) is not None]
     tri = get("triton", M0)
     target = ""
     if M0 == 10 and r0["R"] == 512 and r0["C"] == 4096 and tri is not None and tri.get("ok"):
         t = tri["time_s"] * 1e3
         target = f"; target triton <= {LOSS_TARGET_MS:g} ms: {'met' if t <= LOSS_TARGET_MS else 'NOT met'}"
     judged = bool(target) and not a.dry_run
-    return dict(headline=f"{', '.join(parts)} ({cond}){target}",
+    unknown = "" if L.card(name) else f"; {L.limits_line(name)}"
+    return dict(headline=f"{', '.join(parts)} ({cond}){target}{unknown}",
                 ok=(tri["time_s"] * 1e3 <= LOSS_TARGET_MS) if judged else None, md=md, results=rows)
 
 

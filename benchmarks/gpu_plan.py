@@ -35,7 +35,8 @@ LOADER_WORKERS = (1, 4, 8)
 # the S-bar parity cases (gpu_check_parts.sbar_cases: every NLA activation and switch, then the exact 2^M enumeration)
 SBAR_CASES = ("default", "t1_act=softplus", "t1_act=relu", "t1_act=gelu", "t1_act=swish", "t2_act=tanh",
               "t2_act=sigmoid", "t2_act=softsign", "use_t2r=False", "use_r2t=False", "debias_t2=True", "alpha=0.0",
-              "alpha=1.0", "region_sets=False", "tau=0.05", "exact 2^M")
+              "alpha=1.0", "region_sets=False", "region_sets=False+use_t2r=False", "region_sets=False+use_r2t=False",
+              "tau=0.05", "exact 2^M")
 # variants the steps-other part measures beside the methods' defaults: PowerCLIP's blocked path, and the two masking
 # methods whose kept-token count moves from batch to batch with that count rounded to a multiple of 8 (issue 38)
 STEP_VARIANTS = ("powerclip:impl=fast", "clip-pgs-0.3:drop_multiple=8", "eclip:drop_multiple=8")

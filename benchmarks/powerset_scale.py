@@ -163,7 +163,7 @@ def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0, devi
         sync(device)
         times.append(time.perf_counter() - t0)
     saved_inputs = sum(b for p, b in n["storages"].items() if p in inputs)
-    return dict(time_s=statistics.median(times), reps=len(times), saved_bytes=n["bytes"],
+    return dict(time_s=statistics.median(times), reps=len(times), times=times, saved_bytes=n["bytes"],
                 saved_input_bytes=saved_inputs, saved_other_bytes=n["bytes"] - saved_inputs, peak_mib=mem.mib())
 
 

@@ -357,3 +357,61 @@ def test_the_issue_command(tmp_path):
     assert {"clip", "powerclip"} <= set(d["parts"]["step-C4096"]["results"])
     assert all(v["status"] in ("complete", "partial", "deferred") for v in d["parts"].values())
     assert all("budget" in v["note"] for v in d["parts"].values() if v["status"] == "deferred")
+
+
+def test_flop_counts_match_the_flop_counter():
+    """The analytic counts of `benchmarks/gpu_limits.py` against `torch.utils.flop_counter.FlopCounterMode` on small
+    shapes, on the CPU: the two towers of an open_clip ViT (forward, forward + backward, and with activation
+    checkpointing: the blocks' forward once more), and the loss's products on the blocked path (the counter cannot see
+    inside the Triton op): one process (one S-bar call) and gathered columns (two calls), ragged node counts,
+    forward + backward = the useful products + the backward's recomputed scores + CLIP's logits."""
+    from torch.utils.flop_counter import FlopCounterMode
+    import gpu_limits as L
+    from powerclip.loss import PowerCLIPLossConfig, powerclip_loss
+    import powerset_scale as ps
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from powerclip.model import create_model
+
+    def counted(fn):
+        # PyTorch's math attention: the counter does not see inside the CPU's fused attention kernel
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+            fn()
+        return fc.get_total_flops()
+    model = create_model("powerclip-micro")[0]
+    B = 3
+    img, txt = torch.randn(B, 3, 32, 32), torch.randint(0, 1000, (B, 77))
+    want = L.tower_flops(L.tower_shapes(model))
+
+    def train():
+        (model.encode_image(img).sum() + model.encode_text(txt).sum()).backward()
+    assert counted(lambda: (model.encode_image(img), model.encode_text(txt))) == B * want["forward"]
+    assert counted(train) == B * want["train"] < 3 * B * want["forward"]
+    model.set_grad_checkpointing(True)
+    with set_checkpoint_early_stop(False):                  # every checkpointed block's forward recomputed whole
+        assert counted(train) == B * want["train_ckpt"]
+    assert B * want["train"] < counted(train) <= B * want["train_ckpt"]       # torch's early stop: at most that
+    vit = L.vit_b16_flops()             # ViT-B/16, 224 px: 17.6 + 3.0 G multiply-adds forward (open_clip's table)
+    assert vit == L.tower_flops(L.tower_shapes(create_model("ViT-B-16", pool="tok")[0]))
+    assert 35.0e9 < vit["image"] < 35.3e9 and 5.9e9 < vit["text"] < 6.0e9, vit
+    for R, C in ((4, 4), (3, 7)):
+        M, D = 3, 8
+        counts = [1 + (i * 5) % 4 for i in range(C)]
+        leaves, local, gathered, _ = ps._inputs(R, C, M, D, counts, "fast")
+        cfg = PowerCLIPLossConfig(impl="fast", tau=0.1)
+        g = None if R == C else gathered
+        a_img, a_txt = (None, None) if R == C else (leaves["image_all"], leaves["text_all"])
+        if R == C:
+            for k in ("regions", "phrases"):
+                leaves[k] = leaves[k + "_all"]
+            local = gathered
+
+        def step():
+            out = powerclip_loss(leaves["image"] if R != C else leaves["image_all"],
+                                 leaves["text"] if R != C else leaves["text_all"], torch.tensor(10.0), local, cfg,
+                                 a_img, a_txt, g, 0)
+            (out["clip"] + out["powerset"]).backward()
+        f = L.loss_flops(R, C, M, D, counts)
+        assert counted(step) == f["sbar_useful"] + f["sbar_recompute"] + f["clip"], (R, C, f)
+        assert f["scores"] == (R * M * sum(counts) if R == C else R * M * sum(counts) + C * M * sum(counts[:R]))
