@@ -87,6 +87,7 @@ import torch
 
 import _checks
 import gpu_check_parts as P
+import gpu_limits
 import gpu_plan
 from powerclip.commandline import ArgumentParser, run_main, usage_errors
 
@@ -147,6 +148,7 @@ def environment(a) -> dict:
     d = torch.device(a.device)
     p = torch.cuda.get_device_properties(d)
     e.update(device=torch.cuda.get_device_name(d), capability=f"{p.major}.{p.minor}", memory_gib=p.total_memory / 2**30,
+             peak=gpu_limits.limits_line(torch.cuda.get_device_name(d)),
              sms=p.multi_processor_count, bf16_supported=torch.cuda.is_bf16_supported(),
              nccl=_nccl(),
              visible_gpus=torch.cuda.device_count())
@@ -268,6 +270,7 @@ def publish(a) -> None:
     head = [f"# gpu-check: {env.get('device', '?')}", "",
             f"torch {env.get('torch')}, CUDA {env.get('cuda')}, driver {env.get('driver', '-')}, budget {a.budget:g} s"
             + (" (DRY RUN on the CPU: not measurements)" if a.dry_run else ""), "",
+            f"Limits: {gpu_limits.limits_line(env.get('device'))}.", "",
             "| part | status | units | result | target |", "|---|---|---:|---|---|", *table, ""]
     if deferred:
         head.append(f"Not finished (deferred by the budget or cut): {', '.join(deferred)}; the same command continues "
@@ -325,6 +328,18 @@ def _kill_descendants() -> int:
     return n
 
 
+def _device_broken(a) -> str | None:
+    "Why the worker's CUDA context can no longer run anything (a sticky error), or None (fine, or not CUDA)."
+    if a.dry_run or not str(a.device).startswith("cuda") or not torch.cuda.is_initialized():
+        return None
+    try:
+        torch.cuda.synchronize(a.device)
+        (torch.ones(1, device=a.device) + 1).item()
+        return None
+    except RuntimeError as e:
+        return f"{e}".splitlines()[0][:200]
+
+
 def run_part(a, part: str, cut: CutSignal, units=None) -> int:
     """In the worker: the part's units not yet recorded, each recorded and published the moment it is done. On the
     driver's cut, the processes the unit started are killed and the part is marked partial (or deferred)."""
@@ -348,6 +363,13 @@ def run_part(a, part: str, cut: CutSignal, units=None) -> int:
             with open(a.state / f"{part}.jsonl", "a") as f:
                 f.write(json.dumps(dict(key=key, value=v, seconds=time.time() - t0), default=str) + "\n")
             publish(a)
+            broken = _device_broken(a) if failed else None
+            if broken:         # a sticky CUDA error (an illegal address...): every later unit of this process would
+                _set_status(a, part, "failed", f"the device is unusable after unit {key!r}: {broken}; the next part "
+                            "runs in a fresh worker", time.time() - t_part)
+                publish(a)
+                print(f"== {part}: {broken}: this worker ends, a fresh one continues", flush=True)
+                os._exit(3)    # fail too, so the driver starts a fresh worker (a new CUDA context) for the rest
             cut.recorded()
         cut.active = False
     except Cut:

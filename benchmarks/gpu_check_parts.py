@@ -469,12 +469,13 @@ def report_step(a, values: dict, part: str, clip: dict | None = None) -> dict:
     tf = next((r["tower_flops"] for r in res.values() if r.get("tower_flops")), None)
     work = ("MFU = images/s x the two towers' training FLOPs per sample (`gpu_limits.tower_flops`, counted from the "
             "model's shapes: matrix products, forward + backward = 3 x forward"
-            + (f", {tf['train'] / 1e9:.1f} GFLOP; with checkpointing's recomputed blocks {tf['train_ckpt'] / 1e9:.1f} "
-               "GFLOP: 'MFU ckpt'" if tf else "") + ") / the card's bf16 peak: " + L.limits_line(name)
+            + (f", {tf['train'] / 1e9:.3g} GFLOP; with checkpointing's recomputed blocks "
+               f"{tf['train_ckpt'] / 1e9:.3g} GFLOP: 'MFU ckpt'" if tf else "")
+            + ") / the card's bf16 peak: " + L.limits_line(name)
             + ". The loss and the methods' own heads are not counted; masking methods are counted at every token.")
     md = [step_conditions(a, ns, res) + rtt, "", work, "",
-          "| method | ms/step | p20-p80 ms | spread | images/s | MFU | MFU ckpt | peak GiB | whole GiB | reserved GiB | "
-          "time / CLIP | memory / CLIP |" + (" paper's R.T.T. |" if other else ""),
+          "| method | ms/step | p20-p80 ms | spread | images/s | MFU | MFU ckpt | peak GiB | whole GiB | "
+          "reserved GiB | time / CLIP | memory / CLIP |" + (" paper's R.T.T. |" if other else ""),
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if other else "")]
     for m, r in res.items():
         if "error" in r:
@@ -506,7 +507,7 @@ def report_step(a, values: dict, part: str, clip: dict | None = None) -> dict:
     measured = not math.isnan(gib) and not a.dry_run
     ok_time = pc["time_ratio"] <= TIME_TARGET
     ok_mem = gib <= MEMORY_TARGET_GIB if measured else True
-    times = ", ".join(f"{m} {res[m]['ms_per_step']:.0f} ms, {res[m]['images_per_s']:.0f} images/s, MFU "
+    times = "; ".join(f"{m} {res[m]['ms_per_step']:.0f} ms, {res[m]['images_per_s']:.0f} images/s, MFU "
                       f"{L.pct(res[m].get('mfu'))}" for m in ("powerclip", "clip") if "ms_per_step" in res.get(m, {}))
     head = (f"PowerCLIP {pc['time_ratio']:.2f}x CLIP's step time ({times}), memory {fmt(pc['mem_ratio'], '.2f')}x "
             f"({cond}; "
@@ -909,8 +910,9 @@ def loader_unit(a, workers: int) -> dict:
         if first is None:
             first, t1, n0 = time.perf_counter() - t0, time.perf_counter(), n
     t = time.perf_counter() - t1 if first is not None else NAN
-    return dict(workers=workers, batch=real_batch(a), images=n, first_batch_s=first,
-                images_per_s=(n - n0) / t if first is not None and t > 0 else NAN)
+    rate = (n - n0) / t if first is not None and t > 0 else NAN
+    return dict(workers=workers, batch=real_batch(a), images=n, first_batch_s=first, images_per_s=rate,
+                per_worker=rate / workers, cores_at_1510=1510 / (rate / workers) if rate > 0 else NAN)
 
 
 def fed_unit(a) -> dict:
@@ -972,20 +974,27 @@ def report_real(a, values: dict) -> dict:
                                                                          "regions")
           + f") fed by the loader with {max(LOADER_WORKERS)} workers for {a.real_seconds:g} s: images/s and the share "
           "of the time the GPU waited for data (the host waiting on the loader; each step synchronises).", "",
-          "| unit | workers | images/s | first batch / step s | waits for data |", "|---|---:|---:|---:|---:|"]
+          "Per worker = images/s / workers (the loader's rate per process: benchmarks/loader_throughput.py's "
+          "measure on the CPU); cores at 1,510/s = the worker processes one GPU at step-B512's CLIP rate would need "
+          "at that rate.", "",
+          "| unit | workers | images/s | per worker | cores at 1,510/s | first batch / step s | waits for data |",
+          "|---|---:|---:|---:|---:|---:|---:|"]
     head = []
     for k, v in values.items():
         if "error" in v:
-            md.append(f"| {k} | {v['error']} | | | |")
+            md.append(f"| {k} | {v['error']} | | | | | |")
             continue
         if "wait_share" in v:
-            md.append(f"| {k} | {v['workers']} | {v['images_per_s']:.0f} | {fmt(v['first_step_s'], '.1f')} | "
+            md.append(f"| {k} | {v['workers']} | {v['images_per_s']:.0f} | - | - | {fmt(v['first_step_s'], '.1f')} | "
                       f"{v['wait_share']:.0%} |")
             head.append(f"step fed by the loader {v['images_per_s']:.0f} images/s, waits for data "
                         f"{v['wait_share']:.0%} of the time ({v['steps']} steps)")
         else:
-            md.append(f"| {k} | {v['workers']} | {v['images_per_s']:.0f} | {fmt(v['first_batch_s'], '.1f')} | - |")
-            head.append(f"loader {v['workers']} worker(s) {v['images_per_s']:.0f} images/s")
+            pw = v.get("per_worker", v["images_per_s"] / v["workers"])
+            cores = 1510 / pw if pw > 0 else NAN
+            md.append(f"| {k} | {v['workers']} | {v['images_per_s']:.0f} | {pw:.0f} | {fmt(cores, '.1f')} | "
+                      f"{fmt(v['first_batch_s'], '.1f')} | - |")
+            head.append(f"loader {v['workers']} worker(s) {v['images_per_s']:.0f} images/s ({pw:.0f} per worker)")
     return dict(headline="; ".join(head) + f" (batch {real_batch(a)}, one process)" if head else "-",
                 ok=None if not any("error" in v for v in values.values()) else False, md=md, results=values)
 

@@ -1,5 +1,6 @@
-"""What a GPU allows, beside what the GPU check measured (issue 45, item 2): a table of the cards' peaks, and the work of
-the loss and of the two towers counted from their shapes. No torch at import (the plan reads the table without it).
+"""What a GPU allows, beside what the GPU check measured (issue 45, item 2): a table of the cards' peaks, and the work
+of the loss and of the two towers counted from their shapes. No torch at import (the plan reads the table without
+it).
 
 The peaks are the vendors' data-sheet numbers, written here (no network at run time): bf16 dense tensor-core TFLOP/s
 with float32 accumulation (the data sheets' "with sparsity" figures halved where they give only those), and memory

@@ -45,6 +45,15 @@ SLACK_S = 20
 # parts that keep their progress inside a unit (the comparison trains run by run and resumes a cut run): they take
 # whatever is left once this many seconds are (one run), instead of waiting for their whole time
 RESUMABLE = {"compare": 120}
+# each part's figures beside the card's limit (issue 45): the columns its table adds, '-' until a GPU measures them
+LIMIT_COLUMNS = {"paths-K": "ms median, ms p20-p80, TFLOP/s, % of bf16 peak, G scores/s",
+                 "step": "images/s, MFU %, MFU ckpt %", "real-shards": "images/s per worker process"}
+
+
+def limit_columns(part: str) -> str:
+    "The limit columns a part's table shows ('' where it has none)."
+    key = ("step" if part.startswith("step") else "paths-K" if part.startswith("paths-K") else part)
+    return LIMIT_COLUMNS.get(key, "")
 
 
 # the dry run's seconds per unit on this project's 2 busy CPU cores at its toy sizes, as dry runs of 2026-11-27 took
@@ -212,14 +221,20 @@ def plan(parts: list[str], budget: float, timings: dict, state: Path | None = No
 def render(p: dict) -> str:
     "The plan as text: one line per part."
     w = max(len(r["part"]) for r in p["rows"])
+    import gpu_limits
     lines = [f"plan for --budget {p['budget_s']:g} s (seconds measured on {p['device']}; start-up "
              f"{p['startup_s']:.0f} s and the last publish counted): {len(p['run'])} part(s) run, "
-             f"{len(p['deferred'])} deferred to the next job"]
+             f"{len(p['deferred'])} deferred to the next job",
+             f"  limits: {gpu_limits.limits_line(p['device'])}; the card that runs it is read from "
+             "torch.cuda.get_device_name (an unknown card: no fraction)"]
     for r in p["rows"]:
         state = ("done" if r["seconds"] == 0 else "DEFERRED" if not r["runs"] else
                  "partly" if r.get("partly") else "runs")
         units = f"{r['units'] - r['done']} of {r['units']} unit(s) left" if r["done"] else f"{r['units']} unit(s)"
-        lines.append(f"  {r['part']:<{w}}  {r['seconds']:6.0f} s  {state:<8}  {r['basis']}: {r['source']} ({units})")
+        cols = limit_columns(r["part"])
+        cols = f" [vs limit: {', '.join(c + ' -' for c in cols.split(', '))}]" if cols else ""
+        lines.append(f"  {r['part']:<{w}}  {r['seconds']:6.0f} s  {state:<8}  {r['basis']}: {r['source']} ({units})"
+                     + cols)
     used = min(sum(r["seconds"] for r in p["rows"] if r["part"] in p["run"]), p["left_s"])
     partly = [r["part"] for r in p["rows"] if r.get("partly")]
     lines.append(f"expected: {used + p['startup_s']:.0f} s of {p['budget_s']:g} s"
