@@ -326,7 +326,7 @@ def units_parity(a):
         kind, what = key.split(" ", 1)
         if kind == "sbar":
             out.append((key, lambda n=what: sbar_parity(a, n, cases[n])))
-        elif what == "powerclip:impl=triton" and triton_unavailable(a.device):
+        elif "impl=triton" in what and triton_unavailable(a.device):
             out.append((key, lambda w=what: _skipped("loss", w, triton_unavailable(a.device))))
         else:
             out.append((key, lambda m=what: _guard("loss", m, lambda: loss_parity(a, m))))

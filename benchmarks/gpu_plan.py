@@ -86,6 +86,8 @@ def unit_keys(part: str, methods: list[str] | None = None) -> list[str]:
     pc = "powerclip" in ms
     if part == "parity":
         return ([f"loss {m}" for m in head] + [f"loss powerclip:impl={i}" for i in ("dense", "fast", "triton") if pc]
+                + [f"loss powerclip:impl=triton,region_sets=False,{s}" for s in ("use_r2t=False", "use_t2r=False")
+                   if pc]
                 + [f"sbar {c}" for c in SBAR_CASES] + [f"loss {m}" for m in others])
     if part in ("step-C4096", "step-B512", "step-B256"):
         return head
