@@ -668,7 +668,8 @@ def compile_measure(a, method: str, compiled: bool, batch: int = 256, peers: int
                 timed=len(times) - 2, graph_breaks=sum(breaks.values()), break_reasons=dict(list(breaks.items())[:10]),
                 graphs=len(graphs), frames=len({g["frame"] for g in graphs}),
                 recompiles=sum(g["recompile"] for g in graphs), graph_ids=[f"{g['id']}:{g['nodes']}" for g in graphs],
-                unique_graphs=counters["stats"].get("unique_graphs", 0), batch=ns.batch, columns=ns.batch * (1 + peers))
+                unique_graphs=counters["stats"].get("unique_graphs", 0), batch=ns.batch, columns=ns.batch * (1 + peers),
+                tower_flops=model_flops())
 
 
 def units_compile(a, part: str = "compile"):
@@ -685,7 +686,7 @@ def units_compile(a, part: str = "compile"):
     return out
 
 
-def _joined(values: dict, eager_of) -> dict:
+def _joined(values: dict, eager_of, name: str | None = None) -> dict:
     "{method: its eager and compiled halves joined} for every method whose compiled half is recorded."
     res = {}
     for key, c in values.items():
@@ -696,6 +697,8 @@ def _joined(values: dict, eager_of) -> dict:
         r = dict(compiled_ms=c["ms_per_step"], compiled_spread=c["spread"], graphs=c["graphs"], frames=c["frames"],
                  recompiles=c["recompiles"], graph_breaks=c["graph_breaks"], break_reasons=c["break_reasons"],
                  graph_ids=c["graph_ids"], first_s=c["first_s"])
+        if c.get("tower_flops") and c.get("batch"):      # MFU of the compiled step (the towers' model FLOPs)
+            r["mfu"] = mfu(dict(tower_flops=c["tower_flops"], images_per_s=c["batch"] / c["ms_per_step"] * 1e3), name)
         if e and "error" not in e:
             r.update(eager_ms=e["ms_per_step"], speedup=e["ms_per_step"] / c["ms_per_step"])
             if "first_s" in e:
@@ -712,7 +715,7 @@ def _joined(values: dict, eager_of) -> dict:
 def report_compile(a, values: dict, part: str = "compile", every: dict | None = None) -> dict:
     c4096 = part == "compile-C4096"
     ref = (every or {}).get("step-C4096", {}) if c4096 else values
-    res = _joined(values, (lambda m: ref.get(m)) if c4096 else (lambda m: values.get(f"{m} eager")))
+    res = _joined(values, (lambda m: ref.get(m)) if c4096 else (lambda m: values.get(f"{m} eager")), card_name(a))
     tol = 1e-4 if a.dry_run else 2e-2
     for r in res.values():
         r["ok"] = bool(r.get("loss_rel_err", 0) <= tol and r.get("grad_norm_rel_err", 0) <= 10 * tol)
@@ -742,7 +745,8 @@ def report_compile(a, values: dict, part: str = "compile", every: dict | None = 
     cond = (f"{ns.batch} local, C = {ns.batch * (1 + ns.peers)}" + ("" if c4096 else " = R")
             + f", class-token pooling, {ns.precision}, checkpointing {'on' if ns.grad_checkpointing else 'off'}, "
             f"median of {a.compile_steps if not a.dry_run else 3} timed steps")
-    head = "; ".join(f"{m} {fmt(r.get('speedup'), '.2f')}x compiled ({r['graphs']} graph(s), {r['recompiles']} "
+    head = "; ".join(f"{m} {fmt(r.get('speedup'), '.2f')}x compiled ({r['compiled_ms']:.0f} ms, MFU "
+                     f"{L.pct(r.get('mfu'))}; {r['graphs']} graph(s), {r['recompiles']} "
                      f"recompile(s), {r['graph_breaks']} graph break(s))" for m, r in res.items())
     if c4096 and {"clip", "powerclip"} <= set(res) and "compiled_ms" in res["clip"]:
         head += f"; PowerCLIP / CLIP compiled {res['powerclip']['compiled_ms'] / res['clip']['compiled_ms']:.2f}x"
@@ -1020,7 +1024,8 @@ def measure_accum(a, method: str, k: int) -> dict:
     finally:
         free_memory(a.device)
     return dict(k=k, micro_batch=ns.batch // k, ms_per_step=1e3 * median(out["times"]), spread=spread(out["times"]),
-                times=out["times"], peak_mib=out["peak_mib"], peak_of=out.get("peak_of"), model=out["model"])
+                times=out["times"], peak_mib=out["peak_mib"], peak_of=out.get("peak_of"), model=out["model"],
+                images_per_s=ns.batch / median(out["times"]), tower_flops=model_flops())
 
 
 def units_accum(a):
@@ -1051,7 +1056,8 @@ def report_accum(a, values: dict) -> dict:
         md.append(f"| {m} | {r['k']} | {r['micro_batch']} | {r['ms_per_step']:.1f} | {fmt(r.get('spread'), '.2f')} | "
                   f"{r['peak_mib'] / 1024:.2f} | {fmt(tr, '.2f')}x | {fmt(mr, '.2f')}x |")
         if r["k"] == max(ACCUM_KS):
-            head.append(f"{m} k={r['k']}: time {fmt(tr, '.2f')}x, memory {fmt(mr, '.2f')}x")
+            head.append(f"{m} k={r['k']}: time {fmt(tr, '.2f')}x ({r['ms_per_step']:.0f} ms, MFU "
+                        f"{L.pct(mfu(r, card_name(a)))}), memory {fmt(mr, '.2f')}x")
     cond = f"256 per step, bf16, no checkpointing, median of {ns.steps} timed steps, peak of the timed steps"
     return dict(headline=("; ".join(head) or f"{len(values)} unit(s)") + f" ({cond})",
                 ok=None if not any("error" in r for r in values.values()) else False, md=md, results=values)
