@@ -112,7 +112,20 @@ def one_pass(kind: str, shards: Path, workers: int, batch: int, n: int) -> dict:
 
 
 def profile(kind: str, shards: Path, batch: int, n: int, top: int = 12) -> dict:
-    "cProfile of one pass in this process (no workers): the functions by their own time."
+    """cProfile of one pass in this process (no workers), on one thread as a DataLoader worker runs (torch sets 1 in
+    each worker; on a busy machine torch's default threads spend ~20 ms in every small tensor op): the functions by
+    their own time."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _profile(kind, shards, batch, n, top)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _profile(kind: str, shards: Path, batch: int, n: int, top: int) -> dict:
+    make(kind, shards, 0, batch, n)            # imports and the tokenizer's first build, outside the profile
     pr = cProfile.Profile()
     t0 = time.perf_counter()
     pr.enable()
