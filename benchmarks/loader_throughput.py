@@ -166,7 +166,8 @@ def report(d: dict) -> str:
              "per worker = images/s / workers. ours-random: this repository's training loader with PowerCLIP's fields "
              "(tokens and parse nodes from the stored tree, M = 10 random boxes on the 14 x 14 grid); ours-slic: the "
              "stored slic regions instead; open_clip: `open_clip_train.data.get_wds_dataset` with its training "
-             "transform and tokenizer (image and caption only).", "",
+             f"transform and tokenizer (image and caption only), reading {d.get('open_clip_shards', d['shards'])}.",
+             "",
              "| config | workers | " + " | ".join(f"round {i + 1} per worker" for i in range(d["rounds"]))
              + " | median per worker | / open_clip (median of rounds' ratios) |",
              "|---|---:|" + "---:|" * d["rounds"] + "---:|---:|"]
@@ -206,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--open-clip-shards", type=Path, default=None, help="the shards open_clip reads (default --shards; "
+                                                                       "runs/real_shards/raw: the same photos and "
+                                                                       "captions without the annotations)")
     ap.add_argument("--profile", action="store_true", help="cProfile one pass of each configuration (no workers)")
     ap.add_argument("--notes", type=Path, default=None, help="a text file of reading notes to add to the report")
     ap.add_argument("--out", type=Path, default=HERE / "results")
@@ -214,21 +218,24 @@ def main(argv=None) -> int:
     with usage_errors():
         a = ap.parse_args(argv)
         pat = pattern(a.shards)
+        src = {k: (a.open_clip_shards if k == "open_clip" and a.open_clip_shards else a.shards) for k in CONFIGS}
+        pattern(src["open_clip"])
         if min(a.workers) < 1 or a.rounds < 1 or a.batch < 1:
             raise ValueError("--workers, --rounds and --batch: at least 1")
     n = count_samples(a.shards)
     d = dict(command="python benchmarks/loader_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv),
-             machine=machine(), shards=pat, samples=n, batch=a.batch, workers=a.workers, rounds=a.rounds, runs=[])
+             machine=machine(), shards=pat, open_clip_shards=pattern(src["open_clip"]), samples=n, batch=a.batch,
+             workers=a.workers, rounds=a.rounds, runs=[])
     for rnd in range(a.rounds):
         for w in a.workers:
             for kind in a.configs:
-                r = dict(one_pass(kind, a.shards, w, a.batch, n), round=rnd)
+                r = dict(one_pass(kind, src[kind], w, a.batch, n), round=rnd)
                 d["runs"].append(r)
                 print(f"round {rnd + 1} {kind:12s} {w} worker(s): {r['images']} images, {r['images_per_s']:.0f} "
                       f"images/s ({r['per_worker']:.0f} per worker), first batch {r['first_batch_s']:.1f} s",
                       flush=True)
     if a.profile:
-        d["profiles"] = [profile(kind, a.shards, a.batch, n) for kind in a.configs]
+        d["profiles"] = [profile(kind, src[kind], a.batch, n) for kind in a.configs]
     d["load_end"] = [round(x, 2) for x in os.getloadavg()]
     d["notes"] = a.notes.read_text().splitlines() if a.notes else []
     a.out.mkdir(parents=True, exist_ok=True)
