@@ -150,8 +150,9 @@ def machine() -> dict:
 
 def report(d: dict) -> str:
     runs, m = d["runs"], d["machine"]
+    kinds = [k for k in CONFIGS if any(r["config"] == k for r in runs)]
     med = {}
-    for kind in CONFIGS:
+    for kind in kinds:
         for w in d["workers"]:
             xs = [r["per_worker"] for r in runs if r["config"] == kind and r["workers"] == w]
             med[kind, w] = statistics.median(xs) if xs else float("nan")
@@ -171,18 +172,18 @@ def report(d: dict) -> str:
              "| config | workers | " + " | ".join(f"round {i + 1} per worker" for i in range(d["rounds"]))
              + " | median per worker | / open_clip (median of rounds' ratios) |",
              "|---|---:|" + "---:|" * d["rounds"] + "---:|---:|"]
-    for kind in CONFIGS:
+    for kind in kinds:
         for w in d["workers"]:
             mine = [r for r in runs if r["config"] == kind and r["workers"] == w]
             ref = {r["round"]: r for r in runs if r["config"] == "open_clip" and r["workers"] == w}
             ratios = [r["per_worker"] / ref[r["round"]]["per_worker"] for r in mine if r["round"] in ref]
             lines.append(f"| {kind} | {w} | " + " | ".join(f"{r['per_worker']:.0f}" for r in mine)
                          + f" | {med[kind, w]:.0f} | {statistics.median(ratios) if ratios else float('nan'):.2f} |")
-    best = {k: max(med[k, w] for w in d["workers"]) for k in CONFIGS}
+    best = {k: max(med[k, w] for w in d["workers"]) for k in kinds}
     lines += ["", "Loader cores (worker processes) one GPU needs, at the best median per-worker rate above:", "",
               "| config | per worker | " + " | ".join(f"cores at {g:,} images/s" for g in GPU_RATES) + " |",
               "|---|---:|" + "---:|" * len(GPU_RATES)]
-    for k in CONFIGS:
+    for k in kinds:
         lines.append(f"| {k} | {best[k]:.0f} | " + " | ".join(f"{g / best[k]:.1f}" for g in GPU_RATES) + " |")
     if d.get("profiles"):
         lines += ["", "## Where the time goes (cProfile, one pass in one process, no workers)", ""]
