@@ -191,7 +191,7 @@ if triton is not None:
                     node_m = tl.reduce(tl.where(oh[None, :, :], cm[:, None, :], 0.0), 2, _SUM)             # (BRM, BP)
                     at = oh[None, :, :] & (q == node_m)[:, :, None]                  # (BRM, BP, BJ) the chunk's maxima
                     ties = tl.reduce(tl.where(at, 1.0, 0.0), 1, _SUM)
-                    first = tl.reduce(tl.where(at, offs[None, :, None], P), 1, _MIN)             # (BRM, BJ)
+                    first = tl.reduce(tl.where(at, offs[None, :, None], P), 1, _MIN).to(tl.int32)   # (BRM, BJ)
                     new = tl.maximum(x_m, cm)
                     x_n = tl.where(x_m == new, x_n, 0.0) + tl.where(cm == new, ties, 0.0)
                     x_i = tl.where((x_m == new) & (x_i >= 0), x_i, tl.where(cm == new, first, x_i))

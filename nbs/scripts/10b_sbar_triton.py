@@ -107,8 +107,23 @@ from powerclip.powerset_fast import sbar_blocked
 # **Without region sets** (Table 6's ablation: single regions, hard maxima) the T2R term is the mean over nodes of
 # $\max_{m\in V_i} q$, and the R2T term the mean over valid regions of $\max_{p\in j} q$. The latter is a maximum per
 # (image, region, text) across chunks; the program keeps it online too, with the number of nodes that attain it
-# (ties share the gradient evenly, as in `10a`), and writes both, a $C_i\times M\times C_j$ pair of tensors: still
-# no nodes axis.
+# (ties share the gradient evenly, as torch's `amax` and `10a` share it) and the first node that does (its index in
+# the packed order), and writes the three, $C_i\times M\times C_j$ tensors: still no nodes axis.
+#
+# **Why the argmax is kept.** A maximum is not smooth: its gradient goes to whichever node attains it, so the
+# backward must pick the same node as the forward. Recomputing the scores and comparing them with the saved maximum
+# picks it only if the recomputed score is the forward's bit for bit. The kernels are written so that it is (same
+# tile shapes and positions, above), but the backward kernels run with another launch configuration (8 warps, the
+# forward 4), and on a GPU the number of warps decides how a product is laid out over the tensor cores and may change
+# its rounding; one unit in the last place less and the node's gradient would vanish. So the backward sends the
+# gradient to the forward's saved argmax by its index, as fused MaxSim (late-interaction) kernels do, and compares
+# scores only for exact ties (count above 1): there the tied nodes are duplicates of one another, each computed in
+# the same tile position by the same instructions, hence equal to each other in any configuration. Their shares
+# still come from the forward's count; only where the backward's product rounds a tie differently from the forward's
+# can a tied node other than the first miss its share (never a non-maximal node receive one). The T2R maximum over
+# an image's regions needs none of this: all of an image's regions lie in one tile, so the backward finds the best
+# region(s) and their count in its own recomputed tile, consistently, and the gradient $G_{ij}/K_j$ of each node is
+# always delivered in full, to regions that are maximal in the backward's rounding.
 
 # %% [markdown]
 # ## The activations, in Triton
@@ -299,7 +314,7 @@ if triton is not None:
                     node_m = tl.reduce(tl.where(oh[None, :, :], cm[:, None, :], 0.0), 2, _SUM)             # (BRM, BP)
                     at = oh[None, :, :] & (q == node_m)[:, :, None]                  # (BRM, BP, BJ) the chunk's maxima
                     ties = tl.reduce(tl.where(at, 1.0, 0.0), 1, _SUM)
-                    first = tl.reduce(tl.where(at, offs[None, :, None], P), 1, _MIN)             # (BRM, BJ)
+                    first = tl.reduce(tl.where(at, offs[None, :, None], P), 1, _MIN).to(tl.int32)   # (BRM, BJ)
                     new = tl.maximum(x_m, cm)
                     x_n = tl.where(x_m == new, x_n, 0.0) + tl.where(cm == new, ties, 0.0)
                     x_i = tl.where((x_m == new) & (x_i >= 0), x_i, tl.where(cm == new, first, x_i))
@@ -338,7 +353,7 @@ if triton is not None:
 # the softmax weight of node $p$ within its text, from the saved $\mathrm{LSE}$ and the recomputed $s_{ip}$ (a sum
 # over all regions of image $i$: every tile holds all of an image's regions for this reason). Without region sets the
 # two hard maxima pass $G_{ij}/K_j$ to the best region(s) of each node and $G_{ij}/M_i$ to the best node(s) of each
-# (region, text), ties evenly: the forward's saved maxima and counts say which.
+# (region, text), ties evenly: for the nodes, the forward's saved argmax, maxima and counts say which (above).
 #
 # Then $\partial L/\partial\phi_m^{(i)} = \sum_p \delta_{imp}\,p_p$ and $\partial L/\partial p_p =
 # \sum_{i,m}\delta_{imp}\,\phi_m^{(i)}$. Each gradient is written by programs that **own** its rows, so no two
@@ -762,6 +777,20 @@ def compile_report(
 # tiles with padded images. Every switch of `SbarSpec` (Table 8's activations, each aggregator alone, the debias,
 # region sets off) at $\tau$ down to $10^{-3}$: float32 values within $10^{-5}$ relative, gradients within $10^{-4}$
 # of the largest.
+#
+# `tests/test_sbar_triton.py` adds what a parity on random float32 inputs cannot see, each test shown to fail on the
+# bug it guards (a bug planted in the kernels, the test run, the bug removed): **precision** as FlashAttention's tests
+# judge it, on bf16 inputs with long sums (texts of 64 nodes, 1,024 nodes in 64 chunks): the kernels' largest error
+# against float64 on the same rounded inputs at most twice the blocked path's in bf16 (3x for gradients; a forward
+# T1 sum or a backward accumulator kept in bf16 errs 22 and 60 times the blocked path), and each $\bar S$ entry of bf16
+# inputs within $10^{-5}$ of float64; **exact ties** (duplicate regions, nodes duplicated within and across chunks)
+# split as torch's `amax` splits them; every activation at a score of exactly 0 (ReLU's derivative there is 0);
+# transposed and expanded upstream gradients and strided inputs; bf16 operands reaching the ops under autocast;
+# image tiles and text groups cut short that hold valid regions, with texts of several chunks, in every switch; and a
+# text without a node refused in one line. Triton's interpreter turns float32 into bf16 by truncation, where torch
+# and a GPU round to nearest: there a bf16 rounding errs up to twice as much, always towards zero, and the tolerances
+# hold under both (the kernels' gradient error on the CPU is 2.5 times the blocked path's, from that truncation of its
+# output; the accumulator bugs 60 times).
 
 # %%
 #| export
