@@ -323,7 +323,7 @@ class Tiles:
 def default_tiles(dtype: torch.dtype, spec: SbarSpec = SbarSpec()) -> Tiles:
     """Tiles for products in `dtype`: bf16 / fp16 32 x 32 with groups of 16 texts; without region sets 16 x 16 with 8
     (their maxima per region and text take BR*BM x BP x BJ registers); float32 16 x 16 (its 'ieee' products take more
-    registers). At M = 10, D = 512 each compiles for sm_90 without spills, but for 16 bytes a thread in the ablation's
+    registers). At M = 10, D = 512 each compiles for sm_90 without spills, but for 8 bytes a thread in the ablation's
     node gradient (`compile_report`, benchmarks/results/sbar_triton_sm90.md)."""
     if dtype == torch.float32:
         return Tiles(rows=16, nodes=16, texts=16)
