@@ -900,7 +900,8 @@ for _a, _b, _c in zip(_res["bf16"], _res["bf16 blocked"], _res["fp32"]):
 # The promise of the kernels is that a call dispatches no PyTorch operation on the scores: no matrix product, no
 # segment reduction (`index_add`, `scatter`), no activation. A `TorchDispatchMode` records every ATen operation of a
 # forward and backward call: what remains is the two custom ops, the text boundaries (`searchsorted`), casts, and the
-# buffers.
+# buffers. The call is given the host counts, as the loss gives them (without them a CPU call checks `node_text` for
+# a text without a node, with a few reductions).
 
 # %%
 class _Ops(TorchDispatchMode):
@@ -916,10 +917,11 @@ class _Ops(TorchDispatchMode):
 _FORBIDDEN = ("mm", "bmm", "addmm", "matmul", "einsum", "index_add", "scatter", "segment", "softplus", "logsumexp",
               "log1p", "sigmoid", "tanh", "exp", "log", "gelu", "silu", "relu", "amax", "max", "sum")
 _reg, _rv, _ph, _nt = ragged_case(4, 5, M=4, D=8, Kmax=4, seed=2, dtype=torch.float32)
+_counts = torch.bincount(_nt, minlength=5).tolist()
 for _spec in (SbarSpec(), SbarSpec(region_sets=False)):
     _r, _p = _reg.clone().requires_grad_(), _ph.clone().requires_grad_()
     with _Ops() as _ops:
-        _S = sbar_triton(_r, _rv, _p, _nt, 5, _spec, _SMALL)
+        _S = sbar_triton(_r, _rv, _p, _nt, 5, _spec, _SMALL, counts=_counts)
         torch.autograd.grad(_S, (_r, _p), torch.ones_like(_S))
     _names = sorted({n.split("::")[-1] for n in _ops.seen})
     print(f"region_sets={_spec.region_sets}: {', '.join(_names)}")
