@@ -191,7 +191,7 @@ def powerset_similarity(
         from powerclip.sbar_triton import sbar_triton
         phrases, node_text = texts.packed()
         return sbar_triton(images.regions, images.region_valid, phrases, node_text, texts.regions.shape[0],
-                           cfg.sbar_spec())
+                           cfg.sbar_spec(), counts=texts.node_counts)
     if cfg.impl == "auto" and not cfg.exact:   # the dense scores' bytes against one block of the fast path
         Ci, M = images.regions.shape[:2]
         small = min(cfg.block_budget, DENSE_AUTO_BYTES)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .powerset_fast import NLA_T1_GRADS, NLA_T2_ACTS, SbarSpec, ragged_case, sbar_dense
+from .powerset_fast import (NLA_T1_GRADS, NLA_T2_ACTS, SbarSpec, check_counts, node_counts, ragged_case,
+                                     sbar_dense)
 
 try:
     import triton
@@ -31,7 +32,7 @@ if triton is not None:
     # them and reduces with numpy, where any other combine function is called element by element; and unlike tl.sum
     # and tl.max, which are jit functions made when triton was imported, they are never called by the interpreter,
     # so the kernels also run when TRITON_INTERPRET was set after triton's import
-    _SUM, _MAX = tl.standard._sum_combine, tl.standard._elementwise_max
+    _SUM, _MAX, _MIN = tl.standard._sum_combine, tl.standard._elementwise_max, tl.standard._elementwise_min
 
     @triton.jit
     def _softplus(x):
@@ -137,8 +138,8 @@ if triton is not None:
         return tl.reduce(tl.where(v != 0, 1.0, 0.0), 1, _SUM)
 
     @triton.jit
-    def _sbar_fwd_kernel(reg_ptr, rv_ptr, ph_ptr, nt_ptr, st_ptr, s_ptr, lse_ptr, xm_ptr, xn_ptr,
-                         R, C, M, D, tau, alpha,
+    def _sbar_fwd_kernel(reg_ptr, rv_ptr, ph_ptr, nt_ptr, st_ptr, s_ptr, lse_ptr, xm_ptr, xn_ptr, xi_ptr,
+                         R, C, P, M, D, tau, alpha,
                          T1: tl.constexpr, T2: tl.constexpr, USE_T2R: tl.constexpr, USE_R2T: tl.constexpr,
                          SETS: tl.constexpr, DEBIAS: tl.constexpr, PREC: tl.constexpr,
                          BR: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr):
@@ -158,7 +159,8 @@ if triton is not None:
         run_m = tl.full((BR, BJ), float("-inf"), tl.float32)                     # online LSE: running max ...
         run_l = tl.full((BR, BJ), 0.0, tl.float32)                             # ... and sum of e^(s - max)
         x_m = tl.full((BR * BM, BJ), float("-inf"), tl.float32)                  # no sets: max over the text's nodes
-        x_n = tl.full((BR * BM, BJ), 0.0, tl.float32)                          # ... and how many attain it
+        x_n = tl.full((BR * BM, BJ), 0.0, tl.float32)                          # ... how many attain it
+        x_i = tl.full((BR * BM, BJ), -1, tl.int32)                               # ... and the first that does
         for c0 in range(p_lo // BP * BP, p_hi, BP):                             # chunks at multiples of BP
             offs = c0 + pp
             pm = (offs >= p_lo) & (offs < p_hi)
@@ -187,9 +189,12 @@ if triton is not None:
                 if USE_R2T:
                     cm = tl.reduce(tl.where(oh[None, :, :], q[:, :, None], float("-inf")), 1, _MAX)        # (BRM, BJ)
                     node_m = tl.reduce(tl.where(oh[None, :, :], cm[:, None, :], 0.0), 2, _SUM)             # (BRM, BP)
-                    ties = tl.reduce(tl.where(oh[None, :, :] & (q == node_m)[:, :, None], 1.0, 0.0), 1, _SUM)
+                    at = oh[None, :, :] & (q == node_m)[:, :, None]                  # (BRM, BP, BJ) the chunk's maxima
+                    ties = tl.reduce(tl.where(at, 1.0, 0.0), 1, _SUM)
+                    first = tl.reduce(tl.where(at, offs[None, :, None], P), 1, _MIN).to(tl.int32)   # (BRM, BJ)
                     new = tl.maximum(x_m, cm)
                     x_n = tl.where(x_m == new, x_n, 0.0) + tl.where(cm == new, ties, 0.0)
+                    x_i = tl.where((x_m == new) & (x_i >= 0), x_i, tl.where(cm == new, first, x_i))
                     x_m = new
         rows = r0 + tl.arange(0, BR)
         out = (rows < R)[:, None] & jmask[None, :]
@@ -209,12 +214,14 @@ if triton is not None:
                 xo = (rk * M + mk)[:, None] * C + js[None, :]                    # (BRM, BJ) into (R, M, C)
                 tl.store(xm_ptr + xo, x_m, mask=kmask[:, None] & jmask[None, :])
                 tl.store(xn_ptr + xo, x_n, mask=kmask[:, None] & jmask[None, :])
+                tl.store(xi_ptr + xo, x_i, mask=kmask[:, None] & jmask[None, :])
         tl.store(s_ptr + rows[:, None] * C + js[None, :], S, mask=out)
 
 # %% ../nbs/10b_sbar_triton.ipynb #1bf3f55a
 if triton is not None:
     @triton.jit
-    def _dscores(q, valid, rk, mk, offs, pm, Mi, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, R, C, M, tau, alpha,
+    def _dscores(q, valid, rk, mk, offs, pm, Mi, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, xi_ptr, R, C, M,
+                 tau, alpha,
                  T1: tl.constexpr, T2: tl.constexpr, USE_T2R: tl.constexpr, USE_R2T: tl.constexpr,
                  SETS: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr):
         "delta = dL/dq (BRM, BP) of a recomputed tile: images rk, regions mk (their M_i: Mi (BR,)), nodes offs."
@@ -244,13 +251,14 @@ if triton is not None:
             if USE_R2T:
                 Mk = tl.reshape(tl.broadcast_to(Mi[:, None], (BR, BM)), (BR * BM,))     # (BRM,) M_i of the row
                 xo = (rk * M + mk)[:, None] * C + j[None, :]
-                xmax = tl.load(xm_ptr + xo, mask=vq, other=float("inf"))
-                hit = vq & (q == xmax)
-                d += tl.where(hit, G / tl.maximum(Mk, 1.0)[:, None] / tl.load(xn_ptr + xo, mask=hit, other=1.0), 0.0)
+                ties = tl.load(xn_ptr + xo, mask=vq, other=1.0)
+                hit = vq & (offs[None, :] == tl.load(xi_ptr + xo, mask=vq, other=-1))     # the forward's argmax
+                hit = hit | (vq & (ties > 1.0) & (q == tl.load(xm_ptr + xo, mask=vq, other=float("inf"))))
+                d += tl.where(hit, G / tl.maximum(Mk, 1.0)[:, None] / ties, 0.0)
         return tl.where(vq, d, 0.0)
 
     @triton.jit
-    def _sbar_bwd_regions(reg_ptr, rv_ptr, ph_ptr, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, out_ptr,
+    def _sbar_bwd_regions(reg_ptr, rv_ptr, ph_ptr, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, xi_ptr, out_ptr,
                           R, C, P, M, D, tau, alpha,
                           T1: tl.constexpr, T2: tl.constexpr, USE_T2R: tl.constexpr, USE_R2T: tl.constexpr,
                           SETS: tl.constexpr, PREC: tl.constexpr,
@@ -265,15 +273,15 @@ if triton is not None:
             pm = offs < P
             ph = _node_tile(ph_ptr, offs, pm, D, BD)
             q = _mm(a, tl.trans(ph), PREC)
-            d = _dscores(q, valid, rk, mk, offs, pm, Mi, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, R, C, M,
-                         tau, alpha, T1, T2, USE_T2R, USE_R2T, SETS, BR, BM, BP)
+            d = _dscores(q, valid, rk, mk, offs, pm, Mi, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, xi_ptr,
+                         R, C, M, tau, alpha, T1, T2, USE_T2R, USE_R2T, SETS, BR, BM, BP)
             acc += _mm(d.to(ph.dtype), ph, PREC)
         dd = tl.arange(0, BD)
         tl.store(out_ptr + (rk * M + mk)[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=kmask[:, None] & (dd[None, :] < D))
 
     @triton.jit
-    def _sbar_bwd_nodes(reg_ptr, rv_ptr, ph_ptr, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, out_ptr,
+    def _sbar_bwd_nodes(reg_ptr, rv_ptr, ph_ptr, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, xi_ptr, out_ptr,
                         R, C, P, M, D, tau, alpha,
                         T1: tl.constexpr, T2: tl.constexpr, USE_T2R: tl.constexpr, USE_R2T: tl.constexpr,
                         SETS: tl.constexpr, PREC: tl.constexpr,
@@ -286,8 +294,8 @@ if triton is not None:
             a, valid, kmask, rk, mk = _region_tile(reg_ptr, rv_ptr, r0, R, M, D, BR, BM, BD)
             Mi = _valid_per_image(rv_ptr, r0, R, M, BR, BM)
             q = _mm(a, tl.trans(ph), PREC)
-            d = _dscores(q, valid, rk, mk, offs, pm, Mi, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, R, C, M,
-                         tau, alpha, T1, T2, USE_T2R, USE_R2T, SETS, BR, BM, BP)
+            d = _dscores(q, valid, rk, mk, offs, pm, Mi, nt_ptr, st_ptr, g_ptr, lse_ptr, xm_ptr, xn_ptr, xi_ptr,
+                         R, C, M, tau, alpha, T1, T2, USE_T2R, USE_R2T, SETS, BR, BM, BP)
             acc += _mm(tl.trans(d.to(a.dtype)), a, PREC)
         dd = tl.arange(0, BD)
         tl.store(out_ptr + offs[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -315,7 +323,7 @@ class Tiles:
 def default_tiles(dtype: torch.dtype, spec: SbarSpec = SbarSpec()) -> Tiles:
     """Tiles for products in `dtype`: bf16 / fp16 32 x 32 with groups of 16 texts; without region sets 16 x 16 with 8
     (their maxima per region and text take BR*BM x BP x BJ registers); float32 16 x 16 (its 'ieee' products take more
-    registers). At M = 10, D = 512 each compiles for sm_90 without spills, but for 16 bytes a thread in the ablation's
+    registers). At M = 10, D = 512 each compiles for sm_90 without spills, but for 8 bytes a thread in the ablation's
     node gradient (`compile_report`, benchmarks/results/sbar_triton_sm90.md)."""
     if dtype == torch.float32:
         return Tiles(rows=16, nodes=16, texts=16)
@@ -381,7 +389,8 @@ def _launch_args(regions, region_valid, phrases, node_text, tau, alpha, t1, t2, 
 @torch.library.custom_op("powerclip::sbar_fwd", mutates_args=())
 def _sbar_fwd_op(regions: torch.Tensor, region_valid: torch.Tensor, phrases: torch.Tensor, node_text: torch.Tensor,
                  n_texts: int, tau: float, alpha: float, t1: int, t2: int, flags: int,
-                 tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor]:
     R, M, D = regions.shape
     C, dev = n_texts, regions.device
     starts = torch.searchsorted(node_text, torch.arange(C + 1, device=dev, dtype=node_text.dtype))   # (C + 1,)
@@ -390,15 +399,16 @@ def _sbar_fwd_op(regions: torch.Tensor, region_valid: torch.Tensor, phrases: tor
     lse = torch.empty(R, C, device=dev, dtype=torch.float32) if sets and r2t else S.new_empty(0)
     xm = torch.empty(R, M, C, device=dev, dtype=torch.float32) if r2t and not sets else S.new_empty(0)
     xn = torch.empty_like(xm)
+    xi = torch.empty_like(xm, dtype=torch.int32)
     if R == 0 or C == 0:
-        return S, lse, xm, xn, starts
+        return S, lse, xm, xn, xi, starts
     rows, nodes, texts, warps, _ = tiles
     BR, BM, BD = _grid_sizes(M, D, rows)
     ins, sw, prec = _launch_args(regions, region_valid, phrases, node_text, tau, alpha, t1, t2, flags)
     _sbar_fwd_kernel[(triton.cdiv(R, BR), triton.cdiv(C, texts))](
-        *ins, starts, S, lse, xm, xn, R, C, M, D, tau, alpha, *sw, bool(flags & 8), prec, BR, BM, nodes, texts, BD,
-        num_warps=warps)
-    return S, lse, xm, xn, starts
+        *ins, starts, S, lse, xm, xn, xi, R, C, phrases.shape[0], M, D, tau, alpha, *sw, bool(flags & 8), prec, BR, BM,
+        nodes, texts, BD, num_warps=warps)
+    return S, lse, xm, xn, xi, starts
 
 
 @_sbar_fwd_op.register_fake
@@ -408,13 +418,13 @@ def _(regions, region_valid, phrases, node_text, n_texts, tau, alpha, t1, t2, fl
     S = regions.new_empty(R, n_texts, dtype=torch.float32)
     lse = S.new_empty(R, n_texts) if sets and r2t else S.new_empty(0)
     xm = S.new_empty(R, M, n_texts) if r2t and not sets else S.new_empty(0)
-    return S, lse, xm, torch.empty_like(xm), node_text.new_empty(n_texts + 1)
+    return S, lse, xm, torch.empty_like(xm), torch.empty_like(xm, dtype=torch.int32), node_text.new_empty(n_texts + 1)
 
 
 @torch.library.custom_op("powerclip::sbar_bwd", mutates_args=())
 def _sbar_bwd_op(G: torch.Tensor, regions: torch.Tensor, region_valid: torch.Tensor, phrases: torch.Tensor,
                  node_text: torch.Tensor, starts: torch.Tensor, lse: torch.Tensor, xm: torch.Tensor,
-                 xn: torch.Tensor, tau: float, alpha: float, t1: int, t2: int, flags: int,
+                 xn: torch.Tensor, xi: torch.Tensor, tau: float, alpha: float, t1: int, t2: int, flags: int,
                  tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     R, M, D = regions.shape
     P, C = phrases.shape[0], starts.shape[0] - 1
@@ -425,7 +435,7 @@ def _sbar_bwd_op(G: torch.Tensor, regions: torch.Tensor, region_valid: torch.Ten
     BR, BM, BD = _grid_sizes(M, D, rows)
     ins, sw, prec = _launch_args(regions, region_valid, phrases, node_text, tau, alpha, t1, t2, flags)
     G = G.contiguous().float()
-    common = (*ins, starts, G, lse, xm, xn)
+    common = (*ins, starts, G, lse, xm, xn, xi)
     _sbar_bwd_regions[(triton.cdiv(R, BR),)](*common, g_reg, R, C, P, M, D, tau, alpha, *sw, prec, BR, BM, nodes,
                                              BD, num_warps=warps)
     _sbar_bwd_nodes[(triton.cdiv(P, nodes),)](*common, g_ph, R, C, P, M, D, tau, alpha, *sw, prec, BR, BM, nodes,
@@ -434,20 +444,20 @@ def _sbar_bwd_op(G: torch.Tensor, regions: torch.Tensor, region_valid: torch.Ten
 
 
 @_sbar_bwd_op.register_fake
-def _(G, regions, region_valid, phrases, node_text, starts, lse, xm, xn, tau, alpha, t1, t2, flags, tiles):
+def _(G, regions, region_valid, phrases, node_text, starts, lse, xm, xn, xi, tau, alpha, t1, t2, flags, tiles):
     return torch.empty_like(regions), torch.empty_like(phrases)
 
 
 def _setup(ctx, inputs, output):
     regions, region_valid, phrases, node_text, _, tau, alpha, t1, t2, flags, tiles = inputs
-    _, lse, xm, xn, starts = output
-    ctx.save_for_backward(regions, region_valid, phrases, node_text, starts, lse, xm, xn)
+    _, lse, xm, xn, xi, starts = output
+    ctx.save_for_backward(regions, region_valid, phrases, node_text, starts, lse, xm, xn, xi)
     ctx.args = (tau, alpha, t1, t2, flags, tiles)
 
 
 def _backward(ctx, G, *_):
-    regions, region_valid, phrases, node_text, starts, lse, xm, xn = ctx.saved_tensors
-    g_reg, g_ph = _sbar_bwd_op(G, regions, region_valid, phrases, node_text, starts, lse, xm, xn, *ctx.args)
+    regions, region_valid, phrases, node_text, starts, lse, xm, xn, xi = ctx.saved_tensors
+    g_reg, g_ph = _sbar_bwd_op(G, regions, region_valid, phrases, node_text, starts, lse, xm, xn, xi, *ctx.args)
     return g_reg, None, g_ph, None, None, None, None, None, None, None, None
 
 
@@ -458,12 +468,15 @@ def sbar_triton(
     regions: torch.Tensor,       # (C_i, M, D) region embeddings phi(I_i | R_m)
     region_valid: torch.Tensor,  # (C_i, M) bool
     phrases: torch.Tensor,       # (P, D) packed phrase embeddings of C_j texts
-    node_text: torch.Tensor,     # (P,) long, sorted: the text of each node; every text has >= 1 node (not checked)
+    node_text: torch.Tensor,     # (P,) long, sorted: the text of each node; every text has >= 1 node
     n_texts: int,                # C_j
     spec: SbarSpec = SbarSpec(),
     tiles: Tiles | None = None,  # None: default_tiles for the products' dtype and the spec
+    counts=None,                 # K_j of each text on the host (list of ints), or None
 ) -> torch.Tensor:               # (C_i, C_j) S-bar, float32
-    "S-bar of every image against every text from packed nodes, as fused Triton kernels (forward and backward)."
+    """S-bar of every image against every text from packed nodes, as fused Triton kernels (forward and backward).
+    A text without a node is refused in one line, from the host `counts` where given, else from `node_text` where
+    reading it costs no host sync (a CPU tensor); on a GPU without `counts` it is not checked."""
     why = unavailable(regions)
     if why:
         raise RuntimeError(why)
@@ -475,6 +488,10 @@ def sbar_triton(
         raise ValueError(f"shapes do not match: regions {tuple(regions.shape)}, region_valid "
                          f"{tuple(region_valid.shape)}, phrases {tuple(phrases.shape)}, node_text "
                          f"{tuple(node_text.shape)}")
+    if counts is not None:
+        check_counts(counts, n_texts, n_nodes=node_text.shape[0])
+    elif node_text.device.type == "cpu" and type(node_text) in _PLAIN and not torch.compiler.is_compiling():
+        node_counts(node_text, n_texts)         # on the host already: no sync to check the layout
     dev, mm = regions.device.type, torch.promote_types(regions.dtype, phrases.dtype)
     if torch.is_autocast_enabled(dev) and mm == torch.float32:
         mm = torch.get_autocast_dtype(dev)      # the score products in the autocast dtype, as the blocked path
@@ -493,9 +510,11 @@ def _signature(kernel: str, ptr: str) -> dict:
     fwd = [("reg_ptr", ptr), ("rv_ptr", "*u8"), ("ph_ptr", ptr), ("nt_ptr", "*i64"), ("st_ptr", "*i64")]
     out = [("R", "i32"), ("C", "i32")]
     if kernel == "_sbar_fwd_kernel":
-        rest = [("s_ptr", "*fp32"), ("lse_ptr", "*fp32"), ("xm_ptr", "*fp32"), ("xn_ptr", "*fp32"), *out]
+        rest = [("s_ptr", "*fp32"), ("lse_ptr", "*fp32"), ("xm_ptr", "*fp32"), ("xn_ptr", "*fp32"), ("xi_ptr", "*i32"),
+                *out, ("P", "i32")]
     else:
-        rest = [("g_ptr", "*fp32"), ("lse_ptr", "*fp32"), ("xm_ptr", "*fp32"), ("xn_ptr", "*fp32"), ("out_ptr", ptr),
+        rest = [("g_ptr", "*fp32"), ("lse_ptr", "*fp32"), ("xm_ptr", "*fp32"), ("xn_ptr", "*fp32"), ("xi_ptr", "*i32"),
+                ("out_ptr", ptr),
                 *out, ("P", "i32")]
     return dict(fwd + rest + [("M", "i32"), ("D", "i32"), ("tau", "fp32"), ("alpha", "fp32")])
 
