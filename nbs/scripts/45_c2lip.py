@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from powerclip.data import BatchNeeds
 from powerclip.dist import DistContext, gather
-from powerclip.loss import clip_loss
+from powerclip.loss import clip_loss, siglip_loss
 from powerclip.methods import Method, register
 from powerclip.powerset import pool_normalize
 
@@ -208,25 +208,10 @@ print(_lb.dtype, float(_lb.detach()))
 # $-1$ elsewhere, $\mathcal L=-\frac1{|B|}\sum_{i,j}\log\sigma\big(z_{ij}(t\,v_i\cdot t_j+b)\big)$. A process computes
 # its $R$ local images against the gathered captions and divides by $R$ (as open_clip's `SigLipLoss` divides by its
 # local batch), so the mean over processes is the full-batch loss. Unlike CLIP's loss it needs no images of other
-# processes: the images' side of each pair is summed on the process that holds the image.
-
-# %%
-#| export
-def siglip_loss(
-    image: torch.Tensor,          # (R, D) L2-normalised local image embeddings
-    text: torch.Tensor,           # (R, D) L2-normalised local text embeddings
-    scale: torch.Tensor, bias: torch.Tensor,  # () t and b
-    text_all: torch.Tensor | None = None,     # (C, D) gathered text embeddings (None: the local ones)
-    offset: int = 0,              # rank * R: the column of this process's first positive
-) -> torch.Tensor:                # scalar
-    "SigLIP's pairwise sigmoid loss (Eq. 4), local images against all captions, mean over the local images."
-    cols = text if text_all is None else text_all
-    sim = image @ cols.T                                                            # (R, C)
-    logits = scale * sim.to(torch.promote_types(sim.dtype, torch.float32)) + bias
-    R, C = logits.shape
-    own = torch.arange(C, device=logits.device)[None, :] == (torch.arange(R, device=logits.device) + offset)[:, None]
-    return _sigmoid_nll(logits, torch.where(own, 1.0, -1.0))
-
+# processes: the images' side of each pair is summed on the process that holds the image. It is `11_loss`'s
+# `siglip_loss` (the one copy, equal to open_clip's `SigLipLoss` on every rank: `tests/test_siglip.py`), with its
+# promotion of the similarities to at least float32 under autocast; the checks below hold it to the pair-by-pair sum
+# once more, through C2LIP's names.
 
 # %%
 def _naive_siglip(v, t, tau, b):

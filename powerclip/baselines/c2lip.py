@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from ..data import BatchNeeds
 from ..dist import DistContext, gather
-from ..loss import clip_loss
+from ..loss import clip_loss, siglip_loss
 from ..methods import Method, register
 from ..powerset import pool_normalize
 
 # %% auto #0
-__all__ = ['concept_targets', 'npc_loss', 'xac_loss', 'siglip_loss', 'select_concepts', 'concept_token_masks',
-           'concept_token_ids', 'C2LIPConfig', 'SigmoidScaleBias', 'c2lip_terms', 'C2LIP']
+__all__ = ['concept_targets', 'npc_loss', 'xac_loss', 'select_concepts', 'concept_token_masks', 'concept_token_ids',
+           'C2LIPConfig', 'SigmoidScaleBias', 'c2lip_terms', 'C2LIP']
 
 # %% ../../nbs/45_c2lip.ipynb #5252b1b8
 def concept_targets(
@@ -79,22 +79,6 @@ def xac_loss(
             dot = dot / sq.clamp_min(eps * eps).sqrt()
         logits = scale * dot + bias
     return _sigmoid_nll(logits, concept_targets(patches.shape[0], concept_valid, offset))
-
-# %% ../../nbs/45_c2lip.ipynb #babda344
-def siglip_loss(
-    image: torch.Tensor,          # (R, D) L2-normalised local image embeddings
-    text: torch.Tensor,           # (R, D) L2-normalised local text embeddings
-    scale: torch.Tensor, bias: torch.Tensor,  # () t and b
-    text_all: torch.Tensor | None = None,     # (C, D) gathered text embeddings (None: the local ones)
-    offset: int = 0,              # rank * R: the column of this process's first positive
-) -> torch.Tensor:                # scalar
-    "SigLIP's pairwise sigmoid loss (Eq. 4), local images against all captions, mean over the local images."
-    cols = text if text_all is None else text_all
-    sim = image @ cols.T                                                            # (R, C)
-    logits = scale * sim.to(torch.promote_types(sim.dtype, torch.float32)) + bias
-    R, C = logits.shape
-    own = torch.arange(C, device=logits.device)[None, :] == (torch.arange(R, device=logits.device) + offset)[:, None]
-    return _sigmoid_nll(logits, torch.where(own, 1.0, -1.0))
 
 # %% ../../nbs/45_c2lip.ipynb #b1befbd9
 def select_concepts(
