@@ -273,10 +273,14 @@ def powerclip_loss(
     image_all: torch.Tensor | None = None, text_all: torch.Tensor | None = None,  # (C, D) gathered
     gathered: PowersetInputs | None = None,   # (C, ...) gathered regions and phrases
     offset: int = 0,                          # rank * R
-) -> dict[str, torch.Tensor]:                 # {'clip', 'powerset', '_triplet_i2t', '_triplet_t2i', '_sim_pos',
-                                              # '_sim_neg'}
-    "L_total = L_CLIP + lam * L_triplet, as named terms: sum the keys without a leading underscore."
-    out = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    logit_bias: torch.Tensor | None = None,   # () SigLIP's b: the global term is SigLIP's loss ('siglip'), not CLIP's
+) -> dict[str, torch.Tensor]:                 # {'clip' or 'siglip', 'powerset', '_triplet_i2t', '_triplet_t2i',
+                                              # '_sim_pos', '_sim_neg'}
+    "L_total = L_CLIP (or L_SigLIP) + lam * L_triplet, as named terms: sum the keys without a leading underscore."
+    if logit_bias is None:
+        out = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    else:   # PowerCLIP over SigLIP: the sigmoid loss with the model's t and b, the triplet term unchanged
+        out = {"siglip": siglip_loss(image, text, logit_scale, logit_bias, text_all, offset)}
     if cfg.lam > 0:
         t = powerset_triplet_loss(local, gathered, offset, cfg)
         out["powerset"] = cfg.lam * (t["i2t"] + t["t2i"])

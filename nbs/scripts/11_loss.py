@@ -196,6 +196,7 @@ assert_close(_Si, _img @ _txt.T)
 assert_close(_St, 2 * _txt @ _img.T)
 assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone()), (_img, _txt))
 
+
 # %% [markdown]
 # ## SigLIP's sigmoid loss
 #
@@ -259,7 +260,6 @@ _sim16 = (_i32.bfloat16() @ _t32.bfloat16().T).float()
 _z = 2 * torch.eye(6) - 1
 assert _lb.dtype == torch.float32
 assert_close(_lb, -F.logsigmoid(_z * (100.0 * _sim16 - 10.0)).sum() / 6)
-
 
 # %% [markdown]
 # ## The powerset similarity and its ablation switches
@@ -457,7 +457,9 @@ def powerset_triplet_loss(
 
 # %% [markdown]
 # `powerclip_loss` returns the named terms that the trainer sums: `clip` and `powerset` (already weighted by
-# $\lambda$), plus unweighted diagnostics under keys starting with `_` that the trainer logs but does not add.
+# $\lambda$), plus unweighted diagnostics under keys starting with `_` that the trainer logs but does not add. Given
+# SigLIP's bias $b$ (`logit_bias`), the global term is SigLIP's loss instead (`siglip`, with `logit_scale` as $t$):
+# PowerCLIP over SigLIP, the triplet term unchanged.
 
 # %%
 #| export
@@ -469,10 +471,14 @@ def powerclip_loss(
     image_all: torch.Tensor | None = None, text_all: torch.Tensor | None = None,  # (C, D) gathered
     gathered: PowersetInputs | None = None,   # (C, ...) gathered regions and phrases
     offset: int = 0,                          # rank * R
-) -> dict[str, torch.Tensor]:                 # {'clip', 'powerset', '_triplet_i2t', '_triplet_t2i', '_sim_pos',
-                                              # '_sim_neg'}
-    "L_total = L_CLIP + lam * L_triplet, as named terms: sum the keys without a leading underscore."
-    out = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    logit_bias: torch.Tensor | None = None,   # () SigLIP's b: the global term is SigLIP's loss ('siglip'), not CLIP's
+) -> dict[str, torch.Tensor]:                 # {'clip' or 'siglip', 'powerset', '_triplet_i2t', '_triplet_t2i',
+                                              # '_sim_pos', '_sim_neg'}
+    "L_total = L_CLIP (or L_SigLIP) + lam * L_triplet, as named terms: sum the keys without a leading underscore."
+    if logit_bias is None:
+        out = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    else:   # PowerCLIP over SigLIP: the sigmoid loss with the model's t and b, the triplet term unchanged
+        out = {"siglip": siglip_loss(image, text, logit_scale, logit_bias, text_all, offset)}
     if cfg.lam > 0:
         t = powerset_triplet_loss(local, gathered, offset, cfg)
         out["powerset"] = cfg.lam * (t["i2t"] + t["t2i"])
@@ -511,6 +517,10 @@ _s = torch.tensor(20.0, dtype=torch.float64)
 _cfg = PowerCLIPLossConfig(tau=0.05)
 _full = powerclip_loss(_img, _txt, _s, _inp, _cfg)
 print({k: round(float(v), 4) for k, v in _full.items()})
+# over SigLIP: the global term is SigLIP's loss with t = logit_scale and b; the triplet term is the same number
+_sg = powerclip_loss(_img, _txt, _s, _inp, _cfg, logit_bias=torch.tensor(-3.0, dtype=torch.float64))
+assert "clip" not in _sg and torch.equal(_sg["powerset"], _full["powerset"])
+assert_close(_sg["siglip"], siglip_loss(_img, _txt, _s, torch.tensor(-3.0, dtype=torch.float64)))
 
 # %% [markdown]
 # The row decomposition: two "processes" of three rows each, computing their blocks against the gathered

@@ -227,12 +227,18 @@ def c2lip_terms(
     return terms
 
 # %% ../../nbs/45_c2lip.ipynb #9bbedb8c
+def _holds_bias(model) -> bool:
+    "Whether the open_clip model holds SigLIP's t and b (`logit_bias`, built with `init_logit_bias`)."
+    return getattr(model, "logit_bias", None) is not None
+
+
 @register("c2lip")
 class C2LIP(Method):
     """C2LIP: base (SigLIP or CLIP) + lambda_npc * npc + lambda_xac * xac over noun-phrase concepts, config
     `C2LIPConfig`."""
     Config = C2LIPConfig
     needs_patches = True
+    pools = ("tok", "avg", "map")
 
     def needs(self) -> BatchNeeds:
         "The parse tree with its noun-phrase labels (the concepts); no region mask."
@@ -243,8 +249,9 @@ class C2LIP(Method):
         return self.cfg.base == "siglip" or self.cfg.npc_weight > 0 or self.cfg.xac_weight > 0
 
     def build_modules(self, model) -> SigmoidScaleBias | None:
-        "t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict)."
-        if not self._sigmoid:
+        """t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict); None when the model
+        holds SigLIP's own (`logit_bias`: a SigLIP model or snapshot), whose t and b are then used."""
+        if not self._sigmoid or _holds_bias(model):
             return None
         t = float(model.logit_scale.detach().exp()) if self.cfg.init_scale == "model" else self.cfg.init_scale
         return SigmoidScaleBias(t, self.cfg.init_bias)
@@ -268,9 +275,12 @@ class C2LIP(Method):
         return batch
 
     def forward(self, model, batch, modules=None):
-        if self._sigmoid and not isinstance(modules, SigmoidScaleBias):
+        own = _holds_bias(model)
+        if self._sigmoid and not own and not isinstance(modules, SigmoidScaleBias):
             raise RuntimeError("C2LIP needs its sigmoid scale and bias: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
+        if self._sigmoid and own:         # the SigLIP model's own t = exp(t') and b
+            out["sigmoid_scale"], out["sigmoid_bias"] = out["logit_scale"], out["logit_bias"]
         if self.cfg.concept_embedding == "pool":
             out["concepts"] = pool_normalize(out["tokens"], batch["concept_tokens"])        # (C, Kc, D)
         else:   # one more text-tower pass, over the valid concepts only
