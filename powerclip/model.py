@@ -92,15 +92,15 @@ def _has_map(model) -> bool:
 def set_pool(model, pool: str):
     """Make both towers of an open_clip CLIP pool by `pool` ('tok' or 'avg'), in place: the image tower by open_clip's
     own `visual.pool_type`, the text tower by an instance-level `encode_text`; the weights are untouched. 'map' is an
-    architecture (a trained head): a MAP model stays 'map' (its text tower by EOT), and no model switches to or from it."""
+    architecture (a trained head): a MAP model stays 'map' (its text tower by EOT); no model switches to or from it."""
     if pool not in ALL_POOLS:
         raise ValueError(f"pool: must be one of {', '.join(ALL_POOLS)}, got {pool!r}")
     if not isinstance(model, open_clip.CLIP) or not hasattr(model.visual, 'pool_type'):
         raise NotImplementedError(f'set_pool supports open_clip.CLIP with a ViT, got {type(model).__name__}')
     if (pool == MAP) != _has_map(model):
         have = 'its trained MAP head' if _has_map(model) else f'{model.visual.pool_type!r}'
-        raise ValueError(f"pool: this model pools its image tower by {have}; 'map' is an architecture with weights, not "
-                         f"a switch: build the model with create_model(name, pool={pool!r}) and train it")
+        raise ValueError(f"pool: this model pools its image tower by {have}; 'map' is an architecture with weights, "
+                         f"not a switch: build the model with create_model(name, pool={pool!r}) and train it")
     if pool == MAP:
         vars(model).pop('encode_text', None)
         return model

@@ -52,7 +52,8 @@ from torch.testing import assert_close
 # **Any pooling.** The loss reads the two pooled vectors only, so it trains under `tok`, `avg` and `map` (SigLIP's own
 # image tower, `30_model`, "MAP"); the smoke preset included. **Deviation, written down:** the text tower stays CLIP's
 # (BPE tokenizer, EOT pooling, causal mask) because SigLIP's SentencePiece tokenizer is not available offline, and
-# released SigLIP weights (timm towers) do not load; this is SigLIP's loss, $t$, $b$ and image head on CLIP's text tower.
+# released SigLIP weights (timm towers) do not load; this is SigLIP's loss, $t$, $b$ and image head on CLIP's text
+# tower.
 #
 # **Across processes.** Only the texts are gathered (one collective with gradient, `powerclip.dist.gather`): each
 # process sums its own images against every text. Each step makes no host sync of its own

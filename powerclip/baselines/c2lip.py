@@ -249,8 +249,8 @@ class C2LIP(Method):
         return self.cfg.base == "siglip" or self.cfg.npc_weight > 0 or self.cfg.xac_weight > 0
 
     def build_modules(self, model) -> SigmoidScaleBias | None:
-        """t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict); None when the model
-        holds SigLIP's own (`logit_bias`: a SigLIP model or snapshot), whose t and b are then used."""
+        """t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict); None when the
+        model holds SigLIP's own (`logit_bias`: a SigLIP model or snapshot), whose t and b are then used."""
         if not self._sigmoid or _holds_bias(model):
             return None
         t = float(model.logit_scale.detach().exp()) if self.cfg.init_scale == "model" else self.cfg.init_scale
