@@ -271,7 +271,8 @@ RUNS = {
                                         "model.kwargs": {"init_logit_bias": SIGLIP_INIT["init_logit_bias"]}},
                               base="SigLIP", warmup_share=50 / 19_000),
     "PowerCLIP-R (SigLIP)": RunSpec("powerclip", {"model.pool": "map", "method_cfg.masks": "random",
-                                                  "method_cfg.global_loss": "siglip", "model.kwargs": dict(SIGLIP_INIT)}),
+                                                  "method_cfg.global_loss": "siglip",
+                                                  "model.kwargs": dict(SIGLIP_INIT)}),
 }
 DEMO_RUNS = ("CLIP", "PowerCLIP-R", "PowerCLIP-gold")   # `make demo`: CLIP against PowerCLIP
 # REFERENCE ("CLIP": every paired difference is to this row, same seed) is the report's (`69a_report`); the numbers with

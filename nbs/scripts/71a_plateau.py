@@ -817,7 +817,6 @@ _smd = (_sg_root / "T10" / "sigmoid.md").read_text()
 assert "| C2LIP (SigLIP) | SigLIP ft | 1 |" in _smd and "| PowerCLIP-R (SigLIP) | SigLIP | 1 |" in _smd
 test_fail(lambda: sigmoid(10, [0], _sg_root, rows=["SigLIP", "CLIP"], **_kw), contains="--rows")
 
-
 # %% [markdown]
 # ## PowerCLIP as a fine-tune: the fine-tune table (`finetune`)
 #
