@@ -22,9 +22,9 @@ from .dist import DistContext
 __all__ = ['CHECKPOINT_KEYS', 'RESUME_MAY_CHANGE', 'RUN_MARKS', 'RUN_DIRS', 'RUN_FILES', 'RELEASE_CONFIG', 'RELEASE_WEIGHTS',
            'RECORDS', 'LAYOUTS', 'TrainState', 'rng_state', 'set_rng_state', 'seed_all', 'previous_checkpoint',
            'save_checkpoint', 'export_weights', 'save_snapshot', 'load_checkpoint', 'read_resume', 'resume_changes',
-           'resume_position', 'run_marks', 'aside_path', 'check_run_folder', 'move_aside', 'weights_problem',
-           'shape_mismatch', 'load_error_line', 'CheckpointLayoutError', 'CheckpointFiles', 'latest_epoch',
-           'find_weights', 'read_params']
+           'resume_position', 'run_marks', 'aside_path', 'check_run_folder', 'move_aside', 'bias_kwargs',
+           'weights_problem', 'shape_mismatch', 'load_error_line', 'CheckpointLayoutError', 'CheckpointFiles',
+           'latest_epoch', 'find_weights', 'read_params']
 
 # %% ../nbs/49b_checkpoint.ipynb #6fb99a5e
 @dataclass
@@ -331,6 +331,18 @@ def move_aside(folder) -> Path:
     return dest
 
 # %% ../nbs/49b_checkpoint.ipynb #620e28d0
+def bias_kwargs(path) -> dict:
+    """`{'init_logit_bias': -10.0}` when the weights file `path` holds SigLIP's `logit_bias` (its model had one: a
+    SigLIP snapshot), so that the model built for it holds one too and the weights load (their b replaces the -10);
+    else `{}`. Memory-mapped: no tensor is read."""
+    if path is None or path == "required":
+        return {}
+    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    sd = sd.get("state_dict", sd) if isinstance(sd, dict) else {}
+    return {"init_logit_bias": -10.0} if any(k.removeprefix("module.").removeprefix("model.") == "logit_bias"
+                                            for k in sd) else {}
+
+
 def weights_problem(path) -> str | None:
     """Why the weights file `path` cannot be read (None when it can): a torch zip file's directory, a safetensors
     header and its extent, or an older torch file read whole. Cheap for the usual formats (no tensor is read)."""

@@ -21,7 +21,7 @@ from .eval.data import write_world_benchmark
 from .eval.models import load_model
 from .eval.world_scores import FOLDER_HEADLINE, HEADLINE, REGION_HEADLINE, evaluate_folder
 from .measure import run_isolated
-from .methods import method_config
+from .methods import SIGLIP_INIT, method_config
 from .model import model_geometry
 from .report import REFERENCE, Comparison, logged_numbers, summarize_seeds, trained_stats, write_outputs
 from .train import read_metrics, train
@@ -85,6 +85,19 @@ RUNS = {
     "CLIP (avg)": RunSpec("clip", {"model.pool": "avg"}),
     "PowerCLIP-R (avg)": RunSpec("powerclip", {"method_cfg.masks": "random", "model.pool": "avg"}),
     "PowerCLIP-gold (avg)": RunSpec("powerclip", {"method_cfg.masks": "gold", "model.pool": "avg"}),
+    # the sigmoid regime (issue 43; `71a_plateau`'s `sigmoid` table), on SigLIP's architecture (the MAP image head,
+    # `30_model`): SigLIP with the model's own t and b; C2LIP from SigLIP's snapshot with C2LIP's recipe (the snapshot's
+    # t and b, nothing fresh) against SigLIP's loss with the same recipe; PowerCLIP-R's triplet term over SigLIP's loss.
+    # model.kwargs: what the trainer adds for these runs (the method's t and b; a snapshot's b), written alike
+    "SigLIP": RunSpec("siglip", {"model.pool": "map", "model.kwargs": dict(SIGLIP_INIT)}),
+    "SigLIP ft": RunSpec("siglip", {"model.pool": "map", "optim.lr": 1e-5, "optim.weight_decay": 0.1,
+                                    "model.kwargs": dict(SIGLIP_INIT)}, base="SigLIP", warmup_share=50 / 19_000),
+    "C2LIP (SigLIP)": RunSpec("c2lip", {"model.pool": "map", "optim.lr": 1e-5, "optim.weight_decay": 0.1,
+                                        "model.kwargs": {"init_logit_bias": SIGLIP_INIT["init_logit_bias"]}},
+                              base="SigLIP", warmup_share=50 / 19_000),
+    "PowerCLIP-R (SigLIP)": RunSpec("powerclip", {"model.pool": "map", "method_cfg.masks": "random",
+                                                  "method_cfg.global_loss": "siglip",
+                                                  "model.kwargs": dict(SIGLIP_INIT)}),
 }
 DEMO_RUNS = ("CLIP", "PowerCLIP-R", "PowerCLIP-gold")   # `make demo`: CLIP against PowerCLIP
 # REFERENCE ("CLIP": every paired difference is to this row, same seed) is the report's (`69a_report`); the numbers with

@@ -21,9 +21,10 @@ from .report import (Comparison, load_comparison, merge_comparisons, mdd_cell, p
 
 # %% auto #0
 __all__ = ['BUDGET_STEPS', 'PLATEAU_ROWS', 'PLATEAU_METRICS', 'GROUNDING_SCENES', 'PLATEAU_ALPHA', 'ANATOMY_KEYS',
-           'POOLING_PAIRS', 'FINETUNE_ROWS', 'FINETUNE_REFERENCE', 'FINETUNE_STEPS', 'FINETUNE_PAIRS',
-           'FINETUNE_LABELS', 'pooled_sd', 'move_test', 'budget', 'budget_table', 'pairs_table', 'plateau', 'finetune',
-           'rewrite_results', 'main']
+           'POOLING_PAIRS', 'SIGMOID_ROWS', 'SIGMOID_REFERENCE', 'SIGMOID_STEPS', 'SIGMOID_PAIRS', 'SIGMOID_LABELS',
+           'FINETUNE_ROWS', 'FINETUNE_REFERENCE', 'FINETUNE_STEPS', 'FINETUNE_PAIRS', 'FINETUNE_LABELS', 'pooled_sd',
+           'move_test', 'budget', 'budget_table', 'pairs_table', 'plateau', 'sigmoid', 'finetune', 'rewrite_results',
+           'main']
 
 # %% ../nbs/71a_plateau.ipynb #b04d272a
 BUDGET_STEPS = (400, 800, 1600)   # CLIP alone at each T (each the double of the one before)
@@ -101,7 +102,8 @@ def _kind(folder: Path) -> str | None:
         raise ValueError(f"{f}: not a readable summary ({type(e).__name__}: {e}); move it, or give another "
                          "--out") from None
     after = words[words.index("powerclip.experiments") + 1:] if "powerclip.experiments" in words else []
-    return meta.get("experiment") or next((w for w in after if w in ("budget", "plateau", "finetune")), None)
+    return meta.get("experiment") or next((w for w in after if w in ("budget", "plateau", "finetune", "sigmoid")),
+                                          None)
 
 
 def _claim(plan, kind: str, folder: Path) -> None:
@@ -332,6 +334,49 @@ def plateau(steps: int | None = None, seeds=COMPARE_SEEDS, out_dir=None, batches
     (plan.out / "pooling.md").write_text(_pooling_md(cmp))
     return cmp
 
+# %% ../nbs/71a_plateau.ipynb #290ee969
+SIGMOID_ROWS = ("SigLIP", "SigLIP ft", "C2LIP (SigLIP)", "PowerCLIP-R (SigLIP)")   # rows of RUNS, the table's order
+SIGMOID_REFERENCE = "SigLIP"     # summary.md's reference
+SIGMOID_STEPS = 1600             # T (F = 20 % of it)
+SIGMOID_PAIRS = (("C2LIP (SigLIP)", "SigLIP ft"), ("SigLIP ft", "SigLIP"), ("PowerCLIP-R (SigLIP)", "SigLIP"),
+                 ("C2LIP (SigLIP)", "SigLIP"))
+SIGMOID_LABELS = {"SigLIP": "SigLIP"}
+
+
+def _sigmoid_plan(rows, seeds, steps: int, root: Path, **kw):
+    "The sigmoid table's plan: `rows` (of `SIGMOID_ROWS`, in their order) at T = `steps`, runs in `root/T{steps}`."
+    _check_rows(rows, SIGMOID_ROWS)
+    plan = make_plan({n: RUNS[n] for n in SIGMOID_ROWS if n in rows}, seeds, steps, root / f"T{steps}",
+                     reference=SIGMOID_REFERENCE, **kw)
+    _claim(plan, "sigmoid", plan.out)
+    return plan
+
+
+def _sigmoid_md(cmp: Comparison) -> str:
+    "`sigmoid.md`: every difference of `SIGMOID_PAIRS`."
+    m = cmp.meta
+    return (f"# The sigmoid regime at T = {m['steps']} (F = {m['finetune_steps']}), difference by difference (seeds "
+            f"{m['seeds']})\n\nSigLIP: the sigmoid loss with the model's own t and b, MAP image head, to T. SigLIP ft: "
+            "its snapshot at T - F fine-tuned with SigLIP's loss and C2LIP's recipe (the matched control of C2LIP "
+            "(SigLIP)). PowerCLIP-R (SigLIP): the triplet term over SigLIP's loss, pre-trained.\n\n"
+            f"{pairs_table(cmp, SIGMOID_PAIRS, SIGMOID_LABELS)}\n")
+
+
+def sigmoid(steps: int = SIGMOID_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, merge=(), rows=SIGMOID_ROWS,
+            **kw) -> Comparison:
+    """The sigmoid table (see above): `rows` of `SIGMOID_ROWS` at T = `steps` over `seeds`, runs and tables in
+    `out_dir/T{T}` (default runs/sigmoid), paired differences to SigLIP in `summary.md`, every pair of `SIGMOID_PAIRS`
+    in `sigmoid.md`. `merge`: folders of the same table over other seeds (`merge_comparisons`)."""
+    plan = _sigmoid_plan(rows, seeds, steps, Path(out_dir or "runs/sigmoid"), log=log, **kw)
+    parts, _ = _merge_parts(plan, merge)
+    cmp = run_plan(plan, log)
+    if parts:
+        cmp = merge_comparisons([cmp, *parts])
+        cmp.meta["command"] = plan.meta["command"]
+        write_outputs(cmp, plan.out)
+    (plan.out / "sigmoid.md").write_text(_sigmoid_md(cmp))
+    return cmp
+
 # %% ../nbs/71a_plateau.ipynb #996dfa3c
 FINETUNE_ROWS = ("CLIP", "CLIP ft", "C2LIP", "SmartCLIP", "PowerCLIP-R ft")   # rows of RUNS, in the table's order
 FINETUNE_REFERENCE = "CLIP ft"   # summary.md's reference: CLIP's loss with PowerCLIP-R ft's recipe
@@ -381,7 +426,7 @@ def rewrite_results(folder) -> Comparison:
     the `pooling.md` or `finetune.md` beside it where there is one; nothing trains or evaluates."""
     folder = Path(folder)
     cmp = rewrite_outputs(folder)
-    for f, md in (("pooling.md", _pooling_md), ("finetune.md", _finetune_md)):
+    for f, md in (("pooling.md", _pooling_md), ("finetune.md", _finetune_md), ("sigmoid.md", _sigmoid_md)):
         if (folder / f).is_file():
             (folder / f).write_text(md(cmp))
     return cmp
@@ -393,7 +438,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), "
                     "anatomy (why PowerCLIP-R loses here), budget (where CLIP stops improving), plateau (the "
                     "comparison at its T, both poolings), finetune (PowerCLIP-R, C2LIP and SmartCLIP as fine-tunes of "
-                    "CLIP beside a matched control), or all (every table and fig8); key=value pairs "
+                    "CLIP beside a matched control), sigmoid (SigLIP, C2LIP from SigLIP, PowerCLIP-R over SigLIP), "
+                    "or all (every table and fig8); key=value pairs "
                     "among them apply to every run")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(COMPARE_SEEDS))
     ap.add_argument("--steps", type=int, nargs="+", default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); "
@@ -417,7 +463,7 @@ def _parser() -> ArgumentParser:
 
 
 _PLATEAU = ("budget", "plateau")
-_ALONE = ("fig9", "anatomy", *_PLATEAU, "finetune")      # named on their own, not part of `all`
+_ALONE = ("fig9", "anatomy", *_PLATEAU, "finetune", "sigmoid")      # named on their own, not part of `all`
 
 
 def _main(argv: list[str]) -> int:
@@ -438,14 +484,14 @@ def _main(argv: list[str]) -> int:
             raise ValueError(f"--steps: one T (several only for budget, named alone), got {a.steps}")
         budget_steps = _budget_steps(a.steps)
         T = a.steps[0] if a.steps else None
-        if (a.merge or a.rows is not None) and names not in (["plateau"], ["finetune"]):
-            raise ValueError(f"--merge, --rows: options of the plateau and the fine-tune table; name one alone, got "
-                             f"{names}")
+        if (a.merge or a.rows is not None) and names not in (["plateau"], ["finetune"], ["sigmoid"]):
+            raise ValueError(f"--merge, --rows: options of the plateau, the fine-tune and the sigmoid table; name one "
+                             f"alone, got {names}")
         kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images,
                   command=shlex.join(["python", "-m", "powerclip.experiments", *argv]))
         ground = lambda n: (a.grounding if a.grounding is not None
-                            else GROUNDING_SCENES if n in (*_PLATEAU, "finetune") else 0)
-        out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else "runs/finetune" if n == "finetune"
+                            else GROUNDING_SCENES if n in (*_PLATEAU, "finetune", "sigmoid") else 0)
+        out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else f"runs/{n}" if n in ("finetune", "sigmoid")
                                   else "runs/experiments")
         for n in names:                      # every plan validated before the first run trains
             if n == "fig9":
@@ -454,9 +500,11 @@ def _main(argv: list[str]) -> int:
                 _budget_plans(budget_steps, a.seeds, Path(out(n)), log=lambda m: None, grounding_scenes=ground(n),
                               **kw)
                 continue
-            if n == "finetune":
-                p = _finetune_plan(a.rows or FINETUNE_ROWS, a.seeds, T or FINETUNE_STEPS, Path(out(n)),
-                                   log=lambda m: None, grounding_scenes=ground(n), **kw)
+            if n in ("finetune", "sigmoid"):
+                plan_of, rows_of, T_of = ((_finetune_plan, FINETUNE_ROWS, FINETUNE_STEPS) if n == "finetune"
+                                          else (_sigmoid_plan, SIGMOID_ROWS, SIGMOID_STEPS))
+                p = plan_of(a.rows or rows_of, a.seeds, T or T_of, Path(out(n)), log=lambda m: None,
+                            grounding_scenes=ground(n), **kw)
                 _merge_parts(p, a.merge)
                 continue
             if n == "plateau":
@@ -500,6 +548,12 @@ def _main(argv: list[str]) -> int:
             folder = Path(out(n)) / f"T{cmp.meta['steps']}"
             print((folder / "summary.md").read_text())
             print((folder / "finetune.md").read_text())
+            continue
+        if n == "sigmoid":
+            cmp = sigmoid(T or SIGMOID_STEPS, a.seeds, out(n), merge=a.merge, rows=a.rows or SIGMOID_ROWS, **kw)
+            folder = Path(out(n)) / f"T{cmp.meta['steps']}"
+            print((folder / "summary.md").read_text())
+            print((folder / "sigmoid.md").read_text())
             continue
         run_experiment(n, a.seeds, T or EXPERIMENT_STEPS, out(n), **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")

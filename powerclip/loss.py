@@ -18,7 +18,7 @@ from powerclip.powerset import (
 from .powerset_fast import CPU_BLOCK_BYTES, SbarSpec, check_counts, pack_nodes, sbar_blocked, unpack_nodes
 
 # %% auto #0
-__all__ = ['IMPLS', 'DENSE_AUTO_BYTES', 'contrastive_rows', 'symmetric_infonce', 'dot_similarity', 'clip_loss',
+__all__ = ['IMPLS', 'DENSE_AUTO_BYTES', 'contrastive_rows', 'symmetric_infonce', 'dot_similarity', 'clip_loss', 'siglip_loss',
            'triton_unavailable', 'PowerCLIPLossConfig', 'PowersetInputs', 'powerset_similarity',
            'powerset_triplet_loss', 'powerclip_loss']
 
@@ -77,6 +77,24 @@ def clip_loss(
     "Symmetric InfoNCE on the local rows against all columns (open_clip's local-loss convention)."
     S_img, S_txt = contrastive_rows(dot_similarity, image, text, image_all, text_all)  # (R, C) each
     return symmetric_infonce(logit_scale * S_img, logit_scale * S_txt, offset)
+
+# %% ../nbs/11_loss.ipynb #783a69d6
+def siglip_loss(
+    image: torch.Tensor,          # (R, D) L2-normalised local image embeddings
+    text: torch.Tensor,           # (R, D) L2-normalised local text embeddings
+    logit_scale: torch.Tensor,    # () t = exp(t'), as open_clip's models return it
+    logit_bias: torch.Tensor,     # () b
+    text_all: torch.Tensor | None = None,  # (C, D) gathered text embeddings (None: the local ones)
+    offset: int = 0,              # rank * R: the column of this process's first positive
+) -> torch.Tensor:                # scalar
+    "SigLIP's pairwise sigmoid loss: the local images against every text, summed, divided by the local R."
+    cols = text if text_all is None else text_all
+    sim = image @ cols.T                                                               # (R, C)
+    logits = logit_scale * sim.to(torch.promote_types(sim.dtype, torch.float32)) + logit_bias
+    R, C = logits.shape
+    own = torch.arange(C, device=logits.device)[None, :] == (torch.arange(R, device=logits.device) + offset)[:, None]
+    z = torch.where(own, 1.0, -1.0).to(logits.dtype)                                  # (R, C) +1 positive, -1 others
+    return -F.logsigmoid(z * logits).sum() / R
 
 # %% ../nbs/11_loss.ipynb #198ef50b
 IMPLS = ("auto", "triton", "fast", "dense")   # how S-bar is computed (above)
@@ -255,10 +273,14 @@ def powerclip_loss(
     image_all: torch.Tensor | None = None, text_all: torch.Tensor | None = None,  # (C, D) gathered
     gathered: PowersetInputs | None = None,   # (C, ...) gathered regions and phrases
     offset: int = 0,                          # rank * R
-) -> dict[str, torch.Tensor]:                 # {'clip', 'powerset', '_triplet_i2t', '_triplet_t2i', '_sim_pos',
-                                              # '_sim_neg'}
-    "L_total = L_CLIP + lam * L_triplet, as named terms: sum the keys without a leading underscore."
-    out = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    logit_bias: torch.Tensor | None = None,   # () SigLIP's b: the global term is SigLIP's loss ('siglip'), not CLIP's
+) -> dict[str, torch.Tensor]:                 # {'clip' or 'siglip', 'powerset', '_triplet_i2t', '_triplet_t2i',
+                                              # '_sim_pos', '_sim_neg'}
+    "L_total = L_CLIP (or L_SigLIP) + lam * L_triplet, as named terms: sum the keys without a leading underscore."
+    if logit_bias is None:
+        out = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    else:   # PowerCLIP over SigLIP: the sigmoid loss with the model's t and b, the triplet term unchanged
+        out = {"siglip": siglip_loss(image, text, logit_scale, logit_bias, text_all, offset)}
     if cfg.lam > 0:
         t = powerset_triplet_loss(local, gathered, offset, cfg)
         out["powerset"] = cfg.lam * (t["i2t"] + t["t2i"])

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,9 @@ from .powerset import phrase_embeddings, pool_normalize
 from .powerset_fast import device_block_bytes
 
 # %% auto #0
-__all__ = ['METHODS', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'StepClock', 'hash_uniform',
-           'sample_keys', 'PowerCLIPConfig', 'PowerCLIP', 'powerset_inputs', 'word_nodes', 'Scorer', 'GlobalScorer']
+__all__ = ['METHODS', 'SIGLIP_INIT', 'NoConfig', 'Method', 'register', 'method_config', 'get_method', 'CLIP', 'StepClock',
+           'hash_uniform', 'sample_keys', 'PowerCLIPConfig', 'PowerCLIP', 'powerset_inputs', 'word_nodes', 'Scorer',
+           'GlobalScorer']
 
 # %% ../nbs/40_methods.ipynb #a7a3846c
 @dataclass
@@ -51,6 +53,12 @@ class Method:
         "Peak learning rate of `build_modules`' parameters, given the run's peak `lr`. Default: the same."
         return lr
 
+    def model_kwargs(self) -> dict:
+        """open_clip model kwargs the method asks of the model it trains (SigLIP's t and b: `SIGLIP_INIT`), under the
+        run's own `model.kwargs`; the trainer records them in the run's config, so the evaluator builds the same
+        model. Default: none."""
+        return {}
+
     def on_step(self, step: int, total: int) -> None:
         "Called by the trainer before each step (0-based `step` of `total`): for schedules inside a method."
 
@@ -78,7 +86,8 @@ class Method:
         return encode(model, batch["image"], batch["tokens"], need_patches=self.needs_patches)
 
     needs_patches: bool = False  # the default forward asks `encode` for patch embeddings (losses that read them)
-    pools: tuple = ("tok", "avg")  # the model poolings (`model.pool`, `30_model`) the method works with
+    pools: tuple = ("tok", "avg")  # the model poolings (`model.pool`, `30_model`) the method works with ('map': the
+                                   # MAP head, for the methods that read nothing but the pooled vectors and the patches)
 
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -156,9 +165,14 @@ def _import_baselines() -> None:
         importlib.import_module(f"powerclip.baselines.{m.name}")
 
 # %% ../nbs/40_methods.ipynb #d18c49da
+# SigLIP's t and b as its models hold them (Zhai et al. 2023: t' = log 10, b = -10; open_clip's `init_logit_bias`)
+SIGLIP_INIT = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}
+
+
 @register("clip")
 class CLIP(Method):
     "CLIP (Radford et al. 2021): global image and text embeddings, contrastive loss."
+    pools = ("tok", "avg", "map")
 
     def loss(self, out, batch, dist):
         g = gather(dist, {"image": out["image"], "text": out["text"]})   # (C, D) each
@@ -233,6 +247,7 @@ class PowerCLIPConfig(PowerCLIPLossConfig):
                               # segments | 'stored' shard masks (PowerCLIP-S)
     nodes: str = "tree"       # 'tree' the parse tree's constituents (the paper) | 'words' each word alone ("w/o parse
                               # trees")
+    global_loss: str = "clip" # 'clip' (the paper) | 'siglip': SigLIP's loss with the model's own t and b (SIGLIP_INIT)
 
     def __post_init__(self):
         super().__post_init__()
@@ -240,14 +255,20 @@ class PowerCLIPConfig(PowerCLIPLossConfig):
             raise ValueError(f"M must be >= 1, got {self.M}")
         if self.nodes not in ("tree", "words"):
             raise ValueError(f"nodes must be 'tree' or 'words', got {self.nodes!r}")
+        if self.global_loss not in ("clip", "siglip"):
+            raise ValueError(f"global_loss must be 'clip' or 'siglip', got {self.global_loss!r}")
         BatchNeeds(tree=True, regions=self.M, region_source=self.masks)   # checks the mask source
 
 
 @register("powerclip")
 class PowerCLIP(Method):
-    "PowerCLIP: CLIP + lam * powerset triplet loss (NLA-T1 + NLA-T2), config `PowerCLIPConfig`."
+    "PowerCLIP: CLIP (or SigLIP) + lam * powerset triplet loss (NLA-T1 + NLA-T2), config `PowerCLIPConfig`."
     Config = PowerCLIPConfig
     needs_patches = True
+    pools = ("tok", "avg", "map")
+
+    def model_kwargs(self) -> dict:
+        return dict(SIGLIP_INIT) if self.cfg.global_loss == "siglip" else {}
 
     def needs(self) -> BatchNeeds:
         return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
@@ -298,9 +319,16 @@ class PowerCLIP(Method):
             gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], node_text=node_text_all,
                                       node_counts=[k for k, _ in facts],
                                       all_regions_valid=all(m == a["region_valid"].shape[1] for _, m in facts))
+        bias = None
+        if self.cfg.global_loss == "siglip":
+            if "logit_bias" not in out:
+                raise ValueError("global_loss='siglip' needs the model's own logit_bias (model.kwargs.init_logit_bias)")
+            bias = out["logit_bias"]
         terms = powerclip_loss(out["image"], out["text"], out["logit_scale"], local, self.cfg,
-                               a["image"], a["text"], gathered, g.offset)
+                               a["image"], a["text"], gathered, g.offset, bias)
         terms["_logit_scale"] = out["logit_scale"].detach()
+        if bias is not None:
+            terms["_logit_bias"] = bias.detach()
         return terms
 
 # %% ../nbs/40_methods.ipynb #c235ef81

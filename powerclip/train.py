@@ -14,10 +14,10 @@ import yaml
 
 from . import dist as pdist
 from .accum import accumulate
-from .checkpoint import (TrainState, check_run_folder, export_weights, load_checkpoint, move_aside,
-                                  previous_checkpoint, read_resume, resume_changes, resume_position, rng_state,
-                                  run_marks, save_checkpoint, save_snapshot, seed_all, set_rng_state, shape_mismatch,
-                                  weights_problem)
+from .checkpoint import (TrainState, bias_kwargs, check_run_folder, export_weights, load_checkpoint,
+                                  move_aside, previous_checkpoint, read_resume, resume_changes, resume_position,
+                                  rng_state, run_marks, save_checkpoint, save_snapshot, seed_all, set_rng_state,
+                                  shape_mismatch, weights_problem)
 from .commandline import (ArgumentParser, Interrupted, StopSignals, UsageError, check_device, check_number,
                                    run_main, usage_errors)
 from .config import TrainConfig, check_kwargs, load_config, method_options, to_dict
@@ -193,14 +193,17 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
         check_device("device", cfg.device, hint="device=cpu, or null: a GPU when there is one")
     for k, v in _free_numbers(data.world, "data.world"):
         check_number(k, v)
-    from powerclip.model import arch_pool, model_geometry   # imports open_clip: seconds
+    from powerclip.model import arch_pool, map_kwargs, model_geometry   # imports open_clip: seconds
     try:
         model_geometry(cfg.model.name)                        # the architecture exists
     except (ValueError, TypeError, NotImplementedError) as e:
         raise ValueError(f"model: {e}") from None
     import open_clip
     kwargs = check_kwargs(open_clip.CLIP.__init__, cfg.model.kwargs, "model.kwargs")   # typed: embed_dim=abc, one line
+    # what the method asks of the model (SigLIP's t, b), a snapshot's b (it loads), then the run's own: all recorded
+    kwargs = {**method.model_kwargs(), **bias_kwargs(pre), **kwargs}
     try:
+        map_kwargs(cfg.model.name, kwargs, cfg.model.pool)      # a MAP architecture asked for 'tok' or 'avg'
         geometry = model_geometry(cfg.model.name, kwargs)
         pool = cfg.model.pool or arch_pool(cfg.model.name, kwargs)
     except (ValueError, TypeError, NotImplementedError) as e:

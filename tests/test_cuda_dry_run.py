@@ -244,6 +244,8 @@ TRAINER_SYNCS = (1, 1, 0, 0)
 # by the method's maths, only not yet written without a sync):
 OWN_SYNCS = {
     "clip": (0, 0, 0, 0), "c2lip": (0, 0, 0, 0),
+    # SigLIP: none (the sigmoid loss's targets are made on the device; only the texts are gathered)
+    "siglip": (0, 0, 0, 0),
     # PowerCLIP's default `impl='auto'` takes the dense reference at the smoke preset's size: its check that every
     # caption has a node (`powerset._check_nodes`, a `bool`); the blocked path makes none (PATH_SYNC_BUDGET)
     "powerclip": (1, 0, 0, 0),

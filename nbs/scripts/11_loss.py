@@ -196,6 +196,71 @@ assert_close(_Si, _img @ _txt.T)
 assert_close(_St, 2 * _txt @ _img.T)
 assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone()), (_img, _txt))
 
+
+# %% [markdown]
+# ## SigLIP's sigmoid loss
+#
+# SigLIP (Zhai et al. 2023, Eq. 1) scores every image-text pair on its own: with $z_{ij}=+1$ for the positive pair
+# and $-1$ for every other, a learnable scale $t=e^{t'}$ and bias $b$,
+# $\mathcal L=-\frac1{|B|}\sum_{i,j}\log\sigma\big(z_{ij}(t\,v_i\cdot u_j+b)\big)$. On the local-row contract above, a
+# process takes its $R$ images against the $C$ gathered texts (`powerclip.dist.gather`, as `clip_loss`), positives at
+# `offset + arange(R)`, and divides the sum over all $R\times C$ entries by $R$: exactly what open_clip's
+# `SigLipLoss` returns on one rank whatever its `dist_impl` (`tests/test_siglip.py` checks the four, on 1, 2 and 3
+# processes), and the mean over processes is the full-batch loss. Unlike CLIP's, the loss needs no other process's
+# images: the sum is over pairs, so each image's row is summed where the image lives. `logit_scale` is $t$ already
+# exponentiated, as open_clip's models return it, `logit_bias` is $b$.
+#
+# **Precision.** Under autocast the similarities come out of the matmul in bf16; the loss promotes them to at least
+# float32 before the scale and bias, so that $t\cdot s + b$, with $t$ near 100 and $b$ near $-10$, keeps its low
+# bits (and the log-sigmoid of the many negatives, each near 0, is summed in float32).
+
+# %%
+#| export
+def siglip_loss(
+    image: torch.Tensor,          # (R, D) L2-normalised local image embeddings
+    text: torch.Tensor,           # (R, D) L2-normalised local text embeddings
+    logit_scale: torch.Tensor,    # () t = exp(t'), as open_clip's models return it
+    logit_bias: torch.Tensor,     # () b
+    text_all: torch.Tensor | None = None,  # (C, D) gathered text embeddings (None: the local ones)
+    offset: int = 0,              # rank * R: the column of this process's first positive
+) -> torch.Tensor:                # scalar
+    "SigLIP's pairwise sigmoid loss: the local images against every text, summed, divided by the local R."
+    cols = text if text_all is None else text_all
+    sim = image @ cols.T                                                               # (R, C)
+    logits = logit_scale * sim.to(torch.promote_types(sim.dtype, torch.float32)) + logit_bias
+    R, C = logits.shape
+    own = torch.arange(C, device=logits.device)[None, :] == (torch.arange(R, device=logits.device) + offset)[:, None]
+    z = torch.where(own, 1.0, -1.0).to(logits.dtype)                                  # (R, C) +1 positive, -1 others
+    return -F.logsigmoid(z * logits).sum() / R
+
+
+# %% [markdown]
+# Against the sum written pair by pair, two "processes" of three rows (their mean is the one-process loss, value and
+# gradient of every input, $t$ and $b$ included), and the promotion under bf16 autocast: the logits are float32 there,
+# and the loss equals the float32 loss on the bf16-rounded similarities.
+
+# %%
+_b = torch.tensor(-2.0, dtype=torch.float64)
+_args = [x.clone().requires_grad_() for x in (_img, _txt, _s, _b)]
+_sl = siglip_loss(*_args)
+_ref = -sum(F.logsigmoid((1.0 if i == j else -1.0) * (_s * _img[i] @ _txt[j] + _b)) for i in range(6)
+            for j in range(6)) / 6
+assert_close(_sl, _ref)
+_g1 = torch.autograd.grad(_sl, _args)
+_two = sum(siglip_loss(_args[0][sl], _args[1][sl], _args[2], _args[3], _args[1], off)
+           for sl, off in ((slice(0, 3), 0), (slice(3, 6), 3))) / 2
+assert_close(_two, _sl)
+for a, b in zip(torch.autograd.grad(_two, _args), _g1):
+    assert_close(a, b)
+assert gradcheck(siglip_loss, _args, eps=1e-6, atol=1e-5)
+_i32, _t32 = _img.float(), _txt.float()
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    _lb = siglip_loss(_i32, _t32, torch.tensor(100.0), torch.tensor(-10.0))
+_sim16 = (_i32.bfloat16() @ _t32.bfloat16().T).float()
+_z = 2 * torch.eye(6) - 1
+assert _lb.dtype == torch.float32
+assert_close(_lb, -F.logsigmoid(_z * (100.0 * _sim16 - 10.0)).sum() / 6)
+
 # %% [markdown]
 # ## The powerset similarity and its ablation switches
 #
@@ -392,7 +457,9 @@ def powerset_triplet_loss(
 
 # %% [markdown]
 # `powerclip_loss` returns the named terms that the trainer sums: `clip` and `powerset` (already weighted by
-# $\lambda$), plus unweighted diagnostics under keys starting with `_` that the trainer logs but does not add.
+# $\lambda$), plus unweighted diagnostics under keys starting with `_` that the trainer logs but does not add. Given
+# SigLIP's bias $b$ (`logit_bias`), the global term is SigLIP's loss instead (`siglip`, with `logit_scale` as $t$):
+# PowerCLIP over SigLIP, the triplet term unchanged.
 
 # %%
 #| export
@@ -404,10 +471,14 @@ def powerclip_loss(
     image_all: torch.Tensor | None = None, text_all: torch.Tensor | None = None,  # (C, D) gathered
     gathered: PowersetInputs | None = None,   # (C, ...) gathered regions and phrases
     offset: int = 0,                          # rank * R
-) -> dict[str, torch.Tensor]:                 # {'clip', 'powerset', '_triplet_i2t', '_triplet_t2i', '_sim_pos',
-                                              # '_sim_neg'}
-    "L_total = L_CLIP + lam * L_triplet, as named terms: sum the keys without a leading underscore."
-    out = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    logit_bias: torch.Tensor | None = None,   # () SigLIP's b: the global term is SigLIP's loss ('siglip'), not CLIP's
+) -> dict[str, torch.Tensor]:                 # {'clip' or 'siglip', 'powerset', '_triplet_i2t', '_triplet_t2i',
+                                              # '_sim_pos', '_sim_neg'}
+    "L_total = L_CLIP (or L_SigLIP) + lam * L_triplet, as named terms: sum the keys without a leading underscore."
+    if logit_bias is None:
+        out = {"clip": clip_loss(image, text, logit_scale, image_all, text_all, offset)}
+    else:   # PowerCLIP over SigLIP: the sigmoid loss with the model's t and b, the triplet term unchanged
+        out = {"siglip": siglip_loss(image, text, logit_scale, logit_bias, text_all, offset)}
     if cfg.lam > 0:
         t = powerset_triplet_loss(local, gathered, offset, cfg)
         out["powerset"] = cfg.lam * (t["i2t"] + t["t2i"])
@@ -446,6 +517,10 @@ _s = torch.tensor(20.0, dtype=torch.float64)
 _cfg = PowerCLIPLossConfig(tau=0.05)
 _full = powerclip_loss(_img, _txt, _s, _inp, _cfg)
 print({k: round(float(v), 4) for k, v in _full.items()})
+# over SigLIP: the global term is SigLIP's loss with t = logit_scale and b; the triplet term is the same number
+_sg = powerclip_loss(_img, _txt, _s, _inp, _cfg, logit_bias=torch.tensor(-3.0, dtype=torch.float64))
+assert "clip" not in _sg and torch.equal(_sg["powerset"], _full["powerset"])
+assert_close(_sg["siglip"], siglip_loss(_img, _txt, _s, torch.tensor(-3.0, dtype=torch.float64)))
 
 # %% [markdown]
 # The row decomposition: two "processes" of three rows each, computing their blocks against the gathered

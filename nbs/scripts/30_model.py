@@ -123,12 +123,28 @@ test_eq(open_clip.get_model_config('ViT-B-16')['text_cfg'] | {},
 
 # %%
 #| export
-# class token / EOT (CLIP) | mean of the patch tokens / of the caption's tokens (PowerCLIP's authors)
+# class token / EOT (CLIP) | mean of the patch tokens / of the caption's tokens (PowerCLIP's authors): weight-free
 POOLS = ('tok', 'avg')
+# SigLIP's attention-pooled image tower (one learned query; the text tower by EOT): an architecture, with weights
+MAP = 'map'
+ALL_POOLS = (*POOLS, MAP)
+
+def _is_map_cfg(v: dict) -> bool:
+    "A vision config that builds open_clip's one-query attentional pooler (the only MAP head supported)."
+    ap = v.get('attentional_pool', False)
+    if not ap:
+        return False
+    if ap is not True or v.get('attn_pooler_queries', 256) != 1 or v.get('pool_type', 'tok') != 'tok':
+        raise NotImplementedError("vision attentional_pool: only the one-query pooler (attentional_pool true, "
+                                  "attn_pooler_queries 1, pool_type tok) is supported")
+    return True
 
 def arch_pool(name: str, kwargs: dict | None = None) -> str:
-    "The pooling architecture `name` (with `kwargs`) asks for: its vision config's `pool_type`, 'tok' when not given."
+    """The pooling architecture `name` (with `kwargs`) asks for: 'map' for a one-query attentional pooler, else its
+    vision config's `pool_type`, 'tok' when not given."""
     v = {**open_clip.get_model_config(name), **(kwargs or {})}.get('vision_cfg') or {}
+    if _is_map_cfg(v):
+        return MAP
     pool = v.get('pool_type', 'tok')
     if pool not in POOLS:
         raise NotImplementedError(f"{name}: vision pool_type {pool!r} (supported: {', '.join(POOLS)})")
@@ -158,13 +174,24 @@ def _encode_text_avg(self, text: torch.Tensor, normalize: bool = False) -> torch
     x = token_mean(_text_proj(self, self.ln_final(y)), text)                 # (C, D)
     return F.normalize(x, dim=-1) if normalize else x
 
+def _has_map(model) -> bool:
+    return getattr(model.visual, 'attn_pool', None) is not None
+
 def set_pool(model, pool: str):
     """Make both towers of an open_clip CLIP pool by `pool` ('tok' or 'avg'), in place: the image tower by open_clip's
-    own `visual.pool_type`, the text tower by an instance-level `encode_text`; the weights are untouched."""
-    if pool not in POOLS:
-        raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
+    own `visual.pool_type`, the text tower by an instance-level `encode_text`; the weights are untouched. 'map' is an
+    architecture (a trained head): a MAP model stays 'map' (its text tower by EOT); no model switches to or from it."""
+    if pool not in ALL_POOLS:
+        raise ValueError(f"pool: must be one of {', '.join(ALL_POOLS)}, got {pool!r}")
     if not isinstance(model, open_clip.CLIP) or not hasattr(model.visual, 'pool_type'):
         raise NotImplementedError(f'set_pool supports open_clip.CLIP with a ViT, got {type(model).__name__}')
+    if (pool == MAP) != _has_map(model):
+        have = 'its trained MAP head' if _has_map(model) else f'{model.visual.pool_type!r}'
+        raise ValueError(f"pool: this model pools its image tower by {have}; 'map' is an architecture with weights, "
+                         f"not a switch: build the model with create_model(name, pool={pool!r}) and train it")
+    if pool == MAP:
+        vars(model).pop('encode_text', None)
+        return model
     model.visual.pool_type = pool
     if pool == 'avg':
         model.encode_text = types.MethodType(_encode_text_avg, model)
@@ -173,8 +200,12 @@ def set_pool(model, pool: str):
     return model
 
 def pool_of(model) -> str:
-    "How `model` pools, 'tok' or 'avg'; a model whose two towers pool differently is refused."
+    "How `model` pools, 'tok', 'avg' or 'map'; a model whose two towers pool differently is refused."
     text = 'avg' if getattr(vars(model).get('encode_text'), '__func__', None) is _encode_text_avg else 'tok'
+    if _has_map(model):
+        if text != 'tok':
+            raise NotImplementedError("a MAP model pools its text tower by EOT: set_pool(model, 'map')")
+        return MAP
     if model.visual.pool_type != text:
         raise NotImplementedError(f"the image tower pools by {model.visual.pool_type!r}, the text tower by {text!r}: "
                                   "set_pool(model, pool) sets both")
@@ -189,12 +220,30 @@ def _known(name: str) -> None:
         raise ValueError(f'unknown model {name!r}: an open_clip architecture, e.g. ViT-B-16 or ours '
                          f'{sorted(p.stem for p in config_dir().glob("*.json"))}')
 
+def map_kwargs(name: str, kw: dict, pool: str | None) -> dict:
+    """The model kwargs that build `name` pooled by `pool`: for 'map' on an architecture without the head, its vision
+    config with open_clip's one-query attentional pooler (heads: the tower's, or the most below them that divide D);
+    a MAP architecture asked for 'tok' or 'avg' is refused (its head is weights, not a switch)."""
+    arch = arch_pool(name, kw)
+    if pool is None or (pool == MAP) == (arch == MAP):
+        return kw
+    if arch == MAP:
+        raise ValueError(f"pool: {name} pools by its trained MAP head, not {pool!r} ('map' is an architecture)")
+    cfg = {**open_clip.get_model_config(name), **kw}
+    v = dict(cfg['vision_cfg'])
+    heads = v['width'] // v.get('head_width', 64)
+    heads = max(h for h in range(1, heads + 1) if cfg['embed_dim'] % h == 0)
+    v.pop('pool_type', None)
+    return {**kw, 'vision_cfg': {**v, 'attentional_pool': True, 'attn_pooler_queries': 1, 'attn_pooler_heads': heads}}
+
 def create_model(name: str, pretrained: str | Path | None = None, pool: str | None = None, **kw):
     """`(model, preprocess_train, preprocess_val)` for an architecture name; `pretrained`: None or a local file;
-    `pool`: 'tok' or 'avg' for both towers (see "Pooling" below), None: the architecture's own (`arch_pool`)."""
+    `pool`: 'tok' or 'avg' for both towers, 'map' (the image tower with a one-query attentional pooler, see "MAP"
+    below), None: the architecture's own (`arch_pool`)."""
     _known(name)
-    if pool is not None and pool not in POOLS:
-        raise ValueError(f"pool: must be one of {', '.join(POOLS)}, got {pool!r}")
+    if pool is not None and pool not in ALL_POOLS:
+        raise ValueError(f"pool: must be one of {', '.join(ALL_POOLS)}, got {pool!r}")
+    kw = map_kwargs(name, kw, pool)
     if pretrained is not None and not Path(pretrained).is_file():
         raise FileNotFoundError('pretrained must be a local checkpoint file (nothing is '
                                 f'downloaded), got {pretrained!r}')
@@ -275,9 +324,13 @@ def _check_heads(model) -> str:
     v = model.visual
     if not isinstance(model, open_clip.CLIP):
         raise TypeError(f'encode supports open_clip.CLIP models, got {type(model).__name__}')
-    if getattr(v, 'attn_pool', None) is not None or v.final_ln_after_pool or v.pool_type not in POOLS or v.proj is None:
+    if _has_map(model):
+        if v.attn_pool_contrastive is not None or v.attn_pool.query.shape[0] != 1 or v.proj is None:
+            raise NotImplementedError('encode needs a MAP head of one query (open_clip attentional_pool=true, '
+                                      'attn_pooler_queries=1)')
+    elif v.final_ln_after_pool or v.pool_type not in POOLS or v.proj is None:
         raise NotImplementedError('encode needs the standard ViT head (class token or average pooling, ln_post before '
-                                  'pooling, proj)')
+                                  'pooling, proj) or a one-query MAP head')
     if model.text_pool_type != 'argmax' or model.text_projection is None:
         raise NotImplementedError('encode needs the standard CLIP text head (EOT pooling, text_projection)')
     return pool_of(model)
@@ -292,6 +345,17 @@ def _visible(model) -> torch.Tensor | None:
     mask = sel.key_mask if isinstance(sel, PatchTokenSelect) else None       # (C, 1 + n), True: hidden
     return None if mask is None else ~mask[:, 1:]
 
+def map_patches(model, x: torch.Tensor) -> torch.Tensor:
+    """A MAP model's patch embeddings: `(C, N, width)` last-block patch tokens -> `(C, N, D)`, each patch through the
+    head as the head's output would be with all its attention on that patch (see "MAP" below)."""
+    ap = model.visual.attn_pool
+    a = ap.attn
+    E = a.embed_dim
+    w = a.in_proj_weight[2 * E:] if a._qkv_same_embed_dim else a.v_proj_weight           # (D, width) value projection
+    b = None if a.in_proj_bias is None else a.in_proj_bias[2 * E:]
+    v = a.out_proj(F.linear(ap.ln_k(x), w, b))                                          # (C, N, D)
+    return model.visual.ln_post(v) @ model.visual.proj
+
 def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_patches: bool = True) -> dict:
     """One forward pass per tower. image `(C, 3, H, W)`, tokens `(C, L)` -> image `(C, D)`, text `(C, D)`
     (L2-normalised, pooled as the model pools: `pool_of`), patches `(C, N, D)`, tokens `(C, L, D)` (projected, not
@@ -301,20 +365,25 @@ def encode(model, image: torch.Tensor | None, tokens: torch.Tensor | None, need_
     out = model.forward_intermediates(image, tokens, image_indices=1, text_indices=1, normalize=True,
                                       image_output_fmt='NLC', output_logit_scale_bias=True)
     enc = dict(logit_scale=out['logit_scale'])
+    if out.get('logit_bias') is not None:                    # SigLIP's b, on models built with init_logit_bias
+        enc['logit_bias'] = out['logit_bias']
     if image is not None:
         x = out['image_intermediates'][-1]                   # (C, N', width_v) last block, class token removed
         if need_patches and x.shape[1] != grid_size(model)[0] * grid_size(model)[1]:
             raise ValueError(f'{x.shape[1]} patch tokens reached the transformer, the grid has '
                              f'{grid_size(model)[0] * grid_size(model)[1]}: selected patches are off the '
                              'grid (need_patches=False)')
-        p = model.visual.ln_post(x) @ model.visual.proj if need_patches or pool == 'avg' else None   # (C, N', D)
-        # 'tok': open_clip's pooled class token; 'avg': the mean of the patch embeddings a selection left visible
-        img = out['image_features'] if pool == 'tok' else F.normalize(patch_mean(p, _visible(model)), dim=-1)
+        if pool == MAP:
+            p = map_patches(model, x) if need_patches else None                    # (C, N, D) through the head
+        else:
+            p = model.visual.ln_post(x) @ model.visual.proj if need_patches or pool == 'avg' else None   # (C, N', D)
+        # 'tok', 'map': open_clip's pooled vector (class token; the MAP head); 'avg': the mean of the visible patches
+        img = F.normalize(patch_mean(p, _visible(model)), dim=-1) if pool == 'avg' else out['image_features']
         enc.update(image=img, patches=p if need_patches else None)
     if tokens is not None:
         y = out['text_intermediates'][-1]                    # (C, L, width_t) last block
         t = _text_proj(model, model.ln_final(y))             # (C, L, D)
-        txt = out['text_features'] if pool == 'tok' else F.normalize(token_mean(t, tokens), dim=-1)
+        txt = F.normalize(token_mean(t, tokens), dim=-1) if pool == 'avg' else out['text_features']   # 'map': EOT
         enc.update(text=txt, tokens=t)
     return enc
 
@@ -679,6 +748,69 @@ assert 'encode_text' not in vars(_mt)                                           
 _mt.visual.pool_type = 'avg'                                                              # one tower changed by hand
 test_fail(lambda: encode(_mt, img.double(), None), contains='set_pool(model, pool) sets both')
 test_fail(lambda: create_model('powerclip-tiny', pool='mean'), contains='pool: must be one of')
+
+# %% [markdown]
+# ## MAP: SigLIP's attention-pooled image tower
+#
+# SigLIP pools its image tower by multihead attention pooling (MAP): a learned query attends over the last block's
+# tokens. `model.pool=map` builds it as **open_clip's own attentional pooler with one query** (`vision_cfg`:
+# `attentional_pool: true, attn_pooler_queries: 1`): `ln_post(MHA(ln_q(q), ln_k(x), ln_k(x))) @ proj`. We take it over
+# SigLIP's full MAP head (big_vision's `MAPHead`: the same attention followed by a LayerNorm and a residual MLP)
+# because it is what open_clip builds natively: the weights load in plain open_clip from its model config, no timm tower
+# and no module of our own, and `encode_image` (what the evaluator calls) runs the head the model trained. The price is
+# the MLP: SigLIP's head has one more block after the attention, ours a LayerNorm and the projection. The text tower
+# stays CLIP's (BPE tokenizer, EOT pooling, causal mask): SigLIP's SentencePiece tokenizer is not available offline,
+# so released SigLIP weights do not load here; the model is SigLIP's in its loss, its $t$ and $b$ and its image head.
+#
+# **An architecture, not a switch.** `tok` and `avg` read the same weights two ways (`set_pool`); the MAP head is
+# weights. So `create_model(name, pool='map')` builds the head (its heads: the tower's, or the most below them that
+# divide $D$), a MAP architecture (`ViT-B-16-map`, below) asked for `tok` or `avg` is refused, and so is `set_pool`
+# to or from `map` on a built model: one line each.
+#
+# **Its patch embeddings.** The regions (PowerCLIP's Eq. 2), C2LIP's xac, the pointing game and region top-1 read
+# projected patch embeddings $v_n$ in the shared $D$-dimensional space. A MAP model's $v_n$ is what its head outputs
+# when all of its attention is on patch $n$:
+#
+# $$v_n=\mathrm{proj}^\top\,\mathrm{LN}_{\text{post}}\big(W_o\,(W_v\,\mathrm{LN}_k(x_n)+b_v)+b_o\big),$$
+#
+# the head's value path applied to one patch (`map_patches`; every head of the attention then reads the same patch, so
+# the heads' split does not matter). The pooled image embedding is the head on the attention-weighted mix of the same
+# values, so $v_n$ lives where the pooled vector lives, with the head's own weights; the class-token path
+# (`ln_post` of width `width` before the projection) is not even of the right width here, and nothing falls back to it.
+#
+# `ViT-B-16-map` (in `model_configs/`) is the paper-scale SigLIP model: ViT-B/16 with the MAP head (8 heads: 512 =
+# 8 x 64), $t$ initialised at 10 and $b$ at $-10$ (`init_logit_scale`, `init_logit_bias`: open_clip's CLIP then holds
+# `logit_bias` and `encode` returns it).
+#
+# The checks: the MAP image embedding is the head's output written by hand and `encode_image`'s; a patch embedding is
+# the head with its attention masked to that one patch; the heads are refused as switches.
+
+# %%
+_mm = create_model('powerclip-tiny', pool='map')[0].double().eval()
+test_eq((pool_of(_mm), arch_pool('ViT-B-16-map'), arch_pool('powerclip-tiny', map_kwargs('powerclip-tiny', {}, 'map'))),
+        ('map', 'map', 'map'))
+with torch.no_grad():
+    _em = encode(_mm, img.double(), tt['tokens'])
+    _full = _mm.visual.transformer(_mm.visual._embeds(img.double()))                  # (C, 1 + N, width)
+    _ap = _mm.visual.attn_pool
+    _q = _ap.ln_q(_ap.query)[None].expand(img.shape[0], -1, -1)
+    _k = _ap.ln_k(_full)
+    _head = _ap.attn(_q, _k, _k, need_weights=False)[0][:, 0]                        # (C, D) the one query's output
+    assert_close(_em['image'], F.normalize(_mm.visual.ln_post(_head) @ _mm.visual.proj, dim=-1), rtol=0, atol=1e-12)
+    assert_close(_em['image'], _mm.encode_image(img.double(), normalize=True), rtol=0, atol=1e-12)
+    assert_close(_em['text'], _mm.encode_text(tt['tokens'], normalize=True), rtol=0, atol=1e-12)  # EOT, as CLIP
+    # v_n: the head with its attention on patch n alone (every other key masked)
+    for n in (0, 17, 63):
+        keep = torch.ones(img.shape[0], _full.shape[1], dtype=torch.bool)
+        keep[:, n + 1] = False                                                        # True: ignored
+        one = _ap.attn(_q, _k, _k, key_padding_mask=keep, need_weights=False)[0][:, 0]
+        assert_close(_em['patches'][:, n], _mm.visual.ln_post(one) @ _mm.visual.proj, rtol=0, atol=1e-12)
+    test_eq(_em['patches'].shape, (img.shape[0], 64, _mm.text_projection.shape[1]))          # N x D, as 'tok'
+test_fail(lambda: set_pool(_mm, 'tok'), contains="not a switch")
+test_fail(lambda: set_pool(create_model('powerclip-tiny')[0], 'map'), contains="not a switch")
+test_fail(lambda: create_model('ViT-B-16-map', pool='avg'), contains="pools by its trained MAP head")
+_cfg = open_clip.get_model_config('ViT-B-16-map')
+test_eq((_cfg['vision_cfg']['attn_pooler_heads'], _cfg['init_logit_bias']), (8, -10.0))
 
 
 # %% [markdown]

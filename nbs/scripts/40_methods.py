@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,12 @@ class Method:
         "Peak learning rate of `build_modules`' parameters, given the run's peak `lr`. Default: the same."
         return lr
 
+    def model_kwargs(self) -> dict:
+        """open_clip model kwargs the method asks of the model it trains (SigLIP's t and b: `SIGLIP_INIT`), under the
+        run's own `model.kwargs`; the trainer records them in the run's config, so the evaluator builds the same
+        model. Default: none."""
+        return {}
+
     def on_step(self, step: int, total: int) -> None:
         "Called by the trainer before each step (0-based `step` of `total`): for schedules inside a method."
 
@@ -147,7 +154,8 @@ class Method:
         return encode(model, batch["image"], batch["tokens"], need_patches=self.needs_patches)
 
     needs_patches: bool = False  # the default forward asks `encode` for patch embeddings (losses that read them)
-    pools: tuple = ("tok", "avg")  # the model poolings (`model.pool`, `30_model`) the method works with
+    pools: tuple = ("tok", "avg")  # the model poolings (`model.pool`, `30_model`) the method works with ('map': the
+                                   # MAP head, for the methods that read nothing but the pooled vectors and the patches)
 
     def loss(self, out: dict, batch: dict, dist: DistContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -232,9 +240,14 @@ def _import_baselines() -> None:
 
 # %%
 #| export
+# SigLIP's t and b as its models hold them (Zhai et al. 2023: t' = log 10, b = -10; open_clip's `init_logit_bias`)
+SIGLIP_INIT = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0}
+
+
 @register("clip")
 class CLIP(Method):
     "CLIP (Radford et al. 2021): global image and text embeddings, contrastive loss."
+    pools = ("tok", "avg", "map")
 
     def loss(self, out, batch, dist):
         g = gather(dist, {"image": out["image"], "text": out["text"]})   # (C, D) each
@@ -364,6 +377,14 @@ def sample_keys(batch: dict, image: torch.Tensor) -> torch.Tensor:
 # them before the collective. The gathered `node_text` is then built on the device from the gathered counts
 # (`repeat_interleave` with its output size known), not gathered and shifted.
 #
+# **Over SigLIP** (`global_loss='siglip'`): the global term is SigLIP's sigmoid loss (`11_loss`'s `siglip_loss`) with
+# the model's own $t$ (`logit_scale`) and $b$ (`logit_bias`, which `model_kwargs` asks the model to hold, initialised
+# as SigLIP's, `SIGLIP_INIT`); the triplet term is unchanged. On a MAP model (`model.pool=map`, SigLIP's image tower,
+# `30_model`, "MAP") the regions pool the head's patch embeddings; `pools` lists `map` for CLIP, PowerCLIP, SigLIP and
+# C2LIP, whose losses read only the pooled vectors and those patch embeddings. The other methods refuse it in one line
+# (`validate`): their heads (SPARC's, A-CLIP's EMA towers), token selection (FLIP, CLIP-PGS, E-CLIP) or token-wise
+# scores were written for the class-token tower and are not checked on the MAP head.
+#
 # **The block budget** (`block_bytes='auto'`, the default) is settled for the device once, when the run is built:
 # `setup_model`, which the trainer calls with the model on its device, sets it to `device_block_bytes` (16 MiB on a
 # CPU; on CUDA 1/128 of the GPU's memory, within 256 MiB - 1 GiB; `10a_powerset_fast`), so no step asks the CUDA
@@ -379,6 +400,7 @@ class PowerCLIPConfig(PowerCLIPLossConfig):
                               # segments | 'stored' shard masks (PowerCLIP-S)
     nodes: str = "tree"       # 'tree' the parse tree's constituents (the paper) | 'words' each word alone ("w/o parse
                               # trees")
+    global_loss: str = "clip" # 'clip' (the paper) | 'siglip': SigLIP's loss with the model's own t and b (SIGLIP_INIT)
 
     def __post_init__(self):
         super().__post_init__()
@@ -386,14 +408,20 @@ class PowerCLIPConfig(PowerCLIPLossConfig):
             raise ValueError(f"M must be >= 1, got {self.M}")
         if self.nodes not in ("tree", "words"):
             raise ValueError(f"nodes must be 'tree' or 'words', got {self.nodes!r}")
+        if self.global_loss not in ("clip", "siglip"):
+            raise ValueError(f"global_loss must be 'clip' or 'siglip', got {self.global_loss!r}")
         BatchNeeds(tree=True, regions=self.M, region_source=self.masks)   # checks the mask source
 
 
 @register("powerclip")
 class PowerCLIP(Method):
-    "PowerCLIP: CLIP + lam * powerset triplet loss (NLA-T1 + NLA-T2), config `PowerCLIPConfig`."
+    "PowerCLIP: CLIP (or SigLIP) + lam * powerset triplet loss (NLA-T1 + NLA-T2), config `PowerCLIPConfig`."
     Config = PowerCLIPConfig
     needs_patches = True
+    pools = ("tok", "avg", "map")
+
+    def model_kwargs(self) -> dict:
+        return dict(SIGLIP_INIT) if self.cfg.global_loss == "siglip" else {}
 
     def needs(self) -> BatchNeeds:
         return BatchNeeds(tree=True, regions=self.cfg.M, region_source=self.cfg.masks)
@@ -444,9 +472,16 @@ class PowerCLIP(Method):
             gathered = PowersetInputs(a["regions"], a["region_valid"], a["phrases"], node_text=node_text_all,
                                       node_counts=[k for k, _ in facts],
                                       all_regions_valid=all(m == a["region_valid"].shape[1] for _, m in facts))
+        bias = None
+        if self.cfg.global_loss == "siglip":
+            if "logit_bias" not in out:
+                raise ValueError("global_loss='siglip' needs the model's own logit_bias (model.kwargs.init_logit_bias)")
+            bias = out["logit_bias"]
         terms = powerclip_loss(out["image"], out["text"], out["logit_scale"], local, self.cfg,
-                               a["image"], a["text"], gathered, g.offset)
+                               a["image"], a["text"], gathered, g.offset, bias)
         terms["_logit_scale"] = out["logit_scale"].detach()
+        if bias is not None:
+            terms["_logit_bias"] = bias.detach()
         return terms
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from powerclip.data import BatchNeeds
 from powerclip.dist import DistContext, gather
-from powerclip.loss import clip_loss
+from powerclip.loss import clip_loss, siglip_loss
 from powerclip.methods import Method, register
 from powerclip.powerset import pool_normalize
 
@@ -208,25 +208,10 @@ print(_lb.dtype, float(_lb.detach()))
 # $-1$ elsewhere, $\mathcal L=-\frac1{|B|}\sum_{i,j}\log\sigma\big(z_{ij}(t\,v_i\cdot t_j+b)\big)$. A process computes
 # its $R$ local images against the gathered captions and divides by $R$ (as open_clip's `SigLipLoss` divides by its
 # local batch), so the mean over processes is the full-batch loss. Unlike CLIP's loss it needs no images of other
-# processes: the images' side of each pair is summed on the process that holds the image.
-
-# %%
-#| export
-def siglip_loss(
-    image: torch.Tensor,          # (R, D) L2-normalised local image embeddings
-    text: torch.Tensor,           # (R, D) L2-normalised local text embeddings
-    scale: torch.Tensor, bias: torch.Tensor,  # () t and b
-    text_all: torch.Tensor | None = None,     # (C, D) gathered text embeddings (None: the local ones)
-    offset: int = 0,              # rank * R: the column of this process's first positive
-) -> torch.Tensor:                # scalar
-    "SigLIP's pairwise sigmoid loss (Eq. 4), local images against all captions, mean over the local images."
-    cols = text if text_all is None else text_all
-    sim = image @ cols.T                                                            # (R, C)
-    logits = scale * sim.to(torch.promote_types(sim.dtype, torch.float32)) + bias
-    R, C = logits.shape
-    own = torch.arange(C, device=logits.device)[None, :] == (torch.arange(R, device=logits.device) + offset)[:, None]
-    return _sigmoid_nll(logits, torch.where(own, 1.0, -1.0))
-
+# processes: the images' side of each pair is summed on the process that holds the image. It is `11_loss`'s
+# `siglip_loss` (the one copy, equal to open_clip's `SigLipLoss` on every rank: `tests/test_siglip.py`), with its
+# promotion of the similarities to at least float32 under autocast; the checks below hold it to the pair-by-pair sum
+# once more, through C2LIP's names.
 
 # %%
 def _naive_siglip(v, t, tau, b):
@@ -387,8 +372,15 @@ assert _i[0][_v[0]].tolist() == [1]
 # model's own `logit_scale`, to compare with the other methods on the same footing). The sigmoid losses share a
 # learnable scale $t=e^{t'}$ and bias $b$, initialised as SigLIP ($t'=\log 10$, $b=-10$, Zhai et al. 2023, Sec. 3);
 # they live in a training-time module (`build_modules`) that the trainer trains, synchronises and saves beside
-# the model, never inside the open_clip weights. (A pretrained SigLIP checkpoint carries its own $t, b$; the
-# towers here are CLIP's, whose checkpoint has none, so they start from SigLIP's init.)
+# the model, never inside the open_clip weights, when the model has none: a CLIP model or snapshot (the comparison's
+# row "C2LIP", C2LIP from CLIP), so they start from SigLIP's init.
+#
+# **On a SigLIP model** (one that holds `logit_bias`: built with `init_logit_bias`, `48a_siglip`, or any model whose
+# pretrained weights hold one, which the trainer then builds with it, `50_train`'s `validate`) the sigmoid terms use
+# **the model's own** $t$ (`logit_scale`, exponentiated) and $b$, as C2LIP's paper fine-tunes SigLIP: nothing is created
+# fresh, `build_modules` returns None, and $t, b$ train with the model's parameters at the run's learning rate
+# (open_clip keeps them out of weight decay). `modules_lr` and `init_scale` / `init_bias` then apply to nothing: there
+# are no modules. This is the row "C2LIP (SigLIP)" of `71a_plateau`'s `sigmoid` table.
 #
 # **t and b** (`modules_lr`, `init_scale`). Fresh $t, b$ trained at the fine-tune's learning rate cannot leave their
 # init: Adam moves $t'=\log t$ by at most about lr per step, so at C2LIP's $10^{-5}$ over a fine-tune of $10^4$ steps
@@ -492,12 +484,18 @@ def c2lip_terms(
 
 # %%
 #| export
+def _holds_bias(model) -> bool:
+    "Whether the open_clip model holds SigLIP's t and b (`logit_bias`, built with `init_logit_bias`)."
+    return getattr(model, "logit_bias", None) is not None
+
+
 @register("c2lip")
 class C2LIP(Method):
     """C2LIP: base (SigLIP or CLIP) + lambda_npc * npc + lambda_xac * xac over noun-phrase concepts, config
     `C2LIPConfig`."""
     Config = C2LIPConfig
     needs_patches = True
+    pools = ("tok", "avg", "map")
 
     def needs(self) -> BatchNeeds:
         "The parse tree with its noun-phrase labels (the concepts); no region mask."
@@ -508,8 +506,9 @@ class C2LIP(Method):
         return self.cfg.base == "siglip" or self.cfg.npc_weight > 0 or self.cfg.xac_weight > 0
 
     def build_modules(self, model) -> SigmoidScaleBias | None:
-        "t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict)."
-        if not self._sigmoid:
+        """t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict); None when the
+        model holds SigLIP's own (`logit_bias`: a SigLIP model or snapshot), whose t and b are then used."""
+        if not self._sigmoid or _holds_bias(model):
             return None
         t = float(model.logit_scale.detach().exp()) if self.cfg.init_scale == "model" else self.cfg.init_scale
         return SigmoidScaleBias(t, self.cfg.init_bias)
@@ -533,9 +532,12 @@ class C2LIP(Method):
         return batch
 
     def forward(self, model, batch, modules=None):
-        if self._sigmoid and not isinstance(modules, SigmoidScaleBias):
+        own = _holds_bias(model)
+        if self._sigmoid and not own and not isinstance(modules, SigmoidScaleBias):
             raise RuntimeError("C2LIP needs its sigmoid scale and bias: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
+        if self._sigmoid and own:         # the SigLIP model's own t = exp(t') and b
+            out["sigmoid_scale"], out["sigmoid_bias"] = out["logit_scale"], out["logit_bias"]
         if self.cfg.concept_embedding == "pool":
             out["concepts"] = pool_normalize(out["tokens"], batch["concept_tokens"])        # (C, Kc, D)
         else:   # one more text-tower pass, over the valid concepts only
@@ -630,6 +632,14 @@ test_fail(lambda: get_method("c2lip", {"base": "softmax"}), contains="base must 
 test_fail(lambda: get_method("c2lip").prepare_batch({k: v for k, v in _batch.items() if k != "node_np"}),
           contains="node_np")
 assert get_method("c2lip", {"base": "clip", "npc_weight": 0, "xac_weight": 0}).build_modules(_model) is None
+# a SigLIP model (it holds logit_bias): its own t and b, nothing fresh, the gradients reach them
+_sm = create_model("powerclip-micro", init_logit_scale=math.log(10), init_logit_bias=-10.0)[0]
+_meth = get_method("c2lip")
+assert _meth.build_modules(_sm) is None
+_out = _meth.forward(_sm, _pb)
+assert _out["sigmoid_scale"] is _out["logit_scale"] and _out["sigmoid_bias"] is _out["logit_bias"]
+sum(v for k, v in _meth.loss(_out, _pb, DistContext()).items() if not k.startswith("_")).backward()
+assert _sm.logit_bias.grad is not None and _sm.logit_scale.grad is not None
 
 # %% [markdown]
 # Under bf16 autocast (as the paper trains, and as the trainer's `precision=bf16` runs) the terms and gradients

@@ -63,7 +63,8 @@ class ModelConfig:
                                        # until model.pretrained=PATH is given
     pool: str | None = None            # 'tok' (class token / EOT, CLIP) | 'avg' (mean of the patch / caption tokens,
                                        # the PowerCLIP authors' model) for both towers; None: the architecture's
-                                       # (`30_model`, "Pooling": 'tok', 'avg' for ViT-B-16-avg)
+                                       # (`30_model`, "Pooling": 'tok', 'avg' for ViT-B-16-avg); 'map': the image
+                                       # tower with SigLIP's attention-pooling head (an architecture: `30_model`, "MAP")
     grad_checkpointing: bool = False   # recompute activations in backward (less memory, ~30% more time)
     compile: bool = False              # torch.compile the forward pass
     kwargs: dict = field(default_factory=dict)  # open_clip model_kwargs overriding the architecture's config
@@ -73,8 +74,8 @@ class ModelConfig:
     def __post_init__(self):
         if not self.name:
             raise ValueError("name: needs an open_clip architecture name (e.g. ViT-B-16, powerclip-tiny)")
-        if self.pool not in (None, "tok", "avg"):
-            raise ValueError(f"pool: must be tok, avg or null (the architecture's), got {self.pool!r}")
+        if self.pool not in (None, "tok", "avg", "map"):
+            raise ValueError(f"pool: must be tok, avg, map or null (the architecture's), got {self.pool!r}")
 
 
 @dataclass

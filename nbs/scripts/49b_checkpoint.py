@@ -479,6 +479,18 @@ with tempfile.TemporaryDirectory() as d:
 
 # %%
 #| export
+def bias_kwargs(path) -> dict:
+    """`{'init_logit_bias': -10.0}` when the weights file `path` holds SigLIP's `logit_bias` (its model had one: a
+    SigLIP snapshot), so that the model built for it holds one too and the weights load (their b replaces the -10);
+    else `{}`. Memory-mapped: no tensor is read."""
+    if path is None or path == "required":
+        return {}
+    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    sd = sd.get("state_dict", sd) if isinstance(sd, dict) else {}
+    return {"init_logit_bias": -10.0} if any(k.removeprefix("module.").removeprefix("model.") == "logit_bias"
+                                            for k in sd) else {}
+
+
 def weights_problem(path) -> str | None:
     """Why the weights file `path` cannot be read (None when it can): a torch zip file's directory, a safetensors
     header and its extent, or an older torch file read whole. Cheap for the usual formats (no tensor is read)."""

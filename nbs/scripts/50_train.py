@@ -29,10 +29,10 @@ import yaml
 
 from powerclip import dist as pdist
 from powerclip.accum import accumulate
-from powerclip.checkpoint import (TrainState, check_run_folder, export_weights, load_checkpoint, move_aside,
-                                  previous_checkpoint, read_resume, resume_changes, resume_position, rng_state,
-                                  run_marks, save_checkpoint, save_snapshot, seed_all, set_rng_state, shape_mismatch,
-                                  weights_problem)
+from powerclip.checkpoint import (TrainState, bias_kwargs, check_run_folder, export_weights, load_checkpoint,
+                                  move_aside, previous_checkpoint, read_resume, resume_changes, resume_position,
+                                  rng_state, run_marks, save_checkpoint, save_snapshot, seed_all, set_rng_state,
+                                  shape_mismatch, weights_problem)
 from powerclip.commandline import (ArgumentParser, Interrupted, StopSignals, UsageError, check_device, check_number,
                                    run_main, usage_errors)
 from powerclip.config import TrainConfig, check_kwargs, load_config, method_options, to_dict
@@ -282,14 +282,17 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
         check_device("device", cfg.device, hint="device=cpu, or null: a GPU when there is one")
     for k, v in _free_numbers(data.world, "data.world"):
         check_number(k, v)
-    from powerclip.model import arch_pool, model_geometry   # imports open_clip: seconds
+    from powerclip.model import arch_pool, map_kwargs, model_geometry   # imports open_clip: seconds
     try:
         model_geometry(cfg.model.name)                        # the architecture exists
     except (ValueError, TypeError, NotImplementedError) as e:
         raise ValueError(f"model: {e}") from None
     import open_clip
     kwargs = check_kwargs(open_clip.CLIP.__init__, cfg.model.kwargs, "model.kwargs")   # typed: embed_dim=abc, one line
+    # what the method asks of the model (SigLIP's t, b), a snapshot's b (it loads), then the run's own: all recorded
+    kwargs = {**method.model_kwargs(), **bias_kwargs(pre), **kwargs}
     try:
+        map_kwargs(cfg.model.name, kwargs, cfg.model.pool)      # a MAP architecture asked for 'tok' or 'avg'
         geometry = model_geometry(cfg.model.name, kwargs)
         pool = cfg.model.pool or arch_pool(cfg.model.name, kwargs)
     except (ValueError, TypeError, NotImplementedError) as e:
@@ -341,7 +344,7 @@ with tempfile.TemporaryDirectory() as d:
                      "data.shards: 4 of 4 shard file(s) do not exist"),
                     ({"data.world": {"max_objectz": 2}}, "data.world: "),
                     ({"model.pretrained": "required"}, "model.pretrained=/path"),
-                    ({"model.pool": "mean"}, "model.pool: must be tok, avg or null")]:
+                    ({"model.pool": "mean"}, "model.pool: must be tok, avg, map or null")]:
         if msg:
             test_fail(lambda: validate(load_config("smoke", ov)), contains=msg)
     test_fail(lambda: validate(load_config("smoke", {"global_batch_size": 9}), world_size=2),

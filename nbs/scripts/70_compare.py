@@ -36,7 +36,7 @@ from powerclip.eval.data import write_world_benchmark
 from powerclip.eval.models import load_model
 from powerclip.eval.world_scores import FOLDER_HEADLINE, HEADLINE, REGION_HEADLINE, evaluate_folder
 from powerclip.measure import run_isolated
-from powerclip.methods import method_config
+from powerclip.methods import SIGLIP_INIT, method_config
 from powerclip.model import model_geometry
 from powerclip.report import REFERENCE, Comparison, logged_numbers, summarize_seeds, trained_stats, write_outputs
 from powerclip.train import read_metrics, train
@@ -121,6 +121,12 @@ from fastcore.test import test_eq, test_fail
 # base model is SigLIP; ours is a CLIP snapshot, trained with the softmax loss, and starting the sigmoid loss's scale and
 # bias from their initial values on it changes two things at once (the base loss and the concept terms). C2LIP-CLIP
 # changes only one: its difference to CLIP at $T$ is what the concept terms do. It costs $F$ steps per seed.
+#
+# **C2LIP from CLIP, and in its own regime.** Every committed table's "C2LIP" row (this comparison's, the plateau's and
+# the fine-tune table's, `71a_plateau`) is **C2LIP from CLIP**: CLIP's snapshot, class-token pooling, $t$ and $b$
+# created fresh. C2LIP's paper fine-tunes a SigLIP model; the rows "SigLIP", "SigLIP ft", "C2LIP (SigLIP)" and
+# "PowerCLIP-R (SigLIP)" below train that regime (SigLIP's loss with the model's own $t$ and $b$, the MAP image head),
+# read by `71a_plateau`'s `sigmoid` table, not by this comparison's default rows.
 #
 # ## PowerCLIP as a fine-tune
 #
@@ -254,6 +260,19 @@ RUNS = {
     "CLIP (avg)": RunSpec("clip", {"model.pool": "avg"}),
     "PowerCLIP-R (avg)": RunSpec("powerclip", {"method_cfg.masks": "random", "model.pool": "avg"}),
     "PowerCLIP-gold (avg)": RunSpec("powerclip", {"method_cfg.masks": "gold", "model.pool": "avg"}),
+    # the sigmoid regime (issue 43; `71a_plateau`'s `sigmoid` table), on SigLIP's architecture (the MAP image head,
+    # `30_model`): SigLIP with the model's own t and b; C2LIP from SigLIP's snapshot with C2LIP's recipe (the snapshot's
+    # t and b, nothing fresh) against SigLIP's loss with the same recipe; PowerCLIP-R's triplet term over SigLIP's loss.
+    # model.kwargs: what the trainer adds for these runs (the method's t and b; a snapshot's b), written alike
+    "SigLIP": RunSpec("siglip", {"model.pool": "map", "model.kwargs": dict(SIGLIP_INIT)}),
+    "SigLIP ft": RunSpec("siglip", {"model.pool": "map", "optim.lr": 1e-5, "optim.weight_decay": 0.1,
+                                    "model.kwargs": dict(SIGLIP_INIT)}, base="SigLIP", warmup_share=50 / 19_000),
+    "C2LIP (SigLIP)": RunSpec("c2lip", {"model.pool": "map", "optim.lr": 1e-5, "optim.weight_decay": 0.1,
+                                        "model.kwargs": {"init_logit_bias": SIGLIP_INIT["init_logit_bias"]}},
+                              base="SigLIP", warmup_share=50 / 19_000),
+    "PowerCLIP-R (SigLIP)": RunSpec("powerclip", {"model.pool": "map", "method_cfg.masks": "random",
+                                                  "method_cfg.global_loss": "siglip",
+                                                  "model.kwargs": dict(SIGLIP_INIT)}),
 }
 DEMO_RUNS = ("CLIP", "PowerCLIP-R", "PowerCLIP-gold")   # `make demo`: CLIP against PowerCLIP
 # REFERENCE ("CLIP": every paired difference is to this row, same seed) is the report's (`69a_report`); the numbers with

@@ -164,7 +164,8 @@ def _kind(folder: Path) -> str | None:
         raise ValueError(f"{f}: not a readable summary ({type(e).__name__}: {e}); move it, or give another "
                          "--out") from None
     after = words[words.index("powerclip.experiments") + 1:] if "powerclip.experiments" in words else []
-    return meta.get("experiment") or next((w for w in after if w in ("budget", "plateau", "finetune")), None)
+    return meta.get("experiment") or next((w for w in after if w in ("budget", "plateau", "finetune", "sigmoid")),
+                                          None)
 
 
 def _claim(plan, kind: str, folder: Path) -> None:
@@ -731,6 +732,92 @@ for _f in ("budget.md", "budget_1600_3200.md", "T1600/summary.md", "T1600/poolin
     print(f"## {_s}\n\n{_s.read_text() if _s.is_file() else 'not kept'}\n")
 
 # %% [markdown]
+# ## The sigmoid regime: SigLIP, C2LIP in its own regime, PowerCLIP over SigLIP (`sigmoid`)
+#
+# The comparison's "C2LIP" row is **C2LIP from CLIP**: it fine-tunes CLIP's snapshot (class-token pooling, softmax
+# loss) with $t$ and $b$ created fresh; every committed table's "C2LIP" row (the comparison's, the plateau's, the
+# fine-tune table's) is that one. C2LIP's paper fine-tunes a SigLIP model. `python -m powerclip.experiments sigmoid`
+# trains the sigmoid regime at T = 1,600 (F = 20 % of T), on SigLIP's architecture (the MAP image head, `30_model`;
+# the text tower stays CLIP's, the documented deviation of `48a_siglip`), with four rows of `RUNS` (`70_compare`):
+#
+# - **SigLIP**: SigLIP's loss with the model's own $t$ and $b$ (init 10 and $-10$), pre-trained to T, leaving its
+#   snapshot at T - F;
+# - **SigLIP ft**: that snapshot fine-tuned for F steps with SigLIP's loss and **C2LIP's recipe** (lr $10^{-5}$, weight
+#   decay 0.1, its warm-up share): the matched control of
+# - **C2LIP (SigLIP)**: C2LIP's loss from the same snapshot with the same recipe, its $t$ and $b$ the snapshot model's
+#   own (`45_c2lip`: nothing fresh, no modules, so `modules_lr` applies to nothing);
+# - **PowerCLIP-R (SigLIP)**: PowerCLIP-R's triplet term added to SigLIP's loss (`method_cfg.global_loss=siglip`), on
+#   the SigLIP model, pre-trained, against SigLIP.
+#
+# `sigmoid.md` (`pairs_table`) gives each row against its control, with Holm-adjusted p over each pair's five numbers,
+# sign counts and detectable differences: C2LIP (SigLIP) - SigLIP ft (what C2LIP's terms do in their regime), SigLIP ft
+# - SigLIP (what the restart does), PowerCLIP-R (SigLIP) - SigLIP (the row no peer has), and C2LIP (SigLIP) against
+# SigLIP continued. Runs in `runs/sigmoid/T{T}/seed{S}/ROW`, tables in `runs/sigmoid/T{T}/`; `--rows` and `--merge`
+# as the fine-tune table's, and a killed run resumes.
+
+# %%
+#| export
+SIGMOID_ROWS = ("SigLIP", "SigLIP ft", "C2LIP (SigLIP)", "PowerCLIP-R (SigLIP)")   # rows of RUNS, the table's order
+SIGMOID_REFERENCE = "SigLIP"     # summary.md's reference
+SIGMOID_STEPS = 1600             # T (F = 20 % of it)
+SIGMOID_PAIRS = (("C2LIP (SigLIP)", "SigLIP ft"), ("SigLIP ft", "SigLIP"), ("PowerCLIP-R (SigLIP)", "SigLIP"),
+                 ("C2LIP (SigLIP)", "SigLIP"))
+SIGMOID_LABELS = {"SigLIP": "SigLIP"}
+
+
+def _sigmoid_plan(rows, seeds, steps: int, root: Path, **kw):
+    "The sigmoid table's plan: `rows` (of `SIGMOID_ROWS`, in their order) at T = `steps`, runs in `root/T{steps}`."
+    _check_rows(rows, SIGMOID_ROWS)
+    plan = make_plan({n: RUNS[n] for n in SIGMOID_ROWS if n in rows}, seeds, steps, root / f"T{steps}",
+                     reference=SIGMOID_REFERENCE, **kw)
+    _claim(plan, "sigmoid", plan.out)
+    return plan
+
+
+def _sigmoid_md(cmp: Comparison) -> str:
+    "`sigmoid.md`: every difference of `SIGMOID_PAIRS`."
+    m = cmp.meta
+    return (f"# The sigmoid regime at T = {m['steps']} (F = {m['finetune_steps']}), difference by difference (seeds "
+            f"{m['seeds']})\n\nSigLIP: the sigmoid loss with the model's own t and b, MAP image head, to T. SigLIP ft: "
+            "its snapshot at T - F fine-tuned with SigLIP's loss and C2LIP's recipe (the matched control of C2LIP "
+            "(SigLIP)). PowerCLIP-R (SigLIP): the triplet term over SigLIP's loss, pre-trained.\n\n"
+            f"{pairs_table(cmp, SIGMOID_PAIRS, SIGMOID_LABELS)}\n")
+
+
+def sigmoid(steps: int = SIGMOID_STEPS, seeds=COMPARE_SEEDS, out_dir=None, log=None, merge=(), rows=SIGMOID_ROWS,
+            **kw) -> Comparison:
+    """The sigmoid table (see above): `rows` of `SIGMOID_ROWS` at T = `steps` over `seeds`, runs and tables in
+    `out_dir/T{T}` (default runs/sigmoid), paired differences to SigLIP in `summary.md`, every pair of `SIGMOID_PAIRS`
+    in `sigmoid.md`. `merge`: folders of the same table over other seeds (`merge_comparisons`)."""
+    plan = _sigmoid_plan(rows, seeds, steps, Path(out_dir or "runs/sigmoid"), log=log, **kw)
+    parts, _ = _merge_parts(plan, merge)
+    cmp = run_plan(plan, log)
+    if parts:
+        cmp = merge_comparisons([cmp, *parts])
+        cmp.meta["command"] = plan.meta["command"]
+        write_outputs(cmp, plan.out)
+    (plan.out / "sigmoid.md").write_text(_sigmoid_md(cmp))
+    return cmp
+
+
+# %% [markdown]
+# In miniature (the smoke preset, T = 10 so F = 2, one seed; merging another seed's folder is the fine-tune table's
+# `_merge_parts`, shared): the four rows train end to end, the fine-tunes start from SigLIP's snapshot at step 8, and
+# `sigmoid.md` holds every pair. (A run of it, seeds 0 and then 1 merged into a second folder, took 583 s on the
+# 2-core CPU.)
+
+# %%
+_sg_root = _tmp / "sigmoid"
+with contextlib.redirect_stderr(io.StringIO()):
+    _sg = sigmoid(10, [0], _sg_root, **dict(_kw, overrides={"progress": False}))
+test_eq({s: list(r) for s, r in _sg.per_seed.items()}, {0: ["untrained", *SIGMOID_ROWS]})
+test_eq((_sg.meta["reference"], _sg.meta["experiment"], _sg.meta["finetune_steps"]), ("SigLIP", "sigmoid", 2))
+test_eq(_sg.per_seed[0]["C2LIP (SigLIP)"]["regime"], "fine-tune 2 from SigLIP@8")
+_smd = (_sg_root / "T10" / "sigmoid.md").read_text()
+assert "| C2LIP (SigLIP) | SigLIP ft | 1 |" in _smd and "| PowerCLIP-R (SigLIP) | SigLIP | 1 |" in _smd
+test_fail(lambda: sigmoid(10, [0], _sg_root, rows=["SigLIP", "CLIP"], **_kw), contains="--rows")
+
+# %% [markdown]
 # ## PowerCLIP as a fine-tune: the fine-tune table (`finetune`)
 #
 # C2LIP and SmartCLIP are fine-tunes of a trained CLIP in their papers and in the comparison (rows with `base="CLIP"`,
@@ -812,7 +899,7 @@ def rewrite_results(folder) -> Comparison:
     the `pooling.md` or `finetune.md` beside it where there is one; nothing trains or evaluates."""
     folder = Path(folder)
     cmp = rewrite_outputs(folder)
-    for f, md in (("pooling.md", _pooling_md), ("finetune.md", _finetune_md)):
+    for f, md in (("pooling.md", _pooling_md), ("finetune.md", _finetune_md), ("sigmoid.md", _sigmoid_md)):
         if (folder / f).is_file():
             (folder / f).write_text(md(cmp))
     return cmp
@@ -958,7 +1045,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), "
                     "anatomy (why PowerCLIP-R loses here), budget (where CLIP stops improving), plateau (the "
                     "comparison at its T, both poolings), finetune (PowerCLIP-R, C2LIP and SmartCLIP as fine-tunes of "
-                    "CLIP beside a matched control), or all (every table and fig8); key=value pairs "
+                    "CLIP beside a matched control), sigmoid (SigLIP, C2LIP from SigLIP, PowerCLIP-R over SigLIP), "
+                    "or all (every table and fig8); key=value pairs "
                     "among them apply to every run")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(COMPARE_SEEDS))
     ap.add_argument("--steps", type=int, nargs="+", default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); "
@@ -982,7 +1070,7 @@ def _parser() -> ArgumentParser:
 
 
 _PLATEAU = ("budget", "plateau")
-_ALONE = ("fig9", "anatomy", *_PLATEAU, "finetune")      # named on their own, not part of `all`
+_ALONE = ("fig9", "anatomy", *_PLATEAU, "finetune", "sigmoid")      # named on their own, not part of `all`
 
 
 def _main(argv: list[str]) -> int:
@@ -1003,14 +1091,14 @@ def _main(argv: list[str]) -> int:
             raise ValueError(f"--steps: one T (several only for budget, named alone), got {a.steps}")
         budget_steps = _budget_steps(a.steps)
         T = a.steps[0] if a.steps else None
-        if (a.merge or a.rows is not None) and names not in (["plateau"], ["finetune"]):
-            raise ValueError(f"--merge, --rows: options of the plateau and the fine-tune table; name one alone, got "
-                             f"{names}")
+        if (a.merge or a.rows is not None) and names not in (["plateau"], ["finetune"], ["sigmoid"]):
+            raise ValueError(f"--merge, --rows: options of the plateau, the fine-tune and the sigmoid table; name one "
+                             f"alone, got {names}")
         kw = dict(preset=a.preset, overrides=ov, device=a.device, precision=a.precision, eval_images=a.eval_images,
                   command=shlex.join(["python", "-m", "powerclip.experiments", *argv]))
         ground = lambda n: (a.grounding if a.grounding is not None
-                            else GROUNDING_SCENES if n in (*_PLATEAU, "finetune") else 0)
-        out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else "runs/finetune" if n == "finetune"
+                            else GROUNDING_SCENES if n in (*_PLATEAU, "finetune", "sigmoid") else 0)
+        out = lambda n: a.out or ("runs/plateau" if n in _PLATEAU else f"runs/{n}" if n in ("finetune", "sigmoid")
                                   else "runs/experiments")
         for n in names:                      # every plan validated before the first run trains
             if n == "fig9":
@@ -1019,9 +1107,11 @@ def _main(argv: list[str]) -> int:
                 _budget_plans(budget_steps, a.seeds, Path(out(n)), log=lambda m: None, grounding_scenes=ground(n),
                               **kw)
                 continue
-            if n == "finetune":
-                p = _finetune_plan(a.rows or FINETUNE_ROWS, a.seeds, T or FINETUNE_STEPS, Path(out(n)),
-                                   log=lambda m: None, grounding_scenes=ground(n), **kw)
+            if n in ("finetune", "sigmoid"):
+                plan_of, rows_of, T_of = ((_finetune_plan, FINETUNE_ROWS, FINETUNE_STEPS) if n == "finetune"
+                                          else (_sigmoid_plan, SIGMOID_ROWS, SIGMOID_STEPS))
+                p = plan_of(a.rows or rows_of, a.seeds, T or T_of, Path(out(n)), log=lambda m: None,
+                            grounding_scenes=ground(n), **kw)
                 _merge_parts(p, a.merge)
                 continue
             if n == "plateau":
@@ -1065,6 +1155,12 @@ def _main(argv: list[str]) -> int:
             folder = Path(out(n)) / f"T{cmp.meta['steps']}"
             print((folder / "summary.md").read_text())
             print((folder / "finetune.md").read_text())
+            continue
+        if n == "sigmoid":
+            cmp = sigmoid(T or SIGMOID_STEPS, a.seeds, out(n), merge=a.merge, rows=a.rows or SIGMOID_ROWS, **kw)
+            folder = Path(out(n)) / f"T{cmp.meta['steps']}"
+            print((folder / "summary.md").read_text())
+            print((folder / "sigmoid.md").read_text())
             continue
         run_experiment(n, a.seeds, T or EXPERIMENT_STEPS, out(n), **kw)
         print(f"\n## {n}: {EXPERIMENTS[n].title}\n\npaper: {EXPERIMENTS[n].paper}\n")

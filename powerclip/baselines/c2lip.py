@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from ..data import BatchNeeds
 from ..dist import DistContext, gather
-from ..loss import clip_loss
+from ..loss import clip_loss, siglip_loss
 from ..methods import Method, register
 from ..powerset import pool_normalize
 
 # %% auto #0
-__all__ = ['concept_targets', 'npc_loss', 'xac_loss', 'siglip_loss', 'select_concepts', 'concept_token_masks',
-           'concept_token_ids', 'C2LIPConfig', 'SigmoidScaleBias', 'c2lip_terms', 'C2LIP']
+__all__ = ['concept_targets', 'npc_loss', 'xac_loss', 'select_concepts', 'concept_token_masks', 'concept_token_ids',
+           'C2LIPConfig', 'SigmoidScaleBias', 'c2lip_terms', 'C2LIP']
 
 # %% ../../nbs/45_c2lip.ipynb #5252b1b8
 def concept_targets(
@@ -79,22 +79,6 @@ def xac_loss(
             dot = dot / sq.clamp_min(eps * eps).sqrt()
         logits = scale * dot + bias
     return _sigmoid_nll(logits, concept_targets(patches.shape[0], concept_valid, offset))
-
-# %% ../../nbs/45_c2lip.ipynb #babda344
-def siglip_loss(
-    image: torch.Tensor,          # (R, D) L2-normalised local image embeddings
-    text: torch.Tensor,           # (R, D) L2-normalised local text embeddings
-    scale: torch.Tensor, bias: torch.Tensor,  # () t and b
-    text_all: torch.Tensor | None = None,     # (C, D) gathered text embeddings (None: the local ones)
-    offset: int = 0,              # rank * R: the column of this process's first positive
-) -> torch.Tensor:                # scalar
-    "SigLIP's pairwise sigmoid loss (Eq. 4), local images against all captions, mean over the local images."
-    cols = text if text_all is None else text_all
-    sim = image @ cols.T                                                            # (R, C)
-    logits = scale * sim.to(torch.promote_types(sim.dtype, torch.float32)) + bias
-    R, C = logits.shape
-    own = torch.arange(C, device=logits.device)[None, :] == (torch.arange(R, device=logits.device) + offset)[:, None]
-    return _sigmoid_nll(logits, torch.where(own, 1.0, -1.0))
 
 # %% ../../nbs/45_c2lip.ipynb #b1befbd9
 def select_concepts(
@@ -243,12 +227,18 @@ def c2lip_terms(
     return terms
 
 # %% ../../nbs/45_c2lip.ipynb #9bbedb8c
+def _holds_bias(model) -> bool:
+    "Whether the open_clip model holds SigLIP's t and b (`logit_bias`, built with `init_logit_bias`)."
+    return getattr(model, "logit_bias", None) is not None
+
+
 @register("c2lip")
 class C2LIP(Method):
     """C2LIP: base (SigLIP or CLIP) + lambda_npc * npc + lambda_xac * xac over noun-phrase concepts, config
     `C2LIPConfig`."""
     Config = C2LIPConfig
     needs_patches = True
+    pools = ("tok", "avg", "map")
 
     def needs(self) -> BatchNeeds:
         "The parse tree with its noun-phrase labels (the concepts); no region mask."
@@ -259,8 +249,9 @@ class C2LIP(Method):
         return self.cfg.base == "siglip" or self.cfg.npc_weight > 0 or self.cfg.xac_weight > 0
 
     def build_modules(self, model) -> SigmoidScaleBias | None:
-        "t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict)."
-        if not self._sigmoid:
+        """t and b of the sigmoid losses (trained and saved beside the model, not in its state_dict); None when the
+        model holds SigLIP's own (`logit_bias`: a SigLIP model or snapshot), whose t and b are then used."""
+        if not self._sigmoid or _holds_bias(model):
             return None
         t = float(model.logit_scale.detach().exp()) if self.cfg.init_scale == "model" else self.cfg.init_scale
         return SigmoidScaleBias(t, self.cfg.init_bias)
@@ -284,9 +275,12 @@ class C2LIP(Method):
         return batch
 
     def forward(self, model, batch, modules=None):
-        if self._sigmoid and not isinstance(modules, SigmoidScaleBias):
+        own = _holds_bias(model)
+        if self._sigmoid and not own and not isinstance(modules, SigmoidScaleBias):
             raise RuntimeError("C2LIP needs its sigmoid scale and bias: pass modules=method.build_modules(model)")
         out = super().forward(model, batch)
+        if self._sigmoid and own:         # the SigLIP model's own t = exp(t') and b
+            out["sigmoid_scale"], out["sigmoid_bias"] = out["logit_scale"], out["logit_bias"]
         if self.cfg.concept_embedding == "pool":
             out["concepts"] = pool_normalize(out["tokens"], batch["concept_tokens"])        # (C, Kc, D)
         else:   # one more text-tower pass, over the valid concepts only

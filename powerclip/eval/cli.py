@@ -62,9 +62,9 @@ def _model_args(r):
                    "(default: the one the checkpoint's config, params.txt or open_clip_config.json names)")
     r.add_argument('--model-kwargs', default=None, type=_json_dict, help='JSON open_clip '
                                                                          'model_kwargs overriding the config')
-    r.add_argument('--pool', default=None, choices=('tok', 'avg'), help="pooling of both towers: 'tok' class token / "
-                   "EOT, 'avg' mean of the patch and caption tokens (default: the one the checkpoint was "
-                   "trained with, else the architecture's)")
+    r.add_argument('--pool', default=None, choices=('tok', 'avg', 'map'), help="pooling of both towers: 'tok' class "
+                   "token / EOT, 'avg' mean of the patch and caption tokens, 'map' the trained MAP head (default: the "
+                   "one the checkpoint was trained with, else the architecture's)")
     r.add_argument('--checkpoint', default=None, help='checkpoint file, run folder (ours or open_clip\'s logs/NAME: '
                    'its latest epoch_N.pt) or open_clip release folder; omitted = random init (tests)')
     r.add_argument('--method', default=None, help="training method whose scorers to use, e.g. 'filip' (default: the "

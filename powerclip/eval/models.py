@@ -188,6 +188,9 @@ def choose_pool(asked: str | None, trained: str | None, default: str | None, nam
     with (read from `source`), else None (the architecture's own, `default`). `named`: the caller named the
     architecture, whose own pooling is `default`."""
     if asked is not None:
+        if trained is not None and 'map' in (asked, trained) and trained != asked:   # a head of weights, not a switch
+            raise CheckpointError(f"pooling: the checkpoint was trained pooling by {trained!r} ({source}); 'map' is an "
+                                  f"architecture (30_model, \"MAP\"), --pool {asked} cannot read it")
         if trained is not None and trained != asked:
             return asked, (f'pooling: {asked!r} as --pool asks, though the checkpoint was trained pooling by '
                            f'{trained!r} ({source})')
