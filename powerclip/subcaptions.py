@@ -42,13 +42,13 @@ def sample_subcaptions(text: str, k: int, gen: torch.Generator, max_merged: int 
             out.append(sents[_randint(gen, n)])
             continue
         window = float(torch.rand((), generator=gen)) < 0.5
-        if m >= n:
-            out.append('. '.join(sents))                   # FLAIR's window of m >= n; ours for random places
+        if m >= n if window else m > n:
+            out.append('. '.join(sents))                   # FLAIR's window of m >= n; ours for m > n random places
         elif window:
             start = _randint(gen, n - m)                   # FLAIR: draw_numbers(n - m), starts 0 .. n - m - 1
             out.append('. '.join(sents[start:start + m]))
         else:
-            pick = torch.randperm(n, generator=gen)[:m].tolist()   # m distinct sentences, in random order
+            pick = torch.randperm(n, generator=gen)[:m].tolist()   # m <= n distinct sentences, in random order
             out.append('. '.join(sents[i] for i in pick))
     return out
 

@@ -123,6 +123,13 @@ class FLAIR(StepClock, Method):
     def needs(self) -> BatchNeeds:
         return BatchNeeds(subcaptions=self.cfg.K)
 
+    def prepare_batch(self, batch: dict) -> dict:
+        "Checks that the batch holds K sub-captions per image (`sub_tokens (C, K, L)`)."
+        batch = super().prepare_batch(batch)
+        if batch["sub_tokens"].shape[1] != self.cfg.K:
+            raise ValueError(f"FLAIR with K={self.cfg.K} got {batch['sub_tokens'].shape[1]} sub-captions per image")
+        return batch
+
     def build_modules(self, model) -> FlairModules:
         return FlairModules(model.visual.output_dim, self.cfg.heads, self.cfg.init_bias)
 
