@@ -13,6 +13,8 @@
    function of (run seed, epoch, sample id).
 4. FLAIR's retrieval score of a pair is the text-conditioned one: the cosine of the pooling of the image's patches with
    the text as query, and the text; its heat map is the pooling's attention over the patches.
+5. The world's long captions (`22_world`, `caption='long'`): each sentence is true of its scene, the tree holds every
+   sentence's nodes, the words fit `powerclip-demo-long`'s context (and not `powerclip-demo`'s 32 tokens).
 """
 import os
 import socket
@@ -254,3 +256,36 @@ def test_pooling_is_flairs_block():
     model = create_model("powerclip-micro")[0]
     assert float(m.build_modules(model).logit_bias.detach()) == -10.0
     torch.testing.assert_close(float(model.logit_scale.exp()), 1 / 0.07, rtol=1e-6, atol=0)
+
+
+def test_long_captions_are_true_sentence_by_sentence():
+    """The world's long captions (`WorldConfig(caption='long')`): each sentence true of its scene (the world's truth
+    function), the tree's nodes those of every sentence, every word a leaf within `powerclip-demo-long`'s context;
+    FLAIR's sub-captions of a long caption are sentences of it."""
+    from powerclip.model import model_geometry
+    from powerclip.parsing import tree_problems
+    from powerclip.subcaptions import split_sentences
+    from powerclip.tokens import tree_tokens
+    from powerclip.world import WorldConfig, caption_text, caption_tree, caption_truth, generate, spec_from_text
+    cfg = WorldConfig(caption="long")
+    L = model_geometry("powerclip-demo-long").context_length
+    longest, relations = 0, 0
+    for split in ("train", "test"):
+        for i in range(150):
+            s = generate(cfg, i, split)
+            sents = split_sentences(s["text"])
+            assert sents == [caption_text(sp) for sp in s["specs"]] and len(sents) >= len(s["order"])
+            for text in sents:
+                assert caption_truth(spec_from_text(text, cfg), s["scene"], cfg) is True, (split, i, text)
+            relations += sum(len(sp.mentions) == 2 for sp in s["specs"])
+            p = s["parsed"]
+            assert not tree_problems(p)
+            assert len(p.spans) == sum(len(caption_tree(sp)[0].spans) for sp in s["specs"]) + (len(sents) > 1)
+            tt = tree_tokens(p, context_length=L)
+            assert bool(tt.leaf_valid.all()) and bool(tt.node_valid.all()), (split, i)
+            longest = max(longest, int((tt.tokens != 0).sum()))
+            for sub in sample_subcaptions(s["text"], 8, subcaption_generator(0, 0, i)):
+                assert set(sub.split(". ")) <= set(sents)
+    assert 32 < longest <= L and relations > 100   # beyond powerclip-demo's 32 tokens, within the long model's
+    short = generate(WorldConfig(), 0)
+    assert short["text"] == caption_text(short["spec"]) and "." not in short["text"]   # short stays the default
