@@ -238,6 +238,17 @@ def test_flair_score_is_the_text_conditioned_one():
     with torch.no_grad():
         _, w = mods.pool(t[None], e["patches"][:1], weights=True)
     torch.testing.assert_close(heat, w[0, :, :-1])
+    # the pointing game's heat function (`67_heatmaps`) draws FLAIR's map with its scorer, the cosine map without
+    from powerclip.heatmaps import model_heat_fn, text_patch_heatmaps
+    from powerclip.tokens import default_tokenizer
+    from powerclip.world import WorldConfig, generate, to_clip_tensor
+    rgb = generate(WorldConfig(image_size=32, patch_size=8), 0)["image"]
+    texts = ["a red circle", "a blue square"]
+    tk = default_tokenizer()
+    own = model_heat_fn(model, tk, f)(rgb, texts)
+    torch.testing.assert_close(own, f.heatmaps(model, to_clip_tensor(rgb), tk(texts)).view(2, 4, 4))
+    torch.testing.assert_close(model_heat_fn(model, tk, sc["global"])(rgb, texts),
+                               text_patch_heatmaps(model, to_clip_tensor(rgb), texts, tk))
     try:
         method.scorers(None)["flair"].scores({"patches": e["patches"]}, {"text": t})
         raise AssertionError("scored without the trained pooling")
