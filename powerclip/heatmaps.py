@@ -72,13 +72,20 @@ def np_phrases(sample: dict) -> list[tuple[str, np.ndarray]]:
         out.append((' '.join(parsed.words[a:b]), sample['masks'][k]))
     return out
 
-def model_heat_fn(model, tokenizer):
-    "A heat function for an open_clip model: the world image resized to the model's resolution."
+def model_heat_fn(model, tokenizer, scorer=None):
+    """A heat function for an open_clip model: the world image resized to the model's resolution. `scorer`: a method's
+    scorer with its own `heatmaps(model, image, tokens) -> (T, N)` (FLAIR's attention, `48a_flair`) draws the map;
+    otherwise (and by default) the cosine map above."""
+    from powerclip.model import grid_size
     size = model.visual.image_size if isinstance(model.visual.image_size, int) else model.visual.image_size[0]
+    own = getattr(scorer, 'heatmaps', None)
     def fn(image: np.ndarray, texts: list) -> torch.Tensor:
         x = to_clip_tensor(image)
         if x.shape[-1] != size:
             x = F.interpolate(x[None], size=(size, size), mode='bilinear', align_corners=False)[0]
+        if own is not None:
+            dev = next(model.parameters()).device
+            return own(model, x.to(dev), tokenizer(texts).to(dev)).view(len(texts), *grid_size(model)).cpu()
         return text_patch_heatmaps(model, x, texts, tokenizer)
     return fn
 

@@ -14,7 +14,7 @@ import torch
 __all__ = ['SEED_STREAMS', 'mix_seed', 'key_index', 'derive_seed', 'run_seeds', 'sample_generator']
 
 # %% ../nbs/22a_seeds.ipynb #9752f8bb
-SEED_STREAMS = ('init', 'data', 'world', 'regions', 'method', 'forward')
+SEED_STREAMS = ('init', 'data', 'world', 'regions', 'method', 'forward', 'subcaptions')
 
 def mix_seed(*xs: int) -> int:
     "One 63-bit seed from non-negative integers (e.g. seed, epoch, index)."

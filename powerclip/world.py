@@ -17,8 +17,9 @@ from .parsing import ParsedCaption
 __all__ = ['SHAPE_FNS', 'COLOURS', 'RELATIONS', 'SPLITS', 'CLIP_MEAN', 'CLIP_STD', 'NEGATIVE_KINDS', 'WorldConfig', 'WorldObject',
            'Scene', 'render', 'relation_value', 'relation_truth', 'anchors', 'sample_scene', 'Mention', 'CaptionSpec',
            'matches', 'caption_truth', 'mention_words', 'caption_tree', 'caption_text', 'spec_from_text', 'describe',
-           'pixel_to_patch_masks', 'sample_rng', 'generate', 'to_clip_tensor', 'WorldDataset', 'collate_world',
-           'negative_candidates', 'hard_negatives', 'retrieval_captions', 'benchmark_scene']
+           'describe_long', 'long_caption_tree', 'pixel_to_patch_masks', 'sample_rng', 'generate', 'to_clip_tensor',
+           'WorldDataset', 'collate_world', 'negative_candidates', 'hard_negatives', 'retrieval_captions',
+           'benchmark_scene']
 
 # %% ../nbs/22_world.ipynb #87750ed3
 def _circle(dx, dy, r): return dx * dx + dy * dy <= r * r
@@ -68,6 +69,7 @@ class WorldConfig:
                                         # fraction of it (the patch holding most of the object always does)
     num_regions: int | None = None      # M rows of the gold masks; None -> max_objects; extra rows are padding
     max_tries: int = 200                # rejection-sampling attempts per scene before a clear error
+    caption: str = 'short'              # 'short': one sentence (the default); 'long': several (`describe_long`)
     seed: int = 0                       # with (split, index) it fixes every sample
 
     def __post_init__(self):
@@ -89,6 +91,8 @@ class WorldConfig:
             raise ValueError(f'num_regions {self.num_regions} < max_objects {self.max_objects}')
         if not self.sizes:
             raise ValueError('need at least one size')
+        if self.caption not in ('short', 'long'):
+            raise ValueError(f"caption must be 'short' or 'long', got {self.caption!r}")
 
     @property
     def M(self) -> int: return self.num_regions or self.max_objects
@@ -307,6 +311,37 @@ def describe(scene: Scene, cfg: WorldConfig, rng: np.random.Generator,
                for k in order)
     return CaptionSpec(ms, rel), order
 
+# %% ../nbs/22_world.ipynb #c0efa153
+def describe_long(scene: Scene, cfg: WorldConfig, rng: np.random.Generator, order: list[int]) -> list[CaptionSpec]:
+    """The sentences of a long caption (see above): each object in `order` with all its attributes, then each pair
+    (in that order) in a relation that holds, drawn among those that do."""
+    objs = scene.objects
+    full = [Mention(objs[k].shape, objs[k].colour, objs[k].size) for k in order]
+    specs = [CaptionSpec((m,)) for m in full]
+    for i in range(len(order)):
+        for j in range(i + 1, len(order)):
+            rels = [r for r in cfg.relations if relation_truth(objs[order[i]], objs[order[j]], r, cfg.margin_px)]
+            if rels:
+                specs.append(CaptionSpec((full[i], full[j]), rels[int(rng.integers(len(rels)))]))
+    return specs
+
+def long_caption_tree(specs: list[CaptionSpec]) -> tuple[ParsedCaption, list[int]]:
+    """One tree for the sentences `specs` ('. '-joined, a full stop at the end): every sentence's nodes under a root
+    over all words (the sentence's own root when there is one sentence), and the NP node of each one-mention
+    sentence."""
+    trees = [caption_tree(sp) for sp in specs]
+    text = '. '.join(t.text for t, _ in trees) + '.'
+    words, spans, labels, nodes = [], [(0, 0)] if len(trees) > 1 else [], ['S'] if len(trees) > 1 else [], []
+    for sp, (t, ns) in zip(specs, trees):
+        off, base = len(words), len(spans)
+        words += t.words
+        spans += [(a + off, b + off) for a, b in t.spans]
+        labels += t.labels
+        if len(sp.mentions) == 1:
+            nodes.append(base + ns[0])
+    spans[0] = (0, len(words))
+    return ParsedCaption(text, words, spans, labels, 'gold'), nodes
+
 # %% ../nbs/22_world.ipynb #ee45f5ff
 def pixel_to_patch_masks(masks: np.ndarray, patch_size: int, threshold: float) -> np.ndarray:
     "(n, H, W) bool, H and W multiples of `patch_size` -> (n, N) bool, row-major; a non-empty mask keeps >= 1 patch."
@@ -327,11 +362,13 @@ def sample_rng(cfg: WorldConfig, split: str, index: int) -> np.random.Generator:
 def generate(cfg: WorldConfig, index: int, split: str = 'train', full: bool = False) -> dict:
     """One sample as numpy: image (H, W, 3) uint8, text, parsed (gold ParsedCaption), masks (M, N) bool,
     mask_valid (M,) bool, attrs (M, 3) int64 (shape, colour, size ids; -1 = padding), mention_nodes (M,) int64
-    (NP node of region k; -1 = padding), scene, spec, order (scene index of each mention)."""
+    (NP node of region k; -1 = padding), scene, spec (the short caption's), order (scene index of each mention),
+    specs (the sentences of the caption: [spec], or `describe_long`'s with `cfg.caption='long'`)."""
     rng = sample_rng(cfg, split, index)
     scene = sample_scene(cfg, rng)
     spec, order = describe(scene, cfg, rng, full)
-    parsed, nodes = caption_tree(spec)
+    specs = describe_long(scene, cfg, rng, order) if cfg.caption == 'long' else [spec]
+    parsed, nodes = long_caption_tree(specs) if cfg.caption == 'long' else caption_tree(spec)
     img, pix = render(scene, cfg)
     n, M = len(order), cfg.M
     masks = np.zeros((M, cfg.grid ** 2), bool)
@@ -343,7 +380,7 @@ def generate(cfg: WorldConfig, index: int, split: str = 'train', full: bool = Fa
         attrs[k] = cfg.shapes.index(o.shape), cfg.colours.index(o.colour), sizes.index(o.size)
     mention_nodes[:n] = nodes
     return dict(image=img, text=parsed.text, parsed=parsed, masks=masks, mask_valid=np.arange(M) < n, attrs=attrs,
-                mention_nodes=mention_nodes, scene=scene, spec=spec, order=order, index=index)
+                mention_nodes=mention_nodes, scene=scene, spec=spec, order=order, index=index, specs=specs)
 
 # %% ../nbs/22_world.ipynb #4d2591e8
 # (3, 256): channel c, grey level v -> (v / 255 - mean_c) / std_c; a table look-up is cheaper than the arithmetic

@@ -42,7 +42,7 @@ class _NotExact(CLIP):
 # threshold and E-CLIP without its floor and with its cluster patches visible, so that their batch-level drop counts
 # vary and the pre-pass matters (hidden clusters would make the drop count invisible: item 4 of the docstring)
 CFG = {"powerclip": {"tau": 0.05}, "clip-pgs-0.3": {"sim_threshold": 0.984},
-       "eclip": {"min_ratio": 0.0, "threshold": 0.3, "anchor_ratio": 0.2, "hide_clusters": False}}
+       "eclip": {"min_ratio": 0.0, "threshold": 0.3, "anchor_ratio": 0.2, "hide_clusters": False}, "flair": {"K": 3}}
 # registered methods whose accumulation is refused, each with its reason (none today; their notebooks would explain)
 NOT_EXACT: dict[str, str] = {}
 SEED, ROWS = 4, 64
@@ -50,11 +50,11 @@ TOL = {"fp64": 1e-10, "fp32": 1e-5}
 
 
 def _spec(batch_size):
-    "World batches with what every method needs (the tree, its NP labels, 4 random boxes), micro model geometry."
+    "World batches with what every method needs (tree, NP labels, 4 random boxes, 3 sub-captions), micro geometry."
     from powerclip.data import BatchNeeds, BatchSpec, DataConfig
     from powerclip.model import model_geometry
     return BatchSpec(DataConfig(batch_size=batch_size, workers=0, world_length=64), model_geometry("powerclip-micro"),
-                     BatchNeeds(tree=True, node_np=True, regions=4), seed=SEED)
+                     BatchNeeds(tree=True, node_np=True, regions=4, subcaptions=3), seed=SEED)
 
 
 def _config(method, rows, k, precision, extra=None):

@@ -265,6 +265,9 @@ OWN_SYNCS = {
     # A-CLIP: none (issue 38: `color_augment` keeps each operation by `torch.where`, the constants go to the device
     # without waiting; its kept count is fixed: 25 of 49 blocks at keep_ratio 0.5)
     "aclip": (0, 0, 0, 0),
+    # FLAIR: none (the other images' sub-captions picked by a keyed hash, every index built on the device from shapes
+    # the host knows; the hash's key check is the device's own)
+    "flair": (0, 0, 0, 0),
     # `filip_scores`: two `bool` checks and a `nonzero` of the valid tokens; `text_token_mask`: a check and a boolean
     # mask index (the token-wise scores need the valid tokens' count: could go, padded to the context length)
     "filip": (3, 0, 3, 0),

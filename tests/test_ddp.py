@@ -35,7 +35,8 @@ CASES = {"clip": ("clip", None), "powerclip": ("powerclip", {"tau": 0.05}), "fil
          "powerclip-ragged-M": ("powerclip", {"tau": 0.05}),
          "aclip": ("aclip", None), "aclip-1view": ("aclip", {"views": 1, "color_aug": False}),
          "eclip": ("eclip", None), "eclip-visible": ("eclip", {"hide_clusters": False}),
-         "eclip-no-floor": ("eclip", {"min_ratio": 0.0, "threshold": 0.3, "anchor_ratio": 0.2})}
+         "eclip-no-floor": ("eclip", {"min_ratio": 0.0, "threshold": 0.3, "anchor_ratio": 0.2}),
+         "flair": ("flair", {"K": 3}), "flair-tcs": ("flair", {"K": 3, "mps": False})}
 RAGGED = {"powerclip-ragged-M"}  # cases whose second process holds one region mask fewer (M = 4 and 3)
 # E-CLIP without its 30 % floor (and larger clusters): the batch drops as many patches as the smallest cluster of the
 # GLOBAL batch, and the two processes' own smallest clusters differ (asserted): a per-process count would differ
@@ -53,11 +54,11 @@ SEED = 4  # the run seed: the two processes then hold different numbers of tree 
 
 
 def _spec(batch_size):
-    "Batches with what every method needs (the tree, its NP labels, 4 random boxes) at the micro model's geometry."
+    "Batches with what every method needs (the tree, its NP labels, 4 random boxes, 3 sub-captions), micro geometry."
     from powerclip.data import BatchNeeds, BatchSpec, DataConfig
     from powerclip.model import model_geometry
     return BatchSpec(DataConfig(batch_size=batch_size, workers=0, world_length=64), model_geometry("powerclip-micro"),
-                     BatchNeeds(tree=True, node_np=True, regions=4), seed=SEED)
+                     BatchNeeds(tree=True, node_np=True, regions=4, subcaptions=3), seed=SEED)
 
 
 def _ragged(batch, rows: slice, drop: bool):
@@ -134,7 +135,7 @@ def test_two_processes_equal_one():
                     and info1[1] == info1[0]), f"{m}: the processes' smallest clusters are equal: {info2}"
         torch.testing.assert_close(loss2, loss1, rtol=0, atol=1e-9, msg=f"{m}: loss")
         assert grads1.keys() == grads2.keys() and len(grads1) > 10
-        if CASES[m][0] in ("c2lip", "smartclip", "aclip") or m == "sparc":
+        if CASES[m][0] in ("c2lip", "smartclip", "aclip", "flair") or m == "sparc":
             assert any(n.startswith("modules_.") for n in grads1), m  # own modules
         for n in grads1:
             if max(grads1[n].abs().max(), grads2[n].abs().max()) < 1e-12:

@@ -66,7 +66,7 @@ def test_main_from_the_command_line_and_config_written(tmp_path, capsys):
     assert (derived["seeds"] == run_seeds(cfg.seed)
             and derived["geometry"] == dict(image_size=32, patch_size=8, context_length=77))
     # CLIP's: tokens only
-    assert derived["needs"] == dict(tree=False, node_np=False, regions=0, region_source="random")
+    assert derived["needs"] == dict(tree=False, node_np=False, regions=0, region_source="random", subcaptions=0)
 
 
 def test_config_errors_are_clear():

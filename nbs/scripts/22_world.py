@@ -122,6 +122,7 @@ class WorldConfig:
                                         # fraction of it (the patch holding most of the object always does)
     num_regions: int | None = None      # M rows of the gold masks; None -> max_objects; extra rows are padding
     max_tries: int = 200                # rejection-sampling attempts per scene before a clear error
+    caption: str = 'short'              # 'short': one sentence (the default); 'long': several (`describe_long`)
     seed: int = 0                       # with (split, index) it fixes every sample
 
     def __post_init__(self):
@@ -143,6 +144,8 @@ class WorldConfig:
             raise ValueError(f'num_regions {self.num_regions} < max_objects {self.max_objects}')
         if not self.sizes:
             raise ValueError('need at least one size')
+        if self.caption not in ('short', 'long'):
+            raise ValueError(f"caption must be 'short' or 'long', got {self.caption!r}")
 
     @property
     def M(self) -> int: return self.num_regions or self.max_objects
@@ -495,6 +498,77 @@ for _seed in range(300):
 
 
 # %% [markdown]
+# ### Long captions
+#
+# With `caption='long'` a scene is described in several sentences, as the long captions FLAIR, DreamLIP or Long-CLIP
+# train on: first one sentence per object with all its attributes (colour and size), in the order the short caption
+# mentions them, then one sentence per pair of objects that stand in a clear relation (a relation drawn among those
+# that hold; a pair in none, say two objects side by side within the margin, gets no sentence). Each sentence is a
+# caption of the world's grammar and true of the scene (`caption_truth`). The caption's tree puts every sentence's
+# nodes under one root over the whole text (`long_caption_tree`), so PowerCLIP aligns its regions with the phrases of
+# every sentence; each object's region goes with the NP of its own sentence. A three-object scene reads, e.g., "a
+# small red circle. a large blue square. a small green cross. a small red circle left of a large blue square. ...":
+# about 45 CLIP tokens, more than `powerclip-demo`'s 32, hence the model `powerclip-demo-long` (`30_model`: the same
+# architecture with a context of 64). Short captions stay the default, so every existing run and table is unchanged.
+
+# %%
+#| export
+def describe_long(scene: Scene, cfg: WorldConfig, rng: np.random.Generator, order: list[int]) -> list[CaptionSpec]:
+    """The sentences of a long caption (see above): each object in `order` with all its attributes, then each pair
+    (in that order) in a relation that holds, drawn among those that do."""
+    objs = scene.objects
+    full = [Mention(objs[k].shape, objs[k].colour, objs[k].size) for k in order]
+    specs = [CaptionSpec((m,)) for m in full]
+    for i in range(len(order)):
+        for j in range(i + 1, len(order)):
+            rels = [r for r in cfg.relations if relation_truth(objs[order[i]], objs[order[j]], r, cfg.margin_px)]
+            if rels:
+                specs.append(CaptionSpec((full[i], full[j]), rels[int(rng.integers(len(rels)))]))
+    return specs
+
+def long_caption_tree(specs: list[CaptionSpec]) -> tuple[ParsedCaption, list[int]]:
+    """One tree for the sentences `specs` ('. '-joined, a full stop at the end): every sentence's nodes under a root
+    over all words (the sentence's own root when there is one sentence), and the NP node of each one-mention
+    sentence."""
+    trees = [caption_tree(sp) for sp in specs]
+    text = '. '.join(t.text for t, _ in trees) + '.'
+    words, spans, labels, nodes = [], [(0, 0)] if len(trees) > 1 else [], ['S'] if len(trees) > 1 else [], []
+    for sp, (t, ns) in zip(specs, trees):
+        off, base = len(words), len(spans)
+        words += t.words
+        spans += [(a + off, b + off) for a, b in t.spans]
+        labels += t.labels
+        if len(sp.mentions) == 1:
+            nodes.append(base + ns[0])
+    spans[0] = (0, len(words))
+    return ParsedCaption(text, words, spans, labels, 'gold'), nodes
+
+
+# %% [markdown]
+# Every sentence is true of its scene and parses back to itself; the tree is a proper tree whose nodes are those of
+# the sentences (plus the root), and the node of object $k$ spans its own sentence:
+
+# %%
+_nsent = []
+for _seed in range(300):
+    _rng = np.random.default_rng(_seed)
+    sc = sample_scene(cfg, _rng)
+    spec, order = describe(sc, cfg, _rng)
+    specs = describe_long(sc, cfg, _rng, order)
+    assert all(caption_truth(sp, sc, cfg) is True for sp in specs)
+    assert all(spec_from_text(caption_text(sp), cfg) == sp for sp in specs)
+    pc, nodes = long_caption_tree(specs)
+    assert not tree_problems(pc)
+    sents = pc.text[:-1].split('. ')
+    test_eq(sents, [caption_text(sp) for sp in specs])
+    test_eq(len(pc.spans), sum(len(caption_tree(sp)[0].spans) for sp in specs) + (len(specs) > 1))
+    test_eq([' '.join(pc.words[slice(*pc.spans[k])]) for k in nodes], sents[:len(order)])
+    _nsent.append(len(specs))
+print('sentences per long caption:', sorted((n, _nsent.count(n)) for n in set(_nsent)))
+test_fail(lambda: WorldConfig(caption='medium'), contains='caption')
+
+
+# %% [markdown]
 # ## Gold masks on the patch grid
 #
 # The region masks of PowerCLIP live on the ViT's $g \times g$ patch grid ($N = g^2$, row-major, the order of the
@@ -553,11 +627,13 @@ def sample_rng(cfg: WorldConfig, split: str, index: int) -> np.random.Generator:
 def generate(cfg: WorldConfig, index: int, split: str = 'train', full: bool = False) -> dict:
     """One sample as numpy: image (H, W, 3) uint8, text, parsed (gold ParsedCaption), masks (M, N) bool,
     mask_valid (M,) bool, attrs (M, 3) int64 (shape, colour, size ids; -1 = padding), mention_nodes (M,) int64
-    (NP node of region k; -1 = padding), scene, spec, order (scene index of each mention)."""
+    (NP node of region k; -1 = padding), scene, spec (the short caption's), order (scene index of each mention),
+    specs (the sentences of the caption: [spec], or `describe_long`'s with `cfg.caption='long'`)."""
     rng = sample_rng(cfg, split, index)
     scene = sample_scene(cfg, rng)
     spec, order = describe(scene, cfg, rng, full)
-    parsed, nodes = caption_tree(spec)
+    specs = describe_long(scene, cfg, rng, order) if cfg.caption == 'long' else [spec]
+    parsed, nodes = long_caption_tree(specs) if cfg.caption == 'long' else caption_tree(spec)
     img, pix = render(scene, cfg)
     n, M = len(order), cfg.M
     masks = np.zeros((M, cfg.grid ** 2), bool)
@@ -569,8 +645,24 @@ def generate(cfg: WorldConfig, index: int, split: str = 'train', full: bool = Fa
         attrs[k] = cfg.shapes.index(o.shape), cfg.colours.index(o.colour), sizes.index(o.size)
     mention_nodes[:n] = nodes
     return dict(image=img, text=parsed.text, parsed=parsed, masks=masks, mask_valid=np.arange(M) < n, attrs=attrs,
-                mention_nodes=mention_nodes, scene=scene, spec=spec, order=order, index=index)
+                mention_nodes=mention_nodes, scene=scene, spec=spec, order=order, index=index, specs=specs)
 
+
+# %% [markdown]
+# A long-caption world draws the same scenes, images, masks and mention order as the short one (its extra draws come
+# after); only the caption and its tree differ, and each region's node is its object's sentence:
+
+# %%
+_lcfg = WorldConfig(caption='long')
+for _i in range(20):
+    _s, _l = generate(cfg, _i), generate(_lcfg, _i)
+    assert np.array_equal(_s['image'], _l['image']) and np.array_equal(_s['masks'], _l['masks'])
+    test_eq((_s['order'], _s['spec'], _s['specs']), (_l['order'], _l['spec'], [_s['spec']]))
+    assert all(caption_truth(sp, _l['scene'], _lcfg) is True for sp in _l['specs'])
+    _p = _l['parsed']
+    test_eq([' '.join(_p.words[slice(*_p.spans[k])]) for k in _l['mention_nodes'][_l['mask_valid']]],
+            [caption_text(sp) for sp in _l['specs'][:len(_l['order'])]])
+print(_l['text'])
 
 # %%
 #| export

@@ -47,6 +47,7 @@ from fastcore.test import test_eq, test_fail
 # | `regions` | region masks drawn per sample (random boxes, a subset of gold or stored masks) |
 # | `method` | a method's own noise (CLIP-PGS's random candidates) |
 # | `forward` | each process's random state during the forward pass (FLIP's dropout), with the rank mixed in |
+# | `subcaptions` | FLAIR's sub-captions drawn per sample (`22b_subcaptions`) |
 #
 # `derive_seed(seed, name)` hashes the seed and the name with NumPy's `SeedSequence`, whose purpose is exactly this:
 # nearby inputs give unrelated streams. `mix_seed` does the same for tuples of integers (seed, epoch, index), and
@@ -60,7 +61,7 @@ from fastcore.test import test_eq, test_fail
 
 # %%
 #| export
-SEED_STREAMS = ('init', 'data', 'world', 'regions', 'method', 'forward')
+SEED_STREAMS = ('init', 'data', 'world', 'regions', 'method', 'forward', 'subcaptions')
 
 def mix_seed(*xs: int) -> int:
     "One 63-bit seed from non-negative integers (e.g. seed, epoch, index)."

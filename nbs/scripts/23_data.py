@@ -41,6 +41,7 @@ from powerclip.parsing import ParsedCaption, caption_problem, parse_caption, tre
 from powerclip.tokens import TreeTokens, collate_trees, default_tokenizer, tree_tokens
 from powerclip.regions import GridConfig, decode_regions, random_box_masks, select_masks, superpixel_masks
 from powerclip.seeds import derive_seed, key_index, mix_seed, sample_generator
+from powerclip.subcaptions import subcaption_tokens
 from powerclip.seeds import run_seeds  # noqa: F401  (re-exported: `from powerclip.data import run_seeds`)
 from powerclip.world import WorldConfig, WorldDataset
 
@@ -80,6 +81,7 @@ from fastcore.test import test_eq, test_fail
 # | `incidence`, `node_valid` | `(C, K, W)`, `(C, K)` bool | `tree` | which words each parse node covers (Eq. 3) |
 # | `node_np` | `(C, K)` bool | `node_np` | the node's label is `NP` (the noun-phrase concepts of C2LIP, `45_c2lip`); pads False |
 # | `region_masks`, `region_valid` | `(C, M, N)`, `(C, M)` bool | `regions = M` | region masks $R_m$ on the row-major patch grid (Eq. 2) |
+# | `sub_tokens` | `(C, K, L)` long | `subcaptions = K` | $K$ sub-captions of the caption, tokenised (FLAIR, `22b_subcaptions`) |
 #
 # With a tree the tokens are built by `tokens.tree_tokens`, so each word's BPE positions are known; without one the
 # caption is tokenised as it stands by the model's tokenizer (`caption_tokens`), and on shards no caption is parsed
@@ -173,21 +175,21 @@ class BatchNeeds:
     tree: bool = False             # leaf_tokens, leaf_valid, incidence, node_valid (the caption's parse tree)
     node_np: bool = False          # node_np: which nodes are noun phrases (needs tree)
     regions: int = 0               # M region masks per image (0: none)
-    region_source: str = 'random'  # 'random' boxes | 'gold' world object masks | 'superpixel' SLIC segments of the
-                                   # world image | 'stored' {key}.regions.npz masks
+    region_source: str = 'random'  # 'random' boxes | 'gold' world masks | 'superpixel' SLIC | 'stored' shard masks
+    subcaptions: int = 0           # sub_tokens: K sub-captions per caption (FLAIR's, 22b_subcaptions; 0: none)
 
     def __post_init__(self):
         if self.node_np and not self.tree:
             raise ValueError('node_np needs tree=True (the labels are the parse tree\'s)')
-        if self.regions < 0:
-            raise ValueError(f'regions must be >= 0, got {self.regions}')
+        if self.regions < 0 or self.subcaptions < 0:
+            raise ValueError(f'regions and subcaptions must be >= 0, got {self.regions}, {self.subcaptions}')
         if self.region_source not in REGION_SOURCES:
             raise ValueError(f"region_source must be one of {REGION_SOURCES}, got {self.region_source!r}")
 
     def keys(self) -> tuple[str, ...]:
         "The batch keys these needs add to those of every batch (image, tokens, index)."
-        return ((('leaf_tokens', 'leaf_valid', 'incidence', 'node_valid') if self.tree else ())
-                + (('node_np',) if self.node_np else ()) + (('region_masks', 'region_valid') if self.regions else ()))
+        return (('leaf_tokens', 'leaf_valid', 'incidence', 'node_valid') * self.tree + ('node_np',) * self.node_np
+                + ('region_masks', 'region_valid') * bool(self.regions) + ('sub_tokens',) * bool(self.subcaptions))
 
 
 @dataclass(frozen=True)
@@ -326,6 +328,8 @@ def make_item(image: torch.Tensor, text: str, parsed: ParsedCaption | TreeTokens
         item['region_masks'], item['region_valid'] = region_masks(
             needs.region_source, spec.geometry.grid, needs.regions,
             sample_generator(spec.region_seed, epoch, index), pool)
+    if needs.subcaptions:
+        item['sub_tokens'] = subcaption_tokens(text, needs.subcaptions, (spec.seed, epoch, index), L)   # (K, L)
     return item
 
 def collate(items: list[dict], node_np: bool = True) -> dict:
@@ -337,9 +341,9 @@ def collate(items: list[dict], node_np: bool = True) -> dict:
     else:
         out = dict(tokens=torch.stack([it['tokens'] for it in items]))        # (C, L)
     out['image'] = torch.stack([it['image'] for it in items])                  # (C, 3, H, W)
-    if 'region_masks' in items[0]:
-        out['region_masks'] = torch.stack([it['region_masks'] for it in items])    # (C, M, N)
-        out['region_valid'] = torch.stack([it['region_valid'] for it in items])    # (C, M)
+    for k in ('region_masks', 'region_valid', 'sub_tokens'):                  # (C, M, N), (C, M), (C, K, L)
+        if k in items[0]:
+            out[k] = torch.stack([it[k] for it in items])
     out['index'] = torch.tensor([it['index'] for it in items], dtype=torch.long)
     return out
 

@@ -145,6 +145,10 @@ test_close(heat_iou(noisy, mask[:1]), torch.tensor([0.5]))                      
 # so that a model and the two baselines that tell the reader where chance lies go through the same code:
 # a **uniform** map (pointing = chance, IoU = $|G|/N$) and a **centre prior** (the negative distance to the image
 # centre: objects are more often near the middle than at the border).
+#
+# A model's heat function is the cosine map above, unless its method scores with a map of its own: FLAIR's scorer
+# (`48a_flair`) draws the attention of its text-conditioned pooling, as its paper's figures do, and
+# `model_heat_fn(model, tokenizer, scorer)` uses it (`68_eval_world_scores` passes the run's headline scorer).
 
 # %%
 #| export
@@ -158,13 +162,20 @@ def np_phrases(sample: dict) -> list[tuple[str, np.ndarray]]:
         out.append((' '.join(parsed.words[a:b]), sample['masks'][k]))
     return out
 
-def model_heat_fn(model, tokenizer):
-    "A heat function for an open_clip model: the world image resized to the model's resolution."
+def model_heat_fn(model, tokenizer, scorer=None):
+    """A heat function for an open_clip model: the world image resized to the model's resolution. `scorer`: a method's
+    scorer with its own `heatmaps(model, image, tokens) -> (T, N)` (FLAIR's attention, `48a_flair`) draws the map;
+    otherwise (and by default) the cosine map above."""
+    from powerclip.model import grid_size
     size = model.visual.image_size if isinstance(model.visual.image_size, int) else model.visual.image_size[0]
+    own = getattr(scorer, 'heatmaps', None)
     def fn(image: np.ndarray, texts: list) -> torch.Tensor:
         x = to_clip_tensor(image)
         if x.shape[-1] != size:
             x = F.interpolate(x[None], size=(size, size), mode='bilinear', align_corners=False)[0]
+        if own is not None:
+            dev = next(model.parameters()).device
+            return own(model, x.to(dev), tokenizer(texts).to(dev)).view(len(texts), *grid_size(model)).cpu()
         return text_patch_heatmaps(model, x, texts, tokenizer)
     return fn
 

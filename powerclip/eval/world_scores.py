@@ -125,7 +125,9 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
     res["per_scene"] = scene_shares(res.pop("items")[res["scorer"]], scene_names(root))
     if grounding:
         cpu = lm if device == "cpu" else load_model(checkpoint=folder)              # the heat maps run on the CPU
-        g = grounding_score(model_heat_fn(cpu.model, cpu.tokenizer), grounding, world, per_scene=True)
+        # the headline scorer's own map where it draws one (FLAIR's attention), else the cosine map (`67_heatmaps`)
+        heat = model_heat_fn(cpu.model, cpu.tokenizer, next(iter(cpu.scorers.values()), None))
+        g = grounding_score(heat, grounding, world, per_scene=True)
         res["per_scene"]["pointing"] = g["per_scene"]
         res.update({k: g[k] for k in ("pointing", "mean_iou", "n_phrases")})   # the comparison's (eval=3) numbers
     res["eval_s"] = time.time() - t0
