@@ -74,7 +74,7 @@ def np_phrases(sample: dict) -> list[tuple[str, np.ndarray]]:
 
 def model_heat_fn(model, tokenizer, scorer=None):
     """A heat function for an open_clip model: the world image resized to the model's resolution. `scorer`: a method's
-    scorer with its own `heatmaps(model, image, tokens) -> (T, N)` (FLAIR's attention, `48a_flair`) draws the map;
+    scorer with its own `heatmaps(model, image, tokens) -> (T, N)` (FLAIR's attention, `48b_flair`) draws the map;
     otherwise (and by default) the cosine map above."""
     from powerclip.model import grid_size
     size = model.visual.image_size if isinstance(model.visual.image_size, int) else model.visual.image_size[0]

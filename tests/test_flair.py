@@ -1,4 +1,4 @@
-"""FLAIR (`48a_flair`, `22b_subcaptions`) against its code's computation (`ExplainableML/flair`).
+"""FLAIR (`48b_flair`, `22b_subcaptions`) against its code's computation (`ExplainableML/flair`).
 
 1. The loss equals a float64 reference written here from FlairLoss's computation: for each image its K sub-captions
    (positives) and one sub-caption of every other image (negatives, the one `pair_uniform` picks), (B, K + B - 1)

@@ -39,7 +39,7 @@ from fastcore.test import test_eq
 #
 # > FLAIR's sampling of $K$ sub-captions from a long caption (`sample_dict` in `src/flair/data.py`).
 #
-# FLAIR (`45`..`48a`: `48a_flair`) trains on long captions by cutting each into sentences and drawing $K$
+# FLAIR (`45`..`48b`: `48b_flair`) trains on long captions by cutting each into sentences and drawing $K$
 # sub-captions per image (its `num_cap_per_img`, 8 in its recipes), each of $m$ sentences with $m$ uniform in
 # $\{1, \dots, 3\}$ (its `max_merged_num`):
 #

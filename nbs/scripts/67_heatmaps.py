@@ -147,7 +147,7 @@ test_close(heat_iou(noisy, mask[:1]), torch.tensor([0.5]))                      
 # centre: objects are more often near the middle than at the border).
 #
 # A model's heat function is the cosine map above, unless its method scores with a map of its own: FLAIR's scorer
-# (`48a_flair`) draws the attention of its text-conditioned pooling, as its paper's figures do, and
+# (`48b_flair`) draws the attention of its text-conditioned pooling, as its paper's figures do, and
 # `model_heat_fn(model, tokenizer, scorer)` uses it (`68_eval_world_scores` passes the run's headline scorer).
 
 # %%
@@ -164,7 +164,7 @@ def np_phrases(sample: dict) -> list[tuple[str, np.ndarray]]:
 
 def model_heat_fn(model, tokenizer, scorer=None):
     """A heat function for an open_clip model: the world image resized to the model's resolution. `scorer`: a method's
-    scorer with its own `heatmaps(model, image, tokens) -> (T, N)` (FLAIR's attention, `48a_flair`) draws the map;
+    scorer with its own `heatmaps(model, image, tokens) -> (T, N)` (FLAIR's attention, `48b_flair`) draws the map;
     otherwise (and by default) the cosine map above."""
     from powerclip.model import grid_size
     size = model.visual.image_size if isinstance(model.visual.image_size, int) else model.visual.image_size[0]
