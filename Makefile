@@ -49,10 +49,10 @@ theory: install
 	$(BIN)/python -m powerclip.theory
 
 ## Everything CI runs: notebooks, scripts and package agree, the docs site builds, every cell runs, pytest passes.
-## pytest: --dist loadgroup keeps each module with a costly set-up on one worker, longest first (tests/conftest.py).
+## pytest -n 2: each module with a costly set-up runs whole on one worker, longest first (tests/conftest.py).
 test: install check docs
 	$(BIN)/nbdev_test --n_workers 2 --timing
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
 
 ## The house rules (ruff.toml): lines of at most 120 characters, one statement per line, no unused or undefined names,
 ## in the notebooks, benchmarks, tests and scripts (`ruff check --fix` mends the few it can); then paired scripts and

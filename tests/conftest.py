@@ -52,19 +52,41 @@ def shard_straight(tmp_path_factory, shards):
 
 
 # ------------------------------------------------------------------------------------------------ xdist balance
-# `pytest -n 2 --dist loadgroup` (make test): each group runs whole on one worker, so a module's set-up (a trained
-# run, a comparison, spawned gloo processes) is made once, not once on each worker that got some of its tests; the
-# groups go out first, longest first, so the short tests fill both workers at the end. The order of the modules is
-# their measured time, longest first; a module not named is spread test by test.
+# `pytest -n 2` (make test): each group below runs whole on one worker, so a module's set-up (a trained run, a
+# comparison, spawned gloo processes) is made once, not once on each worker that got some of its tests, and the three
+# modules of the shared straight runs above share them; the groups go out first, longest first, so that the short
+# tests, sent one by one, fill both workers at the end. A module not named is spread test by test. (xdist's own
+# `--dist loadgroup` cannot do it here: it marks a group in the test's id, which pytest 9 no longer lets it change.)
 GROUPS = [("test_interrupt", "test_train_resume", "test_accum_modes"), ("test_compare",), ("test_eval_every",),
           ("test_power",), ("test_accum",), ("test_accum_recipes",), ("test_annotate",), ("test_eval",),
           ("test_parsing",), ("test_checkpoints_released",), ("test_data",), ("test_heatmaps",)]
+_RANK = {m: i for i, mods in enumerate(GROUPS) for m in mods}
 
 
-@pytest.hookimpl(tryfirst=True)                  # before xdist's own, which reads the group marks
+def _rank(path: str) -> int:
+    "The group of the test file at `path` (its index in GROUPS), or len(GROUPS) for a module not named."
+    return _RANK.get(path.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py"), len(GROUPS))
+
+
 def pytest_collection_modifyitems(config, items):
-    rank = {m: i for i, mods in enumerate(GROUPS) for m in mods}
-    for it in items:
-        if it.path.stem in rank:
-            it.add_marker(pytest.mark.xdist_group(GROUPS[rank[it.path.stem]][0]))
-    items.sort(key=lambda it: rank.get(it.path.stem, len(GROUPS)))   # stable: the rest in their order
+    items.sort(key=lambda it: _rank(it.nodeid))         # stable: the rest in their order
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:                                      # without xdist: no scheduler to make (and no such hook)
+    LoadScopeScheduling = None
+else:
+    class GroupScheduling(LoadScopeScheduling):
+        "xdist's scheduling by scope (one scope whole on one worker), a scope being a group of GROUPS or one test."
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False       # the order is the collection's: the groups first
+
+        def _split_scope(self, nodeid: str) -> str:
+            i = _rank(nodeid)
+            return GROUPS[i][0] if i < len(GROUPS) else nodeid
+
+    def pytest_xdist_make_scheduler(config, log):
+        return GroupScheduling(config, log)
