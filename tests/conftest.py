@@ -89,4 +89,5 @@ else:
             return GROUPS[i][0] if i < len(GROUPS) else nodeid
 
     def pytest_xdist_make_scheduler(config, log):
-        return GroupScheduling(config, log)
+        "For `-n N` (xdist's default `--dist load`); another --dist asked for by name is xdist's own."
+        return GroupScheduling(config, log) if config.getvalue("dist") == "load" else None
