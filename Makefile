@@ -49,6 +49,7 @@ theory: install
 	$(BIN)/python -m powerclip.theory
 
 ## Everything CI runs: notebooks, scripts and package agree, the docs site builds, every cell runs, pytest passes.
+## pytest -n 2: each module with a costly set-up runs whole on one worker, longest first (tests/conftest.py).
 test: install check docs
 	$(BIN)/nbdev_test --n_workers 2 --timing
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests

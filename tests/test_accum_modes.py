@@ -15,7 +15,7 @@ import torch
 from test_accum import ROWS, _config, _rel_errors, _spec, _steps
 import test_train_resume as resume
 
-shards, one_thread = resume.shards, resume.one_thread   # its fixtures: the shards, one torch thread (autouse)
+one_thread = resume.one_thread   # its fixture: one torch thread (autouse); `shards`, `straight`: conftest.py
 
 
 def _grads_k(method, precision, ckpt, ks=(1, 4)) -> dict:
@@ -51,13 +51,13 @@ def test_accum_in_bf16_within_its_rounding(method):
     assert abs(res[4][0] - res[1][0]) <= 2e-2 * abs(res[1][0])
 
 
-def test_accum_resume_is_exact(tmp_path):
-    "tests/test_train_resume.py's runner (smoke preset, N steps in a new process each): plain, straight, resumed."
-    N = resume.N
-    plain, straight, resumed = (tmp_path / d for d in ("plain", "straight", "resumed"))
-    resume._run(plain)
+def test_accum_resume_is_exact(tmp_path, straight):
+    """tests/test_train_resume.py's runner (smoke preset, N steps in a new process each): plain (`straight`, the
+    session's run of that runner), straight with accumulation, resumed."""
+    N, ref = resume.N, straight
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     resume._run(straight, "accum_steps=2")
-    (steps, acc, _), (_, ref, _) = resume._losses(straight), resume._losses(plain)
+    steps, acc, _ = resume._losses(straight)
     assert steps == list(range(1, N + 1)) and max(abs(a - b) for a, b in zip(acc, ref)) < 1e-4, (ref, acc)
     resume._run(resumed, "accum_steps=2", f"stop_at={N // 2}")
     assert resume._losses(resumed)[0] == list(range(1, N // 2 + 1))

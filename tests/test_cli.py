@@ -12,7 +12,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -303,13 +302,10 @@ CMDS = [
 
 @pytest.mark.parametrize("cmd,key", [pytest.param(c, k, id=" ".join(c[1:4])) for c, k in CMDS])
 def test_real_command(cmd, key, tmp):
-    t0 = time.time()
-    r = subprocess.run(_argv(cmd, tmp), cwd=ROOT, capture_output=True, text=True, timeout=120,
+    r = subprocess.run(_argv(cmd, tmp), cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "POWERCLIP_DEBUG": ""})
-    dt = time.time() - t0
     lines = r.stderr.splitlines()
+    # nothing but the one line: open_clip logs a warning line on stderr when it builds a model, so a command that got
+    # as far as a model would print two (test_mistake_is_one_line_before_any_model's tripwires check it in-process);
+    # not the time it took, which says more about the machine's load than about the command
     assert r.returncode == 2 and len(lines) == 1 and key in lines[0] and r.stdout == "", r.stderr[-2000:]
-    # a process start and the imports (torch, open_clip: seconds), nothing more. Generous, for a shared machine: the
-    # one-line check above is the sharper one, as open_clip logs a warning line on stderr when it builds a model
-    # (90 s was measured beside two trainings under pytest -n 2: the bound allows that)
-    assert dt < 110, f"{dt:.1f} s to answer a usage error"

@@ -99,11 +99,26 @@ def test_paired_statistics(run):
     assert cmp.summary["CLIP"]["hn_mean"] == pytest.approx(np.mean([cmp.per_seed[s]["CLIP"]["hn_mean"] for s in SEEDS]))
 
 
-@pytest.mark.parametrize("argv, msg",
-                         [(["--runs", "CLIP", "Nope"], "unknown run(s) ['Nope']"), (["--seeds", "0", "-1"], "--seeds"),
-                                       (["--preset", "smoke", "optim.nope=1"], "unknown key")])
-def test_cli_errors(argv, msg, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "powerclip.compare", "--out", str(tmp_path / "x"), *argv],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2 and msg in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr
+# the first through the real command (`python -m powerclip.compare`: its exit status and stderr), the others through
+# the same `main` in this process (a new process costs its imports, tens of seconds, and checks nothing more)
+@pytest.mark.parametrize("argv, msg, real",
+                         [(["--runs", "CLIP", "Nope"], "unknown run(s) ['Nope']", True),
+                          (["--seeds", "0", "-1"], "--seeds", False),
+                          (["--preset", "smoke", "optim.nope=1"], "unknown key", False)])
+def test_cli_errors(argv, msg, real, tmp_path, capsys, monkeypatch):
+    argv = ["--out", str(tmp_path / "x"), *argv]
+    if real:
+        p = subprocess.run([sys.executable, "-m", "powerclip.compare", *argv], capture_output=True, text=True,
+                           timeout=600)
+        rc, err = p.returncode, p.stderr
+    else:
+        from powerclip.compare import main
+        monkeypatch.delenv("POWERCLIP_DEBUG", raising=False)
+        capsys.readouterr()
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+        err = capsys.readouterr().err
+    assert rc == 2 and msg in err and err.strip().count("\n") == 0, err
     assert not (tmp_path / "x").exists()                                    # nothing was started

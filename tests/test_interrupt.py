@@ -16,14 +16,13 @@ the same command then resumes it exactly (issue 40, group 4).
 import os, signal, subprocess, sys, time
 from pathlib import Path
 
-import pytest
 import torch
 
 import test_train_resume as resume
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 16
-shards, one_thread, shard_straight = resume.shards, resume.one_thread, resume.shard_straight   # its fixtures
+one_thread = resume.one_thread   # its fixture (autouse); `shards`, `shard_straight`, `straight`: conftest.py
 
 
 def _env():
@@ -81,15 +80,9 @@ def _ck_step(out) -> int:
     return torch.load(Path(out) / "checkpoints" / "last.pt", weights_only=False)["state"]["step"]
 
 
-@pytest.fixture(scope="module")
-def world_straight(tmp_path_factory):
-    d = tmp_path_factory.mktemp("world_straight")
-    r = subprocess.run(_world_cmd(d), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return resume._losses(d)[1]
-
-
-def test_ctrl_c_to_the_group_with_workers_at_the_epoch_boundary(tmp_path, world_straight):
+def test_ctrl_c_to_the_group_with_workers_at_the_epoch_boundary(tmp_path, straight):
+    """The straight run is the session's (tests/conftest.py: test_train_resume's runner, the same N steps with 1
+    DataLoader worker and checkpoints every 3 steps): neither the worker count nor the checkpoints change a loss."""
     p = _start(_world_cmd(tmp_path), tmp_path / "err.txt", start_new_session=True)    # its own group, as a job's
     try:
         rc, err = _signal_when(p, tmp_path, 8, lambda: os.killpg(p.pid, signal.SIGINT),    # epoch 0 ends at step 8
@@ -103,7 +96,7 @@ def test_ctrl_c_to_the_group_with_workers_at_the_epoch_boundary(tmp_path, world_
     r = subprocess.run(_world_cmd(tmp_path), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and f"at step {step}" in r.stderr, r.stderr[-3000:]
     steps, losses, _ = resume._losses(tmp_path)
-    assert steps == list(range(1, N + 1)) and max(abs(a - b) for a, b in zip(losses, world_straight)) < 1e-6
+    assert steps == list(range(1, N + 1)) and max(abs(a - b) for a, b in zip(losses, straight)) < 1e-6
 
 
 def test_sigterm_mid_epoch_on_shards_with_workers(tmp_path, shards, shard_straight):

@@ -34,13 +34,7 @@ def _losses(out_dir):
     return [r["step"] for r in rows], [r["loss"] for r in rows], rows
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    d = tmp_path_factory.mktemp("straight")
-    _run(d)
-    steps, losses, _ = _losses(d)
-    assert steps == list(range(1, N + 1))  # the epoch boundary (64 / 8 = 8 steps) is crossed
-    return losses
+# `straight` (this runner's N steps straight, in a new process: its losses) is tests/conftest.py's, made once a session
 
 
 def test_stop_and_resume_in_new_process(tmp_path, straight):
@@ -101,11 +95,10 @@ def _good(i):
     return {"__key__": f"{i:09d}", "jpg": _jpeg(i), "txt": text, "tree.json": json.dumps(tree)}
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    "4 shards of 34 good samples and 6 bad ones (BAD), the last cut short in the middle of a member."
+def make_shards(root):
+    """4 shards of 34 good samples and 6 bad ones (BAD), the last cut short in the middle of a member (the `shards`
+    fixture of tests/conftest.py, made once a session)."""
     from powerclip.data import write_shard
-    root = tmp_path_factory.mktemp("shards")
     write_shard(root / "0.tar", [_good(i) for i in range(0, 5)] + [dict(_good(100), jpg=b"\xff\xd8 junk")]
                 + [_good(i) for i in range(5, 10)])
     write_shard(root / "1.tar",
@@ -161,15 +154,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def shard_straight(tmp_path_factory, shards, one_thread):
-    "The straight shard runs (in this process), with 0 and 2 workers."
-    out = {}
-    for w in (0, 2):
-        d = tmp_path_factory.mktemp(f"straight_w{w}")
-        _main(_shard_args(d, shards, w))
-        out[w] = d
-    return out
+# `shard_straight` (the straight shard runs with 0 and 2 workers, in this process, one thread) is tests/conftest.py's
 
 
 @pytest.mark.parametrize("workers", [0, 2])
