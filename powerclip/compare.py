@@ -25,6 +25,7 @@ from .methods import method_config
 from .model import model_geometry
 from .report import REFERENCE, Comparison, logged_numbers, summarize_seeds, trained_stats, write_outputs
 from .train import read_metrics, train
+from .trainlog import read_record
 from .world import WorldConfig
 
 # %% auto #0
@@ -346,7 +347,7 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
     cfg, d = job.cfg, job.dir
     rec, weights = d / "train.json", d / "model.pt"
     if rec.is_file() and weights.is_file():
-        r = json.loads(rec.read_text())
+        r = read_record(rec, log) or {}      # a damaged record: one line, and the job is trained again
         if r.get("weights_mtime_ns") == _mtime(weights) and r.get("steps") == cfg.max_steps:
             return r
     log(f"== seed {job.seed} {job.name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps"

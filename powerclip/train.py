@@ -418,7 +418,8 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         if len(rngs) != ctx.world_size:
             _log(f"checkpoint has {len(rngs)} processes, this run {ctx.world_size}: resume is not exact", ctx)
         _log(f"resumed from {ck_path} at step {state.step} (epoch {state.epoch}, batch {state.step_in_epoch})", ctx)
-    logger = MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard)
+    logger = MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard,
+                          warn=lambda m: _log(m, ctx))        # a damaged metrics.csv: repaired, set aside, said
 
     saved_at = state.step if ck is not None else None   # the step of the newest checkpoint on disk
 
