@@ -10,7 +10,7 @@
 0. Nothing finished is replaced: a finished run whose `checkpoints/` was deleted is refused under `resume=auto`; a NaN
    `last.pt` beside a finite `prev.pt` leaves `prev.pt` finite.
 """
-import os, resource, signal, subprocess, sys, time
+import os, subprocess, sys
 from pathlib import Path
 
 import pytest
