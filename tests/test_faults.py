@@ -10,7 +10,7 @@
 0. Nothing finished is replaced: a finished run whose `checkpoints/` was deleted is refused under `resume=auto`; a NaN
    `last.pt` beside a finite `prev.pt` leaves `prev.pt` finite.
 """
-import os, subprocess, sys
+import os, resource, signal, socket, subprocess, sys, time
 from pathlib import Path
 
 import pytest
@@ -34,8 +34,9 @@ def _run(out_dir, *extra, preexec=None, timeout=300):
 
 
 def _said(r) -> list[str]:
-    "stderr lines that are not the trainer's log"
-    return [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("[powerclip.train]")]
+    "stderr lines that are not the trainer's log (nor open_clip's warning of a model built without weights)"
+    return [line for line in r.stderr.splitlines() if line.strip()
+            and not line.startswith(("[powerclip.train]", "WARNING:root:No pretrained weights"))]
 
 
 def _one_line(r, status, *words):
@@ -101,3 +102,142 @@ def test_a_damaged_train_json_is_retrained_not_a_traceback(tmp_path, capsys):
     assert len(err) == 1 and "train.json" in err[0] and "cannot be read" in err[0], err
     f.write_text('{"steps": 3}')
     assert read_record(f) == {"steps": 3}
+
+
+def _step(ck_file) -> int:
+    return torch.load(ck_file, weights_only=False, map_location="cpu")["state"]["step"]
+
+
+def _finite(ck_file) -> bool:
+    ck = torch.load(ck_file, weights_only=False, map_location="cpu")
+    return all(bool(torch.isfinite(t).all()) for t in ck["model"].values() if t.is_floating_point())
+
+
+# ------------------------------------------------------------------------------------------- 2. a full disk
+def _fsize_limit(n_bytes):
+    "A child's file-size limit (`ulimit -f`): a write past it fails with EFBIG (Python ignores SIGXFSZ)."
+    def set_it():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, n_bytes))
+    return set_it
+
+
+def test_a_checkpoint_write_under_a_file_size_limit_is_one_line_and_exit_3(tmp_path, stopped):
+    run = _copy(stopped, tmp_path / "run")
+    size = (run / "checkpoints" / "last.pt").stat().st_size
+    before = (run / "checkpoints" / "last.pt").read_bytes()
+    # the config, the log and the plot fit under the limit; the step-4 checkpoint does not
+    r = _run(run, "max_steps=4", preexec=_fsize_limit(size // 2))
+    line = _one_line(r, 3, "writing ", "last.pt", "it needs about", "the file-size limit is",
+                     "the last good checkpoint is", "(step 2)")
+    assert "ulimit -f" in line
+    assert (run / "checkpoints" / "last.pt").read_bytes() == before and _step(run / "checkpoints" / "last.pt") == 2
+    assert not list((run / "checkpoints").glob("*.tmp"))                   # the temporary file removed
+
+
+def test_a_checkpoint_write_to_a_full_disk_is_one_line_and_exit_3(tmp_path, stopped):
+    run = _copy(stopped, tmp_path / "run")
+    tmp = run / "checkpoints" / "last.pt.tmp"
+    tmp.symlink_to("/dev/full")                                            # every write there: ENOSPC
+    r = _run(run, "max_steps=4")
+    _one_line(r, 3, "writing ", "last.pt", "free on its disk", "the last good checkpoint is", "(step 2)")
+    assert not tmp.is_symlink() and not tmp.exists()
+    assert _step(run / "checkpoints" / "last.pt") == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_under_ddp_a_failed_write_ends_both_processes_with_exit_3(tmp_path):
+    run, port = tmp_path / "run", _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(_cmd(run, "max_steps=3", "ckpt_every=1", "data.batch_size=4"), cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=_fsize_limit(2 * 2**20)))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [3, 3], [o[1][-2000:] for o in outs]
+    assert "Traceback" not in outs[0][1] + outs[1][1]
+    assert "the file-size limit is 2.0 MiB" in outs[0][1]                  # the line, from the main process
+    assert not (run / "checkpoints" / "last.pt").exists() and not list(run.glob("checkpoints/*.tmp"))
+
+
+# ------------------------------------------------------------------------------------------- 3. one trainer
+def test_a_second_trainer_is_refused_and_a_killed_one_never_blocks(tmp_path):
+    run = tmp_path / "run"
+    first = subprocess.Popen(_cmd(run, "max_steps=100000", "ckpt_every=2"), cwd=ROOT, env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not (run / "checkpoints" / "last.pt").is_file():
+            assert first.poll() is None and time.time() < deadline, "the first trainer did not checkpoint"
+            time.sleep(0.5)
+        second = _run(run, "max_steps=100000", "ckpt_every=2")
+        _one_line(second, 2, "is being trained by", f"pid {first.pid} on host {socket.gethostname()}",
+                  "one trainer per run folder")
+        assert first.poll() is None                                        # the first goes on
+        overwrite = _run(run, "resume=never", "overwrite=true")            # nor is it moved aside under it
+        _one_line(overwrite, 2, "is being trained by")
+        assert first.poll() is None and not list(tmp_path.glob("run.old-*"))
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    step = _step(run / "checkpoints" / "last.pt")
+    r = _run(run, f"max_steps={step + 1}", "ckpt_every=2")                 # its lock left behind: taken over
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _step(run / "checkpoints" / "last.pt") == step + 1 and not (run / "train.lock").exists()
+
+
+# ------------------------------------------------------------------------------------------- 0. nothing finished lost
+def test_a_finished_run_without_checkpoints_is_never_replaced(tmp_path, stopped):
+    run = _copy(stopped, tmp_path / "run")
+    import shutil
+    shutil.rmtree(run / "checkpoints")                                     # deleted to save space
+    weights = (run / "model.pt").read_bytes()
+    r = _run(run, "--method", "clip", "max_steps=2")
+    _one_line(r, 2, "holds a finished run", "model.pt", "overwrite=true moves it aside")
+    assert (run / "model.pt").read_bytes() == weights and not (run / "checkpoints").exists()
+    own = tmp_path / "own"                                                 # a user's own files
+    own.mkdir()
+    (own / "config.yaml").write_text("lr: 1\n")
+    (own / "metrics.csv").write_text("step,loss\n1,2\n")
+    _one_line(_run(own, "max_steps=2"), 2, "files the trainer did not write (metrics.csv, config.yaml)")
+    assert (own / "config.yaml").read_text() == "lr: 1\n"
+
+
+def test_a_nan_last_pt_never_rotates_over_a_finite_prev_pt(tmp_path, stopped):
+    run = _copy(stopped, tmp_path / "run")
+    last, prev = run / "checkpoints" / "last.pt", run / "checkpoints" / "prev.pt"
+    good = last.read_bytes()
+    prev.write_bytes(good)
+    ck = torch.load(last, weights_only=False)
+    ck["model"] = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in ck["model"].items()}
+    torch.save(ck, last)
+    r = _run(run, "max_steps=6", "ckpt_every=1")
+    assert r.returncode != 0
+    assert "not finite" in r.stderr and f"{prev} (step 2)" in r.stderr, r.stderr[-2000:]
+    assert prev.read_bytes() == good and _finite(prev)
+
+
+# ------------------------------------------------------------------------------------------- 4. a corrupt cache
+def test_a_cut_feature_cache_entry_is_recomputed_with_one_warning(tmp_path, capsys):
+    from powerclip.eval.models import FeatureCache
+    cache, calls = FeatureCache(tmp_path, "ck"), []
+
+    def compute():
+        calls.append(1)
+        return {"image": torch.arange(6.0).reshape(2, 3)}
+    first = cache.get("img", ["a", "b"], compute)
+    entry = next((tmp_path / "ck").glob("img-*.pt"))
+    entry.write_bytes(entry.read_bytes()[:64])                             # cut short
+    capsys.readouterr()
+    again = cache.get("img", ["a", "b"], compute)
+    assert torch.equal(again["image"], first["image"]) and len(calls) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be read" in err[0] and "computed again" in err[0], err
+    assert torch.equal(torch.load(entry, weights_only=True)["image"], first["image"])   # replaced
+    assert torch.equal(cache.get("img", ["a", "b"], compute)["image"], first["image"]) and len(calls) == 2
