@@ -241,3 +241,74 @@ def test_a_cut_feature_cache_entry_is_recomputed_with_one_warning(tmp_path, caps
     assert len(err) == 1 and "cannot be read" in err[0] and "computed again" in err[0], err
     assert torch.equal(torch.load(entry, weights_only=True)["image"], first["image"])   # replaced
     assert torch.equal(cache.get("img", ["a", "b"], compute)["image"], first["image"]) and len(calls) == 2
+
+
+# ------------------------------------------------------------------------------------------- 5. one line each
+def _files(folder) -> dict:
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _train_in_process(capsys, *argv):
+    from powerclip.train import main
+    capsys.readouterr()
+    rc = main([*SMOKE, *argv])
+    err = [line for line in capsys.readouterr().err.splitlines()
+           if line.strip() and not line.startswith(("[powerclip.train]", "WARNING:root:No pretrained weights"))]
+    return rc, err
+
+
+def _refused(rc, err, *words):
+    assert rc == 2 and len(err) == 1 and ": error: " in err[0], (rc, err)
+    for w in words:
+        assert w in err[0], (w, err[0])
+
+
+def test_config_tracebacks_are_one_line_each(tmp_path, capsys, monkeypatch, stopped):
+    monkeypatch.delenv("POWERCLIP_DEBUG", raising=False)
+    out = f"out_dir={tmp_path / 'x'}"
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    for argv, words in [
+        (["model.kwargs={text_cfg: {context_length: 0}}"], ["model.kwargs: the text tower's context_length is 0"]),
+        (["data.world={sizes: {small: -0.1, large: 0.19}}"], ["data.world: sizes {'small': -0.1}"]),
+        (["data.world={max_tries: 0}"], ["data.world: max_tries: must be an integer at least 1"]),
+        (["data.world={min_objects: 3, max_objects: 3, sizes: {large: 0.5}}"], ["data.world: no scene can be drawn"]),
+        (["data.world_length=100000000000000000000"], ["data.world_length: must be in [1, 2^31]"]),
+        (["data.batch_size=1"], ["data.batch_size: a global batch of 1 has no negative pair"]),
+        ([f"model.pretrained={stopped / 'checkpoints' / 'last.pt'}"],
+         ["is a training checkpoint", f"{stopped / 'model.pt'} or {stopped / 'snapshots' / 'stepN' / 'model.pt'}"]),
+    ]:
+        _refused(*_train_in_process(capsys, out, *argv), *words)
+    for link in (loop, dangling):
+        _refused(*_train_in_process(capsys, f"out_dir={link}"), "out_dir: ", "symbolic link to nothing")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    _refused(*_train_in_process(capsys, out), "WORLD_SIZE=2 but MASTER_ADDR/MASTER_PORT are not set")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert not (tmp_path / "x").exists()
+    from powerclip.eval.cli import main as eval_main
+    capsys.readouterr()
+    assert eval_main(["make-world", str(tmp_path / "w"), "--seed", "-1"]) == 2
+    assert "--seed" in capsys.readouterr().err and not (tmp_path / "w").exists()
+
+
+def test_a_resume_past_max_steps_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, stopped):
+    monkeypatch.delenv("POWERCLIP_DEBUG", raising=False)
+    run = _copy(stopped, tmp_path / "run")
+    before = _files(run)
+    _refused(*_train_in_process(capsys, f"out_dir={run}", "max_steps=1"), "max_steps: ", "is at step 2, past "
+             "max_steps=1")
+    assert _files(run) == before
+
+
+def test_compare_refuses_overrides_it_would_drop(tmp_path, capsys):
+    from powerclip.compare import main
+    capsys.readouterr()
+    assert main(["--runs", "CLIP", "--preset", "smoke", "--out", str(tmp_path / "c"), "seed=5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "seed: the comparison sets it for each run; give --seeds instead" in err[0], err
+    assert not (tmp_path / "c").exists()
