@@ -311,8 +311,9 @@ def check_setup(cfg: TrainConfig, B: int, G: int) -> None:
     out = Path(cfg.out_dir)
     if out.is_symlink() and not out.exists():
         raise ValueError(f"out_dir: {cfg.out_dir!r} is a symbolic link to nothing (dangling, or a loop): give a folder")
-    if G > 1 and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-        raise ValueError(f"WORLD_SIZE={G} but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun (or unset "
+    env = os.environ.get("WORLD_SIZE", "1")   # the environment's, not a planned world size (`validate(world_size=)`)
+    if env.strip() not in ("", "0", "1") and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        raise ValueError(f"WORLD_SIZE={env} but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun (or unset "
                          "WORLD_SIZE for one process)")
 
 
