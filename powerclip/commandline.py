@@ -16,8 +16,8 @@ import sys
 import threading
 
 # %% auto #0
-__all__ = ['KEY_VALUE', 'UsageError', 'debug_requested', 'usage_errors', 'ArgumentParser', 'Interrupted', 'run_main',
-           'check_device', 'check_number', 'StopSignals']
+__all__ = ['KEY_VALUE', 'UsageError', 'debug_requested', 'usage_errors', 'ArgumentParser', 'Interrupted', 'WriteFailed',
+           'run_main', 'check_device', 'check_number', 'StopSignals']
 
 # %% ../nbs/17_commandline.ipynb #dbc276f4
 class UsageError(Exception):
@@ -91,11 +91,22 @@ class Interrupted(Exception):
     def status(self) -> int: return 128 + self.signum
 
 
+class WriteFailed(Exception):
+    """A write the machine refused (a full disk, a quota, a file-size limit), the run stopped cleanly at that step:
+    `run_main` prints the message (when there is one: the other processes of a distributed run stay quiet) and exits
+    with status 3. Not a usage error (2): the command was right, the machine was not."""
+    status = 3
+
+    def __init__(self, message: str = ""):
+        super().__init__(message)
+        self.message = message
+
+
 def run_main(main, argv=None, prog: str | None = None) -> int:
     """`main(argv)` -> its exit status (None counts as 0). A `UsageError` is printed as `prog: error: message` on
     stderr with status 2, unless `debug_requested(argv)`, which re-raises it with its traceback. An `Interrupted` run
     is its one line and 128 + its signal (130 for SIGINT, 143 for SIGTERM); a Ctrl-C anywhere else is one line and
-    130."""
+    130. A `WriteFailed` (a full disk, a file-size limit) is its one line and status 3."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or os.path.basename(sys.argv[0]) or "powerclip"
     try:
@@ -110,6 +121,12 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
             raise
         if e.message:
             print(f"{prog}: {e.message}", file=sys.stderr, flush=True)
+        return e.status
+    except WriteFailed as e:
+        if debug_requested(argv):
+            raise
+        if e.message:
+            print(f"{prog}: error: {e.message}", file=sys.stderr, flush=True)
         return e.status
     except KeyboardInterrupt:
         if debug_requested(argv):

@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from .baselines.clip_pgs import WORLD_SIM_THRESHOLD
-from .commandline import ArgumentParser, Interrupted, check_device, check_number, run_main, usage_errors
+from .commandline import (ArgumentParser, Interrupted, WriteFailed, check_device, check_number, run_main,
+                                   usage_errors)
 from .config import PRECISIONS, TrainConfig, check_precision, from_dict, load_config, parse_override, to_dict
 from .data import derive_seed, world_config
 from .eval.data import write_world_benchmark
@@ -24,7 +25,8 @@ from .measure import run_isolated
 from .methods import SIGLIP_INIT, method_config
 from .model import model_geometry
 from .report import REFERENCE, Comparison, logged_numbers, summarize_seeds, trained_stats, write_outputs
-from .train import read_metrics, train
+from .train import read_metrics, train, validate
+from .trainlog import read_record
 from .world import WorldConfig
 
 # %% auto #0
@@ -267,6 +269,10 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     if not specs:
         raise ValueError(f"--runs: no run left to train ({'; '.join(f'{k}: {v}' for k, v in skipped.items())})")
     user = dict(overrides or {})
+    for k, flag in (("seed", "--seeds"), ("out_dir", "--out"), ("snapshot_steps", "--curve-points"),
+                    ("start_batch", "--finetune-share")):      # set per run below: an override would be dropped
+        if k in user:
+            raise ValueError(f"{k}: the comparison sets it for each run; give {flag} instead")
     # the trainer resolves it into data.batch_size: reuse and s/step need the local size
     if "global_batch_size" in user:
         raise ValueError("global_batch_size: give data.batch_size (images per step and process) "
@@ -308,6 +314,11 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
                     raise ValueError(f"run {name}: preset {preset!r} fine-tunes (model.pretrained: required); the "
                                      "comparison pre-trains it")
                 _check_folder(cfg)
+                if spec.base is None and seed == seeds[0]:    # the trainer's own checks, before anything trains
+                    try:
+                        validate(cfg)
+                    except ValueError as e:
+                        raise ValueError(f"run {name}: {e}") from None
                 jobs[(name, seed, value)] = Job(name, seed, cfg, start, value)
     folders = {}
     # two rows must never share a folder (their names differ only in symbols)
@@ -339,6 +350,8 @@ def train_isolated(cfg: TrainConfig) -> dict:
         if res.get("signal"):      # the run's line, with the comparison's way on instead of the trainer's
             said = (res.get("message") or "interrupted").split("; resume with")[0]
             raise Interrupted(res["signal"], f"{said}; rerun the comparison to go on")
+        if res.get("status") == WriteFailed.status:    # a full disk: the run's line, and its status (3)
+            raise WriteFailed(f"{res.get('message')}; rerun the comparison to go on")
         raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}; rerun to resume it")
     return res
 
@@ -359,7 +372,7 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
     cfg, d = job.cfg, job.dir
     rec, weights = d / "train.json", d / "model.pt"
     if rec.is_file() and weights.is_file():
-        r = json.loads(rec.read_text())
+        r = read_record(rec, log) or {}      # a damaged record: one line, and the job is trained again
         if r.get("weights_mtime_ns") == _mtime(weights) and r.get("steps") == cfg.max_steps:
             return r
     log(f"== seed {job.seed} {job.name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps"

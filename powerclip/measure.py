@@ -48,8 +48,12 @@ def _isolated_child(fn, args, threads, q) -> None:
         q.put(dict(ok=True, **fn(*args)))
     except BaseException as e:  # e.g. out of memory: report it, do not kill the caller's sweep
         # a run stopped by a signal at a step boundary (`17_commandline`, `Interrupted`) says which, and its line
+        # and a write the machine refused (`WriteFailed`, exit status 3: a full disk) its status, to be passed on
         q.put(dict(ok=False, error=f"{type(e).__name__}: {e}", **({"signal": e.signum, "message": str(e)}
-                                                                   if hasattr(e, "signum") else {})))
+                                                                   if hasattr(e, "signum") else
+                                                                   {"status": e.status, "message": str(e)}
+                                                                   if isinstance(getattr(e, "status", None), int)
+                                                                   else {})))
 
 
 def run_isolated(fn, *args, threads: int | None = None) -> dict:

@@ -17,10 +17,13 @@ from .accum import accumulate
 from .checkpoint import (TrainState, bias_kwargs, check_run_folder, export_weights, load_checkpoint,
                                   move_aside, previous_checkpoint, read_resume, resume_changes, resume_position,
                                   rng_state, run_marks, save_checkpoint, save_snapshot, seed_all, set_rng_state,
-                                  shape_mismatch, weights_problem)
+                                  shape_mismatch, stale_run, weights_problem)
 from .commandline import (ArgumentParser, Interrupted, StopSignals, UsageError, check_device, check_number,
                                    run_main, usage_errors)
 from .config import TrainConfig, check_kwargs, load_config, method_options, to_dict
+from .faults import (Writes, check_geometry, check_resume_end, check_setup, check_world_scene, lock_run,
+                              refuse_non_finite, state_bytes)
+from .faults import finite as _finite, save_finite as _save_finite   # moved there (issue 47): old names
 from .data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
                             shard_urls, steps_per_epoch, world_config)
 from .measure import PeakMemory
@@ -164,6 +167,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
         raise ValueError(f"model.pretrained: no file {pre!r} (a local open_clip state dict; nothing is downloaded)")
     if pre is not None and (why := weights_problem(pre)):
         raise ValueError(f"model.pretrained: {pre!r} cannot be read ({why}): a damaged or partial copy?")
+    check_setup(cfg, B, G)     # a trainer's checkpoint as pretrained, a batch of 1, a dangling out_dir, .. (49g_faults)
     data = dataclasses.replace(cfg.data, batch_size=B)
     if data.source == "world" and B * G > data.world_length:
         raise ValueError(f"data.batch_size: {B} per process x {G} process(es) is more than "
@@ -217,11 +221,13 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
         spec = BatchSpec(data, geometry, method.needs(), cfg.seed)
     except ValueError as e:
         raise ValueError(f"method_cfg: {e}") from None      # e.g. stored masks on the world
+    check_geometry(geometry)
     if data.source == "world":
         try:
             world_config(data, geometry)
         except (TypeError, ValueError) as e:
             raise ValueError(f"data.world: {e}") from None
+        check_world_scene(data, geometry)       # sizes, tries, more objects than fit: one scene drawn, one line
     return Checked(dataclasses.replace(cfg, data=data, model=dataclasses.replace(cfg.model, kwargs=kwargs)), seeds,
                    method, geometry, spec)
 
@@ -343,17 +349,11 @@ def train(cfg: TrainConfig, evaluate=None) -> dict:
     `evaluate`: the main process's evaluation every `cfg.eval_every` steps (None: `default_evaluator(cfg)`). SIGINT or
     SIGTERM stop it at the next step boundary with a checkpoint: `Interrupted` (see "Interruptions")."""
     ctx = pdist.init_distributed(cfg.device)
-    try:
-        with StopSignals() as stops:
-            return _train(cfg, ctx, evaluate, stops)
+    try:   # one trainer per run folder, locked before any file of the run is read, written or moved (49g_faults)
+        with lock_run(cfg.out_dir, ctx, lambda: check_run_folder(cfg)) as lock, StopSignals() as stops:
+            return _train(cfg, ctx, evaluate, stops, lock)
     finally:
         pdist.cleanup(ctx)
-
-
-def _finite(*modules) -> bool:
-    "Every parameter and buffer of `modules` (None skipped) finite."
-    return all(bool(torch.isfinite(t).all()) for m in modules if m is not None for t in m.state_dict().values()
-               if torch.is_tensor(t) and t.is_floating_point())
 
 
 def _apply_resume(cfg: TrainConfig, opt, sched, peaks: list, changes: dict, ctx) -> None:
@@ -374,29 +374,37 @@ def _apply_resume(cfg: TrainConfig, opt, sched, peaks: list, changes: dict, ctx)
         _log(f"resume changes {said} (applied: the optimiser's peak rates and the schedule are this run's{lr})", ctx)
 
 
-def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopSignals | None = None) -> dict:
+def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopSignals | None = None,
+           lock=None) -> dict:
     stops = stops or StopSignals()
     check_run_folder(cfg)   # resume=never over a run, a folder it cannot write: one line, before anything is written
     # before the model and before any file is written: a damaged checkpoint, or one of another config, is one line
     ck_path, ck = read_resume(cfg, lambda m: _log(m, ctx), ctx.is_main, ctx.world_size)
+    check_resume_end(cfg, ck, ck_path)
     position = resume_position(cfg, ctx, ck, ck_path)
     if ctx.is_main and cfg.eval_every and evaluate is None:
         with usage_errors():
             evaluate = default_evaluator(cfg)   # the evaluation folder checked (the world's written) before the model
     run_dir = Path(cfg.out_dir)
-    if ctx.is_main and cfg.resume == "never" and cfg.overwrite and run_marks(run_dir):
-        _log(f"overwrite=true: the run in {run_dir} moved aside to {move_aside(run_dir)}", ctx)
+    if ctx.is_main and cfg.overwrite and (cfg.resume == "never" or stale_run(run_dir)) and run_marks(run_dir):
+        dest = move_aside(run_dir)
+        if lock is not None:
+            lock.follow(dest, run_dir)          # its lock went with it: this run's folder locked anew
+        _log(f"overwrite=true: the run in {run_dir} moved aside to {dest}", ctx)
     pdist.barrier()                             # the old run is out of the way before any process looks there
     run = build_run(cfg, ctx)
     waiter = pdist.wait_group(ctx, cfg.eval_timeout_s) if cfg.eval_every else None   # every process, here
     cfg, model, method, modules, opt, sched, total = (run.cfg, run.model, run.method, run.modules, run.opt,
                                                       run.sched, run.total)
-    if ctx.is_main:
+    wr = Writes(ctx, f"{ck_path} (step {ck['state']['step']})" if ck else "")   # a full disk: every process exits 3
+
+    def write_config():
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False)
                                              + "# what the run derived from the "
                                              "config above (a record: change seed or model, not these)\n"
                                              + yaml.safe_dump(dict(derived=run.derived()), sort_keys=False))
+    wr(write_config, run_dir / "config.yaml")
     state = TrainState()
     if cfg.start_batch:  # a fine-tune continuing its base run's data order (a resumed run takes its checkpoint's place)
         spe = steps_per_epoch(cfg.data, ctx.world_size)
@@ -421,7 +429,9 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         if len(rngs) != ctx.world_size:
             _log(f"checkpoint has {len(rngs)} processes, this run {ctx.world_size}: resume is not exact", ctx)
         _log(f"resumed from {ck_path} at step {state.step} (epoch {state.epoch}, batch {state.step_in_epoch})", ctx)
-    logger = MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard)
+    logger = wr(lambda: MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard,
+                                     warn=lambda m: _log(m, ctx)),   # a damaged metrics.csv: repaired
+                run_dir / "metrics.csv") or MetricLogger(run_dir, False)
 
     saved_at = state.step if ck is not None else None   # the step of the newest checkpoint on disk
 
@@ -429,12 +439,14 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         nonlocal saved_at
         if saved_at == state.step:
             return   # stopped right after a checkpoint: writing it again would make prev.pt the same
+        refuse_non_finite(_finite(model, modules), state.step, run_dir)   # never rotated over a finite one
         saved_at = state.step
         rngs = pdist.all_gather_object(rng_state())
         positions = pdist.all_gather_object(position.to_dict() if isinstance(position, StreamPosition) else position)
-        if ctx.is_main:
-            save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs, modules=modules,
-                                        loader=positions)
+        last = run_dir / "checkpoints" / "last.pt"
+        wr(lambda: save_checkpoint(last, model, opt, sched, state, cfg, rngs, modules=modules, loader=positions),
+           last, state_bytes(model, opt, modules))
+        wr.good = f"{last} (step {state.step})"
         pdist.barrier()
 
     from tqdm.auto import tqdm
@@ -484,12 +496,12 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
                 last_row = dict(step=state.step, epoch=state.epoch, lr=out["lr"], loss=float(out["loss"]),
                                 **terms, img_per_s=global_batch * n_since / max(now - t_last, 1e-9),
                                 time=now - t_start, bad_total=state.bad_total, **skipped, **evaluated)
-                logger.log(last_row)
+                wr(lambda: logger.log(last_row), logger.path)
                 bar.set_postfix(loss=f"{last_row['loss']:.4f}", img_s=f"{last_row['img_per_s']:.0f}", refresh=False)
                 t_last, n_since = now, 0
-            if state.step in snapshots and ctx.is_main:
-                _save_finite(lambda: save_snapshot(run_dir, state.step, state.seconds, model, modules), state,
-                             model, modules, "a snapshot")
+            if state.step in snapshots:
+                wr(lambda: _save_finite(lambda: save_snapshot(run_dir, state.step, state.seconds, model, modules),
+                                        state, model, modules, "a snapshot"), run_dir / "snapshots")
             if state.step % cfg.ckpt_every == 0 and state.step < total:
                 checkpoint(loader.state())
             if out["stop"] and state.step < min(total, cfg.stop_at or total):
@@ -522,11 +534,12 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         line = (f"interrupted ({signal.Signals(stopped).name}) at step {state.step} of {total}; checkpoint "
                 f"{run_dir / 'checkpoints' / 'last.pt'}; resume with the same command and resume=auto")
         raise Interrupted(stopped, line if ctx.is_main else "")   # one line, from the main process
-    if ctx.is_main:
-        _save_finite(lambda: export_weights(run_dir, model, modules), state, model, modules, "model.pt")
+    wr(lambda: _save_finite(lambda: export_weights(run_dir, model, modules), state, model, modules, "model.pt"),
+       run_dir / "model.pt", state_bytes(model, None, modules))
     logger.close()
-    if ctx.is_main and logger.rows:
-        plot_metrics(logger.rows, run_dir / "loss.png", title=f"{cfg.method} ({cfg.model.name})")
+    if logger.rows or ctx.world_size > 1:
+        wr(lambda: logger.rows and plot_metrics(logger.rows, run_dir / "loss.png",
+                                                title=f"{cfg.method} ({cfg.model.name})"), run_dir / "loss.png")
     if stops.signum:
         _log(f"{stops.name} came after the last step: the run is complete", ctx)
     return dict(run_dir=str(run_dir), steps=state.step, last=last_row, bad_total=state.bad_total,
@@ -534,14 +547,6 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
                 checkpoint=str(run_dir / "checkpoints" / "last.pt"), weights=str(run_dir / "model.pt"),
                 # the peak of the steps this call took (NaN when it took none: a finished run called again)
                 peak_mib=mem.mib() if state.step > first_step else float("nan"))
-
-
-def _save_finite(save, state: TrainState, model, modules, what: str) -> None:
-    "Weights are written only when every one is finite (a diverged run leaves its checkpoints, never a NaN model.pt)."
-    if not _finite(model, modules):
-        raise RuntimeError(f"the weights are not finite after step {state.step}: {what} not written (the run "
-                           f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
-    save()
 
 
 def _no_batch(loader, cfg: TrainConfig, state: TrainState, ctx, together: bool) -> str:

@@ -147,11 +147,22 @@ class Interrupted(Exception):
     def status(self) -> int: return 128 + self.signum
 
 
+class WriteFailed(Exception):
+    """A write the machine refused (a full disk, a quota, a file-size limit), the run stopped cleanly at that step:
+    `run_main` prints the message (when there is one: the other processes of a distributed run stay quiet) and exits
+    with status 3. Not a usage error (2): the command was right, the machine was not."""
+    status = 3
+
+    def __init__(self, message: str = ""):
+        super().__init__(message)
+        self.message = message
+
+
 def run_main(main, argv=None, prog: str | None = None) -> int:
     """`main(argv)` -> its exit status (None counts as 0). A `UsageError` is printed as `prog: error: message` on
     stderr with status 2, unless `debug_requested(argv)`, which re-raises it with its traceback. An `Interrupted` run
     is its one line and 128 + its signal (130 for SIGINT, 143 for SIGTERM); a Ctrl-C anywhere else is one line and
-    130."""
+    130. A `WriteFailed` (a full disk, a file-size limit) is its one line and status 3."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or os.path.basename(sys.argv[0]) or "powerclip"
     try:
@@ -166,6 +177,12 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
             raise
         if e.message:
             print(f"{prog}: {e.message}", file=sys.stderr, flush=True)
+        return e.status
+    except WriteFailed as e:
+        if debug_requested(argv):
+            raise
+        if e.message:
+            print(f"{prog}: error: {e.message}", file=sys.stderr, flush=True)
         return e.status
     except KeyboardInterrupt:
         if debug_requested(argv):
@@ -273,6 +290,10 @@ class StopSignals:
 # line)`, which `run_main` prints as its one line and turns into the shell's exit status for that signal, 128 + its
 # number (130 for SIGINT, 143 for SIGTERM). A Ctrl-C elsewhere (no handler installed) is one line and 130 too, not a
 # traceback.
+#
+# **A machine's refusal.** A write that fails for a full disk, a quota or a file-size limit (`49g_faults`) stops the run
+# cleanly and raises `WriteFailed(line)`: one line and exit status 3, so that a script tells it from a usage error (2),
+# a signal (128 + its number) and a bug (1, with its traceback).
 
 # %% [markdown]
 # A small command shows every path: a good call, a bad value caught in validation, a bad flag caught by the parser,
@@ -373,6 +394,7 @@ with contextlib.redirect_stderr(_err):
     test_eq(run_main(_stopped, [], prog="toy"), 143)
     test_eq(run_main(lambda a: (_ for _ in ()).throw(KeyboardInterrupt()), [], prog="toy"), 130)
     test_eq(run_main(lambda a: (_ for _ in ()).throw(Interrupted(signal.SIGINT)), [], prog="toy"), 130)  # quiet
+    test_eq(run_main(lambda a: (_ for _ in ()).throw(WriteFailed("writing x failed")), [], prog="toy"), 3)
 test_eq(_err.getvalue(), "toy: interrupted at step 3 (SIGTERM); resume with the same command\ntoy: interrupted "
-                         "(Ctrl-C)\n")
+                         "(Ctrl-C)\ntoy: error: writing x failed\n")
 assert signal.getsignal(signal.SIGINT) is _before                          # the handlers are put back

@@ -146,6 +146,11 @@ class WorldConfig:
             raise ValueError('need at least one size')
         if self.caption not in ('short', 'long'):
             raise ValueError(f"caption must be 'short' or 'long', got {self.caption!r}")
+        bad = {k: v for k, v in self.sizes.items() if not (isinstance(v, (int, float)) and 0 < v <= 0.5)}
+        if bad:   # a radius as a share of the image: below 0 it used to fail at drawing ("could not broadcast")
+            raise ValueError(f'sizes {bad}: each is a radius / image_size in (0, 0.5]')
+        if not (isinstance(self.max_tries, int) and self.max_tries >= 1):
+            raise ValueError(f'max_tries: must be an integer at least 1, got {self.max_tries!r}')
 
     @property
     def M(self) -> int: return self.num_regions or self.max_objects

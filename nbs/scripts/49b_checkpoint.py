@@ -130,10 +130,14 @@ def _atomic_save(obj, path: Path, keep_previous: bool = False) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())   # on the disk before the rename makes it the checkpoint
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())   # on the disk before the rename makes it the checkpoint
+    except BaseException:          # a full disk, a size limit, a kill: no half-written file left (49g_faults)
+        tmp.unlink(missing_ok=True)
+        raise
     if keep_previous and path.exists():
         os.replace(path, previous_checkpoint(path))
     os.replace(tmp, path)
@@ -408,16 +412,39 @@ def _writable(p: Path) -> bool:
     return os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0))
 
 
+def stale_run(folder) -> list[str]:
+    """The run marks of `folder` when it holds no checkpoint to resume from: a finished run whose `checkpoints/` was
+    deleted, or files the trainer did not write; [] when there is nothing to refuse. A run of ours stopped before its
+    first checkpoint (its `config.yaml` records what it derived, and it left no `model.pt`) may start over."""
+    folder = Path(folder)
+    marks = [m for m in run_marks(folder) if not m.startswith("checkpoints/")]
+    ckpts = folder / "checkpoints"
+    if not marks or (ckpts.is_dir() and any(ckpts.glob("*.pt*"))):
+        return []
+    config = folder / "config.yaml"
+    try:
+        ours = config.is_file() and "\nderived:" in config.read_text(errors="replace")
+    except OSError:
+        ours = False
+    return [] if ours and "model.pt" not in marks else marks
+
+
 def check_run_folder(cfg: TrainConfig) -> None:
-    """Before anything is written: `resume=never` into a folder holding a run is refused (`overwrite=false`), and every
-    place the run writes must be writable. A `UsageError` naming `out_dir` (see above)."""
+    """Before anything is written: `resume=never` into a folder holding a run is refused (`overwrite=false`), and so is
+    any `resume` into a folder holding a finished run without its checkpoints or files the trainer did not write
+    (`stale_run`); every place the run writes must be writable. A `UsageError` naming `out_dir` (see above)."""
     out = Path(cfg.out_dir)
     marks = run_marks(out)
     if cfg.resume == "never" and marks and not cfg.overwrite:
         raise UsageError(f"out_dir: {str(out)!r} holds a run ({', '.join(marks)}) and resume=never would start over "
                          "it: resume=auto continues it, another out_dir starts a new run beside it, overwrite=true "
                          f"moves it aside to {out.name}.old-<time> (nothing is deleted)")
-    moving = cfg.resume == "never" and marks and cfg.overwrite
+    stale = cfg.resume != "never" and stale_run(out)
+    if stale and not cfg.overwrite:
+        raise UsageError(f"out_dir: {str(out)!r} holds a finished run or files the trainer did not write "
+                         f"({', '.join(stale)}) and no checkpoint to resume from: another out_dir starts a new run "
+                         f"beside it, overwrite=true moves it aside to {out.name}.old-<time> (nothing is deleted)")
+    moving = (cfg.resume == "never" or stale) and marks and cfg.overwrite
     parent = next((a for a in [out, *out.parents] if a.exists()), None)
     if moving or not out.exists():
         parent = next((a for a in out.parents if a.exists()), Path("."))
@@ -455,6 +482,7 @@ with tempfile.TemporaryDirectory() as d:
     test_eq(run_marks(_run), ["metrics.csv"])
     test_fail(lambda: check_run_folder(TrainConfig(out_dir=str(_run), resume="never")),
               contains="holds a run (metrics.csv) and resume=never would start over it: resume=auto continues it")
+    (_run / "checkpoints" / "last.pt").write_bytes(b"")
     check_run_folder(TrainConfig(out_dir=str(_run)))                           # resume=auto continues it
     check_run_folder(TrainConfig(out_dir=str(_run), resume="never", overwrite=True))
     _old = move_aside(_run)
@@ -466,6 +494,16 @@ with tempfile.TemporaryDirectory() as d:
     (_run / "checkpoints").symlink_to("/proc/sys")                              # a folder no one may write
     test_fail(lambda: check_run_folder(TrainConfig(out_dir=str(_run))), contains="checkpoints' is not writable")
     test_fail(lambda: check_run_folder(TrainConfig(out_dir="/proc/sys/powerclip_run")), contains="cannot be created")
+    # a finished run without its checkpoints, or a user's own files: refused under resume=auto too
+    _run = Path(d) / "done"
+    _run.mkdir()
+    (_run / "model.pt").write_bytes(b"x")
+    test_fail(lambda: check_run_folder(TrainConfig(out_dir=str(_run))), contains="holds a finished run or files the "
+              "trainer did not write (model.pt) and no checkpoint to resume from")
+    check_run_folder(TrainConfig(out_dir=str(_run), overwrite=True))             # moved aside by the trainer
+    (_run / "model.pt").unlink()
+    (_run / "config.yaml").write_text("seed: 0\nderived:\n  seeds: {}\n")      # ours, stopped before a checkpoint
+    test_eq(stale_run(_run), [])
 
 
 # %% [markdown]
@@ -514,6 +552,25 @@ def weights_problem(path) -> str | None:
         return None
     except Exception as e:
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+
+
+def is_trainer_checkpoint(path) -> bool:
+    """Whether `path` is one of the trainer's checkpoints (`checkpoints/last.pt`: weights with the optimiser's and
+    random generators' states), found in its pickle's bytes without unpickling it."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            pkl = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            raw = z.read(pkl) if pkl else b""
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return all(k in raw for k in (b"optimizer", b"scheduler", b"rng", b"torch_version"))
+
+
+def weights_of_run(path) -> str:
+    "Where a run keeps its weights, for a checkpoint `path` inside `RUN/checkpoints/`: `RUN/model.pt` or a snapshot's."
+    p = Path(path)
+    run = p.parent.parent if p.parent.name == "checkpoints" else Path("RUN")
+    return f"{run / 'model.pt'} or {run / 'snapshots' / 'stepN' / 'model.pt'}"
 
 
 def shape_mismatch(sd: dict, own: dict) -> str | None:

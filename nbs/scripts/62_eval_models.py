@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -645,8 +646,13 @@ class FeatureCache:
             return compute()
         f = self.dir / f'{name}-{self.key(items)}.pt'
         if f.is_file():
-            self.hits += 1
-            return torch.load(f, weights_only=True)
+            try:
+                x = torch.load(f, weights_only=True)
+                self.hits += 1
+                return x
+            except Exception as e:   # cut short, zeroed, not a torch file: never trusted, computed again and replaced
+                print(f"feature cache: {f} cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:80]}"
+                      "): computed again", file=sys.stderr, flush=True)
         self.misses += 1
         x = compute()
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -888,6 +894,12 @@ for _s in ('late', 'global'):
 test_eq((_fe.cache.misses, _fe.cache.hits), (4, 0))
 _fe.image_features(_paths, 'late')
 test_eq(_fe.cache.hits, 1)
+for _f in Path(_fe.cache.dir).glob('*.pt'):                                   # every entry cut short
+    _f.write_bytes(_f.read_bytes()[:100])
+with contextlib.redirect_stderr(_io.StringIO()) as _err:
+    torch.testing.assert_close(_fe.image_features(_paths, 'late'), _I_late := _fe.image_features(_paths, 'late'))
+assert 'cannot be read' in _err.getvalue() and 'computed again' in _err.getvalue(), _err.getvalue()
+test_eq(_fe.cache.hits, 2)                                                   # the recomputed entry replaced the cut one
 test_fail(lambda: _fe.scorer('nosuch'), contains='not offered')
 
 

@@ -29,7 +29,8 @@ import torch
 import yaml
 
 from powerclip.baselines.clip_pgs import WORLD_SIM_THRESHOLD
-from powerclip.commandline import ArgumentParser, Interrupted, check_device, check_number, run_main, usage_errors
+from powerclip.commandline import (ArgumentParser, Interrupted, WriteFailed, check_device, check_number, run_main,
+                                   usage_errors)
 from powerclip.config import PRECISIONS, TrainConfig, check_precision, from_dict, load_config, parse_override, to_dict
 from powerclip.data import derive_seed, world_config
 from powerclip.eval.data import write_world_benchmark
@@ -39,7 +40,8 @@ from powerclip.measure import run_isolated
 from powerclip.methods import SIGLIP_INIT, method_config
 from powerclip.model import model_geometry
 from powerclip.report import REFERENCE, Comparison, logged_numbers, summarize_seeds, trained_stats, write_outputs
-from powerclip.train import read_metrics, train
+from powerclip.train import read_metrics, train, validate
+from powerclip.trainlog import read_record
 from powerclip.world import WorldConfig
 
 # %%
@@ -469,6 +471,10 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     if not specs:
         raise ValueError(f"--runs: no run left to train ({'; '.join(f'{k}: {v}' for k, v in skipped.items())})")
     user = dict(overrides or {})
+    for k, flag in (("seed", "--seeds"), ("out_dir", "--out"), ("snapshot_steps", "--curve-points"),
+                    ("start_batch", "--finetune-share")):      # set per run below: an override would be dropped
+        if k in user:
+            raise ValueError(f"{k}: the comparison sets it for each run; give {flag} instead")
     # the trainer resolves it into data.batch_size: reuse and s/step need the local size
     if "global_batch_size" in user:
         raise ValueError("global_batch_size: give data.batch_size (images per step and process) "
@@ -510,6 +516,11 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
                     raise ValueError(f"run {name}: preset {preset!r} fine-tunes (model.pretrained: required); the "
                                      "comparison pre-trains it")
                 _check_folder(cfg)
+                if spec.base is None and seed == seeds[0]:    # the trainer's own checks, before anything trains
+                    try:
+                        validate(cfg)
+                    except ValueError as e:
+                        raise ValueError(f"run {name}: {e}") from None
                 jobs[(name, seed, value)] = Job(name, seed, cfg, start, value)
     folders = {}
     # two rows must never share a folder (their names differ only in symbols)
@@ -553,6 +564,10 @@ test_fail(lambda: make_plan({"a/b": RUNS["CLIP"], "a b": RUNS["CLIP"]}, steps=10
 test_fail(lambda: make_plan(["CLIP", "NoSuch"]), contains="unknown run")
 test_fail(lambda: make_plan(["CLIP"], seeds=[0, 0]), contains="--seeds")
 test_fail(lambda: make_plan(["CLIP"], preset="smoke", overrides={"optim.learning_rate": 1}), contains="unknown key")
+test_fail(lambda: make_plan(["CLIP"], preset="smoke", overrides={"seed": 5}), contains="seed: the comparison sets it "
+          "for each run; give --seeds instead")                                  # it used to train seed 0 silently
+test_fail(lambda: make_plan(["CLIP"], preset="smoke", overrides={"data.batch_size": 100}, log=lambda m: None),
+          contains="run CLIP: data.batch_size: 100 per process")                 # the trainer's line, before training
 # kept once `aclip` is registered, left out before
 _q = make_plan(["CLIP", "A-CLIP"], preset="smoke", log=lambda m: None)
 test_eq(("A-CLIP" in _q.runs, "A-CLIP" in _q.skipped), (_registered("aclip") is None, _registered("aclip") is not None))
@@ -588,6 +603,8 @@ def train_isolated(cfg: TrainConfig) -> dict:
         if res.get("signal"):      # the run's line, with the comparison's way on instead of the trainer's
             said = (res.get("message") or "interrupted").split("; resume with")[0]
             raise Interrupted(res["signal"], f"{said}; rerun the comparison to go on")
+        if res.get("status") == WriteFailed.status:    # a full disk: the run's line, and its status (3)
+            raise WriteFailed(f"{res.get('message')}; rerun the comparison to go on")
         raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}; rerun to resume it")
     return res
 
@@ -608,7 +625,7 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
     cfg, d = job.cfg, job.dir
     rec, weights = d / "train.json", d / "model.pt"
     if rec.is_file() and weights.is_file():
-        r = json.loads(rec.read_text())
+        r = read_record(rec, log) or {}      # a damaged record: one line, and the job is trained again
         if r.get("weights_mtime_ns") == _mtime(weights) and r.get("steps") == cfg.max_steps:
             return r
     log(f"== seed {job.seed} {job.name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps"

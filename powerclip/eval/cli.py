@@ -123,7 +123,7 @@ def parse_args(argv=None):
     w = sub.add_parser('make-world', help="write the built-in world's benchmark folder (every task)", parents=[common])
     w.add_argument('out')
     w.add_argument('--n-images', type=_positive, default=100)
-    w.add_argument('--seed', type=int, default=0)
+    w.add_argument('--seed', type=_nonnegative, default=0)   # numpy's seeds are non-negative: one line, not theirs
     t = sub.add_parser('table', help='side-by-side table of result JSONs', parents=[common])
     t.add_argument('results', nargs='+')
     t.add_argument('--out', default=None, help='write OUT.md and OUT.csv')

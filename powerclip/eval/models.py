@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -367,8 +368,13 @@ class FeatureCache:
             return compute()
         f = self.dir / f'{name}-{self.key(items)}.pt'
         if f.is_file():
-            self.hits += 1
-            return torch.load(f, weights_only=True)
+            try:
+                x = torch.load(f, weights_only=True)
+                self.hits += 1
+                return x
+            except Exception as e:   # cut short, zeroed, not a torch file: never trusted, computed again and replaced
+                print(f"feature cache: {f} cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:80]}"
+                      "): computed again", file=sys.stderr, flush=True)
         self.misses += 1
         x = compute()
         f.parent.mkdir(parents=True, exist_ok=True)

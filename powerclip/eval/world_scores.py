@@ -18,6 +18,7 @@ from .metrics import outranks, recall_hits
 from .models import Evaluator, load_model
 from .tasks import TASKS, evaluate, find_data, unique_index
 from ..heatmaps import grounding_score, model_heat_fn
+from ..trainlog import read_record
 from ..world import NEGATIVE_KINDS, WorldConfig
 
 # %% auto #0
@@ -115,7 +116,7 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
                model=getattr(lm, "ckpt_id", None))
     f = folder / cache
     if f.is_file():
-        c = json.loads(f.read_text())
+        c = read_record(f) or {}          # a damaged cache: one line, and evaluated again
         if c.get("key") == key and c.get("weights_mtime_ns") == stamp:
             return {**c["results"], **_region_numbers(folder, root, key, stamp, cache, lm, device)}
     t0 = time.time()
@@ -145,7 +146,7 @@ def _region_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, 
     key = dict(key, eval=None, regions=1)
     f = folder / f"{Path(cache).stem}_regions.json"
     if f.is_file():
-        c = json.loads(f.read_text())
+        c = read_record(f) or {}
         if c.get("key") == key and c.get("weights_mtime_ns") == stamp:
             return c["results"]
     t0 = time.time()
