@@ -25,6 +25,7 @@ from .data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosit
                             shard_urls, steps_per_epoch, world_config)
 from .measure import PeakMemory
 from .optim import lr_factor, make_optimizer, make_scheduler   # lr_factor: tests import it from here too
+from .runrecord import begin_segment, run_threads
 from .seeds import mix_seed, run_seeds
 from .trainlog import MetricLogger, plot_metrics, read_metrics  # read_metrics: `compare` imports it from here
 from .train_eval import default_evaluator, evaluate_isolated
@@ -341,7 +342,7 @@ def train(cfg: TrainConfig, evaluate=None) -> dict:
     SIGTERM stop it at the next step boundary with a checkpoint: `Interrupted` (see "Interruptions")."""
     ctx = pdist.init_distributed(cfg.device)
     try:
-        with StopSignals() as stops:
+        with StopSignals() as stops, run_threads(cfg.threads):    # the count set here, in the training process
             return _train(cfg, ctx, evaluate, stops)
     finally:
         pdist.cleanup(ctx)
@@ -418,6 +419,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         if len(rngs) != ctx.world_size:
             _log(f"checkpoint has {len(rngs)} processes, this run {ctx.world_size}: resume is not exact", ctx)
         _log(f"resumed from {ck_path} at step {state.step} (epoch {state.epoch}, batch {state.step_in_epoch})", ctx)
+    record = begin_segment(run_dir, ctx.device, state.step if ck is not None else 0, ck, ctx.world_size, ctx.is_main)
     logger = MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard)
 
     saved_at = state.step if ck is not None else None   # the step of the newest checkpoint on disk
@@ -431,7 +433,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         positions = pdist.all_gather_object(position.to_dict() if isinstance(position, StreamPosition) else position)
         if ctx.is_main:
             save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs, modules=modules,
-                                        loader=positions)
+                                        loader=positions, record=record)
         pdist.barrier()
 
     from tqdm.auto import tqdm

@@ -40,6 +40,7 @@ from powerclip.data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, St
                             shard_urls, steps_per_epoch, world_config)
 from powerclip.measure import PeakMemory
 from powerclip.optim import lr_factor, make_optimizer, make_scheduler   # lr_factor: tests import it from here too
+from powerclip.runrecord import begin_segment, run_threads
 from powerclip.seeds import mix_seed, run_seeds
 from powerclip.trainlog import MetricLogger, plot_metrics, read_metrics  # read_metrics: `compare` imports it from here
 from powerclip.train_eval import default_evaluator, evaluate_isolated
@@ -531,7 +532,7 @@ def train(cfg: TrainConfig, evaluate=None) -> dict:
     SIGTERM stop it at the next step boundary with a checkpoint: `Interrupted` (see "Interruptions")."""
     ctx = pdist.init_distributed(cfg.device)
     try:
-        with StopSignals() as stops:
+        with StopSignals() as stops, run_threads(cfg.threads):    # the count set here, in the training process
             return _train(cfg, ctx, evaluate, stops)
     finally:
         pdist.cleanup(ctx)
@@ -608,6 +609,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         if len(rngs) != ctx.world_size:
             _log(f"checkpoint has {len(rngs)} processes, this run {ctx.world_size}: resume is not exact", ctx)
         _log(f"resumed from {ck_path} at step {state.step} (epoch {state.epoch}, batch {state.step_in_epoch})", ctx)
+    record = begin_segment(run_dir, ctx.device, state.step if ck is not None else 0, ck, ctx.world_size, ctx.is_main)
     logger = MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard)
 
     saved_at = state.step if ck is not None else None   # the step of the newest checkpoint on disk
@@ -621,7 +623,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         positions = pdist.all_gather_object(position.to_dict() if isinstance(position, StreamPosition) else position)
         if ctx.is_main:
             save_checkpoint(run_dir / "checkpoints" / "last.pt", model, opt, sched, state, cfg, rngs, modules=modules,
-                                        loader=positions)
+                                        loader=positions, record=record)
         pdist.barrier()
 
     from tqdm.auto import tqdm
@@ -801,8 +803,10 @@ with tempfile.TemporaryDirectory() as d:
 # | `aclip` | `47_aclip` | half the patches kept (2x2 blocks) by an EMA encoder's class-token attention, two crops; + SimCLR between the views (1) and BYOL to the EMA (2); scored with the EMA towers | `aclip` |
 # | `eclip` | `48_eclip` | clusters of similar patches (3 % anchors, pixel correlation > 0.5) removed, at least 30 % per image; leftover cluster patches hidden from attention | `eclip` |
 #
-# A run writes to its `out_dir`: `config.yaml` (with what was derived from it), `checkpoints/last.pt` and `prev.pt`,
-# `metrics.csv`, TensorBoard logs, a plot of the curves and, at the end, `model.pt` (below).
+# A run writes to its `out_dir`: `config.yaml` (with what was derived from it), `run.json` (what made it: commit,
+# libraries, the thread count read in the training process, device; one entry per segment, `49g_runrecord`; also in
+# each checkpoint), `checkpoints/last.pt` and `prev.pt`, `metrics.csv`, TensorBoard logs, a plot of the curves and, at
+# the end, `model.pt` (below).
 
 # %%
 #| export
@@ -1014,4 +1018,6 @@ assert _s["steps"] == 1 and math.isfinite(_s["last"]["loss"]) and _s["last"]["ba
 # PowerCLIP alike. Like any chaotic optimisation, the difference then grows over training, so a single run's metrics
 # on another machine land elsewhere within the spread over seeds. How far that moves the comparison's table on another
 # machine has not been measured; this is why every claim of `70_compare` rests on paired differences over seeds, not
-# on one run. On a GPU, cuDNN and cuBLAS choices add the same kind of difference.
+# on one run. On a GPU, cuDNN and cuBLAS choices add the same kind of difference. The config key `threads` fixes the
+# count in the training process (a resume may change it), `run.json` records the count that process ran at, and
+# `python -m powerclip.reproduce RUN_DIR` (`72_reproduce`) retrains a run at it and says where the two part.
