@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['RECORD', 'NOT_RECORDED', 'LIBRARIES', 'FACTS', 'code_state', 'versions', 'device_name', 'host_hash', 'run_threads',
-           'segment_entry', 'facts', 'read_record', 'begin_segment', 'table_record', 'records_line']
+__all__ = ['RECORD', 'NOT_RECORDED', 'LIBRARIES', 'FACTS', 'PARENT_COUNT', 'code_state', 'versions', 'device_name', 'host_hash',
+           'run_threads', 'segment_entry', 'facts', 'read_record', 'begin_segment', 'table_record', 'records_line']
 
 # %% ../nbs/49g_runrecord.ipynb #bec6eec6
 RECORD = "run.json"
@@ -139,14 +139,17 @@ def begin_segment(run_dir, device, step: int = 0, ck: dict | None = None, world_
     return rec
 
 # %% ../nbs/49g_runrecord.ipynb #c5705d49
+PARENT_COUNT = "train.json: the comparison's process, not necessarily the training process's"
+
+
 def table_record(run_dir, kept: dict | None = None) -> dict:
     """A run's record as a table lists it: commit, dirty, diff_sha256, threads, versions, device_name (`facts` of
     `run.json`); without `run.json` every fact `NOT_RECORDED`, but the thread count `kept` (its `train.json`) holds."""
     rec = read_record(run_dir)
     if rec is None:
         out = {k: NOT_RECORDED for k in ("commit", "dirty", "diff_sha256", "threads", "versions", "device_name")}
-        if isinstance((kept or {}).get("threads"), int):
-            out["threads"] = kept["threads"]
+        if isinstance((kept or {}).get("threads"), int):   # before run.json: the count of the process that asked
+            out.update(threads=kept["threads"], threads_from=PARENT_COUNT)
         return out
     return {k: rec.get(k, NOT_RECORDED) for k in ("commit", "dirty", "diff_sha256", "threads", "versions",
                                                   "device_name")}
@@ -177,7 +180,9 @@ def records_line(per_seed: dict, plan_threads: int | None = None) -> tuple[str, 
     said, warn = [], []
     for key, what in (("commit", "commit"), ("threads", "thread count")):
         g = groups(key)
-        if len(g) == 1:
+        if list(g) == [NOT_RECORDED]:
+            said.append(f"{what} {NOT_RECORDED}")
+        elif len(g) == 1:
             said.append(f"one {what}, {next(iter(g))}")
         else:
             said.append(f"{what}s differ: " + "; ".join(f"{v} ({len(w)}: {', '.join(w[:3])}"
@@ -191,6 +196,10 @@ def records_line(per_seed: dict, plan_threads: int | None = None) -> tuple[str, 
         if off:
             warn.append(f"{len(off)} reused run(s) trained at another thread count than the plan's {plan_threads}: "
                         + ", ".join(off[:6]) + (", ..." if len(off) > 6 else ""))
-    every = "all from " if not any("differ" in x for x in said) else ""
-    line = f"Runs ({len(runs)}): {every}" + "; ".join(said) + " (each run's record: summary.json, per_seed, 'record')."
+    every = "all from " if all(x.startswith("one ") for x in said) else ""
+    parent = sum(r.get("threads_from") == PARENT_COUNT for r in runs.values())
+    line = (f"Runs ({len(runs)}): {every}" + "; ".join(said)
+            + (f" (the count of {parent} run(s) without run.json is the one their train.json kept, the comparison "
+               "process's, which a spawned training process need not have had)" if parent else "")
+            + " (each run's record: summary.json, per_seed, 'record').")
     return line, ("**Mixed:** " + "; ".join(warn) + ".") if warn else None

@@ -197,7 +197,6 @@ with tempfile.TemporaryDirectory() as d, run_threads(1):
     test_eq(torch.get_num_threads(), 1)                                # put back
 print({k: _r[k] for k in ("commit", "dirty", "threads", "versions", "device_name")})
 
-
 # %% [markdown]
 # ## Records in a table
 #
@@ -210,14 +209,17 @@ print({k: _r[k] for k in ("commit", "dirty", "threads", "versions", "device_name
 
 # %%
 #| export
+PARENT_COUNT = "train.json: the comparison's process, not necessarily the training process's"
+
+
 def table_record(run_dir, kept: dict | None = None) -> dict:
     """A run's record as a table lists it: commit, dirty, diff_sha256, threads, versions, device_name (`facts` of
     `run.json`); without `run.json` every fact `NOT_RECORDED`, but the thread count `kept` (its `train.json`) holds."""
     rec = read_record(run_dir)
     if rec is None:
         out = {k: NOT_RECORDED for k in ("commit", "dirty", "diff_sha256", "threads", "versions", "device_name")}
-        if isinstance((kept or {}).get("threads"), int):
-            out["threads"] = kept["threads"]
+        if isinstance((kept or {}).get("threads"), int):   # before run.json: the count of the process that asked
+            out.update(threads=kept["threads"], threads_from=PARENT_COUNT)
         return out
     return {k: rec.get(k, NOT_RECORDED) for k in ("commit", "dirty", "diff_sha256", "threads", "versions",
                                                   "device_name")}
@@ -248,7 +250,9 @@ def records_line(per_seed: dict, plan_threads: int | None = None) -> tuple[str, 
     said, warn = [], []
     for key, what in (("commit", "commit"), ("threads", "thread count")):
         g = groups(key)
-        if len(g) == 1:
+        if list(g) == [NOT_RECORDED]:
+            said.append(f"{what} {NOT_RECORDED}")
+        elif len(g) == 1:
             said.append(f"one {what}, {next(iter(g))}")
         else:
             said.append(f"{what}s differ: " + "; ".join(f"{v} ({len(w)}: {', '.join(w[:3])}"
@@ -262,8 +266,12 @@ def records_line(per_seed: dict, plan_threads: int | None = None) -> tuple[str, 
         if off:
             warn.append(f"{len(off)} reused run(s) trained at another thread count than the plan's {plan_threads}: "
                         + ", ".join(off[:6]) + (", ..." if len(off) > 6 else ""))
-    every = "all from " if not any("differ" in x for x in said) else ""
-    line = f"Runs ({len(runs)}): {every}" + "; ".join(said) + " (each run's record: summary.json, per_seed, 'record')."
+    every = "all from " if all(x.startswith("one ") for x in said) else ""
+    parent = sum(r.get("threads_from") == PARENT_COUNT for r in runs.values())
+    line = (f"Runs ({len(runs)}): {every}" + "; ".join(said)
+            + (f" (the count of {parent} run(s) without run.json is the one their train.json kept, the comparison "
+               "process's, which a spawned training process need not have had)" if parent else "")
+            + " (each run's record: summary.json, per_seed, 'record').")
     return line, ("**Mixed:** " + "; ".join(warn) + ".") if warn else None
 
 
@@ -275,5 +283,6 @@ _line, _warn = records_line(_ps, plan_threads=1)
 print(_line, _warn, sep="\n")
 assert "commits differ" in _line and "aaaaaaa (2" in _line and "bbbbbbb (dirty)" in _line and "not recorded" in _line
 assert "3 commits" in _warn and "CLIP seed 1 (2)" in _warn
+assert "the count of 1 run(s) without run.json" in _line
 _line, _warn = records_line({0: {"CLIP": dict(record=dict(commit="a" * 40, dirty=False, threads=1))}}, 1)
 test_eq((_line.startswith("Runs (1): all from one commit, aaaaaaa; one thread count, 1"), _warn), (True, None))

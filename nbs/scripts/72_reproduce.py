@@ -35,13 +35,13 @@ from powerclip.train import read_metrics, train
 import contextlib, io
 from fastcore.test import test_eq
 
-
 # %% [markdown]
 # # Remaking a run
 #
 # > `python -m powerclip.reproduce RUN_DIR`: retrain a recorded run from step 0 and say whether it comes out the same,
 # > and if not, where it parts and what changed.
-#
+
+# %% [markdown]
 # A committed number is checkable when a reader can remake it. Every run records what made it (`run.json`,
 # `49g_runrecord`): the commit, the libraries, the thread count read in the training process, the device. This command
 # retrains the run's own config (`config.yaml`) from step 0 into a scratch folder at the recorded thread count, for the
