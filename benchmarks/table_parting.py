@@ -1,5 +1,6 @@
-"""Why the plateau's CLIP and the fine-tune's CLIP differ (issue 44): one seed of CLIP, as the plateau's plan at T = 1,600
-builds it, at a given thread count, at the code of whichever checkout `powerclip` is imported from.
+"""Why the plateau's and the fine-tune's CLIP differ (issue 44): one CLIP seed of the plateau's plan (T = 1,600).
+
+At a given thread count, at the code of whichever checkout `powerclip` is imported from:
 
     .venv/bin/python benchmarks/table_parting.py --seed 0 --threads 1 [--steps 400] [--out /tmp/parting]
     # at another commit: git worktree add /tmp/be50879 be50879 && cd /tmp/be50879 && \
