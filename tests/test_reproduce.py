@@ -92,3 +92,18 @@ def test_a_fine_tune_without_its_base_is_refused(trained, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "which is missing" in err, err
     assert main([str(run), "--steps", "0"]) == 2 and "--steps" in capsys.readouterr().err
+
+
+def test_a_resume_adds_a_segment_and_may_change_the_count(tmp_path):
+    "Stopped at step 3 on one thread, resumed on two: two entries, the second saying from what count it changed."
+    from powerclip.config import load_config
+    from powerclip.train import train
+    before = torch.get_num_threads()
+    kw = dict(out_dir=str(tmp_path / "run"), progress=False, tensorboard=False)
+    train(load_config("smoke", dict(kw, stop_at=3, threads=1), "clip"))
+    train(load_config("smoke", dict(kw, threads=2), "clip"))
+    assert torch.get_num_threads() == before                               # the count put back after each run
+    record = json.loads((tmp_path / "run" / RECORD).read_text())
+    segs = record["segments"]
+    assert [(s["from_step"], s["threads"]) for s in segs] == [(0, 1), (3, 2)]
+    assert segs[1]["threads_changed_from"] == 1 and record["threads"] == [1, 2]
