@@ -31,7 +31,8 @@ SECTIONS = {1: "Loss, theory, processes", 2: "Inputs", 3: "Model", 4: "Methods",
 # config, checkpoints, accumulation, evaluation, optimiser and log (read before `50_train`), the comparison's report
 # (read before `70_compare`).
 SECTION_OF = {"49a_config": 5, "49b_checkpoint": 5, "49c_accum": 5, "49d_train_eval": 5, "49e_optim": 5,
-              "49f_trainlog": 5, "69a_report": 7}
+              "49f_trainlog": 5, "49g_faults": 5, "49h_runrecord": 5,
+              "69a_report": 7}
 
 # MathJax 2 as jupyter-server-mathjax ships it has the STIX-Web fonts only (MathJax's default is its TeX fonts);
 # mkdocs.yml's custom_mathjax_url loads this file after the combined config.

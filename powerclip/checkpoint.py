@@ -101,14 +101,16 @@ def _atomic_save(obj, path: Path, keep_previous: bool = False) -> Path:
 
 
 def save_checkpoint(path, model, opt, sched, state: TrainState, cfg: TrainConfig, rngs: list[dict], scaler=None,
-                    modules: torch.nn.Module | None = None, loader: list[dict] | None = None) -> Path:
+                    modules: torch.nn.Module | None = None, loader: list[dict] | None = None,
+                    record: dict | None = None) -> Path:
     """Atomic, fsynced write of everything needed to resume (`rngs`: one RNG state per process; `loader`: one data
     position per process, `StreamPosition.to_dict()`); the checkpoint it replaces becomes `prev.pt`. The open_clip
-    weights (`model`) and a method's training-time modules (`method_modules`) are separate entries."""
+    weights (`model`) and a method's training-time modules (`method_modules`) are separate entries. `record`: what
+    made the run (`run.json`, `49h_runrecord`), kept in the checkpoint too."""
     ckpt = dict(model=model.state_dict(), method_modules=None if modules is None else modules.state_dict(),
                 optimizer=opt.state_dict(), scheduler=sched.state_dict(),
                 scaler=None if scaler is None else scaler.state_dict(), state=asdict(state), rng=rngs, loader=loader,
-                config=to_dict(cfg), torch_version=torch.__version__)
+                config=to_dict(cfg), torch_version=torch.__version__, record=record)
     return _atomic_save(ckpt, path, keep_previous=True)
 
 
@@ -186,14 +188,15 @@ def read_resume(cfg: TrainConfig, warn=print, set_aside: bool = True,
 # What a resume may change, each applied for real (`50_train`): how long, how often it logs, evaluates and
 # checkpoints, where it writes, what it shows, the loader's workers (shards: the checkpoint's count, see
 # `resume_position`), the learning rate and its schedule (into the optimiser's groups and the scheduler), and how a step
-# is executed without changing what it computes (device, accumulation, checkpointing, compilation, DDP's option).
+# is executed without changing what it computes (device, accumulation, checkpointing, compilation, DDP's option), and
+# the CPU thread count (which changes the last digits: the run's record, `run.json`, says so per segment).
 # Anything else (the method and its options, the model, the batch, the data and its order, the seed, the precision,
 # the optimiser's other settings) is refused.
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "stop_at", "log_every", "ckpt_every", "snapshot_steps", "eval_every",
                      "eval_data", "eval_tasks", "eval_images", "eval_timeout_s", "out_dir", "progress", "tensorboard",
                      "resume", "overwrite", "max_bad_in_row", "device", "find_unused_parameters", "accum_steps",
                      "data.workers", "optim.lr", "optim.warmup_steps", "optim.min_lr", "optim.grad_clip",
-                     "model.grad_checkpointing", "model.compile")
+                     "model.grad_checkpointing", "model.compile", "threads")
 
 
 def _flat(d: dict, path: str = "") -> dict:

@@ -25,6 +25,7 @@ from .measure import run_isolated
 from .methods import SIGLIP_INIT, method_config
 from .model import model_geometry
 from .report import REFERENCE, Comparison, logged_numbers, summarize_seeds, trained_stats, write_outputs
+from .runrecord import table_record
 from .train import read_metrics, train, validate
 from .trainlog import read_record
 from .world import WorldConfig
@@ -129,8 +130,9 @@ def snapshot_steps(n: int, points=CURVE_POINTS, extra=()) -> list[int]:
 
 # %% ../nbs/70_compare.ipynb #87edd85f
 # config keys that do not change what a run computes; out_dir is the folder being checked itself, whichever way its
-# path was written (relative or absolute, or the folder moved)
-VOLATILE = ("progress", "tensorboard", "resume", "stop_at", "out_dir")
+# path was written (relative or absolute, or the folder moved); threads changes the last digits, not the run: a run
+# reused at another count than the plan's is named in the table's header (`records_line`), not refused
+VOLATILE = ("progress", "tensorboard", "resume", "stop_at", "out_dir", "threads")
 
 
 @dataclass
@@ -289,11 +291,13 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
         raise ValueError(f"--steps: need at least 2 steps, got {T}")
     # every pre-trained run leaves a snapshot at T - F, fine-tunes asked for or not
     F = finetune_steps(T, finetune_share)
+    # every child trains at this count, given explicitly: a spawned child would otherwise take OMP_NUM_THREADS's
+    threads = user.get("threads") or torch.get_num_threads()
     jobs = {}
     for name, spec in specs.items():
         for value in (spec.sweep[1] if spec.sweep else (None,)):
             for seed in seeds:
-                ov = {**user, **spec.overrides, "seed": seed,
+                ov = {**user, "threads": threads, **spec.overrides, "seed": seed,
                       "out_dir": str(out / f"seed{seed}" / _dirname(name, spec, value))}
                 if spec.sweep:
                     ov[spec.sweep[0]] = value
@@ -331,7 +335,7 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     dev = first.device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(preset=preset, overrides=user, steps=T, finetune_steps=F, finetune_share=finetune_share, seeds=seeds,
                 sweep_seeds=sweep_seeds, eval_images=eval_images, grounding_scenes=grounding_scenes,
-                curve_points=list(curve_points), skipped=skipped, reference=reference,
+                curve_points=list(curve_points), skipped=skipped, reference=reference, threads=threads,
                 report=str(report_dir) if report_dir is not None else None, command=command)
     return Plan(specs, skipped, seeds, T, F, jobs, sweep_seeds, out, world, eval_images, grounding_scenes,
                 tuple(curve_points), dev, isolate, meta)
@@ -374,7 +378,7 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
     if rec.is_file() and weights.is_file():
         r = read_record(rec, log) or {}      # a damaged record: one line, and the job is trained again
         if r.get("weights_mtime_ns") == _mtime(weights) and r.get("steps") == cfg.max_steps:
-            return r
+            return dict(r, record=table_record(d, r))
     log(f"== seed {job.seed} {job.name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps"
         + (f" from {Path(cfg.model.pretrained).parent}" if job.start else ""))
     s = train_isolated(cfg) if isolate else train(cfg)
@@ -385,11 +389,11 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
              # a process's peak RSS only grows: in-process runs after the first have no peak of their own
              peak_mib=s["peak_mib"] if isolate else float("nan"),
              final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights),
-             threads=torch.get_num_threads())     # the spawned process gets the same count from OMP_NUM_THREADS
+             threads=table_record(d)["threads"])    # the count the training process read (run.json), not this one's
     rec.write_text(json.dumps(r, indent=1))
     if s.get("signal"):                       # a signal after the run's last step: the run is done, the plan stops
         raise Interrupted(s["signal"], f"interrupted after {cfg.out_dir} finished; rerun the comparison to go on")
-    return r
+    return dict(r, record=table_record(d, r))
 
 # %% ../nbs/70_compare.ipynb #2a4c4c6b
 def _curve_point(step: int, seconds: float, r: dict) -> dict:

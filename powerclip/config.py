@@ -106,6 +106,9 @@ class TrainConfig:
                                        # OUT_DIR.old-<time> (never deleted) and start afresh; false: refused
     max_bad_in_row: int = 20           # abort after this many consecutive non-finite steps
     device: str | None = None          # 'cpu' | 'cuda' | 'cuda:N' | None (cuda when available)
+    threads: int | None = None         # torch's CPU threads in the training process itself (None: what the environment
+                                       # gives, OMP_NUM_THREADS or the cores); a run is bitwise reproducible only at
+                                       # the same count (`49h_runrecord`); a resume may change it
     progress: bool = True              # tqdm progress bar on the main process
     tensorboard: bool = True           # also write TensorBoard events to out_dir/tb
     find_unused_parameters: bool = False  # DDP option, for methods that leave parameters unused
@@ -137,6 +140,8 @@ class TrainConfig:
                 raise ValueError(f"{k}: must be at least 1 or null, got {getattr(self, k)}")
         if self.seed < 0:
             raise ValueError(f"seed: must be at least 0, got {self.seed}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads: must be at least 1 or null (what the environment gives), got {self.threads}")
         if (self.device is not None and not (self.device in ("cpu", "cuda")
                                              or (self.device.startswith("cuda:") and self.device[5:].isdigit()))):
             raise ValueError(f"device: must be cpu, cuda, cuda:N or null (cuda when available), got {self.device!r}")

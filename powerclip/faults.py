@@ -18,8 +18,8 @@ from .data import Geometry, world_config
 
 # %% auto #0
 __all__ = ['LOCK_NAME', 'DISK_ERRNOS', 'RunLock', 'take_run_lock', 'lock_run', 'object_bytes', 'is_write_failure',
-           'write_failure', 'Writes', 'written', 'check_setup', 'check_geometry', 'check_world_scene', 'state_bytes',
-           'finite_checkpoint', 'finite', 'save_finite', 'refuse_non_finite', 'check_resume_end']
+           'write_failure', 'Writes', 'written', 'check_setup', 'check_geometry', 'free_numbers', 'check_world_scene',
+           'state_bytes', 'finite_checkpoint', 'finite', 'save_finite', 'refuse_non_finite', 'check_resume_end']
 
 # %% ../nbs/49g_faults.ipynb #73775205
 LOCK_NAME = "train.lock"
@@ -219,6 +219,18 @@ def check_geometry(geometry: Geometry) -> None:
     if geometry.context_length < 2:
         raise ValueError(f"model.kwargs: the text tower's context_length is {geometry.context_length}: it must be at "
                          "least 2 (a caption's start and end tokens)")
+
+
+def free_numbers(d, path: str):
+    "(dotted key, value) of every float inside a free-form section (`data.world`), to check that each is finite."
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from free_numbers(v, f"{path}.{k}")
+    elif isinstance(d, (list, tuple)):
+        for i, v in enumerate(d):
+            yield from free_numbers(v, f"{path}[{i}]")
+    elif isinstance(d, float):
+        yield path, d
 
 
 def check_world_scene(data, geometry: Geometry) -> None:

@@ -23,11 +23,12 @@ from .commandline import (ArgumentParser, Interrupted, StopSignals, UsageError, 
 from .config import TrainConfig, check_kwargs, load_config, method_options, to_dict
 from .faults import (Writes, check_geometry, check_resume_end, check_setup, check_world_scene, lock_run,
                               refuse_non_finite, state_bytes)
-from .faults import finite as _finite, save_finite as _save_finite   # moved there (issue 47): old names
+from .faults import finite as _finite, free_numbers, save_finite as _save_finite   # _finite: old names
 from .data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
                             shard_urls, steps_per_epoch, world_config)
 from .measure import PeakMemory
 from .optim import lr_factor, make_optimizer, make_scheduler   # lr_factor: tests import it from here too
+from .runrecord import begin_segment, run_threads
 from .seeds import mix_seed, run_seeds
 from .trainlog import MetricLogger, plot_metrics, read_metrics  # read_metrics: `compare` imports it from here
 from .train_eval import default_evaluator, evaluate_isolated
@@ -195,7 +196,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
         raise ValueError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
     if cfg.device is not None:
         check_device("device", cfg.device, hint="device=cpu, or null: a GPU when there is one")
-    for k, v in _free_numbers(data.world, "data.world"):
+    for k, v in free_numbers(data.world, "data.world"):
         check_number(k, v)
     from powerclip.model import arch_pool, map_kwargs, model_geometry   # imports open_clip: seconds
     try:
@@ -230,18 +231,6 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
         check_world_scene(data, geometry)       # sizes, tries, more objects than fit: one scene drawn, one line
     return Checked(dataclasses.replace(cfg, data=data, model=dataclasses.replace(cfg.model, kwargs=kwargs)), seeds,
                    method, geometry, spec)
-
-
-def _free_numbers(d, path: str):
-    "(dotted key, value) of every float inside a free-form section (`data.world`), to check that each is finite."
-    if isinstance(d, dict):
-        for k, v in d.items():
-            yield from _free_numbers(v, f"{path}.{k}")
-    elif isinstance(d, (list, tuple)):
-        for i, v in enumerate(d):
-            yield from _free_numbers(v, f"{path}[{i}]")
-    elif isinstance(d, float):
-        yield path, d
 
 # %% ../nbs/50_train.ipynb #bb17daa6
 @dataclass
@@ -350,7 +339,8 @@ def train(cfg: TrainConfig, evaluate=None) -> dict:
     SIGTERM stop it at the next step boundary with a checkpoint: `Interrupted` (see "Interruptions")."""
     ctx = pdist.init_distributed(cfg.device)
     try:   # one trainer per run folder, locked before any file of the run is read, written or moved (49g_faults)
-        with lock_run(cfg.out_dir, ctx, lambda: check_run_folder(cfg)) as lock, StopSignals() as stops:
+        with (lock_run(cfg.out_dir, ctx, lambda: check_run_folder(cfg)) as lock, StopSignals() as stops,
+              run_threads(cfg.threads)):    # the thread count set here, in the training process
             return _train(cfg, ctx, evaluate, stops, lock)
     finally:
         pdist.cleanup(ctx)
@@ -429,6 +419,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         if len(rngs) != ctx.world_size:
             _log(f"checkpoint has {len(rngs)} processes, this run {ctx.world_size}: resume is not exact", ctx)
         _log(f"resumed from {ck_path} at step {state.step} (epoch {state.epoch}, batch {state.step_in_epoch})", ctx)
+    record = begin_segment(run_dir, ctx.device, state.step if ck is not None else 0, ck, ctx.world_size, ctx.is_main)
     logger = wr(lambda: MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard,
                                      warn=lambda m: _log(m, ctx)),   # a damaged metrics.csv: repaired
                 run_dir / "metrics.csv") or MetricLogger(run_dir, False)
@@ -444,7 +435,8 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         rngs = pdist.all_gather_object(rng_state())
         positions = pdist.all_gather_object(position.to_dict() if isinstance(position, StreamPosition) else position)
         last = run_dir / "checkpoints" / "last.pt"
-        wr(lambda: save_checkpoint(last, model, opt, sched, state, cfg, rngs, modules=modules, loader=positions),
+        wr(lambda: save_checkpoint(last, model, opt, sched, state, cfg, rngs, modules=modules, loader=positions,
+                                   record=record),
            last, state_bytes(model, opt, modules))
         wr.good = f"{last} (step {state.step})"
         pdist.barrier()

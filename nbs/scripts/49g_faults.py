@@ -323,6 +323,18 @@ def check_geometry(geometry: Geometry) -> None:
                          "least 2 (a caption's start and end tokens)")
 
 
+def free_numbers(d, path: str):
+    "(dotted key, value) of every float inside a free-form section (`data.world`), to check that each is finite."
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from free_numbers(v, f"{path}.{k}")
+    elif isinstance(d, (list, tuple)):
+        for i, v in enumerate(d):
+            yield from free_numbers(v, f"{path}[{i}]")
+    elif isinstance(d, float):
+        yield path, d
+
+
 def check_world_scene(data, geometry: Geometry) -> None:
     "One training scene drawn from the world `data` asks for: a world that cannot draw one is a ValueError, one line."
     from powerclip.world import WorldDataset

@@ -38,11 +38,12 @@ from powerclip.commandline import (ArgumentParser, Interrupted, StopSignals, Usa
 from powerclip.config import TrainConfig, check_kwargs, load_config, method_options, to_dict
 from powerclip.faults import (Writes, check_geometry, check_resume_end, check_setup, check_world_scene, lock_run,
                               refuse_non_finite, state_bytes)
-from powerclip.faults import finite as _finite, save_finite as _save_finite   # moved there (issue 47): old names
+from powerclip.faults import finite as _finite, free_numbers, save_finite as _save_finite   # _finite: old names
 from powerclip.data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
                             shard_urls, steps_per_epoch, world_config)
 from powerclip.measure import PeakMemory
 from powerclip.optim import lr_factor, make_optimizer, make_scheduler   # lr_factor: tests import it from here too
+from powerclip.runrecord import begin_segment, run_threads
 from powerclip.seeds import mix_seed, run_seeds
 from powerclip.trainlog import MetricLogger, plot_metrics, read_metrics  # read_metrics: `compare` imports it from here
 from powerclip.train_eval import default_evaluator, evaluate_isolated
@@ -284,7 +285,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
         raise ValueError(f"resume: no checkpoint {cfg.resume!r} (auto, never, or an existing .pt file)")
     if cfg.device is not None:
         check_device("device", cfg.device, hint="device=cpu, or null: a GPU when there is one")
-    for k, v in _free_numbers(data.world, "data.world"):
+    for k, v in free_numbers(data.world, "data.world"):
         check_number(k, v)
     from powerclip.model import arch_pool, map_kwargs, model_geometry   # imports open_clip: seconds
     try:
@@ -319,18 +320,6 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> Checked:
         check_world_scene(data, geometry)       # sizes, tries, more objects than fit: one scene drawn, one line
     return Checked(dataclasses.replace(cfg, data=data, model=dataclasses.replace(cfg.model, kwargs=kwargs)), seeds,
                    method, geometry, spec)
-
-
-def _free_numbers(d, path: str):
-    "(dotted key, value) of every float inside a free-form section (`data.world`), to check that each is finite."
-    if isinstance(d, dict):
-        for k, v in d.items():
-            yield from _free_numbers(v, f"{path}.{k}")
-    elif isinstance(d, (list, tuple)):
-        for i, v in enumerate(d):
-            yield from _free_numbers(v, f"{path}[{i}]")
-    elif isinstance(d, float):
-        yield path, d
 
 
 # %%
@@ -540,7 +529,8 @@ def train(cfg: TrainConfig, evaluate=None) -> dict:
     SIGTERM stop it at the next step boundary with a checkpoint: `Interrupted` (see "Interruptions")."""
     ctx = pdist.init_distributed(cfg.device)
     try:   # one trainer per run folder, locked before any file of the run is read, written or moved (49g_faults)
-        with lock_run(cfg.out_dir, ctx, lambda: check_run_folder(cfg)) as lock, StopSignals() as stops:
+        with (lock_run(cfg.out_dir, ctx, lambda: check_run_folder(cfg)) as lock, StopSignals() as stops,
+              run_threads(cfg.threads)):    # the thread count set here, in the training process
             return _train(cfg, ctx, evaluate, stops, lock)
     finally:
         pdist.cleanup(ctx)
@@ -619,6 +609,7 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         if len(rngs) != ctx.world_size:
             _log(f"checkpoint has {len(rngs)} processes, this run {ctx.world_size}: resume is not exact", ctx)
         _log(f"resumed from {ck_path} at step {state.step} (epoch {state.epoch}, batch {state.step_in_epoch})", ctx)
+    record = begin_segment(run_dir, ctx.device, state.step if ck is not None else 0, ck, ctx.world_size, ctx.is_main)
     logger = wr(lambda: MetricLogger(run_dir, ctx.is_main, state.step if ck_path else None, cfg.tensorboard,
                                      warn=lambda m: _log(m, ctx)),   # a damaged metrics.csv: repaired
                 run_dir / "metrics.csv") or MetricLogger(run_dir, False)
@@ -634,7 +625,8 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         rngs = pdist.all_gather_object(rng_state())
         positions = pdist.all_gather_object(position.to_dict() if isinstance(position, StreamPosition) else position)
         last = run_dir / "checkpoints" / "last.pt"
-        wr(lambda: save_checkpoint(last, model, opt, sched, state, cfg, rngs, modules=modules, loader=positions),
+        wr(lambda: save_checkpoint(last, model, opt, sched, state, cfg, rngs, modules=modules, loader=positions,
+                                   record=record),
            last, state_bytes(model, opt, modules))
         wr.good = f"{last} (step {state.step})"
         pdist.barrier()
@@ -809,8 +801,10 @@ with tempfile.TemporaryDirectory() as d:
 # | `aclip` | `47_aclip` | half the patches kept (2x2 blocks) by an EMA encoder's class-token attention, two crops; + SimCLR between the views (1) and BYOL to the EMA (2); scored with the EMA towers | `aclip` |
 # | `eclip` | `48_eclip` | clusters of similar patches (3 % anchors, pixel correlation > 0.5) removed, at least 30 % per image; leftover cluster patches hidden from attention | `eclip` |
 #
-# A run writes to its `out_dir`: `config.yaml` (with what was derived from it), `checkpoints/last.pt` and `prev.pt`,
-# `metrics.csv`, TensorBoard logs, a plot of the curves and, at the end, `model.pt` (below).
+# A run writes to its `out_dir`: `config.yaml` (with what was derived from it), `run.json` (what made it: commit,
+# libraries, the thread count read in the training process, device; one entry per segment, `49h_runrecord`; also in
+# each checkpoint), `checkpoints/last.pt` and `prev.pt`, `metrics.csv`, TensorBoard logs, a plot of the curves and, at
+# the end, `model.pt` (below).
 
 # %%
 #| export
@@ -1022,4 +1016,6 @@ assert _s["steps"] == 1 and math.isfinite(_s["last"]["loss"]) and _s["last"]["ba
 # PowerCLIP alike. Like any chaotic optimisation, the difference then grows over training, so a single run's metrics
 # on another machine land elsewhere within the spread over seeds. How far that moves the comparison's table on another
 # machine has not been measured; this is why every claim of `70_compare` rests on paired differences over seeds, not
-# on one run. On a GPU, cuDNN and cuBLAS choices add the same kind of difference.
+# on one run. On a GPU, cuDNN and cuBLAS choices add the same kind of difference. The config key `threads` fixes the
+# count in the training process (a resume may change it), `run.json` records the count that process ran at, and
+# `python -m powerclip.reproduce RUN_DIR` (`72_reproduce`) retrains a run at it and says where the two part.

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from powerclip.eval.world_scores import FOLDER_HEADLINE, HEADLINE
+from powerclip.runrecord import records_line, table_record
 from powerclip.stats import Interval, bootstrap_paired, holm, paired_detectable, paired_difference, paired_seeds
 from powerclip.trainlog import plot_metrics
 
@@ -554,7 +555,9 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
             + ("; merged from " + ", ".join(f"{x['folder']} (seeds {x['seeds']}, started {x['started']})"
                                             for x in m["merged_from"]) if m.get("merged_from") else ""))
     ref = m.get("reference", REFERENCE)
-    parts = [head, "", f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t "
+    runs_line, mixed = records_line(cmp.per_seed, m.get("threads"))   # mixed commits or thread counts: in the header
+    parts = [*([mixed, ""] if mixed else []), head, "", runs_line, "",
+             f"Mean ± sd over seeds (%); Δ: paired difference to {ref} on the same seed, mean [95 % t "
              "interval over seeds]; the verdict reads the seed intervals with Holm's correction over each row's "
              "numbers (better/worse only where the Holm-adjusted p < 0.05; suggestive, with its sign, where only the "
              "raw interval excludes 0; where every seed gives the same difference, a seed interval of zero width, it "
@@ -591,7 +594,8 @@ def write_outputs(cmp: Comparison, out, losses: dict | None = None) -> None:
         w.writerows(rows)
     plain = lambda x: asdict(x) if isinstance(x, Interval) else x
     stats = {n: {k: {a: plain(b) for a, b in v.items()} for k, v in by.items()} for n, by in cmp.stats.items()}
-    numbers = {s: {n: {k: v for k, v in r.items() if k != "per_scene"} for n, r in res.items()}
+    numbers = {s: {n: {**({} if n == "untrained" else {"record": table_record(None, r)}),   # older runs: their
+                       **{k: v for k, v in r.items() if k != "per_scene"}} for n, r in res.items()}   # threads, if kept
                for s, res in cmp.per_seed.items()}
     (out / "summary.json").write_text(json.dumps(dict(meta=m, summary=cmp.summary, stats=stats, sweeps=cmp.sweeps,
                                                       curves=cmp.curves, per_seed=numbers), indent=1, default=str))

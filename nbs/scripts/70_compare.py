@@ -40,6 +40,7 @@ from powerclip.measure import run_isolated
 from powerclip.methods import SIGLIP_INIT, method_config
 from powerclip.model import model_geometry
 from powerclip.report import REFERENCE, Comparison, logged_numbers, summarize_seeds, trained_stats, write_outputs
+from powerclip.runrecord import table_record
 from powerclip.train import read_metrics, train, validate
 from powerclip.trainlog import read_record
 from powerclip.world import WorldConfig
@@ -331,8 +332,9 @@ test_eq(snapshot_steps(2), [1, 2])
 # %%
 #| export
 # config keys that do not change what a run computes; out_dir is the folder being checked itself, whichever way its
-# path was written (relative or absolute, or the folder moved)
-VOLATILE = ("progress", "tensorboard", "resume", "stop_at", "out_dir")
+# path was written (relative or absolute, or the folder moved); threads changes the last digits, not the run: a run
+# reused at another count than the plan's is named in the table's header (`records_line`), not refused
+VOLATILE = ("progress", "tensorboard", "resume", "stop_at", "out_dir", "threads")
 
 
 @dataclass
@@ -491,11 +493,13 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
         raise ValueError(f"--steps: need at least 2 steps, got {T}")
     # every pre-trained run leaves a snapshot at T - F, fine-tunes asked for or not
     F = finetune_steps(T, finetune_share)
+    # every child trains at this count, given explicitly: a spawned child would otherwise take OMP_NUM_THREADS's
+    threads = user.get("threads") or torch.get_num_threads()
     jobs = {}
     for name, spec in specs.items():
         for value in (spec.sweep[1] if spec.sweep else (None,)):
             for seed in seeds:
-                ov = {**user, **spec.overrides, "seed": seed,
+                ov = {**user, "threads": threads, **spec.overrides, "seed": seed,
                       "out_dir": str(out / f"seed{seed}" / _dirname(name, spec, value))}
                 if spec.sweep:
                     ov[spec.sweep[0]] = value
@@ -533,7 +537,7 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
     dev = first.device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(preset=preset, overrides=user, steps=T, finetune_steps=F, finetune_share=finetune_share, seeds=seeds,
                 sweep_seeds=sweep_seeds, eval_images=eval_images, grounding_scenes=grounding_scenes,
-                curve_points=list(curve_points), skipped=skipped, reference=reference,
+                curve_points=list(curve_points), skipped=skipped, reference=reference, threads=threads,
                 report=str(report_dir) if report_dir is not None else None, command=command)
     return Plan(specs, skipped, seeds, T, F, jobs, sweep_seeds, out, world, eval_images, grounding_scenes,
                 tuple(curve_points), dev, isolate, meta)
@@ -585,8 +589,12 @@ test_eq(("A-CLIP" in _q.runs, "A-CLIP" in _q.skipped), (_registered("aclip") is 
 # The threads are there because a run is bitwise reproducible only at the same thread count: a CPU matrix product
 # splits its sums by thread, and float addition is not associative. CLIP on the demo preset, 30 steps, seed 0, ends at
 # loss 2.37544584 on one thread (`OMP_NUM_THREADS=1`) and 2.37544537 on two; after 1,600 steps the two trainings are
-# different models, about a point apart on the held-out numbers (`71_experiments`, "The budget extended"). A seed
-# rerun to check a result runs on the thread count its `train.json` names.
+# different models, about a point apart on the held-out numbers (`71_experiments`, "The budget extended"). So the plan
+# gives every job its thread count explicitly (the config key `threads`: the user's `threads=N`, else this process's
+# count), which the spawned child sets for itself; before, the child took `OMP_NUM_THREADS`'s count while `train.json`
+# recorded the parent's, which differ when the parent had called `torch.set_num_threads`. The count `train.json` keeps
+# is now the one the training process read (its `run.json`, `49h_runrecord`), and each row of the table carries its
+# run's record (commit, threads, versions). `python -m powerclip.reproduce RUN_DIR` reruns a seed at its count.
 
 # %%
 #| export
@@ -627,7 +635,7 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
     if rec.is_file() and weights.is_file():
         r = read_record(rec, log) or {}      # a damaged record: one line, and the job is trained again
         if r.get("weights_mtime_ns") == _mtime(weights) and r.get("steps") == cfg.max_steps:
-            return r
+            return dict(r, record=table_record(d, r))
     log(f"== seed {job.seed} {job.name}: {cfg.method} {cfg.method_cfg or ''}, {cfg.max_steps} steps"
         + (f" from {Path(cfg.model.pretrained).parent}" if job.start else ""))
     s = train_isolated(cfg) if isolate else train(cfg)
@@ -638,11 +646,11 @@ def train_job(job: Job, isolate: bool = True, log=print) -> dict:
              # a process's peak RSS only grows: in-process runs after the first have no peak of their own
              peak_mib=s["peak_mib"] if isolate else float("nan"),
              final_loss=rows[-1].get("loss", float("nan")) if rows else float("nan"), weights_mtime_ns=_mtime(weights),
-             threads=torch.get_num_threads())     # the spawned process gets the same count from OMP_NUM_THREADS
+             threads=table_record(d)["threads"])    # the count the training process read (run.json), not this one's
     rec.write_text(json.dumps(r, indent=1))
     if s.get("signal"):                       # a signal after the run's last step: the run is done, the plan stops
         raise Interrupted(s["signal"], f"interrupted after {cfg.out_dir} finished; rerun the comparison to go on")
-    return r
+    return dict(r, record=table_record(d, r))
 
 
 # %% [markdown]
