@@ -773,10 +773,9 @@ def test_auto_takes_the_blocked_path_where_the_kernels_run():
             g = torch.Generator().manual_seed(0)
             texts = lambda n: dict(phrases=to_sim(torch.randn(n * K, D, generator=g)),
                                    node_text=to_sim(torch.arange(n).repeat_interleave(K)), node_counts=[K] * n)
-            img = pl.PowersetInputs(to_sim(torch.randn(R, M, D, generator=g)), to_sim(torch.ones(R, M, dtype=torch.bool)),
-                                    **texts(R))
-            txt = pl.PowersetInputs(to_sim(torch.randn(C, M, D, generator=g)), to_sim(torch.ones(C, M, dtype=torch.bool)),
-                                    **texts(C))
+            side = lambda n: pl.PowersetInputs(to_sim(torch.randn(n, M, D, generator=g)),
+                                               to_sim(torch.ones(n, M, dtype=torch.bool)), **texts(n))
+            img, txt = side(R), side(C)
             n = len(blocked)
             S = pl.powerset_similarity(img, txt, dataclasses.replace(cfg, block_bytes=1))
         assert len(blocked) == n + 1 and tuple(S.shape) == (R, C)
