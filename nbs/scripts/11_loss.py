@@ -224,7 +224,7 @@ assert _is_local((_img, _txt), (_img, _txt)) and not _is_local((_img, _txt.clone
 # at $M=15$; with 16 nodes per caption 113.5 / 51.3 / 220.8 ms at $M=10$. The blocked path at the device's budget
 # was the fastest at every $M$ in both, and neither met the 5 ms target. The Triton path stays what
 # `method_cfg.impl=triton` asks for: it agrees with float64 as closely as the others (170 of 170 parity rows of that
-# run), makes no host sync, and holds less memory (322 MiB at $M=10$ against the blocked path's 3.3 GiB), so it is
+# run), makes no host sync, and holds less memory (322 MiB at $M=10$ against the blocked path's 3.2 GiB), so it is
 # the one to try where memory is short; `10b_sbar_triton` says what a next GPU run should try to make it faster. The
 # step that run measured against 4,096 gathered captions ran `'auto'` as it then was, Triton: PowerCLIP 394.9 ms against
 # CLIP's 339.4 ms (1.16x; the target is 1.10x). With the blocked path the loss should take about 28 ms less
