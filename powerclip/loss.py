@@ -128,9 +128,9 @@ class PowerCLIPLossConfig:
     exact: bool = False       # True: exact powerset enumeration instead of the NLAs (O(2^M))
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
     region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
-    impl: str = "auto"        # 'triton': fused kernels (10b, CUDA); 'fast': blocked, packed nodes, memory O(R x C)
-                              # (10a); 'dense': the (R, C, M, K) reference; 'auto': 'triton' on a GPU that runs it,
-                              # else dense when its scores fit in one block and in 16 MiB (small batches), else fast
+    impl: str = "auto"        # 'triton': fused kernels (10b, CUDA; opt-in); 'fast': blocked, packed nodes, memory
+                              # O(R x C) (10a); 'dense': the (R, C, M, K) reference; 'auto': dense when its scores
+                              # fit in one block and in 16 MiB (small batches), else fast, on a GPU too (see below)
     block_bytes: int | str = "auto"  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient
                               # memory. 'auto': the device's budget, settled when a run is built; elsewhere 16 MiB
 
@@ -200,8 +200,6 @@ def powerset_similarity(
     cfg: PowerCLIPLossConfig,
 ) -> torch.Tensor:            # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
-    if cfg.impl == "auto" and not cfg.exact and images.regions.is_cuda and triton_unavailable(images.regions) is None:
-        cfg = dataclasses.replace(cfg, impl="triton")     # (a run settles this once, in PowerCLIP.setup_model)
     if cfg.impl == "triton" and not cfg.exact:
         why = triton_unavailable(images.regions)
         if why:

@@ -278,15 +278,13 @@ class PowerCLIP(Method):
         return triton_unavailable(device) if self.cfg.impl == "triton" and not self.cfg.exact else None
 
     def setup_model(self, model) -> None:
-        """Settle `block_bytes='auto'` for the model's device, and `impl='auto'` to 'triton' where the fused kernels
-        run on its parameters (a CUDA GPU of compute capability 8.0 or more: `11_loss`'s `triton_unavailable`), once,
-        when the run is built (see above): no question asked of the device inside a step, and nothing in a compiled
-        loss but the kernels' op."""
+        """Settle `block_bytes='auto'` for the model's device, once, when the run is built (see above): no question
+        asked of the device inside a step. `impl='auto'` stays the blocked path on a GPU too (with that budget), even
+        where the fused kernels run: it was the faster on an H200 (`11_loss`, *Which path on a GPU*); `impl='triton'`
+        is checked here, so that a GPU that cannot run the kernels is told at once."""
         p = next(model.parameters())
         if self.cfg.block_bytes == "auto":
             self.cfg = dataclasses.replace(self.cfg, block_bytes=device_block_bytes(p.device))
-        if self.cfg.impl == "auto" and not self.cfg.exact and p.is_cuda and triton_unavailable(p) is None:
-            self.cfg = dataclasses.replace(self.cfg, impl="triton")
         if self.cfg.impl == "triton" and not self.cfg.exact and (why := triton_unavailable(p)):
             raise ValueError(f"method_cfg.impl: {why}")
 

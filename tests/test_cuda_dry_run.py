@@ -732,16 +732,16 @@ class _NoKernel:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_triton_path_makes_no_host_sync_around_its_kernels(precision):
-    """`impl='auto'` on a GPU the kernels run on is the fused Triton path (`10b_sbar_triton`, settled in
-    `PowerCLIP.setup_model`). The simulated GPU runs no kernel, so here its three kernels launch nothing and the
-    kernels' check says yes; everything else of the path is the code a GPU runs (the packing, the wrapper, the ops'
-    bodies, the autograd formula): no host sync in the loss, and no more per step than CLIP's."""
+    """`impl='triton'` (opt-in: see test_auto_takes_the_blocked_path_where_the_kernels_run) is the fused Triton path
+    (`10b_sbar_triton`). The simulated GPU runs no kernel, so here its three kernels launch nothing and the kernels'
+    check says yes; everything else of the path is the code a GPU runs (the packing, the wrapper, the ops' bodies,
+    the autograd formula): no host sync in the loss, and no more per step than CLIP's."""
     import powerclip.sbar_triton as st
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(st, "unavailable", lambda x: None))
         for k in ("_sbar_fwd_kernel", "_sbar_bwd_regions", "_sbar_bwd_nodes"):
             stack.enter_context(mock.patch.object(st, k, _NoKernel()))
-        s = _run_step("powerclip", precision, ["method_cfg.impl=auto"])
+        s = _run_step("powerclip", precision, ["method_cfg.impl=triton"])
     assert s.run.method.cfg.impl == "triton"
     bad = [f"{n} {words} in the loss" for k, words in _SYNC_KINDS if (n := getattr(s.loss, k))]
     clip = _step("clip", precision)
@@ -749,3 +749,38 @@ def test_triton_path_makes_no_host_sync_around_its_kernels(precision):
             if getattr(s.step, k) > getattr(clip.step, k)]
     assert not bad, "\n".join(bad + ["; ".join(f"{k} x{v}" for k, v in sorted(s.step.sync_sites.items()))])
     assert s.out["ok"] and all(d == torch.float32 for d in s.loss_out.values()), (s.out, s.loss_out)
+
+
+def test_auto_takes_the_blocked_path_where_the_kernels_run():
+    """`impl='auto'` on a GPU where the fused kernels can run stays off them: one H200 measured the blocked path at the
+    device's block budget faster than the Triton kernels at every M (`11_loss`, *Which path on a GPU*;
+    benchmarks/results/gpu_nvidia_h200_2026-11-28/). The run settles the device's budget and leaves `impl` 'auto';
+    a step's loss and S-bar past the dense path's size take the blocked path and never call the kernels."""
+    import powerclip.loss as pl
+    import powerclip.sbar_triton as st
+    from powerclip.powerset_fast import device_block_bytes
+
+    def no_kernels(*a, **k):
+        raise AssertionError("impl='auto' called the Triton kernels")
+
+    blocked = []
+    real = pl.sbar_blocked
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(st, "unavailable", lambda x: None))
+        stack.enter_context(mock.patch.object(st, "sbar_triton", no_kernels))
+        stack.enter_context(mock.patch.object(pl, "sbar_blocked", lambda *a, **k: blocked.append(1) or real(*a, **k)))
+        s = _run_step("powerclip", "bf16", ["method_cfg.impl=auto"])
+        cfg = s.run.method.cfg
+        assert s.out["ok"]
+        with sim_cuda():
+            assert cfg.impl == "auto" and cfg.block_bytes == device_block_bytes(CUDA) > 16 << 20, cfg
+            R, C, M, K, D = 4, 6, 3, 2, 8      # past a 1-byte budget: the blocked path, as at the paper's size
+            g = torch.Generator().manual_seed(0)
+            texts = lambda n: dict(phrases=to_sim(torch.randn(n * K, D, generator=g)),
+                                   node_text=to_sim(torch.arange(n).repeat_interleave(K)), node_counts=[K] * n)
+            side = lambda n: pl.PowersetInputs(to_sim(torch.randn(n, M, D, generator=g)),
+                                               to_sim(torch.ones(n, M, dtype=torch.bool)), **texts(n))
+            img, txt = side(R), side(C)
+            n = len(blocked)
+            S = pl.powerset_similarity(img, txt, dataclasses.replace(cfg, block_bytes=1))
+        assert len(blocked) == n + 1 and tuple(S.shape) == (R, C)

@@ -463,6 +463,21 @@ if triton is not None:
 # `benchmarks/sbar_triton_compile.py`). Which of them is fastest needs a GPU: the GPU check's paths part times them.
 # Tests use small tiles so that texts cross chunk and group boundaries.
 #
+# **On the H200.** The kernels' first GPU run (one NVIDIA H200, bf16, default tiles;
+# `benchmarks/results/gpu_nvidia_h200_2026-11-28/`) agreed with float64 in every parity row (170 of 170, the
+# ablation's "w/o region sets" rows too) and made no host sync, but was not fast. The loss's forward and backward at
+# $R=512$ against $C=4096$ with CC3M node counts took 34.5 / 62.0 / 62.8 ms at $M=5$ / 10 / 15 (1.6 / 1.7 / 2.6 % of
+# the card's bf16 peak on the useful products, about 5-8 G scores/s), with 16 nodes per caption 62.4 / 113.5 /
+# 114.5 ms; the blocked path at the device's budget took 22.4 / 33.6 / 47.2 ms (CC3M) and 32.4 / 51.3 / 69.4 ms
+# (16 nodes), faster everywhere, so `impl='auto'` takes it (`11_loss`, *Which path on a GPU*), and the 5 ms target
+# is far. Two readings of the table: the time follows $B_M$, $M$ rounded up to a power of two, not $M$ ($M=10$
+# and 15 cost the same: at $M=10$ 6 of each image's 16 region rows are padding), and it doubles with the nodes: it
+# grows with the number of tiles, each a small product ($32\times32$ by default in bf16) and its activations.
+# What the next GPU run should try: a sweep of `Tiles` (rows 64 - 128, nodes 64 - 128, warps 4 / 8, stages) at
+# $M=10$, and then a `triton.autotune` over the few that compile without spills; $B_M$ without the power-of-two
+# padding (two images' regions sharing rows); and the split of the time between the forward and the two backward
+# kernels, which this run did not measure (it timed the whole loss only; a profile of one call would say).
+#
 # **One op.** `sbar_triton` wraps the kernels in `torch.library.custom_op`s, a forward `powerclip::sbar_fwd` and a
 # backward `powerclip::sbar_bwd`, with fake implementations that give only shapes: `torch.compile` then keeps the
 # loss in one graph without tracing into Triton, and the autograd formula registered for the forward calls the

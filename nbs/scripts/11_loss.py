@@ -277,8 +277,23 @@ assert_close(_lb, -F.logsigmoid(_z * (100.0 * _sim16 - 10.0)).sum() / 6)
 # | `use_t2r`, `use_r2t` | True | Table 6 ablations "w/o T2R agg.", "w/o R2T agg." |
 # | `region_sets` | True | False: Table 6 ablation "w/o region sets", single regions with a hard max (`10_powerset`) |
 # | `exact` | False | enumerate the $2^M$ subsets instead of the NLAs (small $M$ only; Fig. 9 "without approximation") |
-# | `impl` | `'auto'` | how $\bar S$ is computed: `'triton'`, the fused kernels (`10b_sbar_triton`, CUDA); `'fast'`, blocked from packed nodes (`10a_powerset_fast`); `'dense'`, the reference; or `'auto'`: on a GPU where the kernels can run `'triton'` (settled when a run is built, `PowerCLIP.setup_model`), else dense when its $(C_i, C_j, M, K)$ scores fit in one block and in 16 MiB, else blocked. `exact` is always dense |
+# | `impl` | `'auto'` | how $\bar S$ is computed: `'triton'`, the fused kernels (`10b_sbar_triton`, CUDA); `'fast'`, blocked from packed nodes (`10a_powerset_fast`); `'dense'`, the reference; or `'auto'`: dense when its $(C_i, C_j, M, K)$ scores fit in one block and in 16 MiB, else blocked, on a GPU too (there with the device's block budget, below; `'triton'` is opt-in: see *Which path on a GPU*). `exact` is always dense |
 # | `block_bytes` | `'auto'` | the blocked path's budget per block: the device's (`device_block_bytes`: 16 MiB on a CPU, 256 MiB - 1 GiB on CUDA), settled when a run is built (`PowerCLIP.setup_model`); elsewhere 16 MiB |
+#
+# **Which path on a GPU.** `'auto'` takes the blocked path with the device's block budget there, not the fused Triton
+# kernels, because that is what one NVIDIA H200 measured (`benchmarks/results/gpu_nvidia_h200_2026-11-28/`, the
+# kernels' first GPU run, at the commit before this choice). The loss's forward and backward at the paper's per-GPU
+# scale ($R=512$ local images against $C=4096$ gathered captions, CC3M node counts, bf16) took, Triton against the
+# blocked path at the device's budget (1 GiB blocks) and at 16 MiB: 62.0 / 33.6 / 89.9 ms at $M=10$ (Triton 1.7 % of
+# the card's bf16 peak on the useful products, blocked 3.2 %), 34.5 / 22.4 / 66.0 ms at $M=5$, 62.8 / 47.2 / 140.5 ms
+# at $M=15$; with 16 nodes per caption 113.5 / 51.3 / 220.8 ms at $M=10$. The blocked path at the device's budget
+# was the fastest at every $M$ in both, and neither met the 5 ms target. The Triton path stays what
+# `method_cfg.impl=triton` asks for: it agrees with float64 as closely as the others (170 of 170 parity rows of that
+# run), makes no host sync, and holds less memory (322 MiB at $M=10$ against the blocked path's 3.2 GiB), so it is
+# the one to try where memory is short; `10b_sbar_triton` says what a next GPU run should try to make it faster. The
+# step that run measured against 4,096 gathered captions ran `'auto'` as it then was, Triton: PowerCLIP 394.9 ms against
+# CLIP's 339.4 ms (1.16x; the target is 1.10x). With the blocked path the loss should take about 28 ms less
+# (62.0 - 33.6), so about 367 ms, 1.08x: **a projection**, until the next GPU run's `step-C4096` measures it.
 
 # %%
 #| export
@@ -313,9 +328,9 @@ class PowerCLIPLossConfig:
     exact: bool = False       # True: exact powerset enumeration instead of the NLAs (O(2^M))
     debias_t2: bool = False   # add tau*alpha*M*log2 back to NLA-T2 (see 10_powerset)
     region_sets: bool = True  # False: ablation "w/o region sets" (Table 6): single regions, exact hard max
-    impl: str = "auto"        # 'triton': fused kernels (10b, CUDA); 'fast': blocked, packed nodes, memory O(R x C)
-                              # (10a); 'dense': the (R, C, M, K) reference; 'auto': 'triton' on a GPU that runs it,
-                              # else dense when its scores fit in one block and in 16 MiB (small batches), else fast
+    impl: str = "auto"        # 'triton': fused kernels (10b, CUDA; opt-in); 'fast': blocked, packed nodes, memory
+                              # O(R x C) (10a); 'dense': the (R, C, M, K) reference; 'auto': dense when its scores
+                              # fit in one block and in 16 MiB (small batches), else fast, on a GPU too (see below)
     block_bytes: int | str = "auto"  # 'fast': bytes of one block of scores (rows x M x nodes); bounds the transient
                               # memory. 'auto': the device's budget, settled when a run is built; elsewhere 16 MiB
 
@@ -385,8 +400,6 @@ def powerset_similarity(
     cfg: PowerCLIPLossConfig,
 ) -> torch.Tensor:            # (Ci, Cj) S-bar: T2R + R2T similarity (Eq. 16), exact or approximated
     "S-bar = NLA-T1 + NLA-T2 of every image of `images` against every text of `texts` (or the exact forms), per cfg."
-    if cfg.impl == "auto" and not cfg.exact and images.regions.is_cuda and triton_unavailable(images.regions) is None:
-        cfg = dataclasses.replace(cfg, impl="triton")     # (a run settles this once, in PowerCLIP.setup_model)
     if cfg.impl == "triton" and not cfg.exact:
         why = triton_unavailable(images.regions)
         if why:
