@@ -105,7 +105,7 @@ gpu-check: install
 ## runs/real_shards with the repository to a GPU node; the part is skipped, with one line, without them.
 REAL_SHARDS ?= runs/real_shards
 real-shards: install
-	$(BIN)/python data_prep/pack_coco_sample.py $(SHARED)/coco_sample --out $(REAL_SHARDS)/raw
+	$(BIN)/python data_prep/pack_coco_sample.py $(SHARED)/coco_sample --out $(REAL_SHARDS)/raw --overwrite
 	$(BIN)/python data_prep/annotate_shards.py $(REAL_SHARDS)/raw --out $(REAL_SHARDS)/annotated --regions slic \
 	  --parser spacy --workers 2 --no-progress
 

@@ -15,9 +15,13 @@ written; each is counted and listed by key and reason in the shard's `{name}.sta
 Resumable: a shard is written to `{name}.tar.{run}.partial` and renamed when complete, then its stats file is
 written (also by rename): a shard counts as finished only when both exist and the stats match the current input
 size and settings. Killing the tool at any point and running the same command again redoes only unfinished
-shards. One run at a time holds `--out` (an exclusive lock on `{out}/.annotate.lock`, which names the run);
-worker processes end with the process that started them (kill -9 included), and a worker commits a shard only
-while its run still holds the directory, so a re-run never races a writer left from a killed run.
+shards. A finished shard made with other settings, or from another input of the same name (another command's
+shards into one `--out`), is never replaced: the run is refused before any work unless `--overwrite` (each stats
+file records the settings and the input's path and size). A file that is not a tar (0 bytes, text) is a failed
+shard, never an annotated one. One run at a time holds `--out` (an exclusive lock on `{out}/.annotate.lock`,
+which names the run); worker processes end with the process that started them (kill -9 included), and a worker
+commits a shard only while its run still holds the directory, so a re-run never races a writer left from a killed
+run.
 
     python data_prep/annotate_shards.py 'cc12m/{00000..01242}.tar' --out cc12m_annotated --workers 8 --regions slic
     python -m data_prep.annotate_shards cc12m/ --out cc12m_annotated            # a directory: all its *.tar
@@ -47,6 +51,10 @@ from powerclip.commandline import ArgumentParser, UsageError, check_number, run_
 OURS = ('tree.json', 'regions.npz')             # members this tool writes (replaced if the input has them)
 STATS_VERSION = 2                               # 2: trees hold the caption as given + word offsets; caption_problem
 LOCK = '.annotate.lock'                         # in --out: held by the run writing there, names it
+
+
+class ShardError(Exception):
+    "An input that is not a shard (0 bytes, not a tar): counted as a failed shard, reported in one line."
 
 
 @dataclass
@@ -179,6 +187,27 @@ def holds_output(out: Path, run: str) -> bool:
         return (out / LOCK).read_text().split()[1:2] == [run]
     except (OSError, IndexError):
         return False
+
+
+def conflict(shard: Path, cfg: AnnotateConfig) -> str | None:
+    """Why the finished output of `shard`'s name in `cfg.out` must not be replaced by this run (made with other
+    settings, or from another input), or None. Unfinished shards and unreadable stats are this tool's own
+    interrupted work (redone, as before)."""
+    tar, _, stats = out_paths(shard, Path(cfg.out))
+    if cfg.overwrite or not (tar.exists() and stats.exists()):
+        return None
+    try:
+        st = json.loads(stats.read_text())
+    except Exception:
+        return None
+    if not isinstance(st, dict):
+        return None
+    made_from = st.get('input_path') or str(Path(st.get('input', shard)).resolve())
+    if made_from != str(shard.resolve()):
+        return f'{tar.name} was made from another input ({made_from!r}, not {str(shard)!r})'
+    if st.get('settings') != cfg.fingerprint():
+        return f'{tar.name} was made with other settings ({st.get("settings")}, not {cfg.fingerprint()})'
+    return None
 
 
 def finished(shard: Path, cfg: AnnotateConfig) -> dict | None:
@@ -360,6 +389,8 @@ def annotate_shard(shard: Path, cfg: AnnotateConfig, ann: Annotator | None = Non
                 _add(tw, f'{key}.{ext}', data, members[0][0])
             c['written'] += 1
 
+    if shard.exists() and shard.stat().st_size == 0:
+        raise ShardError('not a tar shard: the file is empty (0 bytes)')
     with open(tmp_path, 'wb') as f:
         with tarfile.open(fileobj=f, mode='w') as tw:
             gen, batch = read_groups(shard, on_bad), []
@@ -381,10 +412,13 @@ def annotate_shard(shard: Path, cfg: AnnotateConfig, ann: Annotator | None = Non
             flush(batch, tw)
         f.flush()
         os.fsync(f.fileno())
+    if n_members == 0 and truncated:                   # nothing could be read: not a tar (or cut in its 1st member)
+        tmp_path.unlink(missing_ok=True)
+        raise ShardError(f'not a tar shard: nothing readable ({error})')
     # samples rejected while reading were never yielded: count them as read, so that read = written + bad
     c['read'] += sum(b['reason'] in ('truncated', 'duplicate_key', 'no_extension') for b in bad)
     stats = dict(
-        version=STATS_VERSION, shard=shard.name, input=str(shard),
+        version=STATS_VERSION, shard=shard.name, input=str(shard), input_path=str(shard.resolve()),
         input_bytes=shard.stat().st_size if shard.exists() else None,
         output=str(tar_path), settings=cfg.fingerprint(), members_read=n_members, samples_read=c['read'],
         written=c['written'], n_bad=len(bad), bad_by_reason=dict(Counter(b['reason'] for b in bad)), bad=bad,
@@ -438,7 +472,10 @@ def _init_worker(cfg_dict: dict, threads: int, parent: int):
 
 
 def _work(shard: str, cfg_dict: dict, run: str) -> dict:
-    return annotate_shard(Path(shard), AnnotateConfig(**cfg_dict), _ANN, run)
+    try:
+        return annotate_shard(Path(shard), AnnotateConfig(**cfg_dict), _ANN, run)
+    except ShardError as e:        # as text: the class pickles by its module's name, which differs under `python x.py`
+        return {'_shard_error': str(e)}
 
 
 def summarize(all_stats: list[dict], failed: dict, n_skipped: int, seconds: float) -> dict:
@@ -488,6 +525,10 @@ def _run(shards: list[Path], cfg: AnnotateConfig, run_id: str, progress: bool) -
     out = Path(cfg.out)
     t0 = time.time()
     all_stats, todo = [], []
+    clash = [(p, why) for p in shards if (why := conflict(p, cfg))]
+    if clash:                                          # before any work: finished shards are never replaced
+        raise UsageError(f'--out: {str(out)!r} holds {len(clash)} finished shard(s) this command would replace: '
+                         f'{clash[0][1]}; give another --out, or --overwrite to replace them')
     for p in shards:
         st = finished(p, cfg)
         if st is not None:
@@ -513,6 +554,8 @@ def _run(shards: list[Path], cfg: AnnotateConfig, run_id: str, progress: bool) -
         for p in todo:
             try:
                 done(annotate_shard(p, cfg, ann, run_id))
+            except ShardError as e:                    # a file that is not a shard: its one line in the report
+                failed[p.name] = str(e)
             except Exception as e:
                 failed[p.name] = f'{type(e).__name__}: {e}'
                 traceback.print_exc()
@@ -526,13 +569,18 @@ def _run(shards: list[Path], cfg: AnnotateConfig, run_id: str, progress: bool) -
             futs = {ex.submit(_work, str(p), cfg_dict, run_id): p for p in todo}
             for fu in as_completed(futs):
                 try:
-                    done(fu.result())
+                    st = fu.result()
+                    if '_shard_error' in st:
+                        failed[futs[fu].name] = st['_shard_error']
+                    else:
+                        done(st)
                 except Exception as e:
                     failed[futs[fu].name] = f'{type(e).__name__}: {e}'
     bar.close()
     summary = summarize(all_stats, failed, n_skipped, time.time() - t0)
     tmp = out / 'summary.json.partial'
-    tmp.write_text(json.dumps(dict(summary, settings=cfg.fingerprint()), indent=1))
+    inputs = [str(p.resolve()) for p in shards]
+    tmp.write_text(json.dumps(dict(summary, settings=cfg.fingerprint(), inputs=inputs), indent=1))
     os.replace(tmp, out / 'summary.json')
     return summary
 

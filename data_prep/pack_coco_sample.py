@@ -4,7 +4,10 @@ webdataset shards in img2dataset's layout, for the GPU check's `real-shards` par
 Each caption is a sample (`{key}.jpg`, `{key}.txt`, `{key}.json`: a photo with five captions gives five samples), its
 photo resized as img2dataset's `center_crop` does (the shorter side to `--size`, the centre kept) and saved as a JPEG
 of `--quality`; samples are dealt round-robin into `--shards` shards, so that every DataLoader worker of up to that many
-has its own. `data_prep/annotate_shards.py` then adds parse trees and region masks.
+has its own (never more shards than samples: no shard is empty). A non-empty `--out` is refused (its shards would mix
+with these) unless `--overwrite`, which removes its `*.tar` first; each shard is written as `{name}.partial` and renamed
+when complete, so an interrupted run leaves no cut shard under a shard's name. `data_prep/annotate_shards.py` then
+adds parse trees and region masks.
 
     python data_prep/pack_coco_sample.py ../shared/data/coco_sample --out runs/real_shards/raw   # seconds
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +54,8 @@ def main(argv=None):
     ap.add_argument("--shards", type=int, default=16)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--quality", type=int, default=70, help="JPEG quality (70: COCO's 1,195 samples in 18 MiB)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the shards of a non-empty --out (its *.tar removed first)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     with usage_errors():
         a = ap.parse_args(argv)
@@ -57,13 +63,31 @@ def main(argv=None):
             raise ValueError(f"folder: {str(a.folder)!r} has no captions.jsonl and images/")
         if a.shards < 1 or a.size < 16 or not 1 <= a.quality <= 100:
             raise ValueError("--shards must be at least 1, --size at least 16, --quality in 1..100")
+        if a.out.exists() and not a.out.is_dir():
+            raise ValueError(f"--out: {str(a.out)!r} is a file; give a folder (created if missing)")
+        held = sorted(a.out.iterdir()) if a.out.is_dir() else []
+        if held and not a.overwrite:       # old shards would stay beside the new ones: samples twice, or stale
+            raise ValueError(f"--out: {str(a.out)!r} is not empty ({len(held)} entries, e.g. {held[0].name!r}); "
+                             "give an empty or new folder, or --overwrite to replace its shards")
     from powerclip.data import write_shard
     rows = samples(a.folder, a.size, a.quality)
+    n = min(a.shards, len(rows))           # round-robin: more shards than samples would leave some empty
+    if n < a.shards:
+        print(f"--shards {a.shards} for {len(rows)} samples: writing {n} shards (no empty shard)")
     a.out.mkdir(parents=True, exist_ok=True)
-    for s in range(a.shards):
-        write_shard(a.out / f"{s:05d}.tar", rows[s::a.shards])
+    for old in [*a.out.glob("*.tar"), *a.out.glob("*.tar.partial")]:   # --overwrite: no stale shard stays
+        old.unlink()
+    for s in range(n):
+        final = a.out / f"{s:05d}.tar"
+        tmp = final.with_name(final.name + ".partial")
+        try:
+            write_shard(tmp, rows[s::n])
+        except BaseException:              # Ctrl-C or an error: no cut shard is left, under any name
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, final)             # complete: now under its name
     size = sum(f.stat().st_size for f in a.out.glob("*.tar"))
-    print(f"{len(rows)} samples ({len({r['jpg'] for r in rows})} photos) in {a.shards} shards, {size / 2**20:.1f} MiB: "
+    print(f"{len(rows)} samples ({len({r['jpg'] for r in rows})} photos) in {n} shards, {size / 2**20:.1f} MiB: "
           f"{a.out}")
     return 0
 

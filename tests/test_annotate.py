@@ -175,8 +175,11 @@ def test_resume_redoes_only_unfinished(shards, reference, tmp_path):
     # nothing left to do on a second run
     s = run(expand_inputs([str(shards)]), cfg2, progress=False)
     assert (s['finished_now'], s['skipped_finished'], s['written']) == (0, 4, 12)
-    # other settings: the finished shards do not match them, so they are redone
-    s = run(expand_inputs([str(shards)]), AnnotateConfig(**{**cfg2.__dict__, 'regions': 'none'}), progress=False)
+    # other settings: the finished shards are not replaced unless asked (issue 47), then all are redone
+    with pytest.raises(UsageError, match='other settings'):
+        run(expand_inputs([str(shards)]), AnnotateConfig(**{**cfg2.__dict__, 'regions': 'none'}), progress=False)
+    s = run(expand_inputs([str(shards)]), AnnotateConfig(**{**cfg2.__dict__, 'regions': 'none', 'overwrite': True}),
+            progress=False)
     assert s['finished_now'] == 4
     assert all('regions.npz' not in g for sh in _outputs(out).values() for g in sh.values())
 
@@ -379,3 +382,117 @@ def test_coco_sample_shards(tmp_path):
             assert len(tree.words) >= 3 and len(tree.spans) >= 2     # real captions give real trees
             masks, _ = decode_regions(g['regions.npz'])
             assert len(masks) >= 3 and masks.any(1).all()
+
+
+def test_finished_shards_of_other_settings_or_inputs_are_refused(shards, reference, tmp_path, capsys):
+    "Issue 47: a rerun with `--regions slic` forgotten, or another command's shard of the same name, replaces nothing."
+    ref_out = reference[0]
+    out = tmp_path / 'out'
+    out.mkdir()
+    for ext in ('.tar', '.stats.json'):                        # 00001 finished with --regions slic --parser spacy
+        (out / f'00001{ext}').write_bytes((ref_out / f'00001{ext}').read_bytes())
+    st = json.loads((out / '00001.stats.json').read_text())
+    assert st['input_path'] == str((shards / '00001.tar').resolve()) and st['settings']['regions'] == 'slic'
+    before = {q.name: q.read_bytes() for q in out.iterdir()}
+    other = tmp_path / 'b'
+    other.mkdir()
+    _write(other / '00001.tar', [_sample('b0', 50)])            # another command's input of the same name
+    cases = [[str(shards / '00001.tar'), '--parser', 'spacy'],                     # --regions slic forgotten
+             [str(shards / '00001.tar'), '--regions', 'slic'],                     # another parser (auto)
+             [str(other / '00001.tar'), '--regions', 'slic', '--parser', 'spacy']]  # another input
+    for argv, why in zip(cases, ['other settings', 'other settings', 'another input']):
+        assert main([*argv, '--out', str(out), '--no-progress']) == 2
+        err = capsys.readouterr()
+        assert err.out == '' and len(err.err.strip().splitlines()) == 1, err.err
+        assert why in err.err and '--overwrite' in err.err and '00001.tar' in err.err, err.err
+        assert {q.name: q.read_bytes() for q in out.iterdir() if q.name != '.annotate.lock'} == \
+            {k: v for k, v in before.items() if k != '.annotate.lock'}
+    # --overwrite replaces it, and the stats then name the new input
+    assert main([*cases[2], '--out', str(out), '--no-progress', '--overwrite']) == 0
+    assert json.loads((out / '00001.stats.json').read_text())['input_path'] == str((other / '00001.tar').resolve())
+    assert set(_outputs(out)['00001.tar']) == {'b0'}
+
+
+def test_a_file_that_is_not_a_shard_is_a_shard_error(shards, tmp_path, capsys):
+    "Issue 47: a 0-byte or non-tar `.tar` is a failed shard (one line, exit 1), never '1 annotated now'."
+    src = tmp_path / 'in'
+    src.mkdir()
+    (src / 'empty.tar').write_bytes(b'')
+    (src / 'text.tar').write_text('this is not a tar archive\n' * 40)
+    out = tmp_path / 'out'
+    assert main([str(src), str(shards / '00001.tar'), '--out', str(out), '--parser', 'spacy', '--no-progress']) == 1
+    cap = capsys.readouterr()
+    assert 'Traceback' not in cap.err and 'Traceback' not in cap.out
+    assert '(1 annotated now, 0 already finished, 2 failed)' in cap.out, cap.out
+    failed = [line for line in cap.out.splitlines() if line.startswith('FAILED')]
+    assert len(failed) == 2 and all('not a tar shard' in line for line in failed), failed
+    assert sorted(q.name for q in out.glob('*.tar')) == ['00001.tar']      # nothing written for them
+    assert json.loads((out / 'summary.json').read_text())['failed'].keys() == {'empty.tar', 'text.tar'}
+
+
+# ----------------------------------------------------------------------------------------------- pack_coco_sample.py
+@pytest.fixture
+def coco_like(tmp_path) -> Path:
+    "A folder as ../shared/data/coco_sample: 8 tiny photos, 5 captions each (40 samples)."
+    d = tmp_path / 'coco'
+    (d / 'images').mkdir(parents=True)
+    rows = []
+    for i in range(8):
+        (d / 'images' / f'{i}.jpg').write_bytes(_jpeg(i, (20, 24)))
+        rows.append(dict(image_id=i, file_name=f'{i}.jpg', captions=[f'a dog number {i} {j}' for j in range(5)]))
+    (d / 'captions.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    return d
+
+
+def _pack(argv):
+    from data_prep import pack_coco_sample
+    from powerclip.commandline import run_main
+    return run_main(pack_coco_sample.main, [str(a) for a in argv], 'pack_coco_sample.py')
+
+
+def _keys(out: Path) -> list[str]:
+    return sorted(k for sh in _outputs(out).values() for k in sh)
+
+
+def test_pack_refuses_a_non_empty_out(coco_like, tmp_path, capsys):
+    "Issue 47: `--shards 2` into a folder of 8 shards left 6 stale ones (every sample twice)."
+    out = tmp_path / 'raw'
+    assert _pack([coco_like, '--out', out, '--shards', 8, '--size', 16]) == 0
+    assert len(list(out.glob('*.tar'))) == 8 and len(_keys(out)) == 40
+    capsys.readouterr()
+    before = {q.name: q.read_bytes() for q in out.iterdir()}
+    assert _pack([coco_like, '--out', out, '--shards', 2, '--size', 16]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and '--out' in err and '--overwrite' in err, err
+    assert {q.name: q.read_bytes() for q in out.iterdir()} == before
+    assert _pack([coco_like, '--out', out, '--shards', 2, '--size', 16, '--overwrite']) == 0
+    assert sorted(q.name for q in out.iterdir()) == ['00000.tar', '00001.tar']
+    assert _keys(out) == sorted(set(_keys(out))) and len(_keys(out)) == 40     # each sample once
+
+
+def test_pack_writes_no_empty_shard(coco_like, tmp_path, capsys):
+    "Issue 47: `--shards 100` for 40 samples wrote 60 empty shards."
+    out = tmp_path / 'raw'
+    assert _pack([coco_like, '--out', out, '--shards', 100, '--size', 16]) == 0
+    tars = list(out.glob('*.tar'))
+    assert len(tars) == 40 and all(len(g) == 1 for g in _outputs(out).values())
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any('--shards 100' in line and '40 shards' in line for line in lines), lines
+
+
+def test_pack_interrupted_leaves_no_cut_shard(coco_like, tmp_path, monkeypatch, capsys):
+    "Issue 47: a Ctrl-C while a shard is written left it cut short under its final name."
+    import powerclip.data
+    real, calls = powerclip.data.write_shard, []
+
+    def cut_on_third(path, samples):
+        calls.append(Path(path))
+        real(path, samples)
+        if len(calls) == 3:                                    # Ctrl-C half way through the third shard
+            Path(path).write_bytes(Path(path).read_bytes()[:700])
+            raise KeyboardInterrupt
+    monkeypatch.setattr(powerclip.data, 'write_shard', cut_on_third)
+    out = tmp_path / 'raw'
+    assert _pack([coco_like, '--out', out, '--shards', 4, '--size', 16]) == 130
+    assert sorted(q.name for q in out.iterdir()) == ['00000.tar', '00001.tar']   # the cut one is gone, not kept
+    assert len(_keys(out)) == 20
