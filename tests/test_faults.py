@@ -312,3 +312,29 @@ def test_compare_refuses_overrides_it_would_drop(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "seed: the comparison sets it for each run; give --seeds instead" in err[0], err
     assert not (tmp_path / "c").exists()
+
+
+def test_eval_images_refused_where_not_used(tmp_path, capsys, monkeypatch):
+    "Issue 47: `eval run --images` was silently ignored for `captions.jsonl` data (its images are always DATA/images)."
+    import json
+    from PIL import Image
+    from powerclip.eval.cli import main as eval_main
+    monkeypatch.delenv("POWERCLIP_DEBUG", raising=False)
+    data, other = tmp_path / "data", tmp_path / "other"
+    (data / "images").mkdir(parents=True)
+    other.mkdir()
+    for i in range(2):
+        Image.new("RGB", (32, 32), (40 * i, 80, 120)).save(data / "images" / f"{i}.jpg")
+        Image.new("RGB", (32, 32), (200, 40 * i, 10)).save(other / f"{i}.jpg")
+    (data / "captions.jsonl").write_text("".join(json.dumps(dict(image_id=i, file_name=f"{i}.jpg",
+                                                                 captions=[f"a photo {i}"])) + "\n" for i in range(2)))
+    base = ["run", "--model", "powerclip-micro", "--data", str(data), "--out", str(tmp_path / "res"), "--cache",
+            "none", "--no-progress", "--device", "cpu"]
+    capsys.readouterr()
+    for tasks in (["retrieval"], ["all"]):
+        assert eval_main([*base, "--tasks", *tasks, "--images", str(other)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.count("--images: ") == 1, err
+        assert "captions.jsonl" in err and "Traceback" not in err, err
+        assert not (tmp_path / "res").exists()
+    assert eval_main([*base, "--tasks", "retrieval"]) == 0                  # without --images: evaluated as before

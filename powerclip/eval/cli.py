@@ -28,7 +28,7 @@ from ..world import WorldConfig
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'LAYOUTS', 'parse_args', 'main']
+__all__ = ['log', 'LAYOUTS', 'NO_IMAGE_ROOT', 'parse_args', 'main']
 
 # %% ../../nbs/66_eval_cli.ipynb #e4ff1e3c
 def _int_at_least(lo: int):
@@ -184,6 +184,19 @@ def _make_evaluator(a) -> Evaluator:
     except CheckpointError as e:
         raise UsageError(f"{'--checkpoint' if a.checkpoint else '--model'}: {e}") from e
 
+NO_IMAGE_ROOT = ('zeroshot', 'linear_probe', 'winoground')   # loaders that never read --images
+
+def _check_images_used(a, found: dict):
+    """`--images` where it would be silently ignored is refused: `captions.jsonl` data always reads DATA/images, and
+    the classification and Winoground loaders have their own image folders."""
+    if a.images is None:
+        return
+    if 'retrieval' in found and (Path(a.data) / 'captions.jsonl').is_file():
+        raise UsageError(f'--images: {a.data}/captions.jsonl reads its photos from {a.data}/images, never from '
+                         f'--images; drop --images (or name --tasks that use it: sugarcrepe, regions)')
+    if all(t in NO_IMAGE_ROOT for t in found):
+        raise UsageError(f'--images: not used by {", ".join(found)} (they read their own image folders); drop it')
+
 def _cmd_run(a, cmd: str) -> int:
     with usage_errors():
         _check_model_args(a)
@@ -205,6 +218,7 @@ def _cmd_run(a, cmd: str) -> int:
             raise UsageError(f'--data: {e}') from None
         if not found[0]:
             raise UsageError(f'--data: {a.data} holds no data set in a known layout ({LAYOUTS})')
+        _check_images_used(a, found[0])
     for task, why in found[1].items():
         log.warning('%s skipped: %s', task, why)
     ev = _make_evaluator(a)
