@@ -1268,7 +1268,7 @@ for _argv, _msg in ((["table99"], "table99"), (["table14", "--steps", "x"], "--s
                     (["budget", "--steps", "1"], "--steps"), (["budget", "--steps", "400", "1000"], "double"),
                     (["table6", "--steps", "100", "200"], "only for budget"),
                     (["finetune", "--rows", "FILIP"], "--rows"),
-                    (["table6", "--rows", "CLIP"], "options of the plateau and the fine-tune")):
+                    (["table6", "--rows", "CLIP"], "options of the plateau, finetune, sigmoid and long")):
     _err = io.StringIO()
     with contextlib.redirect_stderr(_err):
         _rc = main(_argv + ["--out", str(_tmp / "cli")])
