@@ -12,6 +12,12 @@ that a drift in machine load hits all alike. The time per step is the median ove
         powerclip
     python benchmarks/train_step_ratio.py --preset paper --device cuda --batch 256 --precision bf16 \
         --set model.compile=true
+    python benchmarks/train_step_ratio.py --methods clip siglip flair powerclip:masks=random \
+        --set data.world.caption=long model.name=powerclip-demo-long --tag demo_long_cpu   # FLAIR on long captions
+
+`--methods` takes any name of the method registry (`powerclip.methods`), each checked by the trainer's `validate`
+before anything runs: FLAIR's step (`flair`: K = 8 sub-captions per image, the text-conditioned pooling O(images x
+texts x patches)) is measured against CLIP's like any other, best on the long captions it trains on (above).
 
 A method may carry options after a colon: `c2lip:base=clip,concept_embedding=encode`; `--set key=value` overrides the
 config of every method (`benchmarks/gpu_check.py` uses it for `torch.compile`). Results: `--out`/train_step_ratio_TAG.*,

@@ -42,7 +42,8 @@ def test_cli_all_tasks_on_world(world, tmp_path, capsys):
     rc, stdout, _ = _run(argv, capsys)
     assert rc == 0
     res = json.loads((out / 'random-init' / f'{world.name}.json').read_text())
-    assert set(res['metrics']) == {'retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground', 'regions'}
+    assert set(res['metrics']) == {'retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground', 'regions',
+                                   'long_retrieval'}
     assert res['sha256'] == 'random-init' and res['skipped'] == {}
     assert res['command'].startswith('powerclip-eval run --model powerclip-micro')
     m = res['metrics']
@@ -184,7 +185,7 @@ def test_coco_sample_real(tmp_path, capsys):
     assert (sum(s[f'{c}_n'] for c in ('add_att', 'add_obj', 'replace_att', 'replace_obj', 'replace_rel', 'swap_att',
                                       'swap_obj')) == 211)
     # no classification or Winoground files in coco_sample: skipped with the reason recorded, not silently
-    assert set(res['skipped']) == {'zeroshot', 'linear_probe', 'winoground'}
+    assert set(res['skipped']) == {'zeroshot', 'linear_probe', 'winoground', 'long_retrieval'}
     # the complete SugarCrepe text against the sample's photos: only items with a photo are scored, the rest counted
     rc, _, _ = _run(['run', '--model', 'powerclip-micro', '--data', str(DATA / 'sugarcrepe'), '--images',
                      str(COCO / 'images'),
@@ -649,7 +650,8 @@ def test_nonfinite_features_stop_every_task_and_the_world(world):
             q.fill_(float('nan'))
     ev = Evaluator.of(lm, progress=False)
     found, skipped = find_data(world)
-    assert set(found) == {'retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground', 'regions'}
+    assert set(found) == {'retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground', 'regions',
+                          'long_retrieval'}
     assert not skipped
     for task, args in found.items():
         with pytest.raises(NonFiniteFeatures, match='non-finite'):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import powerclip.compare as C
 import powerclip.experiments as E
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +83,22 @@ def test_rows_checked(tmp_path, capsys):
     plan = E._plateau_plan(["CLIP (avg)", "PowerCLIP-R (avg)"], [0], 4, tmp_path, log=lambda m: None)
     assert list(plan.runs) == ["CLIP (avg)", "PowerCLIP-R (avg)"] and plan.meta["reference"] == "CLIP"
     assert plan.meta["experiment"] == "plateau"
+
+
+def test_long_table_plan(tmp_path, capsys):
+    """`long`: a row of another table is refused in one line; its plan trains every row on the long captions with the
+    long model, to CLIP (long), in OUT/T{T}; `--runs all` of the comparison leaves them out."""
+    rc, err = _run(["long", "--steps", "4", "--rows", "CLIP", "--out", str(tmp_path)], capsys)
+    assert rc == 2
+    _one_line(err, "--rows")
+    plan = E._long_plan(list(E.LONG_ROWS), [0], 4, tmp_path, log=lambda m: None)
+    assert list(plan.runs) == list(E.LONG_ROWS) and plan.meta["reference"] == "CLIP (long)"
+    assert plan.meta["experiment"] == "long" and plan.out == tmp_path / "T4" and plan.world.caption == "long"
+    for job in plan.jobs.values():
+        assert (job.cfg.data.world, job.cfg.model.name) == ({"caption": "long"}, "powerclip-demo-long")
+        assert (job.cfg.optim.lr, job.cfg.optim.weight_decay) == (1e-3, 0.2)     # the world's recipe, not CC3M's
+    assert {n: j.cfg.method for (n, _, _), j in plan.jobs.items()}["FLAIR (long)"] == "flair"
+    assert C.LONG_RUNS == E.LONG_ROWS             # what the comparison's `--runs all` leaves out
 
 
 def test_merge_tolerates_other_rows(part, tmp_path):

@@ -34,7 +34,7 @@ from PIL import Image
 from powerclip.data import IMAGE_EXTS
 from powerclip.eval.items import BadData, ItemSkips, MissingData, _field, _read_json, check_caption, check_image
 from powerclip.parsing import caption_problem
-from powerclip.world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate, render
+from powerclip.world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, caption_tree, generate, render
 
 log = logging.getLogger(__name__)
 
@@ -408,6 +408,11 @@ test_fail(lambda: load_retrieval(_bd / 'broken.json'), contains='broken.json: no
 #   the COCO instances format (box, pixel mask as uncompressed RLE), labelled by its shape ("circle") or by its colour
 #   and shape ("red circle": the attribute-bound, compositional vocabulary): the region task's data, read by
 #   `load_regions` (`61a_eval_region_data`) like any COCO file;
+# - `retrieval_long.json`, the same format with one caption per scene: its long description (`WorldConfig(caption=
+#   'long')`, `22_world`'s `describe_long`: a sentence per object with all its attributes, then its relations), the
+#   long-caption retrieval task (`64_eval_tasks`); written for every world, short or long, since the scenes are the
+#   same (a folder written before it gets it, as the regions below). In a long-caption world the hard negatives keep
+#   the short caption as their positive, the one they edit, so their items are those of the short world;
 # - `scenes.json`, per file name its `index`, scene, gold tree and gold patch masks, and `parses.json`, the gold tree
 #   of every caption and negative;
 # - `config.json`, the `WorldConfig`, and `summary.json`, the counts and what was asked for.
@@ -544,9 +549,12 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
                              scene=s['scene'].to_dict(),
                              order=s['order'], masks=s['masks'][s['mask_valid']].astype(int).tolist())
         parses[s['text']] = s['parsed'].to_dict()
+        # the negatives edit the short caption: in a long-caption world it stays their positive (today's items)
+        pos = caption_tree(s['spec'])[0] if cfg.caption == 'long' else s['parsed']
+        parses[pos.text] = pos.to_dict()
         for kind, neg in b['negatives'].items():
             parses[neg.text] = neg.to_dict()
-            sugar[kind][str(len(sugar[kind]))] = dict(filename=fname, caption=s['text'], negative_caption=neg.text)
+            sugar[kind][str(len(sugar[kind]))] = dict(filename=fname, caption=pos.text, negative_caption=neg.text)
         caps = []
         for c in b['captions']:
             if c.text in seen:
@@ -569,6 +577,21 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
     return dict(sugarcrepe={k: len(v) for k, v in sugar.items()},
                 retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
                 retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
+
+def write_world_long_retrieval(out, cfg: WorldConfig, n_images: int, split: str = 'test') -> int:
+    """`out/retrieval_long.json`: each of the folder's `n_images` scenes with its long caption (`describe_long`, the
+    same scene drawn again from its seed in the long-caption world), its gold tree added to `parses.json`; returns the
+    number of captions (see "Long captions" above)."""
+    out, lcfg = Path(out), replace(cfg, caption='long')
+    parses = json.loads((out / 'parses.json').read_text()) if (out / 'parses.json').is_file() else {}
+    items = []
+    for i in range(n_images):
+        s = generate(lcfg, i, split)
+        parses[s['text']] = s['parsed'].to_dict()
+        items.append(dict(image=f'world_{i:06d}.png', caption=[s['text']]))
+    (out / 'parses.json').write_text(json.dumps(parses, indent=1))
+    (out / 'retrieval_long.json').write_text(json.dumps(items, indent=1))
+    return len(items)
 
 class WorldFolderTaken(FileExistsError):
     "A folder that holds something other than the world asked for: it is not written over."
@@ -601,6 +624,9 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
             if not all(f.is_file() for f in regions):
                 old['regions'] = write_world_regions(out, cfg, n_images, split, captions_per_image)
                 (out / 'summary.json').write_text(json.dumps(old, indent=1))
+            if not (out / 'retrieval_long.json').is_file():       # likewise the long captions (they came later)
+                old['retrieval_long'] = write_world_long_retrieval(out, cfg, n_images, split)
+                (out / 'summary.json').write_text(json.dumps(old, indent=1))
             return old
     if out.is_dir() and any(out.iterdir()):
         had = _request_of(out)
@@ -618,7 +644,8 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
         return json.loads((out / 'summary.json').read_text())
     out.mkdir(parents=True, exist_ok=True)
     summary = dict(n_images=n_images, split=split, **_world_scenes(out, cfg, n_images, split, captions_per_image),
-                   regions=write_world_regions(out, cfg, n_images, split, captions_per_image))
+                   regions=write_world_regions(out, cfg, n_images, split, captions_per_image),
+                   retrieval_long=write_world_long_retrieval(out, cfg, n_images, split))
     if extras:
         summary['classification'] = write_world_classification(out, dict(train=n_images, val=n_images // 2,
                                                                          test=n_images), cfg=cfg)
@@ -686,6 +713,27 @@ test_eq((tmp / 'world' / 'retrieval.json').stat().st_mtime_ns, _mtime)
 test_fail(lambda: load_winoground(tmp / 'nowhere'), contains='data/examples.jsonl')
 test_fail(lambda: load_sugarcrepe(tmp / 'nowhere'), contains='sugar-crepe')
 {k: v for k, v in world_summary.items() if k != 'request'}, cls.classnames, len(wg)
+
+# %% [markdown]
+# The long captions: one per scene, each sentence true of it, their trees in `parses.json`; a folder from before them
+# gets them; a long-caption world's folder has the same hard negatives and long captions as the short world's.
+
+# %%
+_long = load_retrieval(tmp / 'world' / 'retrieval_long.json')
+test_eq((len(_long.images), world_summary['retrieval_long']), (60, 60))
+for _img, (_cap,) in zip(_long.images, _long.captions):
+    _sc = scenes[Path(_img).name]
+    _g = generate(replace(cfg, caption='long'), _sc['index'], 'test')
+    test_eq(_cap, _g['text'])
+    assert _cap in parses and _cap.count('.') == len(_g['specs']) >= 1        # one sentence a spec
+    assert all(caption_truth(sp, Scene.from_dict(_sc['scene']), cfg) is True for sp in _g['specs'])
+(tmp / 'world' / 'retrieval_long.json').unlink()              # a folder from before the long captions
+test_eq(write_world_benchmark(tmp / 'world', n_images=60)['retrieval_long'], 60)
+test_eq(load_retrieval(tmp / 'world' / 'retrieval_long.json').captions, _long.captions)
+write_world_benchmark(tmp / 'wlong', n_images=20, cfg=WorldConfig(caption='long'), extras=False)
+write_world_benchmark(tmp / 'wshort', n_images=20, extras=False)
+for _f in ('retrieval_long.json', 'retrieval.json', *(f'data/{k}.json' for k in NEGATIVE_KINDS)):
+    test_eq((tmp / 'wlong' / _f).read_text(), (tmp / 'wshort' / _f).read_text())
 
 # %% [markdown]
 # The real sample (skipped when `../shared/data` is absent): 239 photos with 5 captions each, and the 211

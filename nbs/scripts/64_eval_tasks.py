@@ -328,6 +328,25 @@ register_task(Task('regions', region_sets, task_regions, _region_skips,
                         crop_top1='region top-1 (crop)', crop_ap50='region AP50 (crop)'),
                    options=('vocabulary',)))
 
+
+# %% [markdown]
+# **Long-caption retrieval**: retrieval (`task_retrieval`, the same ranks and tie rule) on a folder's
+# `retrieval_long.json`, each image with its long description (on the world: `write_world_benchmark`'s long captions of
+# the held-out scenes, `61_eval_data`), the question FLAIR, DreamLIP and Long-CLIP train for. Its numbers carry their
+# own display names (`long i2t R@1`), so a table shows them beside the short captions' retrieval, never in its place.
+# A model whose context is shorter than a caption reads the caption's first tokens, as its tokenizer cuts it.
+
+# %%
+#| export
+def _long_retrieval_data(root: Path, image_root=None, strict: bool = False) -> tuple:
+    if (root / 'retrieval_long.json').is_file():
+        return (load_retrieval(root / 'retrieval_long.json', image_root, strict=strict),)
+    raise MissingData(f'long_retrieval: expected {root}/retrieval_long.json ([{{"image", "caption": [long '
+                      f'captions]}}], images in {root}/images; a world folder has it)')
+
+register_task(Task('long_retrieval', _long_retrieval_data, task_retrieval, _own_skips,
+                   {f'{d}_R@{k}': f'long {d} R@{k}' for d in ('i2t', 't2i') for k in (1, 5, 10)}))
+
 # %%
 test_eq(list(TASKS)[:5], ['retrieval', 'sugarcrepe', 'zeroshot', 'linear_probe', 'winoground'])
 test_eq([t for t, r in TASKS.items() if not r.scored], ['linear_probe'])
@@ -446,6 +465,11 @@ test_eq((m1['regions']['set'], m1['regions']['classes'], m1['regions']['shape/cl
 test_close(m1['regions']['chance_top1'], 100 / 35, eps=1e-9)
 assert {'pooled_ap50', 'crop_top1', 'chance_ap50', 'shape/chance_ap50'} <= set(m1['regions'])
 test_eq(m1['regions']['vocabulary'], 'all')
+# long-caption retrieval: the retrieval runner on the long captions, one per image
+_lr = task_retrieval(ev, load_retrieval(tmp / 'world' / 'retrieval_long.json'))
+test_eq({k: v for k, v in m1['long_retrieval'].items() if k != 'seconds'}, _lr)
+test_eq((_lr['n_images'], _lr['n_texts']), (60, 60))
+test_fail(lambda: find_data(tmp / 'nowhere', ['long_retrieval']), contains='retrieval_long.json')
 # the vocabulary option reaches the region reader only: OV-COCO's needs COCO's names, which the world does not have
 test_fail(lambda: find_data(tmp / 'world', ['regions'], options=dict(vocabulary='ovcoco')), contains='needs COCO')
 test_eq(list(find_data(tmp / 'world', ['retrieval'], options=dict(vocabulary='ovcoco'))[0]), ['retrieval'])

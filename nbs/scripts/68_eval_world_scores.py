@@ -24,6 +24,7 @@ import json
 import math
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -80,10 +81,15 @@ REGION_TASKS = {'regions': {'pooled_top1': 'region_acc', 'pooled_ap50': 'region_
 REGION_HEADLINE = {'region_acc': TASKS['regions'].headline['pooled_top1']}
 # key -> display name: paired differences, verdicts, in order
 HEADLINE = {**FOLDER_HEADLINE, **POINTING, **REGION_HEADLINE}
+# long-caption retrieval (`64_eval_tasks`) on the folder's long captions: cached apart, as the regions; reported beside
+# the headline, never in its Holm family (see "Long captions" below)
+LONG_TASKS = {'long_retrieval': {k: f'long_{k}' for k in ('i2t_R@1', 'i2t_R@5', 't2i_R@1', 't2i_R@5')}}
+LONG_HEADLINE = {f'long_{m}': TASKS['long_retrieval'].headline[m] for m in ('i2t_R@1', 't2i_R@1')}
 
 # %%
 test_eq(HEADLINE, {'hn_mean': 'HN mean', 'i2t_R@1': 'i2t R@1', 't2i_R@1': 't2i R@1', 'pointing': 'pointing',
                    'region_acc': 'region top-1 (pooled)'})
+test_eq(LONG_HEADLINE, {'long_i2t_R@1': 'long i2t R@1', 'long_t2i_R@1': 'long t2i R@1'})
 
 
 # %% [markdown]
@@ -203,6 +209,14 @@ test_eq(len(fres['items']['late']['t2i_R@1']['image']), len(load_retrieval(tmp /
 # cached in a file of its own beside the weights (`eval_regions.json`, `eval_val_regions.json`): it came after the
 # other numbers, and a cache of its own lets every run scored before it keep its numbers while it adds this one. It has
 # no per-scene shares (the bootstrap leaves it out; its verdict, like every verdict, reads the seeds).
+#
+# **Long captions.** Long-caption retrieval (`LONG_TASKS`: R@1 and R@5 both ways on the folder's `retrieval_long.json`,
+# each held-out scene with its long description, `61_eval_data`) is scored on every folder that has them, every scorer,
+# and cached in a file of its own for the same reason (`eval_long.json`, `eval_val_long.json`). Its R@1 numbers
+# (`LONG_HEADLINE`) are reported beside the headline (the long-caption table of `71a_plateau`), with their own paired
+# intervals; the headline's Holm family stays its five numbers, so no earlier verdict changes. In a long-caption world
+# the five are scored on the same items as in the short one (the folder's hard negatives and retrieval captions, and
+# the pointing game on the short captions' noun phrases of the same scenes), so a "(long)" row reads like any other.
 
 # %%
 #| export
@@ -243,7 +257,8 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
     if f.is_file():
         c = read_record(f) or {}          # a damaged cache: one line, and evaluated again
         if c.get("key") == key and c.get("weights_mtime_ns") == stamp:
-            return {**c["results"], **_region_numbers(folder, root, key, stamp, cache, lm, device)}
+            return {**c["results"], **_region_numbers(folder, root, key, stamp, cache, lm, device),
+                    **_long_numbers(folder, root, key, stamp, cache, lm, device)}
     t0 = time.time()
     lm = lm or load_model(checkpoint=folder, device=device)
     with tempfile.TemporaryDirectory() as d:         # features computed once for the numbers and the items
@@ -253,7 +268,8 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
         cpu = lm if device == "cpu" else load_model(checkpoint=folder)              # the heat maps run on the CPU
         # the headline scorer's own map where it draws one (FLAIR's attention), else the cosine map (`67_heatmaps`)
         heat = model_heat_fn(cpu.model, cpu.tokenizer, next(iter(cpu.scorers.values()), None))
-        g = grounding_score(heat, grounding, world, per_scene=True)
+        # the short captions' noun phrases in a long-caption world too: the pointing game of every table (see above)
+        g = grounding_score(heat, grounding, replace(world, caption="short"), per_scene=True)
         res["per_scene"]["pointing"] = g["per_scene"]
         res.update({k: g[k] for k in ("pointing", "mean_iou", "n_phrases")})   # the comparison's (eval=3) numbers
     res["eval_s"] = time.time() - t0
@@ -261,15 +277,27 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res)))
     tmp.replace(f)
-    return {**res, **_region_numbers(folder, root, key, stamp, cache, lm, device)}
+    return {**res, **_region_numbers(folder, root, key, stamp, cache, lm, device),
+            **_long_numbers(folder, root, key, stamp, cache, lm, device)}
 
 
 def _region_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str) -> dict:
     "The region task's numbers of the weights in `folder` (every scorer), cached in `folder/<cache stem>_regions.json`."
     if not any((root / 'annotations').glob('instances_*.json')):
         return {}     # a folder without objects to name
-    key = dict(key, eval=None, regions=1)
-    f = folder / f"{Path(cache).stem}_regions.json"
+    return _apart(folder, root, dict(key, eval=None, regions=1), stamp, cache, lm, device, REGION_TASKS, "regions")
+
+
+def _long_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str) -> dict:
+    "Long-caption retrieval of the weights in `folder` (every scorer), cached in `folder/<cache stem>_long.json`."
+    if not (root / 'retrieval_long.json').is_file():
+        return {}     # a folder from before the long captions
+    return _apart(folder, root, dict(key, eval=None, long=1), stamp, cache, lm, device, LONG_TASKS, "long")
+
+
+def _apart(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str, tasks: dict, name: str) -> dict:
+    "`tasks`' numbers of the weights in `folder` (every scorer), cached apart in `folder/<cache stem>_<name>.json`."
+    f = folder / f"{Path(cache).stem}_{name}.json"
     if f.is_file():
         c = read_record(f) or {}
         if c.get("key") == key and c.get("weights_mtime_ns") == stamp:
@@ -277,9 +305,9 @@ def _region_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, 
     t0 = time.time()
     lm = lm or load_model(checkpoint=folder, device=device)
     with tempfile.TemporaryDirectory() as d:
-        res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, tasks=REGION_TASKS)
+        res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, tasks=tasks)
     res = {k: v for k, v in res.items() if k != "scorer"}
-    res["region_eval_s"] = time.time() - t0
+    res[f"{name.removesuffix('s')}_eval_s"] = time.time() - t0
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res)))
     tmp.replace(f)
@@ -306,6 +334,16 @@ test_close((_r["pointing"], _r["mean_iou"], _r["n_phrases"]),
 # read back from the caches
 assert _r == evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)
 _cached = {**json.loads((_tmp / "untrained" / "eval.json").read_text())["results"],
-           **json.loads((_tmp / "untrained" / "eval_regions.json").read_text())["results"]}
+           **json.loads((_tmp / "untrained" / "eval_regions.json").read_text())["results"],
+           **json.loads((_tmp / "untrained" / "eval_long.json").read_text())["results"]}
 test_eq(_cached, _r)
 assert 0 <= _r["region_acc"] <= 100 and {"region_ap50", "region_crop_acc", "region_shape_acc"} <= set(_r)
+# long-caption retrieval, cached apart: the evaluation package's numbers on the long captions
+_lm_ev = Evaluator.of(_lm, cache_dir=_tmp / "lcache", progress=False)
+# a long-caption world: the five numbers on the same items as the short world's (pointing on the short phrases)
+_lw = replace(_wcfg, caption="long")
+write_world_benchmark(_tmp / "wtl", 40, _lw, split="test", extras=False)
+_rl = evaluate_folder(_tmp / "untrained_long", _tmp / "wtl", _lw, grounding=6, lm=_lm)
+test_close([_rl[k] for k in (*HEADLINE, *LONG_HEADLINE)], [_r[k] for k in (*HEADLINE, *LONG_HEADLINE)], eps=1e-9)
+_lres = evaluate(_lm_ev, _tmp / "wt", tasks=("long_retrieval",))[0]["long_retrieval"]
+test_eq({k: _r[f"long_{k}"] for k in ("i2t_R@1", "t2i_R@5")}, {k: _lres[k] for k in ("i2t_R@1", "t2i_R@5")})

@@ -19,7 +19,7 @@ from PIL import Image
 from ..data import IMAGE_EXTS
 from .items import BadData, ItemSkips, MissingData, _field, _read_json, check_caption, check_image
 from ..parsing import caption_problem
-from ..world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, generate, render
+from ..world import NEGATIVE_KINDS, WorldConfig, benchmark_scene, caption_tree, generate, render
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ __all__ = ['log', 'SUGARCREPE', 'CLASSIFICATION_FORMAT', 'WINOGROUND_HELP', 'WOR
            'RetrievalSet', 'retrieval_set', 'load_retrieval', 'load_coco_sample', 'load_coco_karpathy',
            'load_flickr_karpathy', 'load_sugarcrepe', 'ClassificationSet', 'classification_from_folders',
            'load_classification', 'load_winoground', 'write_wds_classification', 'write_world_classification',
-           'write_world_winoground', 'rle_counts', 'write_world_regions', 'WorldFolderTaken', 'write_world_benchmark']
+           'write_world_winoground', 'rle_counts', 'write_world_regions', 'write_world_long_retrieval',
+           'WorldFolderTaken', 'write_world_benchmark']
 
 # %% ../../nbs/61_eval_data.ipynb #082e448c
 @dataclass
@@ -387,9 +388,12 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
                              scene=s['scene'].to_dict(),
                              order=s['order'], masks=s['masks'][s['mask_valid']].astype(int).tolist())
         parses[s['text']] = s['parsed'].to_dict()
+        # the negatives edit the short caption: in a long-caption world it stays their positive (today's items)
+        pos = caption_tree(s['spec'])[0] if cfg.caption == 'long' else s['parsed']
+        parses[pos.text] = pos.to_dict()
         for kind, neg in b['negatives'].items():
             parses[neg.text] = neg.to_dict()
-            sugar[kind][str(len(sugar[kind]))] = dict(filename=fname, caption=s['text'], negative_caption=neg.text)
+            sugar[kind][str(len(sugar[kind]))] = dict(filename=fname, caption=pos.text, negative_caption=neg.text)
         caps = []
         for c in b['captions']:
             if c.text in seen:
@@ -412,6 +416,21 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
     return dict(sugarcrepe={k: len(v) for k, v in sugar.items()},
                 retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
                 retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
+
+def write_world_long_retrieval(out, cfg: WorldConfig, n_images: int, split: str = 'test') -> int:
+    """`out/retrieval_long.json`: each of the folder's `n_images` scenes with its long caption (`describe_long`, the
+    same scene drawn again from its seed in the long-caption world), its gold tree added to `parses.json`; returns the
+    number of captions (see "Long captions" above)."""
+    out, lcfg = Path(out), replace(cfg, caption='long')
+    parses = json.loads((out / 'parses.json').read_text()) if (out / 'parses.json').is_file() else {}
+    items = []
+    for i in range(n_images):
+        s = generate(lcfg, i, split)
+        parses[s['text']] = s['parsed'].to_dict()
+        items.append(dict(image=f'world_{i:06d}.png', caption=[s['text']]))
+    (out / 'parses.json').write_text(json.dumps(parses, indent=1))
+    (out / 'retrieval_long.json').write_text(json.dumps(items, indent=1))
+    return len(items)
 
 class WorldFolderTaken(FileExistsError):
     "A folder that holds something other than the world asked for: it is not written over."
@@ -444,6 +463,9 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
             if not all(f.is_file() for f in regions):
                 old['regions'] = write_world_regions(out, cfg, n_images, split, captions_per_image)
                 (out / 'summary.json').write_text(json.dumps(old, indent=1))
+            if not (out / 'retrieval_long.json').is_file():       # likewise the long captions (they came later)
+                old['retrieval_long'] = write_world_long_retrieval(out, cfg, n_images, split)
+                (out / 'summary.json').write_text(json.dumps(old, indent=1))
             return old
     if out.is_dir() and any(out.iterdir()):
         had = _request_of(out)
@@ -461,7 +483,8 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
         return json.loads((out / 'summary.json').read_text())
     out.mkdir(parents=True, exist_ok=True)
     summary = dict(n_images=n_images, split=split, **_world_scenes(out, cfg, n_images, split, captions_per_image),
-                   regions=write_world_regions(out, cfg, n_images, split, captions_per_image))
+                   regions=write_world_regions(out, cfg, n_images, split, captions_per_image),
+                   retrieval_long=write_world_long_retrieval(out, cfg, n_images, split))
     if extras:
         summary['classification'] = write_world_classification(out, dict(train=n_images, val=n_images // 2,
                                                                          test=n_images), cfg=cfg)

@@ -254,6 +254,16 @@ register_task(Task('regions', region_sets, task_regions, _region_skips,
                         crop_top1='region top-1 (crop)', crop_ap50='region AP50 (crop)'),
                    options=('vocabulary',)))
 
+# %% ../../nbs/64_eval_tasks.ipynb #8c17aee2
+def _long_retrieval_data(root: Path, image_root=None, strict: bool = False) -> tuple:
+    if (root / 'retrieval_long.json').is_file():
+        return (load_retrieval(root / 'retrieval_long.json', image_root, strict=strict),)
+    raise MissingData(f'long_retrieval: expected {root}/retrieval_long.json ([{{"image", "caption": [long '
+                      f'captions]}}], images in {root}/images; a world folder has it)')
+
+register_task(Task('long_retrieval', _long_retrieval_data, task_retrieval, _own_skips,
+                   {f'{d}_R@{k}': f'long {d} R@{k}' for d in ('i2t', 't2i') for k in (1, 5, 10)}))
+
 # %% ../../nbs/64_eval_tasks.ipynb #e31668fa
 def task_record(task: str) -> Task:
     "The registry's record of `task`; a ValueError naming the known tasks for another name."

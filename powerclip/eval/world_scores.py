@@ -9,6 +9,7 @@ import json
 import math
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,8 @@ from ..trainlog import read_record
 from ..world import NEGATIVE_KINDS, WorldConfig
 
 # %% auto #0
-__all__ = ['WORLD_TASKS', 'FOLDER_HEADLINE', 'POINTING', 'REGION_TASKS', 'REGION_HEADLINE', 'HEADLINE', 'world_items',
-           'evaluate_world', 'scene_names', 'scene_shares', 'evaluate_folder']
+__all__ = ['WORLD_TASKS', 'FOLDER_HEADLINE', 'POINTING', 'REGION_TASKS', 'REGION_HEADLINE', 'HEADLINE', 'LONG_TASKS',
+           'LONG_HEADLINE', 'world_items', 'evaluate_world', 'scene_names', 'scene_shares', 'evaluate_folder']
 
 # %% ../../nbs/68_eval_world_scores.ipynb #4c41a20a
 # the world evaluation's tasks, in the order of its answer: each task's metric -> its key in the answer
@@ -40,6 +41,10 @@ REGION_TASKS = {'regions': {'pooled_top1': 'region_acc', 'pooled_ap50': 'region_
 REGION_HEADLINE = {'region_acc': TASKS['regions'].headline['pooled_top1']}
 # key -> display name: paired differences, verdicts, in order
 HEADLINE = {**FOLDER_HEADLINE, **POINTING, **REGION_HEADLINE}
+# long-caption retrieval (`64_eval_tasks`) on the folder's long captions: cached apart, as the regions; reported beside
+# the headline, never in its Holm family (see "Long captions" below)
+LONG_TASKS = {'long_retrieval': {k: f'long_{k}' for k in ('i2t_R@1', 'i2t_R@5', 't2i_R@1', 't2i_R@5')}}
+LONG_HEADLINE = {f'long_{m}': TASKS['long_retrieval'].headline[m] for m in ('i2t_R@1', 't2i_R@1')}
 
 # %% ../../nbs/68_eval_world_scores.ipynb #10abb8ab
 def world_items(ev: Evaluator, found: dict, scorer: str | None = None) -> dict:
@@ -118,7 +123,8 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
     if f.is_file():
         c = read_record(f) or {}          # a damaged cache: one line, and evaluated again
         if c.get("key") == key and c.get("weights_mtime_ns") == stamp:
-            return {**c["results"], **_region_numbers(folder, root, key, stamp, cache, lm, device)}
+            return {**c["results"], **_region_numbers(folder, root, key, stamp, cache, lm, device),
+                    **_long_numbers(folder, root, key, stamp, cache, lm, device)}
     t0 = time.time()
     lm = lm or load_model(checkpoint=folder, device=device)
     with tempfile.TemporaryDirectory() as d:         # features computed once for the numbers and the items
@@ -128,7 +134,8 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
         cpu = lm if device == "cpu" else load_model(checkpoint=folder)              # the heat maps run on the CPU
         # the headline scorer's own map where it draws one (FLAIR's attention), else the cosine map (`67_heatmaps`)
         heat = model_heat_fn(cpu.model, cpu.tokenizer, next(iter(cpu.scorers.values()), None))
-        g = grounding_score(heat, grounding, world, per_scene=True)
+        # the short captions' noun phrases in a long-caption world too: the pointing game of every table (see above)
+        g = grounding_score(heat, grounding, replace(world, caption="short"), per_scene=True)
         res["per_scene"]["pointing"] = g["per_scene"]
         res.update({k: g[k] for k in ("pointing", "mean_iou", "n_phrases")})   # the comparison's (eval=3) numbers
     res["eval_s"] = time.time() - t0
@@ -136,15 +143,27 @@ def evaluate_folder(folder, root, world: WorldConfig, grounding: int = 0, device
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res)))
     tmp.replace(f)
-    return {**res, **_region_numbers(folder, root, key, stamp, cache, lm, device)}
+    return {**res, **_region_numbers(folder, root, key, stamp, cache, lm, device),
+            **_long_numbers(folder, root, key, stamp, cache, lm, device)}
 
 
 def _region_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str) -> dict:
     "The region task's numbers of the weights in `folder` (every scorer), cached in `folder/<cache stem>_regions.json`."
     if not any((root / 'annotations').glob('instances_*.json')):
         return {}     # a folder without objects to name
-    key = dict(key, eval=None, regions=1)
-    f = folder / f"{Path(cache).stem}_regions.json"
+    return _apart(folder, root, dict(key, eval=None, regions=1), stamp, cache, lm, device, REGION_TASKS, "regions")
+
+
+def _long_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str) -> dict:
+    "Long-caption retrieval of the weights in `folder` (every scorer), cached in `folder/<cache stem>_long.json`."
+    if not (root / 'retrieval_long.json').is_file():
+        return {}     # a folder from before the long captions
+    return _apart(folder, root, dict(key, eval=None, long=1), stamp, cache, lm, device, LONG_TASKS, "long")
+
+
+def _apart(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str, tasks: dict, name: str) -> dict:
+    "`tasks`' numbers of the weights in `folder` (every scorer), cached apart in `folder/<cache stem>_<name>.json`."
+    f = folder / f"{Path(cache).stem}_{name}.json"
     if f.is_file():
         c = read_record(f) or {}
         if c.get("key") == key and c.get("weights_mtime_ns") == stamp:
@@ -152,9 +171,9 @@ def _region_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, 
     t0 = time.time()
     lm = lm or load_model(checkpoint=folder, device=device)
     with tempfile.TemporaryDirectory() as d:
-        res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, tasks=REGION_TASKS)
+        res = evaluate_world(Evaluator.of(lm, cache_dir=d, progress=False, batch_size=128), root, tasks=tasks)
     res = {k: v for k, v in res.items() if k != "scorer"}
-    res["region_eval_s"] = time.time() - t0
+    res[f"{name.removesuffix('s')}_eval_s"] = time.time() - t0
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps(dict(key=key, weights_mtime_ns=stamp, results=res)))
     tmp.replace(f)
