@@ -189,10 +189,8 @@ def holds_output(out: Path, run: str) -> bool:
         return False
 
 
-def conflict(shard: Path, cfg: AnnotateConfig) -> str | None:
-    """Why the finished output of `shard`'s name in `cfg.out` must not be replaced by this run (made with other
-    settings, or from another input), or None. Unfinished shards and unreadable stats are this tool's own
-    interrupted work (redone, as before)."""
+def _stats(shard: Path, cfg: AnnotateConfig) -> dict | None:
+    "The recorded stats of `shard`'s finished output in `cfg.out`, or None (none, unreadable, or `--overwrite`)."
     tar, _, stats = out_paths(shard, Path(cfg.out))
     if cfg.overwrite or not (tar.exists() and stats.exists()):
         return None
@@ -200,8 +198,17 @@ def conflict(shard: Path, cfg: AnnotateConfig) -> str | None:
         st = json.loads(stats.read_text())
     except Exception:
         return None
-    if not isinstance(st, dict):
+    return st if isinstance(st, dict) else None
+
+
+def conflict(shard: Path, cfg: AnnotateConfig) -> str | None:
+    """Why the finished output of `shard`'s name in `cfg.out` must not be replaced by this run (made with other
+    settings, or from another input), or None. Unfinished shards and unreadable stats are this tool's own
+    interrupted work (redone, as before)."""
+    st = _stats(shard, cfg)
+    if st is None:
         return None
+    tar = out_paths(shard, Path(cfg.out))[0]
     made_from = st.get('input_path') or str(Path(st.get('input', shard)).resolve())
     if made_from != str(shard.resolve()):
         return f'{tar.name} was made from another input ({made_from!r}, not {str(shard)!r})'
@@ -212,12 +219,8 @@ def conflict(shard: Path, cfg: AnnotateConfig) -> str | None:
 
 def finished(shard: Path, cfg: AnnotateConfig) -> dict | None:
     "The stats of a finished shard, or None if it must be (re)done."
-    tar, _, stats = out_paths(shard, Path(cfg.out))
-    if cfg.overwrite or not (tar.exists() and stats.exists()):
-        return None
-    try:
-        st = json.loads(stats.read_text())
-    except Exception:
+    st = _stats(shard, cfg)
+    if st is None:
         return None
     ok = (st.get('version') == STATS_VERSION and st.get('settings') == cfg.fingerprint()
           and st.get('input_bytes') == (shard.stat().st_size if shard.exists() else None))

@@ -172,17 +172,11 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except Interrupted as e:
+    except (Interrupted, WriteFailed) as e:
         if debug_requested(argv):
             raise
-        if e.message:
-            print(f"{prog}: {e.message}", file=sys.stderr, flush=True)
-        return e.status
-    except WriteFailed as e:
-        if debug_requested(argv):
-            raise
-        if e.message:
-            print(f"{prog}: error: {e.message}", file=sys.stderr, flush=True)
+        if e.message:   # a refused write is an error; an interruption is news
+            print(f"{prog}: {'error: ' * isinstance(e, WriteFailed)}{e.message}", file=sys.stderr, flush=True)
         return e.status
     except KeyboardInterrupt:
         if debug_requested(argv):
