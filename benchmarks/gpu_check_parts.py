@@ -801,9 +801,11 @@ def paths_unit(a, K: int | None, M: int, path: str) -> dict:
 
 
 def path_work(r: dict) -> float:
-    "The useful FLOPs of a paths row: CLIP's logits alone for the clip path, else S-bar's useful products + CLIP's."
+    """The useful FLOPs of a paths row: CLIP's logits alone for the clip path, half of them for the siglip path (one
+    R x C block: the local images against the gathered texts, where CLIP's loss has a block each way), else S-bar's
+    useful products + CLIP's."""
     f = r["flops"]
-    return f["clip"] if r["path"] == "clip" else f["useful"]
+    return {"clip": f["clip"], "siglip": f["clip"] / 2}.get(r["path"], f["useful"])
 
 
 def units_paths(a, K: int | None):
@@ -834,7 +836,8 @@ def report_paths(a, values: dict) -> dict:
           "percentiles of the timed steps after a warm-up; peak = memory the step adds. triton = the fused S-bar "
           "kernel (`impl=\"triton\"`), fast = the blocked path with its default 16 MiB blocks, fast-device = the same "
           f"with the device's budget ({fmt(dev_mib, '.0f')} MiB), dense = the (R, C, M, K) reference, clip = CLIP's "
-          "loss alone.", "",
+          "loss alone, siglip = SigLIP's sigmoid loss alone (`siglip_loss`: the local images against every gathered "
+          "text; M plays no part in either).", "",
           "Work (`gpu_limits.loss_flops`, from the shapes): the useful products, unpadded (each caption's own node "
           "count): the scores q = <region, phrase> forward and the two gradient products (regions, phrases), plus "
           "CLIP's logits forward and backward; not counted: the backward's recomputed scores (the blocked and the "
@@ -853,7 +856,7 @@ def report_paths(a, values: dict) -> dict:
                 md.append(f"| {M} | {kmax} | {p} | {ms(r)} | | | | | | |")
                 continue
             work, t = path_work(r), r["time_s"]
-            sc = r["flops"]["scores"] if p != "clip" else None
+            sc = r["flops"]["scores"] if p not in ("clip", "siglip") else None
             md.append(f"| {M} | {kmax} | {p} | {t * 1e3:.2f} | {fmt(r.get('p20_s', NAN) * 1e3, '.2f')}-"
                       f"{fmt(r.get('p80_s', NAN) * 1e3, '.2f')} | {work / 1e12:.3g} | {work / t / 1e12:.3g} | "
                       f"{L.pct(frac(r))} | {fmt(sc / t / 1e9 if sc else None, '.3g')} | {r['peak_mib']:.0f} |")

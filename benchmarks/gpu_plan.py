@@ -27,8 +27,8 @@ PARTS = ("parity", "step-C4096", "step-B512", "compile", "paths-Kcc3m", "step-B2
          "memory", "ddp", "accum", "paths-K16", "compile-C4096", "compare")
 HEAD = ("clip", "powerclip")
 # the loss's paths (issue 37): the Triton kernel, the blocked path at 16 MiB and at the device's budget, the dense
-# reference, CLIP's loss; M = 10 (the paper's) first
-PATHS = ("triton", "fast", "fast-device", "dense", "clip")
+# reference, CLIP's loss, SigLIP's (issue 43); M = 10 (the paper's) first
+PATHS = ("triton", "fast", "fast-device", "dense", "clip", "siglip")
 PATH_MS = (10, 5, 15)
 ACCUM_KS = (1, 2, 4)
 LOADER_WORKERS = (1, 4, 8)

@@ -124,7 +124,7 @@ def _inputs(R, C, M, D, counts, impl, seed=0, device="cpu"):
 
 def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0, device="cpu"):
     "In a fresh process: time, saved-for-backward bytes and peak memory of forward + backward of the loss."
-    from powerclip.loss import PowerCLIPLossConfig, clip_loss, powerclip_loss
+    from powerclip.loss import PowerCLIPLossConfig, clip_loss, powerclip_loss, siglip_loss
     from powerclip.powerset_fast import saved_tensor_bytes
     from powerclip.measure import PeakMemory, sync
     leaves, local, gathered, others = _inputs(R, C, M, D, counts, impl, seed, device)
@@ -132,6 +132,7 @@ def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0, devi
                                                                                                          "fast"),
                               exact=impl == "exact", block_bytes=block_bytes)
     scale = torch.tensor(100.0, device=device)
+    sig_t, sig_b = torch.tensor(10.0, device=device), torch.tensor(-10.0, device=device)  # SigLIP: t, b at start
     inputs = {t.untyped_storage().data_ptr() for t in [*leaves.values(), *others]}
 
     def step():
@@ -141,6 +142,8 @@ def measure(impl, R, C, M, D, counts, precision, reps, block_bytes, seed=0, devi
                                                        enabled=precision == "bf16"):
             if impl == "clip":
                 loss = clip_loss(leaves["image"], leaves["text"], scale, leaves["image_all"], leaves["text_all"], 0)
+            elif impl == "siglip":     # the local images against every gathered text (open_clip's SigLipLoss's sum)
+                loss = siglip_loss(leaves["image"], leaves["text"], sig_t, sig_b, leaves["text_all"], 0)
             else:
                 out = powerclip_loss(leaves["image"], leaves["text"], scale, local, cfg,
                                      leaves["image_all"], leaves["text_all"], gathered, 0)
@@ -281,7 +284,7 @@ def main(argv=None):
     ap.add_argument("--M", type=int, nargs="+", default=[5, 10, 15, 32], help="regions per image")
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--impl", nargs="+", default=["fast", "dense", "exact", "clip"],
-                    choices=["fast", "dense", "exact", "clip", "auto", "triton"])
+                    choices=["fast", "dense", "exact", "clip", "auto", "triton", "siglip"])
     ap.add_argument("--K", type=int, default=None, help="nodes per caption, the same for every caption "
                                                         "(default: real CC3M counts)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -334,9 +337,9 @@ def main(argv=None):
                 for M in a.M:
                     for impl in a.impl:
                         base = dict(impl=impl, R=R, C=C, M=M, precision=precision, K_max=kmax, P=sum(counts))
-                        if impl == "clip" and M != a.M[0]:  # the CLIP loss does not depend on M: measure once
+                        if impl in ("clip", "siglip") and M != a.M[0]:  # neither loss depends on M: measure once
                             prev = next(r for r in rows
-                                        if (r["impl"], r["R"], r["C"], r["precision"]) == ("clip", R, C, precision))
+                                        if (r["impl"], r["R"], r["C"], r["precision"]) == (impl, R, C, precision))
                             rows.append({**prev, **base})
                             continue
                         gib = predicted_gib(impl, R, C, M, kmax)

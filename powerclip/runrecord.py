@@ -20,7 +20,8 @@ RECORD = "run.json"
 NOT_RECORDED = "not recorded"
 # the libraries whose version changes what a run computes or how its data is read: name in the record -> distribution
 LIBRARIES = {"torch": "torch", "open_clip": "open_clip_torch", "numpy": "numpy", "spacy": "spacy"}
-FACTS = ("commit", "dirty", "diff_sha256", "threads", "versions", "device", "device_name", "world_size", "host_sha256")
+FACTS = ("commit", "dirty", "diff_sha256", "threads", "versions", "device", "device_name", "cpu_capability",
+         "world_size", "host_sha256")
 
 
 def _git(root: Path, *args: str) -> bytes | None:
@@ -93,7 +94,7 @@ def segment_entry(device, step: int = 0, world_size: int = 1) -> dict:
     "What makes this stretch of a run, read here, in the training process (see above); `step`: where it starts."
     return dict(from_step=step, started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), **code_state(), versions=versions(),
                 threads=torch.get_num_threads(), device=str(device), device_name=device_name(device),
-                world_size=world_size, command=shlex.join(sys.argv), host_sha256=host_hash())
+                cpu_capability=torch.backends.cpu.get_cpu_capability(), world_size=world_size, command=shlex.join(sys.argv), host_sha256=host_hash())
 
 
 def facts(segments: list[dict]) -> dict:

@@ -36,7 +36,9 @@ CASES = {"clip": ("clip", None), "powerclip": ("powerclip", {"tau": 0.05}), "fil
          "aclip": ("aclip", None), "aclip-1view": ("aclip", {"views": 1, "color_aug": False}),
          "eclip": ("eclip", None), "eclip-visible": ("eclip", {"hide_clusters": False}),
          "eclip-no-floor": ("eclip", {"min_ratio": 0.0, "threshold": 0.3, "anchor_ratio": 0.2}),
-         "flair": ("flair", {"K": 3}), "flair-tcs": ("flair", {"K": 3, "mps": False})}
+         "flair": ("flair", {"K": 3}), "flair-tcs": ("flair", {"K": 3, "mps": False}),
+         # SigLIP's loss with the model's own t and b (SIGLIP_INIT), alone and under PowerCLIP's triplet term
+         "siglip": ("siglip", None), "powerclip-siglip": ("powerclip", {"tau": 0.05, "global_loss": "siglip"})}
 RAGGED = {"powerclip-ragged-M"}  # cases whose second process holds one region mask fewer (M = 4 and 3)
 # E-CLIP without its 30 % floor (and larger clusters): the batch drops as many patches as the smallest cluster of the
 # GLOBAL batch, and the two processes' own smallest clusters differ (asserted): a per-process count would differ

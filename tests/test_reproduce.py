@@ -41,6 +41,7 @@ def test_the_record_holds_the_childs_thread_count(trained):
     assert len(record["commit"]) == 40 and all(c in "0123456789abcdef" for c in record["commit"])
     assert set(record["versions"]) == {"python", "torch", "open_clip", "numpy", "spacy"}
     assert record["device"] == "cpu" and isinstance(record["dirty"], bool) and len(record["host_sha256"]) == 16
+    assert record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()      # the child's, e.g. AVX512
     ck = torch.load(run / "checkpoints" / "last.pt", weights_only=False)
     assert ck["record"]["threads"] == 2                                   # and in the checkpoint
 
@@ -65,11 +66,19 @@ def test_reproduce_a_fresh_run_is_bitwise_equal(trained, capsys):
     assert "differ between then and now: none" in out, out
 
 
-def test_reproduce_at_another_thread_count_parts(trained, capsys):
+def test_reproduce_at_another_thread_count_parts(trained, capsys, tmp_path):
+    "At 1 thread the rerun parts from the 2-thread run, and every recorded fact that differs is named."
     run, _ = trained
-    assert main([str(run), "--steps", "6", "--threads", "1"]) == 1
+    moved = tmp_path / "moved"                # as if trained on a machine without AVX-512
+    shutil.copytree(run, moved)
+    rec = json.loads((moved / RECORD).read_text())
+    for seg in rec["segments"]:
+        seg["cpu_capability"] = "AVX2" if torch.backends.cpu.get_cpu_capability() != "AVX2" else "AVX512"
+    (moved / RECORD).write_text(json.dumps(rec))
+    assert main([str(moved), "--steps", "6", "--threads", "1"]) == 1
     out = capsys.readouterr().out
     assert "parted at step " in out and "threads 2 then, 1 now" in out, out
+    assert f"CPU vector instructions {rec['segments'][0]['cpu_capability']} then" in out, out
 
 
 def test_a_folder_without_a_record_is_refused_in_one_line(trained, tmp_path, capsys):

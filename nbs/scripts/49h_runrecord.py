@@ -48,7 +48,12 @@ from fastcore.test import test_eq
 #   asked for the run, which is another process when a comparison trains in a spawned child (`16_measure`); the
 #   config key `threads` sets it there (None: what the environment gives);
 # - the **device** and its name (the GPU's, or the CPU's model), the number of processes, the command line, and a hash
-#   of the host's name (which machine, without naming it).
+#   of the host's name (which machine, without naming it);
+# - the **CPU's vector instructions** torch dispatches to (`cpu_capability`: AVX512, AVX2, ...; on a GPU run too, for
+#   its CPU-side work): a kernel with wider vectors sums in another order, and the same commit at the same thread count
+#   parts from itself on a machine with other instructions. Virtual machines often name their CPU only "Intel(R)
+#   Xeon(R) Processor", so the model alone does not tell; `71a_plateau` ("Why the two CLIP tables differ") shows a run
+#   parting this way (`ATEN_CPU_CAPABILITY=avx2` on an AVX-512 machine).
 #
 # A resumed run adds one entry per segment (`segments`, each with the step it started from); a resume may change the
 # thread count, and its entry then says from what (`threads_changed_from`). The top of `run.json` holds what every
@@ -61,7 +66,8 @@ RECORD = "run.json"
 NOT_RECORDED = "not recorded"
 # the libraries whose version changes what a run computes or how its data is read: name in the record -> distribution
 LIBRARIES = {"torch": "torch", "open_clip": "open_clip_torch", "numpy": "numpy", "spacy": "spacy"}
-FACTS = ("commit", "dirty", "diff_sha256", "threads", "versions", "device", "device_name", "world_size", "host_sha256")
+FACTS = ("commit", "dirty", "diff_sha256", "threads", "versions", "device", "device_name", "cpu_capability",
+         "world_size", "host_sha256")
 
 
 def _git(root: Path, *args: str) -> bytes | None:
@@ -134,7 +140,7 @@ def segment_entry(device, step: int = 0, world_size: int = 1) -> dict:
     "What makes this stretch of a run, read here, in the training process (see above); `step`: where it starts."
     return dict(from_step=step, started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), **code_state(), versions=versions(),
                 threads=torch.get_num_threads(), device=str(device), device_name=device_name(device),
-                world_size=world_size, command=shlex.join(sys.argv), host_sha256=host_hash())
+                cpu_capability=torch.backends.cpu.get_cpu_capability(), world_size=world_size, command=shlex.join(sys.argv), host_sha256=host_hash())
 
 
 def facts(segments: list[dict]) -> dict:
@@ -189,13 +195,14 @@ with tempfile.TemporaryDirectory() as d, run_threads(1):
     _r = begin_segment(d, "cpu")
     test_eq((_r["threads"], len(_r["commit"]), _r["segments"][0]["from_step"]), (1, 40, 0))
     assert set(_r["versions"]) == {"python", *LIBRARIES} and _r["device"] == "cpu"
+    assert _r["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and _r["cpu_capability"]
     with run_threads(2):
         _r2 = begin_segment(d, "cpu", step=3, ck=dict(record=_r))
     test_eq((_r2["threads"], _r2["segments"][1]["threads_changed_from"]), ([1, 2], 1))
     test_eq(json.loads((Path(d) / RECORD).read_text())["threads"], [1, 2])
     test_eq(len(begin_segment(d, "cpu", step=3)["segments"]), 1)   # no checkpoint: a fresh record
     test_eq(torch.get_num_threads(), 1)                                # put back
-print({k: _r[k] for k in ("commit", "dirty", "threads", "versions", "device_name")})
+print({k: _r[k] for k in ("commit", "dirty", "threads", "versions", "device_name", "cpu_capability")})
 
 # %% [markdown]
 # ## Records in a table

@@ -71,7 +71,8 @@ from fastcore.test import test_eq
 #| export
 WALL_CLOCK = ("time", "img_per_s")     # what a rerun never repeats: seconds and throughput
 FACT_WORDS = dict(commit="commit", dirty="dirty tree", diff_sha256="its difference (hash)", threads="threads",
-                  device="device", device_name="device name", world_size="processes", host_sha256="machine (hash)")
+                  device="device", device_name="device name", cpu_capability="CPU vector instructions",
+                  world_size="processes", host_sha256="machine (hash)")
 
 
 @dataclasses.dataclass
