@@ -49,8 +49,10 @@ theory: install
 	$(BIN)/python -m powerclip.theory
 
 ## Everything CI runs: notebooks, scripts and package agree, the docs site builds, every cell runs, pytest passes.
-## pytest -n 2: each module with a costly set-up runs whole on one worker, longest first (tests/conftest.py).
-test: install check docs
+## check and docs run side by side (each is one process: the second core would wait); pytest -n 2: each module with a
+## costly set-up runs whole on one worker, longest first (tests/conftest.py).
+test: install
+	$(MAKE) --no-print-directory -j2 --output-sync=target check docs
 	$(BIN)/nbdev_test --n_workers 2 --timing
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
 

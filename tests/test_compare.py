@@ -1,4 +1,5 @@
-"""The comparison runner (`powerclip.compare`) end to end on the smoke preset, each run in a fresh process: fine-tune
+"""The comparison runner (`powerclip.compare`) end to end on the smoke preset, each run in this process (a spawned
+child per run, `isolate=True`, is the path of tests/test_reproduce.py's run and test_interrupt's runner): fine-tune
 chaining (a fine-tune starts from its base's snapshot and reads the batches its base reads next), a killed run that
 resumes, finished runs and evaluations reused, the paired statistics from the per-seed and per-scene numbers, and the
 command line's one-line errors."""
@@ -16,7 +17,8 @@ from powerclip.stats import bootstrap_paired, paired_difference
 from powerclip.train import read_metrics, train
 
 STEPS, SEEDS = 10, [0, 1]
-KW = dict(preset="smoke", eval_images=20, grounding_scenes=3, curve_points=(0.5, 1.0), log=lambda m: None)
+KW = dict(preset="smoke", eval_images=20, grounding_scenes=3, curve_points=(0.5, 1.0), log=lambda m: None,
+          isolate=False)
 # CLIP-ft0: CLIP fine-tuned from CLIP's snapshot at learning rate 0, so its weights stay the snapshot's
 ROWS = {"CLIP": RUNS["CLIP"], "CLIP-ft0": RunSpec("clip", {"optim.lr": 0.0}, base="CLIP", warmup_share=0.5)}
 
@@ -30,7 +32,7 @@ def run(tmp_path_factory):
     train(dataclasses.replace(killed, stop_at=4))
     assert ((out / "seed1" / "CLIP" / "checkpoints" / "last.pt").is_file()
             and not (out / "seed1" / "CLIP" / "train.json").exists())
-    cmp = compare(ROWS, SEEDS, STEPS, out, **KW)          # isolate=True: each run in a fresh process
+    cmp = compare(ROWS, SEEDS, STEPS, out, **KW)
     return out, plan, cmp
 
 

@@ -33,6 +33,26 @@ def _run(out_dir, *extra, preexec=None, timeout=300):
                           timeout=timeout, preexec_fn=preexec)
 
 
+class _Ran:
+    "What `_here` returns: the command's exit status and its stderr, as `subprocess.run` gives them."
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode, self.stderr = returncode, stderr
+
+
+def _here(capfd, out_dir, *extra):
+    """The trainer's command line as `_run` runs it, in this process (one thread, as `_env`), without a new
+    interpreter's start-up; for the cases where what is checked is the trainer's work, not the process around it."""
+    from powerclip.train import main
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    capfd.readouterr()
+    try:
+        rc = main([*SMOKE, f"out_dir={out_dir}", *extra])
+    finally:
+        torch.set_num_threads(before)
+    return _Ran(rc, capfd.readouterr().err)
+
+
 def _said(r) -> list[str]:
     "stderr lines that are not the trainer's log (nor open_clip's warning of a model built without weights)"
     return [line for line in r.stderr.splitlines() if line.strip()
@@ -65,7 +85,7 @@ def _copy(src, dst):
 
 # ------------------------------------------------------------------------------------------- 1. a damaged log
 @pytest.mark.parametrize("damage", ["nul", "cut"])
-def test_a_damaged_metrics_csv_is_repaired_on_resume(tmp_path, stopped, damage):
+def test_a_damaged_metrics_csv_is_repaired_on_resume(tmp_path, stopped, damage, capfd):
     from powerclip.trainlog import read_metrics
     run = _copy(stopped, tmp_path / "run")
     m = run / "metrics.csv"
@@ -75,7 +95,7 @@ def test_a_damaged_metrics_csv_is_repaired_on_resume(tmp_path, stopped, damage):
     else:                     # the last row cut short, and a cell no number
         damaged = text + b"3,0,0.001,1e-"
     m.write_bytes(damaged)
-    r = _run(run, "max_steps=4")
+    r = _here(capfd, run, "max_steps=4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "metrics.csv" in r.stderr and "kept 2 row(s)" in r.stderr, r.stderr[-2000:]
     aside = list(run.glob("metrics.csv.damaged-*"))
@@ -167,7 +187,7 @@ def test_under_ddp_a_failed_write_ends_both_processes_with_exit_3(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- 3. one trainer
-def test_a_second_trainer_is_refused_and_a_killed_one_never_blocks(tmp_path):
+def test_a_second_trainer_is_refused_and_a_killed_one_never_blocks(tmp_path, capfd):
     run = tmp_path / "run"
     first = subprocess.Popen(_cmd(run, "max_steps=100000", "ckpt_every=2"), cwd=ROOT, env=_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -176,36 +196,38 @@ def test_a_second_trainer_is_refused_and_a_killed_one_never_blocks(tmp_path):
         while not (run / "checkpoints" / "last.pt").is_file():
             assert first.poll() is None and time.time() < deadline, "the first trainer did not checkpoint"
             time.sleep(0.5)
-        second = _run(run, "max_steps=100000", "ckpt_every=2")
+        # stopped, not ended: it still holds its lock, and the two refused commands below have the CPU to themselves
+        first.send_signal(signal.SIGSTOP)
+        second = _here(capfd, run, "max_steps=100000", "ckpt_every=2")
         _one_line(second, 2, "is being trained by", f"pid {first.pid} on host {socket.gethostname()}",
                   "one trainer per run folder")
         assert first.poll() is None                                        # the first goes on
-        overwrite = _run(run, "resume=never", "overwrite=true")            # nor is it moved aside under it
+        overwrite = _here(capfd, run, "resume=never", "overwrite=true")    # nor is it moved aside under it
         _one_line(overwrite, 2, "is being trained by")
         assert first.poll() is None and not list(tmp_path.glob("run.old-*"))
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     step = _step(run / "checkpoints" / "last.pt")
-    r = _run(run, f"max_steps={step + 1}", "ckpt_every=2")                 # its lock left behind: taken over
+    r = _here(capfd, run, f"max_steps={step + 1}", "ckpt_every=2")         # its lock left behind: taken over
     assert r.returncode == 0, r.stderr[-3000:]
     assert _step(run / "checkpoints" / "last.pt") == step + 1 and not (run / "train.lock").exists()
 
 
 # ------------------------------------------------------------------------------------------- 0. nothing finished lost
-def test_a_finished_run_without_checkpoints_is_never_replaced(tmp_path, stopped):
+def test_a_finished_run_without_checkpoints_is_never_replaced(tmp_path, stopped, capfd):
     run = _copy(stopped, tmp_path / "run")
     import shutil
     shutil.rmtree(run / "checkpoints")                                     # deleted to save space
     weights = (run / "model.pt").read_bytes()
-    r = _run(run, "--method", "clip", "max_steps=2")
+    r = _here(capfd, run, "--method", "clip", "max_steps=2")
     _one_line(r, 2, "holds a finished run", "model.pt", "overwrite=true moves it aside")
     assert (run / "model.pt").read_bytes() == weights and not (run / "checkpoints").exists()
     own = tmp_path / "own"                                                 # a user's own files
     own.mkdir()
     (own / "config.yaml").write_text("lr: 1\n")
     (own / "metrics.csv").write_text("step,loss\n1,2\n")
-    _one_line(_run(own, "max_steps=2"), 2, "files the trainer did not write (metrics.csv, config.yaml)")
+    _one_line(_here(capfd, own, "max_steps=2"), 2, "files the trainer did not write (metrics.csv, config.yaml)")
     assert (own / "config.yaml").read_text() == "lr: 1\n"
 
 

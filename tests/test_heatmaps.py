@@ -81,18 +81,21 @@ def test_grounding_table_python_api(runs):
     assert len({r['n_phrases'] for r in rows}) == 1
 
 
-def test_cli_bad_input(tmp_path, runs):
+def test_cli_bad_input(tmp_path, runs, capfd):
+    "As a user types them: the first through `python -m` (the entry point), the others through the same `main`."
+    r = subprocess.run([sys.executable, '-m', 'powerclip.heatmaps', '--checkpoint', 'random:powerclip-micro'],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and '--grounding' in r.stderr and 'Traceback' not in r.stderr, r.stderr
+
     def run(*a):
-        return subprocess.run([sys.executable, '-m', 'powerclip.heatmaps', *a], capture_output=True, text=True,
-                              cwd=ROOT, timeout=300)
-    r = run('--checkpoint', 'random:powerclip-micro')
-    assert r.returncode == 2 and '--grounding' in r.stderr
-    r = run('--image', 'x.png', '--text', 'a dog')
-    assert r.returncode == 2 and '--checkpoint' in r.stderr
-    r = run('--image', str(tmp_path / 'nope.png'), '--text', 'a dog', '--checkpoint', 'random:powerclip-micro')
-    assert r.returncode == 2 and 'not found' in r.stderr and r.stderr.count('\n') == 1
-    r = run('--image', str(_image(tmp_path / 'x.png')), '--text', 'a dog', '--checkpoint', f'a={tmp_path}')
-    assert r.returncode == 2 and 'no checkpoint in a known layout' in r.stderr and r.stderr.count('\n') == 1
+        rc = main(list(a))
+        return rc, capfd.readouterr().err
+    rc, err = run('--image', 'x.png', '--text', 'a dog')
+    assert rc == 2 and '--checkpoint' in err
+    rc, err = run('--image', str(tmp_path / 'nope.png'), '--text', 'a dog', '--checkpoint', 'random:powerclip-micro')
+    assert rc == 2 and 'not found' in err and err.count('\n') == 1, err
+    rc, err = run('--image', str(_image(tmp_path / 'x.png')), '--text', 'a dog', '--checkpoint', f'a={tmp_path}')
+    assert rc == 2 and 'no checkpoint in a known layout' in err and err.count('\n') == 1, err
 
 
 def test_world_edits_stay_in_the_grammar():

@@ -140,7 +140,8 @@ def segment_entry(device, step: int = 0, world_size: int = 1) -> dict:
     "What makes this stretch of a run, read here, in the training process (see above); `step`: where it starts."
     return dict(from_step=step, started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), **code_state(), versions=versions(),
                 threads=torch.get_num_threads(), device=str(device), device_name=device_name(device),
-                cpu_capability=torch.backends.cpu.get_cpu_capability(), world_size=world_size, command=shlex.join(sys.argv), host_sha256=host_hash())
+                cpu_capability=torch.backends.cpu.get_cpu_capability(), world_size=world_size,
+                command=shlex.join(sys.argv), host_sha256=host_hash())
 
 
 def facts(segments: list[dict]) -> dict:
