@@ -55,9 +55,8 @@ if __name__ == "__main__":      # the runs train in spawned processes, which imp
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--out", default="runs/c2lip_anatomy")
     a = ap.parse_args()
-    # the final numbers only (no learning curves): ten rows a seed, each scored once
     plan = make_plan(ROWS, a.seeds, a.steps, a.out, overrides={"progress": False, "threads": 1},
-                     grounding_scenes=200, reference=CONTROL, curve_points=(1.0,))
+                     grounding_scenes=200, reference=CONTROL)
     plan.meta["command"] = "python benchmarks/c2lip_anatomy.py " + " ".join(
         ["--seeds", *map(str, a.seeds), "--steps", str(a.steps), "--out", a.out])
     cmp = run_plan(plan)
