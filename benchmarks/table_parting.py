@@ -5,12 +5,16 @@ At a given thread count, at the code of whichever checkout `powerclip` is import
     .venv/bin/python benchmarks/table_parting.py --seed 0 --threads 1 [--steps 400] [--out /tmp/parting]
     # at another commit: git worktree add /tmp/be50879 be50879 && cd /tmp/be50879 && \
     #     PYTHONPATH=. /path/to/repo/.venv/bin/python /path/to/repo/benchmarks/table_parting.py --seed 0 --threads 2
+    # as on a machine without AVX-512 (torch's, MKL's and oneDNN's kernels limited to AVX2):
+    #     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python ...
 
 Scores the untrained model of the seed (the tables' chance line) on the plan's 300 test scenes, and with `--steps N`
 trains the seed's CLIP for its first N steps (the whole schedule's learning rates, `stop_at`) and scores its snapshot
-at N; prints one JSON line: the commit, the thread count, the numbers, the logged losses. The committed tables' own
+at N; prints one JSON line: the commit, the thread count, the CPU's vector instructions torch dispatches to, the
+numbers, the logged losses (issue 44's runs: benchmarks/results/table_parting_cpu.json). The committed tables' own
 numbers are in benchmarks/results/{plateau,finetune}_cpu/T1600/summary.json (per_seed) and the plateau's per-seed
 curve at step 400 in its curves_per_seed.csv. `71a_plateau` ("Why the two CLIP tables differ") reads the results.
+At a commit older than `benchmarks/_checks.py`'s `check_number` (be50879), run a copy without its two `_checks` lines.
 """
 import dataclasses
 import json
@@ -53,6 +57,7 @@ def _main(argv):
     lm = load_model(job.cfg.model.name, None, seed=derive_seed(a.seed, "init"), model_kwargs=job.cfg.model.kwargs)
     r = evaluate_folder(out / "untrained", plan.test_root, plan.world, 0, lm=lm)
     res = dict(commit=head, code=str(code), seed=a.seed, threads=torch.get_num_threads(),
+               cpu_capability=torch.backends.cpu.get_cpu_capability(),
                untrained={k: r[k] for k in keys if k in r})
     if a.steps:
         cfg = dataclasses.replace(job.cfg, stop_at=a.steps, progress=False, tensorboard=False,

@@ -57,7 +57,8 @@ def shard_straight(tmp_path_factory, shards):
 # modules of the shared straight runs above share them; the groups go out first, longest first, so that the short
 # tests, sent one by one, fill both workers at the end. A module not named is spread test by test. (xdist's own
 # `--dist loadgroup` cannot do it here: it marks a group in the test's id, which pytest 9 no longer lets it change.)
-GROUPS = [("test_interrupt", "test_train_resume", "test_accum_modes"), ("test_compare",), ("test_eval_every",),
+GROUPS = [("test_interrupt", "test_train_resume", "test_accum_modes"), ("test_faults",), ("test_compare",),
+          ("test_eval_every",), ("test_reproduce",),
           ("test_power",), ("test_accum",), ("test_accum_recipes",), ("test_annotate",), ("test_eval",),
           ("test_parsing",), ("test_checkpoints_released",), ("test_data",), ("test_heatmaps",)]
 _RANK = {m: i for i, mods in enumerate(GROUPS) for m in mods}
