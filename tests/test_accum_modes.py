@@ -52,14 +52,19 @@ def test_accum_in_bf16_within_its_rounding(method):
 
 
 def test_accum_resume_is_exact(tmp_path, straight):
-    """tests/test_train_resume.py's runner (smoke preset, N steps in a new process each): plain (`straight`, the
-    session's run of that runner), straight with accumulation, resumed."""
+    """tests/test_train_resume.py's runner (smoke preset, N steps, one thread): plain (`straight`, the session's run of
+    that runner), straight with accumulation and its first half in this process, the resume in a new one."""
     N, ref = resume.N, straight
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    resume._run(straight, "accum_steps=2")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                      # as the runner's processes (OMP_NUM_THREADS=1)
+    try:
+        resume._main(resume._cmd(straight, "accum_steps=2")[3:])
+        resume._main(resume._cmd(resumed, "accum_steps=2", f"stop_at={N // 2}")[3:])
+    finally:
+        torch.set_num_threads(threads)
     steps, acc, _ = resume._losses(straight)
     assert steps == list(range(1, N + 1)) and max(abs(a - b) for a, b in zip(acc, ref)) < 1e-4, (ref, acc)
-    resume._run(resumed, "accum_steps=2", f"stop_at={N // 2}")
     assert resume._losses(resumed)[0] == list(range(1, N // 2 + 1))
     r = resume._run(resumed, "accum_steps=2")
     assert f"at step {N // 2}" in r.stderr
