@@ -3,6 +3,9 @@ parts changed at a time, T = 150 (F = 30), 3 seeds, each against the matched con
 lr 1e-5, wd 0.1, its warm-up) and against C2LIP as the comparison trains it.
 
     .venv/bin/python benchmarks/c2lip_anatomy.py [--seeds 0 1 2] [--steps 150] [--out runs/c2lip_anatomy]
+    # seeds in two processes (two cores), then one table over both folders:
+    .venv/bin/python benchmarks/c2lip_anatomy.py --seeds 2 --out runs/c2lip_anatomy_s2
+    .venv/bin/python benchmarks/c2lip_anatomy.py --seeds 0 1 --merge runs/c2lip_anatomy_s2
 
 The rows (`ROWS`): the control; C2LIP as `RUNS["C2LIP"]` (SigLIP's loss with t and b created fresh at 10 and -10,
 npc and xac, `npc_norm=batch`, t and b at lr 1e-3); C2LIP-CLIP (CLIP's loss as the base); npc off; xac off; both off
@@ -16,6 +19,7 @@ import argparse
 from pathlib import Path
 
 from powerclip.compare import RUNS, RunSpec, make_plan, run_plan
+from powerclip.report import load_comparison, merge_comparisons, write_outputs
 
 C2LIP = RUNS["C2LIP"]
 CONTROL = "CLIP ft (C2LIP recipe)"
@@ -54,11 +58,18 @@ if __name__ == "__main__":      # the runs train in spawned processes, which imp
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--out", default="runs/c2lip_anatomy")
+    ap.add_argument("--merge", nargs="*", default=[], metavar="DIR",
+                    help="folders of this anatomy over other seeds, read into this one's tables")
     a = ap.parse_args()
     plan = make_plan(ROWS, a.seeds, a.steps, a.out, overrides={"progress": False, "threads": 1},
                      grounding_scenes=200, reference=CONTROL)
     plan.meta["command"] = "python benchmarks/c2lip_anatomy.py " + " ".join(
-        ["--seeds", *map(str, a.seeds), "--steps", str(a.steps), "--out", a.out])
+        ["--seeds", *map(str, a.seeds), "--steps", str(a.steps), "--out", a.out]
+        + (["--merge", *a.merge] if a.merge else []))
     cmp = run_plan(plan)
+    if a.merge:
+        cmp = merge_comparisons([cmp, *map(load_comparison, a.merge)])
+        cmp.meta["command"] = plan.meta["command"]
+        write_outputs(cmp, Path(a.out))
     (Path(a.out) / "anatomy.md").write_text(anatomy_md(cmp))
     print((Path(a.out) / "anatomy.md").read_text())
