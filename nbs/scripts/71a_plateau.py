@@ -1100,20 +1100,30 @@ print((_kept_ft / "finetune.md").read_text().split("\n\nSmallest true difference
 #   line at 573eecf's parent scores 6.79915780168705 (the plateau's number), at be50879 6.799061451596883 (the
 #   fine-tune's), on one thread and on two alike. Only the AP50 columns of runs scored before 573eecf moved, by about
 #   1e-4 points; no headline number (HN mean, R@1, pointing, region top-1) reads them.
-# - **The training: not the code; the thread count is what is left.** No file CLIP's training reads changed between
-#   d227192 (2026-11-27 09:47, before the plateau's class-token seeds 3-7 trained) and be50879 (the fine-tune's frozen
-#   worktree): the diff touches A-CLIP, the powerset fast path, the report and the experiments' command line. At
-#   be50879, CLIP seed 3 on one thread and on two part at once (gradient norm at step 10 2.653796672821045 against
-#   2.6537959575653076, loss at step 20 3.3392720222 against 3.3392722607), and 1,600 steps grow that into the
-#   differences above. At be50879 on one thread, seed 3's snapshot at step 400 scores HN mean 74.3, i2t R@1 50.8, t2i
-#   R@1 53.0 (region top-1 3.47); the plateau's seed 3 scored 73.0 / 53.9 / 53.8 (3.47) there: the plateau's seed 3 was
-#   not trained on one thread at this code, though its `train.json` says 1. Not established: that it ran on two (the
-#   2-thread rerun to step 400 did not finish, 40 s a step on the loaded machine), and on which count the fine-tune's
-#   CLIP ran (its per-seed curves were not kept).
-#   Both tables record `threads = 1` for seeds 3-7, but that count was the comparison process's
-#   (`torch.get_num_threads()` in the parent), not the spawned training process's, which took `OMP_NUM_THREADS` or the
-#   cores; the plateau's seeds 0-2 recorded none. Runs now record the count their training process read (`run.json`,
-#   `49h_runrecord`), and the plan gives every child its count (`70_compare`).
+# - **The training: not the code at be50879, nor the thread count alone; the machine is a cause, and the plateau's
+#   conditions were not recorded.** No file CLIP's training reads changed between d227192 (2026-11-27 09:47, before
+#   the plateau's class-token seeds 3-7 trained) and be50879 (the fine-tune's frozen worktree): the diff touches A-CLIP,
+#   the powerset fast path, the report and the experiments' command line. At be50879, CLIP seed 3 was retrained under
+#   four conditions (`benchmarks/results/table_parting_cpu.json`, below): one and two threads, each with the CPU's
+#   AVX-512 kernels (this machine's) and limited to AVX2 (`ATEN_CPU_CAPABILITY=avx2`, `MKL_ENABLE_INSTRUCTIONS=AVX2`,
+#   `ONEDNN_MAX_CPU_ISA=AVX2`: torch, MKL and oneDNN as on a CPU without AVX-512). All four part from each other by
+#   step 20 (loss 3.33927202, 3.33927226, 3.33927274, 3.33927107) and end far apart: at step 400 they score HN mean /
+#   i2t R@1 / t2i R@1 74.3 / 50.8 / 53.0, 72.9 / 50.4 / 51.9, 72.8 / 54.3 / 54.7 and 73.6 / 50.0 / 50.8, as far from
+#   each other as from the plateau's seed 3 there (73.0 / 53.9 / 53.8), which none of them is. Each condition is
+#   bitwise equal to itself: the 2-thread run to 1,600 passes step 400 with the 400-step run's loss to the last digit.
+#   The full schedule at be50879 on two threads ends at loss 0.38903 (HN mean 75.3, R@1 76.8 / 81.5); the plateau's
+#   seed 3 ended at 0.37380 and the fine-tune's at 0.40184. **On one thread it ends at 0.40184080600738525, the
+#   fine-tune table's seed 3 to the last digit** (loss, HN mean 76.64857, R@1 75.59 / 79.34, region top-1 5.78):
+#   the fine-tune table's CLIP was trained at be50879 on one thread on this AVX-512 machine, as its record says.
+#   The plateau's seed 3 is none of the four: it was made under a condition not recorded (its commit, or another
+#   machine's kernels).
+#   So a seed's CLIP moves by as much as two seeds differ with the thread count and with the CPU's vector
+#   instructions, and neither table's runs recorded either (the `threads = 1` both tables show for seeds 3-7 was the
+#   comparison process's `torch.get_num_threads()`, not the spawned training process's, which took `OMP_NUM_THREADS`
+#   or the cores; the plateau's seeds 0-2 recorded none; and a virtual machine names its CPU "Intel(R) Xeon(R)
+#   Processor" whatever it is). Runs now record the count their training process read and the CPU's vector
+#   instructions (`run.json`, `49h_runrecord`: `threads`, `cpu_capability`), the plan gives every child its count
+#   (`70_compare`), and `python -m powerclip.reproduce` names both among the differences when a rerun parts.
 #
 # **What depends on it.** Every difference a table reports is paired within that table, seed by seed, between runs made
 # under the same conditions, so neither table's verdicts move. CLIP (continued) in the fine-tune table is the fine-tune
@@ -1126,9 +1136,12 @@ print((_kept_ft / "finetune.md").read_text().split("\n\nSmallest true difference
 #
 # ```bash
 # git worktree add /tmp/be50879 be50879 && git worktree add /tmp/pre573 573eecf~1
-# PY=$PWD/.venv/bin/python; B=$PWD/benchmarks/table_parting.py
+# PY=$PWD/.venv/bin/python; B=/tmp/table_parting.py   # a copy without its two `_checks` lines (not in be50879):
+# grep -v '_checks' benchmarks/table_parting.py > $B
 # cd /tmp/be50879 && PYTHONPATH=. $PY $B --seed 3 --threads 1 --steps 400    # against the plateau's seed 3 at 400
-# cd /tmp/be50879 && PYTHONPATH=. $PY $B --seed 3 --threads 2 --steps 20     # parts from the 1-thread run by step 10
+# cd /tmp/be50879 && PYTHONPATH=. $PY $B --seed 3 --threads 2 --steps 400    # and --steps 1600; --threads 1 too
+# cd /tmp/be50879 && ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+#     PYTHONPATH=. $PY $B --seed 3 --threads 1 --steps 400                       # as on a CPU without AVX-512
 # cd /tmp/pre573 && PYTHONPATH=. $PY $B --seed 0 && cd /tmp/be50879 && PYTHONPATH=. $PY $B --seed 0   # chance lines
 # ```
 
@@ -1145,6 +1158,27 @@ assert all(r["record"]["commit"] == "not recorded" for t in (_kept_pl, _ft) for 
            for n, r in res.items() if n != "untrained")
 test_close(_kept_pl["per_seed"]["0"]["untrained"]["region_ap50"], 6.79915780168705, eps=1e-12)   # 573eecf's parent
 test_close(_ft["per_seed"]["0"]["untrained"]["region_ap50"], 6.799061451596883, eps=1e-12)       # be50879
+
+# %%
+# CLIP seed 3 retrained at be50879 (`table_parting_cpu.json`): every condition parts from every other by step 20, none
+# is the plateau's seed 3 at step 400, each is bitwise equal to itself, and the full runs end apart from both tables
+_runs = json.loads((_root / "benchmarks" / "results" / "table_parting_cpu.json").read_text())["runs"]
+_curves = _root / "benchmarks" / "results" / "plateau_cpu" / "T1600" / "curves_per_seed.csv"
+_pl400 = next(r for r in csv.DictReader(open(_curves)) if (r["row"], r["seed"], r["step"]) == ("CLIP", "3", "400"))
+_key = lambda r: (r["cpu_capability"], r["threads"])
+assert len({r["losses"]["20"] for r in _runs}) == len({_key(r) for r in _runs})     # one trajectory per condition
+for _r in _runs:
+    _again = [o for o in _runs if _key(o) == _key(_r)]
+    assert all(o["losses"][k] == _r["losses"][k] for o in _again for k in _r["losses"] if k in o["losses"])
+for _r in (r for r in _runs if r["steps"] == 400):      # none is the plateau's seed 3 at step 400
+    assert any(abs(_r["trained"][k] - float(_pl400[k])) > 1e-9 for k in ("hn_mean", "i2t_R@1", "t2i_R@1"))
+_final = {(_r["threads"], _r["cpu_capability"]): _r["losses"]["1600"] for _r in _runs if _r["steps"] == 1600}
+_tables = {n: t["per_seed"]["3"]["CLIP"]["final_loss"] for n, t in (("plateau", _kept_pl), ("fine-tune", _ft))}
+print("seed 3's final loss:", _tables, {f"be50879, {t} thread(s), {c}": v for (t, c), v in _final.items()})
+assert _final[(2, "AVX512")] not in _tables.values()
+assert _final[(1, "AVX512")] == _tables["fine-tune"] != _tables["plateau"]    # the fine-tune's seed 3, bit for bit
+_t1 = next(r for r in _runs if (r["steps"], r["threads"]) == (1600, 1))
+assert all(_t1["trained"][k] == _ft["per_seed"]["3"]["CLIP"][k] for k in ("hn_mean", "i2t_R@1", "t2i_R@1", "region_acc"))
 
 
 # %% [markdown]
