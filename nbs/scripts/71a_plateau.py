@@ -1178,7 +1178,8 @@ print("seed 3's final loss:", _tables, {f"be50879, {t} thread(s), {c}": v for (t
 assert _final[(2, "AVX512")] not in _tables.values()
 assert _final[(1, "AVX512")] == _tables["fine-tune"] != _tables["plateau"]    # the fine-tune's seed 3, bit for bit
 _t1 = next(r for r in _runs if (r["steps"], r["threads"]) == (1600, 1))
-assert all(_t1["trained"][k] == _ft["per_seed"]["3"]["CLIP"][k] for k in ("hn_mean", "i2t_R@1", "t2i_R@1", "region_acc"))
+assert all(_t1["trained"][k] == _ft["per_seed"]["3"]["CLIP"][k] for k in ("hn_mean", "i2t_R@1", "t2i_R@1",
+                                                                          "region_acc"))
 
 
 # %% [markdown]
