@@ -1065,7 +1065,12 @@ for _f in ("summary.md", "summary.csv", "pooling.md"):
 #   to 76.4 while CLIP ft climbs to 78.0 (`70_compare`, "The recipe"). Neither gains on hard negatives here, where
 #   their papers report compositional gains;
 #   against CLIP continued (`finetune.md`) the verdicts are the same but SmartCLIP's t2i, which is no longer
-#   suggestive there.
+#   suggestive there. **What costs C2LIP from CLIP its points** (`benchmarks/c2lip_anatomy.py`, T = 150, seeds 0-1 of
+#   the three asked; `benchmarks/results/sigmoid_cpu/c2lip_anatomy/anatomy.md`): its npc term. With npc off, C2LIP
+#   gains +12.2 [-2.8, +27.2] / +14.8 [-36.8, +66.5] R@1 over C2LIP on both seeds, and with npc and xac off (SigLIP's
+#   loss alone, t and b fresh) it is the matched control's to within 0.4; xac off, `npc_norm=concepts`, t and b at the
+#   run's lr and lr 1e-4 move R@1 by at most 1.2. Two seeds give no verdict (every interval holds 0): a reading of
+#   direction, the same on both seeds, until the third seed lands.
 # - So, for a user holding a trained CLIP, **the answer at this scale is no**: none of the three fine-tunes adds a
 #   detectable hard-negative gain (detectable sizes 1.2-1.9 points against CLIP ft), and all three cost retrieval.
 
