@@ -201,7 +201,7 @@ def test_a_second_trainer_is_refused_and_a_killed_one_never_blocks(tmp_path, cap
         second = _here(capfd, run, "max_steps=100000", "ckpt_every=2")
         _one_line(second, 2, "is being trained by", f"pid {first.pid} on host {socket.gethostname()}",
                   "one trainer per run folder")
-        assert first.poll() is None                                        # the first goes on
+        assert first.poll() is None                                        # the first is still there
         overwrite = _here(capfd, run, "resume=never", "overwrite=true")    # nor is it moved aside under it
         _one_line(overwrite, 2, "is being trained by")
         assert first.poll() is None and not list(tmp_path.glob("run.old-*"))
