@@ -25,8 +25,7 @@ C2LIP = RUNS["C2LIP"]
 CONTROL = "CLIP ft (C2LIP recipe)"
 ROWS = {
     "CLIP": RUNS["CLIP"],
-    CONTROL: RunSpec("clip", {"optim.lr": 1e-5, "optim.weight_decay": 0.1}, base="CLIP",
-                     warmup_share=C2LIP.warmup_share),
+    CONTROL: RunSpec("clip", dict(C2LIP.overrides), base="CLIP", warmup_share=C2LIP.warmup_share),   # its recipe
     "C2LIP": C2LIP,
     "C2LIP-CLIP": RUNS["C2LIP-CLIP"],
     **{name: RunSpec("c2lip", {**C2LIP.overrides, **extra}, base="CLIP", warmup_share=C2LIP.warmup_share)

@@ -12,6 +12,7 @@
 import pytest
 import torch
 
+from powerclip.runrecord import run_threads
 from test_accum import ROWS, _config, _rel_errors, _spec, _steps
 import test_train_resume as resume
 
@@ -56,13 +57,9 @@ def test_accum_resume_is_exact(tmp_path, straight):
     that runner), straight with accumulation and its first half in this process, the resume in a new one."""
     N, ref = resume.N, straight
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)                      # as the runner's processes (OMP_NUM_THREADS=1)
-    try:
-        resume._main(resume._cmd(straight, "accum_steps=2")[3:])
-        resume._main(resume._cmd(resumed, "accum_steps=2", f"stop_at={N // 2}")[3:])
-    finally:
-        torch.set_num_threads(threads)
+    with run_threads(1):                          # as the runner's processes (OMP_NUM_THREADS=1)
+        resume._main(resume._args(straight, "accum_steps=2"))
+        resume._main(resume._args(resumed, "accum_steps=2", f"stop_at={N // 2}"))
     steps, acc, _ = resume._losses(straight)
     assert steps == list(range(1, N + 1)) and max(abs(a - b) for a, b in zip(acc, ref)) < 1e-4, (ref, acc)
     assert resume._losses(resumed)[0] == list(range(1, N // 2 + 1))

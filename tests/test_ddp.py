@@ -214,14 +214,11 @@ def test_gather_ragged_and_packed(tmp_path):
 
 def _run(args, out_dir, nproc=1):
     common = ["--preset", "smoke", "max_steps=3", "optim.warmup_steps=1", f"out_dir={out_dir}"] + args
+    from powerclip.runrecord import run_threads
     from powerclip.train import main, read_metrics
     if nproc == 1:           # the one-process reference: the trainer's command line in this process, on one thread
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with run_threads(1):
             assert main(common) == 0
-        finally:
-            torch.set_num_threads(before)
         return read_metrics(Path(out_dir) / "metrics.csv")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                 str(_free_port()), "-m", "powerclip.train"]

@@ -42,14 +42,11 @@ class _Ran:
 def _here(capfd, out_dir, *extra):
     """The trainer's command line as `_run` runs it, in this process (one thread, as `_env`), without a new
     interpreter's start-up; for the cases where what is checked is the trainer's work, not the process around it."""
+    from powerclip.runrecord import run_threads
     from powerclip.train import main
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     capfd.readouterr()
-    try:
+    with run_threads(1):
         rc = main([*SMOKE, f"out_dir={out_dir}", *extra])
-    finally:
-        torch.set_num_threads(before)
     return _Ran(rc, capfd.readouterr().err)
 
 

@@ -13,9 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 N = 16
 
 
+def _args(out_dir, *extra):
+    "The runner's trainer arguments (its command line without the interpreter)."
+    return ["--preset", "smoke", "data.workers=1", f"max_steps={N}", "ckpt_every=3", "optim.warmup_steps=3",
+            f"out_dir={out_dir}", *extra]
+
+
 def _cmd(out_dir, *extra):
-    return [sys.executable, "-m", "powerclip.train", "--preset", "smoke", "data.workers=1",
-            f"max_steps={N}", "ckpt_every=3", "optim.warmup_steps=3", f"out_dir={out_dir}", *extra]
+    return [sys.executable, "-m", "powerclip.train", *_args(out_dir, *extra)]
 
 
 def _env():

@@ -11,7 +11,6 @@ import io, json, os, signal, socket, subprocess, sys
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +49,10 @@ def _two_nodes(target: list[str], timeout: int = 240) -> list[subprocess.Complet
 def test_two_nodes_trainer_equals_one_process(tmp_path):
     common = ["--preset", "smoke", "max_steps=3", "optim.warmup_steps=1", "progress=false", "tensorboard=false"]
     _two_nodes(["-m", "powerclip.train", *common, "data.batch_size=4", f"out_dir={tmp_path / 'two'}"])
+    from powerclip.runrecord import run_threads
     from powerclip.train import main, read_metrics
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)                 # the one-process reference: the same command line, in this process
-    try:
+    with run_threads(1):                     # the one-process reference: the same command line, in this process
         assert main([*common, "data.batch_size=8", f"out_dir={tmp_path / 'one'}"]) == 0
-    finally:
-        torch.set_num_threads(before)
     two, one = (read_metrics(tmp_path / d / "metrics.csv") for d in ("two", "one"))
     assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3]
     cfg = (tmp_path / "two" / "config.yaml").read_text()
