@@ -4,6 +4,13 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
+# Python caches compiled bytecode (.pyc) so that the next interpreter skips compiling; an environment that sets
+# PYTHONDONTWRITEBYTECODE (this workplace's machines do) makes every interpreter compile torch, torchvision's
+# torch._dynamo, transformers and timm from source again: `import open_clip` takes 10 s of CPU instead of 4-5, and
+# `make test` starts a few hundred interpreters (CLI runs, torchrun ranks, spawned processes). The venv's packages are
+# compiled at install (`--compile-bytecode`); the project's own modules are cached on first import.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: install demo compare experiments eval-compare theory test check docs sync nbs export bench gpu-check gpu-wheels gpu-offline real-shards test-torch-lower clean-venv
 
 install: $(STAMP)
@@ -12,7 +19,7 @@ install: $(STAMP)
 $(STAMP): constraints.txt settings.ini setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip uv
-	$(BIN)/uv pip install --python $(BIN)/python -c constraints.txt -e ".[dev]"
+	$(BIN)/uv pip install --compile-bytecode --python $(BIN)/python -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 ## The main job on its built-in default: CLIP vs PowerCLIP-R vs PowerCLIP-gold on the built-in world, one seed.
@@ -51,10 +58,22 @@ theory: install
 ## Everything CI runs: notebooks, scripts and package agree, the docs site builds, every cell runs, pytest passes.
 ## check and docs run side by side (each is one process: the second core would wait); pytest -n 2: each module with a
 ## costly set-up runs whole on one worker, longest first (tests/conftest.py).
+## Every temporary file of the run (the notebooks' scratch folders, pytest's tmp_path, torchrun's) goes in .scratch/,
+## which each run empties first and a passing run removes: a run leaves at most its own behind. It needs about
+## TEST_DISK_GB of free disk (training runs write checkpoints); with less it stops at once and says so, rather than
+## failing test by test. A test that hangs is stopped after TEST_TIMEOUT seconds, with its traceback.
+SCRATCH      := $(CURDIR)/.scratch
+TEST_DISK_GB ?= 4
+TEST_TIMEOUT ?= 900
 test: install
+	@df -Pk . | awk -v need=$(TEST_DISK_GB) 'NR == 2 && $$4 < need * 1048576 { \
+	  printf "make test: %.1f GB free on this disk, it needs about %d GB\n", $$4 / 1048576, need; exit 1 }'
+	rm -rf $(SCRATCH) && mkdir -p $(SCRATCH)
 	$(MAKE) --no-print-directory -j2 --output-sync=target check docs
-	$(BIN)/nbdev_test --n_workers 2 --timing
-	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
+	TMPDIR=$(SCRATCH) $(BIN)/nbdev_test --n_workers 2 --timing
+	TMPDIR=$(SCRATCH) $(BIN)/python -m pytest -q -n 2 --durations=15 --timeout $(TEST_TIMEOUT) \
+	  -o tmp_path_retention_policy=failed tests
+	rm -rf $(SCRATCH)
 
 ## The house rules (ruff.toml): lines of at most 120 characters, one statement per line, no unused or undefined names,
 ## in the notebooks, benchmarks, tests and scripts (`ruff check --fix` mends the few it can); then paired scripts and
@@ -146,8 +165,8 @@ gpu-offline:
 LOWER ?= runs/venv-lower
 test-torch-lower: install
 	[ -x $(LOWER)/bin/python ] || $(BIN)/uv venv -q --python $(PY) $(LOWER)
-	$(BIN)/uv pip install -q --python $(LOWER)/bin/python -c constraints-lower.txt -r constraints-lower.txt \
-	  pytest pytest-timeout psutil
+	$(BIN)/uv pip install -q --compile-bytecode --python $(LOWER)/bin/python -c constraints-lower.txt \
+	  -r constraints-lower.txt pytest pytest-timeout psutil
 	cd $(CURDIR) && PYTHONPATH=$(CURDIR) $(LOWER)/bin/python -c "import torch, torchvision, numpy; \
 	  print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'numpy', numpy.__version__)"
 	rm -rf runs/torch_lower/train20*    # this target's own scratch run (overwrite=true would keep each old one)

@@ -148,15 +148,19 @@ def one_model():
 
 def host_batches(a, ns, n: int) -> list[dict]:
     """`n` host batches of `ns`'s preset and batch size with what every method asks (parse trees, noun-phrase labels,
-    M random region boxes), built once in this process for every part and method of that size."""
+    M random region boxes, FLAIR's K sub-captions per caption), built once in this process for every part and method
+    of that size."""
     from dataclasses import replace
     from powerclip.data import BatchNeeds, make_loader
     from powerclip.train import validate
     key = (ns.preset, ns.batch, tuple(ns.set), n)
     if key not in _BATCHES:
         _BATCHES.clear()                                        # one size at a time in host memory
-        ok = validate(script("train_step_ratio").config("powerclip", ns), world_size=1)
-        needs = BatchNeeds(tree=True, node_np=True, regions=ok.spec.needs.regions, region_source="random")
+        tsr = script("train_step_ratio")
+        ok = validate(tsr.config("powerclip", ns), world_size=1)
+        k = validate(tsr.config("flair", ns), world_size=1).spec.needs.subcaptions
+        needs = BatchNeeds(tree=True, node_np=True, regions=ok.spec.needs.regions, region_source="random",
+                           subcaptions=k)
         it = iter(make_loader(replace(ok.spec, needs=needs)))
         _BATCHES[key] = [next(it) for _ in range(n)]
     return _BATCHES[key]

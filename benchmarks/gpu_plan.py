@@ -79,11 +79,6 @@ def ordered(names) -> list[str]:
     return [m for m in HEAD if m in names] + [m for m in names if m not in HEAD]
 
 
-# The step parts share one set of batches among methods; FLAIR's also carry K sub-captions per image
-# (`BatchNeeds.subcaptions`), which those batches do not build, so its step is left to train_step_ratio.py for now.
-OWN_BATCHES = ("flair",)
-
-
 def unit_keys(part: str, methods: list[str] | None = None) -> list[str]:
     "The keys of `part`'s units, in the order they run (`methods`: the parity and step parts' methods)."
     ms = ordered(methods if methods is not None else registered_methods())
@@ -102,8 +97,8 @@ def unit_keys(part: str, methods: list[str] | None = None) -> list[str]:
         return [f"{m} compiled" for m in reversed(head)]
     if part.startswith("paths-K"):
         return [f"M={M} {p}" for M in PATH_MS for p in PATHS]
-    if part == "steps-other":   # OWN_BATCHES: not in the step parts' shared batches (yet)
-        return [m for m in others if m not in OWN_BATCHES] + [v for v in STEP_VARIANTS if v.split(":")[0] in ms]
+    if part == "steps-other":   # the shared batches carry FLAIR's sub-captions too (`host_batches`)
+        return others + [v for v in STEP_VARIANTS if v.split(":")[0] in ms]
     if part == "real-shards":
         return [f"loader {w} workers" for w in LOADER_WORKERS] + ["powerclip step fed by the loader"]
     if part == "memory":

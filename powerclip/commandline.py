@@ -17,7 +17,7 @@ import threading
 
 # %% auto #0
 __all__ = ['KEY_VALUE', 'UsageError', 'debug_requested', 'usage_errors', 'ArgumentParser', 'Interrupted', 'WriteFailed',
-           'run_main', 'check_device', 'check_number', 'StopSignals']
+           'Diverged', 'run_main', 'check_device', 'check_number', 'StopSignals']
 
 # %% ../nbs/17_commandline.ipynb #dbc276f4
 class UsageError(Exception):
@@ -102,11 +102,20 @@ class WriteFailed(Exception):
         self.message = message
 
 
+class Diverged(RuntimeError):
+    """A run whose weights or losses stopped being finite (too high a learning rate, an overflow) stopped before it
+    wrote anything that is not finite, its last finite checkpoint kept: `run_main` prints the message (on rank 0 only:
+    every rank of a distributed run stops on the same weights) and exits with status 4. The command and the machine
+    were right; the run was not, and resuming it as it is would diverge again."""
+    status = 4
+
+
 def run_main(main, argv=None, prog: str | None = None) -> int:
     """`main(argv)` -> its exit status (None counts as 0). A `UsageError` is printed as `prog: error: message` on
     stderr with status 2, unless `debug_requested(argv)`, which re-raises it with its traceback. An `Interrupted` run
     is its one line and 128 + its signal (130 for SIGINT, 143 for SIGTERM); a Ctrl-C anywhere else is one line and
-    130. A `WriteFailed` (a full disk, a file-size limit) is its one line and status 3."""
+    130. A `WriteFailed` (a full disk, a file-size limit) is its one line and status 3, a `Diverged` run its one line
+    and status 4."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or os.path.basename(sys.argv[0]) or "powerclip"
     try:
@@ -121,6 +130,12 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
             raise
         if e.message:   # a refused write is an error; an interruption is news
             print(f"{prog}: {'error: ' * isinstance(e, WriteFailed)}{e.message}", file=sys.stderr, flush=True)
+        return e.status
+    except Diverged as e:
+        if debug_requested(argv):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return e.status
     except KeyboardInterrupt:
         if debug_requested(argv):

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from .baselines.clip_pgs import WORLD_SIM_THRESHOLD
-from .commandline import (ArgumentParser, Interrupted, WriteFailed, check_device, check_number, run_main,
-                                   usage_errors)
+from .commandline import (ArgumentParser, Diverged, Interrupted, WriteFailed, check_device, check_number,
+                                   run_main, usage_errors)
 from .config import PRECISIONS, TrainConfig, check_precision, from_dict, load_config, parse_override, to_dict
 from .data import derive_seed, world_config
 from .eval.data import write_world_benchmark
@@ -365,6 +365,8 @@ def train_isolated(cfg: TrainConfig) -> dict:
             raise Interrupted(res["signal"], f"{said}; rerun the comparison to go on")
         if res.get("status") == WriteFailed.status:    # a full disk: the run's line, and its status (3)
             raise WriteFailed(f"{res.get('message')}; rerun the comparison to go on")
+        if res.get("status") == Diverged.status:       # a diverged run: its line (the finite checkpoint kept), status 4
+            raise Diverged(f"run {cfg.out_dir}: {res.get('message')}")
         raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}; rerun to resume it")
     return res
 

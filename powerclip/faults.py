@@ -5,21 +5,22 @@
 # %% ../nbs/49g_faults.ipynb #9436ae83
 from __future__ import annotations
 
-import errno, fcntl, os, resource, shutil, socket
+import errno, fcntl, os, resource, shutil, socket, time
 from pathlib import Path
 
 import torch
 
 from . import dist as pdist
 from .checkpoint import is_trainer_checkpoint, load_checkpoint, weights_of_run
-from .commandline import UsageError, WriteFailed
+from .commandline import Diverged, UsageError, WriteFailed
 from .config import TrainConfig
 from .data import Geometry, world_config
 
 # %% auto #0
-__all__ = ['LOCK_NAME', 'DISK_ERRNOS', 'RunLock', 'take_run_lock', 'lock_run', 'object_bytes', 'is_write_failure',
-           'write_failure', 'Writes', 'written', 'check_setup', 'check_geometry', 'free_numbers', 'check_world_scene',
-           'state_bytes', 'finite_checkpoint', 'finite', 'save_finite', 'refuse_non_finite', 'check_resume_end']
+__all__ = ['LOCK_NAME', 'ORPHAN_WAIT_S', 'DISK_ERRNOS', 'RunLock', 'take_run_lock', 'lock_run', 'object_bytes',
+           'is_write_failure', 'write_failure', 'Writes', 'written', 'check_setup', 'check_geometry', 'free_numbers',
+           'check_world_scene', 'state_bytes', 'finite_checkpoint', 'finite', 'save_finite', 'refuse_non_finite',
+           'check_resume_end']
 
 # %% ../nbs/49g_faults.ipynb #73775205
 LOCK_NAME = "train.lock"
@@ -67,12 +68,29 @@ class RunLock:
                     break
 
 
+ORPHAN_WAIT_S = 30.0     # how long a new trainer waits for the workers of a holder that no longer runs
+
+
 def _holder(path: Path) -> str:
     try:
         pid, host = path.read_text().split()[:2]
-        return f"pid {pid} on host {host}"
+        return f"pid {pid} on host {host}" + " (no longer running: processes it started hold the lock)" * _gone(path)
     except (OSError, ValueError):
         return "another process"
+
+
+def _gone(path: Path) -> bool:
+    "The lock's recorded holder is a process of this host that no longer runs (its forked workers may still hold it)."
+    try:
+        pid, host = path.read_text().split()[:2]
+        if host != socket.gethostname():
+            return False
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def take_run_lock(folder) -> RunLock:
@@ -82,12 +100,16 @@ def take_run_lock(folder) -> RunLock:
     created = None if folder.exists() else next((a for a in [folder, *folder.parents] if a.parent.exists()), folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
+    deadline = time.monotonic() + ORPHAN_WAIT_S
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            if _gone(path) and time.monotonic() < deadline:     # a killed holder's workers, about to exit
+                time.sleep(0.1)
+                continue
             raise UsageError(f"out_dir: {str(folder)!r} is being trained by {_holder(path)} (its lock {path}): one "
                              "trainer per run folder; wait for it to finish, or give another out_dir") from None
         try:
@@ -271,7 +293,7 @@ def finite(*modules) -> bool:
 def save_finite(save, state, model, modules, what: str) -> None:
     "Weights are written only when every one is finite (a diverged run leaves its checkpoints, never a NaN model.pt)."
     if not finite(model, modules):
-        raise RuntimeError(f"the weights are not finite after step {state.step}: {what} not written (the run "
+        raise Diverged(f"the weights are not finite after step {state.step}: {what} not written (the run "
                            f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
     save()
 
@@ -279,7 +301,7 @@ def save_finite(save, state, model, modules, what: str) -> None:
 def refuse_non_finite(finite: bool, step: int, run_dir) -> None:
     "Weights not `finite` at a checkpoint: the run stops before writing it, naming the newest finite checkpoint kept."
     if not finite:
-        raise RuntimeError(f"the weights are not finite at step {step}: no checkpoint written (the finite one is "
+        raise Diverged(f"the weights are not finite at step {step}: no checkpoint written (the finite one is "
                            f"kept: {finite_checkpoint(Path(run_dir)) or 'none'}); a lower optim.lr or optim.grad_clip")
 
 

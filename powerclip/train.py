@@ -18,8 +18,8 @@ from .checkpoint import (TrainState, bias_kwargs, check_run_folder, export_weigh
                                   move_aside, previous_checkpoint, read_resume, resume_changes, resume_position,
                                   rng_state, run_marks, save_checkpoint, save_snapshot, seed_all, set_rng_state,
                                   shape_mismatch, stale_run, weights_problem)
-from .commandline import (ArgumentParser, Interrupted, StopSignals, UsageError, check_device, check_number,
-                                   run_main, usage_errors)
+from .commandline import (ArgumentParser, Diverged, Interrupted, StopSignals, UsageError, check_device,
+                                   check_number, run_main, usage_errors)
 from .config import TrainConfig, check_kwargs, load_config, method_options, to_dict
 from .faults import (Writes, check_geometry, check_resume_end, check_setup, check_world_scene, lock_run,
                               refuse_non_finite, state_bytes)
@@ -470,8 +470,9 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
                 _log(f"step {state.step}: non-finite loss or gradient, update skipped ({state.bad_in_row} in a row, "
                      f"{state.bad_total} in all)", ctx)
                 if state.bad_in_row >= cfg.max_bad_in_row:
-                    raise RuntimeError(f"{state.bad_in_row} non-finite steps in a row "
-                                       f"(max_bad_in_row={cfg.max_bad_in_row}): aborting at step {state.step}")
+                    raise Diverged(f"{state.bad_in_row} non-finite steps in a row (max_bad_in_row="
+                                   f"{cfg.max_bad_in_row}): aborting at step {state.step}; a lower optim.lr or "
+                                   "optim.grad_clip")
             bar.update(1)
             evaluated, due = {}, bool(cfg.eval_every) and (state.step % cfg.eval_every == 0 or state.step == total)
             if due:

@@ -186,7 +186,8 @@ def test_under_ddp_a_failed_write_ends_both_processes_with_exit_3(tmp_path):
 # ------------------------------------------------------------------------------------------- 3. one trainer
 def test_a_second_trainer_is_refused_and_a_killed_one_never_blocks(tmp_path, capfd):
     run = tmp_path / "run"
-    first = subprocess.Popen(_cmd(run, "max_steps=100000", "ckpt_every=2"), cwd=ROOT, env=_env(),
+    # with DataLoader workers, which share its lock's open file and outlive its kill -9 by up to 5 s
+    first = subprocess.Popen(_cmd(run, "max_steps=100000", "ckpt_every=2", "data.workers=2"), cwd=ROOT, env=_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 240
@@ -206,7 +207,8 @@ def test_a_second_trainer_is_refused_and_a_killed_one_never_blocks(tmp_path, cap
         first.send_signal(signal.SIGKILL)
         first.wait()
     step = _step(run / "checkpoints" / "last.pt")
-    r = _here(capfd, run, f"max_steps={step + 1}", "ckpt_every=2")         # its lock left behind: taken over
+    r = _here(capfd, run, f"max_steps={step + 1}", "ckpt_every=2")         # its lock left behind: taken over, once
+    # its workers let go
     assert r.returncode == 0, r.stderr[-3000:]
     assert _step(run / "checkpoints" / "last.pt") == step + 1 and not (run / "train.lock").exists()
 
@@ -228,7 +230,8 @@ def test_a_finished_run_without_checkpoints_is_never_replaced(tmp_path, stopped,
     assert (own / "config.yaml").read_text() == "lr: 1\n"
 
 
-def test_a_nan_last_pt_never_rotates_over_a_finite_prev_pt(tmp_path, stopped):
+def test_a_nan_last_pt_never_rotates_over_a_finite_prev_pt(tmp_path, stopped, capfd):
+    "A diverged run stops with one line naming the finite checkpoint it kept, and status 4 (`Diverged`)."
     run = _copy(stopped, tmp_path / "run")
     last, prev = run / "checkpoints" / "last.pt", run / "checkpoints" / "prev.pt"
     good = last.read_bytes()
@@ -236,9 +239,7 @@ def test_a_nan_last_pt_never_rotates_over_a_finite_prev_pt(tmp_path, stopped):
     ck = torch.load(last, weights_only=False)
     ck["model"] = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in ck["model"].items()}
     torch.save(ck, last)
-    r = _run(run, "max_steps=6", "ckpt_every=1")
-    assert r.returncode != 0
-    assert "not finite" in r.stderr and f"{prev} (step 2)" in r.stderr, r.stderr[-2000:]
+    _one_line(_here(capfd, run, "max_steps=6", "ckpt_every=1"), 4, "not finite", f"{prev} (step 2)")
     assert prev.read_bytes() == good and _finite(prev)
 
 

@@ -240,15 +240,17 @@ def test_simulated_peers_deliver_what_ddp_would():
 @NO_GPU
 def test_new_parts_dry_run(tmp_path):
     """The new parts' code at toy sizes: step-C4096 (7 simulated peers), the S-bar parity's triton rows skipped with
-    the reason (no Triton interpreter here), and real-shards skipped with one line naming `make real-shards` when the
-    shards are absent."""
+    the reason (no Triton interpreter here), real-shards skipped with one line naming `make real-shards` when the
+    shards are absent, and FLAIR's step in steps-other (the shared batches carry its K sub-captions)."""
     out = tmp_path / "out"
-    r = _run("--dry-run", "--budget", "600", "--parts", "step-C4096", "real-shards", "--out", str(out), "--state",
-             str(tmp_path / "state"), "--real-shards", str(tmp_path / "none"))
+    r = _run("--dry-run", "--budget", "600", "--parts", "step-C4096", "steps-other", "real-shards", "--methods", "clip",
+             "powerclip", "flair", "--out", str(out), "--state", str(tmp_path / "state"), "--real-shards",
+             str(tmp_path / "none"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     d = _results(out)["parts"]
     c = d["step-C4096"]["results"]
     assert set(c) == {"clip", "powerclip"} and c["powerclip"]["columns"] == 64 and c["powerclip"]["peers"] == 7
+    assert d["steps-other"]["status"] == "complete" and d["steps-other"]["results"]["flair"]["ms_per_step"] > 0
     assert "C = 64 against R = 8 (7 simulated peers" in d["step-C4096"]["headline"]
     assert d["real-shards"]["headline"].startswith("skipped: no shards in") and "make real-shards" in \
         d["real-shards"]["headline"]

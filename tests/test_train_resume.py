@@ -187,27 +187,34 @@ def test_shard_skip_counts_are_the_bad_samples(shard_straight, workers):
 
 
 def test_shards_killed_twice_resume_exactly(tmp_path, shards, shard_straight):
-    "SIGKILL at an arbitrary moment after a checkpoint, twice, in fresh processes with 2 workers."
+    """SIGKILL mid-step, just after the first checkpoint a run writes, twice, in fresh processes with 2 workers. The
+    checkpoint file's time is polled (cheap) every 10 ms, so the kill lands within a step or two of it: 10 or more of
+    the 14 steps are left, and a fast machine cannot finish the run first (a fixed 0.2 s wait after the checkpoint
+    did, once)."""
     import torch
     ck = tmp_path / "checkpoints" / "last.pt"
     cmd = [sys.executable, "-m", "powerclip.train", *_shard_args(tmp_path, shards, 2)]
+
+    def written():
+        return ck.stat().st_mtime_ns if ck.exists() else None
+
+    def step(): return torch.load(ck, weights_only=False)["state"]["step"]
     killed = []
-    # once after the first checkpoint, once after step 4's
-    for after in (0, 4):
-        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(2):
+        before = written()                               # the checkpoint this run resumes from (none the first time)
+        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"))
         t0 = time.time()
-        def step(): return torch.load(ck, weights_only=False)["state"]["step"] if ck.exists() else -1
         while p.poll() is None and time.time() - t0 < 240:
             try:
-                if step() > after:
+                if written() not in (before, None):
                     break
-            except Exception:
+            except OSError:
                 pass                                   # caught in the middle of the rename
-            time.sleep(0.05)
-        time.sleep(0.2)
+            time.sleep(0.01)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+        assert p.returncode == -signal.SIGKILL, ("the run ended before it could be killed: "
+                                                 + (tmp_path / "err").read_text()[-2000:])
         killed.append(step())
     assert 0 < killed[0] <= killed[1] < SHARD_N, killed
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)

@@ -158,11 +158,20 @@ class WriteFailed(Exception):
         self.message = message
 
 
+class Diverged(RuntimeError):
+    """A run whose weights or losses stopped being finite (too high a learning rate, an overflow) stopped before it
+    wrote anything that is not finite, its last finite checkpoint kept: `run_main` prints the message (on rank 0 only:
+    every rank of a distributed run stops on the same weights) and exits with status 4. The command and the machine
+    were right; the run was not, and resuming it as it is would diverge again."""
+    status = 4
+
+
 def run_main(main, argv=None, prog: str | None = None) -> int:
     """`main(argv)` -> its exit status (None counts as 0). A `UsageError` is printed as `prog: error: message` on
     stderr with status 2, unless `debug_requested(argv)`, which re-raises it with its traceback. An `Interrupted` run
     is its one line and 128 + its signal (130 for SIGINT, 143 for SIGTERM); a Ctrl-C anywhere else is one line and
-    130. A `WriteFailed` (a full disk, a file-size limit) is its one line and status 3."""
+    130. A `WriteFailed` (a full disk, a file-size limit) is its one line and status 3, a `Diverged` run its one line
+    and status 4."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or os.path.basename(sys.argv[0]) or "powerclip"
     try:
@@ -177,6 +186,12 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
             raise
         if e.message:   # a refused write is an error; an interruption is news
             print(f"{prog}: {'error: ' * isinstance(e, WriteFailed)}{e.message}", file=sys.stderr, flush=True)
+        return e.status
+    except Diverged as e:
+        if debug_requested(argv):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return e.status
     except KeyboardInterrupt:
         if debug_requested(argv):
@@ -287,7 +302,8 @@ class StopSignals:
 #
 # **A machine's refusal.** A write that fails for a full disk, a quota or a file-size limit (`49g_faults`) stops the run
 # cleanly and raises `WriteFailed(line)`: one line and exit status 3, so that a script tells it from a usage error (2),
-# a signal (128 + its number) and a bug (1, with its traceback).
+# a signal (128 + its number) and a bug (1, with its traceback). A run that diverged (its weights, or too many losses
+# in a row, not finite: `49g_faults`) raises `Diverged(line)`: one line, naming the finite checkpoint kept, and status 4.
 
 # %% [markdown]
 # A small command shows every path: a good call, a bad value caught in validation, a bad flag caught by the parser,
@@ -389,6 +405,7 @@ with contextlib.redirect_stderr(_err):
     test_eq(run_main(lambda a: (_ for _ in ()).throw(KeyboardInterrupt()), [], prog="toy"), 130)
     test_eq(run_main(lambda a: (_ for _ in ()).throw(Interrupted(signal.SIGINT)), [], prog="toy"), 130)  # quiet
     test_eq(run_main(lambda a: (_ for _ in ()).throw(WriteFailed("writing x failed")), [], prog="toy"), 3)
+    test_eq(run_main(lambda a: (_ for _ in ()).throw(Diverged("the weights are not finite")), [], prog="toy"), 4)
 test_eq(_err.getvalue(), "toy: interrupted at step 3 (SIGTERM); resume with the same command\ntoy: interrupted "
-                         "(Ctrl-C)\ntoy: error: writing x failed\n")
+                         "(Ctrl-C)\ntoy: error: writing x failed\ntoy: error: the weights are not finite\n")
 assert signal.getsignal(signal.SIGINT) is _before                          # the handlers are put back

@@ -20,14 +20,14 @@
 #| export
 from __future__ import annotations
 
-import errno, fcntl, os, resource, shutil, socket
+import errno, fcntl, os, resource, shutil, socket, time
 from pathlib import Path
 
 import torch
 
 from powerclip import dist as pdist
 from powerclip.checkpoint import is_trainer_checkpoint, load_checkpoint, weights_of_run
-from powerclip.commandline import UsageError, WriteFailed
+from powerclip.commandline import Diverged, UsageError, WriteFailed
 from powerclip.config import TrainConfig
 from powerclip.data import Geometry, world_config
 
@@ -50,7 +50,10 @@ from fastcore.test import test_eq, test_fail
 # folder, `metrics.csv`'s header), and holds it for the run's life. The lock file records the holder's pid and host
 # name; a second trainer is refused in one line naming them (exit 2), while the first goes on. The lock belongs to the
 # open file, so the operating system releases it when its process dies: a lock left by `kill -9` never blocks a resume
-# (the file stays, with the dead holder's pid, and is taken over). A clean stop removes the file, and a folder the lock
+# (the file stays, with the dead holder's pid, and is taken over). The open file is shared with the processes the
+# trainer forked, its DataLoader workers, and a killed trainer's workers outlive it by up to 5 s (PyTorch's watchdog
+# looks for their parent that often): while the lock's recorded holder is a process of this host that no longer runs,
+# a new trainer waits for them (at most `ORPHAN_WAIT_S`) instead of refusing, so `kill -9` then the same command works. A clean stop removes the file, and a folder the lock
 # created and nothing filled is removed too, so a refused command leaves no file behind. Under DDP the main process
 # takes it and every process learns the answer (a gather), so all exit together. The lock is advisory and local: a
 # second trainer on another machine sharing the folder over NFS may not see it.
@@ -111,12 +114,29 @@ class RunLock:
                     break
 
 
+ORPHAN_WAIT_S = 30.0     # how long a new trainer waits for the workers of a holder that no longer runs
+
+
 def _holder(path: Path) -> str:
     try:
         pid, host = path.read_text().split()[:2]
-        return f"pid {pid} on host {host}"
+        return f"pid {pid} on host {host}" + " (no longer running: processes it started hold the lock)" * _gone(path)
     except (OSError, ValueError):
         return "another process"
+
+
+def _gone(path: Path) -> bool:
+    "The lock's recorded holder is a process of this host that no longer runs (its forked workers may still hold it)."
+    try:
+        pid, host = path.read_text().split()[:2]
+        if host != socket.gethostname():
+            return False
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def take_run_lock(folder) -> RunLock:
@@ -126,12 +146,16 @@ def take_run_lock(folder) -> RunLock:
     created = None if folder.exists() else next((a for a in [folder, *folder.parents] if a.parent.exists()), folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
+    deadline = time.monotonic() + ORPHAN_WAIT_S
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            if _gone(path) and time.monotonic() < deadline:     # a killed holder's workers, about to exit
+                time.sleep(0.1)
+                continue
             raise UsageError(f"out_dir: {str(folder)!r} is being trained by {_holder(path)} (its lock {path}): one "
                              "trainer per run folder; wait for it to finish, or give another out_dir") from None
         try:
@@ -184,6 +208,26 @@ with tempfile.TemporaryDirectory() as d:
     _l = take_run_lock(_run)
     _l.release()
     assert _run.is_dir() and not (_run / LOCK_NAME).exists()        # a folder it did not create stays
+
+# %% [markdown]
+# A killed trainer's workers: the file names a holder that no longer runs, and another process (here a child that lets
+# go after 1 s, as a DataLoader worker does when it finds its parent gone) still holds the lock. The new trainer waits
+# for it; were the named holder alive, it would be refused at once.
+
+# %%
+import subprocess, sys
+with tempfile.TemporaryDirectory() as d:
+    _run = Path(d)
+    _dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (_run / LOCK_NAME).write_text(f"{_dead.stdout.strip()} {socket.gethostname()}\n")   # a pid that has exited
+    _worker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+                                "os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1)",
+                                str(_run / LOCK_NAME)], stdout=subprocess.PIPE, text=True)
+    test_eq(_worker.stdout.readline().strip(), "held")
+    assert _gone(_run / LOCK_NAME) and "no longer running" in _holder(_run / LOCK_NAME)
+    _l = take_run_lock(_run)                                        # waits for the worker instead of refusing
+    test_eq(_worker.wait(timeout=5), 0)
+    _l.release()
 
 # %% [markdown]
 # ### Writes that fail
@@ -373,7 +417,7 @@ def finite(*modules) -> bool:
 def save_finite(save, state, model, modules, what: str) -> None:
     "Weights are written only when every one is finite (a diverged run leaves its checkpoints, never a NaN model.pt)."
     if not finite(model, modules):
-        raise RuntimeError(f"the weights are not finite after step {state.step}: {what} not written (the run "
+        raise Diverged(f"the weights are not finite after step {state.step}: {what} not written (the run "
                            f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
     save()
 
@@ -381,7 +425,7 @@ def save_finite(save, state, model, modules, what: str) -> None:
 def refuse_non_finite(finite: bool, step: int, run_dir) -> None:
     "Weights not `finite` at a checkpoint: the run stops before writing it, naming the newest finite checkpoint kept."
     if not finite:
-        raise RuntimeError(f"the weights are not finite at step {step}: no checkpoint written (the finite one is "
+        raise Diverged(f"the weights are not finite at step {step}: no checkpoint written (the finite one is "
                            f"kept: {finite_checkpoint(Path(run_dir)) or 'none'}); a lower optim.lr or optim.grad_clip")
 
 

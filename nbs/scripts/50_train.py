@@ -33,8 +33,8 @@ from powerclip.checkpoint import (TrainState, bias_kwargs, check_run_folder, exp
                                   move_aside, previous_checkpoint, read_resume, resume_changes, resume_position,
                                   rng_state, run_marks, save_checkpoint, save_snapshot, seed_all, set_rng_state,
                                   shape_mismatch, stale_run, weights_problem)
-from powerclip.commandline import (ArgumentParser, Interrupted, StopSignals, UsageError, check_device, check_number,
-                                   run_main, usage_errors)
+from powerclip.commandline import (ArgumentParser, Diverged, Interrupted, StopSignals, UsageError, check_device,
+                                   check_number, run_main, usage_errors)
 from powerclip.config import TrainConfig, check_kwargs, load_config, method_options, to_dict
 from powerclip.faults import (Writes, check_geometry, check_resume_end, check_setup, check_world_scene, lock_run,
                               refuse_non_finite, state_bytes)
@@ -660,8 +660,9 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
                 _log(f"step {state.step}: non-finite loss or gradient, update skipped ({state.bad_in_row} in a row, "
                      f"{state.bad_total} in all)", ctx)
                 if state.bad_in_row >= cfg.max_bad_in_row:
-                    raise RuntimeError(f"{state.bad_in_row} non-finite steps in a row "
-                                       f"(max_bad_in_row={cfg.max_bad_in_row}): aborting at step {state.step}")
+                    raise Diverged(f"{state.bad_in_row} non-finite steps in a row (max_bad_in_row="
+                                   f"{cfg.max_bad_in_row}): aborting at step {state.step}; a lower optim.lr or "
+                                   "optim.grad_clip")
             bar.update(1)
             evaluated, due = {}, bool(cfg.eval_every) and (state.step % cfg.eval_every == 0 or state.step == total)
             if due:
@@ -874,7 +875,8 @@ test_fail(lambda: main(["--preset", "smoke", "optim.lr=abc", "--debug"]), contai
 def _micro(out_dir, **kw):  # the `smoke` preset: the micro model, 32-pixel scenes, batches of 8, 6 steps
     return load_config("smoke", dict(out_dir=str(out_dir), **kw))
 
-_tmp = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+_tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 _s = train(_micro(_tmp / "straight"))
 _a = read_metrics(_tmp / "straight" / "metrics.csv")
 print(f"{_s['steps']} steps in {_s['seconds']:.1f}s; losses", [round(r["loss"], 4) for r in _a])
@@ -1019,3 +1021,10 @@ assert _s["steps"] == 1 and math.isfinite(_s["last"]["loss"]) and _s["last"]["ba
 # on one run. On a GPU, cuDNN and cuBLAS choices add the same kind of difference. The config key `threads` fixes the
 # count in the training process (a resume may change it), `run.json` records the count that process ran at, and
 # `python -m powerclip.reproduce RUN_DIR` (`72_reproduce`) retrains a run at it and says where the two part.
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

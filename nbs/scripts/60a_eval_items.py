@@ -218,7 +218,8 @@ def _field(row, key: str, path: Path, what: str):
 # takes and refuses; the record, its report, strict mode, and the two errors of the file readers.
 
 # %%
-_d = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+_d = Path(tempfile.mkdtemp(dir=_scratch.name))
 Image.new('RGB', (8, 8), 'red').save(_d / 'ok.png')
 (_d / 'empty.jpg').write_bytes(b'')
 (_d / 'cut.png').write_bytes((_d / 'ok.png').read_bytes()[:40])
@@ -253,3 +254,10 @@ test_eq(_read_json(_d / 'rows.jsonl', jsonl=True), [{'image': 'a.jpg'}, {'image'
 test_eq(_field({'image': 'a.jpg'}, 'image', _d / 'r.json', 'an image file'), 'a.jpg')
 test_fail(lambda: _field({'image': 'a.jpg'}, 'caption', _d / 'r.json', 'a list of captions'),
           contains="without 'caption'")
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

@@ -337,7 +337,8 @@ def load_winoground(root, strict: bool = False) -> tuple[list[tuple[Path, Path, 
 # photo is counted.
 
 # %%
-_kr = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+_kr = Path(tempfile.mkdtemp(dir=_scratch.name))
 (_kr / 'val2014').mkdir()
 for _n in ('a', 'b'):
     Image.new('RGB', (8, 8)).save(_kr / 'val2014' / f'{_n}.jpg')
@@ -359,7 +360,7 @@ test_eq(load_flickr_karpathy(_kr / 'flickr8k_test_karpathy.txt', _kr).captions, 
 # `no_caption`. Strict mode stops at the first, naming it.
 
 # %%
-_bd = Path(tempfile.mkdtemp())
+_bd = Path(tempfile.mkdtemp(dir=_scratch.name))
 (_bd / 'images').mkdir()
 _rng = np.random.default_rng(0)
 for _n in ('ok0', 'ok1', 'ok2', 'trunc', 'scram', 'caps'):
@@ -665,7 +666,7 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
 # %%
 from powerclip.parsing import ParsedCaption
 from powerclip.world import Scene, caption_truth, spec_from_text
-tmp = Path(tempfile.mkdtemp())
+tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 world_summary = write_world_benchmark(tmp / 'world', n_images=60)
 cfg = WorldConfig()
 ret = load_retrieval(tmp / 'world' / 'retrieval.json')
@@ -756,3 +757,10 @@ if (DATA / 'coco_sample').is_dir():
           full_skipped.counts())
 else:
     print('skipped: ../shared/data is absent')
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

@@ -316,7 +316,8 @@ def _annotation_problem(a: dict, width: int, height: int) -> tuple[str, str] | N
 # COCO's names.
 
 # %%
-_rd = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+_rd = Path(tempfile.mkdtemp(dir=_scratch.name))
 (_rd / 'images').mkdir()
 (_rd / 'annotations').mkdir()
 for _n in ('a', 'b'):
@@ -403,7 +404,7 @@ from powerclip.regions import coco_mask
 for _what, (_seg, _reason, _detail) in _broken.items():
     _why = segmentation_problem(_seg, _W, _H)
     assert _why is not None and _why[0] == _reason and _detail in _why[1], (_what, _why)
-    _bd = Path(tempfile.mkdtemp())
+    _bd = Path(tempfile.mkdtemp(dir=_scratch.name))
     (_bd / 'images').mkdir()
     Image.new('RGB', (_W, _H)).save(_bd / 'images' / 'a.png')
     _good = dict(id=1, image_id=1, category_id=1, bbox=[2, 2, 10, 10], segmentation=_sq, area=100, iscrowd=0)
@@ -440,7 +441,7 @@ test_eq(load_regions(_bd / 'instances_x.json', strict=True).skips.counts(), dict
 from powerclip.eval.data import WORLD_REGION_VOCABULARIES, write_world_benchmark
 from powerclip.world import Scene, WorldConfig, render
 
-tmp = Path(tempfile.mkdtemp())
+tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 world_summary = write_world_benchmark(tmp / 'world', n_images=60, extras=False)
 cfg = WorldConfig()
 scenes = json.loads((tmp / 'world' / 'scenes.json').read_text())
@@ -478,3 +479,10 @@ if (DATA / 'coco_sample').is_dir():
                   f"out {_cr.skips.counts()}")
 else:
     print('skipped: ../shared/data is absent')
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

@@ -436,7 +436,8 @@ def load_model(model_name: str | None = None, checkpoint=None, seed: int = 0, de
 
 # %%
 from powerclip.model import create_model
-d = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+d = Path(tempfile.mkdtemp(dir=_scratch.name))
 torch.manual_seed(1)
 _sd = create_model('powerclip-micro')[0].state_dict()
 (d / 'run' / 'checkpoints').mkdir(parents=True)
@@ -974,3 +975,10 @@ finally:
     logging.getLogger().removeHandler(_h)
 assert 'initialized randomly' not in _loaded_log + _random_log and 'random initialisation' not in _loaded_log
 test_eq(_random_log.count('random initialisation (seed 3)'), 1)
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

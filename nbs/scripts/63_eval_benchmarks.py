@@ -348,7 +348,8 @@ def open_benchmark(name: str, root) -> BenchmarkData:
 
 
 # %%
-tmp = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 test_fail(lambda: open_benchmark('cifar10', tmp / 'nowhere'), contains='cifar-10-batches-py/')
 test_fail(lambda: open_benchmark('imagenet-a', tmp / 'nowhere'), contains='wds_imagenet-a_test')
 (tmp / 'fake_inet_a').mkdir()
@@ -682,3 +683,10 @@ with tempfile.TemporaryDirectory() as _d:
     test_fail(lambda: clip_benchmark_cli(['eval', '--dataset', 'cifar10', '--model', 'powerclip-micro', '--pretrained',
                                           f'{_d}/model.pt']),
               contains='powerclip-eval suite')
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

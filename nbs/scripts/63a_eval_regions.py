@@ -225,7 +225,8 @@ def region_task(ev: Evaluator, rs: RegionSet, scorer: str | None = None) -> dict
 # %%
 from powerclip.eval.models import load_model
 from powerclip.model import encode
-_d = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+_d = Path(tempfile.mkdtemp(dir=_scratch.name))
 (_d / 'images').mkdir()
 (_d / 'annotations').mkdir()
 for _n, (_c, _x) in {'a': ((200, 30, 30), 4), 'b': ((30, 30, 200), 16)}.items():
@@ -421,7 +422,7 @@ else:
                'PowerCLIP-R_avg': 'PowerCLIP-R (avg)'}
     _evs = {lab: Evaluator.of(load_model(checkpoint=_runs / d), progress=False)
             for d, lab in _labels.items() if (_runs / d / 'model.pt').is_file()}
-    _w = Path(tempfile.mkdtemp())
+    _w = Path(tempfile.mkdtemp(dir=_scratch.name))
     write_world_benchmark(_w, 8, WorldConfig(), extras=False)        # 8 of the comparison's 300 test scenes
     _wrs = load_regions(_w / 'annotations' / 'instances_colour_shape.json')
     print(f'models of {_runs.relative_to(_root)}')
@@ -437,7 +438,7 @@ else:
 #| slow
 if _runs is not None:
     from powerclip.model import encode
-    _w3 = Path(tempfile.mkdtemp())
+    _w3 = Path(tempfile.mkdtemp(dir=_scratch.name))
     write_world_benchmark(_w3, 300, WorldConfig(), extras=False)
     _rs3 = load_regions(_w3 / 'annotations' / 'instances_colour_shape.json')
     for _lab, _e in _evs.items():
@@ -454,3 +455,10 @@ if _runs is not None:
         _acc = {n: region_classification_metrics(_f['pooled'].double() @ c.double().T, _y)['top1']
                 for n, c in _cls.items()}
         print(f"{_lab:18s} prompts {_acc['prompts']:5.1f}  phrase {_acc['phrase']:5.1f}  (chance {100 / 35:.1f})")
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

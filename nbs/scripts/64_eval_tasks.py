@@ -445,7 +445,8 @@ def evaluate_scorers(ev: Evaluator, root, tasks=TASKS, image_root=None, require:
 
 # %%
 from powerclip.eval.data import write_world_benchmark
-tmp = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 write_world_benchmark(tmp / 'world', n_images=60)
 ev = Evaluator.build('powerclip-micro', None, cache_dir=tmp / 'cache', progress=False)
 t0 = time.time()
@@ -706,3 +707,10 @@ test_eq(_f3.parent.name, 'random-init-' + hashlib.sha256(b'random-init-powerclip
 (tmp / 'instances_val2017.json').write_text('{}')                              # a data file: its stem
 test_eq(write_result(tmp / 'results', {}, {}, checkpoint=None, ckpt_id='random-init-powerclip-micro-seed1',
                      **dict(_other, data_root=tmp / 'instances_val2017.json')).name, 'instances_val2017.json')
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

@@ -153,7 +153,8 @@ def train_evaluator(cfg: TrainConfig) -> TrainingEvaluation | None:
 # %%
 from powerclip.config import load_config
 from powerclip.eval.models import load_model
-_tmp = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+_tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 _cfg = load_config("smoke", dict(out_dir=str(_tmp / "run"), eval_every=2, eval_images=16))
 _te = train_evaluator(_cfg)
 test_eq(_te.root, _tmp / "run" / "eval_world")
@@ -171,3 +172,10 @@ for ov, msg in [(dict(eval_data=str(_tmp / "none")), "eval_data: "), (dict(eval_
                 (dict(precision="fp64"), "eval_every: ")]:
     test_fail(lambda: train_evaluator(load_config("smoke", dict(out_dir=str(_tmp / "run"), eval_every=2, **ov))),
               contains=msg)
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

@@ -91,7 +91,8 @@ def render_table(header: list, rows: list, fmt: str = 'md') -> str:
 
 # %%
 from powerclip.eval.tasks import write_result
-tmp = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 _m = dict(retrieval={'i2t_R@1': 10.0, 't2i_R@1': 20.0, 'n_images': 5},
           winoground=dict(text=25.0, image=0.0, group=0.0, n=4))
 f1 = write_result(tmp / 'results', _m, {}, model='powerclip-micro', checkpoint=None, ckpt_id='random-init-x',
@@ -290,3 +291,10 @@ test_eq(_t15[0],
         ['checkpoint', 'AP50 base', 'AP50 novel', 'AP50', 'paper: AP50 base', 'paper: AP50 novel', 'paper: AP50'])
 test_eq(_t15[1], [['a', 30.0, 10.0, 25.0, 27.6, 15.3, 24.4]])
 print(render_table(*_t['table3']))
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

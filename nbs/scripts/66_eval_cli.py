@@ -406,7 +406,8 @@ def main(argv=None) -> int:
 
 # %%
 from powerclip.model import create_model
-tmp = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 (tmp / 'filip').mkdir()
 torch.manual_seed(0)
 torch.save(create_model('powerclip-micro')[0].state_dict(), tmp / 'filip' / 'model.pt')
@@ -478,3 +479,10 @@ test_fail(lambda: main(['run', '--data', str(tmp / 'nothing'), '--debug']), cont
 # `make eval-compare` runs every task type on the seed-0 runs of the comparison (`70_compare`): the real COCO sample
 # (retrieval, SugarCrepe; it needs `../shared/data`) and a held-out world folder (retrieval, hard negatives,
 # zero-shot, linear probe, Winoground), with the tables side by side in `runs/eval/`.
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

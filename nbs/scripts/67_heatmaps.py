@@ -268,7 +268,8 @@ def _loaded(spec, device: str = 'cpu') -> LoadedModel:
 # %%
 import tempfile
 from powerclip.model import create_model
-d = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+d = Path(tempfile.mkdtemp(dir=_scratch.name))
 (d / 'run').mkdir()
 (d / 'run' / 'config.yaml').write_text('model:\n  name: powerclip-micro\n  kwargs: {}\n')
 torch.manual_seed(1)
@@ -822,3 +823,10 @@ else:
 # with class-token pooling), so a region embedding and a one-patch map are not interchangeable readings of a model,
 # although they are one computation: the pointing game scores single patches against a caption-level text embedding.
 # These are one seed's models; the comparison's pointing column (`70_compare`) has the intervals.
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

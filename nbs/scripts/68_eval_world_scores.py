@@ -159,7 +159,8 @@ def evaluate_world(ev: Evaluator, root, per_item: bool = False, tasks: dict = WO
 # %%
 from powerclip.parsing import ParsedCaption
 from powerclip.tokens import tree_tokens
-tmp = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 write_world_benchmark(tmp / 'world', n_images=60)
 ev = Evaluator.build('powerclip-micro', None, cache_dir=tmp / 'cache', progress=False)
 m1, _ = evaluate(ev, tmp / 'world', tasks=tuple(WORLD_TASKS))
@@ -347,3 +348,10 @@ _rl = evaluate_folder(_tmp / "untrained_long", _tmp / "wtl", _lw, grounding=6, l
 test_close([_rl[k] for k in (*HEADLINE, *LONG_HEADLINE)], [_r[k] for k in (*HEADLINE, *LONG_HEADLINE)], eps=1e-9)
 _lres = evaluate(_lm_ev, _tmp / "wt", tasks=("long_retrieval",))[0]["long_retrieval"]
 test_eq({k: _r[f"long_{k}"] for k in ("i2t_R@1", "t2i_R@5")}, {k: _lres[k] for k in ("i2t_R@1", "t2i_R@5")})
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

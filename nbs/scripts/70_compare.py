@@ -29,8 +29,8 @@ import torch
 import yaml
 
 from powerclip.baselines.clip_pgs import WORLD_SIM_THRESHOLD
-from powerclip.commandline import (ArgumentParser, Interrupted, WriteFailed, check_device, check_number, run_main,
-                                   usage_errors)
+from powerclip.commandline import (ArgumentParser, Diverged, Interrupted, WriteFailed, check_device, check_number,
+                                   run_main, usage_errors)
 from powerclip.config import PRECISIONS, TrainConfig, check_precision, from_dict, load_config, parse_override, to_dict
 from powerclip.data import derive_seed, world_config
 from powerclip.eval.data import write_world_benchmark
@@ -564,7 +564,8 @@ def make_plan(runs=DEMO_RUNS, seeds=(0,), steps: int | None = None, out_dir="run
 # job per candidate. Mistakes stop here, with one line.
 
 # %%
-_tmp = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+_tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 _p = make_plan(["SPARC", "C2LIP"], seeds=[0, 1], steps=10, out_dir=_tmp / "plan", preset="smoke", log=lambda m: None)
 test_eq(list(_p.runs), ["CLIP", "SPARC", "C2LIP"])
 test_eq((_p.steps, _p.finetune), (10, 2))
@@ -628,6 +629,8 @@ def train_isolated(cfg: TrainConfig) -> dict:
             raise Interrupted(res["signal"], f"{said}; rerun the comparison to go on")
         if res.get("status") == WriteFailed.status:    # a full disk: the run's line, and its status (3)
             raise WriteFailed(f"{res.get('message')}; rerun the comparison to go on")
+        if res.get("status") == Diverged.status:       # a diverged run: its line (the finite checkpoint kept), status 4
+            raise Diverged(f"run {cfg.out_dir}: {res.get('message')}")
         raise RuntimeError(f"run {cfg.out_dir} failed: {res['error']}; rerun to resume it")
     return res
 
@@ -1103,3 +1106,10 @@ else:
 #   not a measurement of the methods; the same-process ratios are `benchmarks/train_step_ratio.py`'s (PowerCLIP 1.12x
 #   CLIP at the demo model, batch 64, fp32, 2-core CPU; every method:
 #   `benchmarks/results/train_step_ratio_all_methods_demo_cpu_B64_fp32.md`).
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

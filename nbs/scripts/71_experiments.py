@@ -213,7 +213,8 @@ def run_experiment(name: str, seeds=COMPARE_SEEDS, steps: int = EXPERIMENT_STEPS
 # `fig8`.
 
 # %%
-_tmp = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+_tmp = Path(tempfile.mkdtemp(dir=_scratch.name))
 _kw = dict(preset="smoke", eval_images=24, grounding_scenes=0, isolate=False, curve_points=(0.5, 1.0),
            log=lambda m: None)
 with contextlib.redirect_stderr(io.StringIO()):
@@ -657,3 +658,10 @@ for _n, _x in EXPERIMENTS.items():   # a fresh run in runs/, else the measured c
 _s = _root / "benchmarks" / "results" / "experiments_cpu" / "table6_avg" / "summary.md"   # Table 6, authors' pooling
 print(f"## table6 under average pooling (model.pool=avg)\n\n{_s.parent}:\n")
 print(_s.read_text() if _s.is_file() else "not kept")
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()

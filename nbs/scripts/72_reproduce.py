@@ -375,7 +375,8 @@ if __name__ == "__main__" and "__file__" in globals():
 
 # %%
 from powerclip.runrecord import run_threads
-_d = Path(tempfile.mkdtemp())
+_scratch = tempfile.TemporaryDirectory(prefix="powerclip-nb-")  # holds every scratch folder below; see the last cell
+_d = Path(tempfile.mkdtemp(dir=_scratch.name))
 with run_threads(1), contextlib.redirect_stderr(io.StringIO()):
     train(load_config("smoke", dict(out_dir=str(_d / "run"), snapshot_steps=[3], tensorboard=False, progress=False,
                                     log_every=1, threads=1), "clip"))
@@ -393,3 +394,10 @@ _err = io.StringIO()
 with contextlib.redirect_stderr(_err):
     test_eq(main([str(_d)]), 2)
 assert _err.getvalue().count("\n") == 1 and "has no config.yaml and no run.json" in _err.getvalue(), _err.getvalue()
+
+# %% [markdown]
+# Every scratch folder made above lives under one temporary folder, removed here, so running the notebook
+# leaves nothing behind (a training run's checkpoints take hundreds of MB).
+
+# %%
+_scratch.cleanup()
