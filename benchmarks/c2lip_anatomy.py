@@ -15,8 +15,10 @@ t and b at the run's lr (`modules_lr` None: 1e-5, so they stay near their initia
 measured copy is benchmarks/results/sigmoid_cpu/c2lip_anatomy/. Resumable: a killed run restarts where it stopped,
 finished runs are reused. One thread per run (`threads=1`), as the committed tables.
 """
-import argparse
+import sys
 from pathlib import Path
+
+import _checks
 
 from powerclip.compare import RUNS, RunSpec, make_plan, run_plan
 from powerclip.report import load_comparison, merge_comparisons, write_outputs
@@ -52,16 +54,24 @@ def anatomy_md(cmp) -> str:
             f"{pairs_table(cmp, PAIRS)}\n")
 
 
-if __name__ == "__main__":      # the runs train in spawned processes, which import this file again
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _main(argv) -> int:
+    from powerclip.commandline import ArgumentParser, usage_errors
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--out", default="runs/c2lip_anatomy")
     ap.add_argument("--merge", nargs="*", default=[], metavar="DIR",
                     help="folders of this anatomy over other seeds, read into this one's tables")
-    a = ap.parse_args()
-    plan = make_plan(ROWS, a.seeds, a.steps, a.out, overrides={"progress": False, "threads": 1},
-                     grounding_scenes=200, reference=CONTROL)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
+    with usage_errors():
+        a = ap.parse_args(argv)
+        _checks.at_least(a, 0, "seeds")
+        _checks.at_least(a, 10, "steps")            # F = 20 % of T: at least 2 fine-tune steps
+        _checks.out_dir("--out", a.out)
+        for d in a.merge:
+            _checks.existing("--merge", Path(d) / "summary.json", hint="a folder this script wrote")
+        plan = make_plan(ROWS, a.seeds, a.steps, a.out, overrides={"progress": False, "threads": 1},
+                         grounding_scenes=200, reference=CONTROL)
     plan.meta["command"] = "python benchmarks/c2lip_anatomy.py " + " ".join(
         ["--seeds", *map(str, a.seeds), "--steps", str(a.steps), "--out", a.out]
         + (["--merge", *a.merge] if a.merge else []))
@@ -72,3 +82,9 @@ if __name__ == "__main__":      # the runs train in spawned processes, which imp
         write_outputs(cmp, Path(a.out))
     (Path(a.out) / "anatomy.md").write_text(anatomy_md(cmp))
     print((Path(a.out) / "anatomy.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":      # the runs train in spawned processes, which import this file again
+    from powerclip.commandline import run_main
+    sys.exit(run_main(_main, None, "c2lip_anatomy.py"))

@@ -38,17 +38,14 @@ def shards(tmp_path_factory):
 def shard_straight(tmp_path_factory, shards):
     "The straight shard runs (in this process, on one torch thread as the resumed ones), with 0 and 2 workers."
     import test_train_resume as resume
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = {}
+    from powerclip.runrecord import run_threads
+    out = {}
+    with run_threads(1):
         for w in (0, 2):
             d = tmp_path_factory.mktemp(f"straight_w{w}")
             resume._main(resume._shard_args(d, shards, w))
             out[w] = d
-        return out
-    finally:
-        torch.set_num_threads(threads)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ xdist balance

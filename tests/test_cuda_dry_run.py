@@ -77,10 +77,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    from powerclip.runrecord import run_threads
+    with run_threads(1):
+        yield
 
 
 def _run(method, precision="fp32", device=CUDA, overrides=(), ctx=None):

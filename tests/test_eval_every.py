@@ -32,18 +32,15 @@ def _cfg(out_dir, **kw):
 def runs(tmp_path_factory):
     "The smoke run without and with evaluation, one CPU thread (bitwise comparisons need the same reduction order)."
     from powerclip.train import train
+    from powerclip.runrecord import run_threads
     d = tmp_path_factory.mktemp("eval_every")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with run_threads(1):
         train(_cfg(d / "plain", tensorboard=False))
         t0 = time.time()
         train(_cfg(d / "eval", tensorboard=True, **EVAL))
         print(f"smoke run with eval_every=2: {time.time() - t0:.1f}s")
         train(_cfg(d / "resumed", stop_at=3, **EVAL))
         train(_cfg(d / "resumed", **EVAL))
-    finally:
-        torch.set_num_threads(threads)
     return d
 
 
@@ -171,14 +168,11 @@ def test_eval_every_torchrun_rank0_evaluates(tmp_path):
                           "eval_images=16", "eval_tasks=[retrieval]", f"out_dir={tmp_path / 'two'}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
+    from powerclip.runrecord import run_threads
     from powerclip.train import read_metrics, train
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with run_threads(1):
         train(_cfg(tmp_path / "one", **{"max_steps": 3, "optim.warmup_steps": 1, "tensorboard": False,
                                          "data.batch_size": 8}))
-    finally:
-        torch.set_num_threads(threads)
     a, b = read_metrics(tmp_path / "two" / "metrics.csv"), read_metrics(tmp_path / "one" / "metrics.csv")
     assert [r["step"] for r in a if "eval/retrieval/i2t_R@1" in r] == [2, 3]
     for x, y in zip(a, b):

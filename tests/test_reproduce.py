@@ -12,22 +12,18 @@ import torch
 
 from powerclip.compare import make_plan, train_job
 from powerclip.reproduce import main
-from powerclip.runrecord import RECORD
+from powerclip.runrecord import RECORD, run_threads
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     "(the run's folder, its train.json): trained in a spawned child at 2 threads, asked for by a parent at 1."
     out = tmp_path_factory.mktemp("repro")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with run_threads(1):
         plan = make_plan(["CLIP"], seeds=[0], steps=6, out_dir=out, preset="smoke", log=lambda m: None,
                          overrides={"threads": 2})
         job = plan.job("CLIP", 0)
         rec = train_job(job, isolate=True, log=lambda m: None)
-    finally:
-        torch.set_num_threads(before)
     return job.dir, rec
 
 
@@ -48,13 +44,9 @@ def test_the_record_holds_the_childs_thread_count(trained):
 
 def test_the_plan_gives_every_child_its_count():
     "Without threads=N, the plan passes this process's count explicitly (not left to the child's OMP_NUM_THREADS)."
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with run_threads(1):
         plan = make_plan(["CLIP", "C2LIP"], seeds=[0, 1], steps=10, out_dir="/nonexistent/plan", preset="smoke",
                          log=lambda m: None)
-    finally:
-        torch.set_num_threads(before)
     assert {j.cfg.threads for j in plan.jobs.values()} == {1} and plan.meta["threads"] == 1
 
 

@@ -152,11 +152,9 @@ def _main(argv):
 def one_thread():
     """Every run of this module on one torch thread, in this process as in the subprocesses (`_env`): a result to the
     last digit depends on the thread count, and an earlier test of the session may have left it at 1 or at 2."""
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    from powerclip.runrecord import run_threads
+    with run_threads(1):
+        yield
 
 
 # `shard_straight` (the straight shard runs with 0 and 2 workers, in this process, one thread) is tests/conftest.py's
