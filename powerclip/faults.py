@@ -294,7 +294,7 @@ def save_finite(save, state, model, modules, what: str) -> None:
     "Weights are written only when every one is finite (a diverged run leaves its checkpoints, never a NaN model.pt)."
     if not finite(model, modules):
         raise Diverged(f"the weights are not finite after step {state.step}: {what} not written (the run "
-                           f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
+                       f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
     save()
 
 
@@ -302,7 +302,7 @@ def refuse_non_finite(finite: bool, step: int, run_dir) -> None:
     "Weights not `finite` at a checkpoint: the run stops before writing it, naming the newest finite checkpoint kept."
     if not finite:
         raise Diverged(f"the weights are not finite at step {step}: no checkpoint written (the finite one is "
-                           f"kept: {finite_checkpoint(Path(run_dir)) or 'none'}); a lower optim.lr or optim.grad_clip")
+                       f"kept: {finite_checkpoint(Path(run_dir)) or 'none'}); a lower optim.lr or optim.grad_clip")
 
 
 def check_resume_end(cfg: TrainConfig, ck: dict | None, path) -> None:

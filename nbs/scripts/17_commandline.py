@@ -303,7 +303,7 @@ class StopSignals:
 # **A machine's refusal.** A write that fails for a full disk, a quota or a file-size limit (`49g_faults`) stops the run
 # cleanly and raises `WriteFailed(line)`: one line and exit status 3, so that a script tells it from a usage error (2),
 # a signal (128 + its number) and a bug (1, with its traceback). A run that diverged (its weights, or too many losses
-# in a row, not finite: `49g_faults`) raises `Diverged(line)`: one line, naming the finite checkpoint kept, and status 4.
+# in a row, not finite: `49g_faults`) raises `Diverged(line)`: one line naming the finite checkpoint kept, status 4.
 
 # %% [markdown]
 # A small command shows every path: a good call, a bad value caught in validation, a bad flag caught by the parser,

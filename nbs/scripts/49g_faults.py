@@ -53,8 +53,9 @@ from fastcore.test import test_eq, test_fail
 # (the file stays, with the dead holder's pid, and is taken over). The open file is shared with the processes the
 # trainer forked, its DataLoader workers, and a killed trainer's workers outlive it by up to 5 s (PyTorch's watchdog
 # looks for their parent that often): while the lock's recorded holder is a process of this host that no longer runs,
-# a new trainer waits for them (at most `ORPHAN_WAIT_S`) instead of refusing, so `kill -9` then the same command works. A clean stop removes the file, and a folder the lock
-# created and nothing filled is removed too, so a refused command leaves no file behind. Under DDP the main process
+# a new trainer waits for them (at most `ORPHAN_WAIT_S`) instead of refusing, so `kill -9` then the same command
+# works. A clean stop removes the file, and a folder the lock created and nothing filled is removed too, so a refused
+# command leaves no file behind. Under DDP the main process
 # takes it and every process learns the answer (a gather), so all exit together. The lock is advisory and local: a
 # second trainer on another machine sharing the folder over NFS may not see it.
 #
@@ -418,7 +419,7 @@ def save_finite(save, state, model, modules, what: str) -> None:
     "Weights are written only when every one is finite (a diverged run leaves its checkpoints, never a NaN model.pt)."
     if not finite(model, modules):
         raise Diverged(f"the weights are not finite after step {state.step}: {what} not written (the run "
-                           f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
+                       f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
     save()
 
 
@@ -426,7 +427,7 @@ def refuse_non_finite(finite: bool, step: int, run_dir) -> None:
     "Weights not `finite` at a checkpoint: the run stops before writing it, naming the newest finite checkpoint kept."
     if not finite:
         raise Diverged(f"the weights are not finite at step {step}: no checkpoint written (the finite one is "
-                           f"kept: {finite_checkpoint(Path(run_dir)) or 'none'}); a lower optim.lr or optim.grad_clip")
+                       f"kept: {finite_checkpoint(Path(run_dir)) or 'none'}); a lower optim.lr or optim.grad_clip")
 
 
 def check_resume_end(cfg: TrainConfig, ck: dict | None, path) -> None:
