@@ -58,22 +58,24 @@ theory: install
 ## Everything CI runs: notebooks, scripts and package agree, the docs site builds, every cell runs, pytest passes.
 ## check and docs run side by side (each is one process: the second core would wait); pytest -n 2: each module with a
 ## costly set-up runs whole on one worker, longest first (tests/conftest.py).
-## Every temporary file of the run (the notebooks' scratch folders, pytest's tmp_path, torchrun's) goes in .scratch/,
-## which each run empties first and a passing run removes: a run leaves at most its own behind. It needs about
-## TEST_DISK_GB of free disk (training runs write checkpoints); with less it stops at once and says so, rather than
-## failing test by test. A test that hangs is stopped after TEST_TIMEOUT seconds, with its traceback.
-SCRATCH      := $(CURDIR)/.scratch
+## Every temporary file of the run (the notebooks' scratch folders, pytest's tmp_path, torchrun's) goes in SCRATCH,
+## which each run empties first and a passing run removes: a run leaves at most its own behind. SCRATCH is a short
+## path in /tmp, one per checkout: DataLoader workers pass tensors over Unix sockets made in TMPDIR, whose paths may
+## not exceed 107 bytes. It needs about TEST_DISK_GB of free disk (training runs write checkpoints); with less it stops
+## at once and says so, rather than failing test by test. A test that hangs is stopped after TEST_TIMEOUT seconds,
+## with its traceback.
+SCRATCH      ?= /tmp/powerclip-test-$(shell printf %s "$(CURDIR)" | cksum | cut -d' ' -f1)
 TEST_DISK_GB ?= 4
 TEST_TIMEOUT ?= 900
 test: install
-	@df -Pk . | awk -v need=$(TEST_DISK_GB) 'NR == 2 && $$4 < need * 1048576 { \
-	  printf "make test: %.1f GB free on this disk, it needs about %d GB\n", $$4 / 1048576, need; exit 1 }'
-	rm -rf $(SCRATCH) && mkdir -p $(SCRATCH)
+	@mkdir -p "$(SCRATCH)" && df -Pk "$(SCRATCH)" | awk -v need=$(TEST_DISK_GB) 'NR == 2 && $$4 < need * 1048576 { \
+	  printf "make test: %.1f GB free for %s, it needs about %d GB\n", $$4 / 1048576, "$(SCRATCH)", need; exit 1 }'
+	rm -rf "$(SCRATCH)" && mkdir -p "$(SCRATCH)"
 	$(MAKE) --no-print-directory -j2 --output-sync=target check docs
-	TMPDIR=$(SCRATCH) $(BIN)/nbdev_test --n_workers 2 --timing
-	TMPDIR=$(SCRATCH) $(BIN)/python -m pytest -q -n 2 --durations=15 --timeout $(TEST_TIMEOUT) \
+	TMPDIR="$(SCRATCH)" $(BIN)/nbdev_test --n_workers 2 --timing
+	TMPDIR="$(SCRATCH)" $(BIN)/python -m pytest -q -n 2 --durations=15 --timeout $(TEST_TIMEOUT) \
 	  -o tmp_path_retention_policy=failed tests
-	rm -rf $(SCRATCH)
+	rm -rf "$(SCRATCH)"
 
 ## The house rules (ruff.toml): lines of at most 120 characters, one statement per line, no unused or undefined names,
 ## in the notebooks, benchmarks, tests and scripts (`ruff check --fix` mends the few it can); then paired scripts and

@@ -54,8 +54,8 @@ def check_clean_and_export():
     errs = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "repo"
-        skip = shutil.ignore_patterns(".venv", ".git", "_docs", "_proc", "_site", "runs", "outputs", ".scratch",
-                                      "__pycache__", ".pytest_cache", ".ruff_cache")
+        skip = shutil.ignore_patterns(".venv", ".git", "_docs", "_proc", "_site", "runs", "outputs", "__pycache__",
+                                      ".pytest_cache", ".ruff_cache")
         shutil.copytree(ROOT, work, ignore=skip)
         subprocess.run([BIN / "nbdev_clean"], cwd=work, check=True)
         errs += [f"nbs/{p}: not clean (run `nbdev_clean`)" for p in dirs_differ(NBS, work / "nbs", "*.ipynb")]

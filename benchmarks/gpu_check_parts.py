@@ -1126,8 +1126,9 @@ def compare_unit(a) -> dict:
     cmd = [sys.executable, "-m", "powerclip.compare", *argv, "--out", str(runs)]
     print("$", " ".join(cmd), flush=True)
     r = subprocess.run(cmd, cwd=ROOT)
-    if r.returncode:
-        raise RuntimeError(f"powerclip.compare exited with {r.returncode} (run again to continue)")
+    if r.returncode:   # 4: a run diverged (its line above), which a rerun repeats
+        why = "a run diverged: its line above" if r.returncode == 4 else "run again to continue"
+        raise RuntimeError(f"powerclip.compare exited with {r.returncode} ({why})")
     text = (runs / "summary.md").read_text() if (runs / "summary.md").is_file() else "(no summary.md)"
     return dict(command="python -m powerclip.compare " + " ".join(argv), runs=str(runs), summary=text)
 

@@ -19,7 +19,7 @@ from .data import Geometry, world_config
 # %% auto #0
 __all__ = ['LOCK_NAME', 'ORPHAN_WAIT_S', 'DISK_ERRNOS', 'RunLock', 'take_run_lock', 'lock_run', 'object_bytes',
            'is_write_failure', 'write_failure', 'Writes', 'written', 'check_setup', 'check_geometry', 'free_numbers',
-           'check_world_scene', 'state_bytes', 'finite_checkpoint', 'finite', 'save_finite', 'refuse_non_finite',
+           'check_world_scene', 'state_bytes', 'finite_checkpoint', 'finite', 'check_finite', 'refuse_non_finite',
            'check_resume_end']
 
 # %% ../nbs/49g_faults.ipynb #73775205
@@ -90,7 +90,10 @@ def _gone(path: Path) -> bool:
         return True
     except (OSError, ValueError):
         return False
-    return False
+    try:       # a zombie (killed, its parent yet to reap it) has exited too
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def take_run_lock(folder) -> RunLock:
@@ -290,12 +293,13 @@ def finite(*modules) -> bool:
                if torch.is_tensor(t) and t.is_floating_point())
 
 
-def save_finite(save, state, model, modules, what: str) -> None:
-    "Weights are written only when every one is finite (a diverged run leaves its checkpoints, never a NaN model.pt)."
+def check_finite(state, model, modules, what: str) -> None:
+    """Before `what` (weights) is written: `Diverged` unless every weight is finite (a diverged run leaves its
+    checkpoints, never a NaN model.pt). Every process calls it, not only the one that writes: they hold the same
+    weights, so all of them stop together instead of the others waiting for the writer."""
     if not finite(model, modules):
         raise Diverged(f"the weights are not finite after step {state.step}: {what} not written (the run "
                        f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
-    save()
 
 
 def refuse_non_finite(finite: bool, step: int, run_dir) -> None:

@@ -185,10 +185,10 @@ def test_shard_skip_counts_are_the_bad_samples(shard_straight, workers):
 
 
 def test_shards_killed_twice_resume_exactly(tmp_path, shards, shard_straight):
-    """SIGKILL mid-step, just after the first checkpoint a run writes, twice, in fresh processes with 2 workers. The
-    checkpoint file's time is polled (cheap) every 10 ms, so the kill lands within a step or two of it: 10 or more of
-    the 14 steps are left, and a fast machine cannot finish the run first (a fixed 0.2 s wait after the checkpoint
-    did, once)."""
+    """SIGKILL mid-run, twice, in fresh processes with 2 workers: once the first checkpoint a run writes is in place
+    and a step past it is logged (so the resume drops logged rows), the files polled every 10 ms. 10 or more of the 14
+    steps are left at each kill, so a fast machine cannot finish the run first (a fixed 0.2 s wait after the
+    checkpoint did, once)."""
     import torch
     ck = tmp_path / "checkpoints" / "last.pt"
     cmd = [sys.executable, "-m", "powerclip.train", *_shard_args(tmp_path, shards, 2)]
@@ -197,24 +197,31 @@ def test_shards_killed_twice_resume_exactly(tmp_path, shards, shard_straight):
         return ck.stat().st_mtime_ns if ck.exists() else None
 
     def step(): return torch.load(ck, weights_only=False)["state"]["step"]
+
+    def logged():
+        rows = (tmp_path / "metrics.csv").read_text().strip().splitlines()
+        return int(rows[-1].split(",")[0]) if len(rows) > 1 else 0
     killed = []
     for _ in range(2):
-        before = written()                               # the checkpoint this run resumes from (none the first time)
+        before, at = written(), None                     # the checkpoint this run resumes from (none the first time)
         p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"))
         t0 = time.time()
         while p.poll() is None and time.time() - t0 < 240:
             try:
-                if written() not in (before, None):
+                if at is None and written() not in (before, None):
+                    at = step()                        # the run's first new checkpoint
+                if at is not None and logged() > at:
                     break
-            except OSError:
-                pass                                   # caught in the middle of the rename
+            except (OSError, ValueError, RuntimeError, EOFError):
+                pass                                   # caught in the middle of a rename or a write
             time.sleep(0.01)
         p.send_signal(signal.SIGKILL)
         p.wait()
         assert p.returncode == -signal.SIGKILL, ("the run ended before it could be killed: "
                                                  + (tmp_path / "err").read_text()[-2000:])
+        assert at is not None, "no checkpoint within 240 s"
         killed.append(step())
-    assert 0 < killed[0] <= killed[1] < SHARD_N, killed
+    assert 0 < killed[0] < killed[1] < SHARD_N, killed
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"at step {killed[1]}" in r.stderr

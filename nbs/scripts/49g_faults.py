@@ -137,7 +137,10 @@ def _gone(path: Path) -> bool:
         return True
     except (OSError, ValueError):
         return False
-    return False
+    try:       # a zombie (killed, its parent yet to reap it) has exited too
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def take_run_lock(folder) -> RunLock:
@@ -212,21 +215,28 @@ with tempfile.TemporaryDirectory() as d:
 
 # %% [markdown]
 # A killed trainer's workers: the file names a holder that no longer runs, and another process (here a child that lets
-# go after 1 s, as a DataLoader worker does when it finds its parent gone) still holds the lock. The new trainer waits
-# for it; were the named holder alive, it would be refused at once.
+# go when told, half a second later, as a DataLoader worker does when it finds its parent gone) still holds the lock.
+# The new trainer waits for it; were the named holder alive, it would be refused at once.
 
 # %%
-import subprocess, sys
+import subprocess, sys, threading
 with tempfile.TemporaryDirectory() as d:
     _run = Path(d)
     _dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (_run / LOCK_NAME).write_text(f"{_dead.stdout.strip()} {socket.gethostname()}\n")   # a pid that has exited
-    _worker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
-                                "os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1)",
-                                str(_run / LOCK_NAME)], stdout=subprocess.PIPE, text=True)
-    test_eq(_worker.stdout.readline().strip(), "held")
+    _worker = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+                                "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+                                str(_run / LOCK_NAME)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    test_eq(_worker.stdout.readline().strip(), "held")              # it holds the lock until its stdin closes
     assert _gone(_run / LOCK_NAME) and "no longer running" in _holder(_run / LOCK_NAME)
+    _told = threading.Event()
+
+    def _let_go():
+        _told.set()
+        _worker.stdin.close()
+    threading.Timer(0.5, _let_go).start()
     _l = take_run_lock(_run)                                        # waits for the worker instead of refusing
+    assert _told.is_set()                                           # taken only after the worker let go
     test_eq(_worker.wait(timeout=5), 0)
     _l.release()
 
@@ -415,12 +425,13 @@ def finite(*modules) -> bool:
                if torch.is_tensor(t) and t.is_floating_point())
 
 
-def save_finite(save, state, model, modules, what: str) -> None:
-    "Weights are written only when every one is finite (a diverged run leaves its checkpoints, never a NaN model.pt)."
+def check_finite(state, model, modules, what: str) -> None:
+    """Before `what` (weights) is written: `Diverged` unless every weight is finite (a diverged run leaves its
+    checkpoints, never a NaN model.pt). Every process calls it, not only the one that writes: they hold the same
+    weights, so all of them stop together instead of the others waiting for the writer."""
     if not finite(model, modules):
         raise Diverged(f"the weights are not finite after step {state.step}: {what} not written (the run "
                        f"diverged; its checkpoints are in checkpoints/; a lower optim.lr or optim.grad_clip)")
-    save()
 
 
 def refuse_non_finite(finite: bool, step: int, run_dir) -> None:

@@ -38,7 +38,7 @@ from powerclip.commandline import (ArgumentParser, Diverged, Interrupted, StopSi
 from powerclip.config import TrainConfig, check_kwargs, load_config, method_options, to_dict
 from powerclip.faults import (Writes, check_geometry, check_resume_end, check_setup, check_world_scene, lock_run,
                               refuse_non_finite, state_bytes)
-from powerclip.faults import finite as _finite, free_numbers, save_finite as _save_finite   # _finite: old names
+from powerclip.faults import check_finite, finite as _finite, free_numbers   # _finite: its old name
 from powerclip.data import (SAMPLE_SKIP_REASONS, BatchSpec, Geometry, Loader, StreamPosition, add_counts, make_loader,
                             shard_urls, steps_per_epoch, world_config)
 from powerclip.measure import PeakMemory
@@ -683,8 +683,8 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
                 bar.set_postfix(loss=f"{last_row['loss']:.4f}", img_s=f"{last_row['img_per_s']:.0f}", refresh=False)
                 t_last, n_since = now, 0
             if state.step in snapshots:
-                wr(lambda: _save_finite(lambda: save_snapshot(run_dir, state.step, state.seconds, model, modules),
-                                        state, model, modules, "a snapshot"), run_dir / "snapshots")
+                check_finite(state, model, modules, "a snapshot")
+                wr(lambda: save_snapshot(run_dir, state.step, state.seconds, model, modules), run_dir / "snapshots")
             if state.step % cfg.ckpt_every == 0 and state.step < total:
                 checkpoint(loader.state())
             if out["stop"] and state.step < min(total, cfg.stop_at or total):
@@ -717,8 +717,8 @@ def _train(cfg: TrainConfig, ctx: pdist.DistContext, evaluate=None, stops: StopS
         line = (f"interrupted ({signal.Signals(stopped).name}) at step {state.step} of {total}; checkpoint "
                 f"{run_dir / 'checkpoints' / 'last.pt'}; resume with the same command and resume=auto")
         raise Interrupted(stopped, line if ctx.is_main else "")   # one line, from the main process
-    wr(lambda: _save_finite(lambda: export_weights(run_dir, model, modules), state, model, modules, "model.pt"),
-       run_dir / "model.pt", state_bytes(model, None, modules))
+    check_finite(state, model, modules, "model.pt")
+    wr(lambda: export_weights(run_dir, model, modules), run_dir / "model.pt", state_bytes(model, None, modules))
     logger.close()
     if logger.rows or ctx.world_size > 1:
         wr(lambda: logger.rows and plot_metrics(logger.rows, run_dir / "loss.png",
