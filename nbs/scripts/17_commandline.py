@@ -165,6 +165,9 @@ class Diverged(RuntimeError):
     were right; the run was not, and resuming it as it is would diverge again."""
     status = 4
 
+    @property
+    def message(self) -> str: return str(self) if os.environ.get("RANK", "0") == "0" else ""
+
 
 def run_main(main, argv=None, prog: str | None = None) -> int:
     """`main(argv)` -> its exit status (None counts as 0). A `UsageError` is printed as `prog: error: message` on
@@ -181,17 +184,11 @@ def run_main(main, argv=None, prog: str | None = None) -> int:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except (Interrupted, WriteFailed) as e:
+    except (Interrupted, WriteFailed, Diverged) as e:
         if debug_requested(argv):
             raise
-        if e.message:   # a refused write is an error; an interruption is news
-            print(f"{prog}: {'error: ' * isinstance(e, WriteFailed)}{e.message}", file=sys.stderr, flush=True)
-        return e.status
-    except Diverged as e:
-        if debug_requested(argv):
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        if e.message:   # a refused write and a divergence are errors; an interruption is news
+            print(f"{prog}: {'error: ' * (not isinstance(e, Interrupted))}{e.message}", file=sys.stderr, flush=True)
         return e.status
     except KeyboardInterrupt:
         if debug_requested(argv):

@@ -118,27 +118,36 @@ class RunLock:
 ORPHAN_WAIT_S = 30.0     # how long a new trainer waits for the workers of a holder that no longer runs
 
 
-def _holder(path: Path) -> str:
+def _recorded(path: Path) -> tuple[str, str] | None:
+    "The (pid, host) a lock file names; None when it cannot be read."
     try:
         pid, host = path.read_text().split()[:2]
-        return f"pid {pid} on host {host}" + " (no longer running: processes it started hold the lock)" * _gone(path)
     except (OSError, ValueError):
+        return None
+    return pid, host
+
+
+def _holder(path: Path) -> str:
+    rec = _recorded(path)
+    if rec is None:
         return "another process"
+    return f"pid {rec[0]} on host {rec[1]}" + " (no longer running: processes it started hold the lock)" * _gone(rec)
 
 
-def _gone(path: Path) -> bool:
-    "The lock's recorded holder is a process of this host that no longer runs (its forked workers may still hold it)."
+def _gone(rec: tuple[str, str] | None) -> bool:
+    """The holder `rec` (`_recorded`) is a process of this host that no longer runs (its forked workers may still
+    hold the lock)."""
+    if rec is None or rec[1] != socket.gethostname():
+        return False
     try:
-        pid, host = path.read_text().split()[:2]
-        if host != socket.gethostname():
-            return False
-        os.kill(int(pid), 0)
+        pid = int(rec[0])
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except (OSError, ValueError):
         return False
     try:       # a zombie (killed, its parent yet to reap it) has exited too
-        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return False
 
@@ -157,7 +166,7 @@ def take_run_lock(folder) -> RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            if _gone(path) and time.monotonic() < deadline:     # a killed holder's workers, about to exit
+            if _gone(_recorded(path)) and time.monotonic() < deadline:     # a killed holder's workers, about to exit
                 time.sleep(0.1)
                 continue
             raise UsageError(f"out_dir: {str(folder)!r} is being trained by {_holder(path)} (its lock {path}): one "
@@ -228,7 +237,7 @@ with tempfile.TemporaryDirectory() as d:
                                 "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
                                 str(_run / LOCK_NAME)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     test_eq(_worker.stdout.readline().strip(), "held")              # it holds the lock until its stdin closes
-    assert _gone(_run / LOCK_NAME) and "no longer running" in _holder(_run / LOCK_NAME)
+    assert _gone(_recorded(_run / LOCK_NAME)) and "no longer running" in _holder(_run / LOCK_NAME)
     _told = threading.Event()
 
     def _let_go():
