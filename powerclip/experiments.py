@@ -470,7 +470,8 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--steps", type=int, nargs="+", default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); "
                     "budget: the T to try, each the double of the one before (default "
                     f"{' '.join(map(str, BUDGET_STEPS))}; one T: T, 2T, 4T); plateau: default the budget's T*; "
-                    f"finetune: default {FINETUNE_STEPS}")
+                    "finetune, sigmoid, long: default "
+                    + " / ".join(dict.fromkeys(str(t[2]) for t in _TABLES.values())))    # one number while they agree
     ap.add_argument("--out", default=None, help="runs and tables (default runs/experiments; "
                                                 "budget, plateau: runs/plateau; finetune, sigmoid, long: runs/NAME)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
@@ -478,11 +479,13 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--eval-images", type=int, default=300)
     ap.add_argument("--grounding", type=int, default=None, help="test scenes of the pointing game (default 0; budget, "
-                    f"plateau, finetune: {GROUNDING_SCENES})")
-    ap.add_argument("--rows", nargs="+", default=None, metavar="ROW", help="plateau, finetune: the rows to run "
-                    f"(default all: {', '.join(PLATEAU_ROWS)}; {', '.join(FINETUNE_ROWS)})")
-    ap.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="plateau, finetune: folders of the same "
-                    "table over other seeds (summary.json, anatomy.csv), read together with this run's seeds")
+                    f"plateau, finetune, sigmoid, long: {GROUNDING_SCENES})")
+    ap.add_argument("--rows", nargs="+", default=None, metavar="ROW", help="plateau, finetune, sigmoid, long: the rows "
+                    "to run (default all: " + "; ".join(", ".join(r) for r in (PLATEAU_ROWS, *(t[1] for t in
+                                                                                     _TABLES.values()))) + ")")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="plateau, finetune, sigmoid, long: folders "
+                    "of the same table over other seeds (summary.json, anatomy.csv), read together with this run's "
+                    "seeds")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     return ap
 
