@@ -457,6 +457,8 @@ def rewrite_results(folder) -> Comparison:
 
 # %% ../nbs/71a_plateau.ipynb #c307666d
 def _parser() -> ArgumentParser:
+    rows = "; ".join(", ".join(r) for r in (PLATEAU_ROWS, *(t[1] for t in _TABLES.values())))
+    table_T = " / ".join(dict.fromkeys(str(t[2]) for t in _TABLES.values()))      # one number while they agree
     ap = ArgumentParser(prog="python -m powerclip.experiments", key_values=True,
                         description="The paper's ablations on the built-in world.")
     ap.add_argument("names", nargs="+", help=f"experiments: {', '.join(EXPERIMENTS)}, fig9 (the cost benchmark), "
@@ -470,22 +472,19 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--steps", type=int, nargs="+", default=None, help=f"T of every row (default {EXPERIMENT_STEPS}); "
                     "budget: the T to try, each the double of the one before (default "
                     f"{' '.join(map(str, BUDGET_STEPS))}; one T: T, 2T, 4T); plateau: default the budget's T*; "
-                    "finetune, sigmoid, long: default "
-                    + " / ".join(dict.fromkeys(str(t[2]) for t in _TABLES.values())))    # one number while they agree
+                    f"finetune, sigmoid, long: default {table_T}")
     ap.add_argument("--out", default=None, help="runs and tables (default runs/experiments; "
                                                 "budget, plateau: runs/plateau; finetune, sigmoid, long: runs/NAME)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: the preset's, else cuda when available)")
     ap.add_argument("--precision", default=None, help=" | ".join(PRECISIONS))
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--eval-images", type=int, default=300)
-    ap.add_argument("--grounding", type=int, default=None, help="test scenes of the pointing game (default 0; budget, "
-                    f"plateau, finetune, sigmoid, long: {GROUNDING_SCENES})")
-    ap.add_argument("--rows", nargs="+", default=None, metavar="ROW", help="plateau, finetune, sigmoid, long: the rows "
-                    "to run (default all: " + "; ".join(", ".join(r) for r in (PLATEAU_ROWS, *(t[1] for t in
-                                                                                     _TABLES.values()))) + ")")
+    ap.add_argument("--grounding", type=int, default=None, help="test scenes of the pointing game (default 0; "
+                    f"budget, plateau, finetune, sigmoid, long: {GROUNDING_SCENES})")
+    ap.add_argument("--rows", nargs="+", default=None, metavar="ROW", help="plateau, finetune, sigmoid, long: the "
+                    f"rows to run (default all: {rows})")
     ap.add_argument("--merge", nargs="+", default=[], metavar="DIR", help="plateau, finetune, sigmoid, long: folders "
-                    "of the same table over other seeds (summary.json, anatomy.csv), read together with this run's "
-                    "seeds")
+                    "of the same table over other seeds (summary.json, anatomy.csv), read with this run's seeds")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
     return ap
 
@@ -574,13 +573,7 @@ def _main(argv: list[str]) -> int:
                 if (folder / f).is_file():
                     print((folder / f).read_text())
             continue
-        if n == "finetune":
-            cmp = finetune(T or FINETUNE_STEPS, a.seeds, out(n), merge=a.merge, rows=a.rows or FINETUNE_ROWS, **kw)
-            folder = Path(out(n)) / f"T{cmp.meta['steps']}"
-            print((folder / "summary.md").read_text())
-            print((folder / "finetune.md").read_text())
-            continue
-        if n in ("sigmoid", "long"):
+        if n in _TABLES:
             _, rows_of, T_of, run = _TABLES[n]
             cmp = run(T or T_of, a.seeds, out(n), merge=a.merge, rows=a.rows or rows_of, **kw)
             folder = Path(out(n)) / f"T{cmp.meta['steps']}"
