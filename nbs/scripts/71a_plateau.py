@@ -839,10 +839,10 @@ test_fail(lambda: sigmoid(10, [0], _sg_root, rows=["SigLIP", "CLIP"], **_kw), co
 # training, and the committed table (`benchmarks/results/sigmoid_cpu/T1600/`, checked below) will be replaced at eight
 # seeds; it was also looked at with two and four seeds, to check its form (at four, the same verdicts for C2LIP
 # (SigLIP), but HN mean suggestive, not worse). A reading at whichever look first shows a difference is a looser test
-# than 5 % (the plateau's looks, above). The runs' record reads "c0baf18 (dirty)": the worktree's one difference from its
-# commit was the untracked `logs/` folder of the two processes' logs (`git diff HEAD` empty), which the record's hash
-# counts (`49h_runrecord`). "train s" is wall time and includes the hours the runs were paused (SIGSTOP) while the CPU
-# timed other work; the step-time ratios are medians of the logged steps and do not.
+# than 5 % (the plateau's looks, above). The runs' record reads "c0baf18 (dirty)": the worktree's one difference from
+# its commit was the untracked `logs/` folder of the two processes' logs (`git diff HEAD` empty), which the record's
+# hash counts (`49h_runrecord`). "train s" is wall time and includes the minutes the runs were paused (SIGSTOP) while
+# the CPU timed other work; the step-time ratios are medians of the logged steps and do not.
 #
 # Reading it (Δ against the row's control, mean [95 % t interval over 6 seeds], Holm over each pair's five numbers):
 #
@@ -857,16 +857,15 @@ test_fail(lambda: sigmoid(10, [0], _sg_root, rows=["SigLIP", "CLIP"], **_kw), co
 #   base model was not what cost C2LIP its points: on the SigLIP model its paper fine-tunes, with that model's own $t$
 #   and $b$, its loss costs a third less and still loses where its paper gains: `003`'s Table 2 reports C2LIP above
 #   its own SigLIP fine-tuned on CC3M on SugarCrepe (Add 94.2 against 87.9) and on retrieval (MSCOCO 82.7 against
-#   80.3). At this scale **its claim does not reproduce**. The anatomy above
-#   (npc off recovers what C2LIP from CLIP loses) names the term to look at; it was measured from CLIP, not repeated
-#   on SigLIP.
+#   80.3). At this scale **its claim does not reproduce**. The anatomy above (npc off recovers what C2LIP from CLIP
+#   loses) names the term to look at; it was measured from CLIP, not repeated on SigLIP.
 # - **PowerCLIP over SigLIP: no difference shown**, the row no peer has: HN mean -0.2 [-2.2, +1.8], i2t R@1 -0.2
 #   [-5.5, +5.1], t2i R@1 -3.7 [-8.1, +0.8], region top-1 -1.2 [-4.5, +2.2]; pointing +12.3 [-0.3, +25.0] (raw p
 #   0.054, 5 of 6 seeds above 0). Six seeds detect only large differences here (detectable 2.8 / 7.3 / 6.1 on HN mean
 #   and R@1, 17.3 on pointing): the pair's per-seed differences scatter more widely than the softmax pair's of the
 #   plateau (sd 5.1 and 4.2 points of R@1 against 2.0 and 2.1). SigLIP's own maps point at the named object about as
 #   often as chance (23.9 ± 11.7 against the untrained line's 21.5; 10.3 to 39.5 over the seeds; the head's patch
-#   embeddings, `30_model`, "MAP"), as class-token CLIP's do not either (13.9 against 22.2 in the plateau table); the
+#   embeddings, `30_model`, "MAP"), and class-token CLIP's less often (13.9 against 22.2 in the plateau table); the
 #   triplet term lifts them on 5 of 6 seeds, as it lifts class-token CLIP's (+25.3, above). At six seeds, whether
 #   PowerCLIP's loss helps a SigLIP model is not answered: no gain and no cost shown, within wide intervals.
 # - PowerCLIP-R (SigLIP)'s step is 1.24x SigLIP's (C2LIP (SigLIP)'s 1.10x SigLIP ft's), at batch 64 on this CPU.
