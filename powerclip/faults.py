@@ -80,8 +80,8 @@ def _recorded(path: Path) -> tuple[str, str] | None:
     return pid, host
 
 
-def _holder(path: Path) -> str:
-    rec = _recorded(path)
+def _holder(rec: tuple[str, str] | None) -> str:
+    "Who holds a lock, from its record `rec` (`_recorded`)."
     if rec is None:
         return "another process"
     return f"pid {rec[0]} on host {rec[1]}" + " (no longer running: processes it started hold the lock)" * _gone(rec)
@@ -119,10 +119,11 @@ def take_run_lock(folder) -> RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            if _gone(_recorded(path)) and time.monotonic() < deadline:     # a killed holder's workers, about to exit
+            rec = _recorded(path)
+            if _gone(rec) and time.monotonic() < deadline:     # a killed holder's workers, about to exit
                 time.sleep(0.1)
                 continue
-            raise UsageError(f"out_dir: {str(folder)!r} is being trained by {_holder(path)} (its lock {path}): one "
+            raise UsageError(f"out_dir: {str(folder)!r} is being trained by {_holder(rec)} (its lock {path}): one "
                              "trainer per run folder; wait for it to finish, or give another out_dir") from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino

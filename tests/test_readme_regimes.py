@@ -18,6 +18,11 @@ ROWS = {"PowerCLIP-R - CLIP": ("plateau_cpu/T1600", "PowerCLIP-R", "CLIP"),
         "C2LIP (SigLIP) - SigLIP ft": ("sigmoid_cpu/T1600", "C2LIP (SigLIP)", "SigLIP ft")}
 
 
+def _cells(line: str) -> list[str]:
+    "A Markdown table row's cells."
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
 def _readme_rows() -> dict[str, list[str]]:
     "The table's rows by the words after its last colon: [seeds, Δ HN mean, Δ i2t R@1, Δ t2i R@1, verdict]."
     text = (ROOT / "README.md").read_text()
@@ -27,7 +32,7 @@ def _readme_rows() -> dict[str, list[str]]:
     for line in text[text.index(head):].splitlines()[2:]:
         if not line.startswith("|"):
             break
-        cells = [c.strip() for c in line.strip("|").split("|")]
+        cells = _cells(line)
         rows[cells[0].rsplit(": ", 1)[-1]] = cells[1:]
     return rows
 
@@ -43,7 +48,7 @@ def test_row_is_the_committed_table(label):
         pytest.fail(f"{folder}/summary.json is not committed")
     table = pairs_table(load_comparison(RESULTS / folder), ((row, control),))
     line = next(l for l in table.splitlines() if l.startswith(f"| {row} | {control} |"))
-    seeds, hn, i2t, t2i = [c.strip() for c in line.strip("|").split("|")][2:6]
+    seeds, hn, i2t, t2i = _cells(line)[2:6]
     readme = _readme_rows()[label]
     assert readme[0].split(",")[0] == seeds, (label, readme[0], seeds)
     assert readme[1:4] == [hn, i2t, t2i], (label, readme[1:4], [hn, i2t, t2i])

@@ -127,8 +127,8 @@ def _recorded(path: Path) -> tuple[str, str] | None:
     return pid, host
 
 
-def _holder(path: Path) -> str:
-    rec = _recorded(path)
+def _holder(rec: tuple[str, str] | None) -> str:
+    "Who holds a lock, from its record `rec` (`_recorded`)."
     if rec is None:
         return "another process"
     return f"pid {rec[0]} on host {rec[1]}" + " (no longer running: processes it started hold the lock)" * _gone(rec)
@@ -166,10 +166,11 @@ def take_run_lock(folder) -> RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            if _gone(_recorded(path)) and time.monotonic() < deadline:     # a killed holder's workers, about to exit
+            rec = _recorded(path)
+            if _gone(rec) and time.monotonic() < deadline:     # a killed holder's workers, about to exit
                 time.sleep(0.1)
                 continue
-            raise UsageError(f"out_dir: {str(folder)!r} is being trained by {_holder(path)} (its lock {path}): one "
+            raise UsageError(f"out_dir: {str(folder)!r} is being trained by {_holder(rec)} (its lock {path}): one "
                              "trainer per run folder; wait for it to finish, or give another out_dir") from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -237,7 +238,7 @@ with tempfile.TemporaryDirectory() as d:
                                 "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
                                 str(_run / LOCK_NAME)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     test_eq(_worker.stdout.readline().strip(), "held")              # it holds the lock until its stdin closes
-    assert _gone(_recorded(_run / LOCK_NAME)) and "no longer running" in _holder(_run / LOCK_NAME)
+    assert _gone(_recorded(_run / LOCK_NAME)) and "no longer running" in _holder(_recorded(_run / LOCK_NAME))
     _told = threading.Event()
 
     def _let_go():

@@ -889,19 +889,17 @@ for _quote in ("| C2LIP (SigLIP) | SigLIP ft | 6 | -1.2 [-1.9, -0.4] | -11.0 [-1
 _sg_mean = lambda r, m: np.mean([_sgk.per_seed[s][r][m] for s in _sgk.meta["seeds"]])
 test_eq([f"{_sg_mean(r, 'pointing'):.1f}" for r in ("SigLIP", "untrained")], ["23.9", "21.5"])
 _pl_all = load_comparison(_root / "benchmarks" / "results" / "plateau_cpu" / "T1600")
-_pair_sd = lambda c, a, b, m: np.std([c.per_seed[s][a][m] - c.per_seed[s][b][m] for s in c.per_seed
-                                      if a in c.per_seed[s] and b in c.per_seed[s]], ddof=1)
+from powerclip.stats import paired_seeds
+_by_seed = lambda c, n, m: {s: r[n][m] for s, r in c.per_seed.items() if n in r}        # {seed: row n's number m}
+_pair_sd = lambda c, a, b, m: np.std(paired_seeds(_by_seed(c, a, m), _by_seed(c, b, m))[1], ddof=1)
 _sd_pairs = ((_sgk, "PowerCLIP-R (SigLIP)", "SigLIP"), (_pl_all, "PowerCLIP-R", "CLIP"))
 test_eq([f"{_pair_sd(c, a, b, m):.1f}" for c, a, b in _sd_pairs for m in ("i2t_R@1", "t2i_R@1")],
         ["5.1", "4.2", "2.0", "2.1"])
 test_eq([f"{np.mean([r[n]['pointing'] for r in _pl_all.per_seed.values()]):.1f}" for n in ("CLIP", "untrained")],
         ["13.9", "22.2"])
-_sg_curve = {}                            # mean R@1 over the seeds by (row, step), from the committed curves
-with open(_kept_sg / "curves_per_seed.csv") as _f:
-    for _r in csv.DictReader(_f):
-        _sg_curve.setdefault((_r["row"], int(_r["step"])), []).append(float(_r["R@1"]))
-test_eq([f"{np.mean(_sg_curve[k]):.1f}" for k in (("C2LIP (SigLIP)", 1280), ("C2LIP (SigLIP)", 1360),
-                                                  ("C2LIP (SigLIP)", 1600), ("SigLIP ft", 1600))],
+_sg_curve = {(r, int(p["step"])): p["R@1"] for r, pts in _sgk.curves.items() for p in pts}   # means over seeds
+test_eq([f"{_sg_curve[k]:.1f}" for k in (("C2LIP (SigLIP)", 1280), ("C2LIP (SigLIP)", 1360),
+                                         ("C2LIP (SigLIP)", 1600), ("SigLIP ft", 1600))],
         ["68.0", "58.7", "57.6", "69.3"])
 print(_sg_md.split("\n\nSmallest true difference")[0])
 
