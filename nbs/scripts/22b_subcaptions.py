@@ -53,7 +53,10 @@ from fastcore.test import test_eq
 # has ($m > n$), FLAIR draws with replacement (`random.choice` $m$ times, so a sentence may repeat); we take the whole
 # caption instead, so that the $K$ sub-captions of a one-sentence caption (the world's short captions) are that
 # sentence, never "s. s". FLAIR's captions (DreamLIP's, several captioners' sentences concatenated) almost never have
-# fewer than three sentences, so this changes nothing there.
+# fewer than three sentences, so this changes nothing there. The world's long captions have 1, 3 or 6 sentences (one
+# per object, then one per relation: scenes of 1, 2 or 3 objects, about a third each), so it does touch the third of
+# scenes with one object: FLAIR's code would make a third of their $K$ draws ($m \ge 2$, random places) the sentence
+# repeated, ours the sentence. Either is a positive that says nothing new; only its tokens differ.
 #
 # **Randomness.** FLAIR draws from the data workers' global `random` state. Here each sample's draws come from its own
 # generator, seeded by the run seed's `subcaptions` stream, the epoch and the sample id (`22a_seeds`:

@@ -28,6 +28,8 @@ from powerclip.config import OptimConfig
 
 # %%
 #| hide
+from fastcore.test import test_eq
+
 from powerclip.model import create_model
 
 
@@ -36,8 +38,12 @@ from powerclip.model import create_model
 #
 # > AdamW with weight decay on the weight matrices only, and its warm-up and cosine learning-rate schedule.
 #
-# AdamW as in CLIP and open_clip: weight decay on the weight matrices only, none on biases, norm gains,
-# the temperature and the embeddings (positional, class, token). The learning rate rises linearly over
+# AdamW with weight decay on the weight matrices only, none on biases, norm gains, the temperature and the embeddings
+# (positional, class, token). **A choice, not open_clip's rule**: `open_clip_train` exempts tensors under 2-D and names
+# holding `bn`, `ln`, `bias` or `logit_scale`, so it decays the 2-D token and positional embeddings; this repository
+# exempts them too, as timm's ViTs exempt their positional embedding and class token (an embedding is a lookup table,
+# not a map whose scale decay should bound). The choice is the same for every method and every row, so it moves no
+# comparison; the check below names the three tensors where the two rules part. The learning rate rises linearly over
 # `warmup_steps`, then follows a cosine to `min_lr` at the last step.
 #
 # With the peak rate $\eta$ (`lr`), $W$ warm-up steps, $T$ steps in all and $r = $ `min_lr` $/\,\eta$, step $s$
@@ -95,6 +101,10 @@ _opt = make_optimizer(_m, OptimConfig())
 _nd = {n for n, p in _m.named_parameters() if no_decay(n, p)}
 assert {"logit_scale", "positional_embedding", "token_embedding.weight", "visual.class_embedding"} <= _nd
 assert not any(n.endswith("attn.in_proj_weight") or n.endswith("mlp.c_fc.weight") for n in _nd)
+_oc = lambda n, p: p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n   # open_clip_train/main.py
+_oc_nd = {n for n, p in _m.named_parameters() if _oc(n, p)}
+test_eq((sorted(_nd - _oc_nd), _oc_nd - _nd), (["positional_embedding", "token_embedding.weight",
+                                                 "visual.positional_embedding"], set()))   # where the rules part
 print(f"{len(_opt.param_groups[0]['params'])} tensors with weight decay, {len(_nd)} without")
 _f = [lr_factor(s, 100, 10) for s in range(100)]
 assert _f[0] == 0.1 and _f[9] == 1.0 and abs(_f[-1]) < 1e-3 and all(a >= b for a, b in zip(_f[9:], _f[10:]))
