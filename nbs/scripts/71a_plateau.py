@@ -943,11 +943,12 @@ print(_sg_md.split("\n\nSmallest true difference")[0])
 #   $K = 8$ sub-captions per image, as its recipes).
 #
 # **The recipe.** Every row trains in the world's recipe, the `demo` preset's: AdamW at $10^{-3}$, weight decay 0.2,
-# 30 warm-up steps then a cosine, batches of 64. FLAIR's own lr $5 \cdot 10^{-4}$, weight decay 0.5 and 2,000 warm-up
-# steps are its CC3M schedule (ViT-B/16, batch 1,024 for ~30 epochs of ~2,900 steps): 2,000 warm-up steps are more
-# than our whole run, and its lr and weight decay were tuned for that model and schedule, not for ours. Every other
-# row of every table here uses the world's recipe, so FLAIR does too: a difference to SigLIP (long) is then its loss
-# and pooling, not its optimiser.
+# 30 warm-up steps then a cosine, batches of 64, betas (0.9, 0.98), $\epsilon = 10^{-6}$. FLAIR's own lr
+# $5 \cdot 10^{-4}$, weight decay 0.5, $\epsilon = 10^{-8}$ and 2,000 warm-up steps are its CC3M schedule
+# (`src/train_cc3m_slurm.sh`; ViT-B/16, batch 1,024 for ~30 epochs of ~2,900 steps; its 30M-image schedule has weight
+# decay 0.2 and $\epsilon = 10^{-6}$, ours): 2,000 warm-up steps are more than our whole run, and its lr and weight
+# decay were tuned for that model and schedule, not for ours. Every other row of every table here uses the world's
+# recipe, so FLAIR does too: a difference to SigLIP (long) is then its loss and pooling, not its optimiser.
 #
 # **Numbers.** The five headline numbers on the held-out scenes as everywhere (hard negatives and retrieval on the
 # short captions, pointing, region top-1), with paired differences, Holm over each pair's five numbers and detectable
