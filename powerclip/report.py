@@ -135,7 +135,7 @@ def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
     for n, by in stats.items():
         ms = [m for m in metrics if m in by]
         v = {m: metric_verdict(by[m], float(h)) for m, h in zip(ms, holm([by[m]["t"].p for m in ms]))}
-        name = lambda m, x: HEADLINE[m] + (f" ({x.split(' (', 1)[1]}" if x.startswith("suggestive") else "")
+        name = lambda m, x: metrics[m] + (f" ({x.split(' (', 1)[1]}" if x.startswith("suggestive") else "")
         groups = {k: [name(m, x) for m, x in v.items() if x.split(" (")[0] == k]
                   for k in ("better", "worse", "suggestive", "degenerate interval")}
         one = all(by[m]["t"].n < 2 for m in v)

@@ -466,10 +466,12 @@ test_eq((m1['regions']['set'], m1['regions']['classes'], m1['regions']['shape/cl
 test_close(m1['regions']['chance_top1'], 100 / 35, eps=1e-9)
 assert {'pooled_ap50', 'crop_top1', 'chance_ap50', 'shape/chance_ap50'} <= set(m1['regions'])
 test_eq(m1['regions']['vocabulary'], 'all')
-# long-caption retrieval: the retrieval runner on the long captions, one per image
+# long-caption retrieval: the retrieval runner on the long captions, one per image (a scene whose description an
+# earlier one has left out, `61_eval_data`)
 _lr = task_retrieval(ev, load_retrieval(tmp / 'world' / 'retrieval_long.json'))
 test_eq({k: v for k, v in m1['long_retrieval'].items() if k != 'seconds'}, _lr)
-test_eq((_lr['n_images'], _lr['n_texts']), (60, 60))
+_ls = json.loads((tmp / 'world' / 'summary.json').read_text())['retrieval_long']
+test_eq((_lr['n_images'], _lr['n_texts'], _ls['images'] + _ls['skipped_repeated_images']), (_ls['images'],) * 2 + (60,))
 test_fail(lambda: find_data(tmp / 'nowhere', ['long_retrieval']), contains='retrieval_long.json')
 # the vocabulary option reaches the region reader only: OV-COCO's needs COCO's names, which the world does not have
 test_fail(lambda: find_data(tmp / 'world', ['regions'], options=dict(vocabulary='ovcoco')), contains='needs COCO')

@@ -293,7 +293,9 @@ def _long_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, de
     "Long-caption retrieval of the weights in `folder` (every scorer), cached in `folder/<cache stem>_long.json`."
     if not (root / 'retrieval_long.json').is_file():
         return {}     # a folder from before the long captions
-    return _apart(folder, root, dict(key, eval=None, long=1), stamp, cache, lm, device, LONG_TASKS, "long")
+    # long=2: scored on the folder's long captions without repeated texts (`61_eval_data`); a cache of long=1 (every
+    # scene, repeated descriptions tied) is scored again
+    return _apart(folder, root, dict(key, eval=None, long=2), stamp, cache, lm, device, LONG_TASKS, "long")
 
 
 def _apart(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str, tasks: dict, name: str) -> dict:
@@ -348,6 +350,13 @@ _rl = evaluate_folder(_tmp / "untrained_long", _tmp / "wtl", _lw, grounding=6, l
 test_close([_rl[k] for k in (*HEADLINE, *LONG_HEADLINE)], [_r[k] for k in (*HEADLINE, *LONG_HEADLINE)], eps=1e-9)
 _lres = evaluate(_lm_ev, _tmp / "wt", tasks=("long_retrieval",))[0]["long_retrieval"]
 test_eq({k: _r[f"long_{k}"] for k in ("i2t_R@1", "t2i_R@5")}, {k: _lres[k] for k in ("i2t_R@1", "t2i_R@5")})
+# a long cache from before repeated descriptions were left out (key long=1) is scored again, not read
+_lc = _tmp / "untrained" / "eval_long.json"
+_old = json.loads(_lc.read_text())
+_lc.write_text(json.dumps({**_old, "key": {**_old["key"], "long": 1}, "results": {"long_i2t_R@1": -1.0}}))
+test_eq(evaluate_folder(_tmp / "untrained", _tmp / "wt", _wcfg, grounding=6, lm=_lm)["long_i2t_R@1"],
+        _r["long_i2t_R@1"])
+test_eq(json.loads(_lc.read_text())["key"]["long"], 2)
 
 # %% [markdown]
 # Every scratch folder made above lives under one temporary folder, removed here, so running the notebook

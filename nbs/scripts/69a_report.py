@@ -197,7 +197,7 @@ def verdicts(stats: dict, metrics=HEADLINE) -> dict[str, str]:
     for n, by in stats.items():
         ms = [m for m in metrics if m in by]
         v = {m: metric_verdict(by[m], float(h)) for m, h in zip(ms, holm([by[m]["t"].p for m in ms]))}
-        name = lambda m, x: HEADLINE[m] + (f" ({x.split(' (', 1)[1]}" if x.startswith("suggestive") else "")
+        name = lambda m, x: metrics[m] + (f" ({x.split(' (', 1)[1]}" if x.startswith("suggestive") else "")
         groups = {k: [name(m, x) for m, x in v.items() if x.split(" (")[0] == k]
                   for k in ("better", "worse", "suggestive", "degenerate interval")}
         one = all(by[m]["t"].n < 2 for m in v)
@@ -250,6 +250,11 @@ test_close(_hs["i2t_R@1"]["holm"], 3 * _hs["i2t_R@1"]["t"].p, eps=1e-12)
 test_eq((_hs["hn_mean"]["signs"], _hs["t2i_R@1"]["signs"]), (dict(pos=5, neg=0, n=5), dict(pos=3, neg=2, n=5)))
 test_eq(verdicts({"X": _hs}), {"X": "worse: i2t R@1; suggestive: HN mean (+)"})
 test_eq(metric_verdict(_hs["hn_mean"]), "better")                                 # alone (a family of one) it is
+# another family's numbers are named by that family's labels (the long table's long-caption retrieval)
+_lf = {"long_i2t_R@1": "long i2t R@1", "long_t2i_R@1": "long t2i R@1"}
+_fl = {s: {"CLIP": {m: 50.0 for m in _lf}, "X": {"long_i2t_R@1": 60.0 + s % 3, "long_t2i_R@1": 50.0 + (-1) ** s}}
+       for s in range(8)}
+test_eq(verdicts(paired_stats(_fl, metrics=_lf), _lf), {"X": "better: long i2t R@1"})
 
 
 # %% [markdown]

@@ -417,20 +417,23 @@ def _world_scenes(out: Path, cfg: WorldConfig, n_images: int, split: str, captio
                 retrieval_images=len(retrieval), retrieval_captions=sum(len(r['caption']) for r in retrieval),
                 retrieval_dropped_duplicate_captions=dropped_captions, retrieval_skipped_images=skipped_images)
 
-def write_world_long_retrieval(out, cfg: WorldConfig, n_images: int, split: str = 'test') -> int:
+def write_world_long_retrieval(out, cfg: WorldConfig, n_images: int, split: str = 'test') -> dict:
     """`out/retrieval_long.json`: each of the folder's `n_images` scenes with its long caption (`describe_long`, the
-    same scene drawn again from its seed in the long-caption world), its gold tree added to `parses.json`; returns the
-    number of captions (see "Long captions" above)."""
+    same scene drawn again from its seed in the long-caption world), its gold tree added to `parses.json`; a scene
+    whose long caption an earlier scene already has is left out and counted (see "Long captions" above). Returns
+    {'images': scenes written, 'skipped_repeated_images': scenes left out}."""
     out, lcfg = Path(out), replace(cfg, caption='long')
     parses = json.loads((out / 'parses.json').read_text()) if (out / 'parses.json').is_file() else {}
-    items = []
+    items, seen = [], set()
     for i in range(n_images):
         s = generate(lcfg, i, split)
         parses[s['text']] = s['parsed'].to_dict()
-        items.append(dict(image=f'world_{i:06d}.png', caption=[s['text']]))
+        if s['text'] not in seen:
+            seen.add(s['text'])
+            items.append(dict(image=f'world_{i:06d}.png', caption=[s['text']]))
     (out / 'parses.json').write_text(json.dumps(parses, indent=1))
     (out / 'retrieval_long.json').write_text(json.dumps(items, indent=1))
-    return len(items)
+    return dict(images=len(items), skipped_repeated_images=n_images - len(items))
 
 class WorldFolderTaken(FileExistsError):
     "A folder that holds something other than the world asked for: it is not written over."
@@ -463,7 +466,9 @@ def write_world_benchmark(out_dir, n_images: int = 100, cfg: WorldConfig | None 
             if not all(f.is_file() for f in regions):
                 old['regions'] = write_world_regions(out, cfg, n_images, split, captions_per_image)
                 (out / 'summary.json').write_text(json.dumps(old, indent=1))
-            if not (out / 'retrieval_long.json').is_file():       # likewise the long captions (they came later)
+            # likewise the long captions (they came later; a folder from before repeated texts were left out holds
+            # their count alone, and every scene)
+            if not (out / 'retrieval_long.json').is_file() or not isinstance(old.get('retrieval_long'), dict):
                 old['retrieval_long'] = write_world_long_retrieval(out, cfg, n_images, split)
                 (out / 'summary.json').write_text(json.dumps(old, indent=1))
             return old

@@ -158,7 +158,9 @@ def _long_numbers(folder: Path, root: Path, key: dict, stamp, cache: str, lm, de
     "Long-caption retrieval of the weights in `folder` (every scorer), cached in `folder/<cache stem>_long.json`."
     if not (root / 'retrieval_long.json').is_file():
         return {}     # a folder from before the long captions
-    return _apart(folder, root, dict(key, eval=None, long=1), stamp, cache, lm, device, LONG_TASKS, "long")
+    # long=2: scored on the folder's long captions without repeated texts (`61_eval_data`); a cache of long=1 (every
+    # scene, repeated descriptions tied) is scored again
+    return _apart(folder, root, dict(key, eval=None, long=2), stamp, cache, lm, device, LONG_TASKS, "long")
 
 
 def _apart(folder: Path, root: Path, key: dict, stamp, cache: str, lm, device: str, tasks: dict, name: str) -> dict:
