@@ -297,6 +297,7 @@ CMDS = [
     ([sys.executable, "data_prep/annotate_shards.py", "{tmp}/nope.tar", "--out", "{tmp}/out"], "shards"),
     ([sys.executable, "benchmarks/train_step_ratio.py", "--methods", "nope"], "--methods"),
     ([sys.executable, "benchmarks/world_throughput.py", "--n", "0"], "--n"),
+    ([sys.executable, "benchmarks/sigmoid_temperatures.py", "{tmp}"], "no seed folders"),
 ]
 
 

@@ -758,7 +758,10 @@ test_fail(lambda: create_model('powerclip-tiny', pool='mean'), contains='pool: m
 # SigLIP's full MAP head (big_vision's `MAPHead`: the same attention followed by a LayerNorm and a residual MLP)
 # because it is what open_clip builds natively: the weights load in plain open_clip from its model config, no timm tower
 # and no module of our own, and `encode_image` (what the evaluator calls) runs the head the model trained. The price is
-# the MLP: SigLIP's head has one more block after the attention, ours a LayerNorm and the projection. The text tower
+# the MLP: SigLIP's head has one more block after the attention, ours a LayerNorm and the projection. A second
+# difference comes with open_clip's tower: it keeps its class token, and the pooler attends over it with the patches
+# (SigLIP's ViT has no class token, so its MAP head sees patches alone); the class token is then one more key the
+# query may use, learned like the rest, and the tower's other outputs are unchanged. The text tower
 # stays CLIP's (BPE tokenizer, EOT pooling, causal mask): SigLIP's SentencePiece tokenizer is not available offline,
 # so released SigLIP weights do not load here; the model is SigLIP's in its loss, its $t$ and $b$ and its image head.
 #

@@ -69,6 +69,13 @@ from torch.testing import assert_close
 # grow with the patches' norms: fine-tuning the demo's CLIP checkpoint (below) starts at $\mathcal L_{xac}\approx 3000$,
 # which at $\lambda_{xac}=0.01$ is most of the loss. Concepts are passed padded, $(C, K, D)$ with a validity mask
 # $(C, K)$. The sum over concepts is not averaged, so the loss grows with the number of concepts per batch.
+# Labels are by membership, as Eq. 5 reads and as the authors' code sets them (by each concept's caption index, not its
+# text): a concept of another caption with the same words is a negative of image $i$ even when $i$'s own caption has
+# it. On web captions that is rare; on the world's small vocabulary it is common (in the sigmoid table's batches an
+# image has about as many such identical negatives as positives), and CLIP's causal text tower embeds a phrase that
+# opens its caption identically wherever it appears, so one vector is then labelled $+1$ and $-1$ for one image. Kept:
+# the method as defined, and its cost is a small irreducible part of the loss beside the unsatisfied positives
+# (`71a_plateau`, the sigmoid table's qualifier).
 #
 # **Normalisation of npc and xac** (`npc_norm`). The paper divides by the batch size, $1/|B|$ (Eqs. 5, 7:
 # `'batch'`, the default); the authors' code (SamsungLabs/concept_centric_clip, `src/open_clip/loss.py`, `C2LIP_Loss`)

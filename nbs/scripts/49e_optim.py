@@ -39,11 +39,12 @@ from powerclip.model import create_model
 # > AdamW with weight decay on the weight matrices only, and its warm-up and cosine learning-rate schedule.
 #
 # AdamW with weight decay on the weight matrices only, none on biases, norm gains, the temperature and the embeddings
-# (positional, class, token). **A choice, not open_clip's rule**: `open_clip_train` exempts tensors under 2-D and names
-# holding `bn`, `ln`, `bias` or `logit_scale`, so it decays the 2-D token and positional embeddings; this repository
-# exempts them too, as timm's ViTs exempt their positional embedding and class token (an embedding is a lookup table,
-# not a map whose scale decay should bound). The choice is the same for every method and every row, so it moves no
-# comparison; the check below names the three tensors where the two rules part. The learning rate rises linearly over
+# (positional, class, token). **A choice between open_clip's two rules**: `open_clip_train`'s AdamW exempts tensors
+# under 2-D and names holding `bn`, `ln`, `bias` or `logit_scale`, so it decays the 2-D token and positional
+# embeddings; open_clip's models declare the positional embeddings and the class token exempt (`no_weight_decay()`, what
+# its timm-optimizer path reads), as timm's ViTs do. We exempt those, and the token embedding too (an embedding is a
+# lookup table, not a map whose scale decay should bound). The choice is the same for every method and every row, so it
+# moves no comparison; the check below names where it parts from each rule. The learning rate rises linearly over
 # `warmup_steps`, then follows a cosine to `min_lr` at the last step.
 #
 # With the peak rate $\eta$ (`lr`), $W$ warm-up steps, $T$ steps in all and $r = $ `min_lr` $/\,\eta$, step $s$
@@ -105,6 +106,7 @@ _oc = lambda n, p: p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit
 _oc_nd = {n for n, p in _m.named_parameters() if _oc(n, p)}
 test_eq((sorted(_nd - _oc_nd), _oc_nd - _nd), (["positional_embedding", "token_embedding.weight",
                                                  "visual.positional_embedding"], set()))   # where the rules part
+test_eq(_nd - _oc_nd - _m.no_weight_decay(), {"token_embedding.weight"})                  # and from the model's own
 print(f"{len(_opt.param_groups[0]['params'])} tensors with weight decay, {len(_nd)} without")
 _f = [lr_factor(s, 100, 10) for s in range(100)]
 assert _f[0] == 0.1 and _f[9] == 1.0 and abs(_f[-1]) < 1e-3 and all(a >= b for a, b in zip(_f[9:], _f[10:]))
