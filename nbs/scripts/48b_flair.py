@@ -337,6 +337,11 @@ class FLAIR(StepClock, Method):
 # $K = 4$; building a batch costs 0.07 s (CLIP), 0.14 s (FLAIR, $K = 8$: 512 sub-captions tokenised) and 0.13 s
 # (PowerCLIP's trees and boxes). $K$ stays FLAIR's 8: a 1,600-step run is then about 1.4 CPU hours against CLIP's
 # 0.36, affordable for 8 seeds (about 20 CPU hours for CLIP, a sigmoid control, FLAIR and PowerCLIP-R together).
+# Measured again with the trainer's whole step on the idle CPU (two threads, training paused; `python
+# benchmarks/train_step_ratio.py --methods clip siglip flair powerclip:masks=random --set data.world.caption=long
+# model.name=powerclip-demo-long --rounds 3 --tag demo_long_cpu`, medians of 3 alternating rounds): FLAIR's step is
+# 5.1x CLIP's (1.23 s against 0.24), SigLIP's 1.02x, PowerCLIP-R's 1.21x; FLAIR's peak memory 880 MiB against CLIP's
+# 54 (the CPU's peaks move by tens of MiB between rounds; this gap does not).
 
 # %% [markdown]
 # ## Scoring at evaluation

@@ -984,7 +984,8 @@ print(_sg_md.split("\n\nSmallest true difference")[0])
 # **Cost.** A FLAIR step encodes $K = 8$ texts per image and pools every image once per text: measured at 4.1x CLIP's
 # step on the CPU (`48b_flair`: 3.03 against 0.73-0.75 CPU s at batch 64), so ~1.4 CPU hours per seed at 1,600 steps
 # against CLIP's 0.36 (SigLIP and PowerCLIP-R as CLIP); the four rows over 8 seeds are ~20 CPU hours, the evaluations
-# besides. Not launched here.
+# besides. On the idle CPU with the trainer's whole step, FLAIR's is 5.1x CLIP's, SigLIP's 1.02x, PowerCLIP-R's 1.21x
+# (`benchmarks/results/train_step_ratio_demo_long_cpu.md`, `48b_flair`).
 
 # %%
 #| export
@@ -1036,6 +1037,10 @@ _fake = {s: {"SigLIP (long)": {m: 40.0 for m in LONG_HEADLINE},
              "FLAIR (long)": {"long_i2t_R@1": 50.0 + s % 3, "long_t2i_R@1": 40.0 + (-1) ** s}} for s in range(8)}
 _fmd = pairs_table(types.SimpleNamespace(per_seed=_fake), LONG_PAIRS[:1], metrics=LONG_HEADLINE)
 assert "| FLAIR (long) | SigLIP (long) | 8 | +10.9 [+10.2, +11.6] | +0.0 [-0.9, +0.9] | better: long i2t R@1 |" in _fmd
+# the long rows' steps measured apart on the idle CPU (quoted under "Cost" above)
+_long_idle = json.loads((_root / "benchmarks" / "results" / "train_step_ratio_demo_long_cpu.json").read_text())
+test_eq([f"{_long_idle['summary'][m]['time_ratio']:.2f}" for m in ("flair", "siglip", "powerclip:masks=random")],
+        ["5.09", "1.02", "1.21"])
 
 # %% [markdown]
 # ## PowerCLIP as a fine-tune: the fine-tune table (`finetune`)
