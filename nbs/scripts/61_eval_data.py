@@ -414,9 +414,9 @@ test_fail(lambda: load_retrieval(_bd / 'broken.json'), contains='broken.json: no
 #   long-caption retrieval task (`64_eval_tasks`); written for every world, short or long, since the scenes are the
 #   same (a folder written before it gets it, as the regions below). As in `retrieval.json`, every text belongs to
 #   one image: a scene whose description an earlier scene already has is left out and counted (one-object scenes of
-#   the same size, colour and shape read alike: 45 of the 300 test scenes of the long table). Kept, two scenes with
-#   one text tie exactly under every model, and a tie counts as a miss (`60_eval_metrics`), so those scenes would
-#   score 0 i2t R@1 for a perfect model (its long R@1 76 %, not 100 %). In a long-caption world the hard negatives keep
+#   the same size, colour and shape read alike: 45 of the 300 test scenes of the long table). Were both kept, two
+#   scenes with one text would tie exactly under every model, and a tie counts as a miss (`60_eval_metrics`), so such
+#   scenes would score 0 i2t R@1 even for a perfect model (its long R@1 76 % there, not 100 %). In a long-caption world the hard negatives keep
 #   the short caption as their positive, the one they edit, so their items are those of the short world;
 # - `scenes.json`, per file name its `index`, scene, gold tree and gold patch masks, and `parses.json`, the gold tree
 #   of every caption and negative;

@@ -864,9 +864,9 @@ test_fail(lambda: sigmoid(10, [0], _sg_root, rows=["SigLIP", "CLIP"], **_kw), co
 #   its first 80 steps and stays (58.2 at step 320) while SigLIP ft ends at 69.9. So the base model was not what cost
 #   C2LIP its points: on the SigLIP model its paper fine-tunes, with that model's own $t$ and $b$, its loss costs a
 #   third less and still loses where its paper gains: `003`'s Table 2 reports C2LIP above its own SigLIP fine-tuned on
-#   CC3M on SugarCrepe (Add 94.2 against 87.9) and on retrieval (MSCOCO 82.7 against 80.3). At this scale, on this SigLIP
-#   (next point), **its claim does not reproduce**. The anatomy above (npc off recovers what C2LIP from CLIP loses) names the term to look at; it
-#   was measured from CLIP, not repeated on SigLIP.
+#   CC3M on SugarCrepe (Add 94.2 against 87.9) and on retrieval (MSCOCO 82.7 against 80.3). At this scale, on this
+#   SigLIP (next point), **its claim does not reproduce**. The anatomy above (npc off recovers what C2LIP from CLIP
+#   loses) names the term to look at; it was measured from CLIP, not repeated on SigLIP.
 # - **One qualifier: the SigLIP here has not grown its temperature.** In 1,280 steps of the world's recipe SigLIP's $t$
 #   moves from 10 to 11.5-11.8 (all eight seeds; $b$ -10.2), and C2LIP's lr of $10^{-5}$ leaves it there; a released
 #   SigLIP ends near $t = 112$ (open_clip issue 746, SO400M/14). Here the largest logit any pair can reach is $t + b$,
