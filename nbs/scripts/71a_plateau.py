@@ -836,7 +836,10 @@ test_fail(lambda: sigmoid(10, [0], _sg_root, rows=["SigLIP", "CLIP"], **_kw), co
 # threads=1 progress=false` and the same with seeds 1 3 5 7 into `runs/sigmoid_b`, two processes from a frozen
 # worktree of commit c0baf18, and read with `--seeds 1 3 5 7 --out runs/sigmoid_b --merge runs/sigmoid_a/T1600` (after
 # `--seeds 0 2 4 6 --out runs/sigmoid_a`), which reused every run; the tables are in
-# `benchmarks/results/sigmoid_cpu/T1600/` and the cell below reads them. The table was looked at with two, four and six
+# `benchmarks/results/sigmoid_cpu/T1600/` and the cell below reads them. They were read once more by the code that
+# leaves repeated long captions out of long-caption retrieval (`61_eval_data`; the same commands from the worktree with
+# `PYTHONSAFEPATH=1 PYTHONPATH=<this checkout>`), which re-scored the long-caption numbers `summary.json` carries
+# beside the table and changed nothing of the five. The table was looked at with two, four and six
 # seeds (form and progress); at six, C2LIP (SigLIP)'s HN mean read worse (-1.2 [-1.9, -0.4], Holm 0.030) and is not
 # shown at eight, and PowerCLIP-R (SigLIP)'s pointing was not yet suggestive (+12.3 [-0.3, +25.0]); the verdicts on
 # retrieval were the same at every look from four. A reading at whichever look first shows a difference is a looser
