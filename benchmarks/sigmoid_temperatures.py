@@ -38,10 +38,11 @@ def seed_facts(seed_dir: Path) -> dict:
     if missing := [str(p) for p in need if not p.is_file()]:
         raise UsageError(f"{seed_dir}: not a finished seed of the sigmoid table ({', '.join(missing)} missing)")
     start = int(yaml.safe_load(need[0].read_text())["start_batch"])
+    snapshot = seed_dir / f"SigLIP/snapshots/step{start}/model.pt"
     rows = read_metrics(c2 / "metrics.csv")
-    if not rows or not (seed_dir / f"SigLIP/snapshots/step{start}/model.pt").is_file():
+    if not rows or not snapshot.is_file():
         raise UsageError(f"{seed_dir}: C2LIP (SigLIP) logged no rows or SigLIP's snapshot at step {start} is gone")
-    return dict(snapshot_step=start, siglip_at_snapshot=_t_b(seed_dir / f"SigLIP/snapshots/step{start}/model.pt"),
+    return dict(snapshot_step=start, siglip_at_snapshot=_t_b(snapshot),
                 siglip_final=_t_b(seed_dir / "SigLIP" / "model.pt"),
                 c2lip_first={k: rows[0][k] for k in ("step", *TERMS)},
                 c2lip_last={k: rows[-1][k] for k in ("step", *TERMS)})
